@@ -124,6 +124,7 @@ class LoggerConfig:
     entity: Optional[str] = None
     mode: str = "offline"  # online | offline | disabled
     num_samples: int = 2  # generated samples logged at eval steps (wandb) and at the end
+    sample_prompt: str = "ROMEO:"
 
 
 @dataclass
@@ -170,21 +171,21 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"  # auto | cpu | cuda
-    prompt: Optional[str] = None  # difflm-generate only: the text to continue
+
+
+@dataclass
+class GenerateRunConfig:
+    """Command line of ``difflm-generate``: the model, tokenizer and objective come from ``run.dir``."""
+
+    run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
+    prompt: str = ""
+    step: Optional[int] = None  # checkpoint step; default the latest
+    gen: GenerateConfig = field(default_factory=GenerateConfig)
+    device: str = "auto"
 
 
 def register_schema() -> None:
-    """Register :class:`RunConfig` as ``run_schema`` and each group's schema as ``<group>/schema``."""
+    """Register :class:`RunConfig` as ``run_schema`` and :class:`GenerateRunConfig` as ``generate_schema``."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    for group, node in [
-        ("model", ModelConfig),
-        ("parallel", ParallelConfig),
-        ("precision", PrecisionConfig),
-        ("data", DataConfig),
-        ("objective", ObjectiveConfig),
-        ("optim", OptimConfig),
-        ("schedule", ScheduleConfig),
-        ("logger", LoggerConfig),
-    ]:
-        cs.store(group=group, name="schema", node=node)
+    cs.store(name="generate_schema", node=GenerateRunConfig)

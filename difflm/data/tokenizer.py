@@ -1,0 +1,81 @@
+"""Tokenizer loading: a Hugging Face tokenizer plus the ids the model needs (EOS, MASK, padded vocab)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from difflm.errors import DifflmError
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A loaded tokenizer and the special ids derived from it.
+
+    Attributes:
+        tokenizer: the ``transformers`` tokenizer.
+        eos_id: ``tokenizer.eos_token_id`` (appended after every document).
+        mask_id: ``tokenizer.mask_token_id`` if set, else ``len(tokenizer)`` (first free id, as MegaDLMs).
+        padded_vocab_size: smallest multiple of ``vocab_multiple`` holding every id incl. ``mask_id``.
+    """
+
+    tokenizer: Any
+    eos_id: int
+    mask_id: int
+    padded_vocab_size: int
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Decode token ids (list, np.ndarray or torch tensor, 1-D) to text.
+
+        Mask ids and padding ids (>= len(tokenizer)) are skipped, since the tokenizer cannot
+        decode them; whitespace is not "cleaned up", so decode(encode(text)) == text.
+        """
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        n = len(self.tokenizer)
+        kept = [int(i) for i in ids if int(i) != self.mask_id and 0 <= int(i) < n]
+        return self.tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+
+
+def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerInfo:
+    """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
+
+    Local directories and ``HF_HUB_OFFLINE=1`` load with ``local_files_only=True``.
+
+    Raises:
+        DifflmError: the tokenizer cannot be loaded, has no EOS token, or vocab_multiple < 1.
+    """
+    from transformers import AutoTokenizer
+
+    if vocab_multiple < 1:
+        raise DifflmError(f"vocab_multiple={vocab_multiple} must be >= 1")
+    path = os.path.expanduser(name_or_path)
+    if _looks_like_path(name_or_path) and not os.path.isdir(path):
+        raise DifflmError(
+            f"data.tokenizer={name_or_path!r} is not a directory: give a local directory with tokenizer.json or a hub name"
+        )
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+    local = os.path.isdir(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path if local else name_or_path, local_files_only=local or offline)
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one user-facing line
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        hint = "set HF_HUB_OFFLINE=0 or download it to a local directory" if offline and not local else "check the name/files"
+        raise DifflmError(
+            f"data.tokenizer={name_or_path!r} could not be loaded ({reason}): give a local directory with "
+            f"tokenizer.json or a hub name; {'offline: ' if offline else ''}{hint}"
+        ) from None
+    if tok.eos_token_id is None:
+        raise DifflmError(
+            f"data.tokenizer={name_or_path!r} has no eos token: use a tokenizer that defines eos_token "
+            "(documents are separated by EOS)"
+        )
+    n = len(tok)
+    mask_id = tok.mask_token_id if tok.mask_token_id is not None else n
+    needed = max(n, mask_id + 1)
+    padded = -(-needed // vocab_multiple) * vocab_multiple
+    return TokenizerInfo(tokenizer=tok, eos_id=int(tok.eos_token_id), mask_id=int(mask_id), padded_vocab_size=int(padded))

@@ -1,0 +1,140 @@
+"""Llama-style transformer, bidirectional for masked diffusion (LLaDA) or causal for the AR baseline.
+
+The model only knows its dimensions and attention type; precision, parallel layout and the objective
+are applied from outside. Parameter names follow Transformer Engine (see :mod:`difflm.model.layers`):
+
+    embedding.weight                              [V, d]
+    layers.{i}.attention.qkv.layer_norm_weight    [d]
+    layers.{i}.attention.qkv.weight               [(h + 2 h_kv) * hd, d]  grouped per KV head (below)
+    layers.{i}.attention.q_norm.weight            [hd]   (model.qk_norm)
+    layers.{i}.attention.k_norm.weight            [hd]   (model.qk_norm)
+    layers.{i}.attention.proj.weight              [d, h * hd]
+    layers.{i}.mlp.layer_norm_weight              [d]
+    layers.{i}.mlp.fc1_weight                     [2 f, d]
+    layers.{i}.mlp.fc2_weight                     [d, f]
+    final_norm.weight                             [d]
+    output.weight                                 [V, d]  (absent with model.tie_embeddings)
+
+The fused QKV rows are grouped per KV head as Megatron-LM does: for each of the h_kv groups,
+``h / h_kv`` query heads, then its key head, then its value head. Splitting the rows evenly across
+tensor-parallel ranks therefore gives each rank whole groups.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
+from difflm.model.rope import apply_rope, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE and optional QK-norm, through ``F.scaled_dot_product_attention``.
+
+    Shapes: x [B, S, d] -> [B, S, d]. ``causal`` selects the AR mask; diffusion attends both ways.
+    """
+
+    def __init__(self, cfg, causal: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.causal = causal
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = LayerNormLinear(cfg.hidden_size, qkv_out, cfg.norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        group = self.num_heads // self.num_kv_heads
+        qkv = self.qkv(x).view(b, s, -1, group + 2, self.head_dim)  # [B, S, h_kv, group + 2, hd]
+        q, k, v = qkv.split([group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=group > 1)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg, causal: bool):
+        super().__init__()
+        self.attention = Attention(cfg, causal)
+        self.mlp = LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin)
+        return x + self.mlp(x)
+
+
+class Transformer(nn.Module):
+    """The whole network: embedding, ``num_layers`` blocks, final RMSNorm, LM head.
+
+    Args:
+        cfg: a :class:`difflm.config.schema.ModelConfig` with ``vocab_size`` and ``head_dim`` resolved.
+        causal: True for the AR objective; False (bidirectional) for masked diffusion.
+    """
+
+    def __init__(self, cfg, causal: bool = False):
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, causal) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding.weight if self.output is None else self.output.weight
+
+    def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits for ``input_ids`` [B, S] int64.
+
+        Returns [B, S, V] in the compute dtype, or, when ``logits_mask`` [B, S] bool is given, only the
+        selected positions [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only,
+        which saves most of the LM-head FLOPs and memory.
+        """
+        s = input_ids.shape[1]
+        cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, input_ids.device)
+        x = self.embedding(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.final_norm(x)
+        if logits_mask is not None:
+            x = x[logits_mask]
+        return F.linear(x, self.head_weight())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Megatron-style init, independent of device and parallel layout.
+
+        Norm scales are 1; other weights are N(0, init_std^2), with the residual-branch outputs
+        (``attention.proj``, ``mlp.fc2``) scaled by 1/sqrt(2 * num_layers) (Megatron-LM
+        ``scaled_init_method_normal``; GPT-2 paper sec. 2.3). Each tensor is drawn on the CPU from a
+        generator seeded by (seed, crc32(name)), so the values do not depend on the device, on the order
+        modules are built in or on how the model is later sharded. Works after ``to_empty``.
+        """
+        std, scaled = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.num_layers) ** 0.5
+        for name, p in self.named_parameters():
+            if name.endswith("norm_weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * sd)
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Parameter count; with ``exclude_embedding`` the input embedding is left out (PaLM's N for MFU)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.output is not None:
+            n -= self.embedding.weight.numel()
+        return n

@@ -1,0 +1,36 @@
+"""Autoregressive baseline: next-token cross-entropy with causal attention, on the same model."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from difflm.objectives.base import NoisedBatch
+
+
+class ARObjective:
+    """Next-token prediction: position j predicts token j+1; the loss is the mean NLL (nats/token).
+
+    The input keeps the full window (the last position has no target and no loss), so the model sees
+    the same shapes as under ``mdlm``.
+    """
+
+    causal = True
+
+    def __init__(self, cfg, mask_id: int):
+        self.cfg, self.mask_id = cfg, mask_id
+
+    def noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
+              t_sampling: str | None = None) -> NoisedBatch:
+        b, s = tokens.shape
+        targets = torch.roll(tokens, shifts=-1, dims=1)
+        loss_mask = torch.ones(b, s, dtype=torch.bool)
+        loss_mask[:, -1] = False
+        return NoisedBatch(
+            input_ids=tokens,
+            targets=targets,
+            loss_mask=loss_mask,
+            weights=loss_mask.float(),
+            t=torch.zeros(b),
+            num_tokens=torch.full((b,), float(s - 1)),
+        )

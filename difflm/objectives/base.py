@@ -1,0 +1,68 @@
+"""What every objective hands the training loop: a noised batch and a weighted cross-entropy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_generator
+
+
+@dataclass
+class NoisedBatch:
+    """Model input and loss terms of one micro-batch.
+
+    Attributes:
+        input_ids: [B, S] int64, what the model sees (masked tokens replaced by the mask id for mdlm).
+        targets:   [B, S] int64, the clean token to predict at each position.
+        loss_mask: [B, S] bool, positions that carry loss (masked tokens for mdlm, all but the last for ar).
+        weights:   [B, S] float32, per-position loss weight (1/p for mdlm, 1 for ar); 0 off ``loss_mask``.
+        t:         [B] float32 diffusion time per sequence (zeros for ar).
+        num_tokens: [B] float32, the normaliser of each sequence (its length, or L-1 predictions for ar).
+    """
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    weights: torch.Tensor
+    t: torch.Tensor
+    num_tokens: torch.Tensor
+
+    def to(self, device: torch.device) -> "NoisedBatch":
+        return NoisedBatch(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+
+
+def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, global_batch_size: int) -> torch.Tensor:
+    """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
+
+    Args:
+        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order).
+        norm: ``token`` divides by the number of tokens in the global batch (``num_tokens`` summed over it,
+            assuming equal lengths: ``global_batch_size * num_tokens``); ``sequence`` divides each
+            sequence's sum by its own ``num_tokens`` and averages over the global batch. They agree
+            when all sequences have the same length.
+    Returns: a scalar whose sum over the micro-batches of a step is the step's loss.
+    """
+    ce = F.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
+    per_position = torch.zeros_like(batch.weights)
+    per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
+    per_sequence = per_position.sum(dim=1)
+    if norm == "sequence":
+        return (per_sequence / batch.num_tokens).sum() / global_batch_size
+    return per_sequence.sum() / (batch.num_tokens.mean() * global_batch_size)
+
+
+def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) -> int:
+    """Sequence length used at ``step``: ``seq_len``, or with probability ``prob`` a random length.
+
+    LLaDA (Nie et al. 2025, sec. 2.2) trains 1% of batches on a length drawn from U[1, 4096] so the model
+    also sees short inputs. The draw is keyed by (seed, step), so every rank and every resume agrees;
+    the length is rounded down to a multiple of ``multiple`` (at least ``multiple``) so that
+    sequence/context parallel ranks can split it.
+    """
+    gen = keyed_generator(seed, step, STREAM_LENGTH)
+    if prob <= 0 or float(torch.rand((), generator=gen)) >= prob:
+        return seq_len
+    length = int(torch.randint(1, seq_len + 1, (), generator=gen))
+    return max(multiple, length // multiple * multiple)

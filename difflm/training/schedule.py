@@ -1,0 +1,40 @@
+"""Learning-rate schedules as multipliers of ``optim.lr``, applied through ``torch.optim.lr_scheduler.LambdaLR``."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_multiplier(step: int, cfg, max_steps: int) -> float:
+    """LR multiplier at 0-based ``step`` for ``schedule.name``.
+
+    * all: linear warmup over ``warmup_steps`` (multiplier (step + 1) / warmup_steps).
+    * ``constant``: 1 after warmup.
+    * ``cosine``: min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * progress)) / 2 from the end of warmup to
+      ``max_steps`` (Loshchilov & Hutter 2017, SGDR eq. 5, without restarts).
+    * ``wsd``: warmup-stable-decay (Hu et al. 2024, MiniCPM sec. 4): 1 until the last ``decay_fraction``
+      of the steps, then linear down to ``min_lr_ratio``.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.name == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.name == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.name == "wsd":
+        decay_steps = max(1, int(round(cfg.decay_fraction * max_steps)))
+        decay_start = max(warmup, max_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+        return 1.0 - (1.0 - floor) * progress
+    raise ValueError(f"schedule.name={cfg.name!r} is not one of cosine, wsd, constant")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR whose state (last_epoch) is checkpointed with the optimizer."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

@@ -1,0 +1,94 @@
+"""Metrics sinks. The trainer builds one metrics dict per logged step and hands it to every sink;
+sinks only format and write, they never compute."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm.auto import tqdm
+
+
+class JsonlSink:
+    """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line)."""
+
+    def __init__(self, run_dir: Path):
+        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+
+    def log_samples(self, step: int, samples: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _fmt(metrics: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for key, fmt in (("loss", "{:.4f}"), ("val_nelbo", "{:.4f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
+                     ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}")):
+        if metrics.get(key) is not None:
+            out[key] = fmt.format(metrics[key])
+    return out
+
+
+class ConsoleSink:
+    """A tqdm progress bar with loss, tokens/s, MFU and memory, plus a line per eval and per sample."""
+
+    def __init__(self, max_steps: int, start_step: int, progress_bar: bool):
+        self.bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                        disable=not progress_bar)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.bar.n = metrics["step"]
+        self.bar.set_postfix(_fmt(metrics), refresh=True)
+        if "val_nelbo" in metrics:
+            self.bar.write(f"step {metrics['step']}: " + " ".join(f"{k}={v}" for k, v in _fmt(metrics).items())
+                           + f" val_ppl_bound={metrics['val_ppl_bound']:.2f}")
+
+    def log_samples(self, step: int, samples: list[str]) -> None:
+        for i, text in enumerate(samples):
+            self.bar.write(f"--- sample {i} at step {step} ---\n{text}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class WandbSink:
+    """Weights & Biases run: the resolved config, every metrics dict, and generated samples as a table.
+
+    ``logger.mode=online`` falls back to ``offline`` (sync later with ``wandb sync``) when no API key is
+    configured (``WANDB_API_KEY`` unset and no ``~/.netrc`` entry), with a note on the console.
+    """
+
+    def __init__(self, cfg, run_dir: Path, config_dict: dict, resume_id: Optional[str]):
+        import wandb
+
+        mode = cfg.mode
+        if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
+            tqdm.write("logger.mode=online but no W&B API key is configured: logging offline "
+                       "(run `wandb login`, then `wandb sync` the run dir's wandb/ folder)")
+            mode = "offline"
+        self.wandb = wandb
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run_dir),
+                              config=config_dict, id=resume_id, resume="allow" if resume_id else None)
+        (run_dir / "wandb_id.txt").write_text(self.run.id)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
+
+    def log_samples(self, step: int, samples: list[str]) -> None:
+        table = self.wandb.Table(columns=["step", "sample"], data=[[step, s] for s in samples])
+        self.run.log({"samples": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _netrc_has_wandb() -> bool:
+    path = Path.home() / ".netrc"
+    return path.exists() and "api.wandb.ai" in path.read_text(errors="ignore")

@@ -1,0 +1,274 @@
+"""Tests for difflm.data: tokenizer, Megatron .bin/.idx, preprocessing cache, windows, sampler."""
+import json
+import os
+import shutil
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from difflm.config.schema import DataConfig
+from difflm.data import (
+    GlobalBatchSampler, IndexedDataset, IndexedDatasetBuilder, PackedWindows, build_datasets,
+    build_tokenizer, build_windows, tokenize_corpus,
+)
+from difflm.errors import DifflmError
+
+REPO = Path(__file__).resolve().parents[1]
+NEOX = REPO / "difflm/assets/tokenizers/gpt-neox-20b"
+SHAKESPEARE = REPO / "difflm/assets/corpora/tinyshakespeare/input.txt"
+SHARED = REPO.parent / "shared" / "data"  # CI puts ../shared beside the clone
+
+DOCS_A = ["First story.\nIt has two lines.", "Second  story, with   spaces\tand tabs.", "Ünïcödé — “quotes” 你好 🙂"]
+DOCS_B = ["A jsonl document.", "Another one\nwith a newline.", "x"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(str(NEOX))
+
+
+def cfg_for(path, **kw):
+    return DataConfig(path=str(path), **kw)
+
+
+def write_sep_txt(path, docs, newline="\n"):
+    # separator lines, plus an empty document that must be skipped
+    text = "\n<|endoftext|>\n".join(docs) + "\n<|endoftext|>\n\n<|endoftext|>\n"
+    with open(path, "w", encoding="utf-8", newline=newline) as f:
+        f.write(text)
+
+
+def write_jsonl(path, docs, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({field: d, "id": 1}) + "\n")
+
+
+def decoded_docs(ds, tok):
+    return [tok.decode(ds[i]) for i in range(len(ds))]
+
+
+# ---------------------------------------------------------------- tokenizer
+def test_neox_tokenizer(tok):
+    assert (tok.eos_id, tok.mask_id, tok.padded_vocab_size) == (0, 50277, 50304)
+    ids = tok.tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    assert ids == [12092, 1533]
+    assert tok.decode([12092, tok.mask_id, 1533]) == "Hello world"
+    assert tok.decode(torch.tensor([12092, 1533])) == "Hello world"
+
+
+def test_gpt2_tokenizer():
+    path = SHARED / "tokenizers" / "gpt2"
+    if not path.is_dir():
+        pytest.skip(f"GPT-2 tokenizer not found at {path} (../shared beside the repo)")
+    t = build_tokenizer(str(path))
+    assert (t.eos_id, t.mask_id, t.padded_vocab_size) == (50256, 50257, 50304)
+    assert build_tokenizer(str(path), vocab_multiple=64).padded_vocab_size == 50304
+    assert build_tokenizer(str(path), vocab_multiple=1).padded_vocab_size == 50258
+
+
+def test_tokenizer_errors(tmp_path, monkeypatch):
+    with pytest.raises(DifflmError, match="data.tokenizer"):
+        build_tokenizer(str(tmp_path / "missing"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DifflmError, match="data.tokenizer=.*HF_HUB_OFFLINE=0"):
+        build_tokenizer("no-such-org/no-such-tokenizer")
+    # same tokenizer with its eos removed
+    d = tmp_path / "noeos"
+    d.mkdir()
+    shutil.copy(NEOX / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(DifflmError, match="data.tokenizer=.*no eos"):
+        build_tokenizer(str(d))
+
+
+# ---------------------------------------------------------------- preprocessing
+def test_roundtrip_txt_jsonl_dir(tmp_path, tok):
+    txt = tmp_path / "a.txt"
+    write_sep_txt(txt, DOCS_A, newline="\r\n")  # CRLF must come back as LF
+    ds = tokenize_corpus(cfg_for(txt), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds, tok) == DOCS_A
+
+    js = tmp_path / "b.jsonl"
+    write_jsonl(js, DOCS_B + [""])  # empty doc skipped
+    ds = tokenize_corpus(cfg_for(js), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds, tok) == DOCS_B
+
+    d = tmp_path / "dir" / "sub"
+    d.mkdir(parents=True)
+    shutil.copy(js, d / "1.jsonl")
+    shutil.copy(txt, tmp_path / "dir" / "0.txt")
+    (tmp_path / "dir" / "ignored.md").write_text("not a corpus file")
+    ds = tokenize_corpus(cfg_for(tmp_path / "dir"), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds, tok) == DOCS_A + DOCS_B  # sorted paths: dir/0.txt < dir/sub/1.jsonl
+    ds_glob = tokenize_corpus(cfg_for(tmp_path / "dir" / "**" / "*.jsonl"), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds_glob, tok) == DOCS_B
+
+    # no separator: the whole file is one document
+    ds = tokenize_corpus(cfg_for(txt, doc_separator=None), tok, str(tmp_path / "c"))
+    assert len(ds) == 1 and "<|endoftext|>" in tok.decode(ds[0])
+
+
+def test_roundtrip_hf_saved_dataset(tmp_path, tok):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": DOCS_B + [""]}).save_to_disk(str(tmp_path / "hf"))
+    cfg = DataConfig(hf_dataset=str(tmp_path / "hf"), text_field="body")
+    assert decoded_docs(tokenize_corpus(cfg, tok, str(tmp_path / "c")), tok) == DOCS_B
+    with pytest.raises(DifflmError, match="data.text_field='text'.*body"):
+        tokenize_corpus(replace(cfg, text_field="text"), tok, str(tmp_path / "c"))
+
+
+def test_real_corpora_snippets(tmp_path, tok):
+    ts = SHARED / "corpora" / "tinystories" / "tinystories_sample.txt"
+    gsm = SHARED / "corpora" / "gsm8k" / "test.jsonl"
+    if not (ts.is_file() and gsm.is_file()):
+        pytest.skip(f"shared corpora not found under {SHARED}")
+    lines = ts.read_text(encoding="utf-8").splitlines(keepends=True)[:60]
+    (tmp_path / "ts.txt").write_text("".join(lines), encoding="utf-8")
+    expected = [d.strip() for d in "".join(lines).split("<|endoftext|>\n") if d.strip()]
+    ds = tokenize_corpus(cfg_for(tmp_path / "ts.txt"), tok, str(tmp_path / "c"))
+    assert len(ds) > 2 and decoded_docs(ds, tok) == expected
+    recs = [json.loads(x) for x in gsm.read_text(encoding="utf-8").splitlines()[:5]]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    ds = tokenize_corpus(cfg_for(tmp_path / "g.jsonl", text_field="question"), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds, tok) == [r["question"].strip() for r in recs]
+    with pytest.raises(DifflmError, match=r"data.text_field='text'.*\['answer', 'question'\]"):
+        tokenize_corpus(cfg_for(tmp_path / "g.jsonl"), tok, str(tmp_path / "c"))
+
+
+def test_megatron_header_layout(tmp_path):
+    docs = [[1, 2, 3], [4], [65535, 0]]
+    b = IndexedDatasetBuilder(str(tmp_path / "d"), np.uint16)
+    for d in docs:
+        b.add_document(d)
+    b.finalize()
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]  # no temp files left
+    raw = (tmp_path / "d.idx").read_bytes()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", raw[9:34])
+    assert (version, code, n_seq, n_doc) == (1, 8, 3, 4)  # 8 = uint16; Megatron stores len(document_indices)
+    off = 34
+    assert np.frombuffer(raw, np.int32, 3, off).tolist() == [3, 1, 2]
+    assert np.frombuffer(raw, np.int64, 3, off + 12).tolist() == [0, 6, 8]  # byte offsets
+    assert np.frombuffer(raw, np.int64, 4, off + 36).tolist() == [0, 1, 2, 3]
+    assert len(raw) == off + 36 + 32
+    assert np.frombuffer((tmp_path / "d.bin").read_bytes(), np.uint16).tolist() == [1, 2, 3, 4, 65535, 0]
+    ds = IndexedDataset(str(tmp_path / "d"))
+    assert len(ds) == 3 and ds.num_tokens == 6 and [ds[i].tolist() for i in range(3)] == docs
+    with pytest.raises(ValueError):
+        IndexedDatasetBuilder(str(tmp_path / "e"), np.uint16).add_document([70000])
+
+
+def test_cache_reuse_and_rebuild(tmp_path, tok):
+    src = tmp_path / "a.txt"
+    write_sep_txt(src, DOCS_A)
+    cache = tmp_path / "cache"
+    ds1 = tokenize_corpus(cfg_for(src), tok, str(cache))
+    assert ds1.tokens.dtype == np.uint16
+    files = sorted(cache.iterdir())
+    assert [f.suffix for f in files] == [".bin", ".idx"]
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    ds2 = tokenize_corpus(cfg_for(src), tok, str(cache))
+    assert ds2.prefix == ds1.prefix and [f.stat().st_mtime_ns for f in files] == mtimes
+    # a changed text_field/separator gives a new key too
+    assert tokenize_corpus(cfg_for(src, doc_separator=None), tok, str(cache)).prefix != ds1.prefix
+    write_sep_txt(src, DOCS_A + ["A new story."])
+    ds3 = tokenize_corpus(cfg_for(src), tok, str(cache))
+    assert ds3.prefix != ds1.prefix and decoded_docs(ds3, tok) == DOCS_A + ["A new story."]
+
+
+def test_preprocess_errors(tmp_path, tok):
+    c = str(tmp_path / "c")
+    with pytest.raises(DifflmError, match="data.path=.*does not exist"):
+        tokenize_corpus(cfg_for(tmp_path / "nope.txt"), tok, c)
+    with pytest.raises(DifflmError, match="data.path=.*matches nothing"):
+        tokenize_corpus(cfg_for(tmp_path / "*.txt"), tok, c)
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "x.csv").write_text("a,b")
+    with pytest.raises(DifflmError, match="data.path=.*no .txt or .jsonl"):
+        tokenize_corpus(cfg_for(tmp_path / "empty_dir"), tok, c)
+    write_jsonl(tmp_path / "j.jsonl", ["hi"], field="content")
+    with pytest.raises(DifflmError, match=r"data.text_field='text'.*\['content', 'id'\]"):
+        tokenize_corpus(cfg_for(tmp_path / "j.jsonl"), tok, c)
+    (tmp_path / "blank.txt").write_text("\n<|endoftext|>\n  \n")
+    with pytest.raises(DifflmError, match="data.path=.*empty corpus"):
+        tokenize_corpus(cfg_for(tmp_path / "blank.txt"), tok, c)
+
+
+# ---------------------------------------------------------------- windows
+def test_windows_stream_and_split(tmp_path, tok):
+    src = tmp_path / "a.txt"
+    write_sep_txt(src, DOCS_A * 20)
+    ds = tokenize_corpus(cfg_for(src), tok, str(tmp_path / "c"))
+    expected = np.concatenate([np.append(np.asarray(ds[i], np.int64), tok.eos_id) for i in range(len(ds))])
+    L = 16
+    train, valid = build_windows(ds, tok.eos_id, L, 0.1)
+    n = len(expected) // L
+    assert len(valid) == round(0.1 * n) and len(train) == n - len(valid)
+    got = torch.cat([train.get(range(len(train))), valid.get(range(len(valid)))]).reshape(-1)
+    assert got.dtype == torch.int64 and got.tolist() == expected[: n * L].tolist()
+    assert train.get([0, 2]).shape == (2, L)
+    # valid = the last windows, disjoint from train
+    assert torch.equal(valid.get([len(valid) - 1]).reshape(-1), torch.from_numpy(expected[(n - 1) * L : n * L]))
+    assert len(build_windows(ds, tok.eos_id, L, 0.0)[1]) == 0
+    assert len(build_windows(ds, tok.eos_id, L, 1e-6)[1]) == 1
+    with pytest.raises(IndexError):
+        train.get([len(train)])
+    pw = PackedWindows(np.arange(10), 3)
+    assert len(pw) == 3 and pw.get([2]).tolist() == [[6, 7, 8]]
+
+
+def test_window_errors(tmp_path, tok):
+    src = tmp_path / "a.txt"
+    write_sep_txt(src, DOCS_A)
+    ds = tokenize_corpus(cfg_for(src), tok, str(tmp_path / "c"))
+    for bad in (1.0, -0.1):
+        with pytest.raises(DifflmError, match="data.valid_fraction"):
+            build_windows(ds, tok.eos_id, 8, bad)
+    with pytest.raises(DifflmError, match=r"data.seq_len=100000.*corpus of \d+ tokens"):
+        build_windows(ds, tok.eos_id, 100000, 0.05)
+    total = ds.num_tokens + len(ds)
+    with pytest.raises(DifflmError, match="data.seq_len"):  # exactly 2 windows, 0.9 -> no train left
+        build_windows(ds, tok.eos_id, total // 2, 0.9)
+    with pytest.raises(DifflmError, match="data.valid_fraction"):
+        build_datasets(cfg_for(src, valid_fraction=1.5), tok, str(tmp_path / "c"))
+
+
+def test_build_datasets_default_corpus(tmp_path, tok):
+    train, valid = build_datasets(cfg_for(SHAKESPEARE, seq_len=128), tok, str(tmp_path / "c"))
+    assert len(train) > 1000 and len(valid) >= 1
+    assert tok.decode(train.get([0])[0]).startswith("First Citizen:\nBefore we proceed")
+
+
+# ---------------------------------------------------------------- sampler
+def test_sampler_deterministic_and_epochs():
+    n, gbs = 10, 4
+    s = GlobalBatchSampler(n, gbs, seed=3)
+    seq = np.concatenate([s.indices(step) for step in range(10)])  # 40 samples = 4 epochs
+    for e in range(4):
+        assert sorted(seq[e * n : (e + 1) * n].tolist()) == list(range(n))
+    # a fresh sampler (resume) gives the same indices at any step, in any query order
+    s2 = GlobalBatchSampler(n, gbs, seed=3)
+    for step in (7, 2, 9, 0):
+        np.testing.assert_array_equal(s2.indices(step), s.indices(step))
+    assert s.indices(0).dtype == np.int64 and s.indices(0).shape == (gbs,)
+    assert any(not np.array_equal(GlobalBatchSampler(n, gbs, seed=4).indices(k), s.indices(k)) for k in range(3))
+    big = GlobalBatchSampler(3, 7, seed=0).indices(0)  # a batch spanning several epochs
+    assert sorted(big[:6].tolist()) == [0, 0, 1, 1, 2, 2]
+
+
+def test_sampler_state():
+    s = GlobalBatchSampler(100, 8, seed=1)
+    st = s.state_dict(5)
+    assert st == {"consumed_samples": 40, "num_windows": 100, "seed": 1, "global_batch_size": 8}
+    s.check_state(st)
+    for key, other in (("num_windows", GlobalBatchSampler(99, 8, 1)), ("seed", GlobalBatchSampler(100, 8, 2)),
+                       ("global_batch_size", GlobalBatchSampler(100, 16, 1))):
+        with pytest.raises(DifflmError, match=f"{key} changed since the checkpoint"):
+            other.check_state(st)
+    with pytest.raises(DifflmError):
+        GlobalBatchSampler(0, 8, 1)

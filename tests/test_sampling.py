@@ -1,0 +1,241 @@
+"""Tests for difflm.sampling with tiny fake models (V = 11, mask id 10)."""
+
+import math
+
+import pytest
+import torch
+
+from difflm.sampling import (
+    GenerationConfigError,
+    autoregressive_generate,
+    diffusion_generate,
+    gumbel_argmax,
+    num_transfer_tokens,
+)
+
+V = 11
+MASK = 10
+
+
+class Recorder:
+    """Wraps a logits function and keeps a copy of every input it was called with."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.inputs = []
+
+    def __call__(self, x):
+        self.inputs.append(x.clone())
+        return self.fn(x)
+
+
+def positional(x, rising=True):
+    """Position j prefers token j % 10 with logit j (rising) or -j (falling): confidence
+    rises (falls) with position."""
+    b, s = x.shape
+    logits = torch.zeros(b, s, V)
+    j = torch.arange(s)
+    logits[:, j, j % 10] = j.float() if rising else -j.float()
+    return logits
+
+
+def unmask_steps(rec, out, start):
+    """For each generated position, the index of the call after which it got unmasked."""
+    snaps = rec.inputs[1:] + [out]
+    first = []
+    for pos in range(start, out.shape[1]):
+        first.append(next(i for i, s in enumerate(snaps) if s[0, pos] != MASK))
+    return first
+
+
+def test_num_transfer_tokens_schedule():
+    got = num_transfer_tokens(torch.tensor([7, 3, 2]), 3)
+    assert got.tolist() == [[3, 2, 2], [1, 1, 1], [1, 1, 0]]
+    assert got.dtype == torch.long
+
+
+def test_low_confidence_hand_computed_order():
+    rec = Recorder(positional)
+    prompt = torch.tensor([[4, MASK]])  # a mask id inside the prompt must survive
+    out = diffusion_generate(rec, prompt, mask_id=MASK, length=6, steps=3, block_length=6)
+    assert out.shape == (1, 8) and out.dtype == torch.long
+    assert out[0, :2].tolist() == [4, MASK]  # prompt unchanged
+    assert out[0, 2:].tolist() == [2, 3, 4, 5, 6, 7]
+    assert len(rec.inputs) == 3
+    # confidence rises with position: 2 tokens per step, right to left
+    assert unmask_steps(rec, out, 2) == [2, 2, 1, 1, 0, 0]
+
+
+def test_prompt_dependent_batch_deterministic():
+    def shift(x):  # position j prefers (x[:, 0] + j) % 10, confidence rising with j
+        b, s = x.shape
+        logits = torch.zeros(b, s, V)
+        j = torch.arange(s)
+        for r in range(b):
+            logits[r, j, (x[r, 0] + j) % 10] = 1.0 + j.float()
+        return logits
+
+    prompt = torch.tensor([[1, 0], [5, 0]])
+    a = diffusion_generate(shift, prompt, mask_id=MASK, length=4, steps=4, block_length=2)
+    b = diffusion_generate(shift, prompt, mask_id=MASK, length=4, steps=4, block_length=2)
+    assert torch.equal(a, b)
+    assert a.tolist() == [[1, 0, 3, 4, 5, 6], [5, 0, 7, 8, 9, 0]]
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_tokens_per_step_follow_schedule(remasking):
+    rec = Recorder(positional)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    g = torch.Generator().manual_seed(0)
+    out = diffusion_generate(rec, prompt, mask_id=MASK, length=8, steps=3, block_length=8,
+                             remasking=remasking, generator=g)
+    counts = [(s[:, 3:] == MASK).sum(dim=1).tolist() for s in rec.inputs + [out]]
+    assert counts == [[8, 8], [5, 5], [2, 2], [0, 0]]  # schedule 3, 3, 2
+    assert torch.equal(out[:, :3], prompt)
+
+
+def test_blocks_are_semi_autoregressive():
+    # Confidence rises with position, so without blocks the last positions would go first.
+    rec = Recorder(positional)
+    prompt = torch.tensor([[7]])
+    out = diffusion_generate(rec, prompt, mask_id=MASK, length=9, steps=6, block_length=3)
+    blocks = [(1, 4), (4, 7), (7, 10)]
+    for snap in rec.inputs + [out]:
+        for (s0, e0), (s1, e1) in zip(blocks, blocks[1:]):
+            if (snap[0, s1:e1] != MASK).any():
+                assert not (snap[0, s0:e0] == MASK).any()
+    # 2 steps per block of 3: schedule [2, 1], right to left inside each block
+    assert unmask_steps(rec, out, 1) == [1, 0, 0, 3, 2, 2, 5, 4, 4]
+    assert out[0, 1:].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_random_remasking_seeded():
+    def run(seed):
+        rec = Recorder(positional)
+        g = torch.Generator().manual_seed(seed)
+        out = diffusion_generate(rec, torch.tensor([[0]]), mask_id=MASK, length=12, steps=12,
+                                 block_length=12, remasking="random", generator=g)
+        return out, unmask_steps(rec, out, 1)
+
+    out_a, order_a = run(1)
+    out_b, order_b = run(1)
+    _, order_c = run(2)
+    assert torch.equal(out_a, out_b) and order_a == order_b
+    assert order_a != order_c
+    assert sorted(order_a) == list(range(12))  # one token per step
+    assert (out_a != MASK).all()
+
+
+def test_temperature_sampling_seeded():
+    flat = lambda x: torch.zeros(x.shape[0], x.shape[1], V)  # noqa: E731
+    kw = dict(mask_id=MASK, length=16, steps=8, block_length=8, temperature=1.0, forbid_ids=[MASK])
+
+    def run(seed):
+        return diffusion_generate(flat, torch.tensor([[0, 1]]), generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b, c = run(3), run(3), run(4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert (a != MASK).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_forbid_ids_never_emitted(temperature, remasking):
+    def loves_mask(x):  # prefers the mask id, then token 3, then token 5
+        logits = torch.zeros(x.shape[0], x.shape[1], V)
+        logits[..., MASK] = 10.0
+        logits[..., 3] = 8.0
+        logits[..., 5] = 6.0
+        return logits
+
+    g = torch.Generator().manual_seed(0)
+    out = diffusion_generate(loves_mask, torch.tensor([[1, 2]]), mask_id=MASK, length=8, steps=4,
+                             block_length=4, remasking=remasking, temperature=temperature,
+                             generator=g, forbid_ids=[MASK, 3])
+    gen = out[:, 2:]
+    assert not (gen == MASK).any() and not (gen == 3).any()
+    if temperature == 0:
+        assert (gen == 5).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(length=10, block_length=4, steps=5), "gen.length"),
+        (dict(length=8, block_length=4, steps=1), "gen.steps"),
+        (dict(length=8, block_length=4, steps=3), "gen.steps"),
+        (dict(length=8, block_length=4, steps=10), "gen.steps"),
+        (dict(length=8, block_length=0, steps=4), "gen.block_length"),
+        (dict(length=0, block_length=4, steps=4), "gen.length"),
+        (dict(length=8, block_length=8, steps=4, remasking="top_k"), "gen.remasking"),
+        (dict(length=8, block_length=8, steps=4, temperature=-1.0), "gen.temperature"),
+    ],
+)
+def test_validation_names_key(kwargs, key):
+    with pytest.raises(ValueError, match=key) as err:
+        diffusion_generate(positional, torch.tensor([[1]]), mask_id=MASK, **kwargs)
+    assert isinstance(err.value, GenerationConfigError)
+
+
+def test_bad_logits_shape_and_forbid_ids():
+    with pytest.raises(ValueError, match="logits_fn"):
+        diffusion_generate(lambda x: torch.zeros(1, 3), torch.tensor([[1]]), mask_id=MASK,
+                           length=2, steps=2, block_length=2)
+    with pytest.raises(ValueError, match="forbid_ids"):
+        diffusion_generate(positional, torch.tensor([[1]]), mask_id=MASK, length=2, steps=2,
+                           block_length=2, forbid_ids=[V])
+
+
+def test_gumbel_argmax_matches_softmax():
+    logits = torch.tensor([math.log(0.7), math.log(0.3)]).expand(20000, 2)
+    g = torch.Generator().manual_seed(0)
+    assert gumbel_argmax(logits, 0.0).eq(0).all()
+    freq1 = gumbel_argmax(logits, 1.0, g).eq(0).float().mean().item()
+    assert abs(freq1 - 0.7) < 0.02
+    freq_half = gumbel_argmax(logits, 0.5, g).eq(0).float().mean().item()  # softmax(l / 0.5)
+    assert abs(freq_half - 0.49 / 0.58) < 0.02
+
+
+# ---------------------------------------------------------------- autoregressive
+
+
+def next_token_model(x):
+    """Causal fake: at every position prefers (token + 1) % 10, second choice (token + 2) % 10."""
+    b, s = x.shape
+    logits = torch.zeros(b, s, V)
+    logits.scatter_(2, ((x + 1) % 10).unsqueeze(-1), 5.0)
+    logits.scatter_(2, ((x + 2) % 10).unsqueeze(-1), 3.0)
+    return logits
+
+
+def test_autoregressive_greedy_growing_prefix():
+    rec = Recorder(next_token_model)
+    prompt = torch.tensor([[3, 7], [0, 8]])
+    out = autoregressive_generate(rec, prompt, length=4)
+    assert out.tolist() == [[3, 7, 8, 9, 0, 1], [0, 8, 9, 0, 1, 2]]
+    assert [s.shape[1] for s in rec.inputs] == [2, 3, 4, 5]
+    for t, s in enumerate(rec.inputs):
+        assert torch.equal(s, out[:, : 2 + t])  # each call sees the prefix generated so far
+
+
+def test_autoregressive_forbid_and_seed():
+    prompt = torch.tensor([[3]])
+    out = autoregressive_generate(next_token_model, prompt, length=5, forbid_ids=[4, 6, 8, 0])
+    # greedy with 4, 6, 8, 0 forbidden: each step falls back to the second choice, 1 -> 2 is free
+    assert out.tolist() == [[3, 5, 7, 9, 1, 2]]
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return autoregressive_generate(lambda x: torch.zeros(x.shape[0], x.shape[1], V), prompt,
+                                       length=20, temperature=1.0, generator=g, forbid_ids=[MASK])
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not (a == MASK).any()
+
+
+def test_autoregressive_validation():
+    with pytest.raises(ValueError, match="gen.length"):
+        autoregressive_generate(next_token_model, torch.tensor([[1]]), length=0)
+    with pytest.raises(ValueError, match="gen.temperature"):
+        autoregressive_generate(next_token_model, torch.tensor([[1]]), length=2, temperature=-0.5)
