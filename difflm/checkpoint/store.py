@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difflm.errors import DifflmError
@@ -97,6 +98,15 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
+def _first_cause(exc: BaseException) -> str:
+    """The informative line of a DCP error (it wraps each rank's traceback into one message)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln and ":" in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
@@ -114,9 +124,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP reports missing/mismatched keys as a generic CheckpointException
-        raise DifflmError(f"checkpoint {path} does not match this model ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]}): resume with the same model config it was saved with") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise DifflmError(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
+                          "resume with the model config it was saved with, or use a new run.dir") from exc
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=options)
     return torch.load(path / TRAINER_STATE, weights_only=True)

@@ -24,10 +24,10 @@ class ModelConfig:
 
     name: str = "tiny"
     num_layers: int = 4
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_heads: int = 4
     num_kv_heads: int = 4
-    ffn_hidden_size: int = 768
+    ffn_hidden_size: int = 512
     head_dim: Optional[int] = None  # default hidden_size // num_heads
     vocab_size: Optional[int] = None  # from the tokenizer, padded
     vocab_multiple: int = 128
@@ -38,6 +38,7 @@ class ModelConfig:
     init_std: float = 0.02
     backend: str = "torch"  # torch | te
     attention_backend: str = "sdpa"  # sdpa | te | flash | flex
+    compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
 
 
 @dataclass
@@ -57,7 +58,11 @@ class PrecisionConfig:
     """Numeric precision of the training step (autocast dtype; parameters stay FP32)."""
 
     name: str = "fp32"  # fp32 | bf16 | fp16 | fp8
-    fp8_recipe: str = "delayed"
+    fp8_recipe: str = "delayed"  # delayed | current | block | mxfp8 (see difflm.training.precision)
+    fp8_amax_history_len: int = 1024  # delayed scaling: amax window (TE DelayedScaling default)
+    fp8_weights: bool = False  # keep TE weights only in FP8 (te.quantized_model_init); benchmark only
+    fp8_skip_first_last: bool = False  # run the first and the last block in BF16
+    fp8_attention: bool = False  # FP8 inside te.DotProductAttention (recipe.fp8_dpa); attention_backend=te
 
 
 @dataclass
@@ -130,8 +135,8 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
-    global_batch_size: int = 16
-    micro_batch_size: int = 16
+    global_batch_size: int = 8
+    micro_batch_size: int = 8
     eval_every: int = 100
     eval_batches: int = 8
     eval_mc_samples: int = 4

@@ -14,8 +14,9 @@ from difflm.errors import DifflmError
 
 CHOICES = {
     "model.backend": ("torch", "te"),
-    "model.attention_backend": ("sdpa",),
+    "model.attention_backend": ("sdpa", "te", "flash", "flex"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
+    "precision.fp8_recipe": ("delayed", "current", "block", "mxfp8"),
     "objective.name": ("mdlm", "ar"),
     "objective.t_sampling": ("iid", "antithetic", "stratified"),
     "objective.loss_norm": ("token", "sequence"),
@@ -72,13 +73,40 @@ def check_model(m) -> None:
     if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
                           "pip install 'difflm[te]' on a CUDA machine, or use model.backend=torch")
+    if m.backend == "te" and m.get("compile", False):
+        raise DifflmError("model.compile=true applies to model.backend=torch (TE runs its own fused kernels): "
+                          "set model.compile=false or model.backend=torch")
+
+
+def check_precision(cfg, device: torch.device, training: bool = True) -> None:
+    """What the chosen device can run: precision, FP8 recipe, model and attention backends.
+
+    ``training=False`` (scripts/benchmark.py) also allows ``precision.fp8_weights``, which needs an optimizer
+    with FP32 master weights that the trainer does not build yet.
+    """
+    from difflm.model.attention import attention_unavailable_reason
+    from difflm.training.precision import device_fp8_unsupported_reason
+
+    name, p, m = cfg.precision.name, cfg.precision, cfg.model
     if m.backend == "te":
-        raise DifflmError("model.backend=te is not available in this version of difflm: use model.backend=torch")
-
-
-def check_precision(cfg, device: torch.device) -> None:
-    """What the chosen device can run."""
-    name = cfg.precision.name
+        _require(device.type == "cuda", f"model.backend=te runs Transformer Engine's CUDA kernels and the device is "
+                 f"{device.type}: use device=cuda on an NVIDIA GPU, or model.backend=torch")
+    reason = attention_unavailable_reason(m.attention_backend, device, name)
+    _require(reason is None, reason or "")
+    for key in ("fp8_weights", "fp8_skip_first_last", "fp8_attention"):
+        _require(not p.get(key, False) or name == "fp8",
+                 f"precision.{key}=true needs precision=fp8 (this run is precision={name}): drop the override")
+    if name == "fp8" and device.type == "cuda":
+        reason = device_fp8_unsupported_reason(p.fp8_recipe, device)
+        _require(reason is None, reason or "")
+    if p.get("fp8_attention", False):
+        _require(m.attention_backend == "te", "precision.fp8_attention=true runs FP8 inside te.DotProductAttention: "
+                 "set model.attention_backend=te")
+    if training:
+        _require(not p.get("fp8_weights", False),
+                 "precision.fp8_weights=true keeps TE weights only in FP8 and needs an optimizer with FP32 master "
+                 "weights, which the trainer does not build yet: set precision.fp8_weights=false "
+                 "(scripts/benchmark.py measures it)")
     if name == "fp16":
         _require(device.type == "cuda",
                  "precision=fp16 (with loss scaling) needs a CUDA device: use precision=bf16 or precision=fp32 on CPU")

@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from difflm.model.attention import attend
 from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
 from difflm.model.rope import apply_rope, rope_cos_sin
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, RoPE and optional QK-norm, through ``F.scaled_dot_product_attention``.
+    """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`.
 
     Shapes: x [B, S, d] -> [B, S, d]. ``causal`` selects the AR mask; diffusion attends both ways.
     """
@@ -42,6 +43,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.causal = causal
+        self.attention_backend = getattr(cfg, "attention_backend", "sdpa")  # see difflm.model.attention
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv = LayerNormLinear(cfg.hidden_size, qkv_out, cfg.norm_eps)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -60,7 +62,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=group > 1)
+        out = attend(q, k, v, causal=self.causal, backend=self.attention_backend)  # [B, heads, S, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

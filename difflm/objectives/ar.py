@@ -34,3 +34,8 @@ class ARObjective:
             t=torch.zeros(b),
             num_tokens=torch.full((b,), float(s - 1)),
         )
+
+    def eval_noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], draw: int, num_draws: int,
+                   seed: int) -> NoisedBatch:
+        """The AR loss is exact: every draw is the same next-token batch."""
+        return self.noise(tokens, sample_ids, (seed,), len(sample_ids))

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from difflm.objectives.base import NoisedBatch
-from difflm.objectives.keyed_rng import STREAM_BATCH_T, keyed_generator, keyed_uniform
+from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL, keyed_generator, keyed_uniform
 
 
 def mask_prob(t: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,4 +85,17 @@ class MDLMObjective:
         """Noise ``tokens`` [B, S] (CPU int64). ``key`` is e.g. (seed, STREAM_TRAIN, step)."""
         t = sample_t(sample_ids, key=key, global_batch_size=global_batch_size, mode=t_sampling or self.cfg.t_sampling)
         mask = draw_mask(mask_prob(t, self.cfg.eps), tokens.shape[1], sample_ids, key)
+        return noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps)
+
+    def eval_noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], draw: int, num_draws: int,
+                   seed: int) -> NoisedBatch:
+        """Draw ``draw`` of ``num_draws`` for the NELBO estimate of fixed validation sequences.
+
+        Per sequence i the draws are antithetic: t_{i,d} = (u_i + d / num_draws) mod 1 with u_i keyed by
+        (seed, i), so the K draws stratify [0, 1) and the estimate's variance falls faster than with iid t.
+        Everything is keyed, so every evaluation of a run sees the same noise and curves are comparable.
+        """
+        u = torch.tensor([keyed_uniform(seed, STREAM_EVAL, int(i)) for i in sample_ids], dtype=torch.float64)
+        t = ((u + draw / num_draws) % 1.0).float()
+        mask = draw_mask(mask_prob(t, self.cfg.eps), tokens.shape[1], sample_ids, (seed, STREAM_EVAL, draw))
         return noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps)

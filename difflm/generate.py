@@ -1,0 +1,81 @@
+"""``difflm-generate``: continue a prompt with a trained run's latest (or chosen) checkpoint.
+
+    difflm-generate run.dir=DIR prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32 \
+        gen.remasking=low_confidence gen.temperature=0
+
+Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`);
+``ar`` runs decode left to right.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from difflm.checkpoint.store import find_checkpoint, load_checkpoint
+from difflm.cli import exits_cleanly
+from difflm.config import CONF_DIR, RunConfig
+from difflm.config.validate import check_choices, resolve_device
+from difflm.data import TokenizerInfo, build_tokenizer
+from difflm.errors import DifflmError
+from difflm.model import build_model
+from difflm.sampling import autoregressive_generate, diffusion_generate
+from difflm.training.precision import autocast_context
+
+
+def forbidden_ids(tok: TokenizerInfo, vocab_size: int) -> list[int]:
+    """Ids a sampler must never emit: the mask token and the embedding's padding rows."""
+    return sorted({tok.mask_id, *range(len(tok.tokenizer), vocab_size)})
+
+
+@torch.no_grad()
+def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
+                 precision: str = "fp32") -> torch.Tensor:
+    """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device."""
+    device = prompt_ids.device
+
+    def logits_fn(x: torch.Tensor) -> torch.Tensor:
+        with autocast_context(precision, device):
+            return model(x).float()
+
+    generator = torch.Generator(device=device).manual_seed(gen.seed)
+    forbid = forbidden_ids(tok, model.cfg.vocab_size)
+    if causal:
+        out = autoregressive_generate(logits_fn, prompt_ids, length=gen.length, temperature=gen.temperature,
+                                      generator=generator, forbid_ids=forbid)
+    else:
+        out = diffusion_generate(logits_fn, prompt_ids, mask_id=tok.mask_id, length=gen.length, steps=gen.steps,
+                                 block_length=gen.block_length, remasking=gen.remasking,
+                                 temperature=gen.temperature, generator=generator, forbid_ids=forbid)
+    return out[:, prompt_ids.shape[1]:]
+
+
+def load_run(run_dir: str, step: int | None, device: torch.device):
+    """(run config, model with checkpoint weights in eval mode, tokenizer info) of a trained run."""
+    path = Path(run_dir)
+    if not (path / "config.yaml").exists():
+        raise DifflmError(f"run.dir={run_dir!r} has no config.yaml: point run.dir at a difflm-train output directory")
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
+    _, ckpt = find_checkpoint(path, step)
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+    model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=device, seed=0)
+    load_checkpoint(ckpt, model)
+    return cfg, model.eval(), tok
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
+@exits_cleanly
+def main(args) -> None:
+    check_choices(args, ["gen.remasking", "device"])
+    device = resolve_device(args.device)
+    cfg, model, tok = load_run(args.run.dir, args.step, device)
+    ids = tok.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
+    out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
+                       precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
+    print(args.prompt + tok.decode(out[0].tolist()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Shared fixtures: compose a run config from the packaged conf/ tree, as `difflm-train` would."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import difflm.config
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A model small enough for many CPU steps in a test; the data is the embedded corpus.
+FAST = [
+    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+    "train.eval_batches=2", "train.eval_mc_samples=2", "logger.progress_bar=false", "logger.num_samples=0",
+    "schedule.warmup_steps=2",
+]
+
+
+def compose_run(overrides=(), config_name: str = "train"):
+    """The composed config for ``overrides``, from difflm's own conf/ directory."""
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+@pytest.fixture
+def fast_cfg(tmp_path):
+    def make(*overrides):
+        return compose_run([*FAST, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+    return make
+
+
+def run_cli(*args: str, cwd=None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run a difflm entry point as a user would (``python -m difflm.<module> ...``)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,72 @@
+"""Atomic checkpoints and exact resume: a resumed run reproduces the uninterrupted run bit for bit (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
+from difflm.errors import DifflmError
+from difflm.training.trainer import Trainer
+
+CPU = torch.device("cpu")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
+
+
+def test_resume_is_bit_exact(fast_cfg, tmp_path):
+    common = ["train.max_steps=6", "train.save_every=3", "logger.log_every=1", "train.eval_every=0",
+              "objective.random_length_prob=0.3", "objective.t_sampling=antithetic"]
+    straight = fast_cfg(*common, f"run.dir={tmp_path / 'a'}")
+    Trainer(straight, straight.run.dir, CPU).fit()
+
+    interrupted = fast_cfg(*common, f"run.dir={tmp_path / 'b'}")
+    first = Trainer(interrupted, interrupted.run.dir, CPU)
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    del first
+    resumed = Trainer(fast_cfg(*common, f"run.dir={tmp_path / 'b'}"), tmp_path / "b", CPU)
+    assert resumed.resumed_from == 3
+    resumed.fit()
+
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == [4, 5, 6]
+    assert [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]  # bit-exact
+    straight_again = Trainer(fast_cfg(*common, f"run.dir={tmp_path / 'a'}"), tmp_path / "a", CPU)
+    for (name, p), q in zip(resumed.model.state_dict().items(), straight_again.model.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_checkpoint_is_atomic_and_listed(fast_cfg, tmp_path):
+    cfg = fast_cfg("train.max_steps=2", "train.save_every=1", "train.eval_every=0")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.fit()
+    root = Path(cfg.run.dir) / "checkpoints"
+    assert [s for s, _ in list_checkpoints(cfg.run.dir)] == [1, 2]
+    assert sorted(os.listdir(root / "step_2")) == sorted(["trainer_state.pt", ".metadata", "__0_0.distcp"])
+    # an interrupted save (temporary directory) is never taken for a checkpoint
+    (root / ".step_3.tmp").mkdir()
+    assert latest_checkpoint(cfg.run.dir)[0] == 2
+    state = torch.load(root / "step_2" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["sampler"]["consumed_samples"] == 2 * cfg.train.global_batch_size
+
+
+def test_resume_with_other_model_is_refused(fast_cfg):
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    with pytest.raises(DifflmError, match="does not match this model"):
+        Trainer(fast_cfg("model.hidden_size=32", "train.max_steps=2"), cfg.run.dir, CPU)
+
+
+def test_resume_with_other_batch_is_refused(fast_cfg):
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    with pytest.raises(DifflmError, match="global_batch_size"):
+        Trainer(fast_cfg("train.global_batch_size=8", "train.max_steps=2"), cfg.run.dir, CPU)

@@ -1,0 +1,94 @@
+"""Config composition of every group option, schema errors at compose time, cross-key validation."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException as HydraCompositionError
+
+import difflm.config
+from difflm.config.validate import check_batch, check_run
+from difflm.errors import DifflmError
+
+from conftest import compose_run, run_cli
+
+GROUPS = {
+    group: sorted(p.stem for p in (difflm.config.CONF_DIR / group).glob("*.yaml"))
+    for group in ("model", "parallel", "precision", "data", "objective", "optim", "schedule", "logger")
+}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(group, option):
+    cfg = compose_run([f"{group}={option}"])
+    assert cfg[group].name == option
+
+
+def test_group_presets_exist():
+    assert GROUPS["model"] == ["1.7b", "125m", "350m", "8b", "tiny"]
+    assert {"mdlm", "ar"} <= set(GROUPS["objective"])
+    assert {"cosine", "wsd", "constant"} <= set(GROUPS["schedule"])
+    assert {"console", "wandb"} <= set(GROUPS["logger"])
+    assert {"fp32", "bf16"} <= set(GROUPS["precision"])
+
+
+def test_1_7b_preset_has_megadlm_dimensions():
+    m = compose_run(["model=1.7b"]).model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size) == (28, 2048, 16, 6144)
+    assert m.qk_norm and not m.tie_embeddings and m.rope_base == 10000.0
+
+
+def test_default_data_is_embedded_corpus():
+    d = compose_run().data
+    assert d.path.endswith("difflm/assets/corpora/tinyshakespeare/input.txt")
+    assert open(d.path).read(11) == "First Citiz"
+
+
+def test_typo_in_key_fails_at_compose_time():
+    with pytest.raises(HydraCompositionError, match="num_layer"):
+        compose_run(["model.num_layer=3"])
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises(HydraCompositionError, match="max_steps"):
+        compose_run(["train.max_steps=abc"])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.num_kv_heads=3"], "model.num_kv_heads=3"),
+    (["model.num_heads=5"], "model.num_heads=5"),
+    (["train.global_batch_size=10", "train.micro_batch_size=4"], "train.global_batch_size=10"),
+    (["precision=fp16", "device=cpu"], "precision=fp16"),
+    (["precision=fp8", "device=cpu"], "precision=fp8"),
+    (["objective.t_sampling=sobol"], "objective.t_sampling"),
+    (["schedule.name=linear"], "schedule.name"),
+    (["data.valid_fraction=1.5"], "data.valid_fraction"),
+    (["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp*cp=2"),
+    (["objective.length_multiple=5"], "objective.length_multiple=5"),
+])
+def test_validation_errors_name_the_key(overrides, needle):
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(overrides))
+    assert needle in str(err.value)
+
+
+def test_cuda_on_cpu_machine_refused():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(DifflmError, match="device=cuda"):
+        check_run(compose_run(["device=cuda"]))
+
+
+def test_accumulation_steps():
+    assert check_batch(compose_run(["train.global_batch_size=32", "train.micro_batch_size=8"])) == 4
+
+
+def test_cfg_job_prints_composed_run():
+    out = run_cli("difflm.train", "--cfg", "job", "model=1.7b", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "num_layers: 28" in out.stdout and "hidden_size: 2048" in out.stdout
+
+
+def test_cli_typo_is_one_line_without_traceback():
+    out = run_cli("difflm.train", "model.num_layer=3", timeout=120)
+    assert out.returncode != 0
+    assert "num_layer" in out.stderr and "Traceback" not in out.stderr

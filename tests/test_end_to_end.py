@@ -1,0 +1,94 @@
+"""`difflm-train` and `difflm-generate` as a user runs them: real text, falling NELBO, decodable samples,
+one-line errors. The trained run is shared by the tests of this module (one CPU training of ~1-2 min)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
+    out = run_cli("difflm.train", "model=tiny", "train.max_steps=120", "train.eval_every=60",
+                  "train.save_every=60", "optim.lr=1e-3", "schedule.warmup_steps=20", "logger.progress_bar=false",
+                  "logger.num_samples=1", "gen.length=16", "gen.steps=16", "gen.block_length=16", f"run.dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, out
+
+
+def test_training_lowers_val_nelbo(trained_run):
+    run_dir, _ = trained_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_nelbo" in r]
+    assert [r["step"] for r in evals] == [0, 60, 120]
+    start, end = evals[0]["val_nelbo"], evals[-1]["val_nelbo"]
+    assert start == pytest.approx(10.83, abs=0.4)  # ~ log(50304): an untrained model is near uniform
+    assert end < start - 2.5, (start, end)
+    assert evals[-1]["val_ppl_bound"] == pytest.approx(2.718281828 ** end, rel=1e-6)
+    logged = [r for r in rows if r.get("loss") is not None]
+    for key in ("step", "loss", "lr", "tokens_per_s", "mfu"):
+        assert all(key in r for r in logged)
+    assert all(r["tokens_per_s"] > 0 for r in logged) and all(r["mfu"] is None for r in logged)  # CPU: no peak
+    assert (run_dir / "config.yaml").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_120", "step_60"]
+    assert "--- step 120 sample 0 ---\nROMEO:" in (run_dir / "samples.txt").read_text()
+
+
+def test_generate_prints_decodable_continuation(trained_run):
+    run_dir, _ = trained_run
+    out = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=24", "gen.steps=12",
+                  "gen.block_length=12", "gen.remasking=low_confidence", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout.strip()
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:") + 10
+    again = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=24", "gen.steps=12",
+                    "gen.block_length=12", timeout=300)
+    assert again.stdout == out.stdout  # temperature 0 is deterministic
+    rnd = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=24", "gen.steps=24",
+                  "gen.block_length=8", "gen.remasking=random", "gen.temperature=1.0", "step=60", timeout=300)
+    assert rnd.returncode == 0 and rnd.stdout.startswith("ROMEO:")
+
+
+def test_rerun_resumes_from_latest_checkpoint(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    out = run_cli("difflm.train", "model=tiny", "train.max_steps=125", "train.eval_every=0", "train.save_every=0",
+                  "optim.lr=1e-3", "schedule.warmup_steps=20", "logger.progress_bar=false", "logger.num_samples=0",
+                  f"run.dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resuming" in out.stdout and "from step 120" in out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["data.path=/nonexistent/corpus.txt"], "data.path"),
+    (["data.tokenizer=/nonexistent/tokenizer"], "data.tokenizer"),
+    (["data.seq_len=100000"], "data.seq_len"),
+    (["train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size"),
+    (["precision=fp8", "device=cpu"], "precision=fp8"),
+])
+def test_user_mistakes_end_in_one_line(args, needle, tmp_path):
+    out = run_cli("difflm.train", *args, f"run.dir={tmp_path / 'r'}", "train.max_steps=1", timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    err = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr
+    assert err[-1].startswith("difflm: error: ") and needle in err[-1]
+
+
+def test_generate_without_run_is_one_line(tmp_path):
+    out = run_cli("difflm.generate", f"run.dir={tmp_path}", "prompt=hi", timeout=120)
+    assert out.returncode == 2 and "run.dir=" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_multirun_gives_one_run_dir_per_job(tmp_path):
+    out = run_cli("difflm.train", "-m", "optim.lr=1e-4,3e-4", "model.hidden_size=32", "model.num_layers=1",
+                  "model.ffn_hidden_size=64", "data.seq_len=16", "train.max_steps=2", "train.eval_every=0",
+                  "train.save_every=0", "logger.num_samples=0", "logger.progress_bar=false",
+                  f"run.dir={tmp_path / 'sweep'}", timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for job, lr in ((0, 1e-4), (1, 3e-4)):
+        job_dir = tmp_path / "sweep" / str(job)
+        assert (job_dir / "metrics.jsonl").exists()
+        assert f"lr: {lr}" in (job_dir / "config.yaml").read_text()
