@@ -3,8 +3,10 @@
     difflm-generate run.dir=DIR prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32 \
         gen.remasking=low_confidence gen.temperature=0
 
-Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`);
-``ar`` runs decode left to right.
+Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`;
+``gen.remasking``, ``gen.cfg_scale``, ``gen.top_k``/``gen.top_p``, Fast-dLLM's ``gen.threshold`` and
+``gen.cache``); ``bd3lm`` runs block by block (:func:`difflm.sampling.block_diffusion_generate`);
+``ar`` runs decode left to right. See docs/objectives_and_sampling.md.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
 from difflm.model import build_model
-from difflm.sampling import autoregressive_generate, diffusion_generate
+from difflm.sampling import autoregressive_generate, block_diffusion_generate, diffusion_generate
 from difflm.training.precision import autocast_context
 
 
@@ -32,23 +34,48 @@ def forbidden_ids(tok: TokenizerInfo, vocab_size: int) -> list[int]:
 
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
-                 precision: str = "fp32") -> torch.Tensor:
-    """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device."""
+                 precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
+                 stats: dict | None = None) -> torch.Tensor:
+    """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device.
+
+    Args:
+        gen: the ``gen`` config (:class:`difflm.config.schema.GenerateConfig`).
+        causal: an ``ar`` model (left-to-right decoding).
+        objective: the run's ``objective`` config; ``bd3lm`` runs sample block by block
+            (:func:`difflm.sampling.block_diffusion_generate`, ``gen.steps * block_size / gen.length`` steps
+            per block, exact KV cache unless ``gen.cache=none``).
+        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts.
+        stats: receives ``nfe`` (model calls) when given.
+    """
     device = prompt_ids.device
 
-    def logits_fn(x: torch.Tensor) -> torch.Tensor:
+    def logits_fn(x: torch.Tensor, **kw) -> torch.Tensor:
         with autocast_context(precision, device):
-            return model(x).float()
+            return model(x, **kw).float()
 
     generator = torch.Generator(device=device).manual_seed(gen.seed)
     forbid = forbidden_ids(tok, model.cfg.vocab_size)
+    sampling = dict(remasking=gen.remasking, temperature=gen.temperature, generator=generator, forbid_ids=forbid,
+                    top_k=gen.get("top_k", 0), top_p=gen.get("top_p", 1.0), threshold=gen.get("threshold"),
+                    stats=stats)
     if causal:
         out = autoregressive_generate(logits_fn, prompt_ids, length=gen.length, temperature=gen.temperature,
-                                      generator=generator, forbid_ids=forbid)
+                                      generator=generator, forbid_ids=forbid, top_k=sampling["top_k"],
+                                      top_p=sampling["top_p"], prompt_mask=prompt_mask)
+    elif objective is not None and objective.name == "bd3lm":
+        if prompt_mask is not None and not bool(prompt_mask.all()):
+            raise DifflmError("objective=bd3lm samples blocks at absolute positions: give prompts of equal length "
+                              "(no padding)")
+        if gen.get("cfg_scale", 0.0) > 0:
+            raise DifflmError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
+        per_block = max(1, gen.steps * objective.block_size // gen.length)
+        out = block_diffusion_generate(logits_fn, prompt_ids, mask_id=tok.mask_id, length=gen.length,
+                                       block_size=objective.block_size, steps_per_block=per_block,
+                                       cache=gen.get("cache", "none") != "none", **sampling)
     else:
         out = diffusion_generate(logits_fn, prompt_ids, mask_id=tok.mask_id, length=gen.length, steps=gen.steps,
-                                 block_length=gen.block_length, remasking=gen.remasking,
-                                 temperature=gen.temperature, generator=generator, forbid_ids=forbid)
+                                 block_length=gen.block_length, cfg_scale=gen.get("cfg_scale", 0.0),
+                                 cache=gen.get("cache", "none"), prompt_mask=prompt_mask, **sampling)
     return out[:, prompt_ids.shape[1]:]
 
 
@@ -68,11 +95,12 @@ def load_run(run_dir: str, step: int | None, device: torch.device):
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 @exits_cleanly
 def main(args) -> None:
-    check_choices(args, ["gen.remasking", "device"])
+    check_choices(args, ["gen.remasking", "gen.cache", "device"])
     device = resolve_device(args.device)
     cfg, model, tok = load_run(args.run.dir, args.step, device)
     ids = tok.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
     out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
+                       objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
     print(args.prompt + tok.decode(out[0].tolist()))
 

@@ -4,8 +4,11 @@
     difflm-train model=1.7b precision=bf16 data.path=corpus/    # your data on a GPU
     difflm-train --cfg job model=1.7b                           # print the composed run
     difflm-train -m optim.lr=1e-4,3e-4                          # a sweep, one run dir per job
+    torchrun --nproc-per-node 8 -m difflm.train model=1.7b parallel=tp4pp2   # a layout (docs/parallel.md)
 """
 from __future__ import annotations
+
+import sys
 
 from hydra.core.hydra_config import HydraConfig
 
@@ -13,6 +16,8 @@ import hydra
 from difflm.cli import exits_cleanly
 from difflm.config import CONF_DIR
 from difflm.config.validate import check_run
+from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
+    world_size_from_env
 from difflm.training.trainer import Trainer
 
 
@@ -26,14 +31,35 @@ def run_dir_of_job(cfg) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 @exits_cleanly
-def main(cfg) -> None:
-    device = check_run(cfg)
-    cfg.run.dir = run_dir_of_job(cfg)
-    trainer = Trainer(cfg, cfg.run.dir, device)
-    if trainer.resumed_from is not None:
-        print(f"resuming {cfg.run.dir} from step {trainer.resumed_from}")
-    trainer.fit()
-    print(f"done: {cfg.run.dir}")
+def _main(cfg) -> None:
+    world_size = world_size_from_env()
+    device = check_run(cfg, world_size)  # every check before any process group exists
+    if world_size > 1:
+        device = init_distributed(device)
+    try:
+        cfg.run.dir = agree_run_dir(run_dir_of_job(cfg))  # rank 0's dir (its ${now:} may differ from ours)
+        trainer = Trainer(cfg, cfg.run.dir, device)
+        if trainer.resumed_from is not None and trainer.is_rank0:
+            print(f"resuming {cfg.run.dir} from step {trainer.resumed_from}")
+        trainer.fit()
+        if trainer.is_rank0:
+            print(f"done: {cfg.run.dir}")
+    finally:
+        destroy_distributed()
+
+
+NON_ZERO_RANK_OVERRIDES = (
+    # Hydra's own outputs (.hydra/, train.log) are written by rank 0 only; other ranks run in place.
+    "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+)
+
+
+def main() -> None:
+    """Entry point. Under torchrun/SLURM, ranks other than 0 add :data:`NON_ZERO_RANK_OVERRIDES` so that only
+    rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``."""
+    if launch_env()["rank"] != 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+        sys.argv.extend(NON_ZERO_RANK_OVERRIDES)
+    _main()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training-step throughput of difflm's model against a plain eager PyTorch reference, in one process.
 
-    python scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 precision=bf16 \\
+    python scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=4 precision=bf16 \\
         --variant "torch-compile: model.compile=true" \\
         --variant "te-fp8: model.backend=te model.attention_backend=te precision=fp8" \\
         --steps 10 --warmup 3 --json bench.json
@@ -14,7 +14,8 @@ Every row runs real training steps of the same model code (:func:`difflm.model.b
 synthetic tokens: the configured objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed) on
 ``--batches`` batches drawn once and kept on the device, so the timed loop does no host work; the model's
 logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping; the
-run's AdamW (fused on CUDA). ``reference`` is the baseline written below: a plain eager PyTorch
+run's AdamW (fused on CUDA). One timed step is one optimizer step over ``train.global_batch_size`` sequences,
+accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. ``reference`` is the baseline written below: a plain eager PyTorch
 transformer of the same dimensions (separate nn.Linear q/k/v/o, SwiGLU MLP, nn.RMSNorm, SDPA, full-vocab
 LM head with cross-entropy at every position, fused AdamW), at BF16 autocast on CUDA (FP32 on CPU).
 
@@ -43,7 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from difflm.config import CONF_DIR  # noqa: E402
-from difflm.config.validate import check_choices, check_model, check_precision, resolve_device  # noqa: E402
+from difflm.config.validate import check_batch, check_choices, check_model, check_precision, resolve_device  # noqa: E402
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import compile_blocks, resolve_model_config  # noqa: E402
 from difflm.model.transformer import Transformer  # noqa: E402
@@ -191,24 +192,30 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def time_steps(step, batches, warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
-    """Seconds per step over ``steps`` timed steps after ``warmup`` untimed ones, and the last loss."""
+def micro_batches(batches, step: int, accum: int) -> list:
+    """The ``accum`` micro-batches of optimizer step ``step``, cycling through the prepared pool."""
+    return [batches[(step * accum + j) % len(batches)] for j in range(accum)]
+
+
+def time_steps(step, batches, warmup: int, steps: int, device: torch.device, accum: int = 1) -> tuple[float, float]:
+    """Seconds per optimizer step over ``steps`` timed steps after ``warmup`` untimed ones, and the last loss.
+    Each step runs ``accum`` micro-batches (gradient accumulation) before the optimizer."""
     loss = None
     for i in range(warmup):
-        loss = step(batches[i % len(batches)])
+        loss = step(micro_batches(batches, i, accum))
     sync(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(steps):
-            loss = step(batches[i % len(batches)])
+            loss = step(micro_batches(batches, i, accum))
         end.record()
         sync(device)
         seconds = start.elapsed_time(end) / 1000.0
     else:
         t0 = time.perf_counter()
         for i in range(steps):
-            loss = step(batches[i % len(batches)])
+            loss = step(micro_batches(batches, i, accum))
         seconds = time.perf_counter() - t0
     return seconds / steps, float(loss)
 
@@ -220,14 +227,14 @@ KERNEL_CLASSES = (
 )
 
 
-def profile_step(step, batches, device: torch.device, rows: int = 20) -> tuple[str, dict]:
+def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int = 1) -> tuple[str, dict]:
     """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, share per class)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for i in range(2):
-            step(batches[i % len(batches)])
+            step(micro_batches(batches, i, accum))
         sync(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
@@ -272,21 +279,24 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
     optimizer = build_variant_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
     params = [p for p in model.parameters() if p.requires_grad]
-    b = cfg.train.micro_batch_size
+    global_batch = cfg.train.global_batch_size
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     precision = cfg.precision
 
-    def step(batch):
-        with autocast_context(precision, device):
-            logits = model(batch.input_ids, batch.loss_mask)
-        loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, b)
-        scaler.scale(loss).backward()
+    def step(micro):
+        loss = 0.0
+        for batch in micro:
+            with autocast_context(precision, device):
+                logits = model(batch.input_ids, batch.loss_mask)
+            micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, global_batch)
+            scaler.scale(micro_loss).backward()
+            loss = loss + micro_loss.detach()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, clip, foreach=device.type == "cuda")
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     m = cfg.model
     n = model.num_params()
@@ -307,17 +317,20 @@ def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> di
     params = list(model.parameters())
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
 
-    def step(batch):
-        targets = torch.roll(batch.targets, shifts=-1, dims=1)  # AR-style: every position predicts the next
-        ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(device.type, enabled=False)
-        with ctx:
-            logits = model(batch.targets)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-        loss.backward()
+    def step(micro):
+        loss = 0.0
+        for batch in micro:
+            targets = torch.roll(batch.targets, shifts=-1, dims=1)  # AR-style: every position predicts the next
+            ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(device.type, enabled=False)
+            with ctx:
+                logits = model(batch.targets)
+            micro_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1)) / len(micro)
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         torch.nn.utils.clip_grad_norm_(params, clip, foreach=device.type == "cuda")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     n = model.num_params()
     return {"n_params_non_embedding": n, "step": step, "model": model, "optimizer": optimizer,
@@ -335,8 +348,9 @@ def measure(name: str, cfg, device, batches, args, build) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         state = build()
-        seconds, loss = time_steps(state["step"], batches, args.warmup, args.steps, device)
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        accum = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        seconds, loss = time_steps(state["step"], batches, args.warmup, args.steps, device, accum)
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len
         tps = tokens / seconds
         row.update(step_ms=seconds * 1e3, tokens_per_s=tps, loss=loss,
                    mfu=mfu(tps, state["flops_per_token"], args.peak), peak_mem_gib=peak_memory_gib(device),
@@ -344,7 +358,7 @@ def measure(name: str, cfg, device, batches, args, build) -> dict:
         if not math.isfinite(loss):
             row["error"] = f"non-finite loss {loss}"
         if name in args.profile:
-            table, shares = profile_step(state["step"], batches, device)
+            table, shares = profile_step(state["step"], batches, device, rows=30, accum=accum)
             row["kernel_shares"] = shares
             row["profile_table"] = table
     except Exception as e:  # noqa: BLE001 - one failing row must not hide the others
@@ -397,6 +411,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reference-precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--profile", default="", help="comma-separated row names to profile")
+    ap.add_argument("--profile-rows", type=int, default=12, help="kernels printed per profile (files hold 30)")
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failing rows")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -406,6 +421,7 @@ def main(argv=None) -> dict:
 
     base = compose(args.overrides)
     check_choices(base)
+    accum = check_batch(base)  # micro-batches per optimizer step (train.global_batch_size / micro_batch_size)
     device = resolve_device(base.device)
     args.peak = peak_flops(device)
     if args.reference_precision is None:
@@ -431,10 +447,10 @@ def main(argv=None) -> dict:
             check_choices(cfg)
             check_model(cfg.model)
             check_precision(cfg, device, training=False)
-            for key in ("micro_batch_size",):
+            for key in ("micro_batch_size", "global_batch_size"):
                 if cfg.train[key] != base.train[key] or cfg.data.seq_len != base.data.seq_len:
-                    raise DifflmError(f"--variant {name}: train.micro_batch_size and data.seq_len must match the base "
-                                      "overrides (the batches are shared)")
+                    raise DifflmError(f"--variant {name}: train.micro_batch_size, train.global_batch_size and data.seq_len "
+                                      "must match the base overrides (the batches are shared)")
         except DifflmError as e:
             rows.append({"name": name, "backend": cfg.model.backend, "precision": cfg.precision.name, "error": str(e)})
             continue
@@ -449,17 +465,20 @@ def main(argv=None) -> dict:
     result = {
         "device": device_name, "torch": torch.__version__, "peak_tflops": args.peak / 1e12 if args.peak else None,
         "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
-        "micro_batch_size": base.train.micro_batch_size, "seq_len": base.data.seq_len,
+        "micro_batch_size": base.train.micro_batch_size, "global_batch_size": base.train.global_batch_size,
+        "accumulation": accum, "seq_len": base.data.seq_len,
         "vocab_size": tok.padded_vocab_size, "model": base.model.name, "objective": base.objective.name,
         "rows": [{k: v for k, v in r.items() if k != "profile_table"} for r in rows],
     }
+    for r in rows:  # profiles first, the table last (the end of the output is what a log tail shows)
+        if "profile_table" in r:
+            print(f"\n--- profile: {r['name']} (kernel time shares {r.get('kernel_shares')}) ---\n"
+                  + "\n".join(line[:160] for line in r["profile_table"].splitlines()[:args.profile_rows + 4]))
     print(f"\n{device_name} | model={base.model.name} seq_len={base.data.seq_len} micro_batch={base.train.micro_batch_size} "
+          f"x {accum} per optimizer step "
           f"objective={base.objective.name} | {args.steps} steps after {args.warmup} warm-up | "
           f"MFU vs {result['peak_tflops'] or '-'} TFLOP/s")
     print(format_table(rows))
-    for r in rows:
-        if "profile_table" in r:
-            print(f"\n--- profile: {r['name']} (kernel time shares {r.get('kernel_shares')}) ---\n{r['profile_table']}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

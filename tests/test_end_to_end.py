@@ -65,7 +65,7 @@ def test_rerun_resumes_from_latest_checkpoint(trained_run, tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["data.path=/nonexistent/corpus.txt"], "data.path"),
     (["data.tokenizer=/nonexistent/tokenizer"], "data.tokenizer"),
-    (["data.seq_len=100000"], "data.seq_len"),
+    (["data.seq_len=1000000"], "data.seq_len"),
     (["train.global_batch_size=6", "train.micro_batch_size=4"], "train.global_batch_size"),
     (["precision=fp8", "device=cpu"], "precision=fp8"),
 ])

@@ -1,11 +1,12 @@
 """Checkpoints: model and optimizer through ``torch.distributed.checkpoint`` (DCP), trainer state beside them.
 
 Layout of ``<run.dir>/checkpoints/step_<N>/``:
-    *.distcp, .metadata   model and optimizer state (DCP; sharded by rank once layouts shard them)
+    *.distcp, .metadata   model and optimizer state (DCP; one file per rank under sharded layouts)
     trainer_state.pt      step, LR-schedule state, data-sampler position, RNG states (tensors and
                           plain Python values only, loaded with ``weights_only=True``)
 
-A checkpoint is written under ``.step_<N>.tmp``, its files fsynced, and renamed to ``step_<N>`` last:
+A checkpoint is written under ``.step_<N>.tmp`` (by every rank, each its shards), its files fsynced, and
+renamed to ``step_<N>`` last by rank 0 after a barrier:
 a directory with the final name is always complete, so a crash mid-save never leaves a checkpoint that
 resumes wrongly. DCP's state-dict helpers (``get_state_dict``/``set_state_dict``) key everything by
 parameter name, so the same files load under any later parallel layout (PyTorch docs,
@@ -21,11 +22,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difflm.errors import DifflmError
+from difflm.parallel.distributed import barrier, is_distributed, is_rank0
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
@@ -74,28 +77,97 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any]) -> Path:
-    """Write ``checkpoints/step_<step>`` atomically (temporary directory, fsync, rename). Returns its path."""
+def _parts(model) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _state_model(model):
+    """What DCP's state-dict helpers take: one module, or the list of a pipeline rank's stage modules."""
+    parts = _parts(model)
+    return parts[0] if len(parts) == 1 else parts
+
+
+_ASYNC_GROUP = None
+
+
+def _async_group():
+    """A gloo group for ``dcp.async_save``'s background collectives, apart from the training group (as torchtitan)."""
+    global _ASYNC_GROUP
+    if not is_distributed():
+        return None
+    if _ASYNC_GROUP is None:
+        _ASYNC_GROUP = dist.new_group(backend="gloo")
+    return _ASYNC_GROUP
+
+
+class PendingCheckpoint:
+    """An ``async_save`` in flight: :meth:`wait` blocks until every rank's files are written, then renames the
+    temporary directory (rank 0, after a barrier). Until then ``step_<N>/`` does not exist."""
+
+    def __init__(self, path: Path, future, finish):
+        self.path, self._future, self._finish = path, future, finish
+
+    def wait(self) -> Path:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+            self._finish()
+        return self.path
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.optim.Optimizer],
+                    trainer_state: dict[str, Any], *, async_save: bool = False):
+    """Write ``checkpoints/step_<step>`` atomically (temporary directory, fsync, rename). Returns its path, or a
+    :class:`PendingCheckpoint` with ``async_save``.
+
+    Args:
+        model: a module, or a list of them (the stage modules of a pipeline rank); sharded (FSDP2/DTensor)
+            parameters are written sharded by every rank (collective: all ranks call this). Tensor-parallel
+            ``fc1`` rows are written in the single-process ``[gate; up]`` order
+            (:func:`difflm.parallel.tensor_parallel.canonical_state_dict`), so any layout can read the files.
+        optimizer: ``None`` writes a model-only checkpoint (e.g. ``difflm-import``); loading it with an optimizer
+            leaves the optimizer fresh (:func:`load_checkpoint`). Optimizer state is keyed by parameter name
+            (``flatten_optimizer_state_dict``), independent of how parameters are grouped over ranks.
+        trainer_state: written by rank 0 only.
+        async_save: ``dcp.async_save`` (state staged to CPU, files written in the background); call
+            ``.wait()`` on the result before the next save and before exiting.
+    """
+    from difflm.parallel.tensor_parallel import canonical_state_dict, interleaved_params
+
     root = checkpoints_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if is_rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(_state_model(model), optimizer if optimizer is not None else [],
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+    canonical_state_dict(model_sd, optim_sd, interleaved_params(_parts(model)))
+    state = {"model": model_sd, "optim": optim_sd}
+
+    def finish() -> Path:
+        barrier()  # every rank's shard files are written
+        if is_rank0():
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving the same step (e.g. after a resume) replaces it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        barrier()
+        return final
+
     with warnings.catch_warnings():  # single-process DCP warns that no process group exists
         warnings.simplefilter("ignore")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(trainer_state, tmp / TRAINER_STATE)
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume) replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return final
+        if async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group())
+            return PendingCheckpoint(final, future, finish)
+        dcp.save(state, checkpoint_id=str(tmp))
+    return finish()
 
 
 def _first_cause(exc: BaseException) -> str:
@@ -107,19 +179,37 @@ def _first_cause(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
+def has_optimizer_state(path: Path) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds optimizer state (keys under ``optim``); True when its metadata
+    cannot be read (``dcp.load`` then reports the problem)."""
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - a missing/corrupt checkpoint fails with a clear message in dcp.load
+        return True
+    return any(k == "optim" or k.startswith("optim.") for k in keys)
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
-    Raises DifflmError when the checkpoint does not match the model (e.g. another ``model`` preset).
+    A model-only checkpoint (saved with ``optimizer=None``, e.g. by ``difflm-import``) loads into the model
+    and leaves ``optimizer`` as it is (fresh). Raises DifflmError when the checkpoint does not match the
+    model (e.g. another ``model`` preset).
     """
+    from difflm.parallel.tensor_parallel import finish_canonical_load, interleaved_params, prepare_canonical_load
+
     path = Path(path)
-    options = StateDictOptions(strict=True)
+    if optimizer is not None and not has_optimizer_state(path):
+        optimizer = None
+    options = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+    target = _state_model(model)
     if optimizer is None:
-        model_sd = get_state_dict(model, [], options=options)[0]
+        model_sd, optim_sd = get_state_dict(target, [], options=options)[0], None
         state = {"model": model_sd}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        model_sd, optim_sd = get_state_dict(target, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
+    pending = prepare_canonical_load(model_sd, optim_sd, interleaved_params(_parts(model)))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -127,6 +217,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise DifflmError(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
                           "resume with the model config it was saved with, or use a new run.dir") from exc
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+    finish_canonical_load(pending)
+    set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=options)
     return torch.load(path / TRAINER_STATE, weights_only=True)

@@ -39,18 +39,29 @@ class ModelConfig:
     backend: str = "torch"  # torch | te
     attention_backend: str = "sdpa"  # sdpa | te | flash | flex
     compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
+    qkv_bias: bool = False  # bias on the fused QKV projection (Qwen2 imports)
+    shift_logits: bool = False  # Dream: logits at i come from position i - 1 (AR-initialised diffusion)
 
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Only ``single`` exists in v0; the keys are the ones later layouts use."""
+    """Parallel layout over a DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); see docs/parallel.md.
+
+    The degrees multiply to the number of processes; ``dp_shard=-1`` (or ``dp_replicate=-1``) fills the ranks
+    the others leave.
+    """
 
     name: str = "single"
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    dp_replicate: int = 1  # replicas (DDP; HSDP with dp_shard > 1)
+    dp_shard: int = 1  # FSDP2 shard group size; -1 = the remaining ranks
+    tp: int = 1  # tensor parallel (DTensor; TE's tp_group with model.backend=te)
+    pp: int = 1  # pipeline stages (torch.distributed.pipelining)
+    cp: int = 1  # context parallel (sequence split for attention; CUDA only)
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: >= 2)
+    sequence_parallel: bool = True  # with tp > 1: norms/residuals sharded over the sequence (Megatron SP)
+    activation_checkpointing: str = "none"  # none | selective (every 2nd block) | full
+    compile: bool = False  # torch.compile each block after TP/AC, before FSDP
 
 
 @dataclass
@@ -80,14 +91,21 @@ class DataConfig:
     valid_fraction: float = 0.05
     cache_dir: Optional[str] = None  # default: <run.dir>/data_cache
     num_proc: int = 0  # tokenizer threads, 0 = all cores
+    intra_document_attention: bool = False  # packed documents do not attend to each other (block-diagonal mask)
+    prompt_field: Optional[str] = None  # SFT: JSONL field of the prompt (objective=sft); null = plain text
+    response_field: str = "response"  # SFT: JSONL field of the response
+    chat_template: bool = False  # SFT: wrap the prompt with the tokenizer's apply_chat_template
 
 
 @dataclass
 class ObjectiveConfig:
-    """Training objective: ``mdlm`` (masked diffusion, LLaDA/MDLM) or ``ar`` (next token)."""
+    """Training objective: ``mdlm`` (masked diffusion, LLaDA/MDLM), ``ar`` (next token), ``bd3lm`` (block
+    diffusion, Arriola et al. 2025) or ``sft`` (masked diffusion on responses). See docs/objectives_and_sampling.md."""
 
     name: str = "mdlm"
-    eps: float = 1e-3  # minimum mask probability, p = (1 - eps) t + eps
+    eps: float = 1e-3  # time floor: t' = (1 - eps) t + eps (linear: minimum mask probability)
+    schedule: str = "linear"  # linear | cosine | loglinear (masking schedule and its NELBO weight)
+    block_size: int = 16  # bd3lm: tokens per block (1 = AR, data.seq_len = MDLM)
     t_sampling: str = "iid"  # iid | antithetic | stratified (across the global batch)
     loss_norm: str = "token"  # token | sequence
     random_length_prob: float = 0.01
@@ -143,6 +161,7 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 1234
     sample_at_end: bool = True
+    async_save: bool = False  # checkpoints with torch.distributed.checkpoint.async_save (staged, written in background)
 
 
 @dataclass
@@ -157,9 +176,14 @@ class GenerateConfig:
     length: int = 64
     steps: int = 64
     block_length: int = 64
-    remasking: str = "low_confidence"  # low_confidence | random
+    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy
     temperature: float = 0.0
     seed: int = 0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off (nucleus sampling, Holtzman et al. 2020)
+    cfg_scale: float = 0.0  # classifier-free guidance (LLaDA): unconditional = prompt masked; 0 = off
+    threshold: Optional[float] = None  # Fast-dLLM parallel decoding: unmask every token above this confidence
+    cache: str = "none"  # none | prefix | dual: Fast-dLLM block-level KV cache (bd3lm: exact prefix cache)
 
 
 @dataclass
@@ -189,8 +213,71 @@ class GenerateRunConfig:
     device: str = "auto"
 
 
+@dataclass
+class ExportRunConfig:
+    """Command line of ``difflm-export`` (:mod:`difflm.interop.export`): a run's checkpoint -> a HF directory."""
+
+    run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
+    out: str = "???"  # the Hugging Face directory to write
+    step: Optional[int] = None  # checkpoint step; default the latest
+    dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype of the saved weights
+    max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json
+    overwrite: bool = False  # replace a non-empty out directory
+
+
+@dataclass
+class ImportRunConfig:
+    """Command line of ``difflm-import`` (:mod:`difflm.interop.hf_import`): a HF causal LM -> a difflm run dir."""
+
+    hf: str = "???"  # local directory or hub name (Llama, Qwen2, Qwen3 or a difflm export)
+    revision: Optional[str] = None  # hub revision
+    run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
+    objective: Optional[ObjectiveConfig] = None  # group objective=mdlm|ar; null: ar for a causal difflm export, else mdlm
+    shift_logits: bool = False  # Dream's shifted logits (mdlm from an AR model)
+    vocab_multiple: int = 128  # the embedding is padded to a multiple of this (model.vocab_multiple)
+    mask_token: str = "<|mdm_mask|>"  # added to the tokenizer when it has no mask token
+    overwrite: bool = False  # replace a run dir that already holds checkpoints
+
+
+@dataclass
+class EvalConfig:
+    """Settings of ``difflm-eval``."""
+
+    mc_samples: int = 8  # antithetic draws of t per window (1 for ar: the NLL is exact)
+    batch_size: int = 8
+    max_windows: int = 0  # 0 = every window of the file
+    seed: int = 0
+    output: Optional[str] = None  # also write the result as JSON here
+
+
+@dataclass
+class EvalDataConfig:
+    """Text to evaluate on; the tokenizer, window length and objective come from the run."""
+
+    path: str = "???"  # .txt/.jsonl file, directory or glob
+    text_field: str = "text"
+    doc_separator: Optional[str] = "<|endoftext|>"
+    seq_len: Optional[int] = None  # default: the run's data.seq_len
+    cache_dir: Optional[str] = None  # default: a temporary directory
+
+
+@dataclass
+class EvalRunConfig:
+    """Command line of ``difflm-eval``: the NELBO / perplexity bound of a trained run on a text file."""
+
+    run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    step: Optional[int] = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    device: str = "auto"
+
+
 def register_schema() -> None:
-    """Register :class:`RunConfig` as ``run_schema`` and :class:`GenerateRunConfig` as ``generate_schema``."""
+    """Register the schemas of the entry points: ``run_schema`` (:class:`RunConfig`), ``generate_schema``,
+    ``export_schema`` and ``import_schema``."""
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(name="generate_schema", node=GenerateRunConfig)
+    cs.store(name="eval_schema", node=EvalRunConfig)
+    cs.store(name="export_schema", node=ExportRunConfig)
+    cs.store(name="import_schema", node=ImportRunConfig)

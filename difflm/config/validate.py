@@ -17,14 +17,16 @@ CHOICES = {
     "model.attention_backend": ("sdpa", "te", "flash", "flex"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
     "precision.fp8_recipe": ("delayed", "current", "block", "mxfp8"),
-    "objective.name": ("mdlm", "ar"),
+    "objective.name": ("mdlm", "ar", "bd3lm", "sft"),
+    "objective.schedule": ("linear", "cosine", "loglinear"),
     "objective.t_sampling": ("iid", "antithetic", "stratified"),
     "objective.loss_norm": ("token", "sequence"),
     "optim.name": ("adamw",),
     "schedule.name": ("cosine", "wsd", "constant"),
     "logger.name": ("console", "wandb"),
     "logger.mode": ("online", "offline", "disabled"),
-    "gen.remasking": ("low_confidence", "random"),
+    "gen.remasking": ("low_confidence", "random", "margin", "entropy"),
+    "gen.cache": ("none", "prefix", "dual"),
     "device": ("auto", "cpu", "cuda"),
 }
 
@@ -119,14 +121,15 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
 
 
 def check_batch(cfg, world_size: int = 1) -> int:
-    """Global batch = micro batch x accumulation steps x data-parallel ranks. Returns the accumulation steps."""
-    t, p = cfg.train, cfg.parallel
-    degrees = p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp
-    _require(degrees == world_size,
-             f"parallel.dp_replicate*dp_shard*tp*pp*cp={degrees} but the world size is {world_size}: "
-             f"parallel={p.name} runs on {world_size} process(es); launch with torchrun --nproc-per-node {degrees} "
-             "or pick a layout whose degrees multiply to the world size")
-    dp = p.dp_replicate * p.dp_shard
+    """Global batch = micro batch x accumulation steps x data-parallel ranks. Returns the accumulation steps.
+
+    The data-parallel ranks are ``dp_replicate * dp_shard`` of the layout resolved for ``world_size``
+    (:class:`difflm.parallel.mesh.ParallelDims`, which also checks that the degrees multiply to it).
+    """
+    from difflm.parallel.mesh import ParallelDims
+
+    t = cfg.train
+    dp = ParallelDims.from_config(cfg.parallel, world_size).dp
     for key in ("global_batch_size", "micro_batch_size", "max_steps"):
         _require(t[key] > 0, f"train.{key}={t[key]} must be positive")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -135,13 +138,80 @@ def check_batch(cfg, world_size: int = 1) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+PARALLEL_CHOICES = {
+    "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    "parallel.activation_checkpointing": ("none", "selective", "full"),
+}
+
+
+def check_parallel(cfg, world_size: int, device: torch.device):
+    """The layout against the world size, the model, the data and the device, before any process group exists.
+
+    Returns the resolved :class:`difflm.parallel.mesh.ParallelDims`. Each failure is one line naming the keys:
+    degrees vs world size; tp vs heads / KV heads / FFN / padded vocab (``model.vocab_multiple``); pp vs layers;
+    sequence length vs cp and sequence-parallel tp; micro batch x accumulation x dp vs global batch; pipeline
+    micro-batches vs stages; layouts the backend or device cannot run (CP on CPU, fp16 loss scaling sharded).
+    """
+    from difflm.parallel.context_parallel import cp_unavailable_reason
+    from difflm.parallel.mesh import ParallelDims
+    from difflm.parallel.parallelize import layout_length_multiple
+
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    for key, allowed in PARALLEL_CHOICES.items():
+        value = _get(cfg, key)
+        _require(value in allowed, f"{key}={value!r} is not one of: {', '.join(allowed)}")
+    dims = ParallelDims.from_config(p, world_size)
+    accum = check_batch(cfg, world_size)
+    tp = dims.tp
+    if tp > 1:
+        for key in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_multiple"):
+            _require(m[key] % tp == 0, f"parallel.tp={tp} does not divide model.{key}={m[key]}: pick a tp that divides "
+                     "the attention heads, KV heads, FFN width and the vocabulary padding (model.vocab_multiple)")
+        _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: the tied LM head would need "
+                 "a vocab-parallel loss; set model.tie_embeddings=false or parallel.tp=1")
+    if dims.pp_enabled:
+        virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)
+        _require(virtual >= 1, f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
+        _require(dims.pp * virtual <= m.num_layers,
+                 f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={virtual} stages > model.num_layers={m.num_layers}: "
+                 "every pipeline stage needs at least one block; lower parallel.pp or parallel.pp_virtual_stages")
+        single = p.pp_schedule in ("GPipe", "1F1B")
+        _require(not single or virtual == 1, f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank: set "
+                 "parallel.pp_virtual_stages=1, or an interleaved schedule (Interleaved1F1B) for more")
+        _require(accum >= dims.pp and accum % dims.pp == 0,
+                 f"parallel.pp={dims.pp} needs a multiple of {dims.pp} micro-batches per step and train.global_batch_size="
+                 f"{cfg.train.global_batch_size} / (train.micro_batch_size={cfg.train.micro_batch_size} x dp={dims.dp}) "
+                 f"gives {accum}: lower train.micro_batch_size or raise train.global_batch_size")
+        _require(not m.tie_embeddings, "parallel.pp>1 with model.tie_embeddings=true: the embedding (first stage) and "
+                 "the LM head (last stage) live on different ranks; set model.tie_embeddings=false")
+        _require(not dims.cp_enabled, f"parallel.pp={dims.pp} with parallel.cp={dims.cp} is not supported yet: "
+                 "use one of them")
+    multiple = layout_length_multiple(p, dims)
+    _require(d.seq_len % multiple == 0,
+             f"data.seq_len={d.seq_len} is not a multiple of {multiple} (2 x parallel.cp={dims.cp} for load-balanced "
+             f"context parallelism, x parallel.tp={tp} with parallel.sequence_parallel): change data.seq_len")
+    if dims.cp_enabled:
+        reason = cp_unavailable_reason(m, device)
+        _require(reason is None, reason or "")
+    if dims.distributed:
+        _require(cfg.precision.name != "fp16", "precision=fp16 (loss scaling) is single-process only: use "
+                 "precision=bf16 with parallel layouts")
+        _require(m.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
+        _require(m.backend == "torch" or not dims.pp_enabled,
+                 "parallel.pp>1 with model.backend=te is not wired yet: use model.backend=torch for pipeline layouts")
+        _require(cfg.objective.name in ("mdlm", "ar") or not (dims.pp_enabled or dims.cp_enabled),
+                 f"objective={cfg.objective.name} passes attention masks/positions to the model, which pipeline and "
+                 "context parallel layouts do not carry yet: use objective=mdlm or ar with parallel.pp/cp=1")
+    return dims
+
+
 def check_run(cfg, world_size: int = 1) -> torch.device:
-    """All checks of a training run; returns the device to train on."""
+    """All checks of a training run (``world_size`` processes); returns the device to train on."""
     check_choices(cfg)
     check_model(cfg.model)
     device = resolve_device(cfg.device)
     check_precision(cfg, device)
-    check_batch(cfg, world_size)
+    check_parallel(cfg, world_size, device)
     d, o, t = cfg.data, cfg.objective, cfg.train
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
@@ -152,4 +222,35 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    check_objective_data(cfg)
     return device
+
+
+def check_objective_data(cfg) -> None:
+    """What the diffusion objectives need from the data and the attention backend."""
+    d, o, m = cfg.data, cfg.objective, cfg.model
+    if o.name == "bd3lm":
+        _require(o.block_size >= 1 and d.seq_len % o.block_size == 0,
+                 f"objective.block_size={o.block_size} must be >= 1 and divide data.seq_len={d.seq_len}")
+        _require(o.random_length_prob == 0 or o.length_multiple % o.block_size == 0,
+                 f"objective.random_length_prob={o.random_length_prob} with objective.block_size={o.block_size}: set "
+                 f"objective.length_multiple to a multiple of the block size or objective.random_length_prob=0")
+    if o.name == "sft":
+        _require(d.get("prompt_field") is not None,
+                 "objective=sft trains on prompt/response pairs: set data.prompt_field and data.response_field "
+                 "(a .jsonl file)")
+        _require(o.random_length_prob == 0, f"objective.random_length_prob={o.random_length_prob} would cut responses: "
+                 "set it to 0 for objective=sft")
+    elif d.get("prompt_field") is not None:
+        raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
+                          "uses: set objective=sft or data.prompt_field=null")
+    needs_mask = o.name == "bd3lm" or d.get("intra_document_attention", False)
+    _require(not needs_mask or m.attention_backend in ("sdpa", "flex"),
+             f"model.attention_backend={m.attention_backend} cannot take the attention mask that "
+             f"{'objective=bd3lm' if o.name == 'bd3lm' else 'data.intra_document_attention=true'} needs: "
+             "use model.attention_backend=sdpa or flex")
+    _require(not needs_mask or m.backend == "torch",
+             f"model.backend={m.backend} takes no attention mask yet: use model.backend=torch with "
+             f"{'objective=bd3lm' if o.name == 'bd3lm' else 'data.intra_document_attention=true'}")
+    _require(not (d.get("intra_document_attention", False) and o.name == "sft"),
+             "data.intra_document_attention=true applies to packed text, not objective=sft pairs: drop it")

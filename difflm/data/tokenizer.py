@@ -41,10 +41,25 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
+def missing_tokenizer_files(directory: str) -> str | None:
+    """None when ``directory`` holds a tokenizer vocabulary file (:data:`TOKENIZER_FILES`, or ``*.tiktoken``),
+    else a message naming the files looked for (vocab.json also needs merges.txt)."""
+    names = set(os.listdir(directory))
+    if "vocab.json" in names and "merges.txt" not in names and "tokenizer.json" not in names:
+        return f"{directory} has vocab.json but no merges.txt (BPE needs both, or a tokenizer.json)"
+    if names & set(TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names):
+        return None
+    return f"{directory} has none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
+
+
 def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerInfo:
     """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
 
-    Local directories and ``HF_HUB_OFFLINE=1`` load with ``local_files_only=True``.
+    Local directories and ``HF_HUB_OFFLINE=1`` load with ``local_files_only=True`` (nothing is downloaded);
+    ``trust_remote_code`` is never set.
 
     Raises:
         DifflmError: the tokenizer cannot be loaded, has no EOS token, or vocab_multiple < 1.
@@ -60,8 +75,14 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
         )
     offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
     local = os.path.isdir(path)
+    if local and (missing := missing_tokenizer_files(path)) is not None:
+        raise DifflmError(f"data.tokenizer={name_or_path!r} cannot be loaded: {missing}; save one there with "
+                          "tokenizer.save_pretrained(dir) or give a hub name")
     try:
-        tok = AutoTokenizer.from_pretrained(path if local else name_or_path, local_files_only=local or offline)
+        # trust_remote_code=False: never run a repository's code, and never prompt for it (a difflm export's
+        # config.json names its own modeling code, which the tokenizer does not need)
+        tok = AutoTokenizer.from_pretrained(path if local else name_or_path, local_files_only=local or offline,
+                                            trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one user-facing line
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         hint = "set HF_HUB_OFFLINE=0 or download it to a local directory" if offline and not local else "check the name/files"

@@ -30,12 +30,13 @@ class PackedWindows:
     """Documents joined into one token stream with EOS after each document, cut into
     non-overlapping windows of seq_len tokens (the last partial window dropped)."""
 
-    def __init__(self, stream: np.ndarray, seq_len: int):
-        """stream: 1-D token ids (any integer dtype); seq_len >= 1."""
+    def __init__(self, stream: np.ndarray, seq_len: int, doc_eos_id: int | None = None):
+        """stream: 1-D token ids (any integer dtype); seq_len >= 1. With ``doc_eos_id`` (intra-document
+        attention) :meth:`get` returns a :class:`difflm.data.batch.TokenBatch` with each token's document id."""
         if seq_len < 1:
             raise DifflmError(f"data.seq_len={seq_len} must be >= 1")
         n = len(stream) // seq_len
-        self.seq_len = seq_len
+        self.seq_len, self.doc_eos_id = seq_len, doc_eos_id
         self.windows = np.asarray(stream)[: n * seq_len].reshape(n, seq_len)
 
     def __len__(self) -> int:
@@ -46,10 +47,17 @@ class PackedWindows:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"window index out of range [0, {len(self)})")
-        return torch.from_numpy(self.windows[idx].astype(np.int64))
+        tokens = torch.from_numpy(self.windows[idx].astype(np.int64))
+        if self.doc_eos_id is None:
+            return tokens
+        from difflm.data.batch import TokenBatch
+        from difflm.model.masks import document_ids
+
+        return TokenBatch(tokens, doc_ids=document_ids(tokens, self.doc_eos_id))
 
 
-def build_windows(ds: IndexedDataset, eos_id: int, seq_len: int, valid_fraction: float) -> tuple[PackedWindows, PackedWindows]:
+def build_windows(ds: IndexedDataset, eos_id: int, seq_len: int, valid_fraction: float,
+                  intra_document: bool = False) -> tuple[PackedWindows, PackedWindows]:
     """Split the packed stream of ``ds`` into (train, valid) windows.
 
     Valid = the last ``round(valid_fraction * n)`` windows (at least 1 when valid_fraction > 0),
@@ -72,7 +80,8 @@ def build_windows(ds: IndexedDataset, eos_id: int, seq_len: int, valid_fraction:
             f"({n_valid} needed for validation): lower data.seq_len or use a larger corpus"
         )
     cut = (n - n_valid) * seq_len
-    return PackedWindows(stream[:cut], seq_len), PackedWindows(stream[cut : n * seq_len], seq_len)
+    doc = eos_id if intra_document else None
+    return PackedWindows(stream[:cut], seq_len, doc), PackedWindows(stream[cut : n * seq_len], seq_len, doc)
 
 
 class GlobalBatchSampler:
@@ -136,5 +145,9 @@ def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str) -> tuple[PackedWindo
 
     if not 0.0 <= cfg.valid_fraction < 1.0:  # fail before a possibly long tokenization
         raise DifflmError(f"data.valid_fraction={cfg.valid_fraction} must be in [0, 1): e.g. 0.05")
+    if getattr(cfg, "prompt_field", None) is not None:  # objective=sft: prompt/response pairs
+        from difflm.data.sft import build_sft_datasets
+
+        return build_sft_datasets(cfg, tok)
     ds = tokenize_corpus(cfg, tok, cache_dir)
-    return build_windows(ds, tok.eos_id, cfg.seq_len, cfg.valid_fraction)
+    return build_windows(ds, tok.eos_id, cfg.seq_len, cfg.valid_fraction, getattr(cfg, "intra_document_attention", False))

@@ -95,10 +95,14 @@ def _sdpa(q, k, v, causal: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
+@torch.compiler.disable  # an opaque kernel call: a graph break, not traced by dynamo
 def _flash(q, k, v, causal: bool) -> torch.Tensor:
     found = flash_attn_func()
-    if found is None:
+    if found is None or q.device.type != "cuda":
         _check("flash", q.device)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise DifflmError(f"model.attention_backend=flash runs in bf16/fp16 and got {q.dtype} inputs: "
+                          "use precision=bf16 or model.attention_backend=sdpa")
     fn, _ = found
     out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)  # takes bshd
     if isinstance(out, tuple):  # FA3/FA4 return (out, lse)
@@ -114,11 +118,14 @@ def _te_core(num_heads: int, num_kv_heads: int, head_dim: int, causal: bool):
                                   qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
 
 
+@torch.compiler.disable
 def _te(q, k, v, causal: bool) -> torch.Tensor:
-    _check("te", q.device)
+    if q.device.type != "cuda":
+        _check("te", q.device)
     b, h, s, d = q.shape
     core = _te_core(h, k.shape[1], d, causal)
-    out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, S, H * D]
+    # TE infers the layout from strides and reads transposed views as if they were dense bshd: copy.
+    out = core(*(t.transpose(1, 2).contiguous() for t in (q, k, v)))  # [B, S, H * D]
     return out.view(b, s, h, d).transpose(1, 2)
 
 
@@ -148,8 +155,28 @@ def _flex(q, k, v, causal: bool) -> torch.Tensor:
 _KERNELS = {"sdpa": _sdpa, "te": _te, "flash": _flash, "flex": _flex}
 
 
+def _masked(q, k, v, attn_mask, backend: str) -> torch.Tensor:
+    """Attention under an explicit mask (bhsd): dense bool for ``sdpa``, FlexAttention ``BlockMask`` for ``flex``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    gqa = k.shape[1] != q.shape[1]
+    if backend == "sdpa":
+        if isinstance(attn_mask, BlockMask):
+            raise DifflmError("model.attention_backend=sdpa takes a dense bool attn_mask, not a FlexAttention "
+                              "BlockMask: use model.attention_backend=flex or pass a dense mask")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+    if backend == "flex":
+        if not isinstance(attn_mask, BlockMask):
+            from difflm.model.masks import to_block_mask
+
+            attn_mask = to_block_mask(attn_mask)
+        return _flex_fn(q.device.type == "cuda")(q, k, v, block_mask=attn_mask, enable_gqa=gqa)
+    raise DifflmError(f"model.attention_backend={backend} cannot take an attention mask (block-causal, document or "
+                      "padding masks): use model.attention_backend=sdpa or flex")
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str = "sdpa",
-           layout: str = "bhsd") -> torch.Tensor:
+           layout: str = "bhsd", attn_mask=None) -> torch.Tensor:
     """Scaled dot-product attention through ``backend``.
 
     Args:
@@ -157,12 +184,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, b
         k, v: same layout with H_kv heads; H_kv divides H (grouped-query attention).
         causal: AR mask when True, full bidirectional attention (diffusion) when False.
         backend: one of :data:`ATTENTION_BACKENDS`.
+        attn_mask: optional explicit mask that replaces ``causal``: a dense bool [B | 1, 1, S_q, S_kv] tensor
+            (True = attend; ``sdpa``, or ``flex`` after conversion) or a FlexAttention ``BlockMask`` (``flex``).
     Returns: the attention output in q's layout and dtype, [B, H, S, D] or [B, S, H, D].
-    Raises: DifflmError when the backend is unknown or cannot run here.
+    Raises: DifflmError when the backend is unknown or cannot run here, or cannot take ``attn_mask``
+        (``te``, ``flash``).
     """
     kernel = _KERNELS.get(backend)
     if kernel is None:
         _check(backend, q.device)
+    if attn_mask is not None:
+        if layout == "bshd":
+            return _masked(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask, backend).transpose(1, 2)
+        return _masked(q, k, v, attn_mask, backend)
     if layout == "bshd":
         return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal).transpose(1, 2)
     return kernel(q, k, v, causal)

@@ -32,21 +32,23 @@ class RMSNorm(nn.Module):
 
 
 class LayerNormLinear(nn.Module):
-    """RMSNorm followed by a linear map without bias, as ``te.LayerNormLinear(normalization="RMSNorm")``.
+    """RMSNorm followed by a linear map, as ``te.LayerNormLinear(normalization="RMSNorm")``.
 
     Args:
         in_features / out_features: ``weight`` is [out_features, in_features].
+        bias: add a ``bias`` [out_features] (TE's name; e.g. Qwen2's QKV bias, ``model.qkv_bias``).
     Shapes: x [..., in_features] -> [..., out_features].
     """
 
-    def __init__(self, in_features: int, out_features: int, eps: float):
+    def __init__(self, in_features: int, out_features: int, eps: float, bias: bool = False):
         super().__init__()
         self.eps = eps
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
+        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
 
 
 class LayerNormMLP(nn.Module):

@@ -20,3 +20,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin at explicit positions: ``position_ids`` [S] or [B, S] int -> [S, D] or [B, 1, S, D] float32.
+
+    Equal to rows of :func:`rope_cos_sin` (same float32 arithmetic); the [B, 1, S, D] form broadcasts over heads
+    in :func:`apply_rope`.
+    """
+    device = position_ids.device
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    if position_ids.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
+    return cos, sin

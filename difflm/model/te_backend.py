@@ -19,7 +19,8 @@ only difference between the two layouts; :func:`torch_to_te_state_dict` and :fun
 convert, and ``tests/fixtures/te_tiny_state_dict.json`` records the names and shapes a real TE model has.
 
 Tensor/sequence/context parallelism use TE's own arguments (``tp_group``, ``parallel_mode``,
-``sequence_parallel``, ``cp_group``): the one place process groups enter a model (docs/DESIGN.md).
+``sequence_parallel``, ``cp_group``): the one place process groups enter a model (the design notes: "The TE backend is the one place that
+takes process groups in its constructor").
 With ``sequence_parallel`` the activations are kept sequence-first ("sbhd"), as TE splits dim 0.
 Transformer Engine is imported only when a model is built.
 """
@@ -189,6 +190,8 @@ class TEAttention(nn.Module):
         q = apply_rotary_pos_emb(q, freqs, tensor_format=self.layout, fused=True)
         k = apply_rotary_pos_emb(k, freqs, tensor_format=self.layout, fused=True)
         if self.attention_backend == "te":
+            # dense tensors: TE infers the layout from strides (v is a strided view of the fused QKV)
+            q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
             out = self.core(q, k, v)  # [B, S, h hd] (bshd) or [S, B, h hd] (sbhd)
         else:
             if self.layout == "sbhd":

@@ -6,6 +6,7 @@ are applied from outside. Parameter names follow Transformer Engine (see :mod:`d
     embedding.weight                              [V, d]
     layers.{i}.attention.qkv.layer_norm_weight    [d]
     layers.{i}.attention.qkv.weight               [(h + 2 h_kv) * hd, d]  grouped per KV head (below)
+    layers.{i}.attention.qkv.bias                 [(h + 2 h_kv) * hd]     (model.qkv_bias, e.g. Qwen2)
     layers.{i}.attention.q_norm.weight            [hd]   (model.qk_norm)
     layers.{i}.attention.k_norm.weight            [hd]   (model.qk_norm)
     layers.{i}.attention.proj.weight              [d, h * hd]
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from difflm.model.attention import attend
+from difflm.model.masks import to_block_mask
 from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
-from difflm.model.rope import apply_rope, rope_cos_sin
+from difflm.model.rope import apply_rope, rope_cos_sin, rope_cos_sin_at
 
 
 class Attention(nn.Module):
@@ -45,12 +47,13 @@ class Attention(nn.Module):
         self.causal = causal
         self.attention_backend = getattr(cfg, "attention_backend", "sdpa")  # see difflm.model.attention
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv = LayerNormLinear(cfg.hidden_size, qkv_out, cfg.norm_eps)
+        self.qkv = LayerNormLinear(cfg.hidden_size, qkv_out, cfg.norm_eps, bias=getattr(cfg, "qkv_bias", False))
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask=None,
+                kv_cache=None) -> torch.Tensor:
         b, s, _ = x.shape
         group = self.num_heads // self.num_kv_heads
         qkv = self.qkv(x).view(b, s, -1, group + 2, self.head_dim)  # [B, S, h_kv, group + 2, hd]
@@ -62,7 +65,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, causal=self.causal, backend=self.attention_backend)  # [B, heads, S, hd]
+        if kv_cache is not None:  # difflm.model.kv_cache.LayerKV: cached K/V around this forward's positions
+            k, v = kv_cache.update(k, v)
+        out = attend(q, k, v, causal=self.causal and attn_mask is None, backend=self.attention_backend,
+                     attn_mask=attn_mask)  # [B, heads, S, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -74,8 +80,9 @@ class Block(nn.Module):
         self.attention = Attention(cfg, causal)
         self.mlp = LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask=None,
+                kv_cache=None) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin, attn_mask, kv_cache)
         return x + self.mlp(x)
 
 
@@ -98,19 +105,42 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.output is None else self.output.weight
 
-    def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None, attn_mask=None,
+                position_ids: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
         """Logits for ``input_ids`` [B, S] int64.
 
+        Optional inputs (all default to the plain full-sequence forward):
+            attn_mask: replaces the model's own bidirectional / causal pattern: a dense bool
+                [B | 1, 1, S, S_kv] tensor (True = attend) or a FlexAttention ``BlockMask``
+                (:mod:`difflm.model.masks`: BD3-LM block-causal, intra-document, padding). DifflmError on
+                attention backends that cannot take a mask (``te``, ``flash``).
+            position_ids: RoPE positions, [S] or [B, S] int64 (default ``0..S-1``); BD3-LM repeats
+                ``0..L-1`` for both halves of ``[x_t ; x_0]``, padded batches skip pad tokens.
+            kv_cache: a :class:`difflm.model.kv_cache.KVCache` (block-level cache for decoding).
+
+        With ``model.shift_logits`` (Dream, Ye et al. 2025) the logits at position i come from the hidden
+        state at i - 1 (position 0 keeps its own), so an AR-initialised model keeps predicting "the next
+        token" while the objective and the sampler read logits[i] as the prediction of token i.
         Returns [B, S, V] in the compute dtype, or, when ``logits_mask`` [B, S] bool is given, only the
         selected positions [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only,
         which saves most of the LM-head FLOPs and memory.
         """
         s = input_ids.shape[1]
-        cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, input_ids.device)
+        if position_ids is None:
+            cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, input_ids.device)
+        else:
+            cos, sin = rope_cos_sin_at(position_ids.to(input_ids.device), self.cfg.head_dim, self.cfg.rope_base)
+        if isinstance(attn_mask, torch.Tensor) and getattr(self.cfg, "attention_backend", "sdpa") == "flex":
+            attn_mask = to_block_mask(attn_mask)  # once per forward rather than in every layer
         x = self.embedding(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            if attn_mask is None and kv_cache is None:
+                x = layer(x, cos, sin)
+            else:
+                x = layer(x, cos, sin, attn_mask, None if kv_cache is None else kv_cache.layer(i))
         x = self.final_norm(x)
+        if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i (from state i - 1)
+            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
@@ -119,7 +149,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Megatron-style init, independent of device and parallel layout.
 
-        Norm scales are 1; other weights are N(0, init_std^2), with the residual-branch outputs
+        Norm scales are 1, biases 0; other weights are N(0, init_std^2), with the residual-branch outputs
         (``attention.proj``, ``mlp.fc2``) scaled by 1/sqrt(2 * num_layers) (Megatron-LM
         ``scaled_init_method_normal``; GPT-2 paper sec. 2.3). Each tensor is drawn on the CPU from a
         generator seeded by (seed, crc32(name)), so the values do not depend on the device, on the order
@@ -129,6 +159,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm_weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith("bias"):
+                p.zero_()
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std

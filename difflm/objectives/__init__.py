@@ -1,10 +1,13 @@
-"""Training objectives: ``mdlm`` (masked diffusion) and ``ar`` (next token). See :func:`build_objective`."""
+"""Training objectives: ``mdlm`` (masked diffusion), ``ar`` (next token), ``bd3lm`` (block diffusion), ``sft``
+(masked diffusion on responses). See :func:`build_objective`."""
 from difflm.errors import DifflmError
 from difflm.objectives.ar import ARObjective
+from difflm.objectives.bd3lm import BD3LMObjective
 from difflm.objectives.base import NoisedBatch, step_length, weighted_ce_sum
 from difflm.objectives.mdlm import MDLMObjective
+from difflm.objectives.sft import SFTObjective
 
-OBJECTIVES = {"mdlm": MDLMObjective, "ar": ARObjective}
+OBJECTIVES = {"mdlm": MDLMObjective, "ar": ARObjective, "bd3lm": BD3LMObjective, "sft": SFTObjective}
 
 
 def build_objective(cfg, mask_id: int):
@@ -14,4 +17,4 @@ def build_objective(cfg, mask_id: int):
     return OBJECTIVES[cfg.name](cfg, mask_id)
 
 
-__all__ = ["ARObjective", "MDLMObjective", "NoisedBatch", "build_objective", "step_length", "weighted_ce_sum"]
+__all__ = ["ARObjective", "BD3LMObjective", "SFTObjective", "MDLMObjective", "NoisedBatch", "build_objective", "step_length", "weighted_ce_sum"]

@@ -5,6 +5,8 @@ from typing import Sequence
 
 import torch
 
+from difflm.data.batch import split_batch
+from difflm.model.masks import document_mask
 from difflm.objectives.base import NoisedBatch
 
 
@@ -22,6 +24,8 @@ class ARObjective:
 
     def noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
               t_sampling: str | None = None) -> NoisedBatch:
+        """Next-token batch of ``tokens`` [B, S] (or a TokenBatch: intra-document causal mask from its doc ids)."""
+        tokens, extras = split_batch(tokens)
         b, s = tokens.shape
         targets = torch.roll(tokens, shifts=-1, dims=1)
         loss_mask = torch.ones(b, s, dtype=torch.bool)
@@ -33,6 +37,7 @@ class ARObjective:
             weights=loss_mask.float(),
             t=torch.zeros(b),
             num_tokens=torch.full((b,), float(s - 1)),
+            attn_mask=None if extras is None or extras.doc_ids is None else document_mask(extras.doc_ids, causal=True),
         )
 
     def eval_noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], draw: int, num_draws: int,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ class NoisedBatch:
         weights:   [B, S] float32, per-position loss weight (1/p for mdlm, 1 for ar); 0 off ``loss_mask``.
         t:         [B] float32 diffusion time per sequence (zeros for ar).
         num_tokens: [B] float32, the normaliser of each sequence (its length, or L-1 predictions for ar).
+        attn_mask: optional attention mask for the model (dense bool [B | 1, 1, S, S] or a FlexAttention
+            ``BlockMask``): BD3-LM's block-causal pattern, intra-document masks of packed windows.
+        position_ids: optional RoPE positions [S] or [B, S] int64 (BD3-LM: ``0..L-1`` twice).
     """
 
     input_ids: torch.Tensor
@@ -28,9 +32,19 @@ class NoisedBatch:
     weights: torch.Tensor
     t: torch.Tensor
     num_tokens: torch.Tensor
+    attn_mask: Optional[Any] = None
+    position_ids: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "NoisedBatch":
-        return NoisedBatch(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+        return NoisedBatch(**{k: None if v is None else v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                              else v.to(device) for k, v in self.__dict__.items()})
+
+    def model_kwargs(self) -> dict:
+        """The optional model inputs that are set (``attn_mask``, ``position_ids``), as keyword arguments.
+
+        Empty for plain batches, so models without these arguments (e.g. the TE backend) keep working.
+        """
+        return {k: v for k, v in (("attn_mask", self.attn_mask), ("position_ids", self.position_ids)) if v is not None}
 
 
 def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, global_batch_size: int) -> torch.Tensor:

@@ -15,8 +15,11 @@ from typing import Sequence
 
 import torch
 
+from difflm.data.batch import split_batch
+from difflm.model.masks import document_mask
 from difflm.objectives.base import NoisedBatch
 from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL, keyed_generator, keyed_uniform
+from difflm.objectives.schedules import mask_prob_and_weight
 
 
 def mask_prob(t: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,10 +55,18 @@ def draw_mask(p: torch.Tensor, seq_len: int, sample_ids: Sequence[int], key: tup
     return torch.stack(rows) < p[:, None]
 
 
-def noise_batch(tokens: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, mask_id: int, eps: float) -> NoisedBatch:
-    """Apply an absorbing-state corruption given t [B] and a mask [B, S] (see module docstring)."""
-    p = mask_prob(t, eps)
-    weights = torch.where(mask, 1.0 / p[:, None], torch.zeros((), dtype=torch.float32))
+def noise_batch(tokens: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, mask_id: int, eps: float,
+                weight: torch.Tensor | None = None) -> NoisedBatch:
+    """Apply an absorbing-state corruption given t [B] and a mask [B, S] (see module docstring).
+
+    ``weight`` [B] (or [B, S]) float32 is the NELBO weight of a masked token (default 1 / p: the linear
+    schedule; :func:`difflm.objectives.schedules.mask_prob_and_weight` for the others).
+    """
+    if weight is None:
+        weight = 1.0 / mask_prob(t, eps)
+    if weight.dim() == 1:
+        weight = weight[:, None]
+    weights = torch.where(mask, weight, torch.zeros((), dtype=torch.float32))
     length = torch.full((tokens.shape[0],), float(tokens.shape[1]))
     return NoisedBatch(
         input_ids=torch.where(mask, torch.full_like(tokens, mask_id), tokens),
@@ -80,14 +91,27 @@ class MDLMObjective:
     def __init__(self, cfg, mask_id: int):
         self.cfg, self.mask_id = cfg, mask_id
 
-    def noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
-              t_sampling: str | None = None) -> NoisedBatch:
-        """Noise ``tokens`` [B, S] (CPU int64). ``key`` is e.g. (seed, STREAM_TRAIN, step)."""
-        t = sample_t(sample_ids, key=key, global_batch_size=global_batch_size, mode=t_sampling or self.cfg.t_sampling)
-        mask = draw_mask(mask_prob(t, self.cfg.eps), tokens.shape[1], sample_ids, key)
-        return noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps)
+    def schedule(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask probability, NELBO weight) at t under ``objective.schedule`` (default ``linear``)."""
+        return mask_prob_and_weight(t, getattr(self.cfg, "schedule", "linear") or "linear", self.cfg.eps)
 
-    def eval_noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], draw: int, num_draws: int,
+    def _finish(self, batch: NoisedBatch, extras) -> NoisedBatch:
+        """Add the intra-document mask of packed windows (``data.intra_document_attention``)."""
+        if extras is not None and extras.doc_ids is not None:
+            batch.attn_mask = document_mask(extras.doc_ids)
+        return batch
+
+    def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
+              t_sampling: str | None = None) -> NoisedBatch:
+        """Noise ``tokens`` [B, S] (CPU int64, or a :class:`difflm.data.batch.TokenBatch`). ``key`` is e.g.
+        (seed, STREAM_TRAIN, step)."""
+        tokens, extras = split_batch(tokens)
+        t = sample_t(sample_ids, key=key, global_batch_size=global_batch_size, mode=t_sampling or self.cfg.t_sampling)
+        p, w = self.schedule(t)
+        mask = draw_mask(p, tokens.shape[1], sample_ids, key)
+        return self._finish(noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps, w), extras)
+
+    def eval_noise(self, tokens, sample_ids: Sequence[int], draw: int, num_draws: int,
                    seed: int) -> NoisedBatch:
         """Draw ``draw`` of ``num_draws`` for the NELBO estimate of fixed validation sequences.
 
@@ -95,7 +119,9 @@ class MDLMObjective:
         (seed, i), so the K draws stratify [0, 1) and the estimate's variance falls faster than with iid t.
         Everything is keyed, so every evaluation of a run sees the same noise and curves are comparable.
         """
+        tokens, extras = split_batch(tokens)
         u = torch.tensor([keyed_uniform(seed, STREAM_EVAL, int(i)) for i in sample_ids], dtype=torch.float64)
         t = ((u + draw / num_draws) % 1.0).float()
-        mask = draw_mask(mask_prob(t, self.cfg.eps), tokens.shape[1], sample_ids, (seed, STREAM_EVAL, draw))
-        return noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps)
+        p, w = self.schedule(t)
+        mask = draw_mask(p, tokens.shape[1], sample_ids, (seed, STREAM_EVAL, draw))
+        return self._finish(noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps, w), extras)

@@ -1,10 +1,13 @@
-"""Sampling: LLaDA masked-diffusion generation and left-to-right decoding for ``ar`` models."""
+"""Sampling: LLaDA masked-diffusion generation (with Fast-dLLM decoding), BD3-LM block-wise sampling and
+left-to-right decoding for ``ar`` models."""
 
 from difflm.sampling.autoregressive import autoregressive_generate
+from difflm.sampling.block_diffusion import block_diffusion_generate
 from difflm.sampling.diffusion import (
     GenerationConfigError,
     LogitsFn,
     diffusion_generate,
+    filter_top_k_top_p,
     gumbel_argmax,
     num_transfer_tokens,
 )
@@ -13,6 +16,8 @@ __all__ = [
     "GenerationConfigError",
     "LogitsFn",
     "autoregressive_generate",
+    "block_diffusion_generate",
+    "filter_top_k_top_p",
     "diffusion_generate",
     "gumbel_argmax",
     "num_transfer_tokens",

@@ -3,12 +3,12 @@
 Plain ancestral sampling of an autoregressive model, p(x) = prod_i p(x_i | x_<i)
 (e.g. Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"), with
 greedy decoding at temperature 0 and temperature-scaled softmax sampling otherwise.
-v0 has no KV cache: every step re-runs the model on the whole prefix.
+No KV cache: every step re-runs the model on the whole prefix.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from difflm.sampling.diffusion import (
     apply_forbid,
     check_logits,
     check_prompt,
+    filter_top_k_top_p,
 )
 
 
@@ -30,6 +31,9 @@ def autoregressive_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     forbid_ids: Sequence[int] = (),
+    top_k: int = 0,
+    top_p: float = 1.0,
+    prompt_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Generate ``length`` tokens after ``prompt``, one at a time, left to right.
 
@@ -44,6 +48,9 @@ def autoregressive_generate(
         temperature: >= 0 (``gen.temperature``).
         generator: source of all randomness; the same seed reproduces the output.
         forbid_ids: token ids never emitted.
+        top_k, top_p: ``gen.top_k`` / ``gen.top_p`` filters before sampling (0 / 1 = off).
+        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts; pads are masked out of
+            attention and skipped by the RoPE positions (``logits_fn`` then gets ``attn_mask``/``position_ids``).
     Returns:
         ``[B, P + length]`` int64; the first ``P`` columns are ``prompt``.
     Raises:
@@ -59,10 +66,23 @@ def autoregressive_generate(
         raise GenerationConfigError(f"gen.temperature={temperature} must be >= 0")
 
     x = prompt
+    valid = None if prompt_mask is None else prompt_mask.bool()
     for _ in range(length):
-        logits = logits_fn(x)
-        check_logits(logits, x)
-        last = apply_forbid(logits[:, -1, :], forbid_ids).float()  # [B, V]
+        if valid is None:
+            logits = logits_fn(x)
+        else:
+            from difflm.model.masks import key_padding_mask
+
+            logits = logits_fn(x, attn_mask=key_padding_mask(valid, causal=True),
+                               position_ids=(valid.long().cumsum(dim=1) - 1).clamp(min=0))
+            check_logits(logits, x)
+            # the prediction comes from each row's last real token (right padding: before the pads)
+            last_real = x.shape[1] - 1 - valid.flip(1).long().argmax(dim=1)
+            logits = logits[torch.arange(x.shape[0], device=x.device), last_real][:, None]
+            valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        if valid is None:
+            check_logits(logits, x)
+        last = filter_top_k_top_p(apply_forbid(logits[:, -1, :], forbid_ids).float(), top_k, top_p)  # [B, V]
         if temperature == 0:
             nxt = last.argmax(dim=-1)
         else:

@@ -1,6 +1,7 @@
 """The training loop: steps with gradient accumulation, evaluation of the NELBO bound, samples, checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -11,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
-from difflm.config.validate import check_batch
+from difflm.config.validate import check_batch, check_parallel
 from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.objectives import build_objective, step_length, weighted_ce_sum
@@ -20,6 +21,7 @@ from difflm.training.flops import flops_per_token, mfu, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.schedule import build_scheduler
+from difflm.parallel import distributed as pdist
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
 
@@ -43,27 +45,69 @@ class Trainer:
 
     def __init__(self, cfg, run_dir: Path, device: torch.device):
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
-        self.accum_steps = check_batch(cfg)
+        # layout: one process keeps the plain path below; several (torchrun) get a mesh (difflm.parallel)
+        self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
+        self.accum_steps = check_batch(cfg, self.dims.world_size)
+        self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
+        if self.dims.distributed:
+            self.device = device = pdist.init_distributed(device)
+            from difflm.parallel.mesh import build_mesh, mesh_coordinates
+
+            self.mesh = build_mesh(self.dims, device.type)
+            self.coords = mesh_coordinates(self.mesh)
+        self.is_rank0 = pdist.is_rank0()
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
         resolve_model_config(cfg.model, self.tok.padded_vocab_size)
         cache_dir = cfg.data.cache_dir or str(self.run_dir / "data_cache")
-        self.train_set, self.valid_set = build_datasets(cfg.data, self.tok, cache_dir)
+        for turn in ((True, False) if self.dims.distributed else (True,)):  # rank 0 tokenizes and caches first
+            if turn == self.is_rank0:
+                self.train_set, self.valid_set = build_datasets(cfg.data, self.tok, cache_dir)
+            pdist.barrier()
         self.sampler = GlobalBatchSampler(len(self.train_set), t.global_batch_size, t.seed)
         self.objective = build_objective(cfg.objective, self.tok.mask_id)
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, causal=self.objective.causal, device=device, seed=t.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        if self.dims.distributed:
+            num_params = self._build_parallel_model()
+        else:
+            self.model = build_model(cfg.model, causal=self.objective.causal, device=device, seed=t.seed)
+            self.model_parts = [self.model]
+            num_params = self.model.num_params()
+        self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts) if self.dims.distributed else self.model,
+                                         cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.max_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
-        self.flops_per_token = flops_per_token(self.model.num_params(), cfg.model.num_layers,
+        self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.data.seq_len)
         self.peak = peak_flops(device)
         self.step = 0
         self.resumed_from: Optional[int] = None
+        self._pending_save = None
         self._resume()
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if self.is_rank0:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    def _build_parallel_model(self) -> int:
+        """Build the full model (same init on every rank), then lay it out over the mesh (difflm.parallel).
+        Returns the full model's parameter count without the input embedding (for MFU)."""
+        from difflm.parallel.mesh import te_process_groups
+        from difflm.parallel.parallelize import parallelize, sequence_parallel_enabled
+
+        cfg = self.cfg
+        model_cfg = cfg.model.copy()
+        model_cfg.compile = False  # compiled per block after TP/AC, before FSDP (parallelize)
+        te_groups = {}
+        if cfg.model.backend == "te":
+            te_groups = te_process_groups(self.mesh, self.dims, sequence_parallel_enabled(cfg.parallel, self.dims))
+        model = build_model(model_cfg, causal=self.objective.causal, device=self.device, seed=cfg.train.seed,
+                            **te_groups)
+        num_params = model.num_params()
+        self.model_parts, self.pipeline = parallelize(model, self.mesh, self.dims, cfg, self.device,
+                                                      n_microbatches=self.accum_steps)
+        self.model = self.model_parts[0] if self.pipeline is None else None
+        return num_params
 
     # ------------------------------------------------------------------ state
     def trainer_state(self) -> dict:
@@ -80,7 +124,7 @@ class Trainer:
         if found is None:
             return
         step, path = found
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
@@ -89,11 +133,27 @@ class Trainer:
         self.step = self.resumed_from = state["step"]
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.trainer_state())
+        """Checkpoint the current step (collective under parallel layouts). With ``train.async_save`` the previous
+        asynchronous save is finished first and this one is left in flight (see :meth:`finish_saves`)."""
+        self.finish_saves()
+        out = save_checkpoint(self.run_dir, self.step, self.model_parts, self.optimizer, self.trainer_state(),
+                              async_save=bool(self.cfg.train.get("async_save", False)))
+        if isinstance(out, Path):
+            return out
+        self._pending_save = out
+        return out.path
+
+    def finish_saves(self) -> None:
+        """Wait for an asynchronous checkpoint in flight and publish it (rename to ``step_<N>``)."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.wait()
 
     # ------------------------------------------------------------------ steps
     def train_step(self) -> dict:
         """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics."""
+        if self.dims.distributed:
+            return self._parallel_train_step()
         cfg, t = self.cfg, self.cfg.train
         seq_len = step_length(cfg.data.seq_len, self.step, t.seed, cfg.objective.random_length_prob,
                               cfg.objective.length_multiple)
@@ -106,7 +166,7 @@ class Trainer:
             batch = self.objective.noise(tokens, ids, (t.seed, STREAM_TRAIN, self.step), t.global_batch_size)
             batch = batch.to(self.device)
             with autocast_context(cfg.precision.name, self.device):
-                logits = self.model(batch.input_ids, batch.loss_mask)
+                logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
             micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, t.global_batch_size)
             self.scaler.scale(micro_loss).backward()
             loss += micro_loss.detach()
@@ -121,6 +181,100 @@ class Trainer:
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": t.global_batch_size * seq_len}
 
+    # ------------------------------------------------------------------ parallel layouts (difflm.parallel)
+    def _parallel_train_step(self) -> dict:
+        """:meth:`train_step` under a mesh layout (docs/parallel.md).
+
+        Data-parallel rank d takes global samples ``[d * local, (d + 1) * local)`` of the step (local =
+        global batch / dp), micro-batch m the ids ``d * local + m * mb ...``: the noise is keyed by these GLOBAL
+        ids, so every layout trains on the same noised batch as one process. Each rank's loss is divided by the
+        global normaliser; FSDP sums gradients (divide factor 1), pipeline schedules do not rescale them.
+        """
+        from difflm.parallel.fsdp import FSDPModule
+        from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
+
+        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        seq_len = step_length(cfg.data.seq_len, self.step, t.seed, cfg.objective.random_length_prob,
+                              effective_length_multiple(cfg, dims))
+        windows = self.sampler.indices(self.step)
+        local, mb = t.global_batch_size // dims.dp, t.micro_batch_size
+        start = self.coords["dp"] * local
+        key = (t.seed, STREAM_TRAIN, self.step)
+        for part in self.model_parts:
+            part.train()
+        loss = torch.zeros((), device=self.device)
+        if self.pipeline is not None:
+            ids = range(start, start + local)
+            tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
+            batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
+            with autocast_context(cfg.precision.name, self.device):
+                loss += self.pipeline.step(batch).detach()
+        else:
+            for micro in range(self.accum_steps):
+                ids = range(start + micro * mb, start + (micro + 1) * mb)
+                tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
+                batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
+                if isinstance(self.model, FSDPModule):  # reduce-scatter once per step, after the last micro-batch
+                    self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
+                loss += self._local_loss(batch, cfg.objective.loss_norm, t.global_batch_size, backward=True)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = grad_norm_and_clip(params, max_norm, self.mesh["pp"].get_group() if dims.pp_enabled else None)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": t.global_batch_size * seq_len}
+
+    def _local_loss(self, batch, norm: str, global_batch_size: int, backward: bool) -> torch.Tensor:
+        """This rank's share of the weighted CE of ``batch`` (its sequence chunks under CP), backward if asked."""
+        from difflm.parallel.context_parallel import shard_sequence, torch_cp_context
+
+        cfg, dims = self.cfg, self.dims
+        kwargs = batch.model_kwargs()
+        ctx = contextlib.nullcontext()
+        if dims.cp_enabled and cfg.model.backend == "te":  # TE's ring attention: feed each rank its chunks
+            cp, r = dims.cp, self.coords["cp"]
+            batch = type(batch)(**{**batch.__dict__, **{k: shard_sequence(getattr(batch, k), cp, r) for k in
+                                                        ("input_ids", "targets", "loss_mask", "weights")}})
+        elif dims.cp_enabled:  # torch: context_parallel shards the buffers in place and patches SDPA
+            positions = torch.arange(batch.input_ids.shape[1], device=self.device)
+            kwargs = dict(kwargs, position_ids=positions)
+            ctx = torch_cp_context(self.mesh["cp"], [batch.input_ids, batch.targets, batch.loss_mask, batch.weights,
+                                                     positions], [1, 1, 1, 1, 0])
+        with ctx:
+            with autocast_context(cfg.precision.name, self.device):
+                logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
+            loss = weighted_ce_sum(logits, batch, norm, global_batch_size)
+            if backward:
+                loss.backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def _parallel_evaluate(self, count: int, draws: int) -> float:
+        """:meth:`evaluate` under a mesh layout: every data-parallel rank evaluates all windows (the same forwards,
+        as FSDP needs), so the sum over ranks is divided by dp and by tp (replicated loss)."""
+        t = self.cfg.train
+        for part in self.model_parts:
+            part.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for start in range(0, count, t.micro_batch_size):
+            ids = list(range(start, min(count, start + t.micro_batch_size)))
+            tokens = self.valid_set.get(ids)
+            for draw in range(draws):
+                batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
+                if self.pipeline is not None:
+                    with autocast_context(self.cfg.precision.name, self.device):
+                        total += self.pipeline.evaluate(batch).double()
+                else:
+                    total += self._local_loss(batch, "token", 1, backward=False).double()
+        for part in self.model_parts:
+            part.train()
+        total = pdist.all_reduce_sum(total) / (self.dims.tp * self.dims.dp)
+        return float(total) / (count * draws)
+
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
@@ -132,6 +286,8 @@ class Trainer:
         if count == 0:
             return None
         draws = 1 if cfg.objective.name == "ar" else t.eval_mc_samples
+        if self.dims.distributed:
+            return self._parallel_evaluate(count, draws)
         self.model.eval()
         total = 0.0
         for start in range(0, count, t.micro_batch_size):
@@ -140,7 +296,7 @@ class Trainer:
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
                 with autocast_context(cfg.precision.name, self.device):
-                    logits = self.model(batch.input_ids, batch.loss_mask)
+                    logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
                 total += float(weighted_ce_sum(logits, batch, "token", 1))  # summed over sequences
         self.model.train()
         return total / (count * draws)
@@ -150,11 +306,13 @@ class Trainer:
         """Continuations of ``prompt`` with the run's sampler settings (``gen.*``), decoded to text."""
         from difflm.generate import generate_ids
 
+        if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
+            return []
         self.model.eval()
         ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
         prompt_ids = torch.tensor([ids] * num, device=self.device)
         out = generate_ids(self.model, self.tok, prompt_ids, self.cfg.gen, self.objective.causal,
-                           precision=self.cfg.precision.name)
+                           precision=self.cfg.precision.name, objective=self.cfg.objective)
         self.model.train()
         return [prompt + self.tok.decode(row.tolist()) for row in out]
 
@@ -162,8 +320,8 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``train.max_steps``; returns the last metrics dict."""
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
-        sinks = [JsonlSink(self.run_dir), ConsoleSink(t.max_steps, self.step, lg.progress_bar)]
-        if lg.name == "wandb" and lg.mode != "disabled":
+        sinks = [JsonlSink(self.run_dir), ConsoleSink(t.max_steps, self.step, lg.progress_bar)] if self.is_rank0 else []
+        if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
             wandb_id = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    wandb_id.read_text().strip() if wandb_id.exists() else None))
@@ -183,13 +341,15 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
                     tokens_per_s = window_tokens / elapsed
+                    per_gpu = tokens_per_s / self.dims.world_size
                     metrics = {
                         "step": self.step,
                         "loss": float(out["loss"]),
                         "grad_norm": float(out["grad_norm"]),
                         "lr": out["lr"],
-                        "tokens_per_s": tokens_per_s,
-                        "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak),
+                        "tokens_per_s": tokens_per_s,  # all ranks together
+                        "tokens_per_s_per_gpu": per_gpu,
+                        "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
                         "mem_gib": memory_gib(self.device),
                     }
                     if do_eval:
@@ -200,6 +360,7 @@ class Trainer:
                     window_tokens, window_start = 0, time.perf_counter()
                 if t.save_every > 0 and (self.step % t.save_every == 0 or last):
                     self.save()
+            self.finish_saves()
             if t.sample_at_end and lg.num_samples > 0:
                 self._emit_samples(sinks, lg.num_samples)
         finally:
@@ -219,6 +380,8 @@ class Trainer:
 
     def _emit_samples(self, sinks, num: int) -> None:
         samples = self.generate_samples(self.cfg.logger.sample_prompt, num)
+        if not samples or not self.is_rank0:
+            return
         for sink in sinks:
             sink.log_samples(self.step, samples)
         (self.run_dir / "samples.txt").write_text(

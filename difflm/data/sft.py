@@ -1,0 +1,100 @@
+"""Prompt/response pairs for supervised fine-tuning (``objective=sft``; LLaDA, Nie et al. 2025, sec. 2.3).
+
+A JSONL file with ``data.prompt_field`` / ``data.response_field`` per line becomes rows of ``data.seq_len``
+tokens ``[prompt, response, EOS, EOS, ...]``: the response gets one EOS and is padded with EOS to the window
+(LLaDA pads with |EOS| and trains on them, so the model learns to end its answer). With
+``data.chat_template=true`` the prompt is the tokenizer's ``apply_chat_template`` of one user turn (with the
+generation prompt). Pairs longer than the window keep the end of the prompt and cut the response.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from difflm.data.batch import TokenBatch
+from difflm.data.preprocess import resolve_sources
+from difflm.data.tokenizer import TokenizerInfo
+from difflm.errors import DifflmError
+
+
+class SFTPairs:
+    """Tokenized pairs: ``tokens`` [N, seq_len] int64 and ``prompt_lengths`` [N] int64.
+
+    :meth:`get` has the API of :class:`difflm.data.windows.PackedWindows` but returns a :class:`TokenBatch`
+    (which slices like the token tensor), so the trainer fetches batches the same way.
+    """
+
+    def __init__(self, tokens: np.ndarray, prompt_lengths: np.ndarray):
+        self.tokens, self.prompt_lengths = tokens, prompt_lengths
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def get(self, indices: Sequence[int]) -> TokenBatch:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"pair index out of range [0, {len(self)})")
+        return TokenBatch(torch.from_numpy(self.tokens[idx]), torch.from_numpy(self.prompt_lengths[idx]))
+
+
+def read_pairs(cfg) -> list[tuple[str, str]]:
+    """(prompt, response) strings of every ``.jsonl`` file of ``data.path``.
+
+    Raises: DifflmError for a non-JSONL source, bad JSON, or a missing field (naming data.prompt_field /
+    data.response_field).
+    """
+    pairs = []
+    for path in resolve_sources(cfg.path):
+        if not path.endswith(".jsonl"):
+            raise DifflmError(f"data.path: {path} is not .jsonl: objective=sft reads prompt/response pairs from JSONL")
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DifflmError(f"data.path: {path}:{lineno} is not valid JSON ({e})") from None
+                for key in ("prompt_field", "response_field"):
+                    if cfg[key] not in rec:
+                        raise DifflmError(f"data.{key}={cfg[key]!r} not found in {path}:{lineno} (keys: {sorted(rec)}): "
+                                          f"set data.{key} to one of them")
+                pairs.append((str(rec[cfg.prompt_field]), str(rec[cfg.response_field])))
+    return pairs
+
+
+def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
+    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
+    t = tok.tokenizer
+    if chat_template:
+        if not getattr(t, "chat_template", None):
+            raise DifflmError(f"data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+        p = list(t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
+    else:
+        p = t(prompt, add_special_tokens=False)["input_ids"]
+    r = t(response, add_special_tokens=False)["input_ids"] + [tok.eos_id]
+    p = p[-(seq_len - 1):] if len(p) >= seq_len else p  # keep at least one response token
+    ids = (p + r)[:seq_len]
+    return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)
+
+
+def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
+    """(train, valid) pairs; valid = the last ``data.valid_fraction`` of the pairs (at least one if > 0).
+
+    Raises: DifflmError for an empty file or when no training pair is left.
+    """
+    pairs = read_pairs(cfg)
+    if not pairs:
+        raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
+    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
+    tokens = np.asarray([ids for ids, _ in rows], dtype=np.int64)
+    lengths = np.asarray([n for _, n in rows], dtype=np.int64)
+    n_valid = max(1, round(cfg.valid_fraction * len(rows))) if cfg.valid_fraction > 0 else 0
+    if len(rows) - n_valid < 1:
+        raise DifflmError(f"data.path={cfg.path!r} has {len(rows)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
+                          "leaves none for training: add pairs or lower data.valid_fraction")
+    cut = len(rows) - n_valid
+    return SFTPairs(tokens[:cut], lengths[:cut]), SFTPairs(tokens[cut:], lengths[cut:])

@@ -1,0 +1,221 @@
+"""``difflm-export``: a run's checkpoint -> a Hugging Face directory loadable with ``trust_remote_code=True``.
+
+    difflm-export run.dir=DIR out=HF_DIR [step=N] [dtype=bf16] [max_shard_size=5GB] [overwrite=true]
+
+Writes into ``out``:
+    model.safetensors                      difflm's state dict, unchanged names (or shards
+                                           ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``
+                                           when larger than ``max_shard_size``)
+    config.json                            :class:`DiffLMConfig` fields + ``auto_map`` to the two files below
+    configuration_difflm.py, modeling_difflm.py
+                                           self-contained (torch + transformers) copies of ``difflm/interop/hf_modeling``
+    generation_config.json                 the run's ``gen.*`` sampler settings and the special ids
+    tokenizer files                        the run's tokenizer, with its mask token added when it had none
+
+so that ``AutoModel.from_pretrained(out, trust_remote_code=True)`` (or ``AutoModelForMaskedLM``) returns
+a model whose logits equal difflm's and whose ``generate`` is difflm's sampler (docs/hf_interop.md).
+The checkpoint is read with :func:`difflm.checkpoint.store.load_checkpoint` (DCP, any sharding) into a
+pure-PyTorch model: TE-backend runs share its parameter names; their ``_extra_state`` entries are dropped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from difflm.checkpoint.store import find_checkpoint, load_checkpoint
+from difflm.cli import exits_cleanly
+from difflm.config import CONF_DIR, RunConfig
+from difflm.data import TokenizerInfo, build_tokenizer
+from difflm.errors import DifflmError
+from difflm.model import build_model
+
+TEMPLATES = Path(__file__).resolve().parent / "hf_modeling"
+MODELING_FILES = ("configuration_difflm.py", "modeling_difflm.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_difflm.DiffLMConfig",
+    "AutoModel": "modeling_difflm.DiffLMModel",
+    "AutoModelForMaskedLM": "modeling_difflm.DiffLMForMaskedLM",
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
+EXTRA_STATE = "_extra_state"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` / ``"500MB"`` / ``"2GiB"`` / ``1000`` -> bytes (decimal units as Hugging Face's ``max_shard_size``).
+
+    Raises: DifflmError naming ``max_shard_size`` for anything else.
+    """
+    m = _SIZE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise DifflmError(f"max_shard_size={text!r} is not a size: use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def load_run_for_export(run_dir: str | Path, step: Optional[int] = None):
+    """(run config, FP32 CPU model in eval mode with the checkpoint's weights, tokenizer info, step).
+
+    Builds the pure-PyTorch backend whatever ``model.backend`` the run trained with (same parameter names;
+    TE's ``_extra_state`` is simply not requested from the checkpoint), without ``torch.compile``.
+    Raises: DifflmError when ``run.dir`` has no config.yaml or no (matching) checkpoint.
+    """
+    path = Path(run_dir)
+    if not (path / "config.yaml").exists():
+        raise DifflmError(f"run.dir={str(run_dir)!r} has no config.yaml: point run.dir at a difflm-train output "
+                          "directory (or a difflm-import one)")
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
+    step, ckpt = find_checkpoint(path, step)
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+    cfg.model.backend, cfg.model.compile, cfg.model.attention_backend = "torch", False, "sdpa"
+    model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=0)
+    load_checkpoint(ckpt, model)
+    return cfg, model.eval(), tok, step
+
+
+def export_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """difflm's state dict for safetensors: contiguous CPU tensors in ``dtype`` (floating ones), no ``_extra_state``."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(EXTRA_STATE):
+            continue
+        t = t.detach().to("cpu")
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    return out
+
+
+def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """Write ``state`` as ``model.safetensors``, or as shards + ``model.safetensors.index.json`` (the layout
+    ``transformers`` reads) when the total exceeds ``max_shard_bytes``. A tensor larger than the limit gets a
+    shard of its own. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=metadata)
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata=metadata)
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+def _config_class():
+    """The template's ``DiffLMConfig`` (loaded from its file: it is shipped as data, not as a difflm module)."""
+    spec = importlib.util.spec_from_file_location("_difflm_hf_configuration", TEMPLATES / "configuration_difflm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DiffLMConfig
+
+
+def save_tokenizer_with_mask(tok: TokenizerInfo, out: Path, mask_token: str = DEFAULT_MASK_TOKEN) -> None:
+    """Save ``tok.tokenizer`` to ``out`` with a mask token at ``tok.mask_id``.
+
+    difflm's implicit mask id of a tokenizer without one is ``len(tokenizer)``; adding ``mask_token`` as a
+    special token gives it exactly that id, so the saved tokenizer yields the same mask id and padded vocab.
+    Raises: DifflmError when ``mask_token`` is already a token with another id (pick another mask_token).
+    """
+    tokenizer = tok.tokenizer
+    if tokenizer.mask_token_id is None:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        if tokenizer.mask_token_id != tok.mask_id:
+            raise DifflmError(f"mask_token={mask_token!r} is already token {tokenizer.mask_token_id} of the tokenizer, "
+                              f"not the free id {tok.mask_id}: choose another mask_token")
+    tokenizer.save_pretrained(str(out))
+
+
+def hf_config(cfg, tok: TokenizerInfo, dtype: str):
+    """The :class:`DiffLMConfig` of a run (``cfg`` resolved: ``model.vocab_size`` and ``head_dim`` set)."""
+    m, g = cfg.model, cfg.gen
+    config_cls = _config_class()
+    return config_cls(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, intermediate_size=m.ffn_hidden_size,
+        head_dim=m.head_dim, rope_theta=float(m.rope_base), rms_norm_eps=float(m.norm_eps), qk_norm=m.qk_norm,
+        qkv_bias=bool(m.get("qkv_bias", False)), tie_word_embeddings=m.tie_embeddings,
+        causal=cfg.objective.name == "ar", shift_logits=bool(m.get("shift_logits", False)),
+        mask_token_id=tok.mask_id, tokenizer_vocab_size=len(tok.tokenizer), initializer_range=m.init_std,
+        gen_length=g.length, gen_steps=g.steps, gen_block_length=g.block_length, gen_remasking=g.remasking,
+        gen_temperature=float(g.temperature), gen_cfg_scale=float(g.get("cfg_scale", 0.0)),
+        gen_top_k=int(g.get("top_k", 0)), gen_top_p=float(g.get("top_p", 1.0)), gen_threshold=g.get("threshold"),
+        bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
+        pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),
+        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    )
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
+               max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+    """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
+
+    The directory is written under ``<out>.tmp`` and renamed at the end, so ``out`` is complete or absent.
+    Returns ``out``. Raises DifflmError for a bad ``dtype``/``max_shard_size``, a non-empty ``out`` without
+    ``overwrite``, or a run without config/checkpoint.
+    """
+    if dtype not in DTYPES:
+        raise DifflmError(f"dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DifflmError(f"out={str(out)!r} exists and is not empty: choose a new directory or pass overwrite=true")
+    cfg, model, tok, _ = load_run_for_export(run_dir, step)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_sharded(export_state_dict(model, DTYPES[dtype]), tmp, max_bytes)
+    config = hf_config(cfg, tok, dtype)
+    config.save_pretrained(str(tmp))
+    for name in MODELING_FILES:
+        shutil.copyfile(TEMPLATES / name, tmp / name)
+    save_tokenizer_with_mask(tok, tmp)
+    gen = {"bos_token_id": tok.tokenizer.bos_token_id, "eos_token_id": tok.eos_id, "mask_token_id": tok.mask_id,
+           "max_new_tokens": cfg.gen.length, "gen_length": cfg.gen.length, "steps": cfg.gen.steps,
+           "block_length": cfg.gen.block_length, "remasking": cfg.gen.remasking,
+           "cfg_scale": float(cfg.gen.get("cfg_scale", 0.0)), "threshold": cfg.gen.get("threshold"),
+           "do_sample": cfg.gen.temperature > 0}
+    if cfg.gen.temperature > 0:  # transformers warns about sampling settings without sampling
+        gen.update(temperature=float(cfg.gen.temperature), top_k=int(cfg.gen.get("top_k", 0)),
+                   top_p=float(cfg.gen.get("top_p", 1.0)))
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="export")
+@exits_cleanly
+def main(args) -> None:
+    out = export_run(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite)
+    print(f"exported {args.run.dir} -> {out}; load with "
+          f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
+
+
+if __name__ == "__main__":
+    main()

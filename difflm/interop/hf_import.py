@@ -1,0 +1,343 @@
+"""``difflm-import``: a Hugging Face causal LM -> a difflm run directory that ``difflm-train`` resumes.
+
+    difflm-import hf=HF_DIR_OR_NAME run.dir=DIR [objective=mdlm|ar] [shift_logits=true] [revision=REV]
+
+Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
+(QK-norm) and difflm exports (``model_type`` difflm, :mod:`difflm.interop.export`). A local directory is read
+as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
+``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
+``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
+never set).
+
+Writes ``DIR/config.yaml`` (composed from difflm's conf tree, ``model.*`` set from the HF config),
+``DIR/tokenizer/`` (the HF tokenizer with a mask token added when it has none) and
+``DIR/checkpoints/step_0`` (model only, :func:`difflm.checkpoint.store.save_checkpoint` with
+``optimizer=None``: ``difflm-train`` resumes from it with a fresh optimizer and LR schedule), then prints
+the ``difflm-train`` command line that continues training.
+
+Weight mapping (HF [shape] -> difflm [shape]; d hidden, h/h_kv heads, hd head dim, f FFN, V vocab):
+    model.embed_tokens.weight [V_hf, d]          -> embedding.weight [V, d] (rows padded/truncated, below)
+    layers.i.input_layernorm.weight [d]          -> layers.i.attention.qkv.layer_norm_weight
+    layers.i.self_attn.{q,k,v}_proj.weight       -> layers.i.attention.qkv.weight [(h + 2 h_kv) hd, d], rows
+        grouped per KV head g: q heads g*h/h_kv ... (g+1)*h/h_kv - 1, then k head g, then v head g (HF's
+        repeat_kv serves query head j from KV head j // (h / h_kv))
+    layers.i.self_attn.{q,k,v}_proj.bias         -> layers.i.attention.qkv.bias (same grouping; Qwen2)
+    layers.i.self_attn.{q,k}_norm.weight [hd]    -> layers.i.attention.{q,k}_norm.weight (Qwen3)
+    layers.i.self_attn.o_proj.weight [d, h hd]   -> layers.i.attention.proj.weight
+    layers.i.post_attention_layernorm.weight     -> layers.i.mlp.layer_norm_weight
+    layers.i.mlp.{gate,up}_proj.weight [f, d]    -> layers.i.mlp.fc1_weight [2 f, d] = [gate; up]
+    layers.i.mlp.down_proj.weight [d, f]         -> layers.i.mlp.fc2_weight
+    model.norm.weight                            -> final_norm.weight
+    lm_head.weight [V_hf, d]                     -> output.weight [V, d] (absent when tied)
+
+Vocabulary: V is difflm's padded size for the saved tokenizer (mask token included, a multiple of
+``vocab_multiple``). Rows the HF model lacks (and the row of a newly added mask token) are set to the mean of
+the HF rows of real tokens; HF rows >= V (never produced by the tokenizer) are dropped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from difflm.checkpoint.store import list_checkpoints, save_checkpoint
+from difflm.cli import exits_cleanly
+from difflm.config import CONF_DIR
+from difflm.config.validate import check_model
+from difflm.data import build_tokenizer
+from difflm.data.tokenizer import missing_tokenizer_files
+from difflm.errors import DifflmError
+from difflm.model import build_model
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "difflm")
+DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_source(hf: str, revision: Optional[str] = None) -> Path:
+    """Local directory of ``hf`` (a directory, or a hub name fetched/found in the HF cache).
+
+    Raises: DifflmError naming ``hf`` for a missing directory, or a hub name that cannot be fetched
+    (offline and not cached, unknown name, no network).
+    """
+    path = Path(hf).expanduser()
+    if path.is_dir():
+        return path
+    if hf.startswith(("/", "./", "../", "~")) or os.path.isabs(hf) or hf.count("/") > 1:
+        raise DifflmError(f"hf={hf!r} is not a directory: give a local Hugging Face model directory or a hub name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(hf, revision=revision, local_files_only=_offline(),
+                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one line
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        hint = ("HF_HUB_OFFLINE=1 and it is not in the cache: download it first or unset HF_HUB_OFFLINE"
+                if _offline() else "check the name, revision and network")
+        raise DifflmError(f"hf={hf!r} could not be fetched ({reason}): {hint}") from None
+    return Path(local)
+
+
+def read_hf_config(src: Path, hf: str) -> dict:
+    """``config.json`` as a dict (plain JSON: no config class, no remote code)."""
+    path = src / "config.json"
+    if not path.is_file():
+        raise DifflmError(f"hf={hf!r}: {path} is missing: a Hugging Face model directory needs config.json")
+    return json.loads(path.read_text())
+
+
+def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint in ``src``: ``model.safetensors[.index.json]`` or, failing that,
+    ``pytorch_model.bin[.index.json]`` loaded with ``torch.load(weights_only=True)``."""
+    from safetensors.torch import load_file
+
+    def files(index_name: str, single: str) -> Optional[list[Path]]:
+        if (src / index_name).is_file():
+            weight_map = json.loads((src / index_name).read_text())["weight_map"]
+            shards = [src / f for f in sorted(set(weight_map.values()))]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise DifflmError(f"hf={hf!r}: shards {missing} listed in {index_name} are missing from {src}")
+            return shards
+        return [src / single] if (src / single).is_file() else None
+
+    state: dict[str, torch.Tensor] = {}
+    if (shards := files("model.safetensors.index.json", "model.safetensors")) is not None:
+        for shard in shards:
+            state.update(load_file(str(shard)))
+        return state
+    if (shards := files("pytorch_model.bin.index.json", "pytorch_model.bin")) is not None:
+        for shard in shards:
+            state.update(torch.load(shard, map_location="cpu", weights_only=True))
+        return state
+    raise DifflmError(f"hf={hf!r}: {src} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin: "
+                      "save the model with save_pretrained(dir)")
+
+
+def _rope_base(hf_cfg: dict, hf: str) -> float:
+    params = hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in (None, "default"):
+        raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r}: difflm implements plain RoPE only (rope_type default)")
+    base = (params.get("rope_theta") if isinstance(params, dict) else None) or hf_cfg.get("rope_theta", 10000.0)
+    return float(base)
+
+
+def model_dims(hf_cfg: dict, hf: str) -> dict:
+    """difflm ``model.*`` values of an HF config (vocab set later). Raises DifflmError for unsupported features."""
+    kind = hf_cfg.get("model_type")
+    if kind not in SUPPORTED:
+        raise DifflmError(f"hf={hf!r} has model_type={kind!r}: difflm-import supports {', '.join(SUPPORTED)}")
+    if kind == "difflm":
+        return {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
+                "num_heads": hf_cfg["num_attention_heads"], "num_kv_heads": hf_cfg["num_key_value_heads"],
+                "ffn_hidden_size": hf_cfg["intermediate_size"], "head_dim": hf_cfg["head_dim"],
+                "rope_base": float(hf_cfg["rope_theta"]), "norm_eps": float(hf_cfg["rms_norm_eps"]),
+                "qk_norm": bool(hf_cfg["qk_norm"]), "qkv_bias": bool(hf_cfg.get("qkv_bias", False)),
+                "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)),
+                "shift_logits": bool(hf_cfg.get("shift_logits", False)),
+                "init_std": float(hf_cfg.get("initializer_range", 0.02))}
+    act = hf_cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise DifflmError(f"hf={hf!r} has hidden_act={act!r}: difflm's MLP is SwiGLU (silu)")
+    if hf_cfg.get("mlp_bias"):
+        raise DifflmError(f"hf={hf!r} has mlp_bias=true: difflm's MLP has no biases")
+    if kind in ("llama", "mistral") and hf_cfg.get("attention_bias"):
+        raise DifflmError(f"hf={hf!r} has attention_bias=true (bias on o_proj too): difflm supports a QKV bias only")
+    if kind == "mistral" and hf_cfg.get("sliding_window"):
+        raise DifflmError(f"hf={hf!r} uses sliding_window={hf_cfg['sliding_window']}: difflm attends to the full window")
+    if kind == "qwen2" and hf_cfg.get("use_sliding_window"):
+        raise DifflmError(f"hf={hf!r} has use_sliding_window=true: difflm attends to the full window")
+    heads = hf_cfg["num_attention_heads"]
+    return {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"], "num_heads": heads,
+            "num_kv_heads": hf_cfg.get("num_key_value_heads") or heads, "ffn_hidden_size": hf_cfg["intermediate_size"],
+            "head_dim": hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads, "rope_base": _rope_base(hf_cfg, hf),
+            "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-6)), "qk_norm": kind == "qwen3",
+            "qkv_bias": kind == "qwen2" or (kind == "qwen3" and bool(hf_cfg.get("attention_bias"))),
+            "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)), "shift_logits": False,
+            "init_std": float(hf_cfg.get("initializer_range", 0.02))}
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """HF q [h hd, ...], k/v [h_kv hd, ...] (weights [., d] or biases) -> difflm's fused [(h + 2 h_kv) hd, ...],
+    grouped per KV head: [q heads of group g; k head g; v head g] for g = 0 .. h_kv - 1."""
+    tail = q.shape[1:]
+    groups = [t.reshape(num_kv_heads, -1, *tail) for t in (q, k, v)]  # [h_kv, rows per group, ...]
+    return torch.cat(groups, dim=1).reshape(-1, *tail)
+
+
+def convert_llama_state(w: dict[str, torch.Tensor], dims: dict) -> dict[str, torch.Tensor]:
+    """Llama/Qwen2/Qwen3 HF names -> difflm names (module docstring), FP32; vocab rows as in the HF model."""
+    def get(name: str) -> torch.Tensor:
+        if name not in w:
+            raise DifflmError(f"HF checkpoint has no tensor {name!r}: it is not a Llama/Qwen2/Qwen3 checkpoint")
+        return w[name].float()
+
+    out = {"embedding.weight": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
+    if not dims["tie_embeddings"]:
+        out["output.weight"] = get("lm_head.weight")
+    for i in range(dims["num_layers"]):
+        a, d = f"model.layers.{i}.self_attn.", f"layers.{i}."
+        out[d + "attention.qkv.layer_norm_weight"] = get(f"model.layers.{i}.input_layernorm.weight")
+        out[d + "attention.qkv.weight"] = fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                                  get(a + "v_proj.weight"), dims["num_kv_heads"])
+        if dims["qkv_bias"]:
+            out[d + "attention.qkv.bias"] = fuse_qkv(get(a + "q_proj.bias"), get(a + "k_proj.bias"),
+                                                    get(a + "v_proj.bias"), dims["num_kv_heads"])
+        if dims["qk_norm"]:
+            out[d + "attention.q_norm.weight"] = get(a + "q_norm.weight")
+            out[d + "attention.k_norm.weight"] = get(a + "k_norm.weight")
+        out[d + "attention.proj.weight"] = get(a + "o_proj.weight")
+        m = f"model.layers.{i}.mlp."
+        out[d + "mlp.layer_norm_weight"] = get(f"model.layers.{i}.post_attention_layernorm.weight")
+        out[d + "mlp.fc1_weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")], dim=0)
+        out[d + "mlp.fc2_weight"] = get(m + "down_proj.weight")
+    return out
+
+
+def resize_vocab(weight: torch.Tensor, vocab: int, real_tokens: int, reinit: list[int]) -> torch.Tensor:
+    """Rows [V_hf, d] -> [vocab, d]: kept up to ``vocab``; new rows and rows ``reinit`` = mean of the first
+    ``real_tokens`` HF rows (the tokenizer's tokens)."""
+    mean = weight[: min(real_tokens, weight.shape[0])].mean(dim=0)
+    out = mean.expand(vocab, -1).clone()
+    keep = min(vocab, weight.shape[0])
+    out[:keep] = weight[:keep]
+    for row in reinit:
+        out[row] = mean
+    return out
+
+
+def compose_train(overrides: list[str]):
+    """The ``train`` config composed from difflm's conf tree (inside ``difflm-import``'s Hydra app or outside)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # within @hydra.main: its search path is difflm's conf/
+        return compose("train", overrides=overrides)
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
+              "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits", "vocab_multiple")
+
+
+def train_overrides(cfg) -> list[str]:
+    """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``model.*``, run.dir."""
+    m = cfg.model
+    return ([f"objective={cfg.objective.name}", f"data.tokenizer={cfg.data.tokenizer}", "model.name=imported"]
+            + [f"model.{k}={str(m[k]).lower() if isinstance(m[k], bool) else m[k]}" for k in MODEL_KEYS]
+            + [f"run.dir={cfg.run.dir}"])
+
+
+def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shift_logits: bool = False,
+              vocab_multiple: int = 128, mask_token: str = DEFAULT_MASK_TOKEN, revision: Optional[str] = None,
+              overwrite: bool = False):
+    """Convert ``hf`` into the difflm run directory ``run_dir`` (module docstring). Returns the composed config.
+
+    Raises: DifflmError for a missing source/file, an unsupported architecture, a run dir that already holds
+    checkpoints (without ``overwrite``), or a bad ``objective``.
+    """
+    run_dir = Path(run_dir).expanduser().resolve()
+    if list_checkpoints(run_dir) and not overwrite:
+        raise DifflmError(f"run.dir={str(run_dir)!r} already holds checkpoints: choose a new run.dir or pass "
+                          "overwrite=true")
+    src = resolve_source(hf, revision)
+    hf_cfg = read_hf_config(src, hf)
+    dims = model_dims(hf_cfg, hf)
+    if objective is None:
+        objective = "ar" if hf_cfg.get("model_type") == "difflm" and hf_cfg.get("causal") else "mdlm"
+    if objective not in ("mdlm", "ar"):
+        raise DifflmError(f"objective={objective!r} is not one of: mdlm, ar")
+    dims["shift_logits"] = dims["shift_logits"] or shift_logits
+    if dims["shift_logits"] and objective == "ar":
+        raise DifflmError("shift_logits=true is for masked diffusion (objective=mdlm): an ar model already "
+                          "predicts the next token; drop shift_logits or use objective=mdlm")
+    if (missing := missing_tokenizer_files(str(src))) is not None:
+        raise DifflmError(f"hf={hf!r} has no tokenizer: {missing}; save it there with tokenizer.save_pretrained")
+    weights = read_hf_weights(src, hf)
+
+    # tokenizer with a mask token, saved in the run dir; difflm derives mask id and padded vocab from it
+    from transformers import AutoTokenizer
+
+    if overwrite and list_checkpoints(run_dir):
+        shutil.rmtree(run_dir / "checkpoints")
+    tok_dir = run_dir / "tokenizer"
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a difflm export's config.json makes AutoTokenizer warn about its model_type
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - one line naming the source
+        raise DifflmError(f"hf={hf!r}: the tokenizer in {src} could not be loaded "
+                          f"({' '.join(str(e).split())[:200]}): save it there with tokenizer.save_pretrained") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    real_tokens = len(hf_tok)
+    added_mask = hf_tok.mask_token_id is None
+    if added_mask:
+        hf_tok.add_special_tokens({"mask_token": mask_token})
+        if hf_tok.mask_token_id != real_tokens:
+            raise DifflmError(f"mask_token={mask_token!r} is already token {hf_tok.mask_token_id}: choose another "
+                              "mask_token")
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(str(tok_dir))
+    tok = build_tokenizer(str(tok_dir), vocab_multiple)
+
+    cfg = compose_train([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
+    for key, value in dims.items():
+        cfg.model[key] = value
+    cfg.model.name, cfg.model.vocab_multiple, cfg.model.vocab_size = "imported", vocab_multiple, tok.padded_vocab_size
+    check_model(cfg.model)
+
+    if hf_cfg.get("model_type") == "difflm":
+        state = {k: v.float() for k, v in weights.items() if not k.endswith("_extra_state")}
+    else:
+        state = convert_llama_state(weights, dims)
+    reinit = [tok.mask_id] if added_mask and tok.mask_id < state["embedding.weight"].shape[0] else []
+    for name in ("embedding.weight", "output.weight"):
+        if name in state:
+            state[name] = resize_vocab(state[name], tok.padded_vocab_size, real_tokens, reinit)
+
+    model = build_model(cfg.model, causal=objective == "ar", device=torch.device("cpu"), seed=cfg.train.seed)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise DifflmError(f"hf={hf!r} does not convert to difflm's model ({' '.join(str(e).split())[:300]})") from None
+    torch.manual_seed(cfg.train.seed)
+    trainer_state = {
+        "step": 0,
+        "scheduler": {"lr_lambdas": []},  # LambdaLR.load_state_dict with nothing to restore: the fresh schedule stays
+        "scaler": {},                      # falsy: the trainer keeps its fresh GradScaler
+        "sampler": {},                     # no keys to check: any data/batch may continue from step 0
+        "torch_rng": torch.get_rng_state(),  # that of a fresh run with train.seed
+        "imported_from": str(hf),
+    }
+    save_checkpoint(run_dir, 0, model, None, trainer_state)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return cfg
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="import")
+@exits_cleanly
+def main(args) -> None:
+    objective = args.objective.name if args.objective is not None else None
+    cfg = import_hf(args.hf, args.run.dir, objective, args.shift_logits, args.vocab_multiple, args.mask_token,
+                    args.revision, args.overwrite)
+    print(f"imported {args.hf} -> {cfg.run.dir} (checkpoints/step_0, objective={cfg.objective.name}); continue with:")
+    print("difflm-train " + " ".join(shlex.quote(o) for o in train_overrides(cfg)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

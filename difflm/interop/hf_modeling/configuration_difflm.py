@@ -1,0 +1,66 @@
+"""Configuration of a difflm model exported for Hugging Face ``transformers`` (written by ``difflm-export``).
+
+Self-contained (torch + transformers only): copied next to ``config.json`` and loaded with
+``AutoConfig.from_pretrained(dir, trust_remote_code=True)`` through ``auto_map``.
+"""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+class DiffLMConfig(PretrainedConfig):
+    """Dimensions of difflm's Llama-style transformer plus what its sampler needs.
+
+    Args (difflm ``model.*`` key in brackets):
+        vocab_size: rows of the embedding, padded [model.vocab_size].
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+        head_dim: dimensions [hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, head_dim].
+        rope_theta: RoPE base [rope_base]. rms_norm_eps: every RMSNorm's eps [norm_eps].
+        qk_norm: RMSNorm on queries and keys per head [qk_norm]. qkv_bias: bias on the fused QKV [qkv_bias].
+        tie_word_embeddings: LM head = input embedding [tie_embeddings].
+        causal: causal attention (an ``ar`` run) instead of bidirectional (masked diffusion).
+        shift_logits: Dream's shifted logits: position i's logits come from position i - 1 [shift_logits].
+        mask_token_id: the [MASK] id used by the sampler.
+        tokenizer_vocab_size: ids >= this (and ``mask_token_id``) are never sampled (embedding padding).
+        gen_length, gen_steps, gen_block_length, gen_remasking, gen_temperature, gen_cfg_scale, gen_top_k,
+        gen_top_p, gen_threshold: default sampler settings (difflm's ``gen.*``).
+    """
+
+    model_type = "difflm"
+
+    def __init__(self, vocab_size: int = 50304, hidden_size: int = 128, num_hidden_layers: int = 4,
+                 num_attention_heads: int = 4, num_key_value_heads: int = 4, intermediate_size: int = 512,
+                 head_dim: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-5,
+                 qk_norm: bool = True, qkv_bias: bool = False, tie_word_embeddings: bool = False,
+                 causal: bool = False, shift_logits: bool = False, mask_token_id: int | None = None,
+                 tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int = 64,
+                 gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
+                 gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
+                 gen_threshold: float | None = None, initializer_range: float = 0.02, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.intermediate_size = intermediate_size
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.qk_norm = qk_norm
+        self.qkv_bias = qkv_bias
+        self.causal = causal
+        self.shift_logits = shift_logits
+        self.mask_token_id = mask_token_id
+        self.tokenizer_vocab_size = tokenizer_vocab_size if tokenizer_vocab_size is not None else vocab_size
+        self.gen_length = gen_length
+        self.gen_steps = gen_steps
+        self.gen_block_length = gen_block_length
+        self.gen_remasking = gen_remasking
+        self.gen_temperature = gen_temperature
+        self.gen_cfg_scale = gen_cfg_scale
+        self.gen_top_k = gen_top_k
+        self.gen_top_p = gen_top_p
+        self.gen_threshold = gen_threshold
+        self.initializer_range = initializer_range
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.tie_word_embeddings = tie_word_embeddings

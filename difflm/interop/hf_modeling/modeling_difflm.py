@@ -1,0 +1,387 @@
+"""A difflm model for Hugging Face ``transformers`` (written by ``difflm-export``; self-contained: torch + transformers).
+
+    model = AutoModel.from_pretrained(dir, trust_remote_code=True)      # or AutoModelForMaskedLM
+    logits = model(input_ids).logits                                    # [B, S, V]
+    out = model.generate(input_ids, steps=64, gen_length=64, block_length=32, temperature=0.0,
+                         cfg_scale=0.0, remasking="low_confidence")    # [B, P + gen_length]
+
+The network is difflm's ``difflm/model/transformer.py`` (Llama-style: RMSNorm, RoPE rotate-half, GQA, SwiGLU)
+with its parameter names, so ``model.safetensors`` holds difflm's state dict unchanged:
+
+    embedding.weight                              [V, d]
+    layers.{i}.attention.qkv.layer_norm_weight    [d]
+    layers.{i}.attention.qkv.weight               [(h + 2 h_kv) * hd, d]  rows grouped per KV head:
+                                                  for each KV head, its h / h_kv query heads, its key, its value
+    layers.{i}.attention.qkv.bias                 [(h + 2 h_kv) * hd]     (qkv_bias)
+    layers.{i}.attention.{q,k}_norm.weight        [hd]                    (qk_norm)
+    layers.{i}.attention.proj.weight              [d, h * hd]
+    layers.{i}.mlp.layer_norm_weight              [d]
+    layers.{i}.mlp.fc1_weight                     [2 f, d]   rows [:f] gate (SiLU), [f:] up
+    layers.{i}.mlp.fc2_weight                     [d, f]
+    final_norm.weight                             [d]
+    output.weight                                 [V, d]     (absent when tie_word_embeddings)
+
+``generate`` is difflm's masked-diffusion sampler (LLaDA, Nie et al. 2025, arXiv:2502.09992, Alg. 4-5 with
+semi-autoregressive blocks, and classifier-free guidance as in ML-GSAI/LLaDA ``generate.py``); a causal
+(``ar``) export decodes left to right instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_difflm import DiffLMConfig
+
+try:  # transformers >= 5: initialisers that skip weights already loaded from the checkpoint
+    from transformers import initialization as _init
+except ImportError:  # pragma: no cover - older transformers
+    _init = nn.init
+
+
+# ---------------------------------------------------------------------------------------------- network
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, statistics in FP32; returns x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+class LayerNormLinear(nn.Module):
+    """RMSNorm then linear: [..., in] -> [..., out] (Transformer Engine's LayerNormLinear names)."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+
+
+class LayerNormMLP(nn.Module):
+    """RMSNorm then SwiGLU: [..., d] -> [..., d]; ``fc1_weight`` rows are [gate; up]."""
+
+    def __init__(self, hidden: int, ffn: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(hidden))
+        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(_rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.fc2_weight)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos/sin tables [S, hd] float32; pair i rotates at ``base ** (-2 i / hd)`` (RoFormer, rotate-half)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, hd] by position; returns x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DiffLMConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.causal = config.head_dim, config.causal
+        out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = LayerNormLinear(config.hidden_size, out, config.rms_norm_eps, bias=config.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        group = self.num_heads // self.num_kv_heads
+        q, k, v = self.qkv(x).view(b, s, -1, group + 2, self.head_dim).split([group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=group > 1)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DiffLMConfig):
+        super().__init__()
+        self.attention = Attention(config)
+        self.mlp = LayerNormMLP(config.hidden_size, config.intermediate_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin)
+        return x + self.mlp(x)
+
+
+@dataclass
+class DiffLMOutput(ModelOutput):
+    """``logits`` [B, S, V] float (FP32 weights: FP32); ``loss`` when ``labels`` are given."""
+
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+
+
+class DiffLMPreTrainedModel(PreTrainedModel):
+    config_class = DiffLMConfig
+    base_model_prefix = "difflm"
+    _no_split_modules = ["Block"]
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Norm scales 1, biases 0, other weights N(0, initializer_range^2) (only for weights not loaded)."""
+        std = self.config.initializer_range
+        if isinstance(module, RMSNorm):
+            _init.ones_(module.weight)
+        elif isinstance(module, LayerNormLinear):
+            _init.ones_(module.layer_norm_weight)
+            _init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                _init.zeros_(module.bias)
+        elif isinstance(module, LayerNormMLP):
+            _init.ones_(module.layer_norm_weight)
+            _init.normal_(module.fc1_weight, mean=0.0, std=std)
+            _init.normal_(module.fc2_weight, mean=0.0, std=std)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            _init.normal_(module.weight, mean=0.0, std=std)
+
+
+class DiffLMForMaskedLM(DiffLMPreTrainedModel):
+    """difflm's transformer: ``forward(input_ids [B, S] int64) -> DiffLMOutput(logits [B, S, V])``.
+
+    Bidirectional (masked diffusion) unless ``config.causal``. With ``labels`` [B, S] int64 (-100 = ignore)
+    the loss is the mean cross-entropy of the logits at the labelled positions against ``labels`` (for a
+    causal model, shift the labels yourself: the logits at i predict token i + 1).
+    """
+
+    def __init__(self, config: DiffLMConfig):
+        super().__init__(config)
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                        bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embedding
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding.weight if self.output is None else self.output.weight
+
+    def forward(self, input_ids: torch.LongTensor, labels: Optional[torch.LongTensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, **kwargs) -> DiffLMOutput:
+        """Logits for ``input_ids`` [B, S]; ``attention_mask`` must be absent or all ones (no padding support)."""
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("attention_mask with padding is not supported: difflm models attend to the whole "
+                             "sequence; pass unpadded inputs (one sequence per call or equal lengths)")
+        s = input_ids.shape[1]
+        cos, sin = rope_cos_sin(s, self.config.head_dim, self.config.rope_theta, input_ids.device)
+        x = self.embedding(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.final_norm(x)
+        if self.config.shift_logits:  # Dream: position i's logits come from position i - 1
+            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
+        logits = F.linear(x, self.head_weight())
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return DiffLMOutput(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def _forbidden_ids(self) -> list[int]:
+        ids = set(range(self.config.tokenizer_vocab_size, self.config.vocab_size))
+        if self.config.mask_token_id is not None:
+            ids.add(int(self.config.mask_token_id))
+        return sorted(ids)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor, steps: Optional[int] = None, gen_length: Optional[int] = None,
+                 block_length: Optional[int] = None, temperature: Optional[float] = None,
+                 cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
+                 generator: Optional[torch.Generator] = None, **kwargs) -> torch.LongTensor:
+        """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
+
+        Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
+        prompt, decoded in blocks of ``block_length`` with ``steps`` steps in all. Each step proposes
+        ``x0 = argmax(top-k/top-p filtered logits + temperature * Gumbel)`` (float64) at the block's
+        positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first:
+        ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus top-2 probability), ``entropy``
+        (lowest entropy) or ``random``. ``threshold`` (Fast-dLLM): unmask every masked token of the block
+        whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0: classifier-free guidance,
+        ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the unconditional input.
+        Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply). Defaults come from
+        ``config.gen_*``. The mask id and the embedding's padding ids are never emitted. The same
+        ``generator`` seed gives difflm's output token for token. No padding (``attention_mask``) support.
+        Raises ValueError for inconsistent lengths/steps or an unknown ``remasking``.
+        """
+        cfg = self.config
+        pick = lambda value, key, default: getattr(cfg, key, default) if value is None else value  # noqa: E731
+        gen_length = pick(gen_length, "gen_length", 64)
+        steps = pick(steps, "gen_steps", gen_length)
+        block_length = pick(block_length, "gen_block_length", gen_length)
+        temperature = pick(temperature, "gen_temperature", 0.0)
+        remasking = pick(remasking, "gen_remasking", "low_confidence")
+        cfg_scale = pick(cfg_scale, "gen_cfg_scale", 0.0)
+        top_k, top_p = pick(top_k, "gen_top_k", 0), pick(top_p, "gen_top_p", 1.0)
+        threshold = pick(threshold, "gen_threshold", None)
+        mask_id = cfg.mask_token_id if mask_id is None else mask_id
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
+        input_ids = input_ids.long()
+        forbid = self._forbidden_ids()
+        if cfg.causal:
+            return self._generate_ar(input_ids, gen_length, temperature, generator, forbid, top_k, top_p)
+        if mask_id is None:
+            raise ValueError("config.mask_token_id is not set: pass mask_id=")
+        return self._generate_diffusion(input_ids, steps, gen_length, block_length, temperature, cfg_scale,
+                                        remasking, mask_id, generator, forbid, top_k, top_p, threshold)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).logits.float()
+
+    def _generate_ar(self, x, length, temperature, generator, forbid, top_k, top_p):
+        """Left to right, no KV cache (difflm's autoregressive_generate): argmax at T = 0, else softmax(l / T)."""
+        for _ in range(length):
+            last = _filter_top_k_top_p(_apply_forbid(self._logits(x)[:, -1, :], forbid), top_k, top_p)  # [B, V]
+            if temperature == 0:
+                nxt = last.argmax(dim=-1)
+            else:
+                nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+            x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
+        return x
+
+    def _generate_diffusion(self, prompt, steps, length, block_length, temperature, cfg_scale, remasking, mask_id,
+                            generator, forbid, top_k, top_p, threshold):
+        if length < 1 or block_length < 1 or length % block_length:
+            raise ValueError(f"gen_length={length} must be a positive multiple of block_length={block_length}")
+        num_blocks = length // block_length
+        if steps < num_blocks or steps % num_blocks or steps > length:
+            raise ValueError(f"steps={steps} must be a multiple of gen_length/block_length={num_blocks} "
+                             f"and <= gen_length={length}")
+        if remasking not in REMASKING:
+            raise ValueError(f"remasking={remasking!r} must be one of {REMASKING}")
+        steps_per_block = steps // num_blocks
+        batch, prompt_len = prompt.shape
+        x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)], 1)
+        for block in range(num_blocks):
+            start = prompt_len + block * block_length
+            end = start + block_length
+            schedule = _num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+            step = 0
+            while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
+                candidates = x[:, start:end] == mask_id  # [B, N]
+                if cfg_scale > 0:
+                    uncond = x.clone()
+                    uncond[:, :prompt_len] = mask_id
+                    cond, un = self._logits(torch.cat([x, uncond]))[:, start:end].chunk(2)
+                    logits = un + (cfg_scale + 1.0) * (cond - un)
+                else:
+                    logits = self._logits(x)[:, start:end]
+                x0, confidence = _propose(_apply_forbid(logits, forbid), remasking, temperature, generator,
+                                          top_k, top_p)
+                count = schedule[:, min(step, steps_per_block - 1)]
+                transfer = _select_transfer(confidence, candidates, count, threshold)
+                x[:, start:end] = torch.where(transfer, x0, x[:, start:end])
+                step += 1
+        return x
+
+
+REMASKING = ("low_confidence", "random", "margin", "entropy")
+
+
+def _num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B] masked counts -> [B, steps] tokens unmasked per step, split evenly, remainder first (LLaDA)."""
+    base = mask_count.long().unsqueeze(1) // steps
+    remainder = mask_count.long().unsqueeze(1) % steps
+    return base + (torch.arange(steps, device=mask_count.device).unsqueeze(0) < remainder).long()
+
+
+def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """argmax of ``logits + T * Gumbel`` in float64 (LLaDA's add_gumbel_noise, log form); T = 0: argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.to(torch.float64)
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the nucleus of mass ``top_p``; the rest -inf (0 / 1 = off)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def _propose(logits, remasking, temperature, generator, top_k, top_p):
+    """(x0 [B, N] int64, confidence [B, N] float64) for block logits [B, N, V] (see ``generate``)."""
+    logits = _filter_top_k_top_p(logits, top_k, top_p)
+    x0 = _gumbel_argmax(logits, temperature, generator)
+    if remasking == "random":
+        return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
+    probs = torch.softmax(logits.float(), dim=-1)
+    if remasking == "low_confidence":
+        confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    elif remasking == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        confidence = top2[..., 0] - top2[..., 1]
+    else:  # entropy
+        confidence = -torch.special.entr(probs).sum(dim=-1)
+    return x0, confidence.double()
+
+
+def _select_transfer(confidence, candidates, count, threshold):
+    """[B, N] bool: the ``count[b]`` most confident candidates (ties leftmost), or with ``threshold`` all
+    candidates at or above it and at least the most confident one."""
+    confidence = confidence.masked_fill(~candidates, float("-inf"))
+    order = torch.sort(confidence, dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(confidence.shape[1], device=confidence.device).unsqueeze(0)
+    if threshold is None:
+        return torch.zeros_like(candidates).scatter(1, order, ranks < count.unsqueeze(1)) & candidates
+    first = torch.zeros_like(candidates).scatter(1, order, (ranks == 0).expand_as(order))
+    return (first | (confidence >= threshold)) & candidates
+
+
+def _apply_forbid(logits: torch.Tensor, forbid: Sequence[int]) -> torch.Tensor:
+    if not forbid:
+        return logits
+    logits = logits.clone()
+    logits[..., list(forbid)] = float("-inf")
+    return logits
+
+
+DiffLMModel = DiffLMForMaskedLM  # AutoModel maps here too: the logits are what a diffusion LM is for

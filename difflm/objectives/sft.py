@@ -1,0 +1,46 @@
+"""Supervised fine-tuning of a masked-diffusion model on prompt/response pairs (LLaDA, Nie et al. 2025,
+sec. 2.3 and eq. 5; the SFT recipe of the LLaDA repository's GUIDELINES.md).
+
+The prompt p_0 is never masked and carries no loss; the response r_0 (with EOS padding up to the window,
+which the model must learn to emit: that is how it learns where to stop) is masked as in pre-training:
+
+    L = - E_{t, r_t} [ (1 / t) sum_{i in response, masked} log p_theta(r_0^i | p_0, r_t) ] / N
+
+with N the response length of each sample (``objective.loss_norm=sequence``, LLaDA's ``answer_lengths``)
+or the number of response tokens of the global batch (``token``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from difflm.data.batch import TokenBatch
+from difflm.errors import DifflmError
+from difflm.objectives.base import NoisedBatch
+from difflm.objectives.mdlm import MDLMObjective
+
+
+class SFTObjective(MDLMObjective):
+    """Masked diffusion restricted to response tokens. Batches must be :class:`TokenBatch` with prompt lengths."""
+
+    causal = False
+
+    def _restrict(self, batch: NoisedBatch, tokens) -> NoisedBatch:
+        if not isinstance(tokens, TokenBatch) or tokens.prompt_lengths is None:
+            raise DifflmError("objective=sft needs prompt/response data: set data.prompt_field and data.response_field "
+                              "(a .jsonl file of pairs)")
+        s = tokens.tokens.shape[1]
+        is_response = torch.arange(s)[None, :] >= tokens.prompt_lengths[:, None]  # [B, S]
+        batch.loss_mask = batch.loss_mask & is_response
+        batch.weights = torch.where(batch.loss_mask, batch.weights, torch.zeros(()))
+        batch.input_ids = torch.where(is_response, batch.input_ids, tokens.tokens)  # prompt stays clean
+        batch.num_tokens = is_response.sum(dim=1).clamp(min=1).float()
+        return batch
+
+    def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
+              t_sampling: str | None = None) -> NoisedBatch:
+        return self._restrict(super().noise(tokens, sample_ids, key, global_batch_size, t_sampling), tokens)
+
+    def eval_noise(self, tokens, sample_ids: Sequence[int], draw: int, num_draws: int, seed: int) -> NoisedBatch:
+        return self._restrict(super().eval_noise(tokens, sample_ids, draw, num_draws, seed), tokens)

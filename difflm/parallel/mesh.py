@@ -1,0 +1,149 @@
+"""Mesh arithmetic of a parallel layout in one small class, and the DeviceMesh built from it.
+
+After torchtitan's ``ParallelDims`` (``torchtitan/distributed/parallel_dims.py``). The mesh has five
+named dimensions, outermost first (the last one varies fastest over global ranks)::
+
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+so tensor-parallel peers are adjacent ranks (same node, NVLink), then context-parallel peers, then the
+FSDP shard group, then replicas, and pipeline stages are the slowest dimension (they talk least).
+Flattened views used by the trainer:
+
+    "dp"           = dp_replicate x dp_shard       data loading: rank r reads slice r of the global batch
+    "dp_shard_cp"  = dp_shard x cp                 FSDP2 shards parameters over this (CP ranks hold the
+                                                   same parameters, so they share the FSDP group)
+    "dp_cp"        = dp_replicate x dp_shard x cp  ranks whose gradients are averaged (loss reduction)
+
+Every dimension exists even when its size is 1, so ``mesh["tp"]`` always works.
+See docs/parallel.md for a picture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from difflm.errors import DifflmError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of a layout; their product is the world size.
+
+    Build with :meth:`from_config`, which fills a ``-1`` (``dp_shard`` or ``dp_replicate``) with the ranks left.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, p, world_size: int) -> "ParallelDims":
+        """Resolve the ``parallel`` config for ``world_size`` processes.
+
+        Raises: DifflmError (one line naming the keys) when a degree is not positive (or -1), when both
+        ``dp_shard`` and ``dp_replicate`` are -1, or when the degrees do not multiply to ``world_size``.
+        """
+        degrees = {k: int(p[k]) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        for key, value in degrees.items():
+            if value == 0 or value < -1 or (value == -1 and key not in ("dp_shard", "dp_replicate")):
+                raise DifflmError(f"parallel.{key}={value} must be a positive degree"
+                                  + (" (or -1: fill the remaining ranks)" if key in ("dp_shard", "dp_replicate") else ""))
+        fill = [k for k in ("dp_shard", "dp_replicate") if degrees[k] == -1]
+        if len(fill) > 1:
+            raise DifflmError("parallel.dp_shard=-1 and parallel.dp_replicate=-1: only one degree can fill the "
+                              "remaining ranks; set the other to a number")
+        rest = 1
+        for key, value in degrees.items():
+            if value != -1:
+                rest *= value
+        if fill:
+            if world_size % rest:
+                raise DifflmError(
+                    f"parallel.{fill[0]}=-1 cannot fill the world size {world_size}: the other degrees "
+                    f"(dp_replicate*dp_shard*tp*pp*cp without it) multiply to {rest}, which does not divide it; "
+                    f"launch a multiple of {rest} processes or change parallel={p.name}")
+            degrees[fill[0]] = world_size // rest
+        product = 1
+        for value in degrees.values():
+            product *= value
+        if product != world_size:
+            raise DifflmError(
+                f"parallel.dp_replicate*dp_shard*tp*pp*cp={product} but the world size is {world_size}: "
+                f"parallel={p.name} runs on {product} process(es); launch with torchrun --nproc-per-node {product} "
+                "or pick a layout whose degrees multiply to the world size (dp_shard=-1 fills it)")
+        return cls(world_size=world_size, **degrees)
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads its own slice of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 wraps the model when data or context parallel ranks must share/average gradients."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`MESH_DIMS` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def describe(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in zip(MESH_DIMS, self.shape()))
+
+
+def build_mesh(dims: ParallelDims, device_type: str):
+    """The 5-D :class:`torch.distributed.device_mesh.DeviceMesh` of ``dims`` plus its flattened views.
+
+    Args:
+        dims: resolved degrees; the default process group must already exist with ``dims.world_size`` ranks.
+        device_type: ``"cuda"`` (NCCL) or ``"cpu"`` (gloo).
+    Returns: the mesh; ``mesh["dp"]``, ``mesh["dp_shard_cp"]`` and ``mesh["dp_cp"]`` are flattened submeshes
+        (``DeviceMesh._flatten``, torchtitan's use).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, dims.shape(), mesh_dim_names=MESH_DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return mesh
+
+
+def te_process_groups(mesh, dims: ParallelDims, sequence_parallel: bool) -> dict:
+    """Keyword arguments for ``build_model(..., **te_parallel)`` (the TE backend's constructor).
+
+    ``tp_group``/``sequence_parallel`` when tp > 1, ``cp_group``/``cp_global_ranks`` when cp > 1, all taken from
+    the same mesh as every other layout (``mesh["tp"].get_group()``), so TE's collectives run on the right ranks.
+    """
+    out: dict = {}
+    if dims.tp_enabled:
+        out.update(tp_group=mesh["tp"].get_group(), sequence_parallel=bool(sequence_parallel))
+    if dims.cp_enabled:
+        out.update(cp_group=mesh["cp"].get_group(), cp_global_ranks=mesh["cp"].mesh.flatten().tolist())
+    return out
+
+
+def mesh_coordinates(mesh) -> dict[str, int]:
+    """This rank's coordinate on each named (and flattened) dimension: {"pp": 0, "dp": 1, "tp": 0, ...}."""
+    return {name: mesh[name].get_local_rank() for name in (*MESH_DIMS, "dp", "dp_shard_cp", "dp_cp")}

@@ -1,0 +1,107 @@
+"""``parallelize``: apply a layout to a built model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``).
+
+Order, per model part: pipeline split -> tensor/sequence parallel (DTensor; the TE backend does TP inside its
+modules) -> activation checkpointing -> per-block ``torch.compile`` -> FSDP2. The model itself never knows
+its layout (docs/DESIGN.md).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_mesh
+from difflm.parallel.mesh import ParallelDims
+from difflm.parallel.pipeline import Pipeline, build_stage_models, loss_fns
+from difflm.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def sequence_parallel_enabled(p, dims: ParallelDims) -> bool:
+    """Sequence parallelism is on when ``parallel.sequence_parallel`` and tp > 1."""
+    return bool(p.sequence_parallel) and dims.tp_enabled
+
+
+def layout_length_multiple(p, dims: ParallelDims) -> int:
+    """What every sequence length must be a multiple of under this layout: ``2 cp`` (load-balanced CP chunks)
+    times ``tp`` with sequence parallelism; 1 otherwise."""
+    m = 2 * dims.cp if dims.cp_enabled else 1
+    return m * (dims.tp if sequence_parallel_enabled(p, dims) else 1)
+
+
+def effective_length_multiple(cfg, dims: ParallelDims) -> int:
+    """``objective.length_multiple`` raised to a multiple of :func:`layout_length_multiple` (their lcm), so random-
+    length steps stay splittable by SP/CP without the user setting it."""
+    return math.lcm(int(cfg.objective.length_multiple), layout_length_multiple(cfg.parallel, dims))
+
+
+def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.device,
+                n_microbatches: int) -> tuple[list[nn.Module], Optional[Pipeline]]:
+    """Lay ``model`` (built and initialised on ``device``, identical on every rank) out over ``mesh``.
+
+    Returns (model parts of this rank, pipeline or None). Without pipeline parallelism the one part is
+    ``model`` itself (same parameter names); with it, this rank's stage modules.
+    """
+    p = cfg.parallel
+    sp = sequence_parallel_enabled(p, dims)
+    te = cfg.model.backend == "te"
+    if dims.pp_enabled:
+        parts, ids, num_stages = build_stage_models(model, mesh["pp"].get_local_rank(), dims.pp,
+                                                    int(p.pp_virtual_stages), p.pp_schedule,
+                                                    seq_shards=dims.tp if sp else 1)
+    else:
+        parts, ids, num_stages = [model], [0], 1
+    param_dtype = torch.bfloat16 if cfg.precision.name in ("bf16", "fp8") else None
+    for part in parts:
+        if dims.tp_enabled and not te:
+            apply_tensor_parallel(part, mesh["tp"], sequence_parallel=sp)
+        apply_activation_checkpointing(part, p.activation_checkpointing)
+        if p.compile or cfg.model.get("compile", False):
+            apply_compile(part)
+        if dims.fsdp_enabled:
+            apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype,
+                       reshard_after_forward=not dims.pp_enabled)
+    pipeline = None
+    if dims.pp_enabled:
+        train_loss, eval_loss = loss_fns(cfg.objective, cfg.train.global_batch_size)
+        pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,
+                            n_microbatches, train_loss, eval_loss)
+    return parts, pipeline
+
+
+def grad_norm_and_clip(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients of a sharded model, then clip to ``max_norm`` (inf: no clipping).
+
+    Per-gradient norms are DTensor reductions (sharded grads sum their squares over the shard group,
+    replicated ones count once), as torchtitan's ``clip_grad_norm_``; stages of a pipeline hold disjoint
+    parameters, so their squared norms are summed over ``pp_group``. Gradients whose placement differs from
+    their parameter's (partial sums of replicated parameters under sequence parallelism) are first
+    redistributed to it. Returns the norm before clipping (a plain scalar tensor).
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    squares = []
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g = g.redistribute(p.device_mesh, p.placements)
+        n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        squares.append(n.float() ** 2)
+    device = params[0].grad.device if params else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_group is not None:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
+    total = total_sq.sqrt()
+    if math.isfinite(max_norm):  # the coefficient of torch.nn.utils.clip_grads_with_norm_, applied per tensor kind
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            for kind in (True, False):  # foreach ops take DTensors and plain tensors only in separate lists
+                grads = [p.grad for p in params if isinstance(p.grad, DTensor) == kind]
+                if grads:
+                    torch._foreach_mul_(grads, coef)
+    return total

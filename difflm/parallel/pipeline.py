@@ -1,0 +1,192 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (PipelineStage + a schedule).
+
+The model is cut into ``pp * pp_virtual_stages`` stages of consecutive blocks (torchtitan's
+``pipeline_llm``): the first stage holds the embedding, the last the final norm and the LM head. A stage
+module keeps the full model's parameter names (``layers`` becomes an ``nn.ModuleDict`` keyed by the
+original block index), so state dicts and DCP checkpoints are the same as a single process's.
+
+Stages per rank: "loop" style (stage ``r + v * pp`` on rank r) for GPipe, 1F1B, Interleaved1F1B,
+LoopedBFS and InterleavedZeroBubble; "v" style (stages r and 2 pp - 1 - r) for ZBVZeroBubble and DualPipeV.
+
+The last stage computes the loss: the schedules call ``loss_fn(output, target)`` per micro-batch, with the
+targets, weights, loss mask and normaliser of the noised batch packed into one float64 tensor
+(:func:`pack_targets`), and the weighted cross-entropy of :func:`difflm.objectives.weighted_ce_sum` on the
+full-vocab logits at the masked rows. Gradients are not rescaled (``scale_grads=False``): each
+micro-batch loss is already divided by the global normaliser.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difflm.model.rope import rope_cos_sin
+from difflm.objectives import NoisedBatch, weighted_ce_sum
+
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_STYLE_SCHEDULES = ("ZBVZeroBubble",)
+
+
+class PipelineStageModel(nn.Module):
+    """Blocks ``layer_ids`` of a :class:`difflm.model.Transformer`, with the embedding on the first stage and
+    the final norm + LM head on the last.
+
+    Forward: first stage ``input_ids`` [B, S] int64, other stages hidden states [B, S', d]
+    (S' = S / tp with sequence parallelism). Returns hidden states [B, S', d], or on the last stage full
+    logits [B, S, V].
+    """
+
+    def __init__(self, full: nn.Module, layer_ids: list[int], first: bool, last: bool, seq_shards: int = 1):
+        super().__init__()
+        self.cfg, self.causal = full.cfg, full.causal
+        self.embedding = full.embedding if first else None
+        self.layers = nn.ModuleDict({str(i): full.layers[i] for i in layer_ids})
+        self.final_norm = full.final_norm if last else None
+        self.output = full.output if last else None
+        self.seq_shards = seq_shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            s = x.shape[1]
+            x = self.embedding(x)
+        else:
+            s = x.shape[1] * self.seq_shards
+        cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, x.device)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.final_norm is None:
+            return x
+        x = self.final_norm(x)
+        if getattr(self.cfg, "shift_logits", False):
+            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
+        return F.linear(x, self.output.weight)
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Stage indices held by ``pp_rank`` (see the module docstring)."""
+    if schedule in V_STYLE_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Consecutive blocks per stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def build_stage_models(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str,
+                       seq_shards: int = 1) -> tuple[list[PipelineStageModel], list[int], int]:
+    """Cut ``model`` into this rank's stage modules. Returns (modules, their stage indices, number of stages).
+
+    A stage references only its own blocks; the others are freed with ``model``, so a rank keeps the
+    parameters of its stages only.
+    """
+    num_stages = pp * (2 if schedule in V_STYLE_SCHEDULES else virtual)
+    layers = split_layers(len(model.layers), num_stages)
+    ids = stage_ids(pp_rank, pp, num_stages // pp, schedule)
+    parts = []
+    for sid in ids:
+        parts.append(PipelineStageModel(model, layers[sid], first=sid == 0, last=sid == num_stages - 1,
+                                        seq_shards=seq_shards))
+    return parts, ids, num_stages
+
+
+def pack_targets(batch: NoisedBatch) -> torch.Tensor:
+    """[B, S, 4] float64: targets, weights, loss mask and per-sequence normaliser of ``batch`` (exact in float64),
+    the single ``target`` tensor a pipeline schedule splits into micro-batches with the inputs."""
+    b, s = batch.targets.shape
+    return torch.stack([batch.targets.double(), batch.weights.double(), batch.loss_mask.double(),
+                        batch.num_tokens.double()[:, None].expand(b, s)], dim=-1)
+
+
+def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(logits [b, S, V], packed [b, S, 4]) -> scalar``: the weighted CE of the micro-batch's masked rows,
+    divided by the global normaliser (:func:`weighted_ce_sum`)."""
+
+    def loss_fn(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        targets = packed[..., 0].long()
+        mask = packed[..., 2] > 0.5
+        batch = NoisedBatch(input_ids=targets, targets=targets, loss_mask=mask, weights=packed[..., 1].float(),
+                            t=torch.zeros(targets.shape[0], device=targets.device),
+                            num_tokens=packed[:, 0, 3].float())
+        return weighted_ce_sum(logits[mask], batch, norm, global_batch_size)
+
+    return loss_fn
+
+
+class Pipeline:
+    """This rank's stages and one schedule per (sequence length, train/eval).
+
+    A ``PipelineStage`` infers its activation shapes on its first step, so a new sequence length (random-
+    length steps) gets new stage objects around the same modules.
+
+    Args:
+        parts: this rank's :class:`PipelineStageModel` s (after TP / FSDP).
+        ids, num_stages: from :func:`build_stage_models`.
+        pp_group: ``mesh["pp"].get_group()``.
+        schedule: one of :data:`PP_SCHEDULES`; n_microbatches: micro-batches per step (gradient accumulation).
+    """
+
+    def __init__(self, parts, ids, num_stages: int, pp_group, device: torch.device, schedule: str,
+                 n_microbatches: int, loss_fn, eval_loss_fn):
+        self.parts, self.ids, self.num_stages = parts, ids, num_stages
+        self.pp_group, self.device, self.schedule_name = pp_group, device, schedule
+        self.n_microbatches, self.loss_fn, self.eval_loss_fn = n_microbatches, loss_fn, eval_loss_fn
+        self.has_first = 0 in ids
+        self.has_last = num_stages - 1 in ids
+        self._schedules: dict = {}
+
+    def _schedule(self, seq_len: int, train: bool, n_microbatches: int):
+        key = (seq_len, train, n_microbatches)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+            from torch.distributed.pipelining.schedules import get_schedule_class
+
+            stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group)
+                      for part, sid in zip(self.parts, self.ids)]
+            name = self.schedule_name if train else ("GPipe" if len(stages) == 1 else "LoopedBFS")
+            cls = get_schedule_class(name)
+            single = name in SINGLE_STAGE_SCHEDULES
+            self._schedules[key] = cls(stages[0] if single else stages, n_microbatches=n_microbatches,
+                                       loss_fn=self.loss_fn if train else self.eval_loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def step(self, batch: NoisedBatch) -> torch.Tensor:
+        """Forward + backward of the local batch [B, S] in ``n_microbatches`` micro-batches. Returns the sum of the
+        micro-batch losses on the rank holding the last stage, 0 elsewhere."""
+        seq_len = batch.input_ids.shape[1]
+        schedule = self._schedule(seq_len, True, self.n_microbatches)
+        return self._run(schedule.step, batch)
+
+    @torch.no_grad()
+    def evaluate(self, batch: NoisedBatch) -> torch.Tensor:
+        """Forward-only loss sum (``eval_loss_fn``) of ``batch`` as one micro-batch; 0 off the last stage."""
+        schedule = self._schedule(batch.input_ids.shape[1], False, 1)
+        return self._run(schedule.eval, batch)
+
+    def _run(self, fn, batch: NoisedBatch) -> torch.Tensor:
+        losses: list = []
+        args = (batch.input_ids,) if self.has_first else ()
+        kwargs = dict(target=pack_targets(batch), losses=losses) if self.has_last else {}
+        fn(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([torch.as_tensor(x, device=self.device).float().reshape(()) for x in losses]).sum()
+
+
+def loss_fns(objective_cfg, global_batch_size: int) -> tuple[Callable, Callable]:
+    """(train, eval) loss functions: the training normaliser, and per-sequence sums for the NELBO estimate."""
+    return make_loss_fn(objective_cfg.loss_norm, global_batch_size), make_loss_fn("token", 1)
+
+
+__all__ = ["PP_SCHEDULES", "Pipeline", "PipelineStageModel", "build_stage_models", "loss_fns", "make_loss_fn",
+           "pack_targets", "split_layers", "stage_ids"]

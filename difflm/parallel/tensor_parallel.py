@@ -1,0 +1,280 @@
+"""Tensor (+ sequence) parallelism of the torch backend with DTensor (``torch.distributed.tensor.parallel``).
+
+Plan per block (Megatron-LM's split, Shoeybi et al. 2019, sec. 3; sequence parallelism: Korthikanti et
+al. 2022), applied with :func:`parallelize_module` on ``mesh["tp"]``:
+
+=========================  ==========================  ==============================================
+module                     style                       placement of its parameters
+=========================  ==========================  ==============================================
+embedding                  ``RowwiseParallel``         weight Shard(0) (vocab-parallel); output Replicate,
+                                                       or Shard(1) (sequence) with sequence_parallel
+attention                  :class:`GatherSequence`     (sequence_parallel only) all-gathers its input
+attention.qkv              :class:`NormColwiseParallel` weight/bias Shard(0), layer_norm_weight Replicate
+attention.q_norm / k_norm  ``SequenceParallel(dim=2)``  weight Replicate; input sharded over local heads
+attention.proj             ``RowwiseParallel``         weight Shard(1); output Replicate / Shard(1)
+mlp                        :class:`SwiGLUParallel`     fc1 Shard(0) of the gate/up-interleaved rows,
+                                                       fc2 Shard(1), layer_norm_weight Replicate
+final_norm                 ``SequenceParallel``        (sequence_parallel only) weight Replicate
+output (LM head)           none (replicated)           the loss selects rows (``logits_mask``) of the
+                                                       full hidden states, then one full-vocab GEMM
+=========================  ==========================  ==============================================
+
+The fused QKV rows are grouped per KV head, so ``Shard(0)`` gives each rank whole groups when tp divides
+``num_kv_heads``. ``mlp.fc1_weight`` is ``[gate; up]`` (TE's SwiGLU layout): a plain row split would give
+rank 0 the gates and rank 1 the ups. :class:`SwiGLUParallel` therefore permutes the rows once, at
+parallelize time, to ``[gate_0; up_0; gate_1; up_1; ...]`` (:func:`interleave_gate_up`), so that ``Shard(0)``
+hands rank r ``[gate_r; up_r]``, and the checkpoint code un-permutes (:func:`canonical_state_dict`), so state
+dicts and DCP checkpoints hold the ``[gate; up]`` layout of a single process under every layout.
+
+The LM head stays replicated: ``Transformer.forward`` selects the masked rows of the hidden states and
+calls ``F.linear`` with ``head_weight()`` itself, so a vocab-parallel head (``loss_parallel``) would need a
+change in the model (left for later, docs/parallel.md).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from difflm.model.layers import LayerNormMLP, rms_norm
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+# ------------------------------------------------------------------ gate/up row order
+def interleave_gate_up(w: torch.Tensor, tp: int) -> torch.Tensor:
+    """``[gate; up]`` rows ([2f, ...]) -> ``[gate_0; up_0; ...; gate_{tp-1}; up_{tp-1}]`` (chunks of f/tp rows)."""
+    rows = w.shape[0]
+    return w.reshape(2, tp, rows // (2 * tp), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def deinterleave_gate_up(w: torch.Tensor, tp: int) -> torch.Tensor:
+    """Inverse of :func:`interleave_gate_up`."""
+    rows = w.shape[0]
+    return w.reshape(tp, 2, rows // (2 * tp), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+# ------------------------------------------------------------------ styles
+class NormColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a fused RMSNorm + linear (:class:`difflm.model.layers.LayerNormLinear`).
+
+    ``weight`` (and ``bias``) are Shard(0), ``layer_norm_weight`` Replicate. The module's own forward runs on
+    DTensors: the norm on the replicated input (with SP the attention's input was all-gathered by
+    :class:`GatherSequence`), ``F.linear`` against the row-sharded weight, output Shard(-1) handed on as a
+    local tensor (the local heads). Backward: the input gradient (partial sums) is all-reduced, or
+    reduce-scattered over the sequence with SP, by DTensor.
+    """
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
+
+    def _partition_norm_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Replicate() if pname == "layer_norm_weight" else Shard(0)
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_norm_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism: the module's first positional input, a local Shard(1) (sequence) tensor, becomes a
+    Replicate DTensor (all-gather; its gradient is reduce-scattered back). The module sees the full sequence
+    and its other arguments (RoPE tables, masks) untouched. Used on ``attention``, whose reshapes need S.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(mod, args):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return (x.redistribute(device_mesh, [Replicate()]), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+class TensorParallelSwiGLU(LayerNormMLP):
+    """:class:`LayerNormMLP` whose forward runs tensor-parallel (the class :class:`SwiGLUParallel` swaps in;
+    parameter names are unchanged).
+
+    Shapes: x [B, S, d] (Replicate) or [B, S/tp, d] (sequence-parallel shard), local tensors -> same.
+    ``fc1_weight`` is a Shard(0) DTensor of the interleaved rows, so its local block is [gate_r; up_r]
+    [2f/tp, d]; the SwiGLU runs on local halves, ``fc2`` (Shard(1)) gives partial sums that are all-reduced
+    (or reduce-scattered over the sequence with SP).
+    """
+
+    _tp_mesh = None
+    _tp_sequence_parallel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh, seq = self._tp_mesh, self._tp_sequence_parallel
+        x = DTensor.from_local(x, mesh, [Shard(1) if seq else Replicate()], run_check=False)
+        xn = rms_norm(x, self.layer_norm_weight, self.eps).redistribute(mesh, [Replicate()])
+        h = F.linear(xn, self.fc1_weight).redistribute(mesh, [Shard(-1)]).to_local()  # [.., 2f/tp] = gate_r|up_r
+        gate, up = h.chunk(2, dim=-1)
+        a = DTensor.from_local(F.silu(gate) * up, mesh, [Shard(-1)], run_check=False)  # [.., f] in true order
+        out = F.linear(a, self.fc2_weight)  # Partial
+        return out.redistribute(mesh, [Shard(1) if seq else Replicate()]).to_local()
+
+
+class SwiGLUParallel(ParallelStyle):
+    """Tensor-parallel style of a SwiGLU :class:`LayerNormMLP` (fc1 = [gate; up]) on a 1-D TP mesh.
+
+    Permutes ``fc1_weight``'s rows with :func:`interleave_gate_up`, shards it Shard(0) and ``fc2_weight``
+    Shard(1), replicates ``layer_norm_weight`` and swaps the module's class to :class:`TensorParallelSwiGLU`.
+    """
+
+    def __init__(self, *, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, LayerNormMLP):
+            raise TypeError(f"SwiGLUParallel applies to LayerNormMLP, got {type(module).__name__}")
+        tp = device_mesh.size()
+        with torch.no_grad():
+            fc1 = interleave_gate_up(module.fc1_weight.detach(), tp)
+        placements = {"fc1_weight": (fc1, Shard(0)), "fc2_weight": (module.fc2_weight.detach(), Shard(1)),
+                      "layer_norm_weight": (module.layer_norm_weight.detach(), Replicate())}
+        for name, (value, placement) in placements.items():
+            module.register_parameter(name, nn.Parameter(distribute_tensor(value, device_mesh, [placement])))
+        module.__class__ = TensorParallelSwiGLU
+        module._tp_mesh, module._tp_sequence_parallel = device_mesh, self.sequence_parallel
+        return module
+
+
+# ------------------------------------------------------------------ the plan
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool) -> nn.Module:
+    """Apply the module plan above to a :class:`Transformer` or a pipeline stage of it, in place.
+
+    ``attention.num_heads`` / ``num_kv_heads`` become the local counts (the attention reshapes with them).
+    Works on stages without embedding / final norm (pipeline parallel). Returns ``model``. Tied embeddings
+    (``model.tie_embeddings``) are refused earlier by :func:`difflm.config.validate.check_parallel`.
+    """
+    tp = tp_mesh.size()
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if getattr(model, "embedding", None) is not None:  # tied embeddings are refused by check_parallel
+        parallelize_module(model.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+    for block in _blocks(model):
+        attn = block.attention
+        plan = {
+            "attention.qkv": NormColwiseParallel(),
+            "attention.proj": RowwiseParallel(output_layouts=seq),
+            "mlp": SwiGLUParallel(sequence_parallel=sequence_parallel),
+        }
+        if attn.q_norm is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if sequence_parallel:
+            plan["attention"] = GatherSequence()
+        parallelize_module(block, tp_mesh, plan)
+        attn.num_heads //= tp
+        attn.num_kv_heads //= tp
+    if sequence_parallel and getattr(model, "final_norm", None) is not None:
+        parallelize_module(model.final_norm, tp_mesh, SequenceParallel(use_local_output=False))
+        parallelize_module(model.final_norm, tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+# ------------------------------------------------------------------ layout-independent state dicts
+def clean_fqn(name: str) -> str:
+    """A module path without the wrappers' prefixes (activation checkpointing, compile, FSDP1)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def interleaved_params(model_parts: Iterable[nn.Module]) -> dict[str, int]:
+    """{parameter FQN: tp degree} of the ``fc1_weight`` tensors held in interleaved row order."""
+    out = {}
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, TensorParallelSwiGLU):
+                out[clean_fqn(f"{name}.fc1_weight" if name else "fc1_weight")] = module._tp_mesh.size()
+    return out
+
+
+def _optim_entries(optim_sd: Optional[dict], fqn: str) -> list[tuple[dict, str]]:
+    """The per-parameter optimizer tensors of ``fqn`` (Adam moments; not the scalar ``step``), in a nested
+    (``{"state": {fqn: {...}}}``) or flattened (``"state.<fqn>.exp_avg"``, ``flatten_optimizer_state_dict``) dict."""
+    if not optim_sd:
+        return []
+    if "state" in optim_sd and isinstance(optim_sd["state"], dict):
+        state = optim_sd["state"].get(fqn, {})
+        return [(state, k) for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim >= 1]
+    prefix = f"state.{fqn}."
+    return [(optim_sd, k) for k, v in optim_sd.items()
+            if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.ndim >= 1]
+
+
+def canonical_state_dict(model_sd: dict, optim_sd: Optional[dict], interleaved: dict[str, int]) -> None:
+    """In place: interleaved ``fc1_weight`` entries (and their optimizer moments) become full plain tensors in
+    ``[gate; up]`` order, as a single process holds them. Other entries are untouched (DCP saves DTensors
+    sharded). Used before ``dcp.save``.
+    """
+    for fqn, tp in interleaved.items():
+        entries = [(model_sd, fqn)] + _optim_entries(optim_sd, fqn)
+        for container, key in entries:
+            value = container[key]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            container[key] = deinterleave_gate_up(full, tp)
+
+
+def prepare_canonical_load(model_sd: dict, optim_sd: Optional[dict], interleaved: dict[str, int]) -> list:
+    """In place: interleaved entries are replaced by empty full plain tensors for ``dcp.load`` to fill.
+    Returns what :func:`finish_canonical_load` needs to copy them back into the sharded tensors."""
+    pending = []
+    for fqn, tp in interleaved.items():
+        for container, key in [(model_sd, fqn)] + _optim_entries(optim_sd, fqn):
+            dest = container[key]
+            container[key] = torch.empty(dest.shape, dtype=dest.dtype, device=_local(dest).device)
+            pending.append((container, key, dest, tp))
+    return pending
+
+
+def finish_canonical_load(pending: list) -> None:
+    """Re-interleave the loaded full tensors and copy each rank's shard into the original (D)Tensors."""
+    for container, key, dest, tp in pending:
+        full = interleave_gate_up(container[key], tp)
+        with torch.no_grad():
+            if isinstance(dest, DTensor):
+                shard = distribute_tensor(full, dest.device_mesh, dest.placements, src_data_rank=None)
+                dest.to_local().copy_(shard.to_local())
+            else:
+                dest.copy_(full)
+        container[key] = dest
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = [
+    "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU", "apply_tensor_parallel", "canonical_state_dict",
+    "deinterleave_gate_up", "finish_canonical_load", "interleave_gate_up", "interleaved_params",
+    "prepare_canonical_load",
+]

@@ -1,0 +1,56 @@
+"""Stop requests from the cluster: SIGTERM / SIGUSR1 and a wall-clock limit.
+
+SLURM sends SIGUSR1 ahead of the time limit when the job asks for it (``#SBATCH --signal=USR1@120``) and
+SIGTERM on preemption or ``scancel``. The handler only records the request; the training loop finishes
+the step it is in, saves a checkpoint and exits with :data:`EXIT_REQUEUE`, which the SLURM launcher
+config treats as "requeue me" (torchtitan and Megatron-LM's ``--exit-signal-handler`` work the same way).
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL (sysexits.h): "try again later"; the run saved and can resume
+
+
+class StopRequest:
+    """Collects SIGTERM/SIGUSR1 and a ``train.time_limit`` (seconds, 0 = none) into one flag.
+
+    ``should_stop()`` is collective when a process group exists (max over ranks), so every rank stops
+    after the same step even if only one received the signal.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, time_limit_s: float = 0.0, margin_s: float = 0.0):
+        self.reason: Optional[str] = None
+        self.deadline = time.monotonic() + time_limit_s - margin_s if time_limit_s > 0 else None
+        self._previous = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. some test runners): signals stay default
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.reason = signal.Signals(signum).name
+
+    def should_stop(self) -> bool:
+        if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.reason = "train.time_limit"
+        flag = torch.tensor(1.0 if self.reason else 0.0)
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0 and self.reason is None:
+                self.reason = "another rank's stop request"
+        return flag.item() > 0
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,177 @@
+"""Remasking policies, top-k/p, classifier-free guidance, padded batches, Fast-dLLM threshold decoding and the
+block-level KV cache (exact where it should be), and BD3-LM block sampling with its exact cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difflm.model.kv_cache import KVCache
+from difflm.sampling import autoregressive_generate, block_diffusion_generate, diffusion_generate, filter_top_k_top_p
+from difflm.sampling.diffusion import GenerationConfigError, propose, select_transfer
+from tests.dlm_helpers import model_fn, tiny_model
+
+V, MASK = 48, 47
+FORBID = [MASK]
+
+
+def test_margin_and_entropy_confidence():
+    logits = torch.log(torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1], [0.4, 0.3, 0.3, 0.0]]]) + 1e-12)
+    x0, margin = propose(logits, "margin", 0.0, None)
+    assert x0.tolist() == [[0, 0, 0]]
+    assert torch.allclose(margin, torch.tensor([[0.0, 0.6, 0.1]], dtype=torch.float64), atol=1e-5)
+    _, ent = propose(logits, "entropy", 0.0, None)
+    h = lambda ps: -sum(p * torch.log(torch.tensor(p)).item() for p in ps if p > 0)  # noqa: E731
+    assert torch.allclose(ent, -torch.tensor([[h([.5, .5]), h([.7, .1, .1, .1]), h([.4, .3, .3])]], dtype=torch.float64),
+                          atol=1e-4)
+    # the most confident by entropy is the peaked position 1; by low_confidence too; margin ranks 1 > 2 > 0
+    order = torch.sort(margin, descending=True).indices.tolist()
+    assert order == [[1, 2, 0]]
+
+
+def test_top_k_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert torch.isinf(filter_top_k_top_p(logits, top_k=2)).tolist() == [False, False, True, True, True]
+    assert torch.isinf(filter_top_k_top_p(logits, top_p=0.6)).tolist() == [False, False, True, True, True]
+    assert torch.isinf(filter_top_k_top_p(logits, top_p=0.5)).tolist() == [False, True, True, True, True]
+    assert torch.equal(filter_top_k_top_p(logits), logits)
+
+
+def test_threshold_unmasks_all_confident_and_at_least_one():
+    conf = torch.tensor([[0.95, 0.2, 0.91, 0.5]], dtype=torch.float64)
+    cand = torch.tensor([[True, True, True, True]])
+    assert select_transfer(conf, cand, None, 0.9).tolist() == [[True, False, True, False]]
+    assert select_transfer(conf * 0.1, cand, None, 0.9).tolist() == [[True, False, False, False]]
+
+
+def peaked(x, **kw):
+    logits = torch.full((*x.shape, V), -5.0)
+    logits[..., 3] = 5.0
+    return logits
+
+
+def test_threshold_decodes_a_confident_block_in_one_step():
+    stats = {}
+    out = diffusion_generate(peaked, torch.tensor([[1, 2]]), mask_id=MASK, length=8, steps=8, block_length=4,
+                             threshold=0.9, stats=stats)
+    assert stats["nfe"] == 2 and out[0, 2:].tolist() == [3] * 8
+
+
+def test_classifier_free_guidance_masks_prompt_for_unconditional():
+    seen = []
+
+    def fn(x, **kw):
+        seen.append(x.clone())
+        logits = torch.zeros(*x.shape, V)
+        cond = (x[:, :1] != MASK).float()  # conditional rows prefer token 5, unconditional token 6
+        logits[..., 5] = cond  # cond: l5 = 1, l6 = 1.2 -> 6; uncond: l5 = 0, l6 = 1.5
+        logits[..., 6] = 1.5 - 0.3 * cond
+        return logits
+
+    prompt = torch.tensor([[1, 2]])
+    plain = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=0.0)
+    guided = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=1.0)
+    assert seen[-1].shape[0] == 2 and (seen[-1][1, :2] == MASK).all() and torch.equal(seen[-1][0, :2], prompt[0])
+    assert plain[0, 2:].tolist() == [6] * 4
+    # guided = un + (s + 1)(cond - un) with s = 1: l5 = 0 + 2 * 1 = 2, l6 = 1.5 + 2 * (-0.3) = 0.9 -> token 5
+    assert guided[0, 2:].tolist() == [5] * 4
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "margin", "entropy"])
+def test_deterministic_at_temperature_zero(remasking):
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 40, (2, 5))
+    kw = dict(mask_id=MASK, length=8, steps=4, block_length=4, remasking=remasking, forbid_ids=FORBID)
+    a = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(0), **kw)
+    b = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(1), **kw)
+    assert torch.equal(a, b) and not (a == MASK).any()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_single_prompts(side):
+    model = tiny_model(std=0.3)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    width = 5
+    rows, masks = [], []
+    for p in prompts:
+        pad = [0] * (width - len(p))
+        rows.append(pad + p if side == "left" else p + pad)
+        masks.append([False] * len(pad) + [True] * len(p) if side == "left" else [True] * len(p) + [False] * len(pad))
+    batch, pmask = torch.tensor(rows), torch.tensor(masks)
+    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID)
+    out = diffusion_generate(model_fn(model), batch, prompt_mask=pmask, **kw)
+    ar = tiny_model(causal=True, std=0.3)
+    out_ar = autoregressive_generate(model_fn(ar), batch, length=4, forbid_ids=FORBID, prompt_mask=pmask)
+    for i, p in enumerate(prompts):
+        alone = diffusion_generate(model_fn(model), torch.tensor([p]), **kw)
+        assert out[i, width:].tolist() == alone[0, len(p):].tolist()
+        alone_ar = autoregressive_generate(model_fn(ar), torch.tensor([p]), length=4, forbid_ids=FORBID)
+        assert out_ar[i, width:].tolist() == alone_ar[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_kv_cache_read_is_exact_when_nothing_changed(mode):
+    model = tiny_model(std=0.3)
+    x = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache()
+        model(x, kv_cache=cache.write())
+        a, b = 4, (12 if mode == "prefix" else 8)
+        part = model(x[:, a:b], position_ids=torch.arange(a, b), kv_cache=cache.read(a, b))
+    assert torch.allclose(part, full[:, a:b], atol=1e-5)
+
+
+def test_cached_sampler_equals_uncached_with_one_step_per_block_and_batches():
+    # with one step per block every model call is the cache-writing full forward: identical tokens
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 40, (3, 4))
+    kw = dict(mask_id=MASK, length=8, steps=2, block_length=4, forbid_ids=FORBID)
+    base = diffusion_generate(model_fn(model), prompt, **kw)
+    for cache in ("prefix", "dual"):
+        assert torch.equal(diffusion_generate(model_fn(model), prompt, cache=cache, **kw), base)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cached_sampler_batch_rows_are_independent(cache):
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 40, (3, 4))
+    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID, cache=cache)
+    stats = {}
+    batched = diffusion_generate(model_fn(model), prompt, stats=stats, **kw)
+    assert stats["nfe"] == 8
+    for i in range(3):
+        assert torch.equal(diffusion_generate(model_fn(model), prompt[i:i + 1], **kw), batched[i:i + 1])
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4])
+def test_bd3lm_cached_sampling_is_exact(prompt_len):
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 40, (2, prompt_len))
+    kw = dict(mask_id=MASK, length=10, block_size=4, steps_per_block=2, forbid_ids=FORBID)
+    s0, s1 = {}, {}
+    plain = block_diffusion_generate(model_fn(model), prompt, stats=s0, **kw)
+    cached = block_diffusion_generate(model_fn(model), prompt, cache=True, stats=s1, **kw)
+    assert torch.equal(plain, cached) and not (plain[:, prompt_len:] == MASK).any()
+    # with the threshold the same holds
+    assert torch.equal(block_diffusion_generate(model_fn(model), prompt, threshold=0.5, **kw),
+                       block_diffusion_generate(model_fn(model), prompt, threshold=0.5, cache=True, **kw))
+
+
+def test_bd3lm_sampler_respects_block_causality():
+    # a block's tokens must not depend on anything after it: the first block is the same for any length
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 40, (1, 4))
+    kw = dict(mask_id=MASK, block_size=4, steps_per_block=4, forbid_ids=FORBID)
+    short = block_diffusion_generate(model_fn(model), prompt, length=4, **kw)
+    long = block_diffusion_generate(model_fn(model), prompt, length=12, **kw)
+    assert torch.equal(long[:, :8], short)
+
+
+def test_generation_errors_name_keys():
+    with pytest.raises(GenerationConfigError, match="gen.cache"):
+        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, cache="full")
+    with pytest.raises(GenerationConfigError, match="gen.top_p"):
+        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, top_p=0.0)
+    with pytest.raises(GenerationConfigError, match="gen.threshold"):
+        block_diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, block_size=4, steps_per_block=1,
+                                 threshold=2.0)

@@ -1,0 +1,247 @@
+"""Hugging Face interop (CPU, offline): import of Llama/Qwen2 causal LMs, export with a self-contained modeling
+file, export -> import round trip, and the trainer continuing from an imported step_0."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import FAST, compose_run, run_cli
+from difflm.config import ASSETS
+from difflm.data import build_tokenizer
+from difflm.errors import DifflmError
+from difflm.generate import generate_ids
+from difflm.interop.export import export_run, load_run_for_export, parse_size
+from difflm.interop.hf_import import fuse_qkv, import_hf, train_overrides
+
+CPU = torch.device("cpu")
+NEOX = ASSETS / "tokenizers" / "gpt-neox-20b"
+N_TOK = 50277  # len(NeoX tokenizer); difflm's mask id for it, padded vocab 50304
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that a wrong mapping shows in the logits (HF's init is near zero); norms != 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
+
+
+def make_hf(tmp: Path, kind: str, vocab: int, tie: bool) -> Path:
+    """A tiny random HF causal LM with GQA (4 heads, 2 KV heads), saved with the NeoX tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=500000.0))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0))
+    _randomise(model, seed=7)
+    out = tmp / f"hf_{kind}"
+    model.save_pretrained(out)
+    for f in NEOX.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def hf_logits(path: Path, ids: torch.Tensor, trust: bool = False, auto: str = "AutoModelForCausalLM") -> torch.Tensor:
+    import transformers
+
+    model = getattr(transformers, auto).from_pretrained(str(path), dtype=torch.float32, trust_remote_code=trust).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, data_cache):
+    """Overrides for a 40 kB slice of the embedded corpus (fast to tokenize)."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text((ASSETS / "corpora" / "tinyshakespeare" / "input.txt").read_text()[:40_000])
+    return [f"data.path={path}", f"data.cache_dir={data_cache}"]
+
+
+@pytest.mark.parametrize("kind,vocab,tie", [("llama", 50280, False), ("qwen2", 50432, True)])
+def test_import_ar_logits_equal_hf(tmp_path, kind, vocab, tie):
+    src = make_hf(tmp_path, kind, vocab, tie)
+    cfg = import_hf(str(src), tmp_path / "run", objective="ar")
+    assert cfg.model.num_kv_heads == 2 and cfg.model.tie_embeddings == tie and cfg.model.qkv_bias == (kind == "qwen2")
+    assert cfg.model.rope_base == (500000.0 if kind == "llama" else 1000000.0)
+    _, model, tok, step = load_run_for_export(tmp_path / "run")
+    assert step == 0 and tok.mask_id == N_TOK and model.cfg.vocab_size == 50304
+    ids = torch.randint(0, N_TOK, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(src, ids)
+    with torch.no_grad():
+        ours = model(ids)
+    # the tokenizer's tokens; column N_TOK is the new mask token (mean-initialised even where the HF model
+    # had a spare row there), columns beyond are padding
+    diff = (ours[..., :N_TOK] - ref[..., :N_TOK]).abs().max().item()
+    print(f"{kind}: max |logit diff| = {diff:.3e} (logit scale {ref.abs().max().item():.2f})")
+    assert diff < 1e-4
+    # new rows (mask; Llama's padding rows) hold the mean embedding of the real tokens
+    emb = model.embedding.weight
+    assert torch.allclose(emb[N_TOK], emb[:N_TOK].mean(0), atol=1e-6)
+
+
+def test_fuse_qkv_groups_rows_per_kv_head():
+    hd, d = 2, 3
+    q = torch.arange(4 * hd).repeat_interleave(d).view(4 * hd, d).float()  # q head j: rows 2j, 2j+1
+    k = 100 + torch.arange(2 * hd).repeat_interleave(d).view(2 * hd, d).float()
+    v = 200 + torch.arange(2 * hd).repeat_interleave(d).view(2 * hd, d).float()
+    fused = fuse_qkv(q, k, v, num_kv_heads=2)[:, 0].tolist()
+    assert fused == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
+
+
+def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
+    from difflm.training.trainer import Trainer
+
+    src = make_hf(tmp_path, "llama", 50280, False)
+    imported = import_hf(str(src), tmp_path / "run", objective="mdlm")
+    overrides = train_overrides(imported)
+    assert "objective=mdlm" in overrides and "model.num_kv_heads=2" in overrides
+    _, ref_model, _, _ = load_run_for_export(tmp_path / "run")
+    cfg = compose_run([*FAST, *small_data, *overrides, "train.max_steps=1",
+                       "train.save_every=1", "train.eval_every=0"])
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    assert trainer.resumed_from == 0 and trainer.step == 0
+    for (name, p), q in zip(trainer.model.state_dict().items(), ref_model.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert not trainer.optimizer.state  # model-only checkpoint: fresh optimizer
+    metrics = trainer.fit()
+    assert metrics["step"] == 1 and math.isfinite(metrics["loss"])
+    assert (Path(cfg.run.dir) / "checkpoints" / "step_1").is_dir()
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_data):
+    """A 2-step difflm run (GQA, QKV bias, QK-norm, untied) to export."""
+    from difflm.training.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("difflm_run")
+    cfg = compose_run([*FAST, *small_data, f"run.dir={root / 'run'}", "train.max_steps=2",
+                       "train.save_every=2", "train.eval_every=0", "model.qkv_bias=true", "optim.lr=1e-2"])
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.fit()
+    return root, trainer.model.eval(), trainer.tok
+
+
+def test_export_matches_difflm_logits_and_sampler(trained_run):
+    from transformers import AutoModel
+
+    root, model, tok = trained_run
+    out = export_run(root / "run", root / "hf", max_shard_size="3MB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2  # sharded above max_shard_size
+    assert any(k.endswith("attention.qkv.bias") for k in index["weight_map"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_difflm.DiffLMModel" and config["mask_token_id"] == N_TOK
+    modeling = (out / "modeling_difflm.py").read_text()
+    assert "difflm" not in [ln.split()[1].split(".")[0] for ln in modeling.splitlines()
+                            if ln.startswith(("import ", "from "))]  # self-contained
+    assert build_tokenizer(str(out)).mask_id == N_TOK  # the saved tokenizer carries the mask token
+
+    ids = torch.randint(0, N_TOK, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)
+    diff = (hf_logits(out, ids, trust=True, auto="AutoModelForMaskedLM") - ref).abs().max().item()
+    print(f"export: max |logit diff| = {diff:.3e}")
+    assert diff < 1e-5
+
+    hf_model = AutoModel.from_pretrained(str(out), trust_remote_code=True).eval()
+    prompt = torch.tensor([tok.tokenizer("ROMEO:")["input_ids"]] * 2)
+    settings = [dict(temperature=0.0, remasking="low_confidence"),
+                dict(temperature=0.7, remasking="random", cfg_scale=1.5),
+                dict(temperature=0.5, remasking="margin", top_k=50, top_p=0.9)]
+    for kw in settings:
+        gen = OmegaConf.create({"length": 16, "steps": 8, "block_length": 8, "seed": 3, **kw})
+        ours = generate_ids(model, tok, prompt, gen, causal=False)
+        theirs = hf_model.generate(prompt, steps=8, gen_length=16, block_length=8,
+                                   generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(theirs[:, :prompt.shape[1]], prompt)
+        assert torch.equal(theirs[:, prompt.shape[1]:], ours), kw
+        assert not (theirs == N_TOK).any()
+
+
+def test_export_import_round_trip_is_identical(trained_run, tmp_path):
+    root, model, _ = trained_run
+    out = export_run(root / "run", tmp_path / "hf")
+    cfg = import_hf(str(out), tmp_path / "back")
+    assert cfg.objective.name == "mdlm" and cfg.model.qkv_bias and cfg.model.qk_norm
+    _, back, _, _ = load_run_for_export(tmp_path / "back")
+    original = model.state_dict()
+    assert list(back.state_dict()) == list(original)
+    for name, p in back.state_dict().items():
+        assert torch.equal(p, original[name]), name
+
+
+def test_export_bf16_and_errors(trained_run, tmp_path):
+    from safetensors import safe_open
+
+    root, _, _ = trained_run
+    out = export_run(root / "run", tmp_path / "bf16", dtype="bf16")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embedding.weight").dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(DifflmError, match="out=.*not empty"):
+        export_run(root / "run", out)
+    with pytest.raises(DifflmError, match="dtype="):
+        export_run(root / "run", tmp_path / "x", dtype="fp64")
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
+    with pytest.raises(DifflmError, match="max_shard_size"):
+        parse_size("lots")
+
+
+def test_import_errors_name_the_problem(tmp_path, monkeypatch):
+    src = make_hf(tmp_path, "llama", 50280, False)
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(DifflmError, match="tokenizer.json"):
+        import_hf(str(src), tmp_path / "run")
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(DifflmError, match="model_type='gpt2'"):
+        import_hf(str(src), tmp_path / "run")
+    (src / "config.json").unlink()
+    with pytest.raises(DifflmError, match="config.json is missing"):
+        import_hf(str(src), tmp_path / "run")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DifflmError, match="HF_HUB_OFFLINE=1"):
+        import_hf("difflm-test/not-a-cached-model", tmp_path / "run")
+    with pytest.raises(DifflmError, match="data.tokenizer=.*none of the tokenizer files"):
+        build_tokenizer(str(tmp_path))
+
+
+def test_shift_logits_moves_logits_right():
+    from difflm.model import build_model, resolve_model_config
+
+    cfg = compose_run([*FAST]).model
+    resolve_model_config(cfg, 256)
+    plain = build_model(cfg, causal=False, device=CPU, seed=0).eval()
+    cfg = cfg.copy()  # the model keeps a reference to its config
+    cfg.shift_logits = True
+    shifted = build_model(cfg, causal=False, device=CPU, seed=0).eval()
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        a, b = plain(ids), shifted(ids)
+        mask = torch.zeros(2, 10, dtype=torch.bool)
+        mask[:, 3] = True
+        assert torch.allclose(shifted(ids, mask), b[:, 3], atol=1e-6)  # same values, another matmul shape
+    assert torch.allclose(b[:, 1:], a[:, :-1], atol=1e-6) and torch.allclose(b[:, 0], a[:, 0], atol=1e-6)
+
+
+def test_cli_import_prints_train_command(tmp_path):
+    src = make_hf(tmp_path, "qwen2", 50432, True)
+    res = run_cli("difflm.interop.hf_import", f"hf={src}", f"run.dir={tmp_path / 'run'}", "objective=ar", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "difflm-train objective=ar" in res.stdout and "model.qkv_bias=true" in res.stdout
+    with pytest.raises(DifflmError, match="already holds checkpoints"):
+        import_hf(str(src), tmp_path / "run")
