@@ -168,11 +168,11 @@ def test_cuda_only_attention_backends_refuse_cpu(backend):
 
 # ------------------------------------------------------------------ TE model wiring on the CPU stand-in
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("h_kv", [4, 2, 1])
-def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv):
+@pytest.mark.parametrize("h_kv,extra", [(4, {}), (2, {}), (1, {}), (2, {"qkv_bias": True, "shift_logits": True})])
+def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv, extra):
     from difflm.model.te_backend import TETransformer
 
-    cfg = small_cfg(num_kv_heads=h_kv)
+    cfg = small_cfg(num_kv_heads=h_kv, **extra)
     ref = Transformer(cfg, causal)
     ref.init_weights(7)
     model = TETransformer(cfg, causal, device="meta")
@@ -189,6 +189,8 @@ def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv):
     torch.testing.assert_close(model(ids, mask), ref(ids, mask), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(ids), ref(ids), atol=1e-5, rtol=1e-5)
     assert model.num_params() == ref.num_params()
+    with pytest.raises(DifflmError, match="model.backend=te runs the full-sequence forward only"):
+        model(ids, position_ids=torch.arange(20))
 
 
 def _fp8_per_layer(model, ids):

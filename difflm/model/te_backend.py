@@ -19,13 +19,14 @@ only difference between the two layouts; :func:`torch_to_te_state_dict` and :fun
 convert, and ``tests/fixtures/te_tiny_state_dict.json`` records the names and shapes a real TE model has.
 
 Tensor/sequence/context parallelism use TE's own arguments (``tp_group``, ``parallel_mode``,
-``sequence_parallel``, ``cp_group``): the one place process groups enter a model (the design notes: "The TE backend is the one place that
-takes process groups in its constructor").
+``sequence_parallel``, ``cp_group``): as the design notes say, the TE backend is the one place that takes
+process groups in its constructor, because TE's TP/CP live inside its modules.
 With ``sequence_parallel`` the activations are kept sequence-first ("sbhd"), as TE splits dim 0.
 Transformer Engine is imported only when a model is built.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Iterable, Mapping, Optional
 
@@ -160,7 +161,8 @@ class TEAttention(nn.Module):
                 raise DifflmError("context parallelism runs inside te.DotProductAttention: "
                                   "set model.attention_backend=te")
         tp_args = dict(tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel)
-        self.qkv = te.LayerNormLinear(cfg.hidden_size, (h + 2 * h_kv) * hd, eps=cfg.norm_eps, bias=False,
+        self.qkv = te.LayerNormLinear(cfg.hidden_size, (h + 2 * h_kv) * hd, eps=cfg.norm_eps,
+                                      bias=bool(getattr(cfg, "qkv_bias", False)),
                                       normalization="RMSNorm", parallel_mode="column" if tp_group is not None else None,
                                       device=device, **tp_args)
         self.q_norm = te.RMSNorm(hd, eps=cfg.norm_eps, device=device) if cfg.qk_norm else None
@@ -237,8 +239,11 @@ class TETransformer(nn.Module):
         tp_group, sequence_parallel, cp_group, cp_global_ranks, cp_stream, cp_comm_type: passed to the TE
             modules (None / False: a single GPU).
     Forward: ``input_ids`` [B, S] int64 (the local shard under CP), optional ``logits_mask`` [B, S] bool ->
-        logits [B, S, V] or [N, V] at the masked positions, as :meth:`Transformer.forward`.
-    Raises: DifflmError when Transformer Engine cannot be imported or the heads do not split over TP.
+        logits [B, S, V] or [N, V] at the masked positions, as :meth:`Transformer.forward` (with
+        ``model.qkv_bias`` and ``model.shift_logits``; explicit attention masks, position ids and KV caches
+        are torch-backend only).
+    Raises: DifflmError when Transformer Engine cannot be imported, the heads do not split over TP, or
+        forward gets ``attn_mask`` / ``position_ids`` / ``kv_cache``.
     """
 
     head_weight = Transformer.head_weight
@@ -261,7 +266,7 @@ class TETransformer(nn.Module):
         blocks = []
         for i in range(cfg.num_layers):
             quantized = fp8_weights_recipe is not None and i not in self.bf16_layers
-            with quantized_model_init(True, fp8_weights_recipe) if quantized else _null():
+            with quantized_model_init(True, fp8_weights_recipe) if quantized else contextlib.nullcontext():
                 blocks.append(TEBlock(cfg, causal, device=device, layer_number=i + 1, layout=self.layout,
                                       tp_group=tp_group, sequence_parallel=sequence_parallel, cp_group=cp_group,
                                       cp_global_ranks=cp_global_ranks, cp_stream=cp_stream,
@@ -271,7 +276,11 @@ class TETransformer(nn.Module):
         self.output = (None if cfg.tie_embeddings
                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device))
 
-    def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None, attn_mask=None,
+                position_ids: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+        if attn_mask is not None or position_ids is not None or kv_cache is not None:
+            raise DifflmError("model.backend=te runs the full-sequence forward only (no attn_mask, position_ids or "
+                              "kv_cache: bd3lm, packed sft, cached sampling): use model.backend=torch for those")
         b, s = input_ids.shape
         if fp8_is_active() and (b * s) % FP8_ROWS_MULTIPLE:
             # FP8 GEMMs need whole tiles of tokens: odd-sized inputs (random-length steps, sampling) run in BF16.
@@ -298,6 +307,8 @@ class TETransformer(nn.Module):
         x = self.final_norm(x)
         if self.layout == "sbhd":
             x = x.transpose(0, 1)
+        if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i from state i - 1
+            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
@@ -311,17 +322,12 @@ class TETransformer(nn.Module):
             if name.endswith("norm_weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
+            if name.endswith("bias"):
+                p.zero_()
+                continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std
             p.copy_((torch.randn(p.shape, generator=gen) * sd).to(p.device))
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def fp8_layer_options(cfg_model, precision) -> dict:
