@@ -18,6 +18,7 @@ from difflm.config import CONF_DIR
 from difflm.config.validate import check_run
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
+from difflm.training.preemption import EXIT_REQUEUE
 from difflm.training.trainer import Trainer
 
 
@@ -35,13 +36,19 @@ def _main(cfg) -> None:
     world_size = world_size_from_env()
     device = check_run(cfg, world_size)  # every check before any process group exists
     if world_size > 1:
-        device = init_distributed(device)
+        device = init_distributed(device, timeout_s=cfg.train.collective_timeout)
     try:
         cfg.run.dir = agree_run_dir(run_dir_of_job(cfg))  # rank 0's dir (its ${now:} may differ from ours)
         trainer = Trainer(cfg, cfg.run.dir, device)
         if trainer.resumed_from is not None and trainer.is_rank0:
             print(f"resuming {cfg.run.dir} from step {trainer.resumed_from}")
         trainer.fit()
+        if trainer.stop_reason is not None:
+            if trainer.is_rank0:
+                print(f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, "
+                      f"rerun the same command to resume (exit status {EXIT_REQUEUE})", flush=True)
+            destroy_distributed()
+            sys.exit(EXIT_REQUEUE)
         if trainer.is_rank0:
             print(f"done: {cfg.run.dir}")
     finally:

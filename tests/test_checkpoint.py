@@ -50,7 +50,7 @@ def test_checkpoint_is_atomic_and_listed(fast_cfg, tmp_path):
     trainer.fit()
     root = Path(cfg.run.dir) / "checkpoints"
     assert [s for s, _ in list_checkpoints(cfg.run.dir)] == [1, 2]
-    assert sorted(os.listdir(root / "step_2")) == sorted(["trainer_state.pt", ".metadata", "__0_0.distcp"])
+    assert sorted(os.listdir(root / "step_2")) == sorted(["trainer_state.pt", ".metadata", "__0_0.distcp", "manifest.json"])
     # an interrupted save (temporary directory) is never taken for a checkpoint
     (root / ".step_3.tmp").mkdir()
     assert latest_checkpoint(cfg.run.dir)[0] == 2

@@ -4,11 +4,14 @@ Layout of ``<run.dir>/checkpoints/step_<N>/``:
     *.distcp, .metadata   model and optimizer state (DCP; one file per rank under sharded layouts)
     trainer_state.pt      step, LR-schedule state, data-sampler position, RNG states (tensors and
                           plain Python values only, loaded with ``weights_only=True``)
+    manifest.json         written last: every other file with its size (and SHA-256 with
+                          ``train.checkpoint_checksums``); see :mod:`difflm.checkpoint.manifest`
 
 A checkpoint is written under ``.step_<N>.tmp`` (by every rank, each its shards), its files fsynced, and
 renamed to ``step_<N>`` last by rank 0 after a barrier:
-a directory with the final name is always complete, so a crash mid-save never leaves a checkpoint that
-resumes wrongly. DCP's state-dict helpers (``get_state_dict``/``set_state_dict``) key everything by
+a directory with the final name is complete, so a crash mid-save never leaves a checkpoint that
+resumes wrongly; a checkpoint damaged afterwards (truncated file, lost file) fails its manifest check and
+the previous complete one is used instead. DCP's state-dict helpers (``get_state_dict``/``set_state_dict``) key everything by
 parameter name, so the same files load under any later parallel layout (PyTorch docs,
 "Distributed Checkpoint - torch.distributed.checkpoint").
 """
@@ -27,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from difflm.checkpoint.manifest import manifest_problem, write_manifest
+from difflm.checkpoint.retention import steps_to_delete
 from difflm.errors import DifflmError
 from difflm.parallel.distributed import barrier, is_distributed, is_rank0
 
@@ -47,14 +52,29 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+def latest_checkpoint(run_dir: Path, report=print) -> Optional[tuple[int, Path]]:
+    """The newest checkpoint that matches its manifest; newer damaged ones are reported and skipped."""
+    for step, path in reversed(list_checkpoints(run_dir)):
+        problem = manifest_problem(path)
+        if problem is None:
+            return step, path
+        report(f"checkpoint {path} is incomplete or corrupt ({problem}): falling back to an earlier one")
+    return None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int) -> list[int]:
+    """Delete checkpoints outside the retention policy (``train.keep_last``/``train.keep_every``); rank 0 only.
+    Returns the deleted steps."""
+    steps = [s for s, _ in list_checkpoints(run_dir)]
+    doomed = steps_to_delete(steps, keep_last, keep_every) if is_rank0() else []
+    for step in doomed:
+        shutil.rmtree(checkpoints_root(run_dir) / f"step_{step}", ignore_errors=True)
+    return doomed
 
 
 def find_checkpoint(run_dir: Path, step: Optional[int] = None) -> tuple[int, Path]:
     """The checkpoint at ``step`` (default: the latest); DifflmError naming ``run.dir``/``step`` if absent."""
-    ckpts = dict(list_checkpoints(run_dir))
+    ckpts = {s: p for s, p in list_checkpoints(run_dir) if manifest_problem(p) is None}
     if not ckpts:
         raise DifflmError(f"run.dir={str(run_dir)!r} holds no checkpoint (checkpoints/step_<N>/): "
                           "train first, or point run.dir at a run that saved one (train.save_every)")
@@ -116,7 +136,7 @@ class PendingCheckpoint:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.optim.Optimizer],
-                    trainer_state: dict[str, Any], *, async_save: bool = False):
+                    trainer_state: dict[str, Any], *, async_save: bool = False, checksums: bool = False):
     """Write ``checkpoints/step_<step>`` atomically (temporary directory, fsync, rename). Returns its path, or a
     :class:`PendingCheckpoint` with ``async_save``.
 
@@ -131,6 +151,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         trainer_state: written by rank 0 only.
         async_save: ``dcp.async_save`` (state staged to CPU, files written in the background); call
             ``.wait()`` on the result before the next save and before exiting.
+        checksums: record each file's SHA-256 in the manifest (sizes are always recorded).
     """
     from difflm.parallel.tensor_parallel import canonical_state_dict, interleaved_params
 
@@ -149,6 +170,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         barrier()  # every rank's shard files are written
         if is_rank0():
             torch.save(trainer_state, tmp / TRAINER_STATE)
+            _fsync_tree(tmp)
+            write_manifest(tmp, checksums)  # last: its presence marks the files above as complete
             _fsync_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. after a resume) replaces it
                 shutil.rmtree(final)

@@ -162,6 +162,27 @@ class TrainConfig:
     seed: int = 1234
     sample_at_end: bool = True
     async_save: bool = False  # checkpoints with torch.distributed.checkpoint.async_save (staged, written in background)
+    # operating long runs (README "Operating long runs")
+    keep_last: int = 0  # keep this many most recent checkpoints (0 = keep all)
+    keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this, for good
+    checkpoint_checksums: bool = False  # SHA-256 of every checkpoint file in its manifest (sizes always)
+    time_limit: float = 0.0  # wall-clock seconds; save and exit (status 75) before it. 0 = none
+    step_timeout: float = 0.0  # seconds; a slower step dumps every thread's stack to run.dir and ends. 0 = off
+    collective_timeout: int = 1800  # seconds before a stuck collective (NCCL/gloo) fails
+    max_skipped_steps: int = 5  # consecutive non-finite steps (skipped) before the run saves and stops
+    spike_threshold: float = 0.0  # loss > threshold x running mean: reload last checkpoint, skip that data. 0 = off
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces and CUDA memory snapshots in ``<run.dir>/profile`` (see difflm.training.profiling)."""
+
+    enabled: bool = False
+    wait: int = 5
+    warmup: int = 2
+    active: int = 3
+    memory_snapshot: bool = False
+    memory_snapshot_step: int = 3
 
 
 @dataclass
@@ -199,6 +220,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
     gen: GenerateConfig = field(default_factory=GenerateConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     device: str = "auto"  # auto | cpu | cuda
 
 

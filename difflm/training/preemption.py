@@ -28,7 +28,8 @@ class StopRequest:
 
     def __init__(self, time_limit_s: float = 0.0, margin_s: float = 0.0):
         self.reason: Optional[str] = None
-        self.deadline = time.monotonic() + time_limit_s - margin_s if time_limit_s > 0 else None
+        self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
+        self.margin_s = margin_s  # the loop raises it to ~2 steps so the save finishes inside the limit
         self._previous = {}
         for sig in self.SIGNALS:
             try:
@@ -40,7 +41,7 @@ class StopRequest:
         self.reason = signal.Signals(signum).name
 
     def should_stop(self) -> bool:
-        if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.reason is None and self.deadline is not None and time.monotonic() + self.margin_s >= self.deadline:
             self.reason = "train.time_limit"
         flag = torch.tensor(1.0 if self.reason else 0.0)
         if dist.is_available() and dist.is_initialized():

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
+from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
 from difflm.model import build_model, resolve_model_config
@@ -22,7 +22,11 @@ from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.schedule import build_scheduler
 from difflm.parallel import distributed as pdist
+from difflm.training.preemption import StopRequest
+from difflm.training.profiling import Profiler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
+from difflm.training.watchdog import StepWatchdog
+from difflm.errors import DifflmError
 
 
 def memory_gib(device: torch.device) -> float:
@@ -51,7 +55,7 @@ class Trainer:
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
         if self.dims.distributed:
-            self.device = device = pdist.init_distributed(device)
+            self.device = device = pdist.init_distributed(device, timeout_s=t.collective_timeout)
             from difflm.parallel.mesh import build_mesh, mesh_coordinates
 
             self.mesh = build_mesh(self.dims, device.type)
@@ -72,7 +76,8 @@ class Trainer:
         if self.dims.distributed:
             num_params = self._build_parallel_model()
         else:
-            self.model = build_model(cfg.model, causal=self.objective.causal, device=device, seed=t.seed)
+            self.model = build_model(cfg.model, causal=self.objective.causal, device=device, seed=t.seed,
+                                     precision=cfg.precision)
             self.model_parts = [self.model]
             num_params = self.model.num_params()
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts) if self.dims.distributed else self.model,
@@ -83,7 +88,10 @@ class Trainer:
                                                cfg.model.hidden_size, cfg.data.seq_len)
         self.peak = peak_flops(device)
         self.step = 0
+        self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
+        self.skipped_steps = 0  # non-finite steps skipped so far (all time)
         self.resumed_from: Optional[int] = None
+        self.stop_reason: Optional[str] = None
         self._pending_save = None
         self._resume()
         if self.is_rank0:
@@ -102,7 +110,7 @@ class Trainer:
         if cfg.model.backend == "te":
             te_groups = te_process_groups(self.mesh, self.dims, sequence_parallel_enabled(cfg.parallel, self.dims))
         model = build_model(model_cfg, causal=self.objective.causal, device=self.device, seed=cfg.train.seed,
-                            **te_groups)
+                            precision=cfg.precision, **te_groups)
         num_params = model.num_params()
         self.model_parts, self.pipeline = parallelize(model, self.mesh, self.dims, cfg, self.device,
                                                       n_microbatches=self.accum_steps)
@@ -115,15 +123,24 @@ class Trainer:
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(self.step),
+            "sampler": self.sampler.state_dict(self.data_step),
             "torch_rng": torch.get_rng_state(),
+            "data_offset": self.data_offset,
+            "skipped_steps": self.skipped_steps,
         }
 
+    @property
+    def data_step(self) -> int:
+        """The step whose data (windows, noise keys) the current step trains on."""
+        return self.step + self.data_offset
+
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
+        found = latest_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is None:
             return
-        step, path = found
+        self._load(found[1])
+
+    def _load(self, path: Path) -> None:
         state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -131,14 +148,18 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["torch_rng"])
         self.step = self.resumed_from = state["step"]
+        self.data_offset = state.get("data_offset", 0)
+        self.skipped_steps = state.get("skipped_steps", 0)
 
     def save(self) -> Path:
         """Checkpoint the current step (collective under parallel layouts). With ``train.async_save`` the previous
         asynchronous save is finished first and this one is left in flight (see :meth:`finish_saves`)."""
         self.finish_saves()
+        t = self.cfg.train
         out = save_checkpoint(self.run_dir, self.step, self.model_parts, self.optimizer, self.trainer_state(),
-                              async_save=bool(self.cfg.train.get("async_save", False)))
+                              async_save=t.async_save, checksums=t.checkpoint_checksums)
         if isinstance(out, Path):
+            prune_checkpoints(self.run_dir, t.keep_last, t.keep_every)
             return out
         self._pending_save = out
         return out.path
@@ -148,6 +169,7 @@ class Trainer:
         if self._pending_save is not None:
             pending, self._pending_save = self._pending_save, None
             pending.wait()
+            prune_checkpoints(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
 
     # ------------------------------------------------------------------ steps
     def train_step(self) -> dict:
@@ -155,17 +177,17 @@ class Trainer:
         if self.dims.distributed:
             return self._parallel_train_step()
         cfg, t = self.cfg, self.cfg.train
-        seq_len = step_length(cfg.data.seq_len, self.step, t.seed, cfg.objective.random_length_prob,
+        seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
                               cfg.objective.length_multiple)
-        windows = self.sampler.indices(self.step)
+        windows = self.sampler.indices(self.data_step)
         self.model.train()
         loss = torch.zeros((), device=self.device)
         for micro in range(self.accum_steps):
             ids = range(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
             tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
-            batch = self.objective.noise(tokens, ids, (t.seed, STREAM_TRAIN, self.step), t.global_batch_size)
+            batch = self.objective.noise(tokens, ids, (t.seed, STREAM_TRAIN, self.data_step), t.global_batch_size)
             batch = batch.to(self.device)
-            with autocast_context(cfg.precision.name, self.device):
+            with autocast_context(cfg.precision, self.device):
                 logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
             micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, t.global_batch_size)
             self.scaler.scale(micro_loss).backward()
@@ -173,13 +195,22 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
+
+    def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> dict:
+        """Optimizer and schedule step, unless the loss or gradient norm is not finite: then the update is
+        skipped (the step and its data still count) and ``skipped`` is set in the returned metrics."""
         lr = self.scheduler.get_last_lr()[0]
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))  # one host sync per step
+        if finite or self.scaler.is_enabled():  # GradScaler skips non-finite fp16 steps itself (and rescales)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": t.global_batch_size * seq_len}
+        if not finite:
+            self.skipped_steps += 1
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "skipped": not finite}
 
     # ------------------------------------------------------------------ parallel layouts (difflm.parallel)
     def _parallel_train_step(self) -> dict:
@@ -194,12 +225,12 @@ class Trainer:
         from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        seq_len = step_length(cfg.data.seq_len, self.step, t.seed, cfg.objective.random_length_prob,
+        seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
                               effective_length_multiple(cfg, dims))
-        windows = self.sampler.indices(self.step)
+        windows = self.sampler.indices(self.data_step)
         local, mb = t.global_batch_size // dims.dp, t.micro_batch_size
         start = self.coords["dp"] * local
-        key = (t.seed, STREAM_TRAIN, self.step)
+        key = (t.seed, STREAM_TRAIN, self.data_step)
         for part in self.model_parts:
             part.train()
         loss = torch.zeros((), device=self.device)
@@ -207,7 +238,7 @@ class Trainer:
             ids = range(start, start + local)
             tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
             batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
-            with autocast_context(cfg.precision.name, self.device):
+            with autocast_context(cfg.precision, self.device):
                 loss += self.pipeline.step(batch).detach()
         else:
             for micro in range(self.accum_steps):
@@ -220,13 +251,8 @@ class Trainer:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = grad_norm_and_clip(params, max_norm, self.mesh["pp"].get_group() if dims.pp_enabled else None)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": t.global_batch_size * seq_len}
+        return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
 
     def _local_loss(self, batch, norm: str, global_batch_size: int, backward: bool) -> torch.Tensor:
         """This rank's share of the weighted CE of ``batch`` (its sequence chunks under CP), backward if asked."""
@@ -245,7 +271,7 @@ class Trainer:
             ctx = torch_cp_context(self.mesh["cp"], [batch.input_ids, batch.targets, batch.loss_mask, batch.weights,
                                                      positions], [1, 1, 1, 1, 0])
         with ctx:
-            with autocast_context(cfg.precision.name, self.device):
+            with autocast_context(cfg.precision, self.device):
                 logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
             loss = weighted_ce_sum(logits, batch, norm, global_batch_size)
             if backward:
@@ -266,7 +292,7 @@ class Trainer:
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
                 if self.pipeline is not None:
-                    with autocast_context(self.cfg.precision.name, self.device):
+                    with autocast_context(self.cfg.precision, self.device):
                         total += self.pipeline.evaluate(batch).double()
                 else:
                     total += self._local_loss(batch, "token", 1, backward=False).double()
@@ -295,7 +321,7 @@ class Trainer:
             tokens = self.valid_set.get(ids)
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
-                with autocast_context(cfg.precision.name, self.device):
+                with autocast_context(cfg.precision, self.device):
                     logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
                 total += float(weighted_ce_sum(logits, batch, "token", 1))  # summed over sequences
         self.model.train()
@@ -312,28 +338,57 @@ class Trainer:
         ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
         prompt_ids = torch.tensor([ids] * num, device=self.device)
         out = generate_ids(self.model, self.tok, prompt_ids, self.cfg.gen, self.objective.causal,
-                           precision=self.cfg.precision.name, objective=self.cfg.objective)
+                           precision=self.cfg.precision, objective=self.cfg.objective)
         self.model.train()
         return [prompt + self.tok.decode(row.tolist()) for row in out]
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:
-        """Train to ``train.max_steps``; returns the last metrics dict."""
+        """Train to ``train.max_steps``; returns the last metrics dict.
+
+        Stops early, after saving a checkpoint, on SIGTERM/SIGUSR1 or ``train.time_limit``
+        (``self.stop_reason`` says why; ``difflm-train`` then exits with status 75), and with a DifflmError
+        after ``train.max_skipped_steps`` non-finite steps in a row.
+        """
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
         sinks = [JsonlSink(self.run_dir), ConsoleSink(t.max_steps, self.step, lg.progress_bar)] if self.is_rank0 else []
         if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
             wandb_id = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    wandb_id.read_text().strip() if wandb_id.exists() else None))
+        stop = StopRequest(t.time_limit)
+        watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
+        profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
         metrics: dict = {}
+        skipped_in_a_row, loss_mean, slowest_step = 0, None, 0.0
         try:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
                 self._emit(sinks, metrics)
             window_tokens, window_start = 0, time.perf_counter()
             while self.step < t.max_steps:
+                step_start = time.perf_counter()
+                watchdog.arm()
                 out = self.train_step()
+                watchdog.disarm_step()
+                profiler.step(self.step)
                 window_tokens += out["tokens"]
+                skipped_in_a_row = skipped_in_a_row + 1 if out["skipped"] else 0
+                if skipped_in_a_row:
+                    self._report(f"step {self.step}: non-finite loss or gradient norm, update skipped "
+                                 f"({skipped_in_a_row} in a row, {self.skipped_steps} in all)")
+                    if skipped_in_a_row >= t.max_skipped_steps:
+                        self.save()
+                        self.finish_saves()
+                        raise DifflmError(f"{skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
+                                          f"{t.max_skipped_steps}) at step {self.step}; saved the last weights: "
+                                          "lower optim.lr, raise optim.grad_clip, or inspect the data at this step")
+                elif t.spike_threshold > 0:
+                    loss_value = float(out["loss"])
+                    if loss_mean is not None and loss_value > t.spike_threshold * loss_mean and self._roll_back():
+                        loss_mean = None
+                        continue
+                    loss_mean = loss_value if loss_mean is None else 0.9 * loss_mean + 0.1 * loss_value
                 last = self.step == t.max_steps
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or last)
                 if self.step % lg.log_every == 0 or do_eval or last:
@@ -351,6 +406,7 @@ class Trainer:
                         "tokens_per_s_per_gpu": per_gpu,
                         "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
                         "mem_gib": memory_gib(self.device),
+                        "skipped_steps": self.skipped_steps,
                     }
                     if do_eval:
                         metrics = self._eval_metrics(metrics)
@@ -360,13 +416,41 @@ class Trainer:
                     window_tokens, window_start = 0, time.perf_counter()
                 if t.save_every > 0 and (self.step % t.save_every == 0 or last):
                     self.save()
+                slowest_step = max(slowest_step, time.perf_counter() - step_start)
+                stop.margin_s = 2 * slowest_step  # leave time for one more step and the save
+                if not last and stop.should_stop():
+                    self.stop_reason = stop.reason
+                    self._report(f"stop requested ({stop.reason}): saving step {self.step} and exiting")
+                    if not (t.save_every > 0 and self.step % t.save_every == 0):
+                        self.save()
+                    break
             self.finish_saves()
-            if t.sample_at_end and lg.num_samples > 0:
+            if self.stop_reason is None and t.sample_at_end and lg.num_samples > 0:
                 self._emit_samples(sinks, lg.num_samples)
         finally:
+            watchdog.close()
+            profiler.close()
+            stop.restore()
             for sink in sinks:
                 sink.close()
         return metrics
+
+    def _roll_back(self) -> bool:
+        """Loss spike (``train.spike_threshold``): reload the latest checkpoint and skip the data window from
+        its step to the spike (LLaDA, Nie et al. 2025, sec. 2.3, describe this recovery). False without a checkpoint."""
+        found = latest_checkpoint(self.run_dir, report=self._report)
+        if found is None:
+            return False
+        spike_data_step = self.data_step
+        self._load(found[1])
+        self.data_offset = spike_data_step - self.step  # the next step trains on data after the spike
+        self._report(f"loss spike at data step {spike_data_step - 1}: reloaded step {self.step}, "
+                     f"data continues at step {self.data_step}")
+        return True
+
+    def _report(self, message: str) -> None:
+        if self.is_rank0:
+            print(message, flush=True)
 
     def _eval_metrics(self, metrics: dict) -> dict:
         nelbo = self.evaluate()

@@ -1,0 +1,178 @@
+"""Operating long runs: kill -9 and resume, damaged checkpoints, SIGTERM, time limits, non-finite steps,
+loss spikes, retention, hang dumps and profiling (README "Operating long runs")."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
+from difflm.errors import DifflmError
+from difflm.training.preemption import EXIT_REQUEUE
+from difflm.training.trainer import Trainer
+
+from conftest import FAST
+
+CPU = torch.device("cpu")
+
+
+def last_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, the last record of each step (a resumed run logs steps again)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("loss") is not None:
+            out[row["step"]] = row["loss"]
+    return out
+
+
+def train_cmd(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "difflm.train", *FAST, "train.max_steps=10", "train.save_every=2",
+            "train.eval_every=0", "logger.log_every=1", "objective.random_length_prob=0.2",
+            f"data.cache_dir={cache}", f"run.dir={run_dir}", *extra]
+
+
+def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    subprocess.run(train_cmd(tmp_path / "ref", cache), check=True, capture_output=True, env=env, timeout=600)
+    duration = time.monotonic() - start
+    reference = last_losses(tmp_path / "ref")
+    assert sorted(reference) == list(range(1, 11))
+    rng = random.Random(0)
+    outcomes = []
+    for trial in range(3):
+        run_dir = tmp_path / f"trial{trial}"
+        proc = subprocess.Popen(train_cmd(run_dir, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env)
+        time.sleep(rng.uniform(0.3, 0.95) * duration)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = max(last_losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+        done = subprocess.run(train_cmd(run_dir, cache), capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        resumed = last_losses(run_dir)
+        assert resumed == reference  # every step's loss, including those after the kill, bit for bit
+        outcomes.append((killed_at, [s for s, _ in list_checkpoints(run_dir)]))
+    print("kill/resume trials (last logged step before the kill, checkpoints at the end):", outcomes)
+
+
+def test_damaged_latest_checkpoint_falls_back(fast_cfg, capsys):
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    shard = Path(cfg.run.dir) / "checkpoints" / "step_4" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated after the save finished
+    assert latest_checkpoint(cfg.run.dir, report=lambda _: None)[0] == 2
+    resumed = Trainer(fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert resumed.resumed_from == 2
+    assert "step_4 is incomplete or corrupt" in capsys.readouterr().out
+
+
+def test_sigterm_saves_and_exits_with_requeue_status(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000", "train.save_every=0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE, stderr[-2000:]
+    step, _ = latest_checkpoint(run_dir)
+    assert step >= 2 and f"stopped at step {step} (SIGTERM)" in stdout
+
+
+def test_time_limit_saves_and_stops(fast_cfg):
+    cfg = fast_cfg("train.max_steps=50", "train.save_every=0", "train.eval_every=0", "train.time_limit=1e-3")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.fit()
+    assert trainer.stop_reason == "train.time_limit" and trainer.step == 1
+    assert latest_checkpoint(cfg.run.dir)[0] == 1
+
+
+def poison(trainer: Trainer, steps: set[int], value: float):
+    """Make the model's logits ``value`` times larger (inf/nan: non-finite) on the given data steps."""
+    forward = trainer.model.forward
+
+    def patched(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out * value if trainer.data_step in steps else out
+
+    trainer.model.forward = patched
+
+
+def test_non_finite_step_is_skipped(fast_cfg):
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=0", "train.eval_every=0", "logger.log_every=1")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    poison(trainer, {2}, float("nan"))
+    before = {}
+    real_step = trainer._finish_step
+
+    def spy(loss, grad_norm, tokens):
+        if trainer.step == 2:
+            before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        out = real_step(loss, grad_norm, tokens)
+        if trainer.step == 3:  # the poisoned step changed no weight
+            assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+        return out
+
+    trainer._finish_step = spy
+    trainer.fit()
+    assert trainer.step == 4 and trainer.skipped_steps == 1
+    rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert math.isnan(rows[2]["loss"]) and rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
+
+
+def test_too_many_non_finite_steps_stop_the_run(fast_cfg):
+    cfg = fast_cfg("train.max_steps=10", "train.save_every=0", "train.eval_every=0", "train.max_skipped_steps=3")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    poison(trainer, set(range(2, 10)), float("inf"))
+    with pytest.raises(DifflmError, match="train.max_skipped_steps=3"):
+        trainer.fit()
+    assert trainer.step == 5 and latest_checkpoint(cfg.run.dir)[0] == 5
+
+
+def test_loss_spike_reloads_and_skips_the_data(fast_cfg, capsys):
+    cfg = fast_cfg("train.max_steps=8", "train.save_every=2", "train.eval_every=0", "train.spike_threshold=3")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    poison(trainer, {5}, 1e4)  # data step 5 gives a huge but finite loss
+    trainer.fit()
+    assert trainer.step == 8 and trainer.data_offset == 2  # steps 5-6 (data 5..) redone on data 6..
+    assert "loss spike at data step 5: reloaded step 4, data continues at step 6" in capsys.readouterr().out
+
+
+def test_retention_keeps_last_and_every(fast_cfg):
+    cfg = fast_cfg("train.max_steps=7", "train.save_every=1", "train.eval_every=0", "train.keep_last=2",
+                   "train.keep_every=3")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    assert [s for s, _ in list_checkpoints(cfg.run.dir)] == [3, 6, 7]
+
+
+def test_step_timeout_dumps_stacks(tmp_path):
+    code = ("from difflm.training.watchdog import StepWatchdog\nimport time\n"
+            f"w = StepWatchdog({str(tmp_path)!r}, 0.5)\nw.arm()\n"
+            "def stuck_in_collective():\n    time.sleep(30)\nstuck_in_collective()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    dump = (tmp_path / "hang_rank0.txt").read_text()
+    assert "stuck_in_collective" in dump and "Timeout" in dump
+
+
+def test_profiler_writes_a_trace(fast_cfg):
+    cfg = fast_cfg("train.max_steps=3", "train.save_every=0", "train.eval_every=0", "profile.enabled=true",
+                   "profile.wait=0", "profile.warmup=1", "profile.active=1")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    traces = list((Path(cfg.run.dir) / "profile").glob("*.json*"))
+    assert traces and "ProfilerStep" in traces[0].read_text()[:2_000_000]
