@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from hydra.core.hydra_config import HydraConfig
@@ -18,7 +19,7 @@ from difflm.config import CONF_DIR
 from difflm.config.validate import check_run
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
-from difflm.training.preemption import EXIT_REQUEUE
+from difflm.training.preemption import EXIT_REQUEUE, request_slurm_requeue
 from difflm.training.trainer import Trainer
 
 
@@ -47,6 +48,8 @@ def _main(cfg) -> None:
             if trainer.is_rank0:
                 print(f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, "
                       f"rerun the same command to resume (exit status {EXIT_REQUEUE})", flush=True)
+                if request_slurm_requeue():
+                    print(f"requeued SLURM job {os.environ['SLURM_JOB_ID']}", flush=True)
             destroy_distributed()
             sys.exit(EXIT_REQUEUE)
         if trainer.is_rank0:

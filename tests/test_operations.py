@@ -176,3 +176,19 @@ def test_profiler_writes_a_trace(fast_cfg):
     Trainer(cfg, cfg.run.dir, CPU).fit()
     traces = list((Path(cfg.run.dir) / "profile").glob("*.json*"))
     assert traces and "ProfilerStep" in traces[0].read_text()[:2_000_000]
+
+
+def test_saved_stop_requests_a_slurm_requeue(tmp_path, monkeypatch):
+    from difflm.training.preemption import request_slurm_requeue
+
+    log = tmp_path / "scontrol.log"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {log}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert not request_slurm_requeue() and not log.exists()  # not under SLURM: nothing to do
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert request_slurm_requeue()
+    assert log.read_text().split() == ["requeue", "4242"]

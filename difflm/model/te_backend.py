@@ -27,7 +27,6 @@ Transformer Engine is imported only when a model is built.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from typing import Iterable, Mapping, Optional
 
 import torch
@@ -36,6 +35,7 @@ from torch import nn
 
 from difflm.errors import DifflmError
 from difflm.model.attention import attend
+from difflm.model.init import megatron_init_
 from difflm.model.transformer import Transformer
 from difflm.training.precision import (
     build_fp8_recipe,
@@ -313,21 +313,10 @@ class TETransformer(nn.Module):
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """The torch backend's keyed Megatron-style init (:meth:`Transformer.init_weights`), value for value:
-        both backends built with the same seed hold identical weights. FP8 weights are quantized on copy."""
-        std, scaled = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.num_layers) ** 0.5
-        for name, p in self.named_parameters():
-            if name.endswith("norm_weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if name.endswith("bias"):
-                p.zero_()
-                continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std
-            p.copy_((torch.randn(p.shape, generator=gen) * sd).to(p.device))
+        """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): both backends built with the
+        same seed hold identical weights."""
+        megatron_init_(self, self.cfg, seed)
 
 
 def fp8_layer_options(cfg_model, precision) -> dict:

@@ -22,7 +22,6 @@ tensor-parallel ranks therefore gives each rank whole groups.
 """
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
@@ -31,6 +30,7 @@ from torch import nn
 
 from difflm.model.attention import attend
 from difflm.model.masks import to_block_mask
+from difflm.model.init import megatron_init_
 from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
 from difflm.model.rope import apply_rope, rope_cos_sin, rope_cos_sin_at
 
@@ -145,27 +145,10 @@ class Transformer(nn.Module):
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Megatron-style init, independent of device and parallel layout.
-
-        Norm scales are 1, biases 0; other weights are N(0, init_std^2), with the residual-branch outputs
-        (``attention.proj``, ``mlp.fc2``) scaled by 1/sqrt(2 * num_layers) (Megatron-LM
-        ``scaled_init_method_normal``; GPT-2 paper sec. 2.3). Each tensor is drawn on the CPU from a
-        generator seeded by (seed, crc32(name)), so the values do not depend on the device, on the order
-        modules are built in or on how the model is later sharded. Works after ``to_empty``.
-        """
-        std, scaled = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.num_layers) ** 0.5
-        for name, p in self.named_parameters():
-            if name.endswith("norm_weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if name.endswith("bias"):
-                p.zero_()
-                continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * sd)
+        """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): both backends built with the
+        same seed hold identical weights."""
+        megatron_init_(self, self.cfg, seed)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count; with ``exclude_embedding`` the input embedding is left out (PaLM's N for MFU)."""

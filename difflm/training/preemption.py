@@ -2,12 +2,16 @@
 
 SLURM sends SIGUSR1 ahead of the time limit when the job asks for it (``#SBATCH --signal=USR1@120``) and
 SIGTERM on preemption or ``scancel``. The handler only records the request; the training loop finishes
-the step it is in, saves a checkpoint and exits with :data:`EXIT_REQUEUE`, which the SLURM launcher
-config treats as "requeue me" (torchtitan and Megatron-LM's ``--exit-signal-handler`` work the same way).
+the step it is in, saves a checkpoint and exits with :data:`EXIT_REQUEUE`; under SLURM, rank 0 first asks
+for the job to be requeued (:func:`request_slurm_requeue`). Megatron-LM's ``--exit-signal-handler`` and
+torchtitan work the same way.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
 import time
 from typing import Optional
 
@@ -55,3 +59,13 @@ class StopRequest:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def request_slurm_requeue() -> bool:
+    """Under SLURM, ask the scheduler to requeue this job (``scontrol requeue $SLURM_JOB_ID``, as PyTorch
+    Lightning's SLURM auto-requeue does). Called by rank 0 after a saved stop; the requeued job resumes from
+    the checkpoint. Returns whether a requeue was requested."""
+    job_id, scontrol = os.environ.get("SLURM_JOB_ID"), shutil.which("scontrol")
+    if not job_id or scontrol is None:
+        return False
+    return subprocess.run([scontrol, "requeue", job_id], check=False).returncode == 0
