@@ -192,3 +192,31 @@ def test_saved_stop_requests_a_slurm_requeue(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert request_slurm_requeue()
     assert log.read_text().split() == ["requeue", "4242"]
+
+
+def test_signal_to_one_rank_stops_every_rank_and_resume_matches(tmp_path):
+    """DDP on 2 gloo ranks: SIGUSR1 to rank 1 only; the stop is collective (both ranks save the same step),
+    and the resumed run reproduces the uninterrupted one."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    common = [*FAST, "parallel=ddp", "device=cpu", "train.eval_every=0", "logger.log_every=1",
+              "objective.random_length_prob=0", f"data.cache_dir={tmp_path / 'cache'}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                "difflm.train"]
+    subprocess.run([*torchrun, *common, "train.max_steps=6", "train.save_every=0", f"run.dir={tmp_path / 'ref'}"],
+                   env=env, check=True, capture_output=True, timeout=600)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*torchrun, *common, "train.max_steps=6", "train.save_every=0", f"run.dir={run_dir}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", f"difflm.train.*run.dir={run_dir}"], capture_output=True, text=True)
+    workers = sorted(int(p) for p in ranks.stdout.split() if int(p) != proc.pid)
+    os.kill(workers[-1], signal.SIGUSR1)  # the last-started worker: rank 1
+    output, _ = proc.communicate(timeout=300)
+    step, _ = latest_checkpoint(run_dir)
+    assert 1 <= step < 6
+    assert f"stopped at step {step} (another rank's stop request)" in output, output[-3000:]
+    subprocess.run([*torchrun, *common, "train.max_steps=6", "train.save_every=0", f"run.dir={run_dir}"],
+                   env=env, check=True, capture_output=True, timeout=600)
+    assert last_losses(run_dir) == pytest.approx(last_losses(tmp_path / "ref"), rel=1e-6)

@@ -1,0 +1,285 @@
+"""An lm-evaluation-harness (``lm-eval``, EleutherAI) model adapter for difflm runs.
+
+    python -m difflm.eval_harness --model difflm --model_args run_dir=outputs/run,mc_samples=128 --tasks piqa
+
+or from Python::
+
+    import lm_eval
+    from difflm.eval_harness import DifflmHarnessLM
+    lm_eval.simple_evaluate(model=DifflmHarnessLM(run_dir="outputs/run"), tasks=["piqa"])
+
+Importing this module registers the model name ``difflm`` (``lm_eval --model difflm`` needs the import, which
+``python -m difflm.eval_harness`` does before handing over to lm-eval's command line).
+
+* ``loglikelihood``: ``ar`` runs give the exact sum of next-token log-probabilities of the continuation.
+  Masked-diffusion runs (``mdlm``, ``sft``) use LLaDA's Monte-Carlo estimator (Nie et al. 2025, "Large Language
+  Diffusion Models", eq. 6 and App. B.6, the reference ``get_log_likelihood.py``): for a continuation of L tokens
+  after a never-masked prompt, each of ``mc_samples`` draws masks l uniformly chosen continuation positions and
+  scores ``(L / l) * sum_{masked i} log p(x_i | x_t)``; the estimate is the mean over draws. The counts l are
+  stratified as in LLaDA: l_k = round(linspace(s, s + (K - 1) L / K, K)), wrapped into 1..L, with a random
+  start s, so K = L draws use every l = 1..L exactly once (:func:`stratified_mask_counts`). This is a lower bound
+  on log p(continuation | prompt) in expectation (eq. 6 is the NELBO's discrete-l form). ``is_greedy``: whether
+  the argmax at every position of the *fully masked* continuation equals the continuation (one forward pass; a
+  simple choice, documented here, since a diffusion model has no single greedy decoding order).
+  Draws are keyed by ``seed`` per request (a fresh ``torch.Generator``), so results are deterministic and do not
+  depend on the order or grouping of requests.
+* ``loglikelihood_rolling``: exact for ``ar`` runs (lm-eval's rolling windows of the run's ``data.seq_len``);
+  not implemented for diffusion runs (use ``difflm-eval``, the NELBO of packed windows).
+* ``generate_until``: :func:`difflm.generate.generate_ids` with the run's ``gen`` settings, overridden by the
+  constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
+  rounded up to a multiple of ``gen.block_length``; ``gen.steps`` keeps the run's steps per token; ``until``
+  strings, and the EOS text, cut the decoded text).
+``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from omegaconf import OmegaConf
+
+from difflm.errors import DifflmError
+from difflm.generate import forbidden_ids, generate_ids, load_run
+from difflm.training.precision import autocast_context
+
+eval_logger = logging.getLogger(__name__)
+GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
+            "threshold", "cache")
+
+
+def stratified_mask_counts(length: int, num: int, generator: torch.Generator) -> torch.Tensor:
+    """LLaDA's stratified numbers of masked tokens, ``[num]`` int64 in 1..``length``.
+
+    As ``_forward_process`` of LLaDA's ``get_log_likelihood.py`` (Nie et al. 2025, App. B.6): a random start
+    s in 1..L, l_k = round(linspace(s, s + (num - 1) L / num, num)), wrapped by ((l - 1) mod L) + 1. With
+    ``num = L`` every count 1..L appears exactly once; with ``num = m L`` each appears m times.
+    """
+    start = int(torch.randint(1, length + 1, (), generator=generator))
+    counts = torch.round(torch.linspace(float(start), start + (num - 1) * (length / num), steps=num,
+                                        dtype=torch.float64)).long()
+    return (counts - 1) % length + 1
+
+
+@register_model("difflm")
+class DifflmHarnessLM(LM):
+    """lm-eval ``LM`` over a difflm run directory (see the module docstring for the estimators).
+
+    Args:
+        run_dir: a ``difflm-train`` output directory (``config.yaml`` + ``checkpoints/``).
+        step: checkpoint step (default: the latest).
+        device: ``cpu``, ``cuda``, ``cuda:1``... (default: cuda when available; ``cuda`` without CUDA falls back to
+            the CPU with a warning). On lm-eval's command line give it as ``--device``, not in ``--model_args``.
+        mc_samples: Monte-Carlo draws per request for diffusion runs (LLaDA uses 128).
+        batch_size: rows per forward pass (draws of one request; prompts in ``generate_until``).
+        seed: keys the estimator's draws.
+        max_length: longest sequence fed to the model (default: the run's ``data.seq_len``); contexts are
+            truncated on the left.
+        **gen_kwargs: ``gen.*`` overrides for ``generate_until`` (``steps``, ``block_length``, ``remasking``...).
+    """
+
+    def __init__(self, run_dir: str, step: int | None = None, device: str | None = None, mc_samples: int = 128,
+                 batch_size: int | str = 16, seed: int = 0, max_length: int | None = None, **gen_kwargs: Any):
+        super().__init__()
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            eval_logger.warning("device=%s requested but CUDA is unavailable: using the CPU", device)
+            device = "cpu"  # lm_eval's CLI passes --device cuda by default
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cfg, self.model, self.tok = load_run(str(run_dir), None if step in (None, "") else int(step),
+                                                  self._device)
+        self.objective = self.cfg.objective.name
+        self.causal = self.objective == "ar"
+        self.mc_samples = int(mc_samples)
+        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
+        self.seed = int(seed)
+        self.max_length = int(max_length or self.cfg.data.seq_len)
+        if self.mc_samples < 1 or self.batch_size < 1 or self.max_length < 2:
+            raise DifflmError(f"mc_samples={mc_samples}, batch_size={batch_size} must be >= 1 and max_length="
+                              f"{self.max_length} >= 2")
+        unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
+        if unknown:
+            raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")
+        self.gen = OmegaConf.merge(self.cfg.gen, gen_kwargs)
+        self.precision = ("bf16" if self.cfg.precision.name in ("bf16", "fp8") and self._device.type == "cuda"
+                          else "fp32")
+        self.forbid = forbidden_ids(self.tok, self.model.cfg.vocab_size)
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.cfg.data.tokenizer).replace("/", "__")
+
+    def tok_encode(self, text: str) -> list[int]:
+        return self.tok.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids): trailing spaces of the context move to the continuation, the pair is
+        encoded as one text and split (as lm-eval's HF models); an empty context becomes [EOS]."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        if not context:
+            return [self.tok.eos_id], self.tok_encode(continuation)
+        whole, ctx = self.tok_encode(context + continuation), self.tok_encode(context)
+        return ctx, whole[len(ctx):]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast_context(self.precision, self._device):
+            return self.model(x.to(self._device)).float()
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., self.forbid] = float("-inf")
+        return logits.argmax(dim=-1)
+
+    def _ar_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+        """Exact sum of next-token log-probs of ``cont`` after ``ctx`` (left-truncated to ``max_length``)."""
+        seq = (ctx + cont)[-(self.max_length + 1):]
+        n = min(len(cont), len(seq) - 1)
+        x = torch.tensor([seq[:-1]])
+        logp = F.log_softmax(self._logits(x)[0, -n:], dim=-1).cpu()
+        target = torch.tensor(seq[-n:])
+        greedy = bool((self._greedy(logp) == target).all())
+        return float(logp.gather(1, target[:, None]).sum()), greedy
+
+    def _diffusion_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+        """LLaDA's Monte-Carlo estimate of log p(cont | ctx) (Nie et al. 2025, eq. 6, App. B.6)."""
+        seq = (ctx + cont)[-self.max_length:]
+        L = min(len(cont), len(seq))
+        P = len(seq) - L
+        x0 = torch.tensor(seq)
+        target = x0[P:]
+        gen = torch.Generator().manual_seed(self.seed)
+        counts = stratified_mask_counts(L, self.mc_samples, gen)
+        estimates = []
+        for start in range(0, self.mc_samples, self.batch_size):
+            ls = counts[start:start + self.batch_size]
+            rows = x0.repeat(len(ls), 1)
+            masked = torch.zeros(len(ls), len(seq), dtype=torch.bool)
+            for r, l in enumerate(ls.tolist()):
+                pos = torch.randperm(L, generator=gen)[:l]
+                masked[r, P + pos] = True
+            rows[masked] = self.tok.mask_id
+            logp = F.log_softmax(self._logits(rows)[:, P:], dim=-1).cpu()  # [B, L, V]
+            tok_logp = logp.gather(2, target.expand(len(ls), L)[..., None])[..., 0]  # [B, L]
+            per_draw = (tok_logp.double() * masked[:, P:]).sum(dim=1) * (L / ls.double())
+            estimates.append(per_draw)
+        all_masked = x0.clone()
+        all_masked[P:] = self.tok.mask_id
+        greedy = bool((self._greedy(self._logits(all_masked[None])[0, P:].cpu()) == target).all())
+        return float(torch.cat(estimates).mean()), greedy
+
+    # ---- lm-eval API ---------------------------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(log p(continuation | context) or its LLaDA MC estimate, is_greedy) per ``(context, continuation)``."""
+        if self.objective == "bd3lm":
+            raise NotImplementedError("loglikelihood of objective=bd3lm runs needs the block-diffusion bound, "
+                                      "which the lm-eval adapter does not implement: use difflm-eval")
+        out = []
+        for req in requests:
+            context, continuation = req.args
+            ctx, cont = self.encode_pair(context, continuation)
+            if not cont:
+                res = (0.0, True)
+            else:
+                res = self._ar_score(ctx, cont) if self.causal else self._diffusion_score(ctx, cont)
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), res)
+            out.append(res)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Exact log-likelihood of whole texts for ``ar`` runs (rolling windows of ``max_length``)."""
+        if not self.causal:
+            raise NotImplementedError(
+                f"loglikelihood_rolling (perplexity tasks) is not implemented for objective={self.objective} runs: "
+                "a diffusion model has no exact token-by-token likelihood; use difflm-eval for the NELBO bound")
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for req in requests:
+            (text,) = req.args[:1]
+            total = 0.0
+            windows = map(make_disjoint_window, get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.tok.eos_id, max_seq_len=self.max_length,
+                context_len=1))
+            for ctx, cont in windows:
+                total += self._ar_score(list(ctx), list(cont))[0]
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            out.append(total)
+        return out
+
+    def _request_gen(self, kwargs: dict) -> tuple[Any, list[str]]:
+        """(gen config for one request, stop strings) from lm-eval's ``gen_kwargs``."""
+        kwargs = dict(kwargs or {})
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        eos_text = self.tok.tokenizer.decode([self.tok.eos_id])
+        if eos_text and eos_text not in until:
+            until.append(eos_text)
+        gen = OmegaConf.merge(self.gen, {k: v for k, v in kwargs.items() if k in GEN_KEYS})
+        if kwargs.get("do_sample") is False:
+            gen.temperature = 0.0
+        if "max_gen_toks" in kwargs:
+            base_len, base_steps = gen.length, gen.steps
+            want = int(kwargs["max_gen_toks"])
+            if self.causal:
+                gen.length = want
+            else:
+                block = min(gen.block_length, want) if "block_length" not in kwargs else gen.block_length
+                gen.block_length = block
+                gen.length = -(-want // block) * block
+                if "steps" not in kwargs:
+                    blocks = gen.length // block
+                    steps = math.ceil(base_steps * gen.length / base_len)
+                    gen.steps = max(blocks, -(-steps // blocks) * blocks)
+        return gen, until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string."""
+        out = []
+        # group requests with equal gen settings into left-padded batches (bd3lm: one prompt at a time)
+        todo = []
+        for req in requests:
+            context, kwargs = req.args
+            gen, until = self._request_gen(kwargs)
+            ids = self.tok_encode(context) or [self.tok.eos_id]
+            keep = max(1, self.max_length - gen.length)
+            todo.append((ids[-keep:], gen, until, context, kwargs))
+        bs = 1 if self.objective == "bd3lm" else self.batch_size
+        i = 0
+        while i < len(todo):
+            gen = todo[i][1]
+            j = i + 1
+            while j < len(todo) and j - i < bs and todo[j][1] == gen:
+                j += 1
+            group = todo[i:j]
+            width = max(len(g[0]) for g in group)
+            prompt = torch.full((len(group), width), self.tok.eos_id, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.bool)
+            for r, (ids, *_rest) in enumerate(group):
+                prompt[r, width - len(ids):] = torch.tensor(ids)
+                mask[r, width - len(ids):] = True
+            ids_out = generate_ids(self.model, self.tok, prompt.to(self._device), gen, self.causal,
+                                   precision=self.precision, objective=self.cfg.objective,
+                                   prompt_mask=None if bool(mask.all()) else mask.to(self._device))
+            for r, (_ids, _gen, until, context, kwargs) in enumerate(group):
+                text = self.tok.decode(ids_out[r].cpu())
+                for stop in until:
+                    if stop and stop in text:
+                        text = text[:text.index(stop)]
+                self.cache_hook.add_partial("generate_until", (context, kwargs), text)
+                out.append(text)
+            i = j
+        return out
+
+
+if __name__ == "__main__":
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -1,0 +1,147 @@
+"""The lm-evaluation-harness adapter (``difflm/eval_harness.py``) on briefly trained ``mdlm`` and ``ar`` runs:
+exact AR log-likelihoods, LLaDA's stratified Monte-Carlo estimator against its exact expectation, ``until`` in
+generation, and ``lm_eval.simple_evaluate`` on a local multiple-choice task (offline)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from difflm.eval_harness import DifflmHarnessLM, stratified_mask_counts  # noqa: E402
+from difflm.training.trainer import Trainer  # noqa: E402
+from tests.conftest import FAST, compose_run  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _train(root, objective: str) -> str:
+    cfg = compose_run([*FAST, f"objective={objective}", "train.max_steps=3", "train.save_every=3",
+                       "train.eval_every=0", f"run.dir={root / objective}", f"data.cache_dir={root / 'cache'}",
+                       "device=cpu", "gen.length=8", "gen.steps=8", "gen.block_length=8"])
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    return str(cfg.run.dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("harness_runs")
+    return {name: _train(root, name) for name in ("mdlm", "ar")}
+
+
+def ll_requests(pairs):
+    return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+PAIRS = [("ROMEO: O, she doth teach the torches to burn", " bright."),
+         ("ROMEO: O, she doth teach the torches to burn", " quantum spreadsheet")]
+
+
+def test_stratified_counts_use_every_l_once():
+    g = torch.Generator().manual_seed(3)
+    for L in (1, 2, 5, 7):
+        assert sorted(stratified_mask_counts(L, L, g).tolist()) == list(range(1, L + 1))
+        assert sorted(stratified_mask_counts(L, 3 * L, g).tolist()) == sorted(list(range(1, L + 1)) * 3)
+
+
+def test_mdlm_loglikelihood_finite_negative_deterministic(runs):
+    lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=8, batch_size=4)
+    first = lm.loglikelihood(ll_requests(PAIRS))
+    assert all(math.isfinite(v) and v < 0 and isinstance(g, bool) for v, g in first)
+    assert lm.loglikelihood(ll_requests(PAIRS)) == first
+    assert lm.loglikelihood(ll_requests(PAIRS[::-1])) == first[::-1]  # keyed per request, not by order
+    other = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=8, batch_size=3)  # batching-invariant
+    assert other.loglikelihood(ll_requests(PAIRS)) == pytest.approx(first, rel=1e-5)
+
+
+def test_ar_loglikelihood_is_exact(runs):
+    lm = DifflmHarnessLM(run_dir=runs["ar"], device="cpu")
+    got = lm.loglikelihood(ll_requests(PAIRS))
+    for (context, continuation), (value, greedy) in zip(PAIRS, got):
+        ctx, cont = lm.encode_pair(context, continuation)
+        seq = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logp = F.log_softmax(lm.model(seq)[0].float(), dim=-1)
+        ref = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+        assert value == pytest.approx(ref, rel=1e-5, abs=1e-5) and value < 0
+        assert greedy == all(int(logp[len(ctx) - 1 + i].argmax()) == t for i, t in enumerate(cont))
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("To be or not to be",), 0)])
+    ids = lm.tok_encode("To be or not to be")
+    assert rolling[0] == pytest.approx(lm.loglikelihood(ll_requests([("", "To be or not to be")]))[0][0], rel=1e-5)
+    assert len(ids) > 1
+
+
+def test_mc_estimate_matches_exact_expectation(runs):
+    """For a 2-token continuation the estimator's expectation is enumerable: an even number K of draws has
+    K/2 draws with l=2 (both masked: b1 + b2) and K/2 with l=1 (one uniformly chosen position, 2 a_i)."""
+    K = 400
+    lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=K, batch_size=100)
+    context = "ROMEO: O, she doth teach the torches"
+    cont = None
+    for word in (" to burn", " to", " burning", " bright"):
+        if len(lm.encode_pair(context, word)[1]) == 2:
+            cont = word
+            break
+    assert cont is not None
+    ctx, (x1, x2) = lm.encode_pair(context, cont)
+    P, M = len(ctx), lm.tok.mask_id
+
+    def logp(seq, pos, tok):
+        with torch.no_grad():
+            return float(F.log_softmax(lm.model(torch.tensor([seq]))[0, pos].float(), dim=-1)[tok])
+
+    b = logp(ctx + [M, M], P, x1) + logp(ctx + [M, M], P + 1, x2)
+    a1, a2 = logp(ctx + [M, x2], P, x1), logp(ctx + [x1, M], P + 1, x2)
+    exact = 0.5 * b + 0.5 * (a1 + a2)
+    se = math.sqrt(K / 2) * abs(a1 - a2) / K
+    est, _ = lm.loglikelihood(ll_requests([(context, cont)]))[0]
+    assert abs(est - exact) <= 4 * se + 1e-4, (est, exact, se)
+
+
+def _gen(lm, until, max_gen_toks=8):
+    reqs = [Instance("generate_until", {}, ("ROMEO:", {"until": until, "max_gen_toks": max_gen_toks}), 0),
+            Instance("generate_until", {}, ("JULIET: Good night", {"until": until, "max_gen_toks": max_gen_toks}), 1)]
+    return lm.generate_until(reqs)
+
+
+@pytest.mark.parametrize("objective", ["mdlm", "ar"])
+def test_generate_until_stops(runs, objective):
+    lm = DifflmHarnessLM(run_dir=runs[objective], device="cpu", batch_size=2)
+    full = _gen(lm, [])
+    assert all(isinstance(t, str) for t in full) and any(full)
+    assert _gen(lm, []) == full  # greedy, deterministic
+    text = max(full, key=len)
+    stop = text[len(text) // 2: len(text) // 2 + 1]
+    cut = _gen(lm, [stop])
+    for f, c in zip(full, cut):
+        assert stop not in c and f.startswith(c)
+        assert c == (f[:f.index(stop)] if stop in f else f)
+
+
+def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
+    import lm_eval
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "mc.jsonl"
+    docs = [{"question": "ROMEO: O, she doth teach the torches to burn", "choices": [" bright.", " wet."], "label": 0},
+            {"question": "JULIET: Good night, good night! Parting is such sweet", "choices": [" sorrow", " soup"],
+             "label": 0},
+            {"question": "To be, or not to be, that is the", "choices": [" question", " spoon"], "label": 0}]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = {"task": "difflm_tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "label", "target_delimiter": "",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
+    lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=4, batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], bootstrap_iters=0, log_samples=False)
+    acc = out["results"]["difflm_tiny_mc"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
