@@ -3,7 +3,6 @@ one-line errors. The trained run is shared by the tests of this module (one CPU 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from difflm.model import build_model, resolve_model_config
 from difflm.model.rope import apply_rope, rope_cos_sin

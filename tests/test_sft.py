@@ -14,7 +14,7 @@ from difflm.data.sft import build_sft_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import SFTObjective, weighted_ce_sum
 from tests.conftest import SHARED_DATA
-from tests.dlm_helpers import objective_cfg, tiny_model
+from tests.dlm_helpers import objective_cfg
 
 GSM8K = SHARED_DATA / "corpora" / "gsm8k" / "test.jsonl"
 TOKENIZER = str(__import__("difflm.config", fromlist=["ASSETS"]).ASSETS / "tokenizers" / "gpt-neox-20b")

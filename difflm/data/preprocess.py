@@ -81,21 +81,29 @@ def _split_txt(path: str, sep: str | None) -> Iterator[str]:
         yield "".join(buf).strip()
 
 
-def _split_jsonl(path: str, field: str) -> Iterator[str]:
+def read_jsonl(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed record) of every non-empty line of a JSONL file.
+
+    Raises: DifflmError naming ``data.path`` and the line for invalid JSON.
+    """
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DifflmError(f"data.path: {path}:{lineno} is not valid JSON ({e}): fix or remove that line") from None
-            if not isinstance(rec, dict) or field not in rec:
-                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise DifflmError(
-                    f"data.text_field={field!r} not found in {path}:{lineno} (keys: {keys}): set data.text_field to one of them"
-                )
-            yield str(rec[field]).strip()
+
+
+def _split_jsonl(path: str, field: str) -> Iterator[str]:
+    for lineno, rec in read_jsonl(path):
+        if not isinstance(rec, dict) or field not in rec:
+            keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+            raise DifflmError(
+                f"data.text_field={field!r} not found in {path}:{lineno} (keys: {keys}): set data.text_field to one of them"
+            )
+        yield str(rec[field]).strip()
 
 
 def _file_docs(files: list[str], cfg) -> Iterator[str]:

@@ -8,14 +8,13 @@ generation prompt). Pairs longer than the window keep the end of the prompt and 
 """
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from difflm.data.batch import TokenBatch
-from difflm.data.preprocess import resolve_sources
+from difflm.data.preprocess import read_jsonl, resolve_sources
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
@@ -50,19 +49,13 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
     for path in resolve_sources(cfg.path):
         if not path.endswith(".jsonl"):
             raise DifflmError(f"data.path: {path} is not .jsonl: objective=sft reads prompt/response pairs from JSONL")
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DifflmError(f"data.path: {path}:{lineno} is not valid JSON ({e})") from None
-                for key in ("prompt_field", "response_field"):
-                    if cfg[key] not in rec:
-                        raise DifflmError(f"data.{key}={cfg[key]!r} not found in {path}:{lineno} (keys: {sorted(rec)}): "
-                                          f"set data.{key} to one of them")
-                pairs.append((str(rec[cfg.prompt_field]), str(rec[cfg.response_field])))
+        for lineno, rec in read_jsonl(path):
+            for key in ("prompt_field", "response_field"):
+                if not isinstance(rec, dict) or cfg[key] not in rec:
+                    keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                    raise DifflmError(f"data.{key}={cfg[key]!r} not found in {path}:{lineno} (keys: {keys}): "
+                                      f"set data.{key} to one of them")
+            pairs.append((str(rec[cfg.prompt_field]), str(rec[cfg.response_field])))
     return pairs
 
 

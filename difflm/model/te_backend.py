@@ -35,7 +35,6 @@ from torch import nn
 
 from difflm.errors import DifflmError
 from difflm.model.attention import attend
-from difflm.model.init import megatron_init_
 from difflm.model.transformer import Transformer
 from difflm.training.precision import (
     build_fp8_recipe,
@@ -248,6 +247,7 @@ class TETransformer(nn.Module):
 
     head_weight = Transformer.head_weight
     num_params = Transformer.num_params
+    init_weights = Transformer.init_weights  # same keyed init: both backends hold identical weights
 
     def __init__(self, cfg, causal: bool = False, *, device="cuda", bf16_layers: Iterable[int] = (),
                  fp8_weights_recipe=None, tp_group=None, sequence_parallel: bool = False, cp_group=None,
@@ -313,10 +313,6 @@ class TETransformer(nn.Module):
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
 
-    def init_weights(self, seed: int) -> None:
-        """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): both backends built with the
-        same seed hold identical weights."""
-        megatron_init_(self, self.cfg, seed)
 
 
 def fp8_layer_options(cfg_model, precision) -> dict:

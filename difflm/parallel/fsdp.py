@@ -67,7 +67,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: Optional[torch.dtype] 
         reshard_after_forward: False under pipeline parallelism (each micro-batch would re-gather otherwise).
     Returns: ``model`` (its class swapped to an ``FSDPModule``), gradients summed over the data-parallel ranks.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for _, block in _block_items(model):

@@ -16,7 +16,7 @@ micro-batch loss is already divided by the global normaliser.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
