@@ -220,3 +220,15 @@ def test_signal_to_one_rank_stops_every_rank_and_resume_matches(tmp_path):
     subprocess.run([*torchrun, *common, "train.max_steps=6", "train.save_every=0", f"run.dir={run_dir}"],
                    env=env, check=True, capture_output=True, timeout=600)
     assert last_losses(run_dir) == pytest.approx(last_losses(tmp_path / "ref"), rel=1e-6)
+
+
+def test_checksums_catch_a_flipped_byte(fast_cfg):
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0", "train.checkpoint_checksums=true")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    shard = Path(cfg.run.dir) / "checkpoints" / "step_4" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the SHA-256 can tell
+    shard.write_bytes(bytes(data))
+    messages = []
+    assert latest_checkpoint(cfg.run.dir, report=messages.append)[0] == 2
+    assert "does not match its SHA-256" in messages[0]

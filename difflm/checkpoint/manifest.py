@@ -12,7 +12,8 @@ from typing import Optional
 MANIFEST = "manifest.json"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks (also keys the token caches)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -27,7 +28,7 @@ def write_manifest(ckpt_dir: Path, checksums: bool = False) -> None:
         if p.is_file() and p.name != MANIFEST:
             entry = {"size": p.stat().st_size}
             if checksums:
-                entry["sha256"] = _sha256(p)
+                entry["sha256"] = file_sha256(p)
             files[str(p.relative_to(ckpt_dir))] = entry
     (ckpt_dir / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
 
@@ -47,6 +48,6 @@ def manifest_problem(ckpt_dir: Path) -> Optional[str]:
             return f"{rel} is missing"
         if p.stat().st_size != entry["size"]:
             return f"{rel} has {p.stat().st_size} bytes, the manifest says {entry['size']}"
-        if "sha256" in entry and _sha256(p) != entry["sha256"]:
+        if "sha256" in entry and file_sha256(p) != entry["sha256"]:
             return f"{rel} does not match its SHA-256"
     return None

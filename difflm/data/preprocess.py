@@ -11,6 +11,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from difflm.checkpoint.manifest import file_sha256
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
@@ -47,14 +48,6 @@ def resolve_sources(path: str) -> list[str]:
             raise DifflmError(f"data.path={path!r} {what}: {fix}")
         return files
     raise DifflmError(f"data.path={path!r} does not exist: {fix}")
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_fingerprint(tok: TokenizerInfo) -> str:
@@ -172,7 +165,7 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
         source = f"data.hf_dataset={cfg.hf_dataset!r}"
     else:
         files = resolve_sources(cfg.path)
-        key_parts += [[f, os.path.getsize(f), _file_sha256(f)] for f in files]
+        key_parts += [[f, os.path.getsize(f), file_sha256(f)] for f in files]
         docs = _file_docs(files, cfg)
         total = None
         source = f"data.path={cfg.path!r}"
