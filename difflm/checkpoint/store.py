@@ -143,7 +143,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
     Args:
         model: a module, or a list of them (the stage modules of a pipeline rank); sharded (FSDP2/DTensor)
             parameters are written sharded by every rank (collective: all ranks call this). Tensor-parallel
-            ``fc1`` rows are written in the single-process ``[gate; up]`` order
+            ``fc1`` rows and the TE backend's TP shards are written as a single process holds them
             (:func:`difflm.parallel.tensor_parallel.canonical_state_dict`), so any layout can read the files.
         optimizer: ``None`` writes a model-only checkpoint (e.g. ``difflm-import``); loading it with an optimizer
             leaves the optimizer fresh (:func:`load_checkpoint`). Optimizer state is keyed by parameter name
@@ -153,7 +153,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
             ``.wait()`` on the result before the next save and before exiting.
         checksums: record each file's SHA-256 in the manifest (sizes are always recorded).
     """
-    from difflm.parallel.tensor_parallel import canonical_state_dict, interleaved_params
+    from difflm.parallel.tensor_parallel import canonical_state_dict, canonical_layouts
 
     root = checkpoints_root(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -163,7 +163,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
     barrier()
     model_sd, optim_sd = get_state_dict(_state_model(model), optimizer if optimizer is not None else [],
                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
-    canonical_state_dict(model_sd, optim_sd, interleaved_params(_parts(model)))
+    canonical_state_dict(model_sd, optim_sd, canonical_layouts(_parts(model)))
     state = {"model": model_sd, "optim": optim_sd}
 
     def finish() -> Path:
@@ -219,7 +219,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     and leaves ``optimizer`` as it is (fresh). Raises DifflmError when the checkpoint does not match the
     model (e.g. another ``model`` preset).
     """
-    from difflm.parallel.tensor_parallel import finish_canonical_load, interleaved_params, prepare_canonical_load
+    from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
 
     path = Path(path)
     if optimizer is not None and not has_optimizer_state(path):
@@ -232,7 +232,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     else:
         model_sd, optim_sd = get_state_dict(target, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
-    pending = prepare_canonical_load(model_sd, optim_sd, interleaved_params(_parts(model)))
+    pending = prepare_canonical_load(model_sd, optim_sd, canonical_layouts(_parts(model)))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

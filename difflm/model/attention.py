@@ -42,12 +42,13 @@ def flash_attn_func() -> Optional[tuple[Callable, int]]:
     return None
 
 
-def _te_importable() -> bool:
+def _te_import_error() -> Optional[str]:
+    """Why ``transformer_engine.pytorch`` cannot be imported (its exception, one line), or None when it can."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - TE raises RuntimeError/OSError too (missing CUDA libraries, plugins)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return None
 
 
 def attention_unavailable_reason(backend: str, device: torch.device, precision: str = "bf16") -> Optional[str]:
@@ -70,9 +71,10 @@ def attention_unavailable_reason(backend: str, device: torch.device, precision: 
         return (f"model.attention_backend={backend} runs CUDA kernels only and this run is on {device.type}: "
                 "use model.attention_backend=sdpa (or flex)")
     if backend == "te":
-        if not _te_importable():
-            return ("model.attention_backend=te needs Transformer Engine: pip install 'difflm[te]' "
-                    "on a CUDA machine, or use model.attention_backend=sdpa")
+        error = _te_import_error()
+        if error is not None:
+            return (f"model.attention_backend=te needs Transformer Engine, which could not be imported ({error}): "
+                    "pip install 'difflm[te]' on a CUDA machine, or use model.attention_backend=sdpa")
         return None
     # flash
     if flash_attn_func() is None:

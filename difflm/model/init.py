@@ -7,7 +7,7 @@ import torch
 
 
 @torch.no_grad()
-def megatron_init_(model: torch.nn.Module, cfg, seed: int) -> None:
+def megatron_init_(model: torch.nn.Module, cfg, seed: int, shards=None) -> None:
     """Megatron-style init of every parameter of ``model``, independent of device and parallel layout.
 
     Norm scales are 1, biases 0; other weights are N(0, init_std^2), with the residual-branch outputs
@@ -15,7 +15,9 @@ def megatron_init_(model: torch.nn.Module, cfg, seed: int) -> None:
     ``scaled_init_method_normal``; GPT-2 paper sec. 2.3). Each tensor is drawn on the CPU from a generator
     seeded by (seed, crc32(name)), so the values do not depend on the device, on the order modules are built
     in or on how the model is later sharded; ``copy_`` moves (and, for FP8 weights, quantizes) them.
-    Works after ``to_empty``.
+    Works after ``to_empty``. ``shards`` (a :class:`difflm.parallel.te_tensor_parallel.TensorParallelShards`,
+    for parameters that are plain local tensor-parallel shards) makes each rank draw the full tensor and keep
+    its slice, so every layout starts from the single-process weights.
     """
     std, scaled = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
     for name, p in model.named_parameters():
@@ -26,4 +28,7 @@ def megatron_init_(model: torch.nn.Module, cfg, seed: int) -> None:
         else:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             sd = scaled if name.endswith(("proj.weight", "fc2_weight")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * sd)
+            if shards is None:
+                p.copy_(torch.randn(p.shape, generator=gen) * sd)
+            else:
+                p.copy_(shards.local(name, torch.randn(shards.full_shape(name, p.shape), generator=gen) * sd))

@@ -35,7 +35,9 @@ from torch import nn
 
 from difflm.errors import DifflmError
 from difflm.model.attention import attend
+from difflm.model.init import megatron_init_
 from difflm.model.transformer import Transformer
+from difflm.parallel.te_tensor_parallel import TensorParallelShards, gather_sequence, scatter_sequence
 from difflm.training.precision import (
     build_fp8_recipe,
     fp8_is_active,
@@ -247,7 +249,19 @@ class TETransformer(nn.Module):
 
     head_weight = Transformer.head_weight
     num_params = Transformer.num_params
-    init_weights = Transformer.init_weights  # same keyed init: both backends hold identical weights
+
+    def init_weights(self, seed: int) -> None:
+        """The torch backend's keyed init (both backends hold identical weights); under TP every rank draws the
+        full tensors and keeps its shards (:class:`difflm.parallel.te_tensor_parallel.TensorParallelShards`)."""
+        megatron_init_(self, self.cfg, seed, shards=self.tp_shards())
+
+    def tp_shards(self) -> TensorParallelShards:
+        """This rank's tensor-parallel place (rank 0 of 1 without TP)."""
+        if self.tp_group is None:
+            return TensorParallelShards(0, 1)
+        import torch.distributed as dist
+
+        return TensorParallelShards(dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group), self.tp_group)
 
     def __init__(self, cfg, causal: bool = False, *, device="cuda", bf16_layers: Iterable[int] = (),
                  fp8_weights_recipe=None, tp_group=None, sequence_parallel: bool = False, cp_group=None,
@@ -256,7 +270,9 @@ class TETransformer(nn.Module):
         te = import_te()
         self.cfg, self.causal = cfg, causal
         self.bf16_layers = frozenset(int(i) for i in bf16_layers)
-        self.layout = "sbhd" if sequence_parallel and tp_group is not None else "bshd"
+        self.tp_group = tp_group if _group_size(tp_group) > 1 else None
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_group is not None
+        self.layout = "sbhd" if self.sequence_parallel else "bshd"
         self.cp_size, self.cp_rank = 1, 0
         if cp_group is not None:
             import torch.distributed as dist
@@ -272,7 +288,8 @@ class TETransformer(nn.Module):
                                       cp_global_ranks=cp_global_ranks, cp_stream=cp_stream,
                                       cp_comm_type=cp_comm_type))
         self.layers = nn.ModuleList(blocks)
-        self.final_norm = te.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, device=device)
+        self.final_norm = te.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, device=device,
+                                     sequence_parallel=self.sequence_parallel or None)
         self.output = (None if cfg.tie_embeddings
                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device))
 
@@ -294,8 +311,8 @@ class TETransformer(nn.Module):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):  # residual stream in the compute dtype (Megatron-LM default)
             x = x.to(torch.get_autocast_dtype(device_type))
-        if self.layout == "sbhd":
-            x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:  # TE's SP modules take and return this rank's chunk of the sequence
+            x = scatter_sequence(x.transpose(0, 1), self.tp_group)
         freqs = rope_freqs(s * self.cp_size, self.cfg.head_dim, self.cfg.rope_base, x.device)
         freqs = freqs_on_cp_rank(freqs, s, self.cp_size, self.cp_rank)
         for i, layer in enumerate(self.layers):
@@ -305,8 +322,8 @@ class TETransformer(nn.Module):
             else:
                 x = layer(x, freqs)
         x = self.final_norm(x)
-        if self.layout == "sbhd":
-            x = x.transpose(0, 1)
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.tp_group).transpose(0, 1)
         if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i from state i - 1
             x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:

@@ -72,13 +72,20 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return out
 
 
-def torch_cp_context(cp_mesh, buffers: list[torch.Tensor], seq_dims: list[int]):
+def torch_cp_context(cp_mesh, buffers: list[torch.Tensor], seq_dims: list[int], causal: bool):
     """``torch.distributed.tensor.experimental.context_parallel`` over ``cp_mesh`` (CUDA, SDPA); buffers are
     sharded in place for the duration (input ids, targets, weights, masks, ``position_ids``).
+
+    Load balancing (head-tail chunks) only pays, and is only accepted by PyTorch's ring attention, for causal
+    attention: bidirectional (diffusion) attention does the same work on every chunk, so its buffers are cut
+    into contiguous chunks (``_cp_options.enable_load_balance``, as torchtitan sets it).
     A null context when ``cp_mesh`` has one rank."""
     if cp_mesh.size() == 1:
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    _cp_options.enable_load_balance = bool(causal)
 
     return context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=set(buffers))
 

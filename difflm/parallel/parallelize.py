@@ -70,20 +70,23 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
     return parts, pipeline
 
 
-def grad_norm_and_clip(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None,
+                       tp_sharded: frozenset = frozenset()) -> torch.Tensor:
     """Global L2 norm of the gradients of a sharded model, then clip to ``max_norm`` (inf: no clipping).
 
     Per-gradient norms are DTensor reductions (sharded grads sum their squares over the shard group,
     replicated ones count once), as torchtitan's ``clip_grad_norm_``; stages of a pipeline hold disjoint
     parameters, so their squared norms are summed over ``pp_group``. Gradients whose placement differs from
     their parameter's (partial sums of replicated parameters under sequence parallelism) are first
-    redistributed to it. Returns the norm before clipping (a plain scalar tensor).
+    redistributed to it. Plain tensors that are tensor-parallel shards (the TE backend's, ``id`` in
+    ``tp_sharded``) have their squares summed over ``tp_group``. Returns the norm before clipping (a plain
+    scalar tensor).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    squares = []
+    squares, sharded_squares = [], []
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
@@ -91,9 +94,13 @@ def grad_norm_and_clip(parameters, max_norm: float, pp_group=None) -> torch.Tens
         n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2.0)
         if isinstance(n, DTensor):
             n = n.full_tensor()
-        squares.append(n.float() ** 2)
+        (sharded_squares if id(p) in tp_sharded else squares).append(n.float() ** 2)
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if tp_group is not None and tp_sharded:
+        sharded_sq = torch.stack(sharded_squares).sum() if sharded_squares else torch.zeros((), device=device)
+        dist.all_reduce(sharded_sq, op=dist.ReduceOp.SUM, group=tp_group)
+        total_sq = total_sq + sharded_sq
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()

@@ -32,6 +32,7 @@ change in the model (left for later, docs/parallel.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Optional
 
@@ -208,13 +209,44 @@ def clean_fqn(name: str) -> str:
     return name
 
 
-def interleaved_params(model_parts: Iterable[nn.Module]) -> dict[str, int]:
-    """{parameter FQN: tp degree} of the ``fc1_weight`` tensors held in interleaved row order."""
+@dataclass(frozen=True)
+class GateUpInterleave:
+    """The checkpoint layout of a DTensor ``fc1_weight`` held in gate/up-interleaved rows over ``tp`` ranks.
+
+    Same three methods as :class:`difflm.parallel.te_tensor_parallel.TensorParallelShards` (the TE backend's
+    plain shards), so :func:`canonical_state_dict` treats both alike: ``full`` (the ``[gate; up]`` tensor of a
+    single process, from the DTensor's full value), ``full_shape`` and ``local`` (what to distribute back).
+    """
+
+    tp: int
+
+    def full(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        return deinterleave_gate_up(value, self.tp)
+
+    def full_shape(self, fqn: str, shape: torch.Size) -> torch.Size:
+        return torch.Size(shape)
+
+    def local(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        return interleave_gate_up(full, self.tp)
+
+
+def canonical_layouts(model_parts: Iterable[nn.Module]) -> dict:
+    """{parameter FQN: layout} of the tensors whose checkpoint form differs from what this rank holds: the
+    torch backend's interleaved ``fc1_weight`` (:class:`GateUpInterleave`) and the TE backend's tensor-parallel
+    shards (``TensorParallelShards``, from a module with a ``tp_group`` and ``tp_shards()``)."""
+    from difflm.parallel.te_tensor_parallel import shard_dim
+
     out = {}
     for part in model_parts:
         for name, module in part.named_modules():
+            prefix = f"{name}." if name else ""
             if isinstance(module, TensorParallelSwiGLU):
-                out[clean_fqn(f"{name}.fc1_weight" if name else "fc1_weight")] = module._tp_mesh.size()
+                out[clean_fqn(prefix + "fc1_weight")] = GateUpInterleave(module._tp_mesh.size())
+            elif getattr(module, "tp_group", None) is not None and hasattr(module, "tp_shards"):
+                shards = module.tp_shards()
+                for pname, _ in module.named_parameters():
+                    if shard_dim(pname) is not None:
+                        out[clean_fqn(prefix + pname)] = shards
     return out
 
 
@@ -231,41 +263,40 @@ def _optim_entries(optim_sd: Optional[dict], fqn: str) -> list[tuple[dict, str]]
             if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.ndim >= 1]
 
 
-def canonical_state_dict(model_sd: dict, optim_sd: Optional[dict], interleaved: dict[str, int]) -> None:
-    """In place: interleaved ``fc1_weight`` entries (and their optimizer moments) become full plain tensors in
-    ``[gate; up]`` order, as a single process holds them. Other entries are untouched (DCP saves DTensors
-    sharded). Used before ``dcp.save``.
+def canonical_state_dict(model_sd: dict, optim_sd: Optional[dict], layouts: dict) -> None:
+    """In place: the entries of ``layouts`` (:func:`canonical_layouts`) and their optimizer moments become full
+    plain tensors as a single process holds them (collective over the data- and tensor-parallel ranks). Other
+    entries are untouched (DCP saves DTensors sharded). Used before ``dcp.save``.
     """
-    for fqn, tp in interleaved.items():
-        entries = [(model_sd, fqn)] + _optim_entries(optim_sd, fqn)
-        for container, key in entries:
+    for fqn, layout in layouts.items():
+        for container, key in [(model_sd, fqn)] + _optim_entries(optim_sd, fqn):
             value = container[key]
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            container[key] = deinterleave_gate_up(full, tp)
+            container[key] = layout.full(fqn, value.full_tensor() if isinstance(value, DTensor) else value)
 
 
-def prepare_canonical_load(model_sd: dict, optim_sd: Optional[dict], interleaved: dict[str, int]) -> list:
-    """In place: interleaved entries are replaced by empty full plain tensors for ``dcp.load`` to fill.
-    Returns what :func:`finish_canonical_load` needs to copy them back into the sharded tensors."""
+def prepare_canonical_load(model_sd: dict, optim_sd: Optional[dict], layouts: dict) -> list:
+    """In place: the entries of ``layouts`` are replaced by empty full plain tensors for ``dcp.load`` to fill.
+    Returns what :func:`finish_canonical_load` needs to copy them back into this rank's (D)Tensors."""
     pending = []
-    for fqn, tp in interleaved.items():
+    for fqn, layout in layouts.items():
         for container, key in [(model_sd, fqn)] + _optim_entries(optim_sd, fqn):
             dest = container[key]
-            container[key] = torch.empty(dest.shape, dtype=dest.dtype, device=_local(dest).device)
-            pending.append((container, key, dest, tp))
+            container[key] = torch.empty(layout.full_shape(fqn, dest.shape), dtype=dest.dtype,
+                                         device=_local(dest).device)
+            pending.append((container, key, dest, fqn, layout))
     return pending
 
 
 def finish_canonical_load(pending: list) -> None:
-    """Re-interleave the loaded full tensors and copy each rank's shard into the original (D)Tensors."""
-    for container, key, dest, tp in pending:
-        full = interleave_gate_up(container[key], tp)
+    """Turn each loaded full tensor into this rank's layout and copy it into the original (D)Tensor."""
+    for container, key, dest, fqn, layout in pending:
+        held = layout.local(fqn, container[key])
         with torch.no_grad():
             if isinstance(dest, DTensor):
-                shard = distribute_tensor(full, dest.device_mesh, dest.placements, src_data_rank=None)
+                shard = distribute_tensor(held, dest.device_mesh, dest.placements, src_data_rank=None)
                 dest.to_local().copy_(shard.to_local())
             else:
-                dest.copy_(full)
+                dest.copy_(held)
         container[key] = dest
 
 
@@ -275,6 +306,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU", "apply_tensor_parallel", "canonical_state_dict",
-    "deinterleave_gate_up", "finish_canonical_load", "interleave_gate_up", "interleaved_params",
+    "GateUpInterleave", "canonical_layouts", "deinterleave_gate_up", "finish_canonical_load", "interleave_gate_up",
     "prepare_canonical_load",
 ]

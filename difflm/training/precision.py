@@ -86,7 +86,7 @@ def import_te():
     """``transformer_engine.pytorch``, or a DifflmError that says how to install it."""
     try:
         import transformer_engine.pytorch as te
-    except ImportError as e:  # also raised when TE is present but its CUDA libraries are not
+    except (ImportError, RuntimeError, OSError) as e:  # TE present but its CUDA libraries or plugins are not
         raise DifflmError(
             f"Transformer Engine could not be imported ({type(e).__name__}: {e}): "
             "pip install 'difflm[te]' (transformer-engine[pytorch]) on a CUDA machine, "
@@ -158,13 +158,16 @@ def fp8_is_active() -> bool:
     return bool(FP8GlobalStateManager.is_fp8_enabled())
 
 
-def autocast_context(precision: Union[str, object], device: torch.device):
+def autocast_context(precision: Union[str, object], device: torch.device, amax_reduction_group=None):
     """The context a forward pass runs in.
 
     Args:
         precision: ``fp32 | bf16 | fp16 | fp8``, or the ``precision`` config (needed to pick an FP8 recipe
             other than the default ``delayed``).
         device: where the model runs.
+        amax_reduction_group: for fp8, the ranks whose amaxes TE reduces when the region exits (every rank
+            holding the same layers: data, context and tensor parallel peers, as Megatron-LM's amax group),
+            so all of them quantize with the same scales; None for one process.
     Returns: ``torch.autocast`` for bf16/fp16; for fp8, ``torch.autocast(bfloat16)`` entered first and
         then the TE FP8 autocast with :func:`build_fp8_recipe`; a null context for fp32.
     Raises: DifflmError for fp8 when Transformer Engine cannot be imported.
@@ -173,21 +176,22 @@ def autocast_context(precision: Union[str, object], device: torch.device):
     if name in ("bf16", "fp16"):
         return torch.autocast(device.type, dtype=_DTYPES[name])
     if name == "fp8":
-        return _FP8Autocast(device, build_fp8_recipe(precision))
+        return _FP8Autocast(device, build_fp8_recipe(precision), amax_reduction_group)
     return contextlib.nullcontext()
 
 
 class _FP8Autocast:
     """``torch.autocast(bfloat16)`` then TE's FP8 autocast, entered on ``__enter__`` and left in reverse."""
 
-    def __init__(self, device: torch.device, recipe):
+    def __init__(self, device: torch.device, recipe, amax_reduction_group=None):
         self.device, self.recipe, self._stack = device, recipe, None
+        self.group = amax_reduction_group
 
     def __enter__(self):
         stack = contextlib.ExitStack()
         with stack:  # unwinds what was entered if the TE context fails to enter
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
-            stack.enter_context(te_autocast(True, self.recipe))
+            stack.enter_context(te_autocast(True, self.recipe, self.group))
             self._stack = stack.pop_all()
         return self
 

@@ -54,6 +54,7 @@ class Trainer:
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
+        self.te_tp = None  # (TP group, sequence parallel, ids of TP-sharded params) of the TE backend under TP
         if self.dims.distributed:
             self.device = device = pdist.init_distributed(device, timeout_s=t.collective_timeout)
             from difflm.parallel.mesh import build_mesh, mesh_coordinates
@@ -114,6 +115,11 @@ class Trainer:
         num_params = model.num_params()
         self.model_parts, self.pipeline = parallelize(model, self.mesh, self.dims, cfg, self.device,
                                                       n_microbatches=self.accum_steps)
+        if te_groups.get("tp_group") is not None:
+            from difflm.parallel.te_tensor_parallel import sharded_param_ids
+
+            self.te_tp = (te_groups["tp_group"], te_groups["sequence_parallel"],
+                          frozenset(sharded_param_ids(self.model_parts)))
         self.model = self.model_parts[0] if self.pipeline is None else None
         return num_params
 
@@ -172,6 +178,12 @@ class Trainer:
             prune_checkpoints(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
 
     # ------------------------------------------------------------------ steps
+    def _autocast(self):
+        """The precision context of a forward pass; FP8 amaxes are reduced over all ranks (TE + PP is refused,
+        so every rank holds the same layers)."""
+        group = torch.distributed.group.WORLD if self.dims.distributed else None
+        return autocast_context(self.cfg.precision, self.device, amax_reduction_group=group)
+
     def train_step(self) -> dict:
         """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics."""
         if self.dims.distributed:
@@ -187,7 +199,7 @@ class Trainer:
             tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
             batch = self.objective.noise(tokens, ids, (t.seed, STREAM_TRAIN, self.data_step), t.global_batch_size)
             batch = batch.to(self.device)
-            with autocast_context(cfg.precision, self.device):
+            with self._autocast():
                 logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
             micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, t.global_batch_size)
             self.scaler.scale(micro_loss).backward()
@@ -223,6 +235,7 @@ class Trainer:
         """
         from difflm.parallel.fsdp import FSDPModule
         from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
+        from difflm.parallel.te_tensor_parallel import all_reduce_partial_grads
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
         seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
@@ -238,7 +251,7 @@ class Trainer:
             ids = range(start, start + local)
             tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
             batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
-            with autocast_context(cfg.precision, self.device):
+            with self._autocast():
                 loss += self.pipeline.step(batch).detach()
         else:
             for micro in range(self.accum_steps):
@@ -250,7 +263,13 @@ class Trainer:
                 loss += self._local_loss(batch, cfg.objective.loss_norm, t.global_batch_size, backward=True)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = grad_norm_and_clip(params, max_norm, self.mesh["pp"].get_group() if dims.pp_enabled else None)
+        pp_group = self.mesh["pp"].get_group() if dims.pp_enabled else None
+        if self.te_tp is None:
+            grad_norm = grad_norm_and_clip(params, max_norm, pp_group)
+        else:  # TE's TP shards are plain tensors: partial gradients and the norm need the TP group
+            group, sp, sharded = self.te_tp
+            all_reduce_partial_grads(self.model_parts, group, sp)
+            grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=group, tp_sharded=sharded)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
 
@@ -269,9 +288,9 @@ class Trainer:
             positions = torch.arange(batch.input_ids.shape[1], device=self.device)
             kwargs = dict(kwargs, position_ids=positions)
             ctx = torch_cp_context(self.mesh["cp"], [batch.input_ids, batch.targets, batch.loss_mask, batch.weights,
-                                                     positions], [1, 1, 1, 1, 0])
+                                                     positions], [1, 1, 1, 1, 0], causal=self.objective.causal)
         with ctx:
-            with autocast_context(cfg.precision, self.device):
+            with self._autocast():
                 logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
             loss = weighted_ce_sum(logits, batch, norm, global_batch_size)
             if backward:
@@ -292,7 +311,7 @@ class Trainer:
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
                 if self.pipeline is not None:
-                    with autocast_context(self.cfg.precision, self.device):
+                    with self._autocast():
                         total += self.pipeline.evaluate(batch).double()
                 else:
                     total += self._local_loss(batch, "token", 1, backward=False).double()
@@ -321,7 +340,7 @@ class Trainer:
             tokens = self.valid_set.get(ids)
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
-                with autocast_context(cfg.precision, self.device):
+                with self._autocast():
                     logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
                 total += float(weighted_ce_sum(logits, batch, "token", 1))  # summed over sequences
         self.model.train()
