@@ -1,78 +1,710 @@
-"""Layout correctness (and throughput) on the GPUs of one host: the first steps of every parallel layout
-against ``parallel=single``, with NCCL. Prints one table and writes ``layout_check.json``.
+#!/usr/bin/env python3
+"""Multi-GPU checks of one host in one script and ONE table: layout correctness, throughput, resharding.
 
-    python scripts/layout_check.py --gpus 2 --steps 20 --out /tmp/layouts -- model=125m precision=bf16
+    python scripts/layout_check.py --gpus 2 --parts correctness,throughput,reshard --steps 20 --out /tmp/lc \\
+        -- model=125m precision=bf16 data.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=16
 
-Each layout is its own ``torchrun`` launch of ``python -m difflm.train`` with the same seed, global batch and
-data; the table gives the largest relative loss difference over the first ``--steps`` steps and the tokens/s
-per GPU of the last logged step. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), also in the
-processes started here, because it can take shared GPUs down.
+Every run is its own launch of ``python -m difflm.train`` (one process) or ``python -m torch.distributed.run
+--standalone --nproc-per-node=N -m difflm.train`` (NCCL on CUDA, gloo with ``--device cpu``), in
+``<out>/<part>/<backend>/<run>`` with logging every step (``metrics.jsonl``), no evaluation, no samples and
+``objective.random_length_prob=0`` (every step at full length, so layouts whose sequence split rounds lengths
+see the same batches). NVLink multicast stays off in every process started here (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): it can take a shared host's GPUs down.
+
+Parts (``--parts``, comma-separated):
+
+* ``correctness``: for each backend (``--backends``: ``torch``; ``te`` = ``model.backend=te
+  model.attention_backend=te``) one ``parallel=single`` reference, then each layout of ``--gpus`` (``--layouts``;
+  default 2: ddp fsdp tp2 pp2 cp2 / 4: ddp fsdp tp2 tp4 tp2pp2 cp2 / 8: ddp fsdp tp2 tp4 tp8 tp4pp2 cp2) on all
+  ``--gpus`` ranks (the presets fill the data-parallel dimension), ``--steps`` steps, same seed, global batch
+  and data (the positional overrides after ``--``). Columns: max over steps 1..N of |loss - loss_ref| / |loss_ref|
+  and the same for grad_norm. Status FAIL when the loss difference exceeds ``--tol`` (default 1e-2 for
+  bf16/fp8/fp16, where FSDP's BF16 parameters and different reduction orders give ~1e-3; 1e-4 for fp32, where
+  layouts agree to ~1e-6). The grad-norm difference is reported, not judged. Where a layout needs another
+  micro-batch (global batch / dp, pipeline micro-batches a multiple of pp), the largest micro-batch that fits is
+  used and the note says so (the loss is normalised by the global batch, so the numbers do not change).
+  Not run (a "skipped" row says why): cp and the te backend under ``--device cpu`` (CUDA only), pp with te
+  (not wired in difflm), layouts needing more ranks than ``--gpus``.
+* ``reshard``: the ``--reshard-from`` run (default tp2pp2 on 4+ GPUs, tp2 on 2) trains the whole N steps with
+  ``train.save_every=N/2`` (the same run is its correctness row: saving changes nothing; the LR schedule is
+  built from ``train.max_steps=N`` as in the reference); its step-N/2 checkpoint is copied into a fresh run
+  dir that resumes under ``--reshard-to`` (default fsdp) to step N, as tests/test_parallel.py does (a run dir
+  holding a checkpoint resumes from it; difflm has no "stop at step" key, so the saving run simply goes on).
+  Columns: max relative loss / grad-norm difference of the resumed steps N/2+1..N against the single-process
+  reference; the note adds the difference against the uninterrupted source run.
+* ``throughput``: ``model=--tput-model data.seq_len=--tput-seq`` for each backend (``--tput-backends``: ``te``,
+  ``torch``, ``torch-compile`` = torch + ``model.compile=true``) x precision (``--precisions``; fp8 only with
+  te). Data parallelism (``--dp-layout``, default fsdp) on 1, 2, 4, 8 GPUs up to ``--gpus`` (1 GPU: parallel=
+  single), weak scaling: micro-batch ``--tput-micro`` and ``--tput-accum`` accumulation steps fixed, so
+  ``train.global_batch_size = micro x accum x dp``; then tp2 / tp4 (``--tp-layouts``) on all ``--gpus`` ranks; then
+  ``--big-model`` (e.g. 8b) under ``--big-layout`` with ``--big-micro`` on all ``--gpus``. Tokens/s/GPU and MFU are
+  the medians of the per-step ``tokens_per_s_per_gpu`` and ``mfu`` in metrics.jsonl over the steps after
+  ``--warmup`` (one logged value per step); efficiency = tokens/s/GPU / that of the 1-GPU run of the same
+  backend and precision (target >= 95 % for data parallelism). MFU is against the BF16 dense peak, FP8 too.
+
+A failing run does not stop the script: its row says ``failed`` (or ``timeout``: each launch is limited to
+``--timeout`` seconds, then its processes get SIGTERM and, 20 s later, SIGKILL), and the last 40 lines of its
+stderr are printed, saved to ``<out>/<run>/stderr.txt`` and kept in the JSON. ``--time-budget S``: runs that
+would start after S seconds are skipped ("skipped: time budget") and no launch runs past S. Each row is
+printed as it completes and ``<out>/layout_check.json`` is rewritten after every run, so a killed script
+leaves its results; the whole table is printed at the end. ``--plan`` prints the launches without running them.
+
+Command lines (device-time estimates in the README of the issue; H200, see the report):
+
+    # 2 GPUs, ~8 min each
+    python scripts/layout_check.py --gpus 2 --parts correctness,reshard --backends torch,te --steps 20 \\
+        --out /root/lc2 --time-budget 450 -- model=125m precision=bf16 data.seq_len=1024 \\
+        train.micro_batch_size=4 train.global_batch_size=16
+    python scripts/layout_check.py --gpus 2 --parts throughput --precisions bf16,fp8 \\
+        --tput-backends te,torch-compile --tput-steps 10 --warmup 3 --tput-accum 2 --out /root/lc2t --time-budget 450
+    # 4 GPUs (tp2pp2 -> fsdp resharding, tp4, 4-GPU scaling); 8 GPUs adds tp8, tp4pp2 and 8b
+    python scripts/layout_check.py --gpus 4 --parts correctness,reshard,throughput ... -- model=125m ...
+    python scripts/layout_check.py --gpus 8 --parts throughput --big-model 8b --big-layout fsdp \\
+        --big-overrides "parallel.activation_checkpointing=full" ...
+    # CPU dry run (gloo, fp32)
+    python scripts/layout_check.py --device cpu --gpus 2 --parts correctness,reshard,throughput --steps 4 \\
+        --tput-model tiny --tput-seq 64 --precisions fp32 --tput-backends torch -- model=tiny data.seq_len=32 \\
+        train.micro_batch_size=2 train.global_batch_size=8
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
-LAYOUTS = {  # name -> (parallel preset, ranks)
-    1: [],
-    2: [("ddp", 2), ("fsdp", 2), ("tp2", 2), ("pp2", 2)],
-    4: [("ddp", 4), ("fsdp", 4), ("tp2", 4), ("tp2pp2", 4), ("tp4", 4)],
-    8: [("ddp", 8), ("fsdp", 8), ("tp2", 8), ("tp4pp2", 8), ("tp8", 8)],
-}
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from difflm.config import CONF_DIR  # noqa: E402
+from difflm.config.schema import TrainConfig  # noqa: E402
+
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
+LAYOUTS = {
+    2: ["ddp", "fsdp", "tp2", "pp2", "cp2"],
+    4: ["ddp", "fsdp", "tp2", "tp4", "tp2pp2", "cp2"],
+    8: ["ddp", "fsdp", "tp2", "tp4", "tp8", "tp4pp2", "cp2"],
+}
+BACKENDS = {"torch": ["model.backend=torch"], "te": ["model.backend=te", "model.attention_backend=te"]}
+TPUT_BACKENDS = {**BACKENDS, "torch-compile": ["model.backend=torch", "model.compile=true"]}
+COMMON = ["train.eval_every=0", "train.save_every=0", "logger.log_every=1", "logger.progress_bar=false",
+          "logger.num_samples=0", "objective.random_length_prob=0"]
+STDERR_TAIL = 40
+KILL_GRACE_S = 20
 
 
-def losses(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+# ------------------------------------------------------------------ overrides and layouts
+def override_value(overrides: list[str], key: str, default=None):
+    """The value the last ``key=value`` of ``overrides`` sets (a string), else ``default``."""
+    value = default
+    for item in overrides:
+        name, _, rest = item.lstrip("+").partition("=")
+        if name == key:
+            value = rest
+    return value
+
+
+def layout_degrees(name: str) -> dict[str, int]:
+    """tp, pp, cp, dp_replicate, dp_shard of the preset ``difflm/conf/parallel/<name>.yaml`` (-1 = fill)."""
+    preset = OmegaConf.load(CONF_DIR / "parallel" / f"{name}.yaml")
+    return {k: int(preset.get(k, 1)) for k in ("tp", "pp", "cp", "dp_replicate", "dp_shard")}
+
+
+def min_ranks(name: str) -> int:
+    """Fewest processes the preset runs on (its fixed degrees; a fill degree counts 1)."""
+    return math.prod(max(v, 1) for v in layout_degrees(name).values())
+
+
+def dp_degree(name: str, ranks: int) -> int:
+    """Data-parallel ranks (dp_replicate x dp_shard) of the preset on ``ranks`` processes."""
+    d = layout_degrees(name)
+    return max(ranks // (d["tp"] * d["pp"] * d["cp"]), 1)
+
+
+def fit_micro_batch(global_batch: int, micro: int, dp: int, pp: int) -> int:
+    """The largest micro-batch <= ``micro`` with global_batch % (mb x dp) == 0 and, with a pipeline
+    (pp > 1), the accumulation steps global_batch / (mb x dp) a multiple of pp; ``micro`` if none fits
+    (difflm then refuses the run with its own message)."""
+    for mb in range(micro, 0, -1):
+        if global_batch % (mb * dp) == 0 and (global_batch // (mb * dp)) % pp == 0:
+            return mb
+    return micro
+
+
+def skip_reason(layout: str, backend: str, device: str, gpus: int) -> Optional[str]:
+    """Why ``layout`` x ``backend`` is not run here (None: it is)."""
+    d = layout_degrees(layout)
+    if device == "cpu" and backend.startswith("te"):
+        return "te backend: CUDA only"
+    if device == "cpu" and d["cp"] > 1:
+        return "cp: CUDA only"
+    if backend.startswith("te") and d["pp"] > 1:
+        return "pp with te backend: not wired in difflm"
+    if min_ranks(layout) > gpus:
+        return f"needs {min_ranks(layout)} GPUs"
+    return None
+
+
+# ------------------------------------------------------------------ metrics
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Logged training steps of ``<run_dir>/metrics.jsonl`` by step (rows with a loss)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in rows if r.get("loss") is not None}
 
 
-def launch(name: str, ranks: int, out: Path, steps: int, overrides: list[str], device: str = "cuda") -> Path:
-    run_dir = out / name
-    common = ["-m", "difflm.train", f"parallel={name}", f"train.max_steps={steps}", "train.eval_every=0",
-              "train.save_every=0", "logger.log_every=1", "logger.progress_bar=false", "logger.num_samples=0",
-              f"device={device}", f"run.dir={run_dir}", f"data.cache_dir={out / 'cache'}", *overrides]
-    cmd = [sys.executable, *common] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *common]
-    proc = subprocess.run(cmd, env={**os.environ, **SAFE_ENV}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return run_dir
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=Path("layout_check"))
-    ap.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo, for a dry run)")
-    ap.add_argument("--layouts", default=None, help="comma-separated presets (default: all for --gpus)")
-    ap.add_argument("overrides", nargs="*", help="difflm-train overrides shared by every run")
-    args = ap.parse_args()
-    os.environ.update(SAFE_ENV)
-    layouts = LAYOUTS[args.gpus] if args.layouts is None else \
-        [(name, args.gpus) for name in args.layouts.split(",")]
-    ref = losses(launch("single", 1, args.out, args.steps, args.overrides, args.device))
-    rows = [("single", 1, 0.0, ref[args.steps]["tokens_per_s_per_gpu"], ref[args.steps].get("mfu"))]
-    for name, ranks in layouts:
+def max_rel_diffs(got: dict[int, dict], ref: dict[int, dict], steps) -> tuple[float, float]:
+    """Max relative loss and grad_norm differences of ``got`` vs ``ref`` over ``steps``.
+    Raises KeyError naming the missing steps."""
+    steps = list(steps)
+    missing = [s for s in steps if s not in got or s not in ref]
+    if missing:
+        raise KeyError(f"steps {missing} not logged")
+    return (max(rel_diff(got[s]["loss"], ref[s]["loss"]) for s in steps),
+            max(rel_diff(got[s]["grad_norm"], ref[s]["grad_norm"]) for s in steps))
+
+
+def summarize_throughput(metrics: dict[int, dict], warmup: int) -> dict:
+    """Medians of the per-step ``tokens_per_s_per_gpu`` and ``mfu`` over the steps after ``warmup``
+    (log_every=1: each logged value covers one step). ``mfu`` is None where the device peak is unknown.
+    Raises ValueError when no step follows the warmup."""
+    steps = [s for s in sorted(metrics) if s > warmup]
+    if not steps:
+        raise ValueError(f"no logged step after the {warmup} warmup steps")
+    mfus = [metrics[s].get("mfu") for s in steps]
+    return {"tokens_per_s_per_gpu": statistics.median(metrics[s]["tokens_per_s_per_gpu"] for s in steps),
+            "mfu": statistics.median(mfus) if all(m is not None for m in mfus) else None,
+            "steps": len(steps)}
+
+
+def scaling_efficiency(tokens_per_s_per_gpu: Optional[float], baseline: Optional[float]) -> Optional[float]:
+    """Per-GPU throughput over the 1-GPU baseline's (None without both)."""
+    if tokens_per_s_per_gpu is None or not baseline:
+        return None
+    return tokens_per_s_per_gpu / baseline
+
+
+# ------------------------------------------------------------------ table
+@dataclass
+class Row:
+    part: str
+    backend: str
+    precision: str
+    layout: str
+    gpus: int
+    loss_diff: Optional[float] = None
+    grad_diff: Optional[float] = None
+    tokens_per_s_per_gpu: Optional[float] = None
+    efficiency: Optional[float] = None
+    mfu: Optional[float] = None
+    status: str = "ok"  # ok | FAIL (tolerance) | failed | timeout | skipped | reference | planned
+    note: str = ""
+    run: str = ""
+    wall_s: Optional[float] = None
+    stderr_tail: str = ""
+
+
+COLUMNS = [  # header, width, Row -> text
+    ("part", 11, lambda r: r.part),
+    ("backend", 13, lambda r: r.backend),
+    ("prec", 5, lambda r: r.precision),
+    ("layout", 11, lambda r: r.layout),
+    ("GPUs", 4, lambda r: str(r.gpus)),
+    ("loss diff", 9, lambda r: _num(r.loss_diff, "{:.2e}")),
+    ("gnorm diff", 10, lambda r: _num(r.grad_diff, "{:.2e}")),
+    ("tok/s/GPU", 10, lambda r: _num(r.tokens_per_s_per_gpu, "{:,.0f}")),
+    ("eff", 6, lambda r: _num(r.efficiency, "{:.1%}")),
+    ("MFU", 6, lambda r: _num(r.mfu, "{:.1%}")),
+]
+
+
+def skipped(row: Row, reason: str) -> Row:
+    row.status, row.note = "skipped", reason
+    return row
+
+
+def _num(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+
+def format_row(row: Row) -> str:
+    cells = [f"{fn(row):>{w}}" if i >= 4 else f"{fn(row):<{w}}" for i, (_, w, fn) in enumerate(COLUMNS)]
+    status = row.status + (f": {row.note}" if row.note else "")
+    return " ".join(cells) + "  " + status
+
+
+def format_header() -> str:
+    cells = [f"{h:>{w}}" if i >= 4 else f"{h:<{w}}" for i, (h, w, _) in enumerate(COLUMNS)]
+    return " ".join(cells) + "  status/note"
+
+
+# ------------------------------------------------------------------ launching
+@dataclass
+class RunResult:
+    name: str
+    run_dir: Path
+    ok: bool
+    status: str = "ok"  # ok | failed | timeout | skipped | planned
+    note: str = ""
+    metrics: dict = field(default_factory=dict)
+    stdout: str = ""
+    stderr_tail: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        """Finished well, or only planned (``--plan``: the launches that would depend on it are planned too)."""
+        return self.ok or self.status == "planned"
+
+
+def error_excerpt(stderr: str, n: int = STDERR_TAIL) -> str:
+    """The informative end of a failed launch's stderr (at most ``n`` lines).
+
+    difflm's own one-line errors (``difflm: error: ...``) when there are any; under torchrun, whose last lines
+    are its own ChildFailedError report, the last ``n`` lines of the root-cause rank's output (``[rankK]:``
+    prefix; the rank torchrun names under "Root Cause", else the first one with a traceback); else the
+    last ``n`` lines.
+    """
+    lines = stderr.splitlines()
+    errors = list(dict.fromkeys(line for line in lines if "difflm: error:" in line))
+    if errors:
+        return "\n".join(errors[-n:])
+    rank = None
+    for i, line in enumerate(lines):
+        if line.startswith("Root Cause"):
+            rank = next((x.split(":", 1)[1].split()[0] for x in lines[i:i + 8] if x.strip().startswith("rank ")), None)
+            break
+    if rank is None:
+        rank = next((line[5:line.index("]")] for line in lines if line.startswith("[rank") and "Traceback" in line),
+                    None)
+    mine = [line for line in lines if rank is not None and line.startswith(f"[rank{rank}]:")]
+    return "\n".join((mine or lines)[-n:])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; torchrun starts its workers in their own sessions,
+    so killing its process group alone would leave them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_process_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM the launch (difflm saves and exits on it; torchrun stops its workers), then SIGKILL what is left
+    after :data:`KILL_GRACE_S` seconds: the launch's process group and every descendant, by pid."""
+    pids = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for target in [proc.pid, *pids]:
+            try:
+                os.kill(target, sig)
+            except ProcessLookupError:
+                pass
         try:
-            got = losses(launch(name, ranks, args.out, args.steps, args.overrides, args.device))
-        except RuntimeError as err:
-            print(err, file=sys.stderr)
-            rows.append((name, ranks, float("nan"), float("nan"), None))
-            continue
-        diff = max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in range(1, args.steps + 1))
-        rows.append((name, ranks, diff, got[args.steps]["tokens_per_s_per_gpu"], got[args.steps].get("mfu")))
-    print(f"{'layout':<10} {'ranks':>5} {'max rel loss diff':>18} {'tokens/s/GPU':>13} {'MFU':>7}")
-    for name, ranks, diff, tps, m in rows:
-        print(f"{name:<10} {ranks:>5} {diff:>18.2e} {tps:>13,.0f} {'-' if m is None else f'{m:.1%}':>7}")
-    (args.out / "layout_check.json").write_text(json.dumps(
-        [dict(zip(("layout", "ranks", "max_rel_loss_diff", "tokens_per_s_per_gpu", "mfu"), r)) for r in rows]))
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=KILL_GRACE_S if sig == signal.SIGTERM else 10)
+        except subprocess.TimeoutExpired:
+            pass
+        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+        if proc.poll() is not None and not pids:
+            return
+
+
+class Runner:
+    """Launches ``difflm.train`` runs into ``<out>/<name>``, each at most once per (name, command), with a
+    per-run timeout and an overall time budget."""
+
+    def __init__(self, out: Path, device: str, timeout: float, budget: Optional[float], plan: bool = False):
+        self.out, self.device, self.timeout, self.budget, self.plan = out, device, timeout, budget, plan
+        self.start = time.monotonic()
+        self.done: dict[str, tuple[list[str], RunResult]] = {}
+
+    def remaining(self) -> float:
+        return math.inf if self.budget is None else self.budget - (time.monotonic() - self.start)
+
+    def command(self, ranks: int, run_dir: Path, overrides: list[str]) -> list[str]:
+        args = ["-m", "difflm.train", *COMMON, f"device={self.device}", f"run.dir={run_dir}",
+                f"data.cache_dir={self.out / 'cache'}", *overrides]
+        if ranks == 1:
+            return [sys.executable, *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+
+    def env(self, ranks: int) -> dict[str, str]:
+        threads = str(max(1, min(4, (os.cpu_count() or 1) // ranks)))
+        return {"OMP_NUM_THREADS": threads, **os.environ, **SAFE_ENV}
+
+    def run(self, name: str, ranks: int, overrides: list[str], resume_from: Optional[Path] = None) -> RunResult:
+        """Launch (or return the earlier result of the same launch). The run dir starts empty, except for
+        ``resume_from`` (a ``checkpoints/step_<N>`` dir), copied in so the run resumes from it."""
+        run_dir = self.out / name
+        cmd = self.command(ranks, run_dir, overrides)
+        if name in self.done and self.done[name][0] == cmd:
+            return self.done[name][1]
+        result = self._launch(name, run_dir, ranks, cmd, resume_from)
+        self.done[name] = (cmd, result)
+        return result
+
+    def _launch(self, name: str, run_dir: Path, ranks: int, cmd: list[str], resume_from: Optional[Path]) -> RunResult:
+        print(f"# {name} ({ranks} proc): {shlex.join(cmd)}", flush=True)
+        if self.plan:
+            return RunResult(name, run_dir, ok=False, status="planned")
+        limit = min(self.timeout, self.remaining())
+        if limit < 10:
+            return RunResult(name, run_dir, ok=False, status="skipped", note="time budget")
+        shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: never mix with an earlier run
+        run_dir.mkdir(parents=True)
+        if resume_from is not None:
+            shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
+        (run_dir / "cmd.txt").write_text(shlex.join(cmd) + "\n")
+        start = time.monotonic()
+        with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(ranks), stdout=out, stderr=err,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=limit)
+                status = "ok" if proc.returncode == 0 else "failed"
+                note = "" if status == "ok" else f"exit status {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                stop_process_tree(proc)
+                status, note = "timeout", f"killed after {limit:.0f} s"
+        result = RunResult(name, run_dir, ok=status == "ok", status=status, note=note,
+                           metrics=read_metrics(run_dir), stdout=(run_dir / "stdout.log").read_text(errors="replace"),
+                           wall_s=time.monotonic() - start)
+        if not result.ok:
+            result.stderr_tail = error_excerpt((run_dir / "stderr.log").read_text(errors="replace"))
+            (run_dir / "stderr.txt").write_text(result.stderr_tail + "\n")
+            print(f"# {name} {status} ({note}); end of stderr ({run_dir / 'stderr.txt'}, whole: stderr.log):\n"
+                  f"{result.stderr_tail}", flush=True)
+        return result
+
+
+# ------------------------------------------------------------------ the checks
+class LayoutCheck:
+    """Builds the rows of every part; prints each as it completes and rewrites the JSON after each."""
+
+    def __init__(self, args: argparse.Namespace, runner: Runner):
+        self.args, self.runner = args, runner
+        self.rows: list[Row] = []
+        self.shared = list(args.overrides)
+        self.precision = override_value(self.shared, "precision", "fp32")
+        self.global_batch = int(override_value(self.shared, "train.global_batch_size", TrainConfig.global_batch_size))
+        self.micro = int(override_value(self.shared, "train.micro_batch_size", TrainConfig.micro_batch_size))
+        self.tol = args.tol if args.tol is not None else (1e-4 if self.precision == "fp32" else 1e-2)
+        self.half = args.steps // 2
+        self.reshard_from = args.reshard_from or (["tp2pp2"] if args.gpus >= 4 else ["tp2", "pp2"])
+        print(format_header(), flush=True)
+
+    # -------------------------------------------------------------- rows
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        print(format_row(row), flush=True)
+        self.write_json()
+        return row
+
+    def write_json(self) -> None:
+        payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
+                   "tolerance": self.tol, "elapsed_s": time.monotonic() - self.runner.start,
+                   "rows": [asdict(r) for r in self.rows]}
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.args.out / "layout_check.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(self.args.out / "layout_check.json")
+
+    def row_from(self, row: Row, result: RunResult) -> Row:
+        """Copy a failed/skipped/planned launch's status into ``row``."""
+        row.status, row.note, row.run, row.wall_s = result.status, result.note, result.name, result.wall_s
+        row.stderr_tail = result.stderr_tail
+        return row
+
+    def judge(self, row: Row) -> None:
+        if row.loss_diff is not None and not row.loss_diff <= self.tol:
+            row.status = "FAIL"
+            row.note = (row.note + "; " if row.note else "") + f"loss diff > {self.tol:g}"
+
+    # -------------------------------------------------------------- correctness
+    def layout_overrides(self, layout: str) -> tuple[list[str], str]:
+        """``parallel=<layout>`` plus a fitted micro-batch; returns (overrides, note)."""
+        if layout == "single":
+            return ["parallel=single"], ""
+        pp = layout_degrees(layout)["pp"]
+        mb = fit_micro_batch(self.global_batch, self.micro, dp_degree(layout, self.args.gpus), pp)
+        if mb == self.micro:
+            return [f"parallel={layout}"], ""
+        return [f"parallel={layout}", f"train.micro_batch_size={mb}"], f"micro-batch {mb}"
+
+    def correctness_run(self, backend: str, layout: str) -> tuple[RunResult, str]:
+        """The correctness launch of ``layout`` (the reshard source also saves at step N/2)."""
+        overrides, note = self.layout_overrides(layout)
+        save = ["train.save_every=%d" % self.half] if "reshard" in self.args.parts and \
+            layout in self.reshard_from and self.half > 0 else []
+        ranks = 1 if layout == "single" else self.args.gpus
+        result = self.runner.run(f"correctness/{backend}/{layout}", ranks,
+                                 [*BACKENDS[backend], *self.shared, f"train.max_steps={self.args.steps}",
+                                  *overrides, *save])
+        return result, note
+
+    def reference(self, backend: str) -> RunResult:
+        return self.correctness_run(backend, "single")[0]
+
+    def check_correctness(self) -> None:
+        for backend in self.args.backends:
+            row = Row("correctness", backend, self.precision, "single", 1)
+            reason = skip_reason("single", backend, self.args.device, 1)
+            if reason is not None:
+                self.add(skipped(row, reason))
+                continue
+            ref = self.reference(backend)
+            self.row_from(row, ref)
+            if ref.ok:
+                self.throughput_columns(row, ref)
+                row.status = "reference"
+            self.add(row)
+            for layout in self.args.layouts:
+                self.add(self.correctness_row(backend, layout, ref))
+
+    def correctness_row(self, backend: str, layout: str, ref: RunResult) -> Row:
+        row = Row("correctness", backend, self.precision, layout, self.args.gpus)
+        reason = skip_reason(layout, backend, self.args.device, self.args.gpus)
+        if reason is not None or not ref.usable:
+            return skipped(row, reason or "no reference")
+        result, note = self.correctness_run(backend, layout)
+        self.row_from(row, result)
+        row.note = "; ".join(x for x in (note, row.note) if x)
+        if result.ok:
+            self.compare(row, result.metrics, ref.metrics, range(1, self.args.steps + 1))
+            self.throughput_columns(row, result)
+        return row
+
+    def compare(self, row: Row, got: dict, ref: dict, steps) -> None:
+        try:
+            row.loss_diff, row.grad_diff = max_rel_diffs(got, ref, steps)
+            self.judge(row)
+        except KeyError as err:
+            row.status, row.note = "failed", str(err).strip("'\"")
+
+    def throughput_columns(self, row: Row, result: RunResult) -> Row:
+        """Informative tokens/s/GPU and MFU of a correctness run (median after ``--warmup`` steps)."""
+        try:
+            summary = summarize_throughput(result.metrics, min(self.args.warmup, self.args.steps - 1))
+            row.tokens_per_s_per_gpu, row.mfu = summary["tokens_per_s_per_gpu"], summary["mfu"]
+        except ValueError:
+            pass
+        return row
+
+    # -------------------------------------------------------------- reshard
+    def check_reshard(self) -> None:
+        for src in self.reshard_from:
+            for backend in self.args.backends:
+                self.add(self.reshard_row(backend, src, self.args.reshard_to))
+
+    def reshard_row(self, backend: str, src: str, dst: str) -> Row:
+        """Save under ``src`` at step N/2 (its correctness run), resume under ``dst`` to N, compare."""
+        n, half, gpus = self.args.steps, self.half, self.args.gpus
+        row = Row("reshard", backend, self.precision, f"{src}>{dst}", gpus)
+        reason = skip_reason(src, backend, self.args.device, gpus) or skip_reason(dst, backend, self.args.device, gpus) \
+            or (f"--steps {n} leaves no step to resume" if half < 1 else None)
+        if reason is not None:
+            return skipped(row, reason)
+        ref = self.reference(backend)
+        source, _ = self.correctness_run(backend, src)
+        ckpt = source.run_dir / "checkpoints" / f"step_{half}"
+        if not (ref.usable and source.usable and (ckpt.is_dir() or self.runner.plan)):
+            missing = ref if not ref.usable else source
+            what = "reference" if not ref.usable else f"source run {src}" if not source.usable else f"checkpoint {ckpt}"
+            return skipped(row, f"no {what} ({missing.status})")
+        overrides, note = self.layout_overrides(dst)
+        resumed = self.runner.run(f"reshard/{backend}/{src}-to-{dst}", gpus,
+                                  [*BACKENDS[backend], *self.shared, f"train.max_steps={n}", *overrides],
+                                  resume_from=ckpt)
+        self.row_from(row, resumed)
+        if resumed.ok:
+            self.reshard_columns(row, resumed, source, ref, note, src)
+        return row
+
+    def reshard_columns(self, row: Row, resumed: RunResult, source: RunResult, ref: RunResult, note: str,
+                        src: str) -> None:
+        steps = range(self.half + 1, self.args.steps + 1)
+        if f"from step {self.half}" not in resumed.stdout or min(resumed.metrics, default=0) != self.half + 1:
+            row.status, row.note = "failed", f"did not resume from step {self.half}"
+            return
+        self.compare(row, resumed.metrics, ref.metrics, steps)
+        try:
+            vs_source, _ = max_rel_diffs(resumed.metrics, source.metrics, steps)
+            row.note = "; ".join(x for x in (note, f"vs uninterrupted {src}: {vs_source:.2e}",
+                                             row.note) if x)
+        except KeyError:
+            pass
+
+    # -------------------------------------------------------------- throughput
+    def tput_run(self, label: str, backend: str, precision: str, layout: str, ranks: int, model: str,
+                 micro: int, extra: list[str]) -> tuple[Row, RunResult]:
+        """One throughput launch: weak scaling, global batch = micro x accum x dp."""
+        dp = 1 if layout == "single" else dp_degree(layout, ranks)
+        overrides = [*TPUT_BACKENDS[backend], f"precision={precision}", f"model={model}",
+                     f"data.seq_len={self.args.tput_seq}", f"train.micro_batch_size={micro}",
+                     f"train.global_batch_size={micro * self.args.tput_accum * dp}",
+                     f"train.max_steps={self.args.tput_steps}", f"parallel={layout}", *extra]
+        row = Row(label, backend, precision, layout, ranks)
+        result = self.runner.run(f"{label}/{backend}-{precision}/{model}-{layout}-{ranks}", ranks, overrides)
+        self.row_from(row, result)
+        if result.ok:
+            try:
+                summary = summarize_throughput(result.metrics, self.args.warmup)
+                row.tokens_per_s_per_gpu, row.mfu = summary["tokens_per_s_per_gpu"], summary["mfu"]
+                row.note = f"median of {summary['steps']} steps, global batch {micro * self.args.tput_accum * dp}"
+            except ValueError as err:
+                row.status, row.note = "failed", str(err)
+        return row, result
+
+    def check_throughput(self) -> None:
+        a = self.args
+        extra = shlex.split(a.tput_overrides)
+        for backend in a.tput_backends:
+            for precision in a.precisions:
+                if precision == "fp8" and backend != "te":
+                    continue  # FP8 runs through Transformer Engine only
+                reason = skip_reason("single", backend, a.device, 1)
+                if reason is not None:
+                    self.add(skipped(Row("throughput", backend, precision, "-", 1), reason))
+                    continue
+                baseline = None
+                counts = [n for n in (1, 2, 4, 8) if n <= a.gpus]
+                plan = [("single" if n == 1 else a.dp_layout, n) for n in counts] + \
+                    [(tp, a.gpus) for tp in a.tp_layouts if min_ranks(tp) <= a.gpus]
+                for layout, ranks in plan:
+                    row, _ = self.tput_run("throughput", backend, precision, layout, ranks, a.tput_model,
+                                           a.tput_micro, extra)
+                    if ranks == 1 and row.tokens_per_s_per_gpu is not None:
+                        baseline = row.tokens_per_s_per_gpu
+                    row.efficiency = scaling_efficiency(row.tokens_per_s_per_gpu, baseline)
+                    self.add(row)
+        if a.big_model:
+            self.check_big_model()
+
+    def check_big_model(self) -> None:
+        a = self.args
+        extra = [*shlex.split(a.tput_overrides), *shlex.split(a.big_overrides)]
+        for backend in a.big_backends:
+            for precision in a.precisions:
+                if precision == "fp8" and backend != "te":
+                    continue
+                reason = skip_reason(a.big_layout, backend, a.device, a.gpus)
+                if reason is not None:
+                    self.add(skipped(Row("big-model", backend, precision, a.big_layout, a.gpus), reason))
+                    continue
+                row, _ = self.tput_run("big-model", backend, precision, a.big_layout, a.gpus, a.big_model,
+                                       a.big_micro, extra)
+                row.note = "; ".join(x for x in (f"model={a.big_model}", row.note) if x)
+                self.add(row)
+
+    # -------------------------------------------------------------- all
+    def run(self) -> list[Row]:
+        parts = {"correctness": self.check_correctness, "reshard": self.check_reshard,
+                 "throughput": self.check_throughput}
+        for part in self.args.parts:
+            parts[part]()
+        self.write_json()
+        print(f"\n# layout_check: {len(self.rows)} rows in {time.monotonic() - self.runner.start:.0f} s, "
+              f"loss tolerance {self.tol:g}; {self.args.out / 'layout_check.json'}")
+        print(format_header())
+        for row in self.rows:
+            print(format_row(row))
+        sys.stdout.flush()
+        return self.rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--gpus", type=int, default=2, help="ranks of the multi-process runs (2, 4 or 8)")
+    ap.add_argument("--parts", type=csv, default=["correctness", "reshard", "throughput"],
+                    help="comma-separated: correctness, reshard, throughput (run in this order)")
+    ap.add_argument("--out", type=Path, default=Path("layout_check"))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (NCCL) or cpu (gloo dry run)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per launch before it is killed")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds; later runs are skipped")
+    ap.add_argument("--plan", action="store_true", help="print the launches, run nothing")
+    g = ap.add_argument_group("correctness and reshard")
+    g.add_argument("--steps", type=int, default=20)
+    g.add_argument("--backends", type=csv, default=["torch", "te"], help="torch, te")
+    g.add_argument("--layouts", type=csv, default=None, help="presets (default: the set for --gpus)")
+    g.add_argument("--tol", type=float, default=None, help="max rel loss diff (default 1e-2; fp32: 1e-4)")
+    g.add_argument("--reshard-from", type=csv, default=None,
+                   help="source layouts, comma-separated (default tp2pp2 on 4+ GPUs, tp2,pp2 on 2)")
+    g.add_argument("--reshard-to", default="fsdp")
+    g = ap.add_argument_group("throughput")
+    g.add_argument("--tput-backends", type=csv, default=None, help="te, torch, torch-compile "
+                   "(default te,torch-compile; --device cpu: torch)")
+    g.add_argument("--precisions", type=csv, default=["bf16", "fp8"])
+    g.add_argument("--tput-model", default="1.7b")
+    g.add_argument("--tput-seq", type=int, default=4096)
+    g.add_argument("--tput-micro", type=int, default=4)
+    g.add_argument("--tput-accum", type=int, default=4)
+    g.add_argument("--tput-steps", type=int, default=12)
+    g.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    g.add_argument("--dp-layout", default="fsdp", help="data-parallel preset of the scaling rows")
+    g.add_argument("--tp-layouts", type=csv, default=["tp2", "tp4"])
+    g.add_argument("--tput-overrides", default="", help="extra overrides of every throughput run (one string)")
+    g.add_argument("--big-model", default=None, help="e.g. 8b: one more row per backend/precision")
+    g.add_argument("--big-layout", default="fsdp")
+    g.add_argument("--big-micro", type=int, default=1)
+    g.add_argument("--big-backends", type=csv, default=None, help="default: the first of --tput-backends")
+    g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
+    ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs")
+    args = ap.parse_args(argv)
+    unknown = set(args.parts) - {"correctness", "reshard", "throughput"}
+    if unknown:
+        ap.error(f"--parts: unknown {sorted(unknown)}")
+    for name, allowed in (("backends", BACKENDS), ("tput_backends", TPUT_BACKENDS), ("big_backends", TPUT_BACKENDS)):
+        bad = set(getattr(args, name) or []) - set(allowed)
+        if bad:
+            ap.error(f"--{name.replace('_', '-')}: unknown {sorted(bad)} (known: {', '.join(allowed)})")
+    if args.layouts is None:
+        args.layouts = LAYOUTS.get(args.gpus, ["ddp", "fsdp"])
+    if args.tput_backends is None:
+        args.tput_backends = ["torch"] if args.device == "cpu" else ["te", "torch-compile"]
+    if args.big_backends is None:
+        args.big_backends = args.tput_backends[:1]
+    return args
+
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    runner = Runner(args.out, args.device, args.timeout, args.time_budget, plan=args.plan)
+    return LayoutCheck(args, runner).run()
 
 
 if __name__ == "__main__":

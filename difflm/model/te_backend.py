@@ -181,9 +181,10 @@ class TEAttention(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
-        lead = x.shape[:2]
+        qkv = self.qkv(x)
+        lead = qkv.shape[:2]  # with sequence parallelism the QKV GEMM has all-gathered the sequence
         group = self.local_heads // self.local_kv_heads
-        qkv = self.qkv(x).view(*lead, self.local_kv_heads, group + 2, self.head_dim)
+        qkv = qkv.view(*lead, self.local_kv_heads, group + 2, self.head_dim)
         q, k, v = qkv.split([group, 1, 1], dim=3)
         q = q.reshape(*lead, self.local_heads, self.head_dim)
         k = k.reshape(*lead, self.local_kv_heads, self.head_dim)
