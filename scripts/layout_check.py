@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Multi-GPU checks of one host in one script and ONE table: layout correctness, throughput, resharding.
 
     python scripts/layout_check.py --gpus 2 --parts correctness,throughput,reshard --steps 20 --out /tmp/lc \\
@@ -11,7 +10,7 @@ Every run is its own launch of ``python -m difflm.train`` (one process) or ``pyt
 see the same batches). NVLink multicast stays off in every process started here (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): it can take a shared host's GPUs down.
 
-Parts (``--parts``, comma-separated):
+Parts (``--parts``, comma-separated; correctness and reshard run backend by backend, then throughput, then big):
 
 * ``correctness``: for each backend (``--backends``: ``torch``; ``te`` = ``model.backend=te
   model.attention_backend=te``) one ``parallel=single`` reference, then each layout of ``--gpus`` (``--layouts``;
@@ -25,7 +24,7 @@ Parts (``--parts``, comma-separated):
   used and the note says so (the loss is normalised by the global batch, so the numbers do not change).
   Not run (a "skipped" row says why): cp and the te backend under ``--device cpu`` (CUDA only), pp with te
   (not wired in difflm), layouts needing more ranks than ``--gpus``.
-* ``reshard``: the ``--reshard-from`` run (default tp2pp2 on 4+ GPUs, tp2 on 2) trains the whole N steps with
+* ``reshard``: each ``--reshard-from`` run (default tp2pp2 on 4+ GPUs; tp2 and pp2 on 2) trains all N steps with
   ``train.save_every=N/2`` (the same run is its correctness row: saving changes nothing; the LR schedule is
   built from ``train.max_steps=N`` as in the reference); its step-N/2 checkpoint is copied into a fresh run
   dir that resumes under ``--reshard-to`` (default fsdp) to step N, as tests/test_parallel.py does (a run dir
@@ -36,31 +35,37 @@ Parts (``--parts``, comma-separated):
   ``torch``, ``torch-compile`` = torch + ``model.compile=true``) x precision (``--precisions``; fp8 only with
   te). Data parallelism (``--dp-layout``, default fsdp) on 1, 2, 4, 8 GPUs up to ``--gpus`` (1 GPU: parallel=
   single), weak scaling: micro-batch ``--tput-micro`` and ``--tput-accum`` accumulation steps fixed, so
-  ``train.global_batch_size = micro x accum x dp``; then tp2 / tp4 (``--tp-layouts``) on all ``--gpus`` ranks; then
-  ``--big-model`` (e.g. 8b) under ``--big-layout`` with ``--big-micro`` on all ``--gpus``. Tokens/s/GPU and MFU are
-  the medians of the per-step ``tokens_per_s_per_gpu`` and ``mfu`` in metrics.jsonl over the steps after
-  ``--warmup`` (one logged value per step); efficiency = tokens/s/GPU / that of the 1-GPU run of the same
-  backend and precision (target >= 95 % for data parallelism). MFU is against the BF16 dense peak, FP8 too.
+  ``train.global_batch_size = micro x accum x dp``; then tp2 / tp4 (``--tp-layouts``) on all ``--gpus`` ranks.
+  Tokens/s/GPU and MFU are the medians of the per-step ``tokens_per_s_per_gpu`` and ``mfu`` in metrics.jsonl
+  over the steps after ``--warmup`` (one logged value per step); efficiency = tokens/s/GPU / that of the 1-GPU
+  run of the same backend and precision (target >= 95 % for data parallelism). MFU is against the BF16 dense
+  peak, FP8 too.
+* ``big``: ``--big-model`` (default 8b) under ``--big-layout`` (default fsdp) on all ``--gpus``, micro-batch
+  ``--big-micro``, extra ``--big-overrides``, for ``--big-backends`` x ``--precisions``: tokens/s/GPU and MFU as above.
 
-A failing run does not stop the script: its row says ``failed`` (or ``timeout``: each launch is limited to
-``--timeout`` seconds, then its processes get SIGTERM and, 20 s later, SIGKILL), and the last 40 lines of its
-stderr are printed, saved to ``<out>/<run>/stderr.txt`` and kept in the JSON. ``--time-budget S``: runs that
-would start after S seconds are skipped ("skipped: time budget") and no launch runs past S. Each row is
-printed as it completes and ``<out>/layout_check.json`` is rewritten after every run, so a killed script
-leaves its results; the whole table is printed at the end. ``--plan`` prints the launches without running them.
+A failing run does not stop the script: its row says ``failed`` with the last error line (or ``timeout``: each
+launch is limited to ``--timeout`` seconds, then its processes get SIGTERM and, 20 s later, SIGKILL), and the
+end of its stderr (at most 40 lines: difflm's one-line errors, else the root-cause rank's traceback) is printed,
+saved to ``<out>/<run>/stderr.txt`` (the whole of it: ``stderr.log``) and kept in the JSON. ``--time-budget S``:
+runs that would start after S seconds are skipped ("skipped: time budget") and no launch runs past S (a
+throughput launch stopped there still reports the steps it logged). Each row is printed as it completes and
+``<out>/layout_check.json`` is rewritten after every run, so a killed script leaves its results; the whole
+table is printed at the end. ``--plan`` prints the launches without running them.
 
-Command lines (device-time estimates in the README of the issue; H200, see the report):
+Command lines (each call of a GPU machine ~8 min; ``--time-budget`` leaves time for the table):
 
-    # 2 GPUs, ~8 min each
-    python scripts/layout_check.py --gpus 2 --parts correctness,reshard --backends torch,te --steps 20 \\
-        --out /root/lc2 --time-budget 450 -- model=125m precision=bf16 data.seq_len=1024 \\
+    # 2 GPUs: 14 launches of 32-53 s each on H200 (torch backend measured: 8 launches, 302 s), ~9 min with te
+    python scripts/layout_check.py --gpus 2 --parts correctness,reshard --steps 20 --out /root/lc2 \\
+        --time-budget 520 --timeout 150 -- model=125m precision=bf16 data.seq_len=1024 \\
         train.micro_batch_size=4 train.global_batch_size=16
-    python scripts/layout_check.py --gpus 2 --parts throughput --precisions bf16,fp8 \\
-        --tput-backends te,torch-compile --tput-steps 10 --warmup 3 --tput-accum 2 --out /root/lc2t --time-budget 450
-    # 4 GPUs (tp2pp2 -> fsdp resharding, tp4, 4-GPU scaling); 8 GPUs adds tp8, tp4pp2 and 8b
-    python scripts/layout_check.py --gpus 4 --parts correctness,reshard,throughput ... -- model=125m ...
-    python scripts/layout_check.py --gpus 8 --parts throughput --big-model 8b --big-layout fsdp \\
-        --big-overrides "parallel.activation_checkpointing=full" ...
+    # 2 GPUs: 9 launches, te ~45 s, torch-compile ~90 s (compilation) (estimates); the last rows may hit the budget
+    python scripts/layout_check.py --gpus 2 --parts throughput --precisions bf16,fp8 --tput-backends te,torch-compile \\
+        --tput-steps 10 --warmup 3 --tput-accum 4 --out /root/lc2t --time-budget 520 --timeout 200
+    # 4 / 8 GPUs: the same two commands with --gpus 4 / 8 (layouts tp4, tp2pp2 / tp8, tp4pp2, tp2pp2 -> fsdp
+    # resharding, 4- and 8-GPU scaling); the 8b row:
+    python scripts/layout_check.py --gpus 8 --parts big --big-backends te --precisions bf16,fp8 \\
+        --big-model 8b --big-layout fsdp --big-overrides "parallel.activation_checkpointing=full" --out /root/lc8b
+    # any of them with --plan: the launches, nothing run
     # CPU dry run (gloo, fp32)
     python scripts/layout_check.py --device cpu --gpus 2 --parts correctness,reshard,throughput --steps 4 \\
         --tput-model tiny --tput-seq 64 --precisions fp32 --tput-backends torch -- model=tiny data.seq_len=32 \\
@@ -102,6 +107,7 @@ BACKENDS = {"torch": ["model.backend=torch"], "te": ["model.backend=te", "model.
 TPUT_BACKENDS = {**BACKENDS, "torch-compile": ["model.backend=torch", "model.compile=true"]}
 COMMON = ["train.eval_every=0", "train.save_every=0", "logger.log_every=1", "logger.progress_bar=false",
           "logger.num_samples=0", "objective.random_length_prob=0"]
+PARTS = ("correctness", "reshard", "throughput", "big")
 STDERR_TAIL = 40
 KILL_GRACE_S = 20
 
@@ -300,6 +306,12 @@ def error_excerpt(stderr: str, n: int = STDERR_TAIL) -> str:
     return "\n".join((mine or lines)[-n:])
 
 
+def last_error_line(excerpt: str, width: int = 100) -> str:
+    """The last line of :func:`error_excerpt`'s text without its rank and difflm prefixes, for the table."""
+    line = excerpt.splitlines()[-1].split("]: ", 1)[-1]
+    return line.removeprefix("difflm: error: ").strip()[:width]
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc; torchrun starts its workers in their own sessions,
     so killing its process group alone would leave them)."""
@@ -404,6 +416,8 @@ class Runner:
                            wall_s=time.monotonic() - start)
         if not result.ok:
             result.stderr_tail = error_excerpt((run_dir / "stderr.log").read_text(errors="replace"))
+            if status == "failed" and result.stderr_tail:
+                result.note += ": " + last_error_line(result.stderr_tail)
             (run_dir / "stderr.txt").write_text(result.stderr_tail + "\n")
             print(f"# {name} {status} ({note}); end of stderr ({run_dir / 'stderr.txt'}, whole: stderr.log):\n"
                   f"{result.stderr_tail}", flush=True)
@@ -443,7 +457,7 @@ class LayoutCheck:
         tmp.replace(self.args.out / "layout_check.json")
 
     def row_from(self, row: Row, result: RunResult) -> Row:
-        """Copy a failed/skipped/planned launch's status into ``row``."""
+        """Copy a launch's status, note, name, wall time and stderr excerpt into ``row``."""
         row.status, row.note, row.run, row.wall_s = result.status, result.note, result.name, result.wall_s
         row.stderr_tail = result.stderr_tail
         return row
@@ -467,8 +481,8 @@ class LayoutCheck:
     def correctness_run(self, backend: str, layout: str) -> tuple[RunResult, str]:
         """The correctness launch of ``layout`` (the reshard source also saves at step N/2)."""
         overrides, note = self.layout_overrides(layout)
-        save = ["train.save_every=%d" % self.half] if "reshard" in self.args.parts and \
-            layout in self.reshard_from and self.half > 0 else []
+        saves = "reshard" in self.args.parts and layout in self.reshard_from and self.half > 0
+        save = [f"train.save_every={self.half}"] if saves else []
         ranks = 1 if layout == "single" else self.args.gpus
         result = self.runner.run(f"correctness/{backend}/{layout}", ranks,
                                  [*BACKENDS[backend], *self.shared, f"train.max_steps={self.args.steps}",
@@ -478,21 +492,21 @@ class LayoutCheck:
     def reference(self, backend: str) -> RunResult:
         return self.correctness_run(backend, "single")[0]
 
-    def check_correctness(self) -> None:
-        for backend in self.args.backends:
-            row = Row("correctness", backend, self.precision, "single", 1)
-            reason = skip_reason("single", backend, self.args.device, 1)
-            if reason is not None:
-                self.add(skipped(row, reason))
-                continue
-            ref = self.reference(backend)
-            self.row_from(row, ref)
-            if ref.ok:
-                self.throughput_columns(row, ref)
-                row.status = "reference"
-            self.add(row)
-            for layout in self.args.layouts:
-                self.add(self.correctness_row(backend, layout, ref))
+    def check_correctness(self, backend: str) -> None:
+        """The ``parallel=single`` reference row, then one row per layout."""
+        row = Row("correctness", backend, self.precision, "single", 1)
+        reason = skip_reason("single", backend, self.args.device, 1)
+        if reason is not None:
+            self.add(skipped(row, reason))
+            return
+        ref = self.reference(backend)
+        self.row_from(row, ref)
+        if ref.ok:
+            self.throughput_columns(row, ref)
+            row.status = "reference"
+        self.add(row)
+        for layout in self.args.layouts:
+            self.add(self.correctness_row(backend, layout, ref))
 
     def correctness_row(self, backend: str, layout: str, ref: RunResult) -> Row:
         row = Row("correctness", backend, self.precision, layout, self.args.gpus)
@@ -524,26 +538,27 @@ class LayoutCheck:
         return row
 
     # -------------------------------------------------------------- reshard
-    def check_reshard(self) -> None:
+    def check_reshard(self, backend: str) -> None:
         for src in self.reshard_from:
-            for backend in self.args.backends:
-                self.add(self.reshard_row(backend, src, self.args.reshard_to))
+            self.add(self.reshard_row(backend, src, self.args.reshard_to))
 
     def reshard_row(self, backend: str, src: str, dst: str) -> Row:
         """Save under ``src`` at step N/2 (its correctness run), resume under ``dst`` to N, compare."""
         n, half, gpus = self.args.steps, self.half, self.args.gpus
         row = Row("reshard", backend, self.precision, f"{src}>{dst}", gpus)
-        reason = skip_reason(src, backend, self.args.device, gpus) or skip_reason(dst, backend, self.args.device, gpus) \
-            or (f"--steps {n} leaves no step to resume" if half < 1 else None)
+        reason = (skip_reason(src, backend, self.args.device, gpus) or skip_reason(dst, backend, self.args.device, gpus)
+                  or (f"--steps {n} leaves no step to resume" if half < 1 else None))
         if reason is not None:
             return skipped(row, reason)
         ref = self.reference(backend)
+        if not ref.usable:
+            return skipped(row, f"no reference ({ref.status})")
         source, _ = self.correctness_run(backend, src)
         ckpt = source.run_dir / "checkpoints" / f"step_{half}"
-        if not (ref.usable and source.usable and (ckpt.is_dir() or self.runner.plan)):
-            missing = ref if not ref.usable else source
-            what = "reference" if not ref.usable else f"source run {src}" if not source.usable else f"checkpoint {ckpt}"
-            return skipped(row, f"no {what} ({missing.status})")
+        if not source.usable:
+            return skipped(row, f"no source run {src} ({source.status})")
+        if not (ckpt.is_dir() or self.runner.plan):
+            return skipped(row, f"no checkpoint {ckpt}")
         overrides, note = self.layout_overrides(dst)
         resumed = self.runner.run(f"reshard/{backend}/{src}-to-{dst}", gpus,
                                   [*BACKENDS[backend], *self.shared, f"train.max_steps={n}", *overrides],
@@ -579,12 +594,13 @@ class LayoutCheck:
         row = Row(label, backend, precision, layout, ranks)
         result = self.runner.run(f"{label}/{backend}-{precision}/{model}-{layout}-{ranks}", ranks, overrides)
         self.row_from(row, result)
-        if result.ok:
-            try:
-                summary = summarize_throughput(result.metrics, self.args.warmup)
-                row.tokens_per_s_per_gpu, row.mfu = summary["tokens_per_s_per_gpu"], summary["mfu"]
-                row.note = f"median of {summary['steps']} steps, global batch {micro * self.args.tput_accum * dp}"
-            except ValueError as err:
+        try:  # a launch stopped by its timeout still reports the steps it logged
+            summary = summarize_throughput(result.metrics, self.args.warmup)
+            row.tokens_per_s_per_gpu, row.mfu = summary["tokens_per_s_per_gpu"], summary["mfu"]
+            what = f"median of {summary['steps']} steps, global batch {micro * self.args.tput_accum * dp}"
+            row.note = "; ".join(x for x in (row.note, what) if x)
+        except ValueError as err:
+            if result.ok:
                 row.status, row.note = "failed", str(err)
         return row, result
 
@@ -610,8 +626,6 @@ class LayoutCheck:
                         baseline = row.tokens_per_s_per_gpu
                     row.efficiency = scaling_efficiency(row.tokens_per_s_per_gpu, baseline)
                     self.add(row)
-        if a.big_model:
-            self.check_big_model()
 
     def check_big_model(self) -> None:
         a = self.args
@@ -622,19 +636,26 @@ class LayoutCheck:
                     continue
                 reason = skip_reason(a.big_layout, backend, a.device, a.gpus)
                 if reason is not None:
-                    self.add(skipped(Row("big-model", backend, precision, a.big_layout, a.gpus), reason))
+                    self.add(skipped(Row("big", backend, precision, a.big_layout, a.gpus), reason))
                     continue
-                row, _ = self.tput_run("big-model", backend, precision, a.big_layout, a.gpus, a.big_model,
+                row, _ = self.tput_run("big", backend, precision, a.big_layout, a.gpus, a.big_model,
                                        a.big_micro, extra)
                 row.note = "; ".join(x for x in (f"model={a.big_model}", row.note) if x)
                 self.add(row)
 
     # -------------------------------------------------------------- all
     def run(self) -> list[Row]:
-        parts = {"correctness": self.check_correctness, "reshard": self.check_reshard,
-                 "throughput": self.check_throughput}
-        for part in self.args.parts:
-            parts[part]()
+        """Correctness and reshard backend by backend (a time budget then cuts the last backend, not a whole
+        part), then throughput, then big; the final table lists the rows part by part."""
+        per_backend = [p for p in ("correctness", "reshard") if p in self.args.parts]
+        for backend in self.args.backends if per_backend else []:
+            for part in per_backend:
+                getattr(self, f"check_{part}")(backend)
+        if "throughput" in self.args.parts:
+            self.check_throughput()
+        if "big" in self.args.parts:
+            self.check_big_model()
+        self.rows.sort(key=lambda r: PARTS.index(r.part))  # stable: run order within a part
         self.write_json()
         print(f"\n# layout_check: {len(self.rows)} rows in {time.monotonic() - self.runner.start:.0f} s, "
               f"loss tolerance {self.tol:g}; {self.args.out / 'layout_check.json'}")
@@ -651,7 +672,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--gpus", type=int, default=2, help="ranks of the multi-process runs (2, 4 or 8)")
     ap.add_argument("--parts", type=csv, default=["correctness", "reshard", "throughput"],
-                    help="comma-separated: correctness, reshard, throughput (run in this order)")
+                    help="comma-separated: correctness, reshard (both backend by backend), throughput, big")
     ap.add_argument("--out", type=Path, default=Path("layout_check"))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (NCCL) or cpu (gloo dry run)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per launch before it is killed")
@@ -678,14 +699,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--dp-layout", default="fsdp", help="data-parallel preset of the scaling rows")
     g.add_argument("--tp-layouts", type=csv, default=["tp2", "tp4"])
     g.add_argument("--tput-overrides", default="", help="extra overrides of every throughput run (one string)")
-    g.add_argument("--big-model", default=None, help="e.g. 8b: one more row per backend/precision")
+    g = ap.add_argument_group("big (one large model under one layout)")
+    g.add_argument("--big-model", default="8b")
     g.add_argument("--big-layout", default="fsdp")
     g.add_argument("--big-micro", type=int, default=1)
     g.add_argument("--big-backends", type=csv, default=None, help="default: the first of --tput-backends")
     g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
     ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs")
     args = ap.parse_args(argv)
-    unknown = set(args.parts) - {"correctness", "reshard", "throughput"}
+    unknown = set(args.parts) - set(PARTS)
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}")
     for name, allowed in (("backends", BACKENDS), ("tput_backends", TPUT_BACKENDS), ("big_backends", TPUT_BACKENDS)):

@@ -70,3 +70,30 @@ def test_resume_with_other_batch_is_refused(fast_cfg):
     Trainer(cfg, cfg.run.dir, CPU).fit()
     with pytest.raises(DifflmError, match="global_batch_size"):
         Trainer(fast_cfg("train.global_batch_size=8", "train.max_steps=2"), cfg.run.dir, CPU)
+
+
+def test_scheduler_resumes_with_another_number_of_parameter_groups():
+    """A layout's optimizer may hold 3 groups (TP without FSDP: DTensor and plain tensors apart) and another 2:
+    the schedule position carries over and every group gets the lr LambdaLR.step would have set."""
+    from omegaconf import OmegaConf
+
+    from difflm.training.schedule import build_scheduler, restore_scheduler
+
+    cfg = OmegaConf.create({"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1, "decay_fraction": 0.2})
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    three = torch.optim.AdamW([{"params": [w]} for w in weights], lr=1e-3)
+    source = build_scheduler(three, cfg, max_steps=10)
+    for _ in range(5):
+        three.step()
+        source.step()
+    two = torch.optim.AdamW([{"params": weights[:2]}, {"params": weights[2:]}], lr=1e-3)
+    resumed = build_scheduler(two, cfg, max_steps=10)
+    restore_scheduler(resumed, source.state_dict())
+    assert resumed.last_epoch == 5
+    assert [g["lr"] for g in two.param_groups] == [three.param_groups[0]["lr"]] * 2
+    for _ in range(3):
+        two.step()
+        resumed.step()
+        three.step()
+        source.step()
+    assert resumed.get_last_lr() == source.get_last_lr()[:2]

@@ -38,3 +38,21 @@ def lr_multiplier(step: int, cfg, max_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose state (last_epoch) is checkpointed with the optimizer."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+
+
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Resume ``scheduler`` (and its optimizer's learning rates) at the step recorded in ``state`` (a
+    ``LambdaLR.state_dict()``).
+
+    Only the position is restored: the schedule itself is a function of the step and the config, and every
+    parameter group runs the same multiplier, so a checkpoint resumes under a layout whose optimizer has
+    another number of parameter groups (DTensor and plain tensors are grouped apart, see
+    :func:`difflm.training.optimizer.build_optimizer`). The learning rates are those ``LambdaLR.step`` sets.
+    """
+    scheduler.last_epoch = int(state["last_epoch"])
+    scheduler._step_count = int(state.get("_step_count", scheduler.last_epoch + 1))
+    multiplier = scheduler.lr_lambdas[0]
+    lrs = [base * multiplier(scheduler.last_epoch) for base in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

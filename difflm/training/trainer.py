@@ -20,7 +20,7 @@ from difflm.objectives.keyed_rng import STREAM_TRAIN
 from difflm.training.flops import flops_per_token, mfu, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
-from difflm.training.schedule import build_scheduler
+from difflm.training.schedule import build_scheduler, restore_scheduler
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest
 from difflm.training.profiling import Profiler
@@ -149,7 +149,7 @@ class Trainer:
     def _load(self, path: Path) -> None:
         state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_scheduler(self.scheduler, state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["torch_rng"])

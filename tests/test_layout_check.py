@@ -1,0 +1,143 @@
+"""scripts/layout_check.py on CPU (gloo): its correctness and reshard parts against real runs, and its pure helpers.
+
+One script launch runs 3 ``difflm.train`` launches (a single-process reference, tp2 on 2 ranks saving at step 2,
+that checkpoint resumed under fsdp on 2 ranks), about 45 s on 2 cores; the te backend and cp rows are skipped
+on CPU. FP32 layouts agree with one process to ~1e-7 in the loss (tests/test_parallel.py: 1e-5).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8"]
+
+
+def load_layout_check():
+    spec = importlib.util.spec_from_file_location("difflm_layout_check", ROOT / "scripts" / "layout_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["difflm_layout_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lc = load_layout_check()
+
+
+def test_cpu_correctness_and_reshard(tmp_path):
+    out = tmp_path / "lc"
+    cmd = [sys.executable, str(ROOT / "scripts" / "layout_check.py"), "--device", "cpu", "--gpus", "2",
+           "--parts", "correctness,reshard", "--steps", "4", "--layouts", "tp2,cp2", "--backends", "torch,te",
+           "--reshard-from", "tp2", "--timeout", "240", "--out", str(out), "--", *SHARED]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "layout_check.json").read_text())["rows"]
+    got = {(r["part"], r["backend"], r["layout"]): r for r in rows}
+    assert list(got) == [
+        ("correctness", "torch", "single"), ("correctness", "torch", "tp2"),
+        ("correctness", "torch", "cp2"), ("correctness", "te", "single"),
+        ("reshard", "torch", "tp2>fsdp"), ("reshard", "te", "tp2>fsdp"),
+    ]
+    assert got["correctness", "torch", "single"]["status"] == "reference"
+    for key in [("correctness", "torch", "tp2"), ("reshard", "torch", "tp2>fsdp")]:
+        row = got[key]
+        assert row["status"] == "ok", row
+        assert row["loss_diff"] < 1e-4 and row["grad_diff"] < 1e-3, row
+        assert row["tokens_per_s_per_gpu"] is None or row["tokens_per_s_per_gpu"] > 0
+    assert "vs uninterrupted tp2" in got["reshard", "torch", "tp2>fsdp"]["note"]
+    assert got["correctness", "torch", "cp2"]["status"] == "skipped"
+    assert "CUDA only" in got["correctness", "torch", "cp2"]["note"]
+    assert got["correctness", "te", "single"]["status"] == "skipped"
+    assert got["reshard", "te", "tp2>fsdp"]["status"] == "skipped"
+    # the resumed run really resumed: only steps 3-4 logged, from the copied step-2 checkpoint
+    resumed = lc.read_metrics(out / "reshard" / "torch" / "tp2-to-fsdp")
+    assert sorted(resumed) == [3, 4]
+    assert (out / "correctness" / "torch" / "tp2" / "checkpoints" / "step_2").is_dir()
+    # the table is printed row by row and once more at the end
+    assert proc.stdout.count("reshard     torch") == 2
+
+
+def write_metrics(run_dir: Path, tokens: list[float], mfu: list) -> None:
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps({"step": i + 1, "loss": 10.0 - i, "grad_norm": 1.0, "tokens_per_s_per_gpu": t, "mfu": m})
+             for i, (t, m) in enumerate(zip(tokens, mfu))]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_throughput_summary_median_after_warmup_and_efficiency(tmp_path):
+    # steps 1-3 are warmup (slow, compilation); medians over steps 4-8
+    write_metrics(tmp_path / "one", [10.0, 50.0, 90.0, 100.0, 104.0, 98.0, 1000.0, 102.0],
+                  [0.01, 0.2, 0.3, 0.40, 0.42, 0.38, 4.0, 0.41])
+    write_metrics(tmp_path / "two", [5.0, 80.0, 90.0, 95.0, 97.0, 96.0, 99.0, 94.0], [None] * 8)
+    one = lc.summarize_throughput(lc.read_metrics(tmp_path / "one"), warmup=3)
+    assert one == {"tokens_per_s_per_gpu": 102.0, "mfu": 0.41, "steps": 5}
+    two = lc.summarize_throughput(lc.read_metrics(tmp_path / "two"), warmup=3)
+    assert two["tokens_per_s_per_gpu"] == 96.0 and two["mfu"] is None  # no peak known (CPU): no MFU
+    assert lc.scaling_efficiency(two["tokens_per_s_per_gpu"], one["tokens_per_s_per_gpu"]) == pytest.approx(96 / 102)
+    assert lc.scaling_efficiency(None, 102.0) is None and lc.scaling_efficiency(96.0, None) is None
+    with pytest.raises(ValueError, match="no logged step"):
+        lc.summarize_throughput(lc.read_metrics(tmp_path / "two"), warmup=8)
+
+
+def test_max_rel_diffs_and_missing_steps():
+    ref = {s: {"loss": 10.0, "grad_norm": 2.0} for s in (1, 2, 3)}
+    got = {1: {"loss": 10.0, "grad_norm": 2.0}, 2: {"loss": 10.1, "grad_norm": 2.0},
+           3: {"loss": 9.95, "grad_norm": 2.2}}
+    loss, grad = lc.max_rel_diffs(got, ref, [1, 2, 3])
+    assert loss == pytest.approx(0.01) and grad == pytest.approx(0.1)
+    with pytest.raises(KeyError, match=r"\[4\]"):
+        lc.max_rel_diffs(got, ref, [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("global_batch,micro,dp,pp,expected", [
+    (16, 4, 2, 1, 4), (16, 4, 8, 1, 2), (16, 4, 1, 2, 4), (8, 8, 1, 2, 4), (8, 2, 2, 2, 2), (6, 4, 4, 1, 4),
+])
+def test_fit_micro_batch(global_batch, micro, dp, pp, expected):
+    assert lc.fit_micro_batch(global_batch, micro, dp, pp) == expected
+
+
+def test_layout_arithmetic_and_skips():
+    assert lc.min_ranks("tp2pp2") == 4 and lc.min_ranks("fsdp") == 1 and lc.min_ranks("tp4pp2") == 8
+    assert lc.dp_degree("tp2", 8) == 4 and lc.dp_degree("tp2pp2", 4) == 1 and lc.dp_degree("ddp", 2) == 2
+    assert lc.skip_reason("cp2", "torch", "cpu", 2) == "cp: CUDA only"
+    assert lc.skip_reason("fsdp", "te", "cpu", 2) == "te backend: CUDA only"
+    assert "not wired" in lc.skip_reason("pp2", "te", "cuda", 2)
+    assert lc.skip_reason("tp4", "torch", "cuda", 2) == "needs 4 GPUs"
+    assert lc.skip_reason("cp2", "te", "cuda", 2) is None
+
+
+def test_error_excerpt_finds_the_root_cause():
+    torchrun = "\n".join([
+        "[rank1]: Traceback (most recent call last):", "[rank1]: RuntimeError: peer closed",
+        "[rank0]: Traceback (most recent call last):", "[rank0]:   File x", "[rank0]: ValueError: the real one",
+        "Traceback (most recent call last):", "torch...ChildFailedError:", "Root Cause (first observed failure):",
+        "[0]:", "  time      : now", "  rank      : 0 (local_rank: 0)", "  exitcode  : 1",
+    ])
+    assert lc.error_excerpt(torchrun).splitlines() == ["[rank0]: Traceback (most recent call last):",
+                                                      "[rank0]:   File x", "[rank0]: ValueError: the real one"]
+    one_line = "noise\ndifflm: error: precision=fp8 needs an FP8-capable NVIDIA GPU\nmore noise"
+    assert lc.error_excerpt(one_line) == "difflm: error: precision=fp8 needs an FP8-capable NVIDIA GPU"
+    assert lc.error_excerpt("\n".join(map(str, range(100))), n=3) == "97\n98\n99"
+
+
+def test_plan_lists_every_launch_of_a_gpu_run(tmp_path, capsys):
+    rows = lc.main(["--plan", "--gpus", "8", "--out", str(tmp_path), "--parts", "correctness,reshard,throughput,big",
+                    "--", "model=125m", "precision=bf16", "train.micro_batch_size=4", "train.global_batch_size=16"])
+    by = {(r.part, r.backend, r.precision, r.layout, r.gpus): r for r in rows}
+    assert by["correctness", "torch", "bf16", "tp4pp2", 8].status == "planned"
+    assert by["correctness", "te", "bf16", "tp4pp2", 8].status == "skipped"
+    assert by["reshard", "torch", "bf16", "tp2pp2>fsdp", 8].status == "planned"
+    assert by["correctness", "torch", "bf16", "ddp", 8].note == "micro-batch 2"  # 16 / (2 x 8 dp)
+    assert [r.gpus for r in rows if r.part == "throughput" and r.backend == "te" and r.precision == "fp8"] == \
+        [1, 2, 4, 8, 8, 8]
+    assert not any(r.backend == "torch-compile" and r.precision == "fp8" for r in rows)
+    assert {(r.backend, r.precision, r.layout) for r in rows if r.part == "big"} == {("te", "bf16", "fsdp"),
+                                                                                   ("te", "fp8", "fsdp")}
+    printed = capsys.readouterr().out
+    assert "--nproc-per-node=8" in printed and "train.global_batch_size=128" in printed  # 4 x 4 x 8 weak scaling
+    assert json.loads((tmp_path / "layout_check.json").read_text())["rows"][0]["status"] == "planned"
