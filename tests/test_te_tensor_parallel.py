@@ -182,3 +182,11 @@ def test_tp2_checkpoint_holds_single_process_tensors(tp2_results):
     megatron_init_(reference, CFG, seed=3)
     for (name, a), b in zip(single.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_full_shapes_count_the_whole_model():
+    """MFU under TE TP needs the full model's parameter count from local shards."""
+    full, part = FakeTE(), FakeTE(TP)
+    shards = TensorParallelShards(1, TP)
+    assert sum(shards.full_shape(n, p.shape).numel() for n, p in part.named_parameters()) == \
+        sum(p.numel() for p in full.parameters())

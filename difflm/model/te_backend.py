@@ -249,7 +249,15 @@ class TETransformer(nn.Module):
     """
 
     head_weight = Transformer.head_weight
-    num_params = Transformer.num_params
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Parameter count of the whole model (TP shards counted at their full size, so MFU under TP is that of
+        the full model); with ``exclude_embedding`` the input embedding is left out (PaLM's N for MFU)."""
+        shards = self.tp_shards()
+        n = sum(shards.full_shape(name, p.shape).numel() for name, p in self.named_parameters())
+        if exclude_embedding and self.output is not None:
+            n -= self.embedding.weight.numel()
+        return n
 
     def init_weights(self, seed: int) -> None:
         """The torch backend's keyed init (both backends hold identical weights); under TP every rank draws the
