@@ -1,6 +1,7 @@
 """Shared fixtures: compose a run config from the packaged conf/ tree, as `difflm-train` would."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,3 +42,13 @@ def run_cli(*args: str, cwd=None, timeout: int = 900) -> subprocess.CompletedPro
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` (not a package) as module ``difflm_<name>``."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"difflm_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"difflm_{name}"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,30 +1,18 @@
 """scripts/benchmark.py on CPU (reference + torch backend, model=tiny) and the MFU arithmetic by hand."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from difflm.config.schema import ModelConfig
 from difflm.errors import DifflmError
 from difflm.model.transformer import Transformer
 from difflm.training import flops
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("difflm_benchmark", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["difflm_benchmark"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny(vocab=50304, **kw) -> ModelConfig:
@@ -52,7 +40,7 @@ def test_mfu_formula_by_hand(kv, qk_norm):
     assert flops.mfu(1e5, fpt, 989e12) == pytest.approx(1e5 * (6 * n_hand + 12 * L * d * S) / 989e12, rel=1e-12)
     assert flops.mfu(1e5, fpt, None) is None
     # the benchmark's eager reference has the same non-embedding parameter count
-    bench = load_benchmark()
+    bench = load_script("benchmark")
     assert bench.ReferenceTransformer(cfg, causal=False).num_params() == n_hand
 
 
@@ -64,7 +52,7 @@ def test_peak_is_the_bf16_datasheet_figure(monkeypatch):
 
 
 def test_parse_variant():
-    bench = load_benchmark()
+    bench = load_script("benchmark")
     assert bench.parse_variant("te-fp8: model.backend=te precision=fp8") == ("te-fp8", ["model.backend=te", "precision=fp8"])
     assert bench.parse_variant("plain:") == ("plain", [])
     with pytest.raises(DifflmError, match="NAME: override"):
@@ -73,7 +61,7 @@ def test_parse_variant():
 
 def test_reference_block_is_a_standard_llama_block():
     """Reference and difflm model compute the same function from the same weights (fp32, bidirectional)."""
-    bench = load_benchmark()
+    bench = load_script("benchmark")
     cfg = tiny(vocab=64, num_kv_heads=2)
     ours = Transformer(cfg)
     ours.init_weights(0)
@@ -104,7 +92,7 @@ def test_reference_block_is_a_standard_llama_block():
 
 
 def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
-    bench = load_benchmark()
+    bench = load_script("benchmark")
     out = tmp_path / "bench.json"
     start = time.perf_counter()
     result = bench.main(["model=tiny", "data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu",

@@ -6,27 +6,19 @@ on CPU. FP32 layouts agree with one process to ~1e-7 in the loss (tests/test_par
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8"]
 
 
-def load_layout_check():
-    spec = importlib.util.spec_from_file_location("difflm_layout_check", ROOT / "scripts" / "layout_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["difflm_layout_check"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lc = load_layout_check()
+lc = load_script("layout_check")
 
 
 def test_cpu_correctness_and_reshard(tmp_path):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from types import SimpleNamespace
 
 from difflm.model.init import megatron_init_
 from difflm.parallel.parallelize import grad_norm_and_clip

@@ -64,7 +64,7 @@ def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, 
     t = tok.tokenizer
     if chat_template:
         if not getattr(t, "chat_template", None):
-            raise DifflmError(f"data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+            raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
         p = list(t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
     else:
         p = t(prompt, add_special_tokens=False)["input_ids"]

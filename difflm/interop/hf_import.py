@@ -318,7 +318,7 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     torch.manual_seed(cfg.train.seed)
     trainer_state = {
         "step": 0,
-        "scheduler": {"lr_lambdas": []},  # LambdaLR.load_state_dict with nothing to restore: the fresh schedule stays
+        "scheduler": {"last_epoch": 0},    # the position of a fresh schedule (difflm.training.schedule.restore_scheduler)
         "scaler": {},                      # falsy: the trainer keeps its fresh GradScaler
         "sampler": {},                     # no keys to check: any data/batch may continue from step 0
         "torch_rng": torch.get_rng_state(),  # that of a fresh run with train.seed

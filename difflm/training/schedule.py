@@ -48,7 +48,10 @@ def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict)
     parameter group runs the same multiplier, so a checkpoint resumes under a layout whose optimizer has
     another number of parameter groups (DTensor and plain tensors are grouped apart, see
     :func:`difflm.training.optimizer.build_optimizer`). The learning rates are those ``LambdaLR.step`` sets.
+    A state without ``last_epoch`` (a model-only checkpoint of an older ``difflm-import``) keeps the fresh schedule.
     """
+    if "last_epoch" not in state:
+        return
     scheduler.last_epoch = int(state["last_epoch"])
     scheduler._step_count = int(state.get("_step_count", scheduler.last_epoch + 1))
     multiplier = scheduler.lr_lambdas[0]

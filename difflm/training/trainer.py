@@ -50,7 +50,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, device: torch.device):
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         t = cfg.train
-        # layout: one process keeps the plain path below; several (torchrun) get a mesh (difflm.parallel)
+        # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
@@ -184,31 +184,6 @@ class Trainer:
         group = torch.distributed.group.WORLD if self.dims.distributed else None
         return autocast_context(self.cfg.precision, self.device, amax_reduction_group=group)
 
-    def train_step(self) -> dict:
-        """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics."""
-        if self.dims.distributed:
-            return self._parallel_train_step()
-        cfg, t = self.cfg, self.cfg.train
-        seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
-                              cfg.objective.length_multiple)
-        windows = self.sampler.indices(self.data_step)
-        self.model.train()
-        loss = torch.zeros((), device=self.device)
-        for micro in range(self.accum_steps):
-            ids = range(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
-            tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
-            batch = self.objective.noise(tokens, ids, (t.seed, STREAM_TRAIN, self.data_step), t.global_batch_size)
-            batch = batch.to(self.device)
-            with self._autocast():
-                logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
-            micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, t.global_batch_size)
-            self.scaler.scale(micro_loss).backward()
-            loss += micro_loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
-
     def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> dict:
         """Optimizer and schedule step, unless the loss or gradient norm is not finite: then the update is
         skipped (the step and its data still count) and ``skipped`` is set in the returned metrics."""
@@ -225,9 +200,10 @@ class Trainer:
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "skipped": not finite}
 
     # ------------------------------------------------------------------ parallel layouts (difflm.parallel)
-    def _parallel_train_step(self) -> dict:
-        """:meth:`train_step` under a mesh layout (docs/parallel.md).
+    def train_step(self) -> dict:
+        """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics.
 
+        One path for every layout (one process is the layout with every degree 1; docs/parallel.md).
         Data-parallel rank d takes global samples ``[d * local, (d + 1) * local)`` of the step (local =
         global batch / dp), micro-batch m the ids ``d * local + m * mb ...``: the noise is keyed by these GLOBAL
         ids, so every layout trains on the same noised batch as one process. Each rank's loss is divided by the
@@ -264,6 +240,7 @@ class Trainer:
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_group = self.mesh["pp"].get_group() if dims.pp_enabled else None
+        self.scaler.unscale_(self.optimizer)  # fp16 only (refused for sharded layouts); a no-op otherwise
         if self.te_tp is None:
             grad_norm = grad_norm_and_clip(params, max_norm, pp_group)
         else:  # TE's TP shards are plain tensors: partial gradients and the norm need the TP group
@@ -294,14 +271,20 @@ class Trainer:
                 logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
             loss = weighted_ce_sum(logits, batch, norm, global_batch_size)
             if backward:
-                loss.backward()
+                self.scaler.scale(loss).backward()
         return loss.detach()
 
     @torch.no_grad()
-    def _parallel_evaluate(self, count: int, draws: int) -> float:
-        """:meth:`evaluate` under a mesh layout: every data-parallel rank evaluates all windows (the same forwards,
-        as FSDP needs), so the sum over ranks is divided by dp and by tp (replicated loss)."""
-        t = self.cfg.train
+    def evaluate(self) -> Optional[float]:
+        """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
+
+        Uses ``train.eval_batches`` micro-batches and ``train.eval_mc_samples`` antithetic draws of t per window.
+        """
+        cfg, t = self.cfg, self.cfg.train
+        count = min(len(self.valid_set), t.eval_batches * t.micro_batch_size)
+        if count == 0:
+            return None
+        draws = 1 if cfg.objective.name == "ar" else t.eval_mc_samples
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -317,34 +300,10 @@ class Trainer:
                     total += self._local_loss(batch, "token", 1, backward=False).double()
         for part in self.model_parts:
             part.train()
+        # every data-parallel rank evaluated all windows (the same forwards, as FSDP needs) and TP ranks hold
+        # the same loss: the sum over ranks counts each dp * tp times
         total = pdist.all_reduce_sum(total) / (self.dims.tp * self.dims.dp)
         return float(total) / (count * draws)
-
-    @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
-        """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
-
-        Uses ``train.eval_batches`` micro-batches and ``train.eval_mc_samples`` antithetic draws of t per window.
-        """
-        cfg, t = self.cfg, self.cfg.train
-        count = min(len(self.valid_set), t.eval_batches * t.micro_batch_size)
-        if count == 0:
-            return None
-        draws = 1 if cfg.objective.name == "ar" else t.eval_mc_samples
-        if self.dims.distributed:
-            return self._parallel_evaluate(count, draws)
-        self.model.eval()
-        total = 0.0
-        for start in range(0, count, t.micro_batch_size):
-            ids = list(range(start, min(count, start + t.micro_batch_size)))
-            tokens = self.valid_set.get(ids)
-            for draw in range(draws):
-                batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
-                with self._autocast():
-                    logits = self.model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
-                total += float(weighted_ce_sum(logits, batch, "token", 1))  # summed over sequences
-        self.model.train()
-        return total / (count * draws)
 
     @torch.no_grad()
     def generate_samples(self, prompt: str, num: int) -> list[str]:
