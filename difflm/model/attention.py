@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from difflm.errors import DifflmError
+from difflm.training.precision import te_import_error
 
 ATTENTION_BACKENDS = ("sdpa", "te", "flash", "flex")
 _FLASH_MODULES = (("flash_attn.cute", 4), ("flash_attn_interface", 3), ("flash_attn", 2))
@@ -39,15 +40,6 @@ def flash_attn_func() -> Optional[tuple[Callable, int]]:
         except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA extension
             continue
         return fn, version
-    return None
-
-
-def _te_import_error() -> Optional[str]:
-    """Why ``transformer_engine.pytorch`` cannot be imported (its exception, one line), or None when it can."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - TE raises RuntimeError/OSError too (missing CUDA libraries, plugins)
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     return None
 
 
@@ -71,7 +63,7 @@ def attention_unavailable_reason(backend: str, device: torch.device, precision: 
         return (f"model.attention_backend={backend} runs CUDA kernels only and this run is on {device.type}: "
                 "use model.attention_backend=sdpa (or flex)")
     if backend == "te":
-        error = _te_import_error()
+        error = te_import_error()
         if error is not None:
             return (f"model.attention_backend=te needs Transformer Engine, which could not be imported ({error}): "
                     "pip install 'difflm[te]' on a CUDA machine, or use model.attention_backend=sdpa")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from difflm.parallel.tensor_parallel import clean_fqn, deinterleave_gate_up, interleave_gate_up
+from difflm.parallel.tensor_parallel import _local, clean_fqn, deinterleave_gate_up, interleave_gate_up
 
 SHARD_DIM = {  # parameter name suffix -> dimension split over TP ranks
     "attention.qkv.weight": 0,
@@ -163,8 +163,7 @@ def all_reduce_partial_grads(parts: Iterable[nn.Module], group, sequence_paralle
     grads = []
     for name, p in _named(parts):
         if p.grad is not None and has_partial_grad(name, sequence_parallel):
-            g = p.grad
-            grads.append(g.to_local() if hasattr(g, "to_local") else g)
+            grads.append(_local(p.grad))
     if grads:
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, group=group)

@@ -82,16 +82,28 @@ def device_fp8_unsupported_reason(recipe: str, device: torch.device) -> Optional
     return fp8_unsupported_reason(recipe, torch.cuda.get_device_capability(device), torch.version.cuda)
 
 
-def import_te():
-    """``transformer_engine.pytorch``, or a DifflmError that says how to install it."""
+def te_import_error() -> Optional[str]:
+    """Why ``transformer_engine.pytorch`` cannot be imported (exception type and first line), or None when it can.
+
+    TE raises ImportError without its packages, and RuntimeError/OSError when present without its CUDA
+    libraries or with a broken plugin (e.g. FlashAttention 4 without its CUTLASS DSL libraries).
+    """
     try:
-        import transformer_engine.pytorch as te
-    except (ImportError, RuntimeError, OSError) as e:  # TE present but its CUDA libraries or plugins are not
-        raise DifflmError(
-            f"Transformer Engine could not be imported ({type(e).__name__}: {e}): "
-            "pip install 'difflm[te]' (transformer-engine[pytorch]) on a CUDA machine, "
-            "or use model.backend=torch with precision=bf16"
-        ) from None
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means "not usable here", reported with its reason
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return None
+
+
+def import_te():
+    """``transformer_engine.pytorch``, or a DifflmError that says why it failed and how to install it."""
+    error = te_import_error()
+    if error is not None:
+        raise DifflmError(f"Transformer Engine could not be imported ({error}): "
+                          "pip install 'difflm[te]' (transformer-engine[pytorch]) on a CUDA machine, "
+                          "or use model.backend=torch with precision=bf16")
+    import transformer_engine.pytorch as te
+
     return te
 
 
@@ -202,5 +214,5 @@ class _FP8Autocast:
 
 __all__ = [
     "FP8_RECIPES", "autocast_context", "build_fp8_recipe", "compute_dtype", "device_fp8_unsupported_reason",
-    "fp8_is_active", "fp8_unsupported_reason", "import_te", "precision_name", "quantized_model_init", "te_autocast",
+    "fp8_is_active", "fp8_unsupported_reason", "import_te", "te_import_error", "precision_name", "quantized_model_init", "te_autocast",
 ]

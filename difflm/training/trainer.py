@@ -199,7 +199,6 @@ class Trainer:
             self.skipped_steps += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "skipped": not finite}
 
-    # ------------------------------------------------------------------ parallel layouts (difflm.parallel)
     def train_step(self) -> dict:
         """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics.
 
@@ -241,12 +240,10 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_group = self.mesh["pp"].get_group() if dims.pp_enabled else None
         self.scaler.unscale_(self.optimizer)  # fp16 only (refused for sharded layouts); a no-op otherwise
-        if self.te_tp is None:
-            grad_norm = grad_norm_and_clip(params, max_norm, pp_group)
-        else:  # TE's TP shards are plain tensors: partial gradients and the norm need the TP group
-            group, sp, sharded = self.te_tp
-            all_reduce_partial_grads(self.model_parts, group, sp)
-            grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=group, tp_sharded=sharded)
+        tp_group, sp, tp_sharded = self.te_tp or (None, False, frozenset())
+        if tp_group is not None:  # TE's TP shards are plain tensors: partial gradients need the TP group
+            all_reduce_partial_grads(self.model_parts, tp_group, sp)
+        grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
 
