@@ -152,18 +152,15 @@ def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
 
 def build_variant_model(cfg, causal: bool, device: torch.device) -> nn.Module:
     """The model of ``cfg.model`` (torch or TE backend), materialised on ``device`` with :func:`fast_init`."""
-    m = cfg.model
-    if m.backend == "te":
-        from difflm.model.te_backend import TETransformer, fp8_layer_options
+    from difflm.model.kernels import build_kernels
 
-        options = fp8_layer_options(m, cfg.precision)
-        where = device if options["fp8_weights_recipe"] is not None else "meta"
-        model = TETransformer(m, causal, device=where, **options)
-    else:
-        with torch.device("meta"):
-            model = Transformer(m, causal=causal)
-        where = "meta"
-    if where == "meta":
+    m = cfg.model
+    kernels = build_kernels(m, "meta", cfg.precision)
+    fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
+    if fp8_weights:  # TE creates FP8 weights on the GPU directly
+        kernels.device = device
+    model = Transformer(m, causal=causal, kernels=kernels)
+    if not fp8_weights:
         model.to_empty(device=device)
     fast_init(model, m.init_std, m.num_layers)
     if getattr(m, "compile", False):

@@ -22,8 +22,8 @@ Parts (``--parts``, comma-separated; correctness and reshard run backend by back
   layouts agree to ~1e-6). The grad-norm difference is reported, not judged. Where a layout needs another
   micro-batch (global batch / dp, pipeline micro-batches a multiple of pp), the largest micro-batch that fits is
   used and the note says so (the loss is normalised by the global batch, so the numbers do not change).
-  Not run (a "skipped" row says why): cp and the te backend under ``--device cpu`` (CUDA only), pp with te
-  (not wired in difflm), layouts needing more ranks than ``--gpus``.
+  Not run (a "skipped" row says why): cp and the te backend under ``--device cpu`` (CUDA only), layouts needing
+  more ranks than ``--gpus``.
 * ``reshard``: each ``--reshard-from`` run (default tp2pp2 on 4+ GPUs; tp2 and pp2 on 2) trains all N steps with
   ``train.save_every=N/2`` (the same run is its correctness row: saving changes nothing; the LR schedule is
   built from ``train.max_steps=N`` as in the reference); its step-N/2 checkpoint is copied into a fresh run
@@ -157,8 +157,6 @@ def skip_reason(layout: str, backend: str, device: str, gpus: int) -> Optional[s
         return "te backend: CUDA only"
     if device == "cpu" and d["cp"] > 1:
         return "cp: CUDA only"
-    if backend.startswith("te") and d["pp"] > 1:
-        return "pp with te backend: not wired in difflm"
     if min_ranks(layout) > gpus:
         return f"needs {min_ranks(layout)} GPUs"
     return None

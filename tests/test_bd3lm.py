@@ -90,10 +90,39 @@ def test_model_mask_and_position_inputs():
     causal = tiny_model(causal=True)
     tril = torch.ones(10, 10, dtype=torch.bool).tril()[None, None]
     assert torch.allclose(causal(x), model(x, attn_mask=tril), atol=1e-6)
-    with pytest.raises(DifflmError, match="attention_backend=te"):
-        from difflm.model.attention import _masked
+    with pytest.raises(DifflmError, match="attention_backend=te cannot take a dense attention mask"):
+        from difflm.model.attention import prepare_mask
 
-        _masked(torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), tril[..., :2, :2], "te")
+        prepare_mask(tril, "te")
+
+
+def test_structured_masks_equal_their_dense_and_flex_forms():
+    """BlockDiffusionMask / DocumentMask spell out to the dense masks and build BlockMasks with the same pattern."""
+    from difflm.model.masks import BlockDiffusionMask, DocumentMask
+
+    x = torch.tensor([[5, 6, 0, 8, 9, 10, 0, 11], [1, 2, 3, 4, 0, 5, 6, 7]])
+    ids = document_ids(x, 0)
+    L = x.shape[1]
+    n = 2 * L
+    q, k = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    bd = BlockDiffusionMask(L, 4)
+    assert torch.equal(bd.dense(), block_causal_mask(L, 4))
+    with_docs = BlockDiffusionMask(L, 4, ids)
+    doc2 = torch.cat([ids, ids], dim=1)
+    want = block_causal_mask(L, 4) & (doc2[:, :, None] == doc2[:, None, :])[:, None]
+    assert torch.equal(with_docs.dense(), want)
+    for b in range(2):
+        bi = torch.tensor(b)
+        token_level = with_docs.block_mask().mask_mod(bi, torch.tensor(0), q, k)
+        assert torch.equal(token_level, want[b, 0])
+    for causal in (False, True):
+        dm = DocumentMask(ids, causal=causal)
+        assert torch.equal(dm.dense(), document_mask(ids, causal=causal))
+        qq, kk = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
+        for b in range(2):
+            assert torch.equal(dm.block_mask().mask_mod(torch.tensor(b), torch.tensor(0), qq, kk), dm.dense()[b, 0])
+    cu, longest = DocumentMask(ids).varlen()
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 7, 8, 13, 16] and longest == 5
 
 
 def test_flex_backend_model_equals_sdpa_under_block_causal_mask():

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
 
-from difflm.model import build_model, resolve_model_config
+from difflm.config.schema import ModelConfig
+from difflm.model import Transformer, build_model, resolve_model_config
 from difflm.model.rope import apply_rope, rope_cos_sin
 
 from conftest import compose_run
@@ -94,3 +96,35 @@ def test_rope_is_relative():
     dot = lambda i, j: (rq[0, 0, i] * rk[0, 0, j]).sum().item()
     assert dot(3, 1) == pytest.approx(dot(10, 8), rel=1e-4)  # depends only on i - j
     assert rq[0, 0, 0].allclose(q[0, 0, 0])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "te"])
+def test_pipeline_stages_of_the_model_chain_to_the_full_forward(kernels, request):
+    """A pipeline stage is the same Transformer holding a run of blocks; chained, the stages give the full logits,
+    with shared step inputs (BD3-LM mask and positions) and under either kernel set."""
+    from difflm.model.masks import BlockDiffusionMask
+
+    cfg = ModelConfig(num_layers=5, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=64,
+                      head_dim=8)
+    if kernels == "te":
+        request.getfixturevalue("fake_te")
+        from difflm.model.te_kernels import TEKernels
+
+        model = Transformer(cfg, kernels=TEKernels(cfg, device="cpu"))
+        model.init_weights(3)
+    else:
+        model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=3)
+    stages = [model.pipeline_stage(ids, first=i == 0, last=i == 2) for i, ids in enumerate([[0, 1], [2], [3, 4]])]
+    names = [set(dict(s.named_parameters())) for s in stages]  # full-model names, each parameter on one stage
+    assert set().union(*names) == set(dict(model.named_parameters())) and sum(map(len, names)) == len(names[0] |
+                                                                                                    names[1] | names[2])
+    assert "layers.2.mlp.fc1_weight" in names[1] and "embedding.weight" in names[0] and "output.weight" in names[2]
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    shared = dict(attn_mask=BlockDiffusionMask(8, 4), position_ids=torch.arange(8).repeat(2))
+    with torch.no_grad():
+        for inputs in ({}, shared):
+            h = x
+            for stage in stages:
+                stage.step_inputs = inputs
+                h = stage(h)
+            torch.testing.assert_close(h, model(x, **inputs), rtol=0, atol=1e-6)

@@ -92,6 +92,14 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
     assert list(cwd.iterdir()) == []
 
 
+def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
+    """Pipeline stages carry BD3-LM's block-causal mask and repeated positions (shared by all micro-batches)."""
+    bd3lm = ["objective=bd3lm", "objective.block_size=8", "train.max_steps=2", "train.save_every=0"]
+    launch(1, tmp_path / "single", work / "cache", *bd3lm)
+    launch(2, tmp_path / "pp2", work / "cache", *bd3lm, "parallel=pp2")
+    assert_same_curve(tmp_path / "pp2", rows(tmp_path / "single"), [1, 2])
+
+
 def test_tp2pp2_saves_and_fsdp4_resumes_from_it(work, reference):
     """tp2 x pp2 on 4 ranks (steps 1-3, checkpoint at 2); its step-2 checkpoint resumes under fsdp on 4 ranks."""
     src = work / "tp2pp2"

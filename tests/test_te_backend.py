@@ -1,4 +1,5 @@
-"""The Transformer Engine backend: state-dict layout, attention dispatch, and (on a GPU) numerics.
+"""The Transformer Engine kernels (``model.backend=te``) of the one model: state-dict layout, attention dispatch,
+and (on a GPU) numerics against the torch kernels.
 
 CPU tests (CI) use no Transformer Engine: the layout is checked against ``fixtures/te_tiny_state_dict.json``,
 recorded from a real TE model on a GPU, and the module wiring runs on the CPU stand-in in
@@ -21,14 +22,7 @@ from difflm.errors import DifflmError
 from difflm.model import build_model
 from difflm.model.attention import attend, attention_unavailable_reason
 from difflm.model.rope import rope_cos_sin
-from difflm.model.te_backend import (
-    EXTRA_STATE,
-    freqs_on_cp_rank,
-    rope_freqs,
-    te_module_names,
-    te_to_torch_state_dict,
-    torch_to_te_state_dict,
-)
+from difflm.model.te_kernels import EXTRA_STATE, te_module_names, te_to_torch_state_dict, torch_to_te_state_dict
 from difflm.model.transformer import Transformer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "te_tiny_state_dict.json"
@@ -103,26 +97,22 @@ def test_mapping_refuses_a_te_state_dict_and_dequantizes_fp8(fake_te):
     assert torch.equal(out["a.weight"], w.to(torch.bfloat16).float())
 
 
-# ------------------------------------------------------------------ RoPE / CP helpers
-def test_rope_freqs_match_torch_backend_tables():
-    freqs = rope_freqs(40, 16, 10000.0, "cpu")
-    cos, sin = rope_cos_sin(40, 16, 10000.0, torch.device("cpu"))
-    assert freqs.shape == (40, 1, 1, 16)
-    torch.testing.assert_close(freqs[:, 0, 0].cos(), cos)
-    torch.testing.assert_close(freqs[:, 0, 0].sin(), sin)
+# ------------------------------------------------------------------ RoPE
+def test_te_fused_rope_freqs_match_torch_tables(fake_te):
+    from difflm.model.kernels import TorchKernels
+    from difflm.model.rope import rope_angles
+    from difflm.model.te_kernels import TEKernels
 
-
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_cp_ranks_cover_every_position_once(cp):
-    seq = 64
-    positions = torch.arange(seq, dtype=torch.float32)[:, None, None, None]
-    local = seq // cp
-    parts = [freqs_on_cp_rank(positions, local, cp, r) for r in range(cp)]
-    assert all(p.shape[0] == local for p in parts)
-    assert sorted(torch.cat(parts).flatten().long().tolist()) == list(range(seq))
-    if cp > 1:  # rank 0 holds the first and the last chunk (TE's dual-chunk load balancing)
-        chunk = seq // (2 * cp)
-        assert parts[0].flatten().long().tolist() == list(range(chunk)) + list(range(seq - chunk, seq))
+    cfg = small_cfg()
+    angles = rope_angles(torch.arange(40), 16, 10000.0)
+    x = torch.randn(2, 40, 4, 16, generator=torch.Generator().manual_seed(0))
+    te_k, torch_k = TEKernels(cfg), TorchKernels(cfg)
+    freqs = te_k.rope(angles)
+    assert freqs.shape == (40, 1, 1, 16)  # TE's fused kernel layout
+    torch.testing.assert_close(te_k.apply_rope(x, freqs), torch_k.apply_rope(x, torch_k.rope(angles)))
+    # per-row positions (padded prompts) fall back to the tables, which rotate identically
+    rows = rope_angles(torch.arange(40).repeat(2, 1), 16, 10000.0)
+    torch.testing.assert_close(te_k.apply_rope(x, te_k.rope(rows)), torch_k.apply_rope(x, torch_k.rope(angles)))
 
 
 # ------------------------------------------------------------------ attention dispatch (CPU)
@@ -166,18 +156,37 @@ def test_cuda_only_attention_backends_refuse_cpu(backend):
         attend(q, k, v, causal=False, backend="xformers")
 
 
-# ------------------------------------------------------------------ TE model wiring on the CPU stand-in
+# ------------------------------------------------------------------ TE kernels in the one model, on the CPU stand-in
+def te_model(cfg, causal=False, seed=7, **kernel_args):
+    """The one Transformer with TE kernels on the CPU stand-in, keyed init."""
+    from difflm.model.te_kernels import TEKernels
+
+    model = Transformer(cfg, causal, kernels=TEKernels(cfg, device="meta", **kernel_args))
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def test_one_model_class_for_both_kernel_sets(fake_te):
+    import difflm.model as package
+    import difflm.model.te_kernels as te_kernels
+
+    model = te_model(small_cfg())
+    assert type(model) is Transformer and type(model.layers[0]).__name__ == "Block"
+    assert type(model.layers[0].mlp).__module__.startswith("transformer_engine")
+    # the TE file defines no network module: only the kernel set
+    modules = [v for v in vars(te_kernels).values() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
+    assert modules == []
+    assert not hasattr(package, "TETransformer")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("h_kv,extra", [(4, {}), (2, {}), (1, {}), (2, {"qkv_bias": True, "shift_logits": True})])
 def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv, extra):
-    from difflm.model.te_backend import TETransformer
-
     cfg = small_cfg(num_kv_heads=h_kv, **extra)
     ref = Transformer(cfg, causal)
     ref.init_weights(7)
-    model = TETransformer(cfg, causal, device="meta")
-    model.to_empty(device="cpu")
-    model.init_weights(7)
+    model = te_model(cfg, causal)
     te_sd = model.state_dict()
     assert set(te_sd) == set(torch_to_te_state_dict(ref.state_dict(), cfg))
     for k, v in ref.state_dict().items():  # same keyed init, value for value
@@ -189,8 +198,114 @@ def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv, extra):
     torch.testing.assert_close(model(ids, mask), ref(ids, mask), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(ids), ref(ids), atol=1e-5, rtol=1e-5)
     assert model.num_params() == ref.num_params()
-    with pytest.raises(DifflmError, match="model.backend=te runs the full-sequence forward only"):
-        model(ids, position_ids=torch.arange(20))
+
+
+def test_te_kernels_take_masks_positions_and_caches(fake_te):
+    """bd3lm masks, packed documents, explicit positions and KV caches run through the TE kernels as through torch's."""
+    from difflm.model.kv_cache import KVCache
+    from difflm.model.masks import BlockDiffusionMask, DocumentMask, document_ids
+
+    cfg = small_cfg()
+    ref, model = Transformer(cfg), te_model(cfg)
+    ref.load_state_dict(te_to_torch_state_dict(model.state_dict()))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(1, cfg.vocab_size, (2, 16), generator=g)
+    x[0, 5] = x[1, 9] = 0
+    with torch.no_grad():
+        bd = dict(attn_mask=BlockDiffusionMask(8, 4), position_ids=torch.arange(8).repeat(2))
+        torch.testing.assert_close(model(x, **bd), ref(x, **bd), atol=1e-5, rtol=1e-5)
+        docs = dict(attn_mask=DocumentMask(document_ids(x, 0)))
+        torch.testing.assert_close(model(x, **docs), ref(x, **docs), atol=1e-5, rtol=1e-5)
+        caches = []
+        for m in (model, ref):
+            c = KVCache()
+            m(x, kv_cache=c.write())
+            caches.append(m(x[:, 4:8], position_ids=torch.arange(4, 8), kv_cache=c.read(4, 8)))
+        torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[1], ref(x)[:, 4:8], atol=1e-5, rtol=1e-5)
+
+
+def test_te_attention_runs_packed_documents_as_thd(fake_te, monkeypatch):
+    """attention_backend=te hands packed documents to te.DotProductAttention as qkv_format=thd with cu_seqlens
+    (the stand-in checks the arguments and attends within each document)."""
+    from difflm.model import attention
+    from difflm.model.masks import DocumentMask, document_ids
+
+    monkeypatch.setattr(attention, "_check", lambda backend, device: None)  # the stand-in runs on the CPU
+    cfg = small_cfg(attention_backend="te")
+    model = te_model(cfg)
+    assert type(model.layers[0].attention.core).__name__ == "DotProductAttention"
+    ref = Transformer(replace(cfg, attention_backend="sdpa"))
+    ref.load_state_dict(te_to_torch_state_dict(model.state_dict()))
+    x = torch.randint(1, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    x[0, 3] = x[0, 11] = x[1, 7] = 0
+    for causal in (False, True):
+        mask = DocumentMask(document_ids(x, 0), causal=causal)
+        with torch.no_grad():
+            out = model(x, attn_mask=mask)
+            torch.testing.assert_close(out, ref(x, attn_mask=mask.dense()), atol=1e-5, rtol=1e-5)
+    assert mask.varlen()[0].tolist() == [0, 4, 12, 16, 24, 32]
+
+
+@pytest.mark.parametrize("backend", ["te", "flash"])
+def test_backends_refuse_masks_they_cannot_take(backend, monkeypatch):
+    from difflm.model import attention
+    from difflm.model.masks import BlockDiffusionMask
+
+    monkeypatch.setattr(attention, "_check", lambda b, d: None)
+    q, k, v = qkv(s=16)
+    with pytest.raises(DifflmError, match=rf"model.attention_backend={backend} cannot take the block-diffusion mask "
+                                          r"\(objective=bd3lm\): use model.attention_backend=sdpa or flex"):
+        attend(q, k, v, causal=False, backend=backend, attn_mask=BlockDiffusionMask(8, 4))
+    with pytest.raises(DifflmError, match=f"model.attention_backend={backend} cannot take a dense attention mask"):
+        attend(q, k, v, causal=False, backend=backend, attn_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
+
+
+OBJECTIVE_CASES = {
+    "mdlm": dict(name="mdlm"),
+    "ar": dict(name="ar"),
+    "bd3lm": dict(name="bd3lm", block_size=4),
+    "sft": dict(name="sft"),
+    "mdlm_packed": dict(name="mdlm", packed=True),
+    "ar_packed": dict(name="ar", packed=True),
+    "bd3lm_packed": dict(name="bd3lm", block_size=4, packed=True),
+}
+
+
+@pytest.mark.parametrize("case", list(OBJECTIVE_CASES))
+def test_every_objective_trains_a_step_under_both_kernel_sets(fake_te, case):
+    """One optimizer step of each objective (with packed documents where it applies) on the torch kernels and on the
+    TE kernels (CPU stand-in), same weights: same loss, same updated weights."""
+    from difflm.data.batch import TokenBatch
+    from difflm.model.masks import document_ids
+    from difflm.objectives import build_objective, weighted_ce_sum
+    from tests.dlm_helpers import objective_cfg
+
+    spec = dict(OBJECTIVE_CASES[case])
+    packed = spec.pop("packed", False)
+    obj = build_objective(objective_cfg(**spec), mask_id=95)
+    cfg = small_cfg()
+    x = torch.randint(1, 95, (2, 16), generator=torch.Generator().manual_seed(5))
+    if packed:
+        x[0, 6] = x[1, 3] = x[1, 10] = 0
+        tokens = TokenBatch(x, doc_ids=document_ids(x, 0))
+    elif spec["name"] == "sft":
+        tokens = TokenBatch(x, prompt_lengths=torch.tensor([4, 7]))
+    else:
+        tokens = x
+    batch = obj.noise(tokens, [0, 1], (0, 0, 3), 2)
+    losses, weights = [], []
+    for model in (Transformer(cfg, obj.causal), te_model(cfg, obj.causal)):
+        model.init_weights(11)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss = weighted_ce_sum(model(batch.input_ids, batch.loss_mask, **batch.model_kwargs()), batch, "token", 2)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        weights.append({k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and 0 < losses[0] < 100
+    for k, v in weights[0].items():
+        torch.testing.assert_close(weights[1][k], v, atol=1e-5, rtol=1e-4)
 
 
 def _fp8_per_layer(model, ids):
@@ -206,15 +321,15 @@ def _fp8_per_layer(model, ids):
 
 def test_fp8_skip_first_last_and_odd_shapes(fake_te):
     from difflm.config.schema import PrecisionConfig
-    from difflm.model.te_backend import TETransformer, fp8_layer_options
+    from difflm.model.te_kernels import fp8_layer_options
     from difflm.training.precision import te_autocast
 
     cfg = small_cfg(num_layers=4)
-    opts = fp8_layer_options(cfg, PrecisionConfig(name="fp8", fp8_skip_first_last=True))
+    prec = PrecisionConfig(name="fp8", fp8_skip_first_last=True)
+    opts = fp8_layer_options(cfg, prec)
     assert set(opts["bf16_layers"]) == {0, 3} and opts["fp8_weights_recipe"] is None
     assert fp8_layer_options(cfg, PrecisionConfig(name="bf16", fp8_skip_first_last=True))["bf16_layers"] == ()
-    model = TETransformer(cfg, device="cpu", **opts)
-    model.init_weights(0)
+    model = te_model(cfg, precision=prec)
     with te_autocast(True):
         assert _fp8_per_layer(model, torch.zeros(2, 32, dtype=torch.long)) == [False, True, True, False]
         # 2 x 21 tokens is no whole FP8 tile: the whole forward falls back to BF16
@@ -227,7 +342,7 @@ def test_build_model_dispatch(fake_te):
     with pytest.raises(DifflmError, match="model.backend=te runs Transformer Engine's CUDA kernels"):
         build_model(cfg, causal=False, device=torch.device("cpu"), seed=0)
     torch_model = build_model(replace(cfg, backend="torch"), causal=False, device=torch.device("cpu"), seed=0)
-    assert isinstance(torch_model, Transformer)
+    assert isinstance(torch_model, Transformer) and torch_model.kernels.name == "torch"
 
 
 def test_build_model_compiles_blocks_in_place():
@@ -256,10 +371,8 @@ def te_tiny_cfg() -> ModelConfig:
 def test_record_and_check_te_fixture():
     import transformer_engine
 
-    from difflm.model.te_backend import build_te_model
-
     cfg = te_tiny_cfg()
-    model = build_te_model(cfg, causal=False, device=torch.device("cuda"), seed=0)
+    model = build_model(replace(cfg, backend="te"), causal=False, device=torch.device("cuda"), seed=0)
     tensors = [{"name": k, "shape": list(v.shape), "dtype": str(v.dtype)} for k, v in model.state_dict().items()]
     path = FIXTURE
     if os.environ.get("DIFFLM_RECORD_TE_FIXTURE") == "1":
@@ -275,8 +388,11 @@ def test_record_and_check_te_fixture():
     assert {k: list(v.shape) for k, v in mapped.items()} == {t["name"]: t["shape"] for t in tensors}
 
 
+def build_te_model(cfg, **kw):
+    return build_model(replace(cfg, backend="te"), **kw)
+
+
 def _parity(cfg, causal, seed=0, b=2, s=256, attention="sdpa"):
-    from difflm.model.te_backend import build_te_model
     from difflm.objectives.base import NoisedBatch, weighted_ce_sum
     from difflm.training.precision import autocast_context
 
@@ -316,11 +432,75 @@ def test_te_matches_torch_backend_in_bf16(causal, attention):
     assert r["logits_rel"] < 2e-2 and r["loss_rel"] < 5e-3 and r["max_grad_rel"] < 5e-2
 
 
+def _masked_parity(cfg, batch, attention: str, seed: int = 0):
+    """Torch kernels + SDPA (dense masks) against TE kernels + ``attention`` on the same weights, BF16, for a noised
+    batch with a structured mask: logits and loss."""
+    from difflm.objectives.base import weighted_ce_sum
+    from difflm.training.precision import autocast_context
+
+    dev = torch.device("cuda")
+    ref = build_model(cfg, causal=False, device=dev, seed=seed)
+    model = build_te_model(replace(cfg, attention_backend=attention), causal=False, device=dev, seed=seed)
+    model.load_state_dict(torch_to_te_state_dict(ref.state_dict(), cfg))
+    batch = batch.to(dev)
+    out = {}
+    for name, m in (("torch", ref), ("te", model)):
+        with autocast_context("bf16", dev):
+            logits = m(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
+        loss = weighted_ce_sum(logits, batch, "token", batch.input_ids.shape[0])
+        loss.backward()
+        out[name] = (logits.float(), float(loss))
+    (lt, st), (le, se) = out["torch"], out["te"]
+    return {"logits_rel": float((le - lt).norm() / lt.norm()), "loss_torch": st, "loss_te": se,
+            "loss_rel": abs(se - st) / st}
+
+
+def _tokens(cfg, b, s, eos_every=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(2, cfg.vocab_size - 1, (b, s), generator=g)
+    if eos_every:
+        x[torch.rand(b, s, generator=g) < 1.0 / eos_every] = 0
+    return x
+
+
+@cuda_te
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_bd3lm_te_kernels_match_torch_in_bf16(attention):
+    from difflm.objectives import BD3LMObjective
+    from tests.dlm_helpers import objective_cfg
+
+    cfg = replace(te_tiny_cfg(), num_kv_heads=2)
+    obj = BD3LMObjective(objective_cfg(name="bd3lm", block_size=16), cfg.vocab_size - 1)
+    batch = obj.noise(_tokens(cfg, 2, 256), [0, 1], (0, 0, 1), 2)
+    r = _masked_parity(cfg, batch, attention)
+    report("parity_bd3lm_bf16", block_size=16, attention=attention, **r)
+    assert r["logits_rel"] <= 1e-2 and r["loss_rel"] <= 1e-3
+
+
+@cuda_te
+@pytest.mark.parametrize("attention", ["te", "flash", "flex", "sdpa"])
+def test_packed_documents_te_kernels_match_torch_in_bf16(attention):
+    from difflm.data.batch import TokenBatch
+    from difflm.model.masks import document_ids
+    from difflm.objectives import MDLMObjective
+    from tests.dlm_helpers import objective_cfg
+
+    if attention_unavailable_reason(attention, torch.device("cuda"), "bf16"):
+        pytest.skip(attention_unavailable_reason(attention, torch.device("cuda"), "bf16"))
+    cfg = replace(te_tiny_cfg(), num_kv_heads=2)
+    x = _tokens(cfg, 2, 512, eos_every=60)
+    obj = MDLMObjective(objective_cfg(), cfg.vocab_size - 1)
+    batch = obj.noise(TokenBatch(x, doc_ids=document_ids(x, 0)), [0, 1], (0, 0, 1), 2)
+    r = _masked_parity(cfg, batch, attention)
+    report("parity_packed_documents_bf16", attention=attention, documents=int(batch.attn_mask.varlen()[0].numel() - 1),
+           **r)
+    assert r["logits_rel"] <= 1e-2 and r["loss_rel"] <= 1e-3
+
+
 @cuda_te
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
 def test_fp8_step_tracks_bf16_and_state_dict_goes_back(recipe, monkeypatch):
     from difflm.config.schema import PrecisionConfig
-    from difflm.model.te_backend import build_te_model
     from difflm.training.precision import autocast_context, device_fp8_unsupported_reason
 
     dev = torch.device("cuda")
@@ -358,7 +538,6 @@ def test_fp8_step_tracks_bf16_and_state_dict_goes_back(recipe, monkeypatch):
 @cuda_te
 def test_fp8_weights_model_runs_and_dequantizes():
     from difflm.config.schema import PrecisionConfig
-    from difflm.model.te_backend import build_te_model
     from difflm.training.precision import autocast_context
 
     dev = torch.device("cuda")

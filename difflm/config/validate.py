@@ -197,11 +197,13 @@ def check_parallel(cfg, world_size: int, device: torch.device):
         _require(cfg.precision.name != "fp16", "precision=fp16 (loss scaling) is single-process only: use "
                  "precision=bf16 with parallel layouts")
         _require(m.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
-        _require(m.backend == "torch" or not dims.pp_enabled,
-                 "parallel.pp>1 with model.backend=te is not wired yet: use model.backend=torch for pipeline layouts")
-        _require(cfg.objective.name in ("mdlm", "ar") or not (dims.pp_enabled or dims.cp_enabled),
-                 f"objective={cfg.objective.name} passes attention masks/positions to the model, which pipeline and "
-                 "context parallel layouts do not carry yet: use objective=mdlm or ar with parallel.pp/cp=1")
+        _require(cfg.objective.name != "bd3lm" or not dims.cp_enabled,
+                 f"objective=bd3lm with parallel.cp={dims.cp}: context parallelism splits the sequence for unmasked "
+                 "attention only; use parallel.cp=1 (or objective=mdlm)")
+        per_sample = d.get("intra_document_attention", False)
+        _require(not per_sample or not (dims.pp_enabled or dims.cp_enabled),
+                 "data.intra_document_attention=true gives every sample its own attention mask, which pipeline and "
+                 "context-parallel layouts cannot carry: set it to false, or parallel.pp=1 and parallel.cp=1")
     return dims
 
 
@@ -244,13 +246,11 @@ def check_objective_data(cfg) -> None:
     elif d.get("prompt_field") is not None:
         raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
                           "uses: set objective=sft or data.prompt_field=null")
-    needs_mask = o.name == "bd3lm" or d.get("intra_document_attention", False)
-    _require(not needs_mask or m.attention_backend in ("sdpa", "flex"),
-             f"model.attention_backend={m.attention_backend} cannot take the attention mask that "
-             f"{'objective=bd3lm' if o.name == 'bd3lm' else 'data.intra_document_attention=true'} needs: "
-             "use model.attention_backend=sdpa or flex")
-    _require(not needs_mask or m.backend == "torch",
-             f"model.backend={m.backend} takes no attention mask yet: use model.backend=torch with "
-             f"{'objective=bd3lm' if o.name == 'bd3lm' else 'data.intra_document_attention=true'}")
+    from difflm.model.attention import CAPABILITIES, refuse
+
+    if o.name == "bd3lm" and not CAPABILITIES[m.attention_backend].block_diffusion:
+        raise refuse(m.attention_backend, "block_diffusion")
+    if d.get("intra_document_attention", False) and not CAPABILITIES[m.attention_backend].documents:
+        raise refuse(m.attention_backend, "documents")
     _require(not (d.get("intra_document_attention", False) and o.name == "sft"),
              "data.intra_document_attention=true applies to packed text, not objective=sft pairs: drop it")

@@ -1,9 +1,11 @@
-"""Model construction: the Llama-style transformer, pure PyTorch (``model.backend=torch``) or on
-Transformer Engine modules (``model.backend=te``, :mod:`difflm.model.te_backend`, imported lazily)."""
+"""Model construction: the one Llama-style transformer (:mod:`difflm.model.transformer`) with the kernel set of
+``model.backend``: pure PyTorch (``torch``) or Transformer Engine (``te``, :mod:`difflm.model.te_kernels`, imported
+lazily)."""
 from __future__ import annotations
 
 import torch
 
+from difflm.model.kernels import build_kernels
 from difflm.model.transformer import Transformer
 
 
@@ -14,28 +16,34 @@ def resolve_model_config(cfg, vocab_size: int) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_heads
 
 
-def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision=None, **te_parallel) -> torch.nn.Module:
+def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision=None, **te_parallel) -> Transformer:
     """Build on the meta device (no memory), materialise on ``device``, then initialise with ``seed``.
 
     Args:
-        cfg: ``model`` config with ``vocab_size`` and ``head_dim`` resolved. ``model.backend`` picks the
-            pure-PyTorch :class:`Transformer` (``torch``) or :class:`difflm.model.te_backend.TETransformer`
-            (``te``); both start from the same weights for the same seed. ``model.compile`` compiles each block.
+        cfg: ``model`` config with ``vocab_size`` and ``head_dim`` resolved. ``model.backend`` picks the kernel set
+            (:func:`difflm.model.kernels.build_kernels`); every kernel set starts from the same weights for the same
+            seed. ``model.compile`` compiles each block.
         causal: attention type (True for the ``ar`` objective).
-        precision: the ``precision`` config; the TE backend reads ``fp8_weights`` / ``fp8_skip_first_last``.
+        precision: the ``precision`` config; the TE kernels read ``fp8_weights`` / ``fp8_skip_first_last``.
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).
-    Returns: a model with FP32 parameters on ``device`` in train mode.
+    Returns: a :class:`Transformer` with FP32 parameters on ``device`` in train mode.
     Raises: DifflmError for ``backend=te`` without Transformer Engine or CUDA.
     """
+    device = torch.device(device)
     if getattr(cfg, "backend", "torch") == "te":
-        from difflm.model.te_backend import build_te_model
+        from difflm.model.te_kernels import check_te_device
+        from difflm.training.precision import import_te
 
-        model = build_te_model(cfg, causal=causal, device=device, seed=seed, precision=precision, **te_parallel)
-    else:
-        with torch.device("meta"):
-            model = Transformer(cfg, causal=causal)
+        import_te()  # its absence is the clearer message
+        check_te_device(device)
+    kernels = build_kernels(cfg, "meta", precision, **te_parallel)
+    fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
+    if fp8_weights:  # TE creates FP8 weights on the GPU directly
+        kernels.device = device
+    model = Transformer(cfg, causal=causal, kernels=kernels)
+    if not fp8_weights:
         model.to_empty(device=device)
-        model.init_weights(seed)
+    model.init_weights(seed)
     if getattr(cfg, "compile", False):
         compile_blocks(model)
     return model
@@ -45,9 +53,9 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile`` every block in place (``nn.Module.compile``: parameter names are unchanged).
 
     Blocks share one compiled graph; the fusions (RMSNorm, RoPE, SwiGLU, residual adds) are what the
-    eager torch backend lacks against TE (docs/performance.md).
+    eager torch kernels lack against TE (docs/performance.md).
     """
-    for layer in model.layers:
+    for _, layer in model.blocks():
         layer.compile()
     return model
 

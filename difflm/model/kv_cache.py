@@ -18,7 +18,8 @@ Usage with :meth:`difflm.model.transformer.Transformer.forward` (``kv_cache=`` a
     cache.read(start, end)              # next forward runs x[:, start:end] only; the cached K/V outside
     model(x[:, start:end], position_ids=torch.arange(start, end), kv_cache=cache)  # [start, end) are reused
 
-Every tensor is ``[B, H_kv, S, D]``; batch rows are independent, so the cache is correct for B > 1.
+Every tensor is ``[B, S, H_kv, D]`` (the attention's ``bshd`` layout, whatever the kernel set); batch rows are
+independent, so the cache is correct for B > 1.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import torch
 
 from difflm.errors import DifflmError
 
+SEQ_DIM = 1  # cached tensors are [B, S, H_kv, D]
+
 
 class KVCache:
     """Per-layer cached K/V of one batch, with a mode set before each forward.
@@ -35,7 +38,7 @@ class KVCache:
     Modes:
         ``write``: the forward sees the whole sequence; each layer stores its K/V and attends as usual.
         ``read(start, end)``: the forward sees positions ``[start, end)`` only; each layer attends over
-            ``cat(K[:, :, :start], k_new, K[:, :, end:])``. With ``commit=True`` that concatenation replaces
+            ``cat(K[:, :start], k_new, K[:, end:])`` along the sequence. With ``commit=True`` that concatenation replaces
             the stored K/V (e.g. append a finished BD3-LM block, whose K/V are final).
     """
 
@@ -65,7 +68,7 @@ class KVCache:
     @property
     def length(self) -> int:
         """Number of cached positions (0 before the first write)."""
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[SEQ_DIM]
 
 
 class LayerKV:
@@ -75,7 +78,7 @@ class LayerKV:
         self.cache, self.index = cache, index
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V to attend over, given this forward's ``k, v`` ``[B, H_kv, S_new, D]`` (after RoPE)."""
+        """K/V to attend over, given this forward's ``k, v`` ``[B, S_new, H_kv, D]`` (after RoPE)."""
         c, i = self.cache, self.index
         if c.mode == "write":
             c.keys[i], c.values[i] = k, v
@@ -83,10 +86,11 @@ class LayerKV:
         old_k, old_v = c.keys[i], c.values[i]
         if old_k is None:
             raise DifflmError("KVCache.read: this layer has no cached K/V; run a forward with cache.write() first")
-        if k.shape[2] != c.end - c.start:
-            raise DifflmError(f"KVCache.read({c.start}, {c.end}) expects {c.end - c.start} new positions, got {k.shape[2]}")
-        full_k = torch.cat([old_k[:, :, : c.start], k, old_k[:, :, c.end:]], dim=2)
-        full_v = torch.cat([old_v[:, :, : c.start], v, old_v[:, :, c.end:]], dim=2)
+        if k.shape[SEQ_DIM] != c.end - c.start:
+            raise DifflmError(f"KVCache.read({c.start}, {c.end}) expects {c.end - c.start} new positions, "
+                              f"got {k.shape[SEQ_DIM]}")
+        full_k = torch.cat([old_k[:, : c.start], k, old_k[:, c.end:]], dim=SEQ_DIM)
+        full_v = torch.cat([old_v[:, : c.start], v, old_v[:, c.end:]], dim=SEQ_DIM)
         if c.commit:
             c.keys[i], c.values[i] = full_k, full_v
         return full_k, full_v

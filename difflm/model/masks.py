@@ -9,9 +9,19 @@ boolean ``attn_mask`` and FlexAttention's ``mask_mod``). Dense masks are ``[B | 
 * :func:`document_mask` - block-diagonal mask of packed documents (intra-document attention).
 * :func:`key_padding_mask` - padded batches: every query sees the real keys (and itself).
 * :func:`to_block_mask` - any dense mask as a ``BlockMask`` (for ``model.attention_backend=flex``).
+
+Structured masks describe a pattern instead of spelling it out, so each attention kernel can take it in its own
+form (:func:`difflm.model.attention.prepare_mask`): a dense tensor for SDPA, a ``BlockMask`` for FlexAttention, or
+the cumulative document lengths (``cu_seqlens``) of the variable-length kernels of Transformer Engine and
+FlashAttention, which never see a mask at all:
+
+* :class:`DocumentMask` - packed documents (intra-document attention), bidirectional or causal.
+* :class:`BlockDiffusionMask` - BD3-LM's training mask over ``[x_t ; x_0]``, optionally within documents.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -138,10 +148,121 @@ def to_block_mask(dense: torch.Tensor):
                              BLOCK_SIZE=FLEX_BLOCK_SIZE)
 
 
+@dataclass
+class DocumentMask:
+    """Intra-document attention of packed windows: query i sees key j iff they belong to the same document of the
+    same row (and j <= i when ``causal``, the AR baseline).
+
+    Attributes:
+        doc_ids: [B, S] int64 document index of each token (:func:`document_ids`).
+        causal: add the causal constraint.
+        cu_seqlens: [N + 1] int32 cumulative lengths of the N documents of the flattened ``B * S`` tokens (every row
+            starts a new document), for the variable-length kernels (TE ``qkv_format="thd"``, FlashAttention's
+            ``flash_attn_varlen_func``); computed where ``doc_ids`` lives when first needed, so a mask built on the
+            CPU carries it to the GPU without a host-device sync.
+        max_seqlen: the longest document, in tokens.
+    """
+
+    doc_ids: torch.Tensor
+    causal: bool = False
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: Optional[int] = None
+
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """(``cu_seqlens`` [N + 1] int32, ``max_seqlen``) of the documents, row-major over ``[B, S]``."""
+        if self.cu_seqlens is None:
+            ids = self.doc_ids
+            b, s = ids.shape
+            starts = torch.ones_like(ids, dtype=torch.bool)
+            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            first = torch.nonzero(starts.flatten()).flatten()
+            cu = torch.cat([first, torch.tensor([b * s], device=ids.device)]).to(torch.int32)
+            self.cu_seqlens, self.max_seqlen = cu, int((cu[1:] - cu[:-1]).max())
+        return self.cu_seqlens, self.max_seqlen
+
+    def to(self, device) -> "DocumentMask":
+        """The mask on ``device``; ``cu_seqlens`` is computed first (on the source device) and moved along."""
+        cu, longest = self.varlen()
+        return DocumentMask(self.doc_ids.to(device, non_blocking=True), self.causal,
+                            cu.to(device, non_blocking=True), longest)
+
+    def dense(self) -> torch.Tensor:
+        """[B, 1, S, S] bool (:func:`document_mask`)."""
+        return document_mask(self.doc_ids, self.causal)
+
+    def block_mask(self):
+        """The FlexAttention ``BlockMask`` of the same pattern, built from a ``mask_mod`` (no dense tensor)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ids, causal = self.doc_ids, self.causal
+        b, s = ids.shape
+
+        def mask_mod(bi, h, q_idx, kv_idx):
+            same = ids[bi, q_idx] == ids[bi, kv_idx]
+            return same & (q_idx >= kv_idx) if causal else same
+
+        return create_block_mask(mask_mod, b, None, s, s, device=str(ids.device), BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+@dataclass
+class BlockDiffusionMask:
+    """BD3-LM's training mask over the ``2 L`` tokens ``[x_t ; x_0]`` (:func:`block_causal_mask`), within documents
+    when ``doc_ids`` [B, L] is given (packed windows: both halves keep their tokens' documents).
+
+    ``device`` is where the dense or block form is built (``doc_ids``' device when given).
+    Raises: DifflmError when ``block_size`` does not divide ``seq_len``.
+    """
+
+    seq_len: int
+    block_size: int
+    doc_ids: Optional[torch.Tensor] = None
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self):
+        _check_blocks(self.seq_len, self.block_size)
+        if self.doc_ids is not None:
+            self.device = self.doc_ids.device
+
+    def to(self, device) -> "BlockDiffusionMask":
+        ids = None if self.doc_ids is None else self.doc_ids.to(device, non_blocking=True)
+        return BlockDiffusionMask(self.seq_len, self.block_size, ids, torch.device(device))
+
+    def dense(self) -> torch.Tensor:
+        """[1 | B, 1, 2L, 2L] bool."""
+        mask = block_causal_mask(self.seq_len, self.block_size, self.device)
+        if self.doc_ids is not None:
+            doc = torch.cat([self.doc_ids, self.doc_ids], dim=1)
+            mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
+        return mask
+
+    def block_mask(self):
+        """The FlexAttention ``BlockMask`` (from the ``mask_mod``; cached per length, block size and device when the
+        mask has no documents, since it is then the same for every step)."""
+        if self.doc_ids is None:
+            return _cached_block_causal_block_mask(self.seq_len, self.block_size, str(self.device))
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ids, length, size = self.doc_ids, self.seq_len, self.block_size
+        b = ids.shape[0]
+
+        def mask_mod(bi, h, q_idx, kv_idx):
+            qd = ids[bi, torch.where(q_idx < length, q_idx, q_idx - length)]
+            kd = ids[bi, torch.where(kv_idx < length, kv_idx, kv_idx - length)]
+            return _block_causal_rule(q_idx, kv_idx, length, size) & (qd == kd)
+
+        n = 2 * length
+        return create_block_mask(mask_mod, b, None, n, n, device=str(ids.device), BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_block_causal_block_mask(seq_len: int, block_size: int, device: str):
+    return block_causal_block_mask(seq_len, block_size, device)
+
+
 def _check_blocks(seq_len: int, block_size: int) -> None:
     if block_size < 1 or seq_len % block_size != 0:
         raise DifflmError(f"objective.block_size={block_size} must be >= 1 and divide the sequence length {seq_len}")
 
 
-__all__ = ["FLEX_BLOCK_SIZE", "block_causal_block_mask", "block_causal_inference_mask", "block_causal_mask",
+__all__ = ["BlockDiffusionMask", "DocumentMask", "FLEX_BLOCK_SIZE", "block_causal_block_mask", "block_causal_inference_mask", "block_causal_mask",
            "document_ids", "document_mask", "key_padding_mask", "to_block_mask"]

@@ -1,7 +1,10 @@
-"""Llama-style transformer, bidirectional for masked diffusion (LLaDA) or causal for the AR baseline.
+"""The one Llama-style transformer, bidirectional for masked diffusion (LLaDA) or causal for the AR baseline.
 
-The model only knows its dimensions and attention type; precision, parallel layout and the objective
-are applied from outside. Parameter names follow Transformer Engine (see :mod:`difflm.model.layers`):
+The network is written once; which module fills each slot (a fused norm + linear, a linear, a fused MLP, a norm,
+the attention kernel) comes from a kernel set chosen by ``model.backend`` (:mod:`difflm.model.kernels`: ``torch``,
+or ``te`` for Transformer Engine). Masks, positions, KV caches, pipeline stages and checkpoints are written once for
+both. The model only knows its dimensions and attention type; precision, parallel layout and the objective are
+applied from outside. Parameter names follow Transformer Engine (see :mod:`difflm.model.layers`)::
 
     embedding.weight                              [V, d]
     layers.{i}.attention.qkv.layer_norm_weight    [d]
@@ -16,73 +19,81 @@ are applied from outside. Parameter names follow Transformer Engine (see :mod:`d
     final_norm.weight                             [d]
     output.weight                                 [V, d]  (absent with model.tie_embeddings)
 
-The fused QKV rows are grouped per KV head as Megatron-LM does: for each of the h_kv groups,
-``h / h_kv`` query heads, then its key head, then its value head. Splitting the rows evenly across
-tensor-parallel ranks therefore gives each rank whole groups.
+The fused QKV rows are grouped per KV head as Megatron-LM does: for each of the h_kv groups, ``h / h_kv`` query
+heads, then its key head, then its value head. Splitting the rows evenly across tensor-parallel ranks therefore
+gives each rank whole groups.
+
+A pipeline stage is the same class holding a run of blocks (:meth:`Transformer.pipeline_stage`): without the
+embedding it takes hidden states, without the final norm it returns them.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difflm.model.attention import attend
-from difflm.model.masks import to_block_mask
+from difflm.errors import DifflmError
+from difflm.model.attention import attend, prepare_mask
 from difflm.model.init import megatron_init_
-from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
-from difflm.model.rope import apply_rope, rope_cos_sin, rope_cos_sin_at
+from difflm.model.kernels import TorchKernels
+from difflm.model.rope import rope_angles
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`.
 
-    Shapes: x [B, S, d] -> [B, S, d]. ``causal`` selects the AR mask; diffusion attends both ways.
+    Shapes: x [B, S, d] (or [S, B, d] in a sequence-first kernel set) -> same. ``num_heads`` / ``num_kv_heads`` are
+    this rank's counts (tensor parallelism divides them). ``causal`` selects the AR mask; diffusion attends both ways.
+    Raises: DifflmError when the tensor-parallel size does not divide the KV heads.
     """
 
-    def __init__(self, cfg, causal: bool):
+    def __init__(self, cfg, causal: bool, kernels, layer_number: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.causal = causal
+        tp = kernels.tp_size
+        if cfg.num_kv_heads % tp:
+            raise DifflmError(f"model.num_kv_heads={cfg.num_kv_heads} is not divisible by the tensor-parallel size "
+                              f"{tp}: pick parallel.tp dividing the KV heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+        self.causal, self.kernels = causal, kernels
         self.attention_backend = getattr(cfg, "attention_backend", "sdpa")  # see difflm.model.attention
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv = LayerNormLinear(cfg.hidden_size, qkv_out, cfg.norm_eps, bias=getattr(cfg, "qkv_bias", False))
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = kernels.norm_linear(cfg.hidden_size, qkv_out, eps=cfg.norm_eps, bias=bool(getattr(cfg, "qkv_bias", False)))
+        self.q_norm = kernels.norm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = kernels.norm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.core = kernels.attention_core(cfg, causal, layer_number)
+        self.proj = kernels.linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask=None,
-                kv_cache=None) -> torch.Tensor:
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
+        qkv = self.qkv(x)
+        lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
         group = self.num_heads // self.num_kv_heads
-        qkv = self.qkv(x).view(b, s, -1, group + 2, self.head_dim)  # [B, S, h_kv, group + 2, hd]
+        qkv = qkv.view(*lead, self.num_kv_heads, group + 2, self.head_dim)
         q, k, v = qkv.split([group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.kernels.apply_rope(q, rope), self.kernels.apply_rope(k, rope)
         if kv_cache is not None:  # difflm.model.kv_cache.LayerKV: cached K/V around this forward's positions
             k, v = kv_cache.update(k, v)
-        out = attend(q, k, v, causal=self.causal and attn_mask is None, backend=self.attention_backend,
-                     attn_mask=attn_mask)  # [B, heads, S, hd]
-        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = attend(q, k, v, causal=self.causal, backend=self.attention_backend, layout=self.kernels.layout,
+                     attn_mask=attn_mask, core=self.core if self.attention_backend == "te" else None)
+        return self.proj(out.reshape(*lead, -1))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (the norms live in the slots)."""
 
-    def __init__(self, cfg, causal: bool):
+    def __init__(self, cfg, causal: bool, kernels, layer_number: int):
         super().__init__()
-        self.attention = Attention(cfg, causal)
-        self.mlp = LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg, causal, kernels, layer_number)
+        self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask=None,
-                kv_cache=None) -> torch.Tensor:
-        x = x + self.attention(x, cos, sin, attn_mask, kv_cache)
+    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
+        x = x + self.attention(x, rope, attn_mask, kv_cache)
         return x + self.mlp(x)
 
 
@@ -92,31 +103,83 @@ class Transformer(nn.Module):
     Args:
         cfg: a :class:`difflm.config.schema.ModelConfig` with ``vocab_size`` and ``head_dim`` resolved.
         causal: True for the AR objective; False (bidirectional) for masked diffusion.
+        kernels: the kernel set (:func:`difflm.model.kernels.build_kernels`); default: torch modules built on the
+            current default device.
     """
 
-    def __init__(self, cfg, causal: bool = False):
+    def __init__(self, cfg, causal: bool = False, kernels=None):
         super().__init__()
-        self.cfg, self.causal = cfg, causal
-        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, causal) for _ in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if kernels is None:
+            kernels = TorchKernels(cfg, device=torch.get_default_device())
+        self.cfg, self.causal, self.kernels = cfg, causal, kernels
+        self.seq_shards = 1  # sequence shards a pipeline stage's hidden-state input holds (SP)
+        self.step_inputs: dict = {}  # pipeline stages: inputs every micro-batch of a step shares (see forward)
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=kernels.device)
+        blocks = []
+        for i in range(cfg.num_layers):
+            with kernels.block_init_context(i):
+                blocks.append(Block(cfg, causal, kernels, layer_number=i + 1))
+        self.layers = nn.ModuleList(blocks)
+        self.final_norm = kernels.norm(cfg.hidden_size, eps=cfg.norm_eps, residual=True)
+        self.output = (None if cfg.tie_embeddings
+                       else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=kernels.device))
+
+    # ------------------------------------------------------------------ structure
+    def blocks(self) -> list[tuple[int, nn.Module]]:
+        """(index in the full model, block) of the blocks this module holds."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(k), b) for k, b in self.layers.items()]
+        return list(enumerate(self.layers))
+
+    def pipeline_stage(self, layer_ids: Iterable[int], first: bool, last: bool, seq_shards: int = 1) -> "Transformer":
+        """A pipeline stage of this model: blocks ``layer_ids`` (kept under their full-model names, ``layers.{i}``),
+        the embedding when ``first``, the final norm and LM head when ``last``. It shares the modules (no copy), so
+        a rank keeps only the parameters its stages reference. ``seq_shards``: sequence shards of a hidden-state
+        input under torch sequence parallelism.
+
+        Forward of a stage: ``input_ids`` [B, S] on the first stage or hidden states from the previous stage;
+        returns hidden states, or on the last stage full logits [B, S, V] (the loss selects rows).
+        """
+        stage = Transformer.__new__(Transformer)
+        nn.Module.__init__(stage)
+        stage.cfg, stage.causal, stage.kernels, stage.seq_shards = self.cfg, self.causal, self.kernels, seq_shards
+        stage.step_inputs = {}
+        stage.embedding = self.embedding if first else None
+        stage.layers = nn.ModuleDict({str(i): self.layers[i] for i in layer_ids})
+        stage.final_norm = self.final_norm if last else None
+        stage.output = self.output if last else None
+        return stage
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.output is None else self.output.weight
 
+    @property
+    def tp_group(self):
+        """The tensor-parallel group of TE's sharded parameters (None: no plain-tensor shards)."""
+        return self.kernels.tp_group
+
+    def tp_shards(self):
+        """This rank's place for plain-tensor TP shards (TE kernels), or None (see the kernel sets)."""
+        return self.kernels.tp_shards()
+
+    # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, logits_mask: Optional[torch.Tensor] = None, attn_mask=None,
                 position_ids: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
-        """Logits for ``input_ids`` [B, S] int64.
+        """Logits for ``input_ids`` [B, S] int64 (hidden states on a pipeline stage without the embedding).
 
         Optional inputs (all default to the plain full-sequence forward):
             attn_mask: replaces the model's own bidirectional / causal pattern: a dense bool
-                [B | 1, 1, S, S_kv] tensor (True = attend) or a FlexAttention ``BlockMask``
-                (:mod:`difflm.model.masks`: BD3-LM block-causal, intra-document, padding). DifflmError on
-                attention backends that cannot take a mask (``te``, ``flash``).
+                [B | 1, 1, S, S_kv] tensor (True = attend), a FlexAttention ``BlockMask``, or a structured mask of
+                :mod:`difflm.model.masks` (BD3-LM block-causal, packed documents). Each attention backend takes
+                what it can and refuses the rest with one line (:mod:`difflm.model.attention`).
             position_ids: RoPE positions, [S] or [B, S] int64 (default ``0..S-1``); BD3-LM repeats
-                ``0..L-1`` for both halves of ``[x_t ; x_0]``, padded batches skip pad tokens.
+                ``0..L-1`` for both halves of ``[x_t ; x_0]``, padded batches skip pad tokens, context-parallel
+                ranks pass the positions of their chunks.
             kv_cache: a :class:`difflm.model.kv_cache.KVCache` (block-level cache for decoding).
+
+        A pipeline schedule passes only activations between stages, so a stage takes ``attn_mask`` /
+        ``position_ids`` that every micro-batch shares (BD3-LM's mask and positions) from ``self.step_inputs``,
+        which :class:`difflm.parallel.pipeline.Pipeline` sets before each step.
 
         With ``model.shift_logits`` (Dream, Ye et al. 2025) the logits at position i come from the hidden
         state at i - 1 (position 0 keeps its own), so an AR-initialised model keeps predicting "the next
@@ -125,34 +188,51 @@ class Transformer(nn.Module):
         selected positions [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only,
         which saves most of the LM-head FLOPs and memory.
         """
-        s = input_ids.shape[1]
-        if position_ids is None:
-            cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, input_ids.device)
-        else:
-            cos, sin = rope_cos_sin_at(position_ids.to(input_ids.device), self.cfg.head_dim, self.cfg.rope_base)
-        if isinstance(attn_mask, torch.Tensor) and getattr(self.cfg, "attention_backend", "sdpa") == "flex":
-            attn_mask = to_block_mask(attn_mask)  # once per forward rather than in every layer
-        x = self.embedding(input_ids)
-        for i, layer in enumerate(self.layers):
-            if attn_mask is None and kv_cache is None:
-                x = layer(x, cos, sin)
-            else:
-                x = layer(x, cos, sin, attn_mask, None if kv_cache is None else kv_cache.layer(i))
-        x = self.final_norm(x)
+        if self.embedding is not None:
+            batch, seq_len = input_ids.shape
+        else:  # a later pipeline stage: hidden states, maybe a sequence shard ([B, S/n, d] or [S/n, B, d])
+            seq_dim = 0 if self.kernels.layout == "sbhd" else 1
+            batch, seq_len = input_ids.shape[1 - seq_dim], input_ids.shape[seq_dim] * self.seq_shards
+        attn_mask = self.step_inputs.get("attn_mask") if attn_mask is None else attn_mask
+        position_ids = self.step_inputs.get("position_ids") if position_ids is None else position_ids
+        with self.kernels.forward_context(batch * seq_len):
+            x = input_ids if self.embedding is None else self.kernels.enter(self.embedding(input_ids))
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=x.device)
+            rope = self.kernels.rope(rope_angles(position_ids.to(x.device), self.cfg.head_dim, self.cfg.rope_base))
+            attn_mask = prepare_mask(attn_mask, getattr(self.cfg, "attention_backend", "sdpa"))  # once, not per layer
+            for i, layer in self.blocks():
+                with self.kernels.layer_context(i):
+                    if attn_mask is None and kv_cache is None:
+                        x = layer(x, rope)
+                    else:
+                        x = layer(x, rope, attn_mask, None if kv_cache is None else kv_cache.layer(i))
+            if self.final_norm is None:
+                return x
+            return self.head(x, logits_mask)
+
+    def head(self, x: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final norm and LM head on the residual stream ``x``: logits [B, S, V], or [N, V] at ``logits_mask``."""
+        x = self.kernels.exit(self.final_norm(x))
         if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i (from state i - 1)
             x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:
             x = x[logits_mask]
         return F.linear(x, self.head_weight())
 
+    # ------------------------------------------------------------------ weights
     def init_weights(self, seed: int) -> None:
-        """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): both backends built with the
-        same seed hold identical weights."""
-        megatron_init_(self, self.cfg, seed)
+        """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): every kernel set and every layout
+        built with the same seed holds identical weights (under TE's TP each rank draws the full tensor and keeps its
+        shard)."""
+        megatron_init_(self, self.cfg, seed, shards=self.tp_shards())
 
     def num_params(self, exclude_embedding: bool = True) -> int:
-        """Parameter count; with ``exclude_embedding`` the input embedding is left out (PaLM's N for MFU)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.output is not None:
+        """Parameter count of the whole model (TE TP shards counted at their full size, so MFU under TP is that of
+        the full model); with ``exclude_embedding`` the input embedding is left out (PaLM's N for MFU)."""
+        shards = self.tp_shards()
+        n = sum((p.numel() if shards is None else shards.full_shape(name, p.shape).numel())
+                for name, p in self.named_parameters())
+        if exclude_embedding and self.output is not None and self.embedding is not None:
             n -= self.embedding.weight.numel()
         return n

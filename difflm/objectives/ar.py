@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from difflm.data.batch import split_batch
-from difflm.model.masks import document_mask
+from difflm.model.masks import DocumentMask
 from difflm.objectives.base import NoisedBatch
 
 
@@ -37,7 +37,7 @@ class ARObjective:
             weights=loss_mask.float(),
             t=torch.zeros(b),
             num_tokens=torch.full((b,), float(s - 1)),
-            attn_mask=None if extras is None or extras.doc_ids is None else document_mask(extras.doc_ids, causal=True),
+            attn_mask=None if extras is None or extras.doc_ids is None else DocumentMask(extras.doc_ids, causal=True),
         )
 
     def eval_noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], draw: int, num_draws: int,

@@ -21,8 +21,10 @@ class NoisedBatch:
         weights:   [B, S] float32, per-position loss weight (1/p for mdlm, 1 for ar); 0 off ``loss_mask``.
         t:         [B] float32 diffusion time per sequence (zeros for ar).
         num_tokens: [B] float32, the normaliser of each sequence (its length, or L-1 predictions for ar).
-        attn_mask: optional attention mask for the model (dense bool [B | 1, 1, S, S] or a FlexAttention
-            ``BlockMask``): BD3-LM's block-causal pattern, intra-document masks of packed windows.
+        attn_mask: optional attention mask for the model: a structured mask of :mod:`difflm.model.masks`
+            (BD3-LM's :class:`~difflm.model.masks.BlockDiffusionMask`, packed windows'
+            :class:`~difflm.model.masks.DocumentMask`) that each attention kernel takes in its own form, or a
+            dense bool [B | 1, 1, S, S] tensor.
         position_ids: optional RoPE positions [S] or [B, S] int64 (BD3-LM: ``0..L-1`` twice).
     """
 
@@ -45,6 +47,25 @@ class NoisedBatch:
         Empty for plain batches, so models without these arguments (e.g. the TE backend) keep working.
         """
         return {k: v for k, v in (("attn_mask", self.attn_mask), ("position_ids", self.position_ids)) if v is not None}
+
+    def step_model_kwargs(self) -> dict:
+        """:meth:`model_kwargs` that every sample of the batch shares (no batch dimension): what a pipeline stage can
+        take for all micro-batches of a step (BD3-LM's mask and positions).
+
+        Raises: DifflmError when an input differs per sample (packed-document masks, per-row positions), which
+        pipeline schedules cannot split for stages after the first.
+        """
+        from difflm.errors import DifflmError
+        from difflm.model.masks import BlockDiffusionMask
+
+        kwargs = self.model_kwargs()
+        mask, positions = kwargs.get("attn_mask"), kwargs.get("position_ids")
+        per_sample = (mask is not None and not (isinstance(mask, BlockDiffusionMask) and mask.doc_ids is None)) or \
+            (positions is not None and positions.dim() != 1)
+        if per_sample:
+            raise DifflmError("parallel.pp>1 cannot carry per-sample attention masks or positions (packed documents, "
+                              "data.intra_document_attention=true): set it to false or parallel.pp=1")
+        return kwargs
 
 
 def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, global_batch_size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from difflm.data.batch import split_batch
 from difflm.errors import DifflmError
-from difflm.model.masks import block_causal_mask
+from difflm.model.masks import BlockDiffusionMask
 from difflm.objectives.base import NoisedBatch
 from difflm.objectives.keyed_rng import STREAM_EVAL, keyed_generator, keyed_uniform
 from difflm.objectives.mdlm import MDLMObjective, sample_t
@@ -59,10 +59,7 @@ class BD3LMObjective(MDLMObjective):
         w_pos = w.repeat_interleave(self.block_size, dim=1)  # [B, L]
         x_t = torch.where(mask, torch.full_like(tokens, self.mask_id), tokens)
         no = torch.zeros_like(mask)
-        attn_mask = block_causal_mask(length, self.block_size)
-        if extras is not None and extras.doc_ids is not None:  # packed documents stay apart in both halves
-            doc = torch.cat([extras.doc_ids, extras.doc_ids], dim=1)
-            attn_mask = attn_mask & (doc[:, :, None] == doc[:, None, :])[:, None]
+        doc_ids = None if extras is None else extras.doc_ids  # packed documents stay apart in both halves
         return NoisedBatch(
             input_ids=torch.cat([x_t, tokens], dim=1),
             targets=torch.cat([tokens, tokens], dim=1),
@@ -70,7 +67,7 @@ class BD3LMObjective(MDLMObjective):
             weights=torch.cat([torch.where(mask, w_pos, torch.zeros(())), torch.zeros_like(w_pos)], dim=1).float(),
             t=t.mean(dim=1).float(),
             num_tokens=torch.full((b,), float(length)),
-            attn_mask=attn_mask,
+            attn_mask=BlockDiffusionMask(length, self.block_size, doc_ids),
             position_ids=torch.arange(length).repeat(2),
         )
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from difflm.data.batch import split_batch
-from difflm.model.masks import document_mask
+from difflm.model.masks import DocumentMask
 from difflm.objectives.base import NoisedBatch
 from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL, keyed_generator, keyed_uniform
 from difflm.objectives.schedules import mask_prob_and_weight
@@ -98,7 +98,7 @@ class MDLMObjective:
     def _finish(self, batch: NoisedBatch, extras) -> NoisedBatch:
         """Add the intra-document mask of packed windows (``data.intra_document_attention``)."""
         if extras is not None and extras.doc_ids is not None:
-            batch.attn_mask = document_mask(extras.doc_ids)
+            batch.attn_mask = DocumentMask(extras.doc_ids)
         return batch
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,

@@ -13,6 +13,7 @@ Flattened views used by the trainer:
     "dp_shard_cp"  = dp_shard x cp                 FSDP2 shards parameters over this (CP ranks hold the
                                                    same parameters, so they share the FSDP group)
     "dp_cp"        = dp_replicate x dp_shard x cp  ranks whose gradients are averaged (loss reduction)
+    "stage"        = dp_replicate x dp_shard x cp x tp   ranks holding the same pipeline stage (FP8 amax reduction)
 
 Every dimension exists even when its size is 1, so ``mesh["tp"]`` always works.
 See docs/parallel.md for a picture.
@@ -118,8 +119,8 @@ def build_mesh(dims: ParallelDims, device_type: str):
     Args:
         dims: resolved degrees; the default process group must already exist with ``dims.world_size`` ranks.
         device_type: ``"cuda"`` (NCCL) or ``"cpu"`` (gloo).
-    Returns: the mesh; ``mesh["dp"]``, ``mesh["dp_shard_cp"]`` and ``mesh["dp_cp"]`` are flattened submeshes
-        (``DeviceMesh._flatten``, torchtitan's use).
+    Returns: the mesh; ``mesh["dp"]``, ``mesh["dp_shard_cp"]``, ``mesh["dp_cp"]`` and ``mesh["stage"]`` are
+        flattened submeshes (``DeviceMesh._flatten``, torchtitan's use).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,6 +128,7 @@ def build_mesh(dims: ParallelDims, device_type: str):
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
     return mesh
 
 

@@ -1,9 +1,10 @@
 """Pipeline parallelism with ``torch.distributed.pipelining`` (PipelineStage + a schedule).
 
 The model is cut into ``pp * pp_virtual_stages`` stages of consecutive blocks (torchtitan's
-``pipeline_llm``): the first stage holds the embedding, the last the final norm and the LM head. A stage
-module keeps the full model's parameter names (``layers`` becomes an ``nn.ModuleDict`` keyed by the
-original block index), so state dicts and DCP checkpoints are the same as a single process's.
+``pipeline_llm``): the first stage holds the embedding, the last the final norm and the LM head. A stage is the
+same :class:`difflm.model.Transformer` holding a run of blocks (:meth:`~difflm.model.Transformer.pipeline_stage`),
+whatever the kernel set, and keeps the full model's parameter names (``layers`` becomes an ``nn.ModuleDict``
+keyed by the original block index), so state dicts and DCP checkpoints are the same as a single process's.
 
 Stages per rank: "loop" style (stage ``r + v * pp`` on rank r) for GPipe, 1F1B, Interleaved1F1B,
 LoopedBFS and InterleavedZeroBubble; "v" style (stages r and 2 pp - 1 - r) for ZBVZeroBubble and DualPipeV.
@@ -19,50 +20,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from difflm.model.rope import rope_cos_sin
 from difflm.objectives import NoisedBatch, weighted_ce_sum
 
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_STYLE_SCHEDULES = ("ZBVZeroBubble",)
-
-
-class PipelineStageModel(nn.Module):
-    """Blocks ``layer_ids`` of a :class:`difflm.model.Transformer`, with the embedding on the first stage and
-    the final norm + LM head on the last.
-
-    Forward: first stage ``input_ids`` [B, S] int64, other stages hidden states [B, S', d]
-    (S' = S / tp with sequence parallelism). Returns hidden states [B, S', d], or on the last stage full
-    logits [B, S, V].
-    """
-
-    def __init__(self, full: nn.Module, layer_ids: list[int], first: bool, last: bool, seq_shards: int = 1):
-        super().__init__()
-        self.cfg, self.causal = full.cfg, full.causal
-        self.embedding = full.embedding if first else None
-        self.layers = nn.ModuleDict({str(i): full.layers[i] for i in layer_ids})
-        self.final_norm = full.final_norm if last else None
-        self.output = full.output if last else None
-        self.seq_shards = seq_shards
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embedding is not None:
-            s = x.shape[1]
-            x = self.embedding(x)
-        else:
-            s = x.shape[1] * self.seq_shards
-        cos, sin = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rope_base, x.device)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if self.final_norm is None:
-            return x
-        x = self.final_norm(x)
-        if getattr(self.cfg, "shift_logits", False):
-            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
-        return F.linear(x, self.output.weight)
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -84,7 +48,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 
 
 def build_stage_models(model: nn.Module, pp_rank: int, pp: int, virtual: int, schedule: str,
-                       seq_shards: int = 1) -> tuple[list[PipelineStageModel], list[int], int]:
+                       seq_shards: int = 1) -> tuple[list[nn.Module], list[int], int]:
     """Cut ``model`` into this rank's stage modules. Returns (modules, their stage indices, number of stages).
 
     A stage references only its own blocks; the others are freed with ``model``, so a rank keeps the
@@ -95,8 +59,8 @@ def build_stage_models(model: nn.Module, pp_rank: int, pp: int, virtual: int, sc
     ids = stage_ids(pp_rank, pp, num_stages // pp, schedule)
     parts = []
     for sid in ids:
-        parts.append(PipelineStageModel(model, layers[sid], first=sid == 0, last=sid == num_stages - 1,
-                                        seq_shards=seq_shards))
+        parts.append(model.pipeline_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1,
+                                          seq_shards=seq_shards))
     return parts, ids, num_stages
 
 
@@ -130,7 +94,7 @@ class Pipeline:
     length steps) gets new stage objects around the same modules.
 
     Args:
-        parts: this rank's :class:`PipelineStageModel` s (after TP / FSDP).
+        parts: this rank's stage modules (after TP / FSDP).
         ids, num_stages: from :func:`build_stage_models`.
         pp_group: ``mesh["pp"].get_group()``.
         schedule: one of :data:`PP_SCHEDULES`; n_microbatches: micro-batches per step (gradient accumulation).
@@ -174,6 +138,9 @@ class Pipeline:
         return self._run(schedule.eval, batch)
 
     def _run(self, fn, batch: NoisedBatch) -> torch.Tensor:
+        shared = batch.step_model_kwargs()
+        for part in self.parts:  # a schedule sends only activations between stages: the rest is set on them
+            part.step_inputs = shared
         losses: list = []
         args = (batch.input_ids,) if self.has_first else ()
         kwargs = dict(target=pack_targets(batch), losses=losses) if self.has_last else {}
@@ -188,5 +155,5 @@ def loss_fns(objective_cfg, global_batch_size: int) -> tuple[Callable, Callable]
     return make_loss_fn(objective_cfg.loss_norm, global_batch_size), make_loss_fn("token", 1)
 
 
-__all__ = ["PP_SCHEDULES", "Pipeline", "PipelineStageModel", "build_stage_models", "loss_fns", "make_loss_fn",
+__all__ = ["PP_SCHEDULES", "Pipeline", "build_stage_models", "loss_fns", "make_loss_fn",
            "pack_targets", "split_layers", "stage_ids"]

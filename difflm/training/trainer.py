@@ -179,9 +179,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _autocast(self):
-        """The precision context of a forward pass; FP8 amaxes are reduced over all ranks (TE + PP is refused,
-        so every rank holds the same layers)."""
-        group = torch.distributed.group.WORLD if self.dims.distributed else None
+        """The precision context of a forward pass; FP8 amaxes are reduced over the ranks that hold the same layers
+        (the data, context and tensor parallel peers of this pipeline stage, as Megatron-LM's amax group)."""
+        group = self.mesh["stage"].get_group() if self.dims.distributed else None
         return autocast_context(self.cfg.precision, self.device, amax_reduction_group=group)
 
     def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> dict:
@@ -256,8 +256,10 @@ class Trainer:
         ctx = contextlib.nullcontext()
         if dims.cp_enabled and cfg.model.backend == "te":  # TE's ring attention: feed each rank its chunks
             cp, r = dims.cp, self.coords["cp"]
+            positions = shard_sequence(torch.arange(batch.input_ids.shape[1], device=self.device), cp, r, dim=0)
             batch = type(batch)(**{**batch.__dict__, **{k: shard_sequence(getattr(batch, k), cp, r) for k in
                                                         ("input_ids", "targets", "loss_mask", "weights")}})
+            kwargs = dict(kwargs, position_ids=positions)
         elif dims.cp_enabled:  # torch: context_parallel shards the buffers in place and patches SDPA
             positions = torch.arange(batch.input_ids.shape[1], device=self.device)
             kwargs = dict(kwargs, position_ids=positions)

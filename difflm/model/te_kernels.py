@@ -1,0 +1,246 @@
+"""Transformer Engine kernels (``model.backend=te``): the slots of the one transformer filled with TE modules, so its
+matrix products can run in FP8 and its norms/activations fused. Not a second network: the network is
+:mod:`difflm.model.transformer`; this module only says which module sits in each slot.
+
+Module for module (parameter names and shapes are those of the torch kernels, see :mod:`difflm.model.layers`)::
+
+    layers.{i}.attention.qkv      te.LayerNormLinear(normalization="RMSNorm")  layer_norm_weight [d], weight [(h+2h_kv) hd, d]
+    layers.{i}.attention.q_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
+    layers.{i}.attention.k_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
+    layers.{i}.attention.core     te.DotProductAttention                       no parameters (runs for attention_backend=te)
+    layers.{i}.attention.proj     te.Linear                                    weight [d, h hd]
+    layers.{i}.mlp                te.LayerNormMLP(activation="swiglu")         layer_norm_weight, fc1_weight [2f, d], fc2_weight [d, f]
+    final_norm                    te.RMSNorm(d)                                weight [d]
+    embedding, output             torch nn.Embedding / nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head)
+
+Every TE module also carries an ``_extra_state`` entry in the state dict (its FP8 scaling metadata: an empty uint8
+tensor until FP8 has run, then a serialized ``DelayedScaling`` amax history). That is the only difference between
+the two layouts; :func:`torch_to_te_state_dict` and :func:`te_to_torch_state_dict` convert, and
+``tests/fixtures/te_tiny_state_dict.json`` records the names and shapes a real TE model has.
+
+Tensor/sequence/context parallelism use TE's own arguments (``tp_group``, ``parallel_mode``, ``sequence_parallel``,
+``cp_group``): as the design notes say, the TE kernels are the one place that takes process groups in a
+constructor, because TE's TP/CP live inside its modules. With ``sequence_parallel`` the residual stream is kept
+sequence-first (``sbhd``, TE splits dim 0): :meth:`TEKernels.enter` scatters it, :meth:`TEKernels.exit` gathers it.
+Transformer Engine is imported only when a kernel set is built.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from difflm.errors import DifflmError
+from difflm.model.kernels import TorchKernels
+from difflm.model.rope import rope_tables
+from difflm.training.precision import (
+    build_fp8_recipe,
+    fp8_is_active,
+    import_te,
+    precision_name,
+    quantized_model_init,
+    te_autocast,
+)
+
+EXTRA_STATE = "_extra_state"
+FP8_ROWS_MULTIPLE = 32  # FP8 GEMMs need the token count divisible by 16 (32 for block/MX scaling)
+
+
+# ------------------------------------------------------------------ state-dict layout
+def te_module_names(cfg) -> list[str]:
+    """Paths of the TE modules of a ``model`` config, i.e. the state-dict prefixes with an ``_extra_state``."""
+    names = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}.attention."
+        names.append(p + "qkv")
+        if cfg.qk_norm:
+            names += [p + "q_norm", p + "k_norm"]
+        names += [p + "core", p + "proj", f"layers.{i}.mlp"]
+    names.append("final_norm")
+    return names
+
+
+def _is_te_quantized(t) -> bool:
+    return type(t) is not torch.Tensor and "transformer_engine" in type(t).__module__ and hasattr(t, "dequantize")
+
+
+def torch_to_te_state_dict(state: Mapping[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A torch-kernel state dict as the TE kernels expect it.
+
+    Parameter names and shapes are shared; each TE module gets an empty ``_extra_state`` (uint8 [0]), which TE
+    reads as "no FP8 metadata yet".
+    Raises: DifflmError when ``state`` already holds ``_extra_state`` entries (it is a TE state dict).
+    """
+    if any(k.endswith(EXTRA_STATE) for k in state):
+        raise DifflmError("torch_to_te_state_dict got a state dict with _extra_state entries: it already has the "
+                          "TE layout (model.backend=te); load it directly")
+    out = dict(state)
+    for name in te_module_names(cfg):
+        out[f"{name}.{EXTRA_STATE}"] = torch.empty(0, dtype=torch.uint8)
+    return out
+
+
+def te_to_torch_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A TE-kernel state dict for the torch kernels: drops ``_extra_state`` (FP8 scaling history, which the torch
+    kernels have no use for) and dequantizes FP8 weights (``precision.fp8_weights``) to FP32."""
+    out = {}
+    for k, v in state.items():
+        if k == EXTRA_STATE or k.endswith("." + EXTRA_STATE):
+            continue
+        out[k] = v.dequantize(dtype=torch.float32) if _is_te_quantized(v) else v
+    return out
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def fp8_layer_options(cfg_model, precision) -> dict:
+    """``bf16_layers`` (``precision.fp8_skip_first_last``: {0, L-1}) and ``fp8_weights_recipe``
+    (``precision.fp8_weights``) from the ``precision`` config."""
+    if precision is None or isinstance(precision, str) or precision_name(precision) != "fp8":
+        return {"bf16_layers": (), "fp8_weights_recipe": None}
+    last = cfg_model.num_layers - 1
+    skip = (0, last) if getattr(precision, "fp8_skip_first_last", False) else ()
+    recipe = build_fp8_recipe(precision) if getattr(precision, "fp8_weights", False) else None
+    return {"bf16_layers": skip, "fp8_weights_recipe": recipe}
+
+
+# ------------------------------------------------------------------ the kernel set
+class TEKernels(TorchKernels):
+    """``model.backend=te``: Transformer Engine modules in every slot (see the module docstring).
+
+    Args:
+        cfg: the ``model`` config.
+        device: where parameters are created (``"meta"`` to materialise later, or a CUDA device).
+        precision: the ``precision`` config: ``fp8_skip_first_last`` runs blocks 0 and L-1 in BF16 inside an FP8
+            region, ``fp8_weights`` builds the other blocks' weights in FP8 (``te.quantized_model_init``).
+        tp_group, sequence_parallel, cp_group, cp_global_ranks, cp_stream, cp_comm_type: passed to the TE modules
+            (None / False: one GPU).
+    Raises: DifflmError when Transformer Engine cannot be imported, or when context parallelism is asked of an
+        attention backend other than ``te`` (TE's ring attention lives in ``te.DotProductAttention``).
+    """
+
+    name = "te"
+
+    def __init__(self, cfg, device="meta", precision=None, *, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"):
+        super().__init__(cfg, device)
+        self.te = import_te()
+        options = fp8_layer_options(cfg, precision)
+        self.bf16_layers = frozenset(int(i) for i in options["bf16_layers"])
+        self.fp8_weights_recipe = options["fp8_weights_recipe"]
+        self.tp_group = tp_group if _group_size(tp_group) > 1 else None
+        self.tp_size = _group_size(self.tp_group)
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_group is not None
+        self.layout = "sbhd" if self.sequence_parallel else "bshd"
+        self.cp_group, self.cp_args = cp_group, {}
+        if _group_size(cp_group) > 1:
+            if getattr(cfg, "attention_backend", "sdpa") != "te":
+                raise DifflmError("context parallelism with model.backend=te runs inside te.DotProductAttention: "
+                                  "set model.attention_backend=te")
+            self.cp_args = dict(cp_group=cp_group, cp_global_ranks=cp_global_ranks, cp_comm_type=cp_comm_type,
+                                cp_stream=cp_stream if cp_stream is not None else torch.cuda.Stream())
+
+    def _tp(self, mode: Optional[str]) -> dict:
+        args = dict(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel)
+        return dict(args, parallel_mode=mode if self.tp_group is not None else None)
+
+    # ------------------------------------------------------------------ slots
+    def norm_linear(self, in_features, out_features, *, eps, bias=False):
+        return self.te.LayerNormLinear(in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm",
+                                       device=self.device, **self._tp("column"))
+
+    def linear(self, in_features, out_features):
+        return self.te.Linear(in_features, out_features, bias=False, device=self.device, **self._tp("row"))
+
+    def norm_mlp(self, hidden, ffn, *, eps):
+        return self.te.LayerNormMLP(hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
+                                    tp_group=self.tp_group, tp_size=self.tp_size,
+                                    set_parallel_mode=self.tp_group is not None,
+                                    sequence_parallel=self.sequence_parallel, device=self.device)
+
+    def norm(self, dim, *, eps, residual=False):
+        return self.te.RMSNorm(dim, eps=eps, device=self.device,
+                               sequence_parallel=(self.sequence_parallel or None) if residual else None)
+
+    def attention_core(self, cfg, causal, layer_number):
+        """A ``te.DotProductAttention`` per layer, whatever ``model.attention_backend`` (its ``_extra_state`` is part
+        of the TE checkpoint layout); :func:`difflm.model.attention.attend` runs it for ``attention_backend=te``."""
+        tp = dict(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel)
+        return self.te.DotProductAttention(num_attention_heads=cfg.num_heads, kv_channels=cfg.head_dim,
+                                           num_gqa_groups=cfg.num_kv_heads, qkv_format=self.layout,
+                                           attn_mask_type="causal" if causal else "no_mask",
+                                           layer_number=layer_number, **tp, **self.cp_args)
+
+    def block_init_context(self, index):
+        if self.fp8_weights_recipe is None or index in self.bf16_layers:
+            return contextlib.nullcontext()
+        return quantized_model_init(True, self.fp8_weights_recipe)
+
+    # ------------------------------------------------------------------ residual stream
+    def rope(self, angles):
+        """TE's fused RoPE takes ``freqs`` [S, 1, 1, D] (one position per row); per-row positions ([B, S, D]
+        angles: padded prompts) use the torch tables, which rotate identically."""
+        return angles[:, None, None, :] if angles.dim() == 2 else rope_tables(angles, self.layout)
+
+    def apply_rope(self, x, tables):
+        if isinstance(tables, tuple):
+            return super().apply_rope(x, tables)
+        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb(x, tables, tensor_format=self.layout, fused=True)
+
+    def enter(self, x):
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # residual stream in the compute dtype (Megatron-LM default)
+            x = x.to(torch.get_autocast_dtype(device_type))
+        if self.sequence_parallel:  # TE's SP modules take and return this rank's chunk of the sequence
+            from difflm.parallel.te_tensor_parallel import scatter_sequence
+
+            x = scatter_sequence(x.transpose(0, 1), self.tp_group)
+        return x
+
+    def exit(self, x):
+        if self.sequence_parallel:
+            from difflm.parallel.te_tensor_parallel import gather_sequence
+
+            x = gather_sequence(x, self.tp_group).transpose(0, 1)
+        return x
+
+    def layer_context(self, index):
+        if index in self.bf16_layers and fp8_is_active():
+            return te_autocast(False)
+        return contextlib.nullcontext()
+
+    def forward_context(self, num_tokens):
+        # FP8 GEMMs need whole tiles of tokens: odd-sized inputs (random-length steps, sampling) run in BF16.
+        if num_tokens % FP8_ROWS_MULTIPLE and fp8_is_active():
+            return te_autocast(False)
+        return contextlib.nullcontext()
+
+    def tp_shards(self):
+        if self.tp_group is None:
+            return None
+        import torch.distributed as dist
+
+        from difflm.parallel.te_tensor_parallel import TensorParallelShards
+
+        return TensorParallelShards(dist.get_rank(self.tp_group), self.tp_size, self.tp_group)
+
+
+def check_te_device(device: torch.device) -> None:
+    """Raises: DifflmError unless ``device`` is CUDA (TE's kernels are CUDA-only)."""
+    if torch.device(device).type != "cuda":
+        raise DifflmError(f"model.backend=te runs Transformer Engine's CUDA kernels and the device is {device}: "
+                          "use device=cuda on an NVIDIA GPU, or model.backend=torch")
+
+
+__all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "check_te_device", "fp8_layer_options",
+           "te_module_names", "te_to_torch_state_dict", "torch_to_te_state_dict"]
