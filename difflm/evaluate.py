@@ -60,7 +60,7 @@ def evaluate_file(args, device: torch.device) -> dict:
     """The metrics dict of ``difflm-eval`` (see the module docstring)."""
     from difflm.generate import load_run
 
-    cfg, model, tok = load_run(args.run.dir, args.step, device)
+    cfg, model, tok = load_run(args.run.dir, args.step, device, args.get("kernels"))
     e = args.eval
     if e.mc_samples < 1 or e.batch_size < 1:
         raise DifflmError(f"eval.mc_samples={e.mc_samples} and eval.batch_size={e.batch_size} must be >= 1")

@@ -79,12 +79,18 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     return out[:, prompt_ids.shape[1]:]
 
 
-def load_run(run_dir: str, step: int | None, device: torch.device):
-    """(run config, model with checkpoint weights in eval mode, tokenizer info) of a trained run."""
+def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
+    """(run config, model with checkpoint weights in eval mode, tokenizer info) of a trained run.
+
+    ``kernels`` (:class:`difflm.config.schema.KernelOverrides`) replaces the run's ``model.backend`` /
+    ``model.attention_backend`` where set; the checkpoint loads into either kernel set.
+    Raises: DifflmError without config.yaml or checkpoint, or when the kernels cannot run on ``device``.
+    """
     path = Path(run_dir)
     if not (path / "config.yaml").exists():
         raise DifflmError(f"run.dir={run_dir!r} has no config.yaml: point run.dir at a difflm-train output directory")
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
+    apply_kernel_overrides(cfg, kernels, device)
     _, ckpt = find_checkpoint(path, step)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=device, seed=0)
@@ -92,12 +98,33 @@ def load_run(run_dir: str, step: int | None, device: torch.device):
     return cfg, model.eval(), tok
 
 
+def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
+    """Set ``model.backend`` / ``model.attention_backend`` from ``kernels`` (None entries keep the run's), then check
+    that they run on ``device``, naming the override that fixes it."""
+    from difflm.config.validate import CHOICES
+    from difflm.model.attention import attention_unavailable_reason
+
+    for key in ("backend", "attention_backend"):
+        value = None if kernels is None else kernels.get(key)
+        if value is not None:
+            if value not in CHOICES[f"model.{key}"]:
+                raise DifflmError(f"kernels.{key}={value!r} is not one of: {', '.join(CHOICES[f'model.{key}'])}")
+            cfg.model[key] = value
+    cfg.model.compile = False
+    if cfg.model.backend == "te" and device.type != "cuda":
+        raise DifflmError(f"the run's model.backend=te needs CUDA and the device is {device.type}: add "
+                          "kernels.backend=torch (checkpoints load into either kernel set)")
+    reason = attention_unavailable_reason(cfg.model.attention_backend, device, "bf16")
+    if reason is not None:
+        raise DifflmError(f"{reason} (run with kernels.attention_backend=sdpa to override the run's choice)")
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 @exits_cleanly
 def main(args) -> None:
     check_choices(args, ["gen.remasking", "gen.cache", "device"])
     device = resolve_device(args.device)
-    cfg, model, tok = load_run(args.run.dir, args.step, device)
+    cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
     ids = tok.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
     out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
                        objective=cfg.objective,

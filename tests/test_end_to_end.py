@@ -52,6 +52,27 @@ def test_generate_prints_decodable_continuation(trained_run):
     assert rnd.returncode == 0 and rnd.stdout.startswith("ROMEO:")
 
 
+def test_generate_from_a_te_run_on_cpu_with_torch_kernels(trained_run, tmp_path):
+    """A run whose config says model.backend=te (trained on a GPU) samples on a CPU with kernels.backend=torch; without
+    the override the refusal names it."""
+    import shutil
+
+    run_dir, _ = trained_run
+    te_run = tmp_path / "te_run"
+    shutil.copytree(run_dir, te_run, ignore=shutil.ignore_patterns("data_cache"))
+    cfg = (te_run / "config.yaml").read_text().replace("backend: torch", "backend: te")
+    (te_run / "config.yaml").write_text(cfg)
+    args = ("difflm.generate", f"run.dir={te_run}", "prompt=ROMEO:", "gen.length=16", "gen.steps=8",
+            "gen.block_length=16", "device=cpu")
+    refused = run_cli(*args, timeout=300)
+    assert refused.returncode == 2 and "kernels.backend=torch" in refused.stderr
+    out = run_cli(*args, "kernels.backend=torch", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plain = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=16", "gen.steps=8",
+                    "gen.block_length=16", "device=cpu", timeout=300)
+    assert out.stdout == plain.stdout and out.stdout.startswith("ROMEO:")
+
+
 def test_rerun_resumes_from_latest_checkpoint(trained_run, tmp_path):
     run_dir, _ = trained_run
     out = run_cli("difflm.train", "model=tiny", "train.max_steps=125", "train.eval_every=0", "train.save_every=0",

@@ -47,3 +47,23 @@ def test_te_layout_checkpoint_loads_into_the_one_model(fake_te):
     load_checkpoint(FIXTURES / "legacy_v0_te" / "checkpoints" / "step_1", model)  # strict, _extra_state included
     with torch.no_grad():
         torch.testing.assert_close(model(want["input_ids"]), want["logits"], rtol=0, atol=1e-6)
+
+
+def test_checkpoints_move_between_kernel_sets(fake_te):
+    """A TE-layout checkpoint loads into the torch kernels (its _extra_state is not asked for) and a torch-layout one
+    into the TE kernels (their fresh FP8 metadata is kept): same logits."""
+    from difflm.model.te_kernels import TEKernels
+
+    cfg, want = _expected("legacy_v0_te")
+    cfg.backend = "torch"
+    torch_model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=0)
+    load_checkpoint(FIXTURES / "legacy_v0_te" / "checkpoints" / "step_1", torch_model)
+    with torch.no_grad():
+        torch.testing.assert_close(torch_model(want["input_ids"]), want["logits"], rtol=0, atol=1e-6)
+
+    cfg, want = _expected("legacy_v0")
+    te_model = Transformer(cfg, kernels=TEKernels(cfg, device="meta"))
+    te_model.to_empty(device="cpu")
+    load_checkpoint(FIXTURES / "legacy_v0" / "checkpoints" / "step_1", te_model)
+    with torch.no_grad():
+        torch.testing.assert_close(te_model(want["input_ids"]), want["logits"], rtol=0, atol=1e-6)

@@ -128,3 +128,16 @@ def test_pipeline_stages_of_the_model_chain_to_the_full_forward(kernels, request
                 stage.step_inputs = inputs
                 h = stage(h)
             torch.testing.assert_close(h, model(x, **inputs), rtol=0, atol=1e-6)
+    # the shapes a pipeline schedule is given for stages that cannot run on meta tensors (TE) are the real ones
+    dtype = torch.bfloat16
+    with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+        h = x
+        for stage in stages:
+            stage.step_inputs = {}
+            want_in, want_out = stage.pipeline_io(2, 16, dtype)
+            assert (h.shape, h.dtype if h.dtype == torch.long or kernels == "te" else dtype) == \
+                (want_in.shape, want_in.dtype)
+            h = stage(h)
+            if kernels == "te":  # the TE residual stream and the logits are in the autocast dtype
+                assert (h.shape, h.dtype) == (want_out.shape, want_out.dtype)
+            assert h.shape == want_out.shape

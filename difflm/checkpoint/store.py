@@ -202,22 +202,42 @@ def _first_cause(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
+def checkpoint_keys(path: Path) -> Optional[set[str]]:
+    """The flattened keys of the DCP checkpoint at ``path`` (``model.<name>``, ``optim.<...>``), or None when its
+    metadata cannot be read (``dcp.load`` then reports the problem)."""
+    try:
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - a missing/corrupt checkpoint fails with a clear message in dcp.load
+        return None
+
+
 def has_optimizer_state(path: Path) -> bool:
     """Whether the DCP checkpoint at ``path`` holds optimizer state (keys under ``optim``); True when its metadata
-    cannot be read (``dcp.load`` then reports the problem)."""
-    try:
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - a missing/corrupt checkpoint fails with a clear message in dcp.load
-        return True
-    return any(k == "optim" or k.startswith("optim.") for k in keys)
+    cannot be read."""
+    keys = checkpoint_keys(path)
+    return keys is None or any(k == "optim" or k.startswith("optim.") for k in keys)
+
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def _absent_extra_state(model_sd: dict, keys: Optional[set[str]]) -> dict:
+    """The TE ``_extra_state`` entries (FP8 scaling metadata) of ``model_sd`` that the checkpoint lacks (one written
+    by the torch kernels), taken out of ``model_sd``: loading into the TE kernels keeps their fresh metadata instead
+    of asking DCP for entries that do not exist."""
+    if keys is None:
+        return {}
+    absent = [n for n in model_sd if n.endswith(EXTRA_STATE_SUFFIX) and f"model.{n}" not in keys]
+    return {n: model_sd.pop(n) for n in absent}
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
     A model-only checkpoint (saved with ``optimizer=None``, e.g. by ``difflm-import``) loads into the model
-    and leaves ``optimizer`` as it is (fresh). Raises DifflmError when the checkpoint does not match the
-    model (e.g. another ``model`` preset).
+    and leaves ``optimizer`` as it is (fresh). Checkpoints move between kernel sets (``model.backend``): parameter
+    names are shared, TE's ``_extra_state`` is read when both sides have it and otherwise left alone. Raises
+    DifflmError when the checkpoint does not match the model (e.g. another ``model`` preset).
     """
     from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
 
@@ -232,6 +252,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     else:
         model_sd, optim_sd = get_state_dict(target, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
+    fresh = _absent_extra_state(model_sd, checkpoint_keys(path))
     pending = prepare_canonical_load(model_sd, optim_sd, canonical_layouts(_parts(model)))
     try:
         with warnings.catch_warnings():
@@ -241,6 +262,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
         raise DifflmError(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
                           "resume with the model config it was saved with, or use a new run.dir") from exc
     finish_canonical_load(pending)
+    model_sd.update(fresh)
     set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=options)
     return torch.load(path / TRAINER_STATE, weights_only=True)

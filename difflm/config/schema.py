@@ -225,6 +225,16 @@ class RunConfig:
 
 
 @dataclass
+class KernelOverrides:
+    """Kernels to run a trained checkpoint with (null: the run's own ``model.backend`` / ``model.attention_backend``).
+    Checkpoints move between kernel sets, so e.g. a run trained with ``te`` samples on a CPU with
+    ``kernels.backend=torch kernels.attention_backend=sdpa``."""
+
+    backend: Optional[str] = None  # torch | te
+    attention_backend: Optional[str] = None  # sdpa | te | flash | flex
+
+
+@dataclass
 class GenerateRunConfig:
     """Command line of ``difflm-generate``: the model, tokenizer and objective come from ``run.dir``."""
 
@@ -233,6 +243,7 @@ class GenerateRunConfig:
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"
+    kernels: KernelOverrides = field(default_factory=lambda: KernelOverrides())
 
 
 @dataclass
@@ -292,6 +303,7 @@ class EvalRunConfig:
     step: Optional[int] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     device: str = "auto"
+    kernels: KernelOverrides = field(default_factory=lambda: KernelOverrides())
 
 
 def register_schema() -> None:

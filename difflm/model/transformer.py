@@ -150,6 +150,19 @@ class Transformer(nn.Module):
         stage.output = self.output if last else None
         return stage
 
+    def pipeline_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) meta tensors of this pipeline stage for micro-batches of ``batch`` x ``seq_len`` tokens with
+        activations in ``dtype``: ``input_ids`` [B, S] int64 or hidden states ([B, S/n, d], or [S/n, B, d] in a
+        sequence-first kernel set; n = ``seq_shards``), and hidden states or logits [B, S, V]."""
+        d = self.cfg.hidden_size
+        local = seq_len // self.seq_shards
+        hidden = (local, batch, d) if self.kernels.layout == "sbhd" else (batch, local, d)
+        inputs = torch.empty(batch, seq_len, dtype=torch.long, device="meta") if self.embedding is not None \
+            else torch.empty(hidden, dtype=dtype, device="meta")
+        outputs = torch.empty(batch, seq_len, self.cfg.vocab_size, dtype=dtype, device="meta") \
+            if self.final_norm is not None else torch.empty(hidden, dtype=dtype, device="meta")
+        return inputs, outputs
+
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.output is None else self.output.weight
 

@@ -65,8 +65,11 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
     pipeline = None
     if dims.pp_enabled:
         train_loss, eval_loss = loss_fns(cfg.objective, cfg.train.global_batch_size)
+        from difflm.training.precision import compute_dtype
+
         pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,
-                            n_microbatches, train_loss, eval_loss)
+                            n_microbatches, train_loss, eval_loss,
+                            activation_dtype=compute_dtype(cfg.precision) or torch.float32)
     return parts, pipeline
 
 

@@ -90,18 +90,22 @@ def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, t
 class Pipeline:
     """This rank's stages and one schedule per (sequence length, train/eval).
 
-    A ``PipelineStage`` infers its activation shapes on its first step, so a new sequence length (random-
-    length steps) gets new stage objects around the same modules.
+    A ``PipelineStage`` infers its activation shapes on its first step (by running the stage on meta tensors in
+    some PyTorch versions), so a new sequence length (random-length steps) gets new stage objects around the same
+    modules. Transformer Engine's kernels cannot run on meta tensors: for the TE kernel set the stages are given
+    their input/output shapes (:meth:`difflm.model.Transformer.pipeline_io`) with ``activation_dtype``.
 
     Args:
         parts: this rank's stage modules (after TP / FSDP).
         ids, num_stages: from :func:`build_stage_models`.
         pp_group: ``mesh["pp"].get_group()``.
         schedule: one of :data:`PP_SCHEDULES`; n_microbatches: micro-batches per step (gradient accumulation).
+        activation_dtype: dtype of the hidden states and logits between stages (the compute dtype).
     """
 
     def __init__(self, parts, ids, num_stages: int, pp_group, device: torch.device, schedule: str,
-                 n_microbatches: int, loss_fn, eval_loss_fn):
+                 n_microbatches: int, loss_fn, eval_loss_fn, activation_dtype: torch.dtype = torch.float32):
+        self.activation_dtype = activation_dtype
         self.parts, self.ids, self.num_stages = parts, ids, num_stages
         self.pp_group, self.device, self.schedule_name = pp_group, device, schedule
         self.n_microbatches, self.loss_fn, self.eval_loss_fn = n_microbatches, loss_fn, eval_loss_fn
@@ -109,13 +113,22 @@ class Pipeline:
         self.has_last = num_stages - 1 in ids
         self._schedules: dict = {}
 
-    def _schedule(self, seq_len: int, train: bool, n_microbatches: int):
-        key = (seq_len, train, n_microbatches)
+    def _stage_shapes(self, part, micro_batch: int, seq_len: int) -> dict:
+        """``input_args`` / ``output_args`` (meta tensors) of a TE stage; {} for stages that infer their own."""
+        if getattr(part.kernels, "name", "torch") != "te":
+            return {}
+        inputs, outputs = part.pipeline_io(micro_batch, seq_len, self.activation_dtype)
+        return {"input_args": inputs, "output_args": outputs}
+
+    def _schedule(self, batch_size: int, seq_len: int, train: bool, n_microbatches: int):
+        key = (batch_size, seq_len, train, n_microbatches)
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group)
+            micro = batch_size // n_microbatches
+            stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group,
+                                    **self._stage_shapes(part, micro, seq_len))
                       for part, sid in zip(self.parts, self.ids)]
             name = self.schedule_name if train else ("GPipe" if len(stages) == 1 else "LoopedBFS")
             cls = get_schedule_class(name)
@@ -127,14 +140,14 @@ class Pipeline:
     def step(self, batch: NoisedBatch) -> torch.Tensor:
         """Forward + backward of the local batch [B, S] in ``n_microbatches`` micro-batches. Returns the sum of the
         micro-batch losses on the rank holding the last stage, 0 elsewhere."""
-        seq_len = batch.input_ids.shape[1]
-        schedule = self._schedule(seq_len, True, self.n_microbatches)
+        batch_size, seq_len = batch.input_ids.shape
+        schedule = self._schedule(batch_size, seq_len, True, self.n_microbatches)
         return self._run(schedule.step, batch)
 
     @torch.no_grad()
     def evaluate(self, batch: NoisedBatch) -> torch.Tensor:
         """Forward-only loss sum (``eval_loss_fn``) of ``batch`` as one micro-batch; 0 off the last stage."""
-        schedule = self._schedule(batch.input_ids.shape[1], False, 1)
+        schedule = self._schedule(*batch.input_ids.shape, False, 1)
         return self._run(schedule.eval, batch)
 
     def _run(self, fn, batch: NoisedBatch) -> torch.Tensor:
