@@ -1,6 +1,6 @@
 """Typed schema of a difflm run.
 
-Every YAML file under ``difflm/conf`` is composed by Hydra into one :class:`RunConfig`. The schema is
+Every YAML file under ``conf/`` (shipped in the wheel as ``difflm/conf``) is composed by Hydra into one :class:`RunConfig`. The schema is
 registered in Hydra's ConfigStore (see :func:`register_schema`) and named first in the primary config's
 defaults list, so a misspelt key or a value of the wrong type fails at compose time with OmegaConf's
 message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema").
