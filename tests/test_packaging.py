@@ -43,6 +43,7 @@ def test_conf_dir_is_the_top_level_tree_in_a_checkout():
     assert (REPO / "conf" / "train.yaml").is_file() and not (REPO / "difflm" / "conf").exists()
 
 
+@pytest.mark.slow  # builds a wheel and starts 3 processes: about 40 s
 def test_wheel_installed_outside_the_repo_finds_its_configs(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(

@@ -148,6 +148,7 @@ class LoggerConfig:
     mode: str = "offline"  # online | offline | disabled
     num_samples: int = 2  # generated samples logged at eval steps (wandb) and at the end
     sample_prompt: str = "ROMEO:"
+    sample_temperature: float = 1.0  # samples 1.. when gen.temperature=0 (else all would copy greedy sample 0)
 
 
 @dataclass
@@ -229,7 +230,8 @@ class GenerateRunConfig:
     """Command line of ``difflm-generate``: the model, tokenizer and objective come from ``run.dir``."""
 
     run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
-    prompt: str = ""
+    prompt: str = ""  # any text: commas and brackets need no Hydra quoting (difflm.cli.quote_free_text)
+    prompt_file: Optional[str] = None  # a UTF-8 text file whose contents are the prompt (instead of prompt=)
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"
