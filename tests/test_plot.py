@@ -52,7 +52,8 @@ def test_multirun_dir_globs_and_keys(tmp_path):
     assert [p.name for p in expand_run_dirs([str(tmp_path / "sweep" / "[01]")])] == ["0", "1"]
     fig = plot_runs(expand_run_dirs([str(tmp_path / "sweep")]), tmp_path / "s.png", keys=("loss", "val_nelbo", "lr"))
     assert len(fig.axes) == 3 and all(len(ax.get_lines()) == 3 for ax in fig.axes)
-    assert parse_args(["run.dir=a", "run.dir=b", "out=x.png", "keys=loss,lr"]) == (["a", "b"], Path("x.png"), ("loss", "lr"))
+    assert parse_args(["run.dir=a", "run.dir=b", "out=x.png", "keys=loss,lr"]) == \
+        (["a", "b"], Path("x.png"), ("loss", "lr"))
     with pytest.raises(DifflmError, match="unknown key"):
         parse_args(["run.dir=a", "dir=b"])
     with pytest.raises(DifflmError, match="no metrics.jsonl"):

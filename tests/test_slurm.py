@@ -25,12 +25,13 @@ TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "mode
         "train.save_every=0", "logger.num_samples=0", "logger.progress_bar=false"]
 
 
+@pytest.mark.slow  # two jobs, each a process importing torch: about 40 s on an idle 2-core machine
 def test_slurm_launcher_multirun_gives_one_run_dir_per_job(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")]))
     sweep = tmp_path / "sweep"
     out = run_cli("difflm.train", "-m", "hydra/launcher=slurm",
-                  "hydra.launcher._target_=slurm_local.SlurmViaLocalExecutor", "hydra.launcher.tasks_per_node=1",
-                  "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1",
+                  "hydra.launcher._target_=hydra_plugins.difflm_slurm_local.SlurmViaLocalExecutor",
+                  "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1",
                   "optim.lr=1e-4,3e-4", *TINY, f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={sweep}",
                   cwd=tmp_path, timeout=900)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
