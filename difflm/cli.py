@@ -1,7 +1,9 @@
-"""What every entry point shares: user mistakes end as one line on stderr with exit status 2."""
+"""What every entry point shares: user mistakes end as one line on stderr with exit status 2, and free-text
+values (prompts) reach Hydra as one string whatever characters they hold."""
 from __future__ import annotations
 
 import functools
+import re
 import sys
 
 from difflm.errors import DifflmError
@@ -19,3 +21,45 @@ def exits_cleanly(fn):
             sys.exit(2)
 
     return wrapper
+
+
+def hydra_quoted(text: str) -> str:
+    """``text`` as a single-quoted Hydra override value that parses back to exactly ``text``.
+
+    Hydra's grammar (docs, "Override grammar: quoted values"): inside quotes ``\\'`` is a quote and backslashes
+    are literal except a run of them right before a quote (or the closing quote), which is written doubled.
+    ``${`` is escaped as ``\\${`` so OmegaConf keeps it as text instead of an interpolation.
+    """
+    body = text.replace("${", "\\${")
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", body)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return f"'{body}'"
+
+
+def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """Command-line overrides ``key=value`` of free-text ``keys`` made safe for Hydra.
+
+    Hydra reads ``prompt=a, b`` as a sweep over ``a`` and ``b`` and refuses ``prompt=a: b (c)``; a prompt is
+    always one string, so such values are quoted with :func:`hydra_quoted`. Values Hydra already takes as one
+    string (plain text, ``'quoted'``, ``${interpolations}``) and every argument under ``-m``/``--multirun``
+    (where a comma list is a sweep on purpose) are left as they are.
+    """
+    if "-m" in argv or "--multirun" in argv:
+        return list(argv)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in keys:
+            try:
+                override = parser.parse_override(arg)
+                one_string = not override.is_sweep_override() and not isinstance(override.value(), (list, dict))
+            except HydraException:
+                one_string = False
+            if not one_string:
+                arg = f"{key}={hydra_quoted(value)}"
+        out.append(arg)
+    return out

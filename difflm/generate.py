@@ -2,6 +2,8 @@
 
     difflm-generate run.dir=DIR prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32 \
         gen.remasking=low_confidence gen.temperature=0
+    difflm-generate run.dir=DIR prompt="Once upon a time, in (a) land: far away"   # any text, commas too
+    difflm-generate run.dir=DIR prompt_file=prompt.txt                              # the file's text is the prompt
 
 Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`;
 ``gen.remasking``, ``gen.cfg_scale``, ``gen.top_k``/``gen.top_p``, Fast-dLLM's ``gen.threshold`` and
@@ -10,6 +12,7 @@ Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sam
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -17,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import find_checkpoint, load_checkpoint
-from difflm.cli import exits_cleanly
+from difflm.cli import exits_cleanly, quote_free_text
 from difflm.config import CONF_DIR, RunConfig
 from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
@@ -119,17 +122,41 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
         raise DifflmError(f"{reason} (run with kernels.attention_backend=sdpa to override the run's choice)")
 
 
+def read_prompt(args) -> str:
+    """The prompt text: ``prompt=`` or the UTF-8 contents of ``prompt_file=`` (one trailing newline dropped).
+
+    Raises:
+        DifflmError: both are given, or ``prompt_file`` cannot be read.
+    """
+    if not args.get("prompt_file"):
+        return args.prompt
+    if args.prompt:
+        raise DifflmError("give prompt= or prompt_file=, not both")
+    try:
+        text = Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DifflmError(f"prompt_file={args.prompt_file!r} cannot be read ({err}): give a UTF-8 text file") from err
+    return text[:-1] if text.endswith("\n") else text
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 @exits_cleanly
-def main(args) -> None:
+def _main(args) -> None:
     check_choices(args, ["gen.remasking", "gen.cache", "device"])
+    prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
-    ids = tok.tokenizer(args.prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
+    ids = tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
     out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
                        objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
-    print(args.prompt + tok.decode(out[0].tolist()))
+    print(prompt + tok.decode(out[0].tolist()))
+
+
+def main() -> None:
+    """Entry point: ``prompt=`` takes any text (commas, colons, brackets; see :func:`difflm.cli.quote_free_text`)."""
+    sys.argv[1:] = quote_free_text(sys.argv[1:], ("prompt",))
+    _main()
 
 
 if __name__ == "__main__":

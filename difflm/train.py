@@ -14,7 +14,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 
 import hydra
-from difflm.cli import exits_cleanly
+from difflm.cli import exits_cleanly, quote_free_text
 from difflm.config import CONF_DIR
 from difflm.config.validate import check_run
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
@@ -66,7 +66,9 @@ NON_ZERO_RANK_OVERRIDES = (
 
 def main() -> None:
     """Entry point. Under torchrun/SLURM, ranks other than 0 add :data:`NON_ZERO_RANK_OVERRIDES` so that only
-    rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``."""
+    rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``.
+    ``logger.sample_prompt=`` takes any text (:func:`difflm.cli.quote_free_text`)."""
+    sys.argv[1:] = quote_free_text(sys.argv[1:], ("logger.sample_prompt",))
     if launch_env()["rank"] != 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
         sys.argv.extend(NON_ZERO_RANK_OVERRIDES)
     _main()

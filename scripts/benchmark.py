@@ -6,7 +6,7 @@
         --variant "te-fp8: model.backend=te model.attention_backend=te precision=fp8" \\
         --steps 10 --warmup 3 --json bench.json
 
-Positional arguments are Hydra overrides of ``difflm/conf/train.yaml`` (composed with ``hydra.compose``,
+Positional arguments are Hydra overrides of ``conf/train.yaml`` (composed with ``hydra.compose``,
 the same schema and checks as ``difflm-train``); each ``--variant "NAME: overrides"`` adds a row composed
 from the base overrides plus its own (without ``--variant`` the base config is the one row).
 
@@ -399,7 +399,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of difflm/conf/train.yaml")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml")
     ap.add_argument("--variant", action="append", default=[], help="'NAME: override ...' (repeatable)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

@@ -124,7 +124,7 @@ def override_value(overrides: list[str], key: str, default=None):
 
 
 def layout_degrees(name: str) -> dict[str, int]:
-    """tp, pp, cp, dp_replicate, dp_shard of the preset ``difflm/conf/parallel/<name>.yaml`` (-1 = fill)."""
+    """tp, pp, cp, dp_replicate, dp_shard of the preset ``conf/parallel/<name>.yaml`` (-1 = fill)."""
     preset = OmegaConf.load(CONF_DIR / "parallel" / f"{name}.yaml")
     return {k: int(preset.get(k, 1)) for k in ("tp", "pp", "cp", "dp_replicate", "dp_shard")}
 

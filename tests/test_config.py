@@ -63,6 +63,7 @@ def test_wrong_type_fails_at_compose_time():
     (["data.valid_fraction=1.5"], "data.valid_fraction"),
     (["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp*cp=2"),
     (["objective.length_multiple=5"], "objective.length_multiple=5"),
+    (["logger.sample_temperature=-1"], "logger.sample_temperature=-1"),
 ])
 def test_validation_errors_name_the_key(overrides, needle):
     with pytest.raises(DifflmError) as err:

@@ -73,6 +73,18 @@ def test_generate_from_a_te_run_on_cpu_with_torch_kernels(trained_run, tmp_path)
     assert out.stdout == plain.stdout and out.stdout.startswith("ROMEO:")
 
 
+def test_generate_takes_any_prompt_text_and_prompt_file(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    prompt = "ROMEO: my lord, (aside) [to JULIET]"  # a comma, brackets and a colon: no Hydra quoting needed
+    args = (f"run.dir={run_dir}", "gen.length=8", "gen.steps=8", "gen.block_length=8")
+    out = run_cli("difflm.generate", *args, f"prompt={prompt}", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(prompt) and len(out.stdout.strip()) > len(prompt)
+    (tmp_path / "prompt.txt").write_text(prompt + "\n", encoding="utf-8")
+    from_file = run_cli("difflm.generate", *args, f"prompt_file={tmp_path / 'prompt.txt'}", timeout=300)
+    assert from_file.returncode == 0 and from_file.stdout == out.stdout
+
+
 def test_rerun_resumes_from_latest_checkpoint(trained_run, tmp_path):
     run_dir, _ = trained_run
     out = run_cli("difflm.train", "model=tiny", "train.max_steps=125", "train.eval_every=0", "train.save_every=0",

@@ -5,8 +5,20 @@ from omegaconf import OmegaConf
 
 from difflm.config.schema import RunConfig, register_schema
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_PACKAGE = Path(__file__).resolve().parent.parent
+ASSETS = _PACKAGE / "assets"
+
+
+def _conf_dir() -> Path:
+    """The Hydra config tree: ``conf/`` beside the package in a source checkout (plain or editable), else
+    the copy a wheel ships as ``difflm/conf`` (pyproject.toml maps ``conf/`` to the package ``difflm.conf``)."""
+    checkout = _PACKAGE.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / "train.yaml").is_file():
+        return checkout / "conf"
+    return _PACKAGE / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def asset_path(relative: str) -> str:

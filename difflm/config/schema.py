@@ -1,6 +1,6 @@
 """Typed schema of a difflm run.
 
-Every YAML file under ``difflm/conf`` is composed by Hydra into one :class:`RunConfig`. The schema is
+Every YAML file under ``conf/`` (shipped in the wheel as ``difflm/conf``) is composed by Hydra into one :class:`RunConfig`. The schema is
 registered in Hydra's ConfigStore (see :func:`register_schema`) and named first in the primary config's
 defaults list, so a misspelt key or a value of the wrong type fails at compose time with OmegaConf's
 message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema").
@@ -148,6 +148,7 @@ class LoggerConfig:
     mode: str = "offline"  # online | offline | disabled
     num_samples: int = 2  # generated samples logged at eval steps (wandb) and at the end
     sample_prompt: str = "ROMEO:"
+    sample_temperature: float = 1.0  # samples 1.. when gen.temperature=0 (else all would copy greedy sample 0)
 
 
 @dataclass
@@ -239,7 +240,8 @@ class GenerateRunConfig:
     """Command line of ``difflm-generate``: the model, tokenizer and objective come from ``run.dir``."""
 
     run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
-    prompt: str = ""
+    prompt: str = ""  # any text: commas and brackets need no Hydra quoting (difflm.cli.quote_free_text)
+    prompt_file: Optional[str] = None  # a UTF-8 text file whose contents are the prompt (instead of prompt=)
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"

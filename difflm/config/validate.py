@@ -224,6 +224,8 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    _require(cfg.logger.sample_temperature >= 0,
+             f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
     return device
 

@@ -197,9 +197,11 @@ class Transformer(nn.Module):
         With ``model.shift_logits`` (Dream, Ye et al. 2025) the logits at position i come from the hidden
         state at i - 1 (position 0 keeps its own), so an AR-initialised model keeps predicting "the next
         token" while the objective and the sampler read logits[i] as the prediction of token i.
-        Returns [B, S, V] in the compute dtype, or, when ``logits_mask`` [B, S] bool is given, only the
-        selected positions [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only,
-        which saves most of the LM-head FLOPs and memory.
+        Returns [B, S, V] in the compute dtype, or, when ``logits_mask`` is given, only the selected positions
+        [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only, which saves most of the
+        LM-head FLOPs and memory. ``logits_mask`` is a [B, S] bool mask, or the [N] int64 indices of the selected
+        positions in the flattened ``B * S`` tokens (computed where the mask was drawn: selecting by index needs no
+        device-to-host sync, a boolean mask does).
         """
         if self.embedding is not None:
             batch, seq_len = input_ids.shape
@@ -230,7 +232,7 @@ class Transformer(nn.Module):
         if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i (from state i - 1)
             x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:
-            x = x[logits_mask]
+            x = x[logits_mask] if logits_mask.dtype == torch.bool else x.flatten(0, 1).index_select(0, logits_mask)
         return F.linear(x, self.head_weight())
 
     # ------------------------------------------------------------------ weights

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 from typing import Any
 
@@ -16,6 +17,22 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PORT = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist, as ``scontrol show hostnames`` would list it first.
+
+    SLURM compresses node lists (``SLURM_JOB_NODELIST``): ``gpu[07-08,12],cpu3`` is gpu07, gpu08, gpu12, cpu3,
+    and every bracket of a name expands (``rack[1-2]-n[01-04]``: rack1-n01 first); zero padding is kept
+    (SLURM docs, "Hostlist expressions"). Used when ``scontrol`` is not on the PATH (containers).
+    """
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):  # the first name: up to the first comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    return re.sub(r"\[([^],-]+)[^]]*\]", r"\1", nodelist[:end])
 
 
 def _slurm_env() -> dict[str, str]:
@@ -30,7 +47,7 @@ def _slurm_env() -> dict[str, str]:
             host = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
                                   check=True).stdout.split()[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
-            host = nodes.split(",")[0]
+            host = first_host(nodes)
         env["MASTER_ADDR"] = host
     if "MASTER_PORT" not in os.environ:
         env["MASTER_PORT"] = str(DEFAULT_PORT + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000)

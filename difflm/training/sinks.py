@@ -59,11 +59,25 @@ class ConsoleSink:
 
 
 class WandbSink:
-    """Weights & Biases run: the resolved config, every metrics dict, and generated samples as a table.
+    """Weights & Biases run: what the dashboard shows, all from the trainer's metrics dicts.
+
+    - config: the resolved run config (nested, as in ``config.yaml``);
+    - history: every metrics dict (``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``tokens_per_s_per_gpu``,
+      ``mfu``, ``mem_gib``, ``val_nelbo``, ``val_ppl_bound``, ...) against the trainer's ``step``, declared as
+      the x-axis of every chart (``define_metric``), so the steps a resumed run logs again are kept, not
+      dropped as out of order by W&B's own step counter;
+    - summary: the last value of each metric, and (computed by W&B from the history) the lowest ``val_nelbo``
+      and ``loss`` and the mean throughput ``tokens_per_s``/``tokens_per_s_per_gpu``/``mfu``;
+    - samples: a table (columns ``step``, ``sample``) per sampling step.
 
     ``logger.mode=online`` falls back to ``offline`` (sync later with ``wandb sync``) when no API key is
-    configured (``WANDB_API_KEY`` unset and no ``~/.netrc`` entry), with a note on the console.
+    configured (``WANDB_API_KEY`` unset and no ``~/.netrc`` entry), with a note on the console. An offline run
+    lives in ``<run.dir>/wandb/offline-run-*``; ``wandb leet inspect <that dir> --summary`` shows it without an
+    account (W&B docs, "wandb leet").
     """
+
+    SUMMARIES = {"val_nelbo": "min", "loss": "min", "tokens_per_s": "mean", "tokens_per_s_per_gpu": "mean",
+                 "mfu": "mean"}
 
     def __init__(self, cfg, run_dir: Path, config_dict: dict, resume_id: Optional[str]):
         import wandb
@@ -76,14 +90,18 @@ class WandbSink:
         self.wandb = wandb
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run_dir),
                               config=config_dict, id=resume_id, resume="allow" if resume_id else None)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        for key, summary in self.SUMMARIES.items():
+            self.run.define_metric(key, step_metric="step", summary=f"{summary},last")
         (run_dir / "wandb_id.txt").write_text(self.run.id)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in metrics.items() if v is not None and k != "step"}, step=metrics["step"])
+        self.run.log({k: v for k, v in metrics.items() if v is not None})
 
     def log_samples(self, step: int, samples: list[str]) -> None:
         table = self.wandb.Table(columns=["step", "sample"], data=[[step, s] for s in samples])
-        self.run.log({"samples": table}, step=step)
+        self.run.log({"step": step, "samples": table})
 
     def close(self) -> None:
         self.run.finish()

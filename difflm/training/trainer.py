@@ -306,18 +306,30 @@ class Trainer:
 
     @torch.no_grad()
     def generate_samples(self, prompt: str, num: int) -> list[str]:
-        """Continuations of ``prompt`` with the run's sampler settings (``gen.*``), decoded to text."""
+        """``num`` continuations of ``prompt`` with the run's sampler settings (``gen.*``), decoded to text.
+
+        Sample 0 is what ``difflm-generate`` prints with the same ``gen.*``. At ``gen.temperature=0`` (greedy,
+        deterministic) the others would be copies of it, so they sample at ``logger.sample_temperature``
+        instead, each row with its own Gumbel noise from the one generator seeded by ``gen.seed``.
+        """
         from difflm.generate import generate_ids
 
         if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
             return []
         self.model.eval()
         ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
-        prompt_ids = torch.tensor([ids] * num, device=self.device)
-        out = generate_ids(self.model, self.tok, prompt_ids, self.cfg.gen, self.objective.causal,
-                           precision=self.cfg.precision, objective=self.cfg.objective)
+        gen = self.cfg.gen
+        batches = [(num, gen)]
+        if gen.temperature == 0 and num > 1:
+            warm = OmegaConf.merge(gen, {"temperature": self.cfg.logger.sample_temperature})
+            batches = [(1, gen), (num - 1, warm)]
+        rows = []
+        for count, settings in batches:
+            prompt_ids = torch.tensor([ids] * count, device=self.device)
+            rows += generate_ids(self.model, self.tok, prompt_ids, settings, self.objective.causal,
+                                 precision=self.cfg.precision, objective=self.cfg.objective)
         self.model.train()
-        return [prompt + self.tok.decode(row.tolist()) for row in out]
+        return [prompt + self.tok.decode(row.tolist()) for row in rows]
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:

@@ -1,0 +1,158 @@
+"""``difflm-plot`` (also ``python -m difflm.plot``): the curves of one or more runs in one PNG, from their
+``metrics.jsonl``, for users without a W&B dashboard.
+
+    difflm-plot run.dir=outputs/tiny-shakespeare                       # -> outputs/tiny-shakespeare/curves.png
+    difflm-plot run.dir=runs/mdlm run.dir=runs/ar out=mdlm_vs_ar.png    # one line per run in every panel
+    difflm-plot run.dir=sweeps/lr                                      # a multirun: every job under it
+    difflm-plot run.dir='sweeps/lr/*' keys=loss,val_nelbo              # globs; pick the panels
+
+Arguments are ``key=value`` words like the other entry points, but ``run.dir`` may repeat, so this is a small
+parser rather than a Hydra app. Needs matplotlib (``pip install 'difflm[plot]'``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from pathlib import Path
+
+from difflm.cli import exits_cleanly
+from difflm.errors import DifflmError
+
+DEFAULT_KEYS = ("loss", "val_nelbo", "lr", "tokens_per_s")
+LABELS = {"loss": "training loss (nats/token)", "val_nelbo": "validation NELBO (nats/token)",
+          "lr": "learning rate", "tokens_per_s": "throughput (tokens/s)", "mfu": "MFU",
+          "grad_norm": "gradient norm", "mem_gib": "memory (GiB)"}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of ``<run_dir>/metrics.jsonl`` in step order, the last record of each step (a resumed run
+    logs the steps after its checkpoint again).
+
+    Raises:
+        DifflmError: the file is missing or a line is not JSON.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise DifflmError(f"run.dir={str(run_dir)!r} has no metrics.jsonl: point run.dir at a difflm-train output "
+                          "directory (or a multirun directory holding several)")
+    rows: dict[int, dict] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DifflmError(f"{path}:{number} is not JSON ({err})") from err
+        rows[int(row["step"])] = {**rows.get(int(row["step"]), {}), **row}
+    return [rows[step] for step in sorted(rows)]
+
+
+def expand_run_dirs(patterns: list[str]) -> list[Path]:
+    """Run directories from ``run.dir`` values: globs are expanded, and a directory without ``metrics.jsonl``
+    stands for the runs directly below it (a Hydra multirun: ``<run.dir>/<job>/``)."""
+    dirs: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise DifflmError(f"run.dir={pattern!r} matches nothing")
+        for match in map(Path, matches):
+            jobs = sorted((p for p in match.iterdir() if (p / "metrics.jsonl").is_file()),
+                          key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)) \
+                if match.is_dir() and not (match / "metrics.jsonl").is_file() else []
+            dirs += jobs or [match]
+    return dirs
+
+
+def _labels(dirs: list[Path]) -> list[str]:
+    """The shortest trailing parts of the paths that tell the runs apart."""
+    parts = [Path(d).resolve().parts for d in dirs]
+    for n in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-n:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(d) for d in dirs]
+
+
+def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
+    """Draw one panel per metric in ``keys`` (against the step), one line per run, and save a PNG at ``out``.
+
+    Returns the matplotlib Figure (``fig.axes[i].get_lines()``: one line per run that logged ``keys[i]``).
+
+    Raises:
+        DifflmError: matplotlib is missing, or no run logged any of ``keys``.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise DifflmError("difflm-plot needs matplotlib: pip install 'difflm[plot]' (or pip install matplotlib)") \
+            from err
+    runs = [(label, read_metrics(d)) for label, d in zip(_labels(run_dirs), run_dirs)]
+    if not any(row.get(k) is not None for _, rows in runs for row in rows for k in keys):
+        raise DifflmError(f"no run logged any of keys={','.join(keys)}: check the key names in metrics.jsonl")
+    cols = min(2, len(keys))
+    rows_n = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.0 * rows_n), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for label, rows in runs:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+        ax.set_title(LABELS.get(key, key))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.remove()
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return fig
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], Path | None, tuple[str, ...]]:
+    """(``run.dir`` values, ``out``, ``keys``) from ``key=value`` words.
+
+    Raises:
+        DifflmError: an unknown key, a word without ``=``, or no ``run.dir``.
+    """
+    dirs, out, keys = [], None, DEFAULT_KEYS
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise DifflmError(f"{arg!r}: arguments are key=value (run.dir=DIR [run.dir=DIR ...] [out=PNG] "
+                              "[keys=loss,val_nelbo,lr,tokens_per_s])")
+        if key == "run.dir":
+            dirs.append(value)
+        elif key == "out":
+            out = Path(value)
+        elif key == "keys":
+            keys = tuple(k for k in value.split(",") if k)
+        else:
+            raise DifflmError(f"unknown key {key!r}: difflm-plot takes run.dir= (repeatable), out= and keys=")
+    if not dirs:
+        raise DifflmError("give at least one run.dir=DIR (a difflm-train output directory)")
+    return dirs, out, keys
+
+
+@exits_cleanly
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: parse, plot, print the PNG's path."""
+    patterns, out, keys = parse_args(sys.argv[1:] if argv is None else argv)
+    dirs = expand_run_dirs(patterns)
+    if out is None:
+        out = dirs[0] / "curves.png" if len(dirs) == 1 else Path("curves.png")
+    plot_runs(dirs, out, keys)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""difflm-plot: one panel per metric, one line per run, from metrics.jsonl; multirun dirs and resumed runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from difflm.errors import DifflmError
+from difflm.plot import expand_run_dirs, parse_args, plot_runs, read_metrics
+
+from conftest import run_cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(path, slope, steps=20, resumed_at=None):
+    path.mkdir(parents=True)
+    rows = []
+    for step in range(0, steps + 1, 2):
+        row = {"step": step, "loss": None if step == 0 else 10 - slope * step, "lr": 1e-3 * min(1, step / 4),
+               "tokens_per_s": None if step == 0 else 1000.0 + step, "mfu": None}
+        if step % 10 == 0:
+            row["val_nelbo"] = 10.5 - slope * step
+        rows.append(row)
+    if resumed_at is not None:  # a resumed run logs the steps after its checkpoint again; the last record wins
+        rows += [dict(r, loss=r["loss"] - 1) for r in rows if r["step"] > resumed_at]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_has_one_panel_per_metric_and_one_line_per_run(tmp_path):
+    _write_run(tmp_path / "mdlm", 0.2)
+    _write_run(tmp_path / "ar", 0.3, resumed_at=10)
+    fig = plot_runs([tmp_path / "mdlm", tmp_path / "ar"], tmp_path / "out" / "curves.png")
+    assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    assert [ax.get_title() for ax in fig.axes] == ["training loss (nats/token)", "validation NELBO (nats/token)",
+                                                   "learning rate", "throughput (tokens/s)"]
+    for ax in fig.axes:
+        assert [line.get_label() for line in ax.get_lines()] == ["mdlm", "ar"]
+    loss_ar = fig.axes[0].get_lines()[1]
+    assert list(loss_ar.get_xdata()) == list(range(2, 21, 2))  # step 0 has no loss; resumed steps once
+    assert loss_ar.get_ydata()[-1] == pytest.approx(10 - 0.3 * 20 - 1)  # the resumed (last) record
+    assert list(fig.axes[1].get_lines()[0].get_xdata()) == [0, 10, 20]
+    assert len(read_metrics(tmp_path / "ar")) == 11
+
+
+def test_multirun_dir_globs_and_keys(tmp_path):
+    for job in range(3):
+        _write_run(tmp_path / "sweep" / str(job), 0.1 * (job + 1))
+    (tmp_path / "sweep" / ".submitit").mkdir()
+    assert [p.name for p in expand_run_dirs([str(tmp_path / "sweep")])] == ["0", "1", "2"]
+    assert [p.name for p in expand_run_dirs([str(tmp_path / "sweep" / "[01]")])] == ["0", "1"]
+    fig = plot_runs(expand_run_dirs([str(tmp_path / "sweep")]), tmp_path / "s.png", keys=("loss", "val_nelbo", "lr"))
+    assert len(fig.axes) == 3 and all(len(ax.get_lines()) == 3 for ax in fig.axes)
+    assert parse_args(["run.dir=a", "run.dir=b", "out=x.png", "keys=loss,lr"]) == \
+        (["a", "b"], Path("x.png"), ("loss", "lr"))
+    with pytest.raises(DifflmError, match="unknown key"):
+        parse_args(["run.dir=a", "dir=b"])
+    with pytest.raises(DifflmError, match="no metrics.jsonl"):
+        plot_runs([tmp_path], tmp_path / "t.png")
+
+
+def test_cli_writes_the_png(tmp_path):
+    _write_run(tmp_path / "a", 0.2)
+    _write_run(tmp_path / "b", 0.25)
+    out = run_cli("difflm.plot", f"run.dir={tmp_path / 'a'}", f"run.dir={tmp_path / 'b'}",
+                  f"out={tmp_path / 'ab.png'}", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(tmp_path / "ab.png")
+    assert (tmp_path / "ab.png").read_bytes()[:8] == PNG_MAGIC
+    bad = run_cli("difflm.plot", f"run.dir={tmp_path / 'missing'}", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("difflm: error: ") and "Traceback" not in bad.stderr
