@@ -2,6 +2,8 @@
 Transformer Engine modules (``model.backend=te``, :mod:`difflm.model.te_backend`, imported lazily)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from difflm.model.transformer import Transformer
@@ -14,7 +16,8 @@ def resolve_model_config(cfg, vocab_size: int) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_heads
 
 
-def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision=None, **te_parallel) -> torch.nn.Module:
+def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int], precision=None,
+                **te_parallel) -> torch.nn.Module:
     """Build on the meta device (no memory), materialise on ``device``, then initialise with ``seed``.
 
     Args:
@@ -22,6 +25,9 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
             pure-PyTorch :class:`Transformer` (``torch``) or :class:`difflm.model.te_backend.TETransformer`
             (``te``); both start from the same weights for the same seed. ``model.compile`` compiles each block.
         causal: attention type (True for the ``ar`` objective).
+        seed: the keyed initialisation's seed; None leaves the parameters uninitialised (``device="meta"``
+            for counting parameters, or callers that initialise on the device themselves, e.g.
+            scripts/benchmark.py, where the keyed CPU draw of billions of values would dominate).
         precision: the ``precision`` config; the TE backend reads ``fp8_weights`` / ``fp8_skip_first_last``.
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).
     Returns: a model with FP32 parameters on ``device`` in train mode.
@@ -35,7 +41,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
         with torch.device("meta"):
             model = Transformer(cfg, causal=causal)
         model.to_empty(device=device)
-        model.init_weights(seed)
+        if seed is not None:
+            model.init_weights(seed)
     if getattr(cfg, "compile", False):
         compile_blocks(model)
     return model

@@ -351,12 +351,13 @@ def fp8_layer_options(cfg_model, precision) -> dict:
     return {"bf16_layers": skip, "fp8_weights_recipe": recipe}
 
 
-def build_te_model(cfg, *, causal: bool, device: torch.device, seed: int, precision=None,
+def build_te_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int], precision=None,
                    **parallel) -> TETransformer:
     """A :class:`TETransformer` on ``device`` with the torch backend's initial weights for ``seed``.
 
     Built on the meta device and materialised with ``to_empty`` (as the torch backend), except with FP8
     weights, which TE creates on the GPU directly. ``parallel`` holds the TE process-group arguments.
+    ``seed=None`` skips the initialisation (see :func:`difflm.model.build_model`).
     Raises: DifflmError without Transformer Engine or on a non-CUDA device.
     """
     import_te()
@@ -370,7 +371,8 @@ def build_te_model(cfg, *, causal: bool, device: torch.device, seed: int, precis
     else:
         model = TETransformer(cfg, causal, device="meta", **options, **parallel)
         model.to_empty(device=device)
-    model.init_weights(seed)
+    if seed is not None:
+        model.init_weights(seed)
     return model
 
 
