@@ -45,30 +45,36 @@ the same shape, backend, precision and attention (``vs mdlm`` line).
 
 Isolation (``--isolate``, the GPU way): every row runs in its own process (``--only NAME``), at most
 ``--row-timeout`` seconds (MegaDLMs rows: ``--megadlms-timeout``), so a crash, a hang or an out-of-memory
-row prints ``NAME: failed: <reason>`` and the others still run; ``--time-budget S`` skips rows that would
-start S seconds after the call began. Rows run shape by shape (MegaDLMs, then the difflm rows of that
-shape), so a budget cut leaves whole comparisons. Each row is printed as it completes and the JSON is
-rewritten after every row. Without ``--isolate`` rows share one process (CPU tests).
+row prints ``NAME: failed: <reason>`` and the others still run; ``--time-budget S`` cuts each row's timeout
+to what is left of S seconds and starts no row with less than 30 s left (``NAME: skipped: ...``). Rows run in
+the order of the variants, each preceded by the MegaDLMs rows of its shape (S, global batch) not run yet,
+so the order of ``--variant`` decides what a budget cut leaves out. Each row is printed as it completes and
+the JSON is rewritten after every row. Without ``--isolate`` rows share one process (CPU tests); a variant
+whose overrides do not compose fails alone.
 
-GPU command (one H200, TE staged by ../shared/device/stage.sh, ``.megadlms`` carried; ~8 min):
+GPU command (issue 17 / issue 12): one H200, TE staged by ../shared/device/stage.sh in the calls just before
+(add ``--flash`` there for the last row), ``.megadlms`` carried; one call of <= 10 min (``--time-budget 550``;
+estimated: MegaDLMs rows ~70 s each, difflm mdlm rows ~35 s, bd3lm ~55 s; rows that do not fit are reported
+``skipped``, the S=4096 comparison and the bd3lm rows come first):
 
-    export PYTHONPATH=$PWD:/root/site NVTE_FRAMEWORK=pytorch
+    export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
     export CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])")
     export LD_LIBRARY_PATH=$CUDNN_HOME/lib:$LD_LIBRARY_PATH
-    python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \\
-        train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \\
-        --steps 6 --warmup 2 --row-timeout 120 --time-budget 560 --json $OUT/bench.json \\
-        --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \\
-        --variant "te-bf16: model.backend=te model.attention_backend=te" \\
-        --variant "te-fp8: model.backend=te model.attention_backend=te precision=fp8" \\
-        --variant "te-bf16-bd3lm: model.backend=te model.attention_backend=te objective=bd3lm objective.block_size=16" \\
-        --variant "te-fp8-bd3lm: model.backend=te model.attention_backend=te precision=fp8 objective=bd3lm objective.block_size=16" \\
-        --variant "te-bf16-s2048: model.backend=te model.attention_backend=te data.seq_len=2048 train.global_batch_size=32" \\
-        --variant "te-fp8-s2048: model.backend=te model.attention_backend=te precision=fp8 data.seq_len=2048 train.global_batch_size=32" \\
-        --variant "te-bf16-flash: model.backend=te model.attention_backend=flash"
+    T="model.backend=te model.attention_backend=te"; F="$T precision=fp8"
+    B="objective=bd3lm objective.block_size=16"; S="data.seq_len=2048 train.global_batch_size=32"
+    python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+      --steps 6 --warmup 2 --batches 2 --row-timeout 120 --time-budget 550 --json $OUT/bench.json \
+      --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
+      --variant "te-bf16: $T" --variant "te-fp8: $F" \
+      --variant "te-bf16-bd3lm: $T $B" --variant "te-fp8-bd3lm: $F $B" \
+      --variant "te-bf16-s2048: $T $S" --variant "te-fp8-s2048: $F $S" \
+      --variant "te-bf16-flash: model.backend=te model.attention_backend=flash"
 
-(``te-bf16-flash`` needs flash-attn 4 staged with ``stage.sh --flash`` and
-``/root/site/nvidia_cutlass_dsl/dsl_packages`` on PYTHONPATH; without it that row fails in a second.)
+Rows run: MegaDLMs BF16 and FP8 at 4096 x 16, te-bf16, te-fp8, the two bd3lm rows (block 16, S = 4096: compared
+with te-bf16 / te-fp8), MegaDLMs at 2048 x 32, the two S = 2048 rows, then ``te-bf16-flash`` (flash-attn 4 needs
+``stage.sh --flash``; without it that row fails in seconds). ``--plan`` prints this order and the child
+command lines without running anything (also on a CPU, with ``device=cpu``).
 """
 from __future__ import annotations
 
@@ -80,7 +86,6 @@ import math
 import os
 import resource
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -455,6 +460,8 @@ def _reset_te_state() -> None:
 
 # ------------------------------------------------------------------ the plan: which rows, in which order
 
+MIN_ROW_S = 30.0  # with --time-budget, a row needs at least this much time left to start
+
 
 def model_key(m) -> tuple:
     """The dimensions that make two models the same size (MegaDLMs rows match difflm rows on these)."""
@@ -505,12 +512,12 @@ def check_row(cfg, device) -> None:
     check_batch(cfg)
 
 
-def megadlms_row(p: dict, base, args) -> dict:
+def megadlms_row(p: dict, base, args, timeout: float) -> dict:
     """Run one MegaDLMs row of the plan (scripts/megadlms_baseline.py) at the base model and micro-batch."""
     mb = load_sibling("megadlms_baseline")
     shape = mb.Shape(p["seq_len"], p["global_batch"], base.train.micro_batch_size, 1, p["precision"])
     row = mb.run_row(Path(args.megadlms), shape, model_cfg=base.model, iters=args.megadlms_iters,
-                     timeout=args.megadlms_timeout, log_dir=args.log_dir)
+                     timeout=timeout, log_dir=args.log_dir)
     row.update(name=p["name"], objective="mdlm", backend="megadlms", attention="fused", compile=False,
                fp8_recipe="delayed" if p["precision"] == "fp8" else None, model=base.model.name)
     return row
@@ -534,16 +541,15 @@ def child_command(args, p: dict, json_path: Path) -> list[str]:
     return cmd
 
 
-def run_child(args, p: dict) -> dict:
-    """Plan entry ``p`` in its own process, at most ``--row-timeout`` seconds; never raises."""
+def run_child(args, p: dict, timeout: float) -> dict:
+    """Plan entry ``p`` in its own process, at most ``timeout`` seconds; never raises."""
     mb = load_sibling("megadlms_baseline")
     row = row_info(p["name"], p["cfg"], p["kind"] if p["kind"] == "reference" else "difflm", args.reference_precision)
     json_path = Path(args.log_dir) / f"{p['name']}.json"
     log_path = Path(args.log_dir) / f"{p['name']}.log"
     json_path.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **mb.NO_MULTICAST)
-    rc, seconds = mb.run_process(child_command(args, p, json_path), env, log_path, args.row_timeout,
-                                 cwd=Path.cwd())
+    rc, seconds = mb.run_process(child_command(args, p, json_path), env, log_path, timeout, cwd=Path.cwd())
     row["wall_s"] = round(seconds, 1)
     text = log_path.read_text(errors="replace")
     if json_path.exists():
@@ -553,7 +559,7 @@ def run_child(args, p: dict) -> dict:
             if json_path.with_name(f"{json_path.stem}_profile_{p['name']}.txt").exists():
                 row["profile_table"] = json_path.with_name(f"{json_path.stem}_profile_{p['name']}.txt").read_text()
     if "tokens_per_s" not in row and "error" not in row:  # no row from the child: it crashed or hung
-        why = f"timeout after {args.row_timeout:.0f} s" if rc is None else f"exit code {rc}"
+        why = f"timeout after {timeout:.0f} s" if rc is None else f"exit code {rc}"
         row["error"] = f"{why}: {mb.error_line(text)}"
         row["log_tail"] = "\n".join(text.splitlines()[-25:])
     return row
@@ -727,7 +733,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--isolate", action="store_true", help="each row in its own process (see the docstring)")
     ap.add_argument("--row-timeout", type=float, default=240, help="seconds per isolated difflm row")
-    ap.add_argument("--time-budget", type=float, default=None, help="start no row after this many seconds")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole call: each isolated row's timeout is cut to what is left, and no "
+                         f"row starts with less than {MIN_ROW_S:.0f} s left")
     ap.add_argument("--log-dir", default=None, help="per-row logs and JSON (default: a temp dir)")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one row of the plan (--isolate's children)
     ap.add_argument("--megadlms", default=None, help="MegaDLMs export (scripts/megadlms_baseline.py export)")
@@ -785,14 +793,15 @@ def main(argv=None) -> dict:
     cache: dict = {}
     isolated = args.isolate and args.only is None
     for p in plan:
+        left = math.inf if args.time_budget is None else args.time_budget - (time.monotonic() - started)
         if "error" in p:
             row = {"name": p["name"], "error": p["error"]}
-        elif args.time_budget is not None and time.monotonic() - started > args.time_budget:
+        elif left < MIN_ROW_S:
             row = {"name": p["name"], "skipped": True, "error": f"time budget ({args.time_budget:.0f} s) spent"}
         elif p["kind"] == "megadlms":
-            row = megadlms_row(p, base, args)
+            row = megadlms_row(p, base, args, timeout=min(args.megadlms_timeout, left))
         elif isolated:
-            row = run_child(args, p)
+            row = run_child(args, p, timeout=min(args.row_timeout, left))
         else:
             row = run_in_process(p, args, device, tok, cache)
         rows.append(row)

@@ -55,10 +55,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -295,7 +295,8 @@ def cudnn_env(env: dict) -> dict:
 def child_env(megadlms: Path, base: Optional[dict] = None) -> dict:
     """The environment of MegaDLMs' processes: shim dir, then the export, then the caller's PYTHONPATH."""
     env = dict(os.environ if base is None else base)
-    path = [str(SHIM_DIR), str(megadlms)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    path = [str(SHIM_DIR), str(Path(megadlms).resolve())]
+    path += [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(":") if p]  # the run's cwd differs
     env.update(NO_MULTICAST, PYTHONPATH=":".join(path), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
                NVTE_FRAMEWORK="pytorch", TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="600")
     env.pop("WANDB_API_KEY", None)
@@ -327,6 +328,15 @@ def build_helpers(megadlms: Path, env: dict, timeout: float = 180) -> Optional[s
     if p.returncode != 0 or not target.exists():
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return f"building the dataset helpers failed (make exit {p.returncode}): {' | '.join(tail)}"
+    # Megatron's own `make` (rank 0, initialize.py) names the target with `python3-config --extension-suffix`,
+    # empty where python3-config is missing: give it an up-to-date file under that name too, so it rebuilds nothing.
+    try:
+        theirs = subprocess.run(["python3-config", "--extension-suffix"], env=env, capture_output=True, text=True,
+                                timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        theirs = ""
+    if theirs != suffix:
+        shutil.copyfile(target, folder / f"helpers_cpp{theirs}")
     return None
 
 
@@ -405,6 +415,7 @@ def run_row(megadlms: Path, shape: Shape, *, model_cfg=None, preset: str = "1.7b
     from difflm.errors import DifflmError
     from difflm.training.flops import flops_per_token
 
+    megadlms = Path(megadlms).resolve()  # the run's cwd is its log folder
     row = {"name": row_name(shape), "system": "megadlms", "precision": shape.precision, "seq_len": shape.seq_len,
            "global_batch": shape.global_batch, "micro_batch": shape.micro_batch, "gpus": shape.gpus,
            "model": model_cfg.name if model_cfg is not None else preset}
@@ -473,8 +484,6 @@ def export(git_dir: Path, out: Path, commit: str = "HEAD") -> dict:
     """Write ``commit`` of the MegaDLMs mirror ``git_dir`` (a bare repository) into ``out``: the pretraining
     path only (:data:`EXPORT_PATHS` minus :data:`EXPORT_SKIP`), plus ``MEGADLMS_SOURCE.json`` (commit, files,
     bytes). Replaces an earlier export's files. Returns that record. Raises DifflmError when git fails."""
-    import shutil
-
     from difflm.errors import DifflmError
 
     try:

@@ -221,7 +221,7 @@ def test_megatron_accepts_the_flags(tmp_path):
         "pytorch/attention/__init__.py": "from . import rope\n",
         "pytorch/attention/rope.py": "calls = []\nclass FusedRoPEFunc:\n    @staticmethod\n"
                                      "    def apply(*args):\n        calls.append(args)\n        return args[0]\n",
-        "pytorch/utils.py": "class SplitAlongDim:\n    pass\n",
+        "pytorch/utils.py": "class SplitAlongDim:\n    @staticmethod\n    def apply(*args):\n        return args\n",
         **{f"pytorch/{name}.py": auto for name in ("distributed", "cpu_offload", "float8_tensor", "fp8", "graph",
                                                    "cpp_extensions")},
         "pytorch/optimizers/__init__.py": auto, "pytorch/module/__init__.py": auto, "pytorch/module/base.py": auto,
