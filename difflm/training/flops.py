@@ -57,8 +57,8 @@ def bd3lm_flops_per_token(num_params_non_embedding: int, num_layers: int, hidden
 
     Per data token (``L`` per sequence, what ``tokens/s`` counts in the trainer and the benchmark): the
     per-sequence total / L. For ``model=1.7b``, L = 4096, block 16: 2.18e10, 1.73x MDLM's 1.26e10 at the
-    same L (the dense-attention count would be 3.02e10). ``block_size = L`` gives MDLM's attention term
-    and twice its linear FLOPs, the cost of the clean copy.
+    same L (the dense-attention count would be 3.02e10). At ``block_size = L`` the noisy half attends within
+    itself (MDLM) and the clean half within itself: twice MDLM's FLOPs less one LM head (6 N_head).
     """
     head = vocab_size * hidden_size
     return 12.0 * (num_params_non_embedding - head) + 6.0 * head + 12.0 * num_layers * hidden_size * (seq_len + block_size)
