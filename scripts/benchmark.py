@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training-step throughput of difflm's model against a plain eager PyTorch reference, in one process.
+"""Training-step throughput of difflm's model against MegaDLMs and a plain eager PyTorch reference, in one call.
 
     python scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=4 precision=bf16 \\
         --variant "torch-compile: model.compile=true" \\
@@ -8,32 +8,86 @@
 
 Positional arguments are Hydra overrides of ``conf/train.yaml`` (composed with ``hydra.compose``,
 the same schema and checks as ``difflm-train``); each ``--variant "NAME: overrides"`` adds a row composed
-from the base overrides plus its own (without ``--variant`` the base config is the one row).
+from the base overrides plus its own (without ``--variant`` the base config is the one row). A variant may
+change the shape (``data.seq_len``, ``train.global_batch_size``) and the objective (``objective=bd3lm``).
 
-Every row runs real training steps of the same model code (:func:`difflm.model.build_model`'s classes) on
-synthetic tokens: the configured objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed) on
+Every row runs real training steps of the same model code (:func:`difflm.model.build_model`) on synthetic
+tokens: the row's objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed; BD3-LM: the ``2 L``
+tokens ``[x_t ; x_0]`` with the block-causal mask and positions, passed as the trainer passes them) on
 ``--batches`` batches drawn once and kept on the device, so the timed loop does no host work; the model's
 logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping; the
 run's AdamW (fused on CUDA). One timed step is one optimizer step over ``train.global_batch_size`` sequences,
-accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. ``reference`` is the baseline written below: a plain eager PyTorch
+accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. Weights are drawn on the
+device (Megatron-style, :func:`fast_init`), not by the trainer's keyed CPU init, which would take longer
+than the measurement at 1.7B. ``reference`` is the baseline written below: a plain eager PyTorch
 transformer of the same dimensions (separate nn.Linear q/k/v/o, SwiGLU MLP, nn.RMSNorm, SDPA, full-vocab
-LM head with cross-entropy at every position, fused AdamW), at BF16 autocast on CUDA (FP32 on CPU).
+LM head with cross-entropy at every position, fused AdamW), at BF16 autocast on CUDA (FP32 on CPU), at the
+base shape and objective (``--no-reference`` leaves it out).
 
 Timing: ``--warmup`` steps (compilation, autotuning, FP8 scaling history), then ``--steps`` steps between
-two CUDA events. MFU = tokens/s x (6 N + 12 L d S) / peak, N without the input embedding
-(:func:`difflm.training.flops.flops_per_token`, PaLM appendix B), peak = 989 TFLOP/s dense BF16 on
-H100/H200 (:data:`difflm.training.flops.PEAK_TFLOPS_BF16`), also for FP8 rows so that rows compare.
-Prints one table and writes JSON (``--json``). ``--profile NAME`` adds a torch.profiler table of the
-top kernels of that row (printed and written next to the JSON).
+two CUDA events. Tokens/s counts the data tokens, ``train.global_batch_size x data.seq_len`` per step (also
+for bd3lm, whose model sees twice as many). MFU = tokens/s x FLOPs per token / peak, with
+:func:`difflm.training.flops.objective_flops_per_token` (the trainer's count): PaLM's 6 N + 12 L d S (N
+without the input embedding, appendix B) and, for ``bd3lm``, the FLOPs of its 2 L tokens under the
+block-causal mask (:func:`difflm.training.flops.bd3lm_flops_per_token` says how they are counted); peak =
+989 TFLOP/s dense BF16 on H100/H200 (:data:`difflm.training.flops.PEAK_TFLOPS_BF16`), also for FP8 rows so
+that rows compare. ``--profile NAME`` adds a torch.profiler table of the top kernels of that row (printed
+and written next to the JSON).
+
+MegaDLMs in the same call (``--megadlms DIR``, an export made by ``scripts/megadlms_baseline.py export``):
+its own pretraining at the base model's dimensions and micro-batch, one GPU, for each ``--megadlms-shapes``
+(``S x global batch``) and ``--megadlms-precisions`` (bf16, FP8 hybrid), timed from its log (median of
+iterations 6-16; scripts/megadlms_baseline.py). Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
+MegaDLMs' at the same model, S, global and micro batch and precision (bf16 or fp8) measured in this call,
+and the end of the output has the issue-17 table (MegaDLMs BF16 / FP8 | difflm TE BF16 / FP8, tokens/s,
+MFU, ratio; the fastest TE mdlm row of each precision, named). bd3lm rows are compared with the mdlm row of
+the same shape, backend, precision and attention (``vs mdlm`` line).
+
+Isolation (``--isolate``, the GPU way): every row runs in its own process (``--only NAME``), at most
+``--row-timeout`` seconds (MegaDLMs rows: ``--megadlms-timeout``), so a crash, a hang or an out-of-memory
+row prints ``NAME: failed: <reason>`` and the others still run; ``--time-budget S`` cuts each row's timeout
+to what is left of S seconds and starts no row with less than 30 s left (``NAME: skipped: ...``). Rows run in
+the order of the variants, each preceded by the MegaDLMs rows of its shape (S, global batch) not run yet,
+so the order of ``--variant`` decides what a budget cut leaves out. Each row is printed as it completes and
+the JSON is rewritten after every row. Without ``--isolate`` rows share one process (CPU tests); a variant
+whose overrides do not compose fails alone.
+
+GPU command (issue 17 / issue 12): one H200, TE staged by ../shared/device/stage.sh in the calls just before
+(add ``--flash`` there for the last row), ``.megadlms`` carried; one call of <= 10 min (``--time-budget 550``;
+estimated: MegaDLMs rows ~70 s each, difflm mdlm rows ~35 s, bd3lm ~55 s; rows that do not fit are reported
+``skipped``, the S=4096 comparison and the bd3lm rows come first):
+
+    export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
+    export CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])")
+    export LD_LIBRARY_PATH=$CUDNN_HOME/lib:$LD_LIBRARY_PATH
+    T="model.backend=te model.attention_backend=te"; F="$T precision=fp8"
+    B="objective=bd3lm objective.block_size=16"; S="data.seq_len=2048 train.global_batch_size=32"
+    python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+      --steps 6 --warmup 2 --batches 2 --row-timeout 120 --time-budget 550 --json $OUT/bench.json \
+      --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
+      --variant "te-bf16: $T" --variant "te-fp8: $F" \
+      --variant "te-bf16-bd3lm: $T $B" --variant "te-fp8-bd3lm: $F $B" \
+      --variant "te-bf16-s2048: $T $S" --variant "te-fp8-s2048: $F $S" \
+      --variant "te-bf16-flash: model.backend=te model.attention_backend=flash"
+
+Rows run: MegaDLMs BF16 and FP8 at 4096 x 16, te-bf16, te-fp8, the two bd3lm rows (block 16, S = 4096: compared
+with te-bf16 / te-fp8), MegaDLMs at 2048 x 32, the two S = 2048 rows, then ``te-bf16-flash`` (flash-attn 4 needs
+``stage.sh --flash``; without it that row fails in seconds). ``--plan`` prints this order and the child
+command lines without running anything (also on a CPU, with ``device=cpu``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
+import os
 import resource
+import shlex
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -41,17 +95,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS.parent))
 
 from difflm.config import CONF_DIR  # noqa: E402
 from difflm.config.validate import check_batch, check_choices, check_model, check_precision, resolve_device  # noqa: E402
 from difflm.errors import DifflmError  # noqa: E402
-from difflm.model import compile_blocks, resolve_model_config  # noqa: E402
-from difflm.model.transformer import Transformer  # noqa: E402
+from difflm.model import build_model, resolve_model_config  # noqa: E402
 from difflm.objectives import build_objective, weighted_ce_sum  # noqa: E402
-from difflm.training.flops import flops_per_token, mfu, peak_flops  # noqa: E402
+from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
-from difflm.training.precision import autocast_context, precision_name  # noqa: E402
+from difflm.training.precision import autocast_context  # noqa: E402
 
 # ------------------------------------------------------------------ the eager reference
 
@@ -136,6 +190,28 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name.strip(), rest.split()
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"4096x16,2048x32"`` -> [(4096, 16), (2048, 32)] (sequence length x global batch)."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        s, sep, g = part.partition("x")
+        if not sep or not s.isdigit() or not g.isdigit():
+            raise DifflmError(f"--megadlms-shapes {text!r}: each shape is SEQxGLOBAL_BATCH, e.g. 4096x16")
+        shapes.append((int(s), int(g)))
+    return shapes
+
+
+def load_sibling(name: str):
+    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    key = f"difflm_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 @torch.no_grad()
 def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
     """Megatron-style init drawn on the model's device (the keyed CPU init is slow for billions of
@@ -146,25 +222,17 @@ def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
             continue  # TE FP8 weights (precision.fp8_weights): initialised by TE
         if "norm" in name:
             p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
         else:
             p.normal_(0.0, scaled if name.endswith(("proj.weight", "fc2_weight", "o.weight", "w2.weight")) else std)
 
 
 def build_variant_model(cfg, causal: bool, device: torch.device) -> nn.Module:
-    """The model of ``cfg.model`` (torch or TE backend), materialised on ``device`` with :func:`fast_init`."""
-    from difflm.model.kernels import build_kernels
-
-    m = cfg.model
-    kernels = build_kernels(m, "meta", cfg.precision)
-    fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
-    if fp8_weights:  # TE creates FP8 weights on the GPU directly
-        kernels.device = device
-    model = Transformer(m, causal=causal, kernels=kernels)
-    if not fp8_weights:
-        model.to_empty(device=device)
-    fast_init(model, m.init_std, m.num_layers)
-    if getattr(m, "compile", False):
-        compile_blocks(model)
+    """The model of ``cfg.model`` through the public :func:`difflm.model.build_model` (any backend, compiled
+    blocks with ``model.compile``), left uninitialised there and filled by :func:`fast_init` on ``device``."""
+    model = build_model(cfg.model, causal=causal, device=device, seed=None, precision=cfg.precision)
+    fast_init(model, cfg.model.init_std, cfg.model.num_layers)
     return model
 
 
@@ -284,7 +352,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
         loss = 0.0
         for batch in micro:
             with autocast_context(precision, device):
-                logits = model(batch.input_ids, batch.loss_mask)
+                logits = model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
             micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, global_batch)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
@@ -295,10 +363,9 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    m = cfg.model
     n = model.num_params()
     return {"n_params_non_embedding": n, "step": step, "model": model, "optimizer": optimizer,
-            "flops_per_token": flops_per_token(n, m.num_layers, m.hidden_size, cfg.data.seq_len)}
+            "flops_per_token": objective_flops_per_token(cfg.objective, cfg.model, n, cfg.data.seq_len)}
 
 
 def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> dict:
@@ -334,12 +401,22 @@ def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> di
             "flops_per_token": flops_per_token(n, m.num_layers, m.hidden_size, cfg.data.seq_len)}
 
 
-def measure(name: str, cfg, device, batches, args, build) -> dict:
-    row = {"name": name, "backend": "reference" if name == "reference" else cfg.model.backend,
-           "precision": args.reference_precision if name == "reference" else precision_name(cfg.precision),
-           "fp8_recipe": cfg.precision.fp8_recipe if cfg.precision.name == "fp8" and name != "reference" else None,
-           "attention": "sdpa" if name == "reference" else cfg.model.attention_backend,
-           "compile": bool(cfg.model.get("compile", False)) and name != "reference"}
+
+
+def row_info(name: str, cfg, system: str, reference_precision: str = "bf16") -> dict:
+    """The descriptive columns of a row (what was measured, not how fast)."""
+    ref = system == "reference"
+    m = cfg.model
+    return {"name": name, "system": system, "objective": cfg.objective.name,
+            "backend": "reference" if ref else m.backend, "precision": reference_precision if ref else cfg.precision.name,
+            "fp8_recipe": cfg.precision.fp8_recipe if cfg.precision.name == "fp8" and not ref else None,
+            "attention": "sdpa" if ref else m.attention_backend, "compile": bool(m.get("compile", False)) and not ref,
+            "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch_size,
+            "micro_batch": cfg.train.micro_batch_size, "model": m.name}
+
+
+def measure(row: dict, cfg, device, batches, args, build) -> dict:
+    """Time one row (``build`` returns its step); a failure is recorded in ``row["error"]``, never raised."""
     state = None
     try:
         if device.type == "cuda":
@@ -354,7 +431,7 @@ def measure(name: str, cfg, device, batches, args, build) -> dict:
                    n_params_non_embedding=state["n_params_non_embedding"], flops_per_token=state["flops_per_token"])
         if not math.isfinite(loss):
             row["error"] = f"non-finite loss {loss}"
-        if name in args.profile:
+        if row["name"] in args.profile:
             table, shares = profile_step(state["step"], batches, device, rows=30, accum=accum)
             row["kernel_shares"] = shares
             row["profile_table"] = table
@@ -381,20 +458,263 @@ def _reset_te_state() -> None:
         FP8GlobalStateManager.reset()
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'row':<22} {'backend':<9} {'prec':<5} {'recipe':<8} {'attn':<5} {'cmp':<3} {'step ms':>9} " \
-           f"{'tokens/s':>10} {'MFU':>6} {'mem GiB':>8} {'vs ref':>7} {'loss':>7}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if "error" in r and "tokens_per_s" not in r:
-            lines.append(f"{r['name']:<22} {r['backend']:<9} {r['precision']:<5} FAILED: {r['error'][:110]}")
+# ------------------------------------------------------------------ the plan: which rows, in which order
+
+MIN_ROW_S = 30.0  # with --time-budget, a row needs at least this much time left to start
+
+
+def model_key(m) -> tuple:
+    """The dimensions that make two models the same size (MegaDLMs rows match difflm rows on these)."""
+    return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, bool(m.qk_norm),
+            bool(m.tie_embeddings), m.vocab_size)
+
+
+def plan_rows(args, base, vocab_size: int) -> list[dict]:
+    """Every row of the call, in running order: ``reference``; then the variants in the order given, each
+    preceded by the MegaDLMs rows of its shape (S, global batch) that have not run yet; then MegaDLMs rows
+    of shapes no variant has. Each entry: name, kind (reference | variant | megadlms), cfg (composed, model
+    resolved) or shape, and for variants the extra overrides. Config errors become rows with ``error``."""
+    plan = []
+    if not args.no_reference:
+        plan.append({"name": "reference", "kind": "reference", "extra": [], "cfg": compose(args.overrides)})
+    pending = []
+    for seq, gb in args.megadlms_shapes:
+        for prec in args.megadlms_precisions:
+            pending.append({"name": f"megadlms-{prec}-s{seq}-gb{gb}", "kind": "megadlms", "seq_len": seq,
+                            "global_batch": gb, "precision": prec})
+    for name, extra in args.variants:
+        try:
+            cfg = compose(args.overrides + extra)
+        except Exception as e:  # noqa: BLE001 - a bad override fails its row, not the call
+            plan.append({"name": name, "kind": "variant", "extra": extra, "error": f"{type(e).__name__}: {e}"})
             continue
-        mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        ratio = f"{r['ratio_to_reference']:.3f}" if r.get("ratio_to_reference") is not None else "-"
-        lines.append(f"{r['name']:<22} {r['backend']:<9} {r['precision']:<5} {str(r['fp8_recipe'] or '-'):<8} "
-                     f"{r['attention']:<5} {'y' if r['compile'] else 'n':<3} {r['step_ms']:>9.1f} "
-                     f"{r['tokens_per_s']:>10.0f} {mfu_s:>6} {r['peak_mem_gib']:>8.1f} {ratio:>7} {r['loss']:>7.3f}")
+        entry = {"name": name, "kind": "variant", "extra": extra, "cfg": cfg}
+        shape = (cfg.data.seq_len, cfg.train.global_batch_size)
+        plan += [p for p in pending if (p["seq_len"], p["global_batch"]) == shape]
+        pending = [p for p in pending if (p["seq_len"], p["global_batch"]) != shape]
+        plan.append(entry)
+    plan += pending
+    for p in plan:
+        if "cfg" in p:
+            resolve_model_config(p["cfg"].model, vocab_size)
+    names = [p["name"] for p in plan]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DifflmError(f"row names must be unique: {', '.join(dup)} (rename a --variant)")
+    return plan
+
+
+def check_row(cfg, device) -> None:
+    """The config checks of one row (difflm-train's); raises DifflmError."""
+    check_choices(cfg)
+    check_model(cfg.model)
+    check_precision(cfg, device, training=False)
+    check_batch(cfg)
+
+
+def megadlms_row(p: dict, base, args, timeout: float) -> dict:
+    """Run one MegaDLMs row of the plan (scripts/megadlms_baseline.py) at the base model and micro-batch."""
+    mb = load_sibling("megadlms_baseline")
+    shape = mb.Shape(p["seq_len"], p["global_batch"], base.train.micro_batch_size, 1, p["precision"])
+    row = mb.run_row(Path(args.megadlms), shape, model_cfg=base.model, iters=args.megadlms_iters,
+                     timeout=timeout, log_dir=args.log_dir)
+    row.update(name=p["name"], objective="mdlm", backend="megadlms", attention="fused", compile=False,
+               fp8_recipe="delayed" if p["precision"] == "fp8" else None, model=base.model.name)
+    return row
+
+
+# ------------------------------------------------------------------ running the rows
+
+
+def child_command(args, p: dict, json_path: Path) -> list[str]:
+    """The ``--only`` command line that runs plan entry ``p`` alone in a fresh process."""
+    cmd = [sys.executable, str(SCRIPTS / "benchmark.py"), *args.overrides, "--only", p["name"], "--json", str(json_path),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batches", str(args.batches),
+           "--seed", str(args.seed), "--reference-precision", args.reference_precision,
+           "--profile-rows", str(args.profile_rows)]
+    if p["kind"] == "variant":
+        cmd += ["--no-reference", "--variant", f"{p['name']}: {' '.join(p['extra'])}"]
+    if p["name"] in args.profile:
+        cmd += ["--profile", p["name"]]
+    if args.traceback:
+        cmd.append("--traceback")
+    return cmd
+
+
+def run_child(args, p: dict, timeout: float) -> dict:
+    """Plan entry ``p`` in its own process, at most ``timeout`` seconds; never raises."""
+    mb = load_sibling("megadlms_baseline")
+    row = row_info(p["name"], p["cfg"], p["kind"] if p["kind"] == "reference" else "difflm", args.reference_precision)
+    json_path = Path(args.log_dir) / f"{p['name']}.json"
+    log_path = Path(args.log_dir) / f"{p['name']}.log"
+    json_path.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **mb.NO_MULTICAST)
+    rc, seconds = mb.run_process(child_command(args, p, json_path), env, log_path, timeout, cwd=Path.cwd())
+    row["wall_s"] = round(seconds, 1)
+    text = log_path.read_text(errors="replace")
+    if json_path.exists():
+        rows = json.loads(json_path.read_text()).get("rows", [])
+        if rows:
+            row.update(rows[0])
+            if json_path.with_name(f"{json_path.stem}_profile_{p['name']}.txt").exists():
+                row["profile_table"] = json_path.with_name(f"{json_path.stem}_profile_{p['name']}.txt").read_text()
+    if "tokens_per_s" not in row and "error" not in row:  # no row from the child: it crashed or hung
+        why = f"timeout after {timeout:.0f} s" if rc is None else f"exit code {rc}"
+        row["error"] = f"{why}: {mb.error_line(text)}"
+        row["log_tail"] = "\n".join(text.splitlines()[-25:])
+    return row
+
+
+def run_in_process(p: dict, args, device, tok, cache: dict) -> dict:
+    """Plan entry ``p`` in this process (batches shared between rows of the same objective and shape)."""
+    cfg = p["cfg"]
+    row = row_info(p["name"], cfg, p["kind"] if p["kind"] == "reference" else "difflm", args.reference_precision)
+    try:
+        check_row(cfg, device)
+        objective = build_objective(cfg.objective, tok.mask_id)
+        key = (json.dumps(dict(cfg.objective), sort_keys=True, default=str), cfg.data.seq_len, cfg.train.micro_batch_size)
+        if key not in cache:
+            cache[key] = make_batches(cfg, objective, len(tok.tokenizer), args.batches, device, args.seed)
+    except DifflmError as e:
+        row["error"] = str(e)
+        return row
+    if p["kind"] == "reference":
+        build = lambda: run_reference_row(cfg, device, objective.causal, args.reference_precision)  # noqa: E731
+    else:
+        build = lambda: run_difflm_row(cfg, device, objective.causal)  # noqa: E731
+    return measure(row, cfg, device, cache[key], args, build)
+
+
+# ------------------------------------------------------------------ comparisons and tables
+
+
+def add_ratios(rows: list[dict], plan: list[dict]) -> None:
+    """``ratio_to_reference`` (same shape and objective as ``reference``), ``ratio_to_megadlms`` (same model,
+    S, global and micro batch, precision) and, for bd3lm rows, ``ratio_to_mdlm`` (the mdlm row of the same
+    shape, backend, precision, recipe, attention and compile), all from rows of this call."""
+    keys = {p["name"]: model_key(p["cfg"].model) for p in plan if "cfg" in p}
+    base_key = next(iter(keys.values()), None)
+    ok = [r for r in rows if "tokens_per_s" in r]
+
+    def shape(r):
+        return (r["seq_len"], r["global_batch"], r["micro_batch"])
+
+    ref = next((r for r in ok if r["name"] == "reference"), None)
+    mega = {(shape(r), r["precision"]): r for r in ok if r["system"] == "megadlms"}
+    for r in ok:
+        if r["system"] == "megadlms":
+            continue
+        if ref is not None and shape(r) == shape(ref) and r["objective"] == ref["objective"]:
+            r["ratio_to_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        m = mega.get((shape(r), r["precision"]))
+        if m is not None and r["objective"] == "mdlm" and r["system"] == "difflm" and keys.get(r["name"]) == base_key:
+            r["ratio_to_megadlms"] = r["tokens_per_s"] / m["tokens_per_s"]
+        if r["objective"] == "bd3lm":
+            same = ("backend", "precision", "fp8_recipe", "attention", "compile")
+            twin = next((o for o in ok if o["objective"] == "mdlm" and o["system"] == "difflm" and shape(o) == shape(r)
+                         and all(o[k] == r[k] for k in same) and keys.get(o["name"]) == keys.get(r["name"])), None)
+            if twin is not None:
+                r["mdlm_row"] = twin["name"]
+                r["ratio_to_mdlm"] = r["tokens_per_s"] / twin["tokens_per_s"]
+
+
+def _x(value) -> str:
+    return f"{value:.3f}" if value is not None else "-"
+
+
+def format_row_line(r: dict) -> str:
+    """One table line, or ``NAME: failed: <reason>`` / ``NAME: skipped: <reason>``."""
+    if "tokens_per_s" not in r:
+        status = "skipped" if r.get("skipped") else "failed"
+        return f"{r['name']}: {status}: {r.get('error', '?')}"
+    mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+    mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
+    loss = f"{r['loss']:.3f}" if r.get("loss") is not None else "-"
+    line = (f"{r['name']:<24} {r.get('objective', '-'):<6} {r['backend']:<9} {r['precision']:<5} "
+            f"{str(r.get('fp8_recipe') or '-'):<8} {r.get('attention', '-'):<5} {'y' if r.get('compile') else 'n':<3} "
+            f"{r['seq_len']:>5} {r['global_batch']:>4} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {mfu_s:>6} "
+            f"{mem:>7} {_x(r.get('ratio_to_reference')):>7} {_x(r.get('ratio_to_megadlms')):>8} {loss:>7}")
+    return line + (f"  [{r['note']}]" if r.get("note") else "")
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'row':<24} {'obj':<6} {'backend':<9} {'prec':<5} {'recipe':<8} {'attn':<5} {'cmp':<3} {'S':>5} {'GB':>4} "
+            f"{'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'mem GiB':>7} {'vs ref':>7} {'vs MgDLM':>8} {'loss':>7}")
+    return "\n".join([head, "-" * len(head)] + [format_row_line(r) for r in rows])
+
+
+def _cell(r) -> str:
+    if r is None:
+        return "-"
+    mfu_s = f" ({100 * r['mfu']:.1f} %)" if r.get("mfu") is not None else ""
+    return f"{r['tokens_per_s'] / 1e3:.1f} k{mfu_s}"
+
+
+def megadlms_table(rows: list[dict], shapes: list[tuple[int, int]]) -> str:
+    """Issue 17's table: per shape, MegaDLMs BF16 / FP8 and the fastest TE mdlm row of each precision with its
+    ratio against MegaDLMs at the same precision (rows of this call only)."""
+    ok = [r for r in rows if "tokens_per_s" in r]
+    lines = ["| S, global batch | MegaDLMs BF16 | MegaDLMs FP8 hybrid | difflm TE BF16, same shape | difflm TE FP8, same shape |",
+             "|---|---|---|---|---|"]
+    for seq, gb in shapes:
+        cells = []
+        for prec in ("bf16", "fp8"):
+            cells.append(next((r for r in ok if r["system"] == "megadlms" and r["precision"] == prec
+                               and (r["seq_len"], r["global_batch"]) == (seq, gb)), None))
+        for prec in ("bf16", "fp8"):
+            cand = [r for r in ok if r["system"] == "difflm" and r["backend"] == "te" and r["objective"] == "mdlm"
+                    and r["precision"] == prec and (r["seq_len"], r["global_batch"]) == (seq, gb)
+                    and r.get("ratio_to_megadlms") is not None]
+            best = max(cand, key=lambda r: r["tokens_per_s"], default=None)
+            cells.append(best)
+        text = [_cell(c) for c in cells[:2]]
+        for c in cells[2:]:
+            text.append("-" if c is None else f"{_cell(c)} = {c['ratio_to_megadlms']:.3f}x [{c['name']}]")
+        lines.append(f"| {seq}, {gb} | " + " | ".join(text) + " |")
     return "\n".join(lines)
+
+
+def bd3lm_lines(rows: list[dict]) -> list[str]:
+    """One line per bd3lm row: its figures, the FLOPs count used, and the mdlm row of the same settings."""
+    by_name = {r["name"]: r for r in rows}
+    out = []
+    for r in rows:
+        if r.get("objective") != "bd3lm" or "tokens_per_s" not in r:
+            continue
+        line = (f"{r['name']} (bd3lm): {_cell(r)}, {r['flops_per_token']:.3g} FLOP/token "
+                f"([x_t ; x_0] under the block-causal mask, difflm.training.flops.bd3lm_flops_per_token)")
+        twin = by_name.get(r.get("mdlm_row"))
+        if twin is not None:
+            line += (f" | {twin['name']} (mdlm): {_cell(twin)}, {twin['flops_per_token']:.3g} FLOP/token"
+                     f" | tokens/s bd3lm / mdlm = {r['ratio_to_mdlm']:.3f}x")
+        out.append(line)
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def result_record(args, base, device_name: str, vocab_size: int, rows: list[dict]) -> dict:
+    return {
+        "device": device_name, "torch": torch.__version__, "peak_tflops": args.peak / 1e12 if args.peak else None,
+        "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+        "micro_batch_size": base.train.micro_batch_size, "global_batch_size": base.train.global_batch_size,
+        "accumulation": base.train.global_batch_size // base.train.micro_batch_size, "seq_len": base.data.seq_len,
+        "vocab_size": vocab_size, "model": base.model.name, "objective": base.objective.name,
+        "megadlms": args.megadlms, "megadlms_shapes": [list(s) for s in args.megadlms_shapes],
+        "rows": [{k: v for k, v in r.items() if k != "profile_table"} for r in rows],
+    }
+
+
+def write_json(args, record: dict, rows: list[dict]) -> None:
+    if not args.json:
+        return
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+    for r in rows:
+        if "profile_table" in r:
+            path.with_name(f"{path.stem}_profile_{r['name']}.txt").write_text(r["profile_table"])
 
 
 def main(argv=None) -> dict:
@@ -411,78 +731,102 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-rows", type=int, default=12, help="kernels printed per profile (files hold 30)")
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failing rows")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--isolate", action="store_true", help="each row in its own process (see the docstring)")
+    ap.add_argument("--row-timeout", type=float, default=240, help="seconds per isolated difflm row")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole call: each isolated row's timeout is cut to what is left, and no "
+                         f"row starts with less than {MIN_ROW_S:.0f} s left")
+    ap.add_argument("--log-dir", default=None, help="per-row logs and JSON (default: a temp dir)")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one row of the plan (--isolate's children)
+    ap.add_argument("--megadlms", default=None, help="MegaDLMs export (scripts/megadlms_baseline.py export)")
+    ap.add_argument("--megadlms-shapes", default=None, help="SEQxGLOBAL_BATCH,... (default: the base shape)")
+    ap.add_argument("--megadlms-precisions", default="bf16,fp8")
+    ap.add_argument("--megadlms-timeout", type=float, default=180, help="seconds per MegaDLMs row")
+    ap.add_argument("--megadlms-iters", type=int, default=16)
+    ap.add_argument("--plan", action="store_true", help="print the rows (and child commands) and exit")
     args = ap.parse_args(argv)
     args.profile = {p for p in args.profile.split(",") if p}
     if args.steps < 1 or args.warmup < 0 or args.batches < 1:
         raise DifflmError("--steps must be >= 1, --warmup >= 0 and --batches >= 1")
+    args.variants = [parse_variant(v) for v in args.variant] or [("difflm", [])]
+    args.megadlms_precisions = [p for p in args.megadlms_precisions.split(",") if p]
+    if any(p not in ("bf16", "fp8") for p in args.megadlms_precisions):
+        raise DifflmError(f"--megadlms-precisions {','.join(args.megadlms_precisions)}: each is bf16 or fp8")
+    started = time.monotonic()
 
     base = compose(args.overrides)
     check_choices(base)
-    accum = check_batch(base)  # micro-batches per optimizer step (train.global_batch_size / micro_batch_size)
+    check_batch(base)
     device = resolve_device(base.device)
     args.peak = peak_flops(device)
     if args.reference_precision is None:
         args.reference_precision = "bf16" if device.type == "cuda" else "fp32"
     if args.reference_precision not in ("bf16", "fp32"):
         raise DifflmError(f"--reference-precision={args.reference_precision!r} is not one of: bf16, fp32")
+    args.megadlms_shapes = ([] if not args.megadlms else parse_shapes(args.megadlms_shapes) if args.megadlms_shapes
+                            else [(base.data.seq_len, base.train.global_batch_size)])
     from difflm.data import build_tokenizer
 
     tok = build_tokenizer(base.data.tokenizer, base.model.vocab_multiple)
-    variants = [parse_variant(v) for v in args.variant] or [("difflm", [])]
-    objective = build_objective(base.objective, tok.mask_id)
-    batches = make_batches(base, objective, len(tok.tokenizer), args.batches, device, args.seed)
+    resolve_model_config(base.model, tok.padded_vocab_size)
+    plan = plan_rows(args, base, tok.padded_vocab_size)
+    if args.only is not None:
+        plan = [p for p in plan if p["name"] == args.only and p["kind"] != "megadlms"]
+        if not plan:
+            raise DifflmError(f"--only {args.only}: no such difflm row")
+    if args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix="difflm_bench_")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    if args.plan:
+        for p in plan:
+            if "error" in p:
+                what = f"failed: {p['error']}"
+            elif p["kind"] == "megadlms":
+                what = f"MegaDLMs S={p['seq_len']} global batch {p['global_batch']} {p['precision']}"
+            else:
+                what = shlex.join(child_command(args, p, Path(args.log_dir) / f"{p['name']}.json"))
+            print(f"{p['name']}: {what}")
+        return {"plan": [p["name"] for p in plan]}
 
-    rows = []
-    if not args.no_reference:
-        ref_cfg = compose(args.overrides)
-        resolve_model_config(ref_cfg.model, tok.padded_vocab_size)
-        rows.append(measure("reference", ref_cfg, device, batches, args,
-                            lambda: run_reference_row(ref_cfg, device, objective.causal, args.reference_precision)))
-    for name, extra in variants:
-        cfg = compose(args.overrides + extra)
-        try:
-            check_choices(cfg)
-            check_model(cfg.model)
-            check_precision(cfg, device, training=False)
-            for key in ("micro_batch_size", "global_batch_size"):
-                if cfg.train[key] != base.train[key] or cfg.data.seq_len != base.data.seq_len:
-                    raise DifflmError(f"--variant {name}: train.micro_batch_size, train.global_batch_size and data.seq_len "
-                                      "must match the base overrides (the batches are shared)")
-        except DifflmError as e:
-            rows.append({"name": name, "backend": cfg.model.backend, "precision": cfg.precision.name, "error": str(e)})
-            continue
-        resolve_model_config(cfg.model, tok.padded_vocab_size)
-        rows.append(measure(name, cfg, device, batches, args, lambda: run_difflm_row(cfg, device, objective.causal)))
-
-    ref = next((r for r in rows if r["name"] == "reference" and "tokens_per_s" in r), None)
-    for r in rows:
-        if ref is not None and "tokens_per_s" in r:
-            r["ratio_to_reference"] = r["tokens_per_s"] / ref["tokens_per_s"]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {
-        "device": device_name, "torch": torch.__version__, "peak_tflops": args.peak / 1e12 if args.peak else None,
-        "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
-        "micro_batch_size": base.train.micro_batch_size, "global_batch_size": base.train.global_batch_size,
-        "accumulation": accum, "seq_len": base.data.seq_len,
-        "vocab_size": tok.padded_vocab_size, "model": base.model.name, "objective": base.objective.name,
-        "rows": [{k: v for k, v in r.items() if k != "profile_table"} for r in rows],
-    }
-    for r in rows:  # profiles first, the table last (the end of the output is what a log tail shows)
+    rows: list[dict] = []
+    cache: dict = {}
+    isolated = args.isolate and args.only is None
+    for p in plan:
+        left = math.inf if args.time_budget is None else args.time_budget - (time.monotonic() - started)
+        if "error" in p:
+            row = {"name": p["name"], "error": p["error"]}
+        elif left < MIN_ROW_S:
+            row = {"name": p["name"], "skipped": True, "error": f"time budget ({args.time_budget:.0f} s) spent"}
+        elif p["kind"] == "megadlms":
+            row = megadlms_row(p, base, args, timeout=min(args.megadlms_timeout, left))
+        elif isolated:
+            row = run_child(args, p, timeout=min(args.row_timeout, left))
+        else:
+            row = run_in_process(p, args, device, tok, cache)
+        rows.append(row)
+        add_ratios(rows, plan)
+        if args.only is None:
+            print(format_row_line(row), flush=True)
+            if "log_tail" in row and "tokens_per_s" not in row:
+                print("    " + "\n    ".join(row["log_tail"].splitlines()[-12:]), flush=True)
+        write_json(args, result_record(args, base, device_name, tok.padded_vocab_size, rows), rows)
+    result = result_record(args, base, device_name, tok.padded_vocab_size, rows)
+    for r in rows:  # profiles first, the tables last (the end of the output is what a log tail shows)
         if "profile_table" in r:
             print(f"\n--- profile: {r['name']} (kernel time shares {r.get('kernel_shares')}) ---\n"
                   + "\n".join(line[:160] for line in r["profile_table"].splitlines()[:args.profile_rows + 4]))
-    print(f"\n{device_name} | model={base.model.name} seq_len={base.data.seq_len} micro_batch={base.train.micro_batch_size} "
-          f"x {accum} per optimizer step "
-          f"objective={base.objective.name} | {args.steps} steps after {args.warmup} warm-up | "
-          f"MFU vs {result['peak_tflops'] or '-'} TFLOP/s")
+    print(f"\n{device_name} | model={base.model.name} micro_batch={base.train.micro_batch_size} | "
+          f"{args.steps} steps after {args.warmup} warm-up | MFU vs {result['peak_tflops'] or '-'} TFLOP/s | "
+          f"S, GB per row; MegaDLMs: median of iterations 6-{args.megadlms_iters}")
     print(format_table(rows))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        for r in rows:
-            if "profile_table" in r:
-                path.with_name(f"{path.stem}_profile_{r['name']}.txt").write_text(r["profile_table"])
+    for line in bd3lm_lines(rows):
+        print(line)
+    if args.megadlms_shapes:
+        print(f"\nMegaDLMs vs difflm, model={base.model.name}, micro-batch {base.train.micro_batch_size}, "
+              f"{device_name}, same call (tokens/s, MFU, ratio to MegaDLMs at the same precision):")
+        print(megadlms_table(rows, args.megadlms_shapes))
+    write_json(args, result, rows)
     return result
 
 
@@ -490,5 +834,5 @@ if __name__ == "__main__":
     try:
         main()
     except DifflmError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"difflm: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -218,10 +218,14 @@ def test_bd3lm_config_checks(fast_cfg):
 
 
 def test_bd3lm_trains_with_intra_document_attention(fast_cfg, tmp_path):
+    from difflm.training.flops import bd3lm_flops_per_token
     from difflm.training.trainer import Trainer
 
     cfg = fast_cfg("objective=bd3lm", "objective.block_size=8", "data.intra_document_attention=true",
                    "train.max_steps=2", "train.eval_every=2", "train.save_every=0", "device=cpu")
     trainer = Trainer(cfg, tmp_path / "run", torch.device("cpu"))
+    m = cfg.model  # MFU counts what bd3lm runs: [x_t ; x_0] under the block-causal mask (as scripts/benchmark.py)
+    assert trainer.flops_per_token == bd3lm_flops_per_token(trainer.model.num_params(), m.num_layers, m.hidden_size,
+                                                            m.vocab_size, cfg.data.seq_len, 8)
     metrics = trainer.fit()
     assert metrics["step"] == 2 and 0 < metrics["val_nelbo"] < 20

@@ -120,4 +120,83 @@ def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
     assert "model.backend=te" in rows["te"]["error"]  # refused with the config's own message, not a crash
     assert json.loads(out.read_text())["rows"][1]["tokens_per_s"] == ours["tokens_per_s"]
     printed = capsys.readouterr().out
-    assert "reference" in printed and "tokens/s" in printed and "FAILED" in printed
+    assert "reference" in printed and "tokens/s" in printed and "te: failed: " in printed
+
+
+def test_bd3lm_flops_count_the_mask_and_both_halves():
+    """12 (N - N_head) + 6 N_head + 12 L d (S + block): the linear layers over 2S tokens (head over S), attention
+    over the block-causal mask's nonzero (query, key) pairs, per data token."""
+    from difflm.model.masks import block_causal_mask
+
+    n, layers, d, vocab, s, block = 10_000_000, 4, 128, 512, 64, 16
+    mask = block_causal_mask(s, block)
+    pairs = int(mask.sum())
+    assert pairs == s * s + s * block  # of (2S)^2 = 4 S^2 dense
+    head = vocab * d
+    per_sequence = 6 * (n - head) * 2 * s + 6 * head * s + 12 * d * layers * pairs
+    assert flops.bd3lm_flops_per_token(n, layers, d, vocab, s, block) == per_sequence / s
+    # block = S: each half attends within itself, so twice MDLM's FLOPs at length S less one LM head
+    assert flops.bd3lm_flops_per_token(n, layers, d, vocab, s, s) == 2 * flops.flops_per_token(n, layers, d, s) - 6 * head
+
+
+def test_objective_flops_dispatch(fast_cfg):
+    from difflm.model import resolve_model_config
+
+    for overrides, want in (((), "palm"), (("objective=ar",), "palm"), (("objective=bd3lm", "objective.block_size=8"), "bd3lm")):
+        cfg = fast_cfg(*overrides)
+        resolve_model_config(cfg.model, 512)
+        m = cfg.model
+        got = flops.objective_flops_per_token(cfg.objective, m, 1000, cfg.data.seq_len)
+        if want == "palm":
+            assert got == flops.flops_per_token(1000, m.num_layers, m.hidden_size, cfg.data.seq_len)
+        else:
+            assert got == flops.bd3lm_flops_per_token(1000, m.num_layers, m.hidden_size, 512, cfg.data.seq_len, 8)
+
+
+def test_plan_orders_rows_by_megadlms_shape(capsys):
+    bench = load_script("benchmark")
+    out = bench.main(["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+                      "device=cpu", "--no-reference", "--plan", "--megadlms", "/nonexistent",
+                      "--megadlms-shapes", "32x4,64x8", "--variant", "a: ", "--variant", "b: data.seq_len=64 train.global_batch_size=8",
+                      "--variant", "c: objective=bd3lm objective.block_size=8", "--variant", "bad: model.nope=1"])
+    assert out["plan"] == ["megadlms-bf16-s32-gb4", "megadlms-fp8-s32-gb4", "a", "megadlms-bf16-s64-gb8",
+                           "megadlms-fp8-s64-gb8", "b", "c", "bad"]
+    printed = capsys.readouterr().out
+    assert "bad: failed: " in printed and "--only c --json" in printed and "objective=bd3lm" in printed
+
+
+def test_megadlms_rows_and_ratios_in_one_call(tmp_path, capsys):
+    """Fake MegaDLMs export (scripts print Megatron's iteration lines under torchrun) next to CPU difflm rows:
+    the ratio is difflm tokens/s over MegaDLMs' at the same shape and precision, from this call."""
+    from test_megadlms_baseline import make_fake_export
+
+    bench = load_script("benchmark")
+    export = make_fake_export(tmp_path / "export")
+    result = bench.main(["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+                         "device=cpu", "precision=bf16", "--steps", "1", "--warmup", "0", "--batches", "2",
+                         "--no-reference", "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "b.json"),
+                         "--megadlms", str(export), "--megadlms-precisions", "bf16", "--megadlms-timeout", "120",
+                         "--variant", "mdlm: ", "--variant", "bd3lm: objective=bd3lm objective.block_size=8"])
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["megadlms-bf16-s32-gb4", "mdlm", "bd3lm"]
+    mega, mdlm, bd3 = rows["megadlms-bf16-s32-gb4"], rows["mdlm"], rows["bd3lm"]
+    assert "error" not in mega, mega.get("log_tail")
+    assert mega["tokens_per_s"] == pytest.approx(4 * 32 / 1.011)  # median of iterations 6..16 of 1000 + i ms
+    assert mdlm["ratio_to_megadlms"] == pytest.approx(mdlm["tokens_per_s"] / mega["tokens_per_s"])
+    assert "ratio_to_megadlms" not in bd3 and bd3["mdlm_row"] == "mdlm"
+    assert bd3["ratio_to_mdlm"] == pytest.approx(bd3["tokens_per_s"] / mdlm["tokens_per_s"])
+    n = mdlm["n_params_non_embedding"]
+    assert bd3["flops_per_token"] == flops.bd3lm_flops_per_token(n, 4, 128, result["vocab_size"], 32, 8)
+    printed = capsys.readouterr().out
+    assert f"| 32, 4 | {mega['tokens_per_s'] / 1e3:.1f} k (0.0 %) | - | - | - |" in printed  # no TE rows on a CPU
+    assert "tokens/s bd3lm / mdlm" in printed
+
+
+def test_isolated_row_that_times_out_is_reported(tmp_path, capsys):
+    bench = load_script("benchmark")
+    result = bench.main(["model=tiny", "data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2",
+                         "device=cpu", "--no-reference", "--isolate", "--row-timeout", "1", "--log-dir", str(tmp_path),
+                         "--variant", "slow: "])
+    (row,) = result["rows"]
+    assert row["error"].startswith("timeout after 1 s") and "tokens_per_s" not in row
+    assert "slow: failed: timeout after 1 s" in capsys.readouterr().out

@@ -31,9 +31,10 @@ def test_group_presets_exist():
 
 
 def test_1_7b_preset_has_megadlm_dimensions():
+    # MegaDLMs' examples/dlm_training/dlm_pretrain_1.7b.sh: no --group-query-attention, so 16 KV heads
     m = compose_run(["model=1.7b"]).model
-    assert (m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size) == (28, 2048, 16, 6144)
-    assert m.qk_norm and not m.tie_embeddings and m.rope_base == 10000.0
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (28, 2048, 16, 16, 6144)
+    assert m.qk_norm and not m.tie_embeddings and m.rope_base == 10000.0 and m.norm_eps == 1e-6
 
 
 def test_default_data_is_embedded_corpus():

@@ -3,6 +3,8 @@
 lazily)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from difflm.model.kernels import build_kernels
@@ -16,7 +18,8 @@ def resolve_model_config(cfg, vocab_size: int) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_heads
 
 
-def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision=None, **te_parallel) -> Transformer:
+def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int], precision=None,
+                **te_parallel) -> Transformer:
     """Build on the meta device (no memory), materialise on ``device``, then initialise with ``seed``.
 
     Args:
@@ -24,6 +27,9 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
             (:func:`difflm.model.kernels.build_kernels`); every kernel set starts from the same weights for the same
             seed. ``model.compile`` compiles each block.
         causal: attention type (True for the ``ar`` objective).
+        seed: the keyed initialisation's seed; None leaves the parameters uninitialised (``device="meta"`` for
+            counting parameters, or callers that initialise on the device themselves, e.g. scripts/benchmark.py,
+            where the keyed CPU draw of billions of values would dominate).
         precision: the ``precision`` config; the TE kernels read ``fp8_weights`` / ``fp8_skip_first_last``.
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).
     Returns: a :class:`Transformer` with FP32 parameters on ``device`` in train mode.
@@ -35,7 +41,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
         from difflm.training.precision import import_te
 
         import_te()  # its absence is the clearer message
-        check_te_device(device)
+        if device.type != "meta":
+            check_te_device(device)
     kernels = build_kernels(cfg, "meta", precision, **te_parallel)
     fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
     if fp8_weights:  # TE creates FP8 weights on the GPU directly
@@ -43,7 +50,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
     model = Transformer(cfg, causal=causal, kernels=kernels)
     if not fp8_weights:
         model.to_empty(device=device)
-    model.init_weights(seed)
+    if seed is not None:
+        model.init_weights(seed)
     if getattr(cfg, "compile", False):
         compile_blocks(model)
     return model

@@ -31,6 +31,50 @@ def flops_per_token(num_params_non_embedding: int, num_layers: int, hidden_size:
     return 6.0 * num_params_non_embedding + 12.0 * num_layers * hidden_size * seq_len
 
 
+def bd3lm_flops_per_token(num_params_non_embedding: int, num_layers: int, hidden_size: int, vocab_size: int,
+                          seq_len: int, block_size: int) -> float:
+    """Training FLOPs per data token of BD3-LM's vectorised training (Arriola et al. 2025, sec. 3.2), which
+    runs the ``2 L`` tokens ``[x_t ; x_0]`` of each length-``L`` sequence under the block-causal mask of
+    :func:`difflm.model.masks.block_causal_mask`:
+
+        12 (N - N_head) + 6 N_head + 12 n_layers d (L + block_size)
+
+    * Linear layers: every block's parameters (N - N_head, N without the input embedding as in
+      :func:`flops_per_token`) see all ``2 L`` tokens: 6 (N - N_head) x 2L per sequence. The LM head
+      (N_head = vocab x d) is counted over the ``L`` noisy tokens only, as for MDLM (PaLM's 6 N counts it at
+      every position of the sequence; difflm evaluates it at the loss positions, a subset of the noisy half;
+      the clean half never reaches it).
+    * Attention: 12 d FLOPs (QK^T and AV, forward and backward) per layer per (query, key) pair the mask
+      allows. Its nonzero entries, with n = L / block_size blocks: noisy->noisy block diagonal L x block_size,
+      noisy->clean strictly earlier blocks block_size^2 n (n-1) / 2, clean->clean same or earlier blocks
+      block_size^2 n (n+1) / 2; in all L^2 + L x block_size, a fraction (1 + block_size / L) / 4 of the
+      dense 2L x 2L. These are the model's FLOPs: a kernel that skips masked tiles (FlexAttention with a
+      ``BlockMask``) computes ~1.06x this at block 16 (its 128-wide tiles on the diagonal are partly empty); a
+      kernel that applies the mask to dense scores (SDPA or ``attn_mask_type="arbitrary"`` with a dense boolean
+      mask) computes all 4 L^2 pairs, ~4x. That extra work is not counted: MFU measures the model's useful
+      FLOPs (PaLM appendix B: no rematerialisation or other implementation overhead), so a dense kernel shows
+      as the lower MFU it is, instead of being rewarded for waste.
+
+    Per data token (``L`` per sequence, what ``tokens/s`` counts in the trainer and the benchmark): the
+    per-sequence total / L. For ``model=1.7b``, L = 4096, block 16: 2.18e10, 1.73x MDLM's 1.26e10 at the
+    same L (the dense-attention count would be 3.02e10). At ``block_size = L`` the noisy half attends within
+    itself (MDLM) and the clean half within itself: twice MDLM's FLOPs less one LM head (6 N_head).
+    """
+    head = vocab_size * hidden_size
+    return 12.0 * (num_params_non_embedding - head) + 6.0 * head + 12.0 * num_layers * hidden_size * (seq_len + block_size)
+
+
+def objective_flops_per_token(objective_cfg, model_cfg, num_params_non_embedding: int, seq_len: int) -> float:
+    """The FLOPs per data token that MFU uses for a run of ``objective_cfg`` (``objective.name``):
+    :func:`bd3lm_flops_per_token` for ``bd3lm`` (``objective.block_size``), PaLM's :func:`flops_per_token` for
+    every other objective. ``model_cfg`` needs ``num_layers``, ``hidden_size`` and a resolved ``vocab_size``."""
+    m = model_cfg
+    if objective_cfg.name == "bd3lm":
+        return bd3lm_flops_per_token(num_params_non_embedding, m.num_layers, m.hidden_size, m.vocab_size, seq_len,
+                                     int(objective_cfg.block_size))
+    return flops_per_token(num_params_non_embedding, m.num_layers, m.hidden_size, seq_len)
+
+
 def peak_flops(device: torch.device) -> Optional[float]:
     """Peak BF16 FLOP/s of ``device``, or None when unknown (CPUs, unlisted GPUs)."""
     if device.type != "cuda":

@@ -17,7 +17,7 @@ from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.objectives import build_objective, step_length, weighted_ce_sum
 from difflm.objectives.keyed_rng import STREAM_TRAIN
-from difflm.training.flops import flops_per_token, mfu, peak_flops
+from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.schedule import build_scheduler, restore_scheduler
@@ -85,8 +85,8 @@ class Trainer:
                                          cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.max_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
-        self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers,
-                                               cfg.model.hidden_size, cfg.data.seq_len)
+        # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops)
+        self.flops_per_token = objective_flops_per_token(cfg.objective, cfg.model, num_params, cfg.data.seq_len)
         self.peak = peak_flops(device)
         self.step = 0
         self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
