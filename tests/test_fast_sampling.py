@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from difflm.model.kv_cache import KVCache
-from difflm.sampling import autoregressive_generate, block_diffusion_generate, diffusion_generate, filter_top_k_top_p
-from difflm.sampling.diffusion import GenerationConfigError, propose, select_transfer
+from difflm.sampling import (GenerationConfigError, GenerationOptions, autoregressive_generate, block_diffusion_generate,
+                             diffusion_generate, filter_top_k_top_p)
+from difflm.sampling.diffusion import propose, select_transfer
 from tests.dlm_helpers import model_fn, tiny_model
 
 V, MASK = 48, 47
 FORBID = [MASK]
+
+
+def opts(**kw) -> GenerationOptions:
+    return GenerationOptions(mask_id=MASK, **kw)
 
 
 def test_margin_and_entropy_confidence():
@@ -51,8 +56,8 @@ def peaked(x, **kw):
 
 def test_threshold_decodes_a_confident_block_in_one_step():
     stats = {}
-    out = diffusion_generate(peaked, torch.tensor([[1, 2]]), mask_id=MASK, length=8, steps=8, block_length=4,
-                             threshold=0.9, stats=stats)
+    out = diffusion_generate(peaked, torch.tensor([[1, 2]]), opts(length=8, steps=8, block_length=4, threshold=0.9),
+                             stats=stats)
     assert stats["nfe"] == 2 and out[0, 2:].tolist() == [3] * 8
 
 
@@ -68,8 +73,8 @@ def test_classifier_free_guidance_masks_prompt_for_unconditional():
         return logits
 
     prompt = torch.tensor([[1, 2]])
-    plain = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=0.0)
-    guided = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=1.0)
+    plain = diffusion_generate(fn, prompt, opts(length=4, steps=4, block_length=4, cfg_scale=0.0))
+    guided = diffusion_generate(fn, prompt, opts(length=4, steps=4, block_length=4, cfg_scale=1.0))
     assert seen[-1].shape[0] == 2 and (seen[-1][1, :2] == MASK).all() and torch.equal(seen[-1][0, :2], prompt[0])
     assert plain[0, 2:].tolist() == [6] * 4
     # guided = un + (s + 1)(cond - un) with s = 1: l5 = 0 + 2 * 1 = 2, l6 = 1.5 + 2 * (-0.3) = 0.9 -> token 5
@@ -80,9 +85,9 @@ def test_classifier_free_guidance_masks_prompt_for_unconditional():
 def test_deterministic_at_temperature_zero(remasking):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (2, 5))
-    kw = dict(mask_id=MASK, length=8, steps=4, block_length=4, remasking=remasking, forbid_ids=FORBID)
-    a = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(0), **kw)
-    b = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(1), **kw)
+    o = opts(length=8, steps=4, block_length=4, remasking=remasking, forbid_ids=FORBID)
+    a = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(0))
+    b = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and not (a == MASK).any()
 
 
@@ -97,14 +102,15 @@ def test_padded_batch_equals_single_prompts(side):
         rows.append(pad + p if side == "left" else p + pad)
         masks.append([False] * len(pad) + [True] * len(p) if side == "left" else [True] * len(p) + [False] * len(pad))
     batch, pmask = torch.tensor(rows), torch.tensor(masks)
-    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID)
-    out = diffusion_generate(model_fn(model), batch, prompt_mask=pmask, **kw)
+    o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID)
+    out = diffusion_generate(model_fn(model), batch, o, prompt_mask=pmask)
     ar = tiny_model(causal=True, std=0.3)
-    out_ar = autoregressive_generate(model_fn(ar), batch, length=4, forbid_ids=FORBID, prompt_mask=pmask)
+    o_ar = opts(length=4, forbid_ids=FORBID)
+    out_ar = autoregressive_generate(model_fn(ar), batch, o_ar, prompt_mask=pmask)
     for i, p in enumerate(prompts):
-        alone = diffusion_generate(model_fn(model), torch.tensor([p]), **kw)
+        alone = diffusion_generate(model_fn(model), torch.tensor([p]), o)
         assert out[i, width:].tolist() == alone[0, len(p):].tolist()
-        alone_ar = autoregressive_generate(model_fn(ar), torch.tensor([p]), length=4, forbid_ids=FORBID)
+        alone_ar = autoregressive_generate(model_fn(ar), torch.tensor([p]), o_ar)
         assert out_ar[i, width:].tolist() == alone_ar[0, len(p):].tolist()
 
 
@@ -125,53 +131,55 @@ def test_cached_sampler_equals_uncached_with_one_step_per_block_and_batches():
     # with one step per block every model call is the cache-writing full forward: identical tokens
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (3, 4))
-    kw = dict(mask_id=MASK, length=8, steps=2, block_length=4, forbid_ids=FORBID)
-    base = diffusion_generate(model_fn(model), prompt, **kw)
+    o = opts(length=8, steps=2, block_length=4, forbid_ids=FORBID)
+    base = diffusion_generate(model_fn(model), prompt, o)
     for cache in ("prefix", "dual"):
-        assert torch.equal(diffusion_generate(model_fn(model), prompt, cache=cache, **kw), base)
+        assert torch.equal(diffusion_generate(model_fn(model), prompt, o.replace(cache=cache)), base)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cached_sampler_batch_rows_are_independent(cache):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (3, 4))
-    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID, cache=cache)
+    o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID, cache=cache)
     stats = {}
-    batched = diffusion_generate(model_fn(model), prompt, stats=stats, **kw)
+    batched = diffusion_generate(model_fn(model), prompt, o, stats=stats)
     assert stats["nfe"] == 8
     for i in range(3):
-        assert torch.equal(diffusion_generate(model_fn(model), prompt[i:i + 1], **kw), batched[i:i + 1])
+        assert torch.equal(diffusion_generate(model_fn(model), prompt[i:i + 1], o), batched[i:i + 1])
 
 
 @pytest.mark.parametrize("prompt_len", [3, 4])
 def test_bd3lm_cached_sampling_is_exact(prompt_len):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (2, prompt_len))
-    kw = dict(mask_id=MASK, length=10, block_size=4, steps_per_block=2, forbid_ids=FORBID)
+    o = opts(length=10, steps=5, block_size=4, forbid_ids=FORBID)  # 5 * 4 // 10 = 2 steps per block
     s0, s1 = {}, {}
-    plain = block_diffusion_generate(model_fn(model), prompt, stats=s0, **kw)
-    cached = block_diffusion_generate(model_fn(model), prompt, cache=True, stats=s1, **kw)
+    plain = block_diffusion_generate(model_fn(model), prompt, o, stats=s0)
+    cached = block_diffusion_generate(model_fn(model), prompt, o.replace(cache="prefix"), stats=s1)
     assert torch.equal(plain, cached) and not (plain[:, prompt_len:] == MASK).any()
     # with the threshold the same holds
-    assert torch.equal(block_diffusion_generate(model_fn(model), prompt, threshold=0.5, **kw),
-                       block_diffusion_generate(model_fn(model), prompt, threshold=0.5, cache=True, **kw))
+    assert torch.equal(block_diffusion_generate(model_fn(model), prompt, o.replace(threshold=0.5)),
+                       block_diffusion_generate(model_fn(model), prompt, o.replace(threshold=0.5, cache="dual")))
 
 
 def test_bd3lm_sampler_respects_block_causality():
     # a block's tokens must not depend on anything after it: the first block is the same for any length
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (1, 4))
-    kw = dict(mask_id=MASK, block_size=4, steps_per_block=4, forbid_ids=FORBID)
-    short = block_diffusion_generate(model_fn(model), prompt, length=4, **kw)
-    long = block_diffusion_generate(model_fn(model), prompt, length=12, **kw)
+    short = block_diffusion_generate(model_fn(model), prompt, opts(length=4, steps=4, block_size=4, forbid_ids=FORBID))
+    long = block_diffusion_generate(model_fn(model), prompt, opts(length=12, steps=12, block_size=4, forbid_ids=FORBID))
     assert torch.equal(long[:, :8], short)
 
 
 def test_generation_errors_name_keys():
     with pytest.raises(GenerationConfigError, match="gen.cache"):
-        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, cache="full")
+        opts(length=4, steps=4, block_length=4, cache="full")
     with pytest.raises(GenerationConfigError, match="gen.top_p"):
-        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, top_p=0.0)
+        opts(length=4, steps=4, block_length=4, top_p=0.0)
     with pytest.raises(GenerationConfigError, match="gen.threshold"):
-        block_diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, block_size=4, steps_per_block=1,
-                                 threshold=2.0)
+        opts(length=4, steps=1, block_size=4, threshold=2.0)
+    with pytest.raises(GenerationConfigError, match="block_size"):
+        block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4))
+    with pytest.raises(GenerationConfigError, match="gen.cfg_scale"):
+        block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4, block_size=4, cfg_scale=1.0))
