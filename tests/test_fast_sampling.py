@@ -183,3 +183,97 @@ def test_generation_errors_name_keys():
         block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4))
     with pytest.raises(GenerationConfigError, match="gen.cfg_scale"):
         block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4, block_size=4, cfg_scale=1.0))
+
+
+# ---------------------------------------------------------------- model.shift_logits (Dream) under every path
+
+
+def test_shift_logits_span_forward_needs_the_state_before_the_span():
+    # the issue's case: a span forward of a shifting model cannot compute position 4's logits (state 3 is outside)
+    model = tiny_model(std=0.3, shift_logits=True)
+    x = torch.arange(1, 11)[None]
+    with torch.no_grad():
+        cache = KVCache()
+        full = model(x, kv_cache=cache.write())
+        naive = model(x[:, 4:8], position_ids=torch.arange(4, 8), kv_cache=cache.read(4, 8))
+        from_before = model(x[:, 3:8], position_ids=torch.arange(3, 8), kv_cache=cache.read(3, 8))[:, 1:]
+    assert (naive[0, 0] - full[0, 4]).abs().max() > 0.1  # the fault: row 0 is state 4, not state 3
+    assert torch.allclose(from_before, full[:, 4:8], atol=1e-5)  # the sampler's span starts one earlier
+
+
+def _padded(prompts, side):
+    width = max(map(len, prompts))
+    rows, masks = [], []
+    for p in prompts:
+        pad = [0] * (width - len(p))
+        rows.append(pad + p if side == "left" else p + pad)
+        masks.append([False] * len(pad) + [True] * len(p) if side == "left" else [True] * len(p) + [False] * len(pad))
+    return torch.tensor(rows), torch.tensor(masks), width
+
+
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.5])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_shift_logits_cached_forward_equals_full_forward(side, cfg_scale, cache):
+    """Where nothing changed since the cache was written, the sampler's cached forward returns exactly the
+    logits of the full forward, and those equal each row's unpadded logits (a shifting 2-layer model)."""
+    from difflm.sampling.diffusion import _Forward
+
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    batch, pmask, width = _padded(prompts, "right" if side == "none" else side)
+    if side == "none":
+        batch, pmask, width = batch[:1], None, 5
+    o = opts(length=8, steps=8, block_length=4, cfg_scale=cfg_scale, cache=cache, shift_logits=True)
+    x = torch.cat([batch, torch.randint(0, 40, (batch.shape[0], 8), generator=torch.Generator().manual_seed(0))], 1)
+    x[:, width + 6:] = MASK
+    fwd = _Forward(model_fn(model), width, width + 8, o, pmask, x.device)
+    for start in (width, width + 4):  # the first block (after the padding) and the second
+        full = fwd(x, start, start + 4, first_of_block=True)
+        cached = fwd(x, start, start + 4, first_of_block=False)
+        assert (cached - full).abs().max() < 1e-5
+        for i, p in enumerate(prompts[: batch.shape[0]]):  # the same logits without padding or the cache
+            alone = torch.cat([torch.tensor([p]), x[i:i + 1, width:]], dim=1)
+            ref = _Forward(model_fn(model), len(p), len(p) + 8, o.replace(cache="none"), None, x.device)
+            off = start - width
+            assert (ref(alone, len(p) + off, len(p) + off + 4, True) - full[i:i + 1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+def test_shift_logits_every_sampler_path_equals_unpadded_uncached(side):
+    """A one-layer model's K/V depend on the token and position only, so the prefix and dual caches are exact
+    for it: with model.shift_logits every path (padding side, cache, CFG, threshold, remasking rule) must give
+    each row the tokens of its unpadded, uncached run."""
+    model = tiny_model(std=0.5, shift_logits=True, layers=1)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    batch, pmask, width = _padded(prompts, "right" if side == "none" else side)
+    variants = [dict(), dict(cfg_scale=1.5), dict(threshold=0.2), dict(remasking="margin", top_k=8)]
+    for v in variants:
+        o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID, shift_logits=True, **v)
+        alone = [diffusion_generate(model_fn(model), torch.tensor([p]), o)[0, len(p):].tolist() for p in prompts]
+        for cache in ("none", "prefix", "dual"):
+            if side == "none":
+                got = [diffusion_generate(model_fn(model), torch.tensor([p]), o.replace(cache=cache))[0, len(p):]
+                       for p in prompts]
+            else:
+                got = diffusion_generate(model_fn(model), batch, o.replace(cache=cache), prompt_mask=pmask)[:, width:]
+            assert [g.tolist() for g in got] == alone, (v, cache)
+
+
+def test_shift_logits_refuses_a_prompt_row_of_padding_only():
+    with pytest.raises(ValueError, match="shift_logits"):
+        diffusion_generate(peaked, torch.tensor([[1, 2], [3, 4]]), opts(length=4, steps=4, block_length=4,
+                                                                         shift_logits=True),
+                           prompt_mask=torch.tensor([[True, True], [False, False]]))
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4])
+def test_bd3lm_cached_sampling_is_exact_with_shift_logits(prompt_len):
+    # prompt_len 4: every block starts at a block boundary, whose prediction needs the state of the block before
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompt = torch.randint(0, 40, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    o = opts(length=10, steps=5, block_size=4, forbid_ids=FORBID, shift_logits=True)
+    for extra in (dict(), dict(threshold=0.3)):
+        plain = block_diffusion_generate(model_fn(model), prompt, o.replace(**extra))
+        cached = block_diffusion_generate(model_fn(model), prompt, o.replace(cache="prefix", **extra))
+        assert torch.equal(plain, cached), extra

@@ -241,3 +241,39 @@ def test_autoregressive_validation():
         autoregressive_generate(next_token_model, torch.tensor([[1]]), opts(length=0))
     with pytest.raises(ValueError, match="gen.temperature"):
         autoregressive_generate(next_token_model, torch.tensor([[1]]), opts(length=2, temperature=-0.5))
+
+
+# ---------------------------------------------------------------- confidences in float64 (LLaDA)
+
+TIE_MASK = 3
+
+
+def peaked_leads(x, **kw):
+    """Vocabulary 4, mask id 3, prompt [0] then two generated positions. Position 1's top logit leads by 20:
+    token 1 while position 2 is masked, token 0 once it is decoded; position 2's leads by 30 (token 2). In
+    float32 both probabilities round to 1.0; the more confident position 2 must still go first."""
+    logits = torch.zeros(x.shape[0], x.shape[1], 4)
+    rows = torch.arange(x.shape[0])
+    logits[rows, 1, torch.where(x[:, 2] == TIE_MASK, 1, 0)] = 20.0
+    logits[:, 2, 2] = 30.0
+    return logits
+
+
+@pytest.mark.parametrize("rule", [
+    dict(remasking="low_confidence"), dict(remasking="margin"), dict(remasking="entropy"),
+    dict(remasking="low_confidence", threshold=1.0), dict(remasking="margin", threshold=1.0),
+    dict(remasking="low_confidence", top_k=2, top_p=0.9), dict(remasking="margin", top_p=0.5),
+])
+def test_confidences_of_very_peaked_logits_do_not_tie(rule):
+    o = GenerationOptions(mask_id=TIE_MASK, length=2, steps=2, block_length=2, **rule)
+    out = diffusion_generate(peaked_leads, torch.tensor([[0]]), o)
+    assert out.tolist() == [[0, 0, 2]]  # float32 confidences tie and give [0, 1, 2]
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "margin", "entropy"])
+def test_block_sampler_confidences_do_not_tie(remasking):
+    from difflm.sampling import block_diffusion_generate
+
+    o = GenerationOptions(mask_id=TIE_MASK, length=2, steps=2, block_size=3, remasking=remasking)
+    out = block_diffusion_generate(peaked_leads, torch.tensor([[0]]), o)
+    assert out.tolist() == [[0, 0, 2]]

@@ -143,17 +143,19 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
             top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
-    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax`` of the filtered,
-    noise-free logits the confidence (higher = unmask first) is ``probs[x0]`` (``low_confidence``),
-    ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs`` (``entropy``) or ``U[0, 1)``
-    (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
+    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax(logits)`` (the model's
+    distribution, noise-free and *not* filtered) the confidence (higher = unmask first) is ``probs[x0]``
+    (``low_confidence``), ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs``
+    (``entropy``) or ``U[0, 1)`` (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
 
-    ``probs`` are computed in float64, as LLaDA's reference ``generate.py`` does (``F.softmax(logits.to(
-    torch.float64))``): in float32 a token whose logit leads by more than ~17 gets probability exactly 1.0, so
-    positions of different confidence tie and the leftmost wins. float64 separates leads up to ~36 nats.
+    Two choices keep positions of different confidence from tying (ties go to the leftmost position):
+    ``probs`` are float64, as in LLaDA's reference ``generate.py`` (``F.softmax(logits.to(torch.float64))``;
+    in float32 a token whose logit leads by more than ~17 nats gets probability exactly 1.0, float64 separates
+    leads up to ~36); and the top-k / top-p filters only restrict which token is proposed: the confidence of a
+    filtered distribution would be exactly 1 wherever the nucleus is one token (Dream's ``sample_tokens``
+    computes it after filtering; difflm does not).
     """
-    logits = filter_top_k_top_p(logits, top_k, top_p)
-    x0 = gumbel_argmax(logits, temperature, generator)
+    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
     probs = torch.softmax(logits.double(), dim=-1)
