@@ -4,6 +4,7 @@
     logits = model(input_ids).logits                                    # [B, S, V]
     out = model.generate(input_ids, steps=64, gen_length=64, block_length=32, temperature=0.0,
                          cfg_scale=0.0, remasking="low_confidence")    # [B, P + gen_length]
+    out = model.generate(padded_ids, attention_mask=mask)              # padded rows: as if unpadded
 
 The network is difflm's ``difflm/model/transformer.py`` (Llama-style: RMSNorm, RoPE rotate-half, GQA, SwiGLU)
 with its parameter names, so ``model.safetensors`` holds difflm's state dict unchanged:
