@@ -277,3 +277,33 @@ def test_bd3lm_cached_sampling_is_exact_with_shift_logits(prompt_len):
         plain = block_diffusion_generate(model_fn(model), prompt, o.replace(**extra))
         cached = block_diffusion_generate(model_fn(model), prompt, o.replace(cache="prefix", **extra))
         assert torch.equal(plain, cached), extra
+
+
+def test_generate_ids_builds_one_options_object_for_every_sampler():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.errors import DifflmError
+    from difflm.generate import generate_ids, generation_options
+
+    tok = SimpleNamespace(mask_id=MASK, tokenizer=[None] * 40)  # 40 real ids: 40..47 are never emitted
+    gen = OmegaConf.create(dict(length=8, steps=4, block_length=4, remasking="margin", temperature=0.0, seed=0,
+                                top_k=0, top_p=1.0, cfg_scale=0.0, threshold=None, cache="prefix"))
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(2))
+    bd3lm = OmegaConf.create(dict(name="bd3lm", block_size=4))
+    o = generation_options(model, tok, gen, objective=bd3lm)
+    assert o == GenerationOptions(mask_id=MASK, length=8, steps=4, block_length=4, remasking="margin", cache="prefix",
+                                  forbid_ids=list(range(40, 48)), shift_logits=True, block_size=4)
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False, objective=bd3lm),
+                       block_diffusion_generate(model_fn(model), prompt, o)[:, 4:])
+    mdlm = generation_options(model, tok, gen, objective=OmegaConf.create(dict(name="mdlm", block_size=4)))
+    assert mdlm.block_size is None
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False), diffusion_generate(model_fn(model), prompt, mdlm)[:, 4:])
+    with pytest.raises(DifflmError, match="gen.cfg_scale"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.0}), objective=bd3lm)
+    with pytest.raises(DifflmError, match="equal length"):
+        generate_ids(model, tok, prompt, gen, False, objective=bd3lm, prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool())
+    with pytest.raises(GenerationConfigError, match="gen.remasking"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"remasking": "oldest"}))
