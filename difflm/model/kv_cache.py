@@ -19,6 +19,10 @@ Usage with :meth:`difflm.model.transformer.Transformer.forward` (``kv_cache=`` a
     model(x[:, start:end], position_ids=torch.arange(start, end), kv_cache=cache)  # [start, end) are reused
 
 Every tensor is ``[B, H_kv, S, D]``; batch rows are independent, so the cache is correct for B > 1.
+
+A model with ``model.shift_logits`` gives position i the logits of the hidden state at i - 1, which a forward over
+``[start, end)`` does not compute for i = start: read ``(start - 1, end)`` and drop the first row, as the samplers
+do (:mod:`difflm.sampling`).
 """
 from __future__ import annotations
 
