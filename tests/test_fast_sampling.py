@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from difflm.model.kv_cache import KVCache
-from difflm.sampling import (GenerationConfigError, GenerationOptions, autoregressive_generate, block_diffusion_generate,
-                             diffusion_generate, filter_top_k_top_p)
+from difflm.sampling import (GenerationConfigError, GenerationOptions, autoregressive_generate,
+                             block_diffusion_generate, diffusion_generate, filter_top_k_top_p)
 from difflm.sampling.diffusion import propose, select_transfer
 from tests.dlm_helpers import model_fn, tiny_model
 
@@ -300,10 +300,12 @@ def test_generate_ids_builds_one_options_object_for_every_sampler():
                        block_diffusion_generate(model_fn(model), prompt, o)[:, 4:])
     mdlm = generation_options(model, tok, gen, objective=OmegaConf.create(dict(name="mdlm", block_size=4)))
     assert mdlm.block_size is None
-    assert torch.equal(generate_ids(model, tok, prompt, gen, False), diffusion_generate(model_fn(model), prompt, mdlm)[:, 4:])
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False),
+                       diffusion_generate(model_fn(model), prompt, mdlm)[:, 4:])
     with pytest.raises(DifflmError, match="gen.cfg_scale"):
         generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.0}), objective=bd3lm)
     with pytest.raises(DifflmError, match="equal length"):
-        generate_ids(model, tok, prompt, gen, False, objective=bd3lm, prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool())
+        generate_ids(model, tok, prompt, gen, False, objective=bd3lm,
+                     prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool())
     with pytest.raises(GenerationConfigError, match="gen.remasking"):
         generation_options(model, tok, OmegaConf.merge(gen, {"remasking": "oldest"}))

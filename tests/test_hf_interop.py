@@ -295,9 +295,9 @@ def test_export_generate_applies_attention_mask(shift, side):
     settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8),
                 dict(temperature=0.7, remasking="random")]
     for kw in settings:
-        gen = dict(steps=8, gen_length=8, block_length=4, **kw)
+        gen = dict(steps=4, gen_length=8, block_length=4, **kw)
         theirs = hf.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **gen)
-        o = GenerationOptions(mask_id=47, length=8, steps=8, block_length=4, forbid_ids=[47], shift_logits=shift, **kw)
+        o = GenerationOptions(mask_id=47, length=8, steps=4, block_length=4, forbid_ids=[47], shift_logits=shift, **kw)
         mine = diffusion_generate(model_fn(ours), ids, o, prompt_mask=mask.bool(),
                                   generator=torch.Generator().manual_seed(3))
         assert torch.equal(theirs, mine), kw  # difflm's sampler, token for token

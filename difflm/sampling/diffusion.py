@@ -19,7 +19,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from difflm.sampling.options import CACHES, REMASKING, GenerationConfigError, GenerationOptions
+# CACHES, REMASKING and GenerationConfigError are re-exported for callers of this module
+from difflm.sampling.options import CACHES, REMASKING, GenerationConfigError, GenerationOptions  # noqa: F401
 
 LogitsFn = Callable[..., torch.Tensor]
 """x ``[B, S]`` int64 -> logits ``[B, S, V]`` float. Called as ``logits_fn(x)``, or with keyword arguments
