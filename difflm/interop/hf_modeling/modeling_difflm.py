@@ -256,12 +256,12 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         return sorted(ids)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                 steps: Optional[int] = None, gen_length: Optional[int] = None, block_length: Optional[int] = None,
-                 temperature: Optional[float] = None, cfg_scale: Optional[float] = None,
-                 remasking: Optional[str] = None, mask_id: Optional[int] = None, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, threshold: Optional[float] = None,
-                 generator: Optional[torch.Generator] = None) -> torch.LongTensor:
+    def generate(self, input_ids: torch.LongTensor, steps: Optional[int] = None, gen_length: Optional[int] = None,
+                 block_length: Optional[int] = None, temperature: Optional[float] = None,
+                 cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
+                 generator: Optional[torch.Generator] = None,
+                 attention_mask: Optional[torch.Tensor] = None) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
