@@ -16,9 +16,10 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   Diffusion Models", eq. 6 and App. B.6, the reference ``get_log_likelihood.py``): for a continuation of L tokens
   after a never-masked prompt, each of ``mc_samples`` draws masks l uniformly chosen continuation positions and
   scores ``(L / l) * sum_{masked i} log p(x_i | x_t)``; the estimate is the mean over draws. The counts l are
-  stratified as in LLaDA: l_k = round(linspace(s, s + (K - 1) L / K, K)), wrapped into 1..L, with a random
-  start s, so K = L draws use every l = 1..L exactly once (:func:`stratified_mask_counts`). This is a lower bound
-  on log p(continuation | prompt) in expectation (eq. 6 is the NELBO's discrete-l form). ``is_greedy``: whether
+  stratified as in LLaDA, l_k = s + offset_k wrapped into 1..L with a random start s, so K = L draws use every
+  l = 1..L exactly once, and each draw's l is uniform on 1..L for every K (:func:`stratified_mask_counts`; LLaDA's
+  half-to-even rounding is not), so the estimate's expectation is eq. 6 exactly: a lower bound on
+  log p(continuation | prompt) (eq. 6 is the NELBO's discrete-l form). ``is_greedy``: whether
   the argmax at every position of the *fully masked* continuation equals the continuation (one forward pass; a
   simple choice, documented here, since a diffusion model has no single greedy decoding order).
   Draws are keyed by ``seed`` per request (a fresh ``torch.Generator``), so results are deterministic and do not
@@ -52,17 +53,54 @@ GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed
             "threshold", "cache")
 
 
-def stratified_mask_counts(length: int, num: int, generator: torch.Generator) -> torch.Tensor:
-    """LLaDA's stratified numbers of masked tokens, ``[num]`` int64 in 1..``length``.
+def stratified_mask_counts(length: int, num: int, generator: torch.Generator | None = None,
+                           start: int | None = None) -> torch.Tensor:
+    """Stratified numbers of masked tokens, ``[num]`` int64 in 1..``length``, each draw's count uniform on 1..L.
 
-    As ``_forward_process`` of LLaDA's ``get_log_likelihood.py`` (Nie et al. 2025, App. B.6): a random start
-    s in 1..L, l_k = round(linspace(s, s + (num - 1) L / num, num)), wrapped by ((l - 1) mod L) + 1. With
+    LLaDA's ``_forward_process`` (``get_log_likelihood.py``, Nie et al. 2025, App. B.6) takes a random start s in
+    1..L and l_k = round(linspace(s, s + (num - 1) L / num, num)), wrapped into 1..L. Its ``round`` is half to
+    even, so where k L / num is a half-integer the offset depends on the parity of s and l_k is not uniform
+    (L = 3, num = 2: the second count is 1 with probability 2/3), which biases the estimate against eq. 6. Here
+    the offsets c_k = round_half_up(k L / num) do not depend on s, and l_k = ((s - 1 + c_k) mod L) + 1 is
+    uniform on 1..L for every k (the same counts as LLaDA wherever k L / num is not a half-integer). With
     ``num = L`` every count 1..L appears exactly once; with ``num = m L`` each appears m times.
+
+    Args:
+        generator: draws s when ``start`` is None.
+        start: s itself (1..L), for enumeration in tests.
     """
-    start = int(torch.randint(1, length + 1, (), generator=generator))
-    counts = torch.round(torch.linspace(float(start), start + (num - 1) * (length / num), steps=num,
-                                        dtype=torch.float64)).long()
-    return (counts - 1) % length + 1
+    if start is None:
+        start = int(torch.randint(1, length + 1, (), generator=generator))
+    k = torch.arange(num, dtype=torch.long)
+    offsets = (2 * k * length + num) // (2 * num)  # round half up of k L / num, in integers
+    return (start - 1 + offsets) % length + 1
+
+
+def mc_loglikelihood(logits_fn, seq: list[int], length: int, mask_id: int, counts: torch.Tensor,
+                     generator: torch.Generator, batch_size: int) -> float:
+    """LLaDA's Monte-Carlo estimate of log p(continuation | prompt) (Nie et al. 2025, eq. 6, App. B.6).
+
+    ``seq`` is prompt + continuation, the continuation its last ``length`` tokens. Draw k masks ``counts[k]``
+    continuation positions (a uniform subset, ``torch.randperm`` on ``generator``) and scores
+    ``(L / l) * sum_{masked i} log p(x_i | x_t)``; the estimate is the mean over draws. When every count is
+    uniform on 1..L (:func:`stratified_mask_counts`) its expectation is eq. 6 exactly.
+    ``logits_fn``: x [B, S] int64 -> logits [B, S, V] float.
+    """
+    x0 = torch.tensor(seq)
+    prompt_len = len(seq) - length
+    target = x0[prompt_len:]
+    estimates = []
+    for first in range(0, len(counts), batch_size):
+        ls = counts[first:first + batch_size]
+        rows = x0.repeat(len(ls), 1)
+        masked = torch.zeros(len(ls), len(seq), dtype=torch.bool)
+        for r, l in enumerate(ls.tolist()):
+            masked[r, prompt_len + torch.randperm(length, generator=generator)[:l]] = True
+        rows[masked] = mask_id
+        logp = F.log_softmax(logits_fn(rows)[:, prompt_len:].float(), dim=-1).cpu()  # [B, L, V]
+        tok_logp = logp.gather(2, target.expand(len(ls), length)[..., None])[..., 0]  # [B, L]
+        estimates.append((tok_logp.double() * masked[:, prompt_len:]).sum(dim=1) * (length / ls.double()))
+    return float(torch.cat(estimates).mean())
 
 
 @register_model("difflm")
@@ -148,31 +186,17 @@ class DifflmHarnessLM(LM):
         return float(logp.gather(1, target[:, None]).sum()), greedy
 
     def _diffusion_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
-        """LLaDA's Monte-Carlo estimate of log p(cont | ctx) (Nie et al. 2025, eq. 6, App. B.6)."""
+        """LLaDA's Monte-Carlo estimate of log p(cont | ctx) (:func:`mc_loglikelihood`) and ``is_greedy``."""
         seq = (ctx + cont)[-self.max_length:]
         L = min(len(cont), len(seq))
         P = len(seq) - L
-        x0 = torch.tensor(seq)
-        target = x0[P:]
         gen = torch.Generator().manual_seed(self.seed)
         counts = stratified_mask_counts(L, self.mc_samples, gen)
-        estimates = []
-        for start in range(0, self.mc_samples, self.batch_size):
-            ls = counts[start:start + self.batch_size]
-            rows = x0.repeat(len(ls), 1)
-            masked = torch.zeros(len(ls), len(seq), dtype=torch.bool)
-            for r, l in enumerate(ls.tolist()):
-                pos = torch.randperm(L, generator=gen)[:l]
-                masked[r, P + pos] = True
-            rows[masked] = self.tok.mask_id
-            logp = F.log_softmax(self._logits(rows)[:, P:], dim=-1).cpu()  # [B, L, V]
-            tok_logp = logp.gather(2, target.expand(len(ls), L)[..., None])[..., 0]  # [B, L]
-            per_draw = (tok_logp.double() * masked[:, P:]).sum(dim=1) * (L / ls.double())
-            estimates.append(per_draw)
-        all_masked = x0.clone()
+        estimate = mc_loglikelihood(self._logits, seq, L, self.tok.mask_id, counts, gen, self.batch_size)
+        all_masked = torch.tensor(seq)
         all_masked[P:] = self.tok.mask_id
-        greedy = bool((self._greedy(self._logits(all_masked[None])[0, P:].cpu()) == target).all())
-        return float(torch.cat(estimates).mean()), greedy
+        greedy = bool((self._greedy(self._logits(all_masked[None])[0, P:].cpu()) == torch.tensor(seq[P:])).all())
+        return estimate, greedy
 
     # ---- lm-eval API ---------------------------------------------------------------------------------------
 

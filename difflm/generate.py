@@ -26,13 +26,30 @@ from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
 from difflm.model import build_model
-from difflm.sampling import autoregressive_generate, block_diffusion_generate, diffusion_generate
+from difflm.sampling import (GenerationOptions, autoregressive_generate, block_diffusion_generate,
+                             diffusion_generate)
 from difflm.training.precision import autocast_context
 
 
 def forbidden_ids(tok: TokenizerInfo, vocab_size: int) -> list[int]:
     """Ids a sampler must never emit: the mask token and the embedding's padding rows."""
     return sorted({tok.mask_id, *range(len(tok.tokenizer), vocab_size)})
+
+
+def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: bool = False,
+                       objective=None) -> GenerationOptions:
+    """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
+    (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size``.
+
+    Raises: DifflmError for settings a ``bd3lm`` run cannot sample with; GenerationConfigError for a bad ``gen.*``.
+    """
+    bd3lm = not causal and objective is not None and objective.name == "bd3lm"
+    if bd3lm and gen.get("cfg_scale", 0.0) > 0:
+        raise DifflmError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
+    return GenerationOptions.from_config(
+        gen, mask_id=tok.mask_id, forbid_ids=forbidden_ids(tok, model.cfg.vocab_size),
+        shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
+        block_size=objective.block_size if bd3lm else None)
 
 
 @torch.no_grad()
@@ -42,13 +59,14 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device.
 
     Args:
-        gen: the ``gen`` config (:class:`difflm.config.schema.GenerateConfig`).
+        gen: the ``gen`` config (:class:`difflm.config.schema.GenerateConfig`), turned into one
+            :class:`difflm.sampling.GenerationOptions` (:func:`generation_options`).
         causal: an ``ar`` model (left-to-right decoding).
         objective: the run's ``objective`` config; ``bd3lm`` runs sample block by block
             (:func:`difflm.sampling.block_diffusion_generate`, ``gen.steps * block_size / gen.length`` steps
             per block, exact KV cache unless ``gen.cache=none``).
         prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts.
-        stats: receives ``nfe`` (model calls) when given.
+        stats: receives ``nfe`` (model calls) when given (diffusion samplers).
     """
     device = prompt_ids.device
 
@@ -56,29 +74,18 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
         with autocast_context(precision, device):
             return model(x, **kw).float()
 
+    opts = generation_options(model, tok, gen, causal, objective)
     generator = torch.Generator(device=device).manual_seed(gen.seed)
-    forbid = forbidden_ids(tok, model.cfg.vocab_size)
-    sampling = dict(remasking=gen.remasking, temperature=gen.temperature, generator=generator, forbid_ids=forbid,
-                    top_k=gen.get("top_k", 0), top_p=gen.get("top_p", 1.0), threshold=gen.get("threshold"),
-                    stats=stats)
     if causal:
-        out = autoregressive_generate(logits_fn, prompt_ids, length=gen.length, temperature=gen.temperature,
-                                      generator=generator, forbid_ids=forbid, top_k=sampling["top_k"],
-                                      top_p=sampling["top_p"], prompt_mask=prompt_mask)
-    elif objective is not None and objective.name == "bd3lm":
+        out = autoregressive_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask)
+    elif opts.block_size is not None:
         if prompt_mask is not None and not bool(prompt_mask.all()):
             raise DifflmError("objective=bd3lm samples blocks at absolute positions: give prompts of equal length "
                               "(no padding)")
-        if gen.get("cfg_scale", 0.0) > 0:
-            raise DifflmError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
-        per_block = max(1, gen.steps * objective.block_size // gen.length)
-        out = block_diffusion_generate(logits_fn, prompt_ids, mask_id=tok.mask_id, length=gen.length,
-                                       block_size=objective.block_size, steps_per_block=per_block,
-                                       cache=gen.get("cache", "none") != "none", **sampling)
+        out = block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
     else:
-        out = diffusion_generate(logits_fn, prompt_ids, mask_id=tok.mask_id, length=gen.length, steps=gen.steps,
-                                 block_length=gen.block_length, cfg_scale=gen.get("cfg_scale", 0.0),
-                                 cache=gen.get("cache", "none"), prompt_mask=prompt_mask, **sampling)
+        out = diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask,
+                                 stats=stats)
     return out[:, prompt_ids.shape[1]:]
 
 

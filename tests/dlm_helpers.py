@@ -7,9 +7,10 @@ from omegaconf import OmegaConf
 from difflm.model.transformer import Transformer
 
 
-def tiny_model(causal: bool = False, vocab: int = 48, std: float = 0.02, seed: int = 0, backend: str = "sdpa"):
+def tiny_model(causal: bool = False, vocab: int = 48, std: float = 0.02, seed: int = 0, backend: str = "sdpa",
+               layers: int = 2, shift_logits: bool = False):
     cfg = OmegaConf.create(dict(
-        name="t", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, head_dim=8,
+        name="t", num_layers=layers, shift_logits=shift_logits, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, head_dim=8,
         vocab_size=vocab, vocab_multiple=1, rope_base=10000.0, norm_eps=1e-5, qk_norm=True, tie_embeddings=False,
         init_std=std, backend="torch", attention_backend=backend, compile=False))
     model = Transformer(cfg, causal=causal)

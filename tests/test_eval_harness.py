@@ -51,6 +51,63 @@ def test_stratified_counts_use_every_l_once():
         assert sorted(stratified_mask_counts(L, 3 * L, g).tolist()) == sorted(list(range(1, L + 1)) * 3)
 
 
+def test_stratified_counts_are_uniform_for_every_draw():
+    # over the L equally likely starts, every draw k takes each count 1..L once: unbiased for eq. 6 at any (L, K)
+    for L in range(1, 10):
+        for K in range(1, 13):
+            table = torch.stack([stratified_mask_counts(L, K, start=s) for s in range(1, L + 1)])  # [starts, K]
+            for k in range(K):
+                assert sorted(table[:, k].tolist()) == list(range(1, L + 1)), (L, K, k)
+
+
+def _llada_counts(L, K, s):
+    """LLaDA's get_log_likelihood.py counts (round half to even): biased where k L / K is a half-integer."""
+    counts = torch.round(torch.linspace(float(s), s + (K - 1) * (L / K), steps=K, dtype=torch.float64)).long()
+    return (counts - 1) % L + 1
+
+
+@pytest.mark.parametrize("L,K", [(3, 2), (4, 8)])
+def test_mc_expectation_equals_llada_eq6_by_enumeration(monkeypatch, L, K):
+    """The estimator's exact expectation (every start s, every masking permutation) equals LLaDA's eq. 6,
+    (1/L) sum_l (L/l) E_{|M|=l} sum_{i in M} log p(x_i | x_M masked), enumerated on a tiny model."""
+    from itertools import combinations, permutations
+
+    from difflm.eval_harness import mc_loglikelihood
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    fn, mask_id = model_fn(tiny_model(std=0.3)), 47
+    ctx, cont = [5, 6], [7, 8, 9, 10][:L]
+    seq, P = ctx + cont, len(ctx)
+
+    def draw(masked):  # (L / l) sum_{i in M} log p(x_i | x_t)
+        x = torch.tensor([seq])
+        x[0, [P + i for i in masked]] = mask_id
+        with torch.no_grad():
+            logp = F.log_softmax(fn(x)[0].float(), dim=-1).double()
+        return L / len(masked) * sum(float(logp[P + i, cont[i]]) for i in masked)
+
+    f = {l: sum(map(draw, combinations(range(L), l))) / math.comb(L, l) for l in range(1, L + 1)}
+    eq6 = sum(f.values()) / L
+    perms = list(permutations(range(L)))
+    current = [perms[0]]
+    monkeypatch.setattr(torch, "randperm", lambda n, generator=None: torch.tensor(current[0]))
+
+    def expectation(counts_of):
+        total = 0.0
+        for s in range(1, L + 1):
+            for perm in perms:
+                current[0] = perm
+                with torch.no_grad():
+                    total += mc_loglikelihood(fn, seq, L, mask_id, counts_of(s), torch.Generator(), batch_size=K)
+        return total / (L * len(perms))
+
+    got = expectation(lambda s: stratified_mask_counts(L, K, start=s))
+    assert got == pytest.approx(eq6, rel=1e-6, abs=1e-6)
+    biased = sum(f[int(l)] for s in range(1, L + 1) for l in _llada_counts(L, K, s)) / (L * K)
+    assert abs(biased - eq6) > 1e-3  # the setup sees the bias of half-to-even rounding
+    print(f"L={L} K={K}: eq. 6 {eq6:.5f}, estimator expectation {got:.5f}, LLaDA rounding {biased:.5f}")
+
+
 def test_mdlm_loglikelihood_finite_negative_deterministic(runs):
     lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=8, batch_size=4)
     first = lm.loglikelihood(ll_requests(PAIRS))

@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from difflm.model.kv_cache import KVCache
-from difflm.sampling import autoregressive_generate, block_diffusion_generate, diffusion_generate, filter_top_k_top_p
-from difflm.sampling.diffusion import GenerationConfigError, propose, select_transfer
+from difflm.sampling import (GenerationConfigError, GenerationOptions, autoregressive_generate,
+                             block_diffusion_generate, diffusion_generate, filter_top_k_top_p)
+from difflm.sampling.diffusion import propose, select_transfer
 from tests.dlm_helpers import model_fn, tiny_model
 
 V, MASK = 48, 47
 FORBID = [MASK]
+
+
+def opts(**kw) -> GenerationOptions:
+    return GenerationOptions(mask_id=MASK, **kw)
 
 
 def test_margin_and_entropy_confidence():
@@ -51,8 +56,8 @@ def peaked(x, **kw):
 
 def test_threshold_decodes_a_confident_block_in_one_step():
     stats = {}
-    out = diffusion_generate(peaked, torch.tensor([[1, 2]]), mask_id=MASK, length=8, steps=8, block_length=4,
-                             threshold=0.9, stats=stats)
+    out = diffusion_generate(peaked, torch.tensor([[1, 2]]), opts(length=8, steps=8, block_length=4, threshold=0.9),
+                             stats=stats)
     assert stats["nfe"] == 2 and out[0, 2:].tolist() == [3] * 8
 
 
@@ -68,8 +73,8 @@ def test_classifier_free_guidance_masks_prompt_for_unconditional():
         return logits
 
     prompt = torch.tensor([[1, 2]])
-    plain = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=0.0)
-    guided = diffusion_generate(fn, prompt, mask_id=MASK, length=4, steps=4, block_length=4, cfg_scale=1.0)
+    plain = diffusion_generate(fn, prompt, opts(length=4, steps=4, block_length=4, cfg_scale=0.0))
+    guided = diffusion_generate(fn, prompt, opts(length=4, steps=4, block_length=4, cfg_scale=1.0))
     assert seen[-1].shape[0] == 2 and (seen[-1][1, :2] == MASK).all() and torch.equal(seen[-1][0, :2], prompt[0])
     assert plain[0, 2:].tolist() == [6] * 4
     # guided = un + (s + 1)(cond - un) with s = 1: l5 = 0 + 2 * 1 = 2, l6 = 1.5 + 2 * (-0.3) = 0.9 -> token 5
@@ -80,9 +85,9 @@ def test_classifier_free_guidance_masks_prompt_for_unconditional():
 def test_deterministic_at_temperature_zero(remasking):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (2, 5))
-    kw = dict(mask_id=MASK, length=8, steps=4, block_length=4, remasking=remasking, forbid_ids=FORBID)
-    a = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(0), **kw)
-    b = diffusion_generate(model_fn(model), prompt, generator=torch.Generator().manual_seed(1), **kw)
+    o = opts(length=8, steps=4, block_length=4, remasking=remasking, forbid_ids=FORBID)
+    a = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(0))
+    b = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and not (a == MASK).any()
 
 
@@ -97,14 +102,15 @@ def test_padded_batch_equals_single_prompts(side):
         rows.append(pad + p if side == "left" else p + pad)
         masks.append([False] * len(pad) + [True] * len(p) if side == "left" else [True] * len(p) + [False] * len(pad))
     batch, pmask = torch.tensor(rows), torch.tensor(masks)
-    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID)
-    out = diffusion_generate(model_fn(model), batch, prompt_mask=pmask, **kw)
+    o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID)
+    out = diffusion_generate(model_fn(model), batch, o, prompt_mask=pmask)
     ar = tiny_model(causal=True, std=0.3)
-    out_ar = autoregressive_generate(model_fn(ar), batch, length=4, forbid_ids=FORBID, prompt_mask=pmask)
+    o_ar = opts(length=4, forbid_ids=FORBID)
+    out_ar = autoregressive_generate(model_fn(ar), batch, o_ar, prompt_mask=pmask)
     for i, p in enumerate(prompts):
-        alone = diffusion_generate(model_fn(model), torch.tensor([p]), **kw)
+        alone = diffusion_generate(model_fn(model), torch.tensor([p]), o)
         assert out[i, width:].tolist() == alone[0, len(p):].tolist()
-        alone_ar = autoregressive_generate(model_fn(ar), torch.tensor([p]), length=4, forbid_ids=FORBID)
+        alone_ar = autoregressive_generate(model_fn(ar), torch.tensor([p]), o_ar)
         assert out_ar[i, width:].tolist() == alone_ar[0, len(p):].tolist()
 
 
@@ -125,53 +131,181 @@ def test_cached_sampler_equals_uncached_with_one_step_per_block_and_batches():
     # with one step per block every model call is the cache-writing full forward: identical tokens
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (3, 4))
-    kw = dict(mask_id=MASK, length=8, steps=2, block_length=4, forbid_ids=FORBID)
-    base = diffusion_generate(model_fn(model), prompt, **kw)
+    o = opts(length=8, steps=2, block_length=4, forbid_ids=FORBID)
+    base = diffusion_generate(model_fn(model), prompt, o)
     for cache in ("prefix", "dual"):
-        assert torch.equal(diffusion_generate(model_fn(model), prompt, cache=cache, **kw), base)
+        assert torch.equal(diffusion_generate(model_fn(model), prompt, o.replace(cache=cache)), base)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cached_sampler_batch_rows_are_independent(cache):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (3, 4))
-    kw = dict(mask_id=MASK, length=8, steps=8, block_length=4, forbid_ids=FORBID, cache=cache)
+    o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID, cache=cache)
     stats = {}
-    batched = diffusion_generate(model_fn(model), prompt, stats=stats, **kw)
+    batched = diffusion_generate(model_fn(model), prompt, o, stats=stats)
     assert stats["nfe"] == 8
     for i in range(3):
-        assert torch.equal(diffusion_generate(model_fn(model), prompt[i:i + 1], **kw), batched[i:i + 1])
+        assert torch.equal(diffusion_generate(model_fn(model), prompt[i:i + 1], o), batched[i:i + 1])
 
 
 @pytest.mark.parametrize("prompt_len", [3, 4])
 def test_bd3lm_cached_sampling_is_exact(prompt_len):
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (2, prompt_len))
-    kw = dict(mask_id=MASK, length=10, block_size=4, steps_per_block=2, forbid_ids=FORBID)
+    o = opts(length=10, steps=5, block_size=4, forbid_ids=FORBID)  # 5 * 4 // 10 = 2 steps per block
     s0, s1 = {}, {}
-    plain = block_diffusion_generate(model_fn(model), prompt, stats=s0, **kw)
-    cached = block_diffusion_generate(model_fn(model), prompt, cache=True, stats=s1, **kw)
+    plain = block_diffusion_generate(model_fn(model), prompt, o, stats=s0)
+    cached = block_diffusion_generate(model_fn(model), prompt, o.replace(cache="prefix"), stats=s1)
     assert torch.equal(plain, cached) and not (plain[:, prompt_len:] == MASK).any()
     # with the threshold the same holds
-    assert torch.equal(block_diffusion_generate(model_fn(model), prompt, threshold=0.5, **kw),
-                       block_diffusion_generate(model_fn(model), prompt, threshold=0.5, cache=True, **kw))
+    assert torch.equal(block_diffusion_generate(model_fn(model), prompt, o.replace(threshold=0.5)),
+                       block_diffusion_generate(model_fn(model), prompt, o.replace(threshold=0.5, cache="dual")))
 
 
 def test_bd3lm_sampler_respects_block_causality():
     # a block's tokens must not depend on anything after it: the first block is the same for any length
     model = tiny_model(std=0.3)
     prompt = torch.randint(0, 40, (1, 4))
-    kw = dict(mask_id=MASK, block_size=4, steps_per_block=4, forbid_ids=FORBID)
-    short = block_diffusion_generate(model_fn(model), prompt, length=4, **kw)
-    long = block_diffusion_generate(model_fn(model), prompt, length=12, **kw)
+    short = block_diffusion_generate(model_fn(model), prompt, opts(length=4, steps=4, block_size=4, forbid_ids=FORBID))
+    long = block_diffusion_generate(model_fn(model), prompt, opts(length=12, steps=12, block_size=4, forbid_ids=FORBID))
     assert torch.equal(long[:, :8], short)
 
 
 def test_generation_errors_name_keys():
     with pytest.raises(GenerationConfigError, match="gen.cache"):
-        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, cache="full")
+        opts(length=4, steps=4, block_length=4, cache="full")
     with pytest.raises(GenerationConfigError, match="gen.top_p"):
-        diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, steps=4, block_length=4, top_p=0.0)
+        opts(length=4, steps=4, block_length=4, top_p=0.0)
     with pytest.raises(GenerationConfigError, match="gen.threshold"):
-        block_diffusion_generate(peaked, torch.tensor([[1]]), mask_id=MASK, length=4, block_size=4, steps_per_block=1,
-                                 threshold=2.0)
+        opts(length=4, steps=1, block_size=4, threshold=2.0)
+    with pytest.raises(GenerationConfigError, match="block_size"):
+        block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4))
+    with pytest.raises(GenerationConfigError, match="gen.cfg_scale"):
+        block_diffusion_generate(peaked, torch.tensor([[1]]), opts(length=4, steps=4, block_size=4, cfg_scale=1.0))
+
+
+# ---------------------------------------------------------------- model.shift_logits (Dream) under every path
+
+
+def test_shift_logits_span_forward_needs_the_state_before_the_span():
+    # the issue's case: a span forward of a shifting model cannot compute position 4's logits (state 3 is outside)
+    model = tiny_model(std=0.3, shift_logits=True)
+    x = torch.arange(1, 11)[None]
+    with torch.no_grad():
+        cache = KVCache()
+        full = model(x, kv_cache=cache.write())
+        naive = model(x[:, 4:8], position_ids=torch.arange(4, 8), kv_cache=cache.read(4, 8))
+        from_before = model(x[:, 3:8], position_ids=torch.arange(3, 8), kv_cache=cache.read(3, 8))[:, 1:]
+    assert (naive[0, 0] - full[0, 4]).abs().max() > 0.1  # the fault: row 0 is state 4, not state 3
+    assert torch.allclose(from_before, full[:, 4:8], atol=1e-5)  # the sampler's span starts one earlier
+
+
+def _padded(prompts, side):
+    width = max(map(len, prompts))
+    rows, masks = [], []
+    for p in prompts:
+        pad = [0] * (width - len(p))
+        rows.append(pad + p if side == "left" else p + pad)
+        masks.append([False] * len(pad) + [True] * len(p) if side == "left" else [True] * len(p) + [False] * len(pad))
+    return torch.tensor(rows), torch.tensor(masks), width
+
+
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.5])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_shift_logits_cached_forward_equals_full_forward(side, cfg_scale, cache):
+    """Where nothing changed since the cache was written, the sampler's cached forward returns exactly the
+    logits of the full forward, and those equal each row's unpadded logits (a shifting 2-layer model)."""
+    from difflm.sampling.diffusion import _Forward
+
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    batch, pmask, width = _padded(prompts, "right" if side == "none" else side)
+    if side == "none":
+        batch, pmask, width = batch[:1], None, 5
+    o = opts(length=8, steps=8, block_length=4, cfg_scale=cfg_scale, cache=cache, shift_logits=True)
+    x = torch.cat([batch, torch.randint(0, 40, (batch.shape[0], 8), generator=torch.Generator().manual_seed(0))], 1)
+    x[:, width + 6:] = MASK
+    fwd = _Forward(model_fn(model), width, width + 8, o, pmask, x.device)
+    for start in (width, width + 4):  # the first block (after the padding) and the second
+        full = fwd(x, start, start + 4, first_of_block=True)
+        cached = fwd(x, start, start + 4, first_of_block=False)
+        assert (cached - full).abs().max() < 1e-5
+        for i, p in enumerate(prompts[: batch.shape[0]]):  # the same logits without padding or the cache
+            alone = torch.cat([torch.tensor([p]), x[i:i + 1, width:]], dim=1)
+            ref = _Forward(model_fn(model), len(p), len(p) + 8, o.replace(cache="none"), None, x.device)
+            off = start - width
+            assert (ref(alone, len(p) + off, len(p) + off + 4, True) - full[i:i + 1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+def test_shift_logits_every_sampler_path_equals_unpadded_uncached(side):
+    """A one-layer model's K/V depend on the token and position only, so the prefix and dual caches are exact
+    for it: with model.shift_logits every path (padding side, cache, CFG, threshold, remasking rule) must give
+    each row the tokens of its unpadded, uncached run."""
+    model = tiny_model(std=0.5, shift_logits=True, layers=1)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    batch, pmask, width = _padded(prompts, "right" if side == "none" else side)
+    variants = [dict(), dict(cfg_scale=1.5), dict(threshold=0.2), dict(remasking="margin", top_k=8)]
+    for v in variants:
+        o = opts(length=8, steps=8, block_length=4, forbid_ids=FORBID, shift_logits=True, **v)
+        alone = [diffusion_generate(model_fn(model), torch.tensor([p]), o)[0, len(p):].tolist() for p in prompts]
+        for cache in ("none", "prefix", "dual"):
+            if side == "none":
+                got = [diffusion_generate(model_fn(model), torch.tensor([p]), o.replace(cache=cache))[0, len(p):]
+                       for p in prompts]
+            else:
+                got = diffusion_generate(model_fn(model), batch, o.replace(cache=cache), prompt_mask=pmask)[:, width:]
+            assert [g.tolist() for g in got] == alone, (v, cache)
+
+
+def test_shift_logits_refuses_a_prompt_row_of_padding_only():
+    with pytest.raises(ValueError, match="shift_logits"):
+        diffusion_generate(peaked, torch.tensor([[1, 2], [3, 4]]), opts(length=4, steps=4, block_length=4,
+                                                                         shift_logits=True),
+                           prompt_mask=torch.tensor([[True, True], [False, False]]))
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4])
+def test_bd3lm_cached_sampling_is_exact_with_shift_logits(prompt_len):
+    # prompt_len 4: every block starts at a block boundary, whose prediction needs the state of the block before
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompt = torch.randint(0, 40, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    o = opts(length=10, steps=5, block_size=4, forbid_ids=FORBID, shift_logits=True)
+    for extra in (dict(), dict(threshold=0.3)):
+        plain = block_diffusion_generate(model_fn(model), prompt, o.replace(**extra))
+        cached = block_diffusion_generate(model_fn(model), prompt, o.replace(cache="prefix", **extra))
+        assert torch.equal(plain, cached), extra
+
+
+def test_generate_ids_builds_one_options_object_for_every_sampler():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.errors import DifflmError
+    from difflm.generate import generate_ids, generation_options
+
+    tok = SimpleNamespace(mask_id=MASK, tokenizer=[None] * 40)  # 40 real ids: 40..47 are never emitted
+    gen = OmegaConf.create(dict(length=8, steps=4, block_length=4, remasking="margin", temperature=0.0, seed=0,
+                                top_k=0, top_p=1.0, cfg_scale=0.0, threshold=None, cache="prefix"))
+    model = tiny_model(std=0.3, shift_logits=True)
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(2))
+    bd3lm = OmegaConf.create(dict(name="bd3lm", block_size=4))
+    o = generation_options(model, tok, gen, objective=bd3lm)
+    assert o == GenerationOptions(mask_id=MASK, length=8, steps=4, block_length=4, remasking="margin", cache="prefix",
+                                  forbid_ids=list(range(40, 48)), shift_logits=True, block_size=4)
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False, objective=bd3lm),
+                       block_diffusion_generate(model_fn(model), prompt, o)[:, 4:])
+    mdlm = generation_options(model, tok, gen, objective=OmegaConf.create(dict(name="mdlm", block_size=4)))
+    assert mdlm.block_size is None
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False),
+                       diffusion_generate(model_fn(model), prompt, mdlm)[:, 4:])
+    with pytest.raises(DifflmError, match="gen.cfg_scale"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.0}), objective=bd3lm)
+    with pytest.raises(DifflmError, match="equal length"):
+        generate_ids(model, tok, prompt, gen, False, objective=bd3lm,
+                     prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool())
+    with pytest.raises(GenerationConfigError, match="gen.remasking"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"remasking": "oldest"}))

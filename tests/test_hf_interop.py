@@ -245,3 +245,97 @@ def test_cli_import_prints_train_command(tmp_path):
     assert "difflm-train objective=ar" in res.stdout and "model.qkv_bias=true" in res.stdout
     with pytest.raises(DifflmError, match="already holds checkpoints"):
         import_hf(str(src), tmp_path / "run")
+
+
+# ------------------------------------------------------------------ the exported modeling file: padding, shift, ties
+
+def _hf_twin(shift: bool = False, causal: bool = False):
+    """A tiny difflm model and the exported modeling file's class holding the same weights (V = 48, mask 47)."""
+    from difflm.interop.hf_modeling.configuration_difflm import DiffLMConfig
+    from difflm.interop.hf_modeling.modeling_difflm import DiffLMForMaskedLM
+    from tests.dlm_helpers import tiny_model
+
+    ours = tiny_model(std=0.3, shift_logits=shift, causal=causal)
+    cfg = DiffLMConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, qk_norm=True,
+                       tie_word_embeddings=False, causal=causal, shift_logits=shift, mask_token_id=47,
+                       tokenizer_vocab_size=47)
+    hf = DiffLMForMaskedLM(cfg).eval()
+    hf.load_state_dict(ours.state_dict())
+    return ours, hf
+
+
+def _pad(prompts, side):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[i, cols], mask[i, cols] = torch.tensor(p), 1
+    return ids, mask, width
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_export_generate_applies_attention_mask(shift, side):
+    from difflm.sampling import GenerationOptions, diffusion_generate
+    from tests.dlm_helpers import model_fn
+
+    ours, hf = _hf_twin(shift)
+    ids, mask, width = _pad(PROMPTS, side)
+    with torch.no_grad():  # forward: every real position's logits equal those of the unpadded row
+        padded = hf(ids, attention_mask=mask).logits
+        for i, p in enumerate(PROMPTS):
+            alone = hf(torch.tensor([p])).logits[0]
+            assert torch.allclose(padded[i][mask[i].bool()], alone, atol=1e-5)
+            assert torch.allclose(alone, ours(torch.tensor([p]))[0], atol=1e-5)
+    settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8),
+                dict(temperature=0.7, remasking="random")]
+    for kw in settings:
+        gen = dict(steps=4, gen_length=8, block_length=4, **kw)
+        theirs = hf.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **gen)
+        o = GenerationOptions(mask_id=47, length=8, steps=4, block_length=4, forbid_ids=[47], shift_logits=shift, **kw)
+        mine = diffusion_generate(model_fn(ours), ids, o, prompt_mask=mask.bool(),
+                                  generator=torch.Generator().manual_seed(3))
+        assert torch.equal(theirs, mine), kw  # difflm's sampler, token for token
+        if kw.get("temperature", 0) == 0:  # each row as if alone
+            for i, p in enumerate(PROMPTS):
+                alone = hf.generate(torch.tensor([p]), **gen)[0, len(p):]
+                assert theirs[i, width:].tolist() == alone.tolist(), (kw, i)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_export_causal_generate_applies_attention_mask(side):
+    _, hf = _hf_twin(causal=True)
+    ids, mask, width = _pad(PROMPTS, side)
+    out = hf.generate(ids, attention_mask=mask, gen_length=5)
+    for i, p in enumerate(PROMPTS):
+        assert out[i, width:].tolist() == hf.generate(torch.tensor([p]), gen_length=5)[0, len(p):].tolist()
+
+
+def test_export_generate_refuses_unknown_arguments_and_bad_masks():
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(TypeError, match="max_new_token"):
+        hf.generate(ids, max_new_token=8)  # a typo must not be swallowed
+    with pytest.raises(TypeError):
+        hf(ids, position_ids=torch.arange(3))  # nor an input the forward ignores
+    with pytest.raises(ValueError, match="attention_mask"):
+        hf.generate(ids, attention_mask=torch.ones(1, 4, dtype=torch.long), gen_length=4, steps=4, block_length=4)
+    with pytest.raises(ValueError, match="attention_mask"):
+        hf.generate(ids, attention_mask=torch.zeros(1, 3, dtype=torch.long), gen_length=4, steps=4, block_length=4)
+
+
+@pytest.mark.parametrize("rule", [dict(remasking="low_confidence"), dict(remasking="margin"),
+                                  dict(remasking="low_confidence", threshold=1.0), dict(remasking="margin", top_p=0.5)])
+def test_export_confidences_of_very_peaked_logits_do_not_tie(rule):
+    from tests.test_sampling import peaked_leads
+
+    _, hf = _hf_twin()
+    hf._logits = lambda x, valid=None: peaked_leads(x)  # vocabulary 4, mask id 3 (see peaked_leads)
+    hf._forbidden_ids = lambda: []
+    out = hf.generate(torch.tensor([[0]]), gen_length=2, steps=2, block_length=2, mask_id=3, **rule)
+    assert out.tolist() == [[0, 0, 2]]

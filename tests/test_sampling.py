@@ -7,6 +7,7 @@ import torch
 
 from difflm.sampling import (
     GenerationConfigError,
+    GenerationOptions,
     autoregressive_generate,
     diffusion_generate,
     gumbel_argmax,
@@ -15,6 +16,10 @@ from difflm.sampling import (
 
 V = 11
 MASK = 10
+
+
+def opts(**kw) -> GenerationOptions:
+    return GenerationOptions(mask_id=MASK, **kw)
 
 
 class Recorder:
@@ -57,7 +62,7 @@ def test_num_transfer_tokens_schedule():
 def test_low_confidence_hand_computed_order():
     rec = Recorder(positional)
     prompt = torch.tensor([[4, MASK]])  # a mask id inside the prompt must survive
-    out = diffusion_generate(rec, prompt, mask_id=MASK, length=6, steps=3, block_length=6)
+    out = diffusion_generate(rec, prompt, opts(length=6, steps=3, block_length=6))
     assert out.shape == (1, 8) and out.dtype == torch.long
     assert out[0, :2].tolist() == [4, MASK]  # prompt unchanged
     assert out[0, 2:].tolist() == [2, 3, 4, 5, 6, 7]
@@ -76,8 +81,8 @@ def test_prompt_dependent_batch_deterministic():
         return logits
 
     prompt = torch.tensor([[1, 0], [5, 0]])
-    a = diffusion_generate(shift, prompt, mask_id=MASK, length=4, steps=4, block_length=2)
-    b = diffusion_generate(shift, prompt, mask_id=MASK, length=4, steps=4, block_length=2)
+    a = diffusion_generate(shift, prompt, opts(length=4, steps=4, block_length=2))
+    b = diffusion_generate(shift, prompt, opts(length=4, steps=4, block_length=2))
     assert torch.equal(a, b)
     assert a.tolist() == [[1, 0, 3, 4, 5, 6], [5, 0, 7, 8, 9, 0]]
 
@@ -87,8 +92,7 @@ def test_tokens_per_step_follow_schedule(remasking):
     rec = Recorder(positional)
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
     g = torch.Generator().manual_seed(0)
-    out = diffusion_generate(rec, prompt, mask_id=MASK, length=8, steps=3, block_length=8,
-                             remasking=remasking, generator=g)
+    out = diffusion_generate(rec, prompt, opts(length=8, steps=3, block_length=8, remasking=remasking), generator=g)
     counts = [(s[:, 3:] == MASK).sum(dim=1).tolist() for s in rec.inputs + [out]]
     assert counts == [[8, 8], [5, 5], [2, 2], [0, 0]]  # schedule 3, 3, 2
     assert torch.equal(out[:, :3], prompt)
@@ -98,7 +102,7 @@ def test_blocks_are_semi_autoregressive():
     # Confidence rises with position, so without blocks the last positions would go first.
     rec = Recorder(positional)
     prompt = torch.tensor([[7]])
-    out = diffusion_generate(rec, prompt, mask_id=MASK, length=9, steps=6, block_length=3)
+    out = diffusion_generate(rec, prompt, opts(length=9, steps=6, block_length=3))
     blocks = [(1, 4), (4, 7), (7, 10)]
     for snap in rec.inputs + [out]:
         for (s0, e0), (s1, e1) in zip(blocks, blocks[1:]):
@@ -113,8 +117,8 @@ def test_random_remasking_seeded():
     def run(seed):
         rec = Recorder(positional)
         g = torch.Generator().manual_seed(seed)
-        out = diffusion_generate(rec, torch.tensor([[0]]), mask_id=MASK, length=12, steps=12,
-                                 block_length=12, remasking="random", generator=g)
+        out = diffusion_generate(rec, torch.tensor([[0]]), opts(length=12, steps=12, block_length=12,
+                                                                remasking="random"), generator=g)
         return out, unmask_steps(rec, out, 1)
 
     out_a, order_a = run(1)
@@ -128,10 +132,10 @@ def test_random_remasking_seeded():
 
 def test_temperature_sampling_seeded():
     flat = lambda x: torch.zeros(x.shape[0], x.shape[1], V)  # noqa: E731
-    kw = dict(mask_id=MASK, length=16, steps=8, block_length=8, temperature=1.0, forbid_ids=[MASK])
+    o = opts(length=16, steps=8, block_length=8, temperature=1.0, forbid_ids=[MASK])
 
     def run(seed):
-        return diffusion_generate(flat, torch.tensor([[0, 1]]), generator=torch.Generator().manual_seed(seed), **kw)
+        return diffusion_generate(flat, torch.tensor([[0, 1]]), o, generator=torch.Generator().manual_seed(seed))
 
     a, b, c = run(3), run(3), run(4)
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -149,9 +153,9 @@ def test_forbid_ids_never_emitted(temperature, remasking):
         return logits
 
     g = torch.Generator().manual_seed(0)
-    out = diffusion_generate(loves_mask, torch.tensor([[1, 2]]), mask_id=MASK, length=8, steps=4,
-                             block_length=4, remasking=remasking, temperature=temperature,
-                             generator=g, forbid_ids=[MASK, 3])
+    out = diffusion_generate(loves_mask, torch.tensor([[1, 2]]),
+                             opts(length=8, steps=4, block_length=4, remasking=remasking, temperature=temperature,
+                                  forbid_ids=[MASK, 3]), generator=g)
     gen = out[:, 2:]
     assert not (gen == MASK).any() and not (gen == 3).any()
     if temperature == 0:
@@ -173,17 +177,15 @@ def test_forbid_ids_never_emitted(temperature, remasking):
 )
 def test_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key) as err:
-        diffusion_generate(positional, torch.tensor([[1]]), mask_id=MASK, **kwargs)
+        diffusion_generate(positional, torch.tensor([[1]]), opts(**kwargs))
     assert isinstance(err.value, GenerationConfigError)
 
 
 def test_bad_logits_shape_and_forbid_ids():
     with pytest.raises(ValueError, match="logits_fn"):
-        diffusion_generate(lambda x: torch.zeros(1, 3), torch.tensor([[1]]), mask_id=MASK,
-                           length=2, steps=2, block_length=2)
+        diffusion_generate(lambda x: torch.zeros(1, 3), torch.tensor([[1]]), opts(length=2, steps=2, block_length=2))
     with pytest.raises(ValueError, match="forbid_ids"):
-        diffusion_generate(positional, torch.tensor([[1]]), mask_id=MASK, length=2, steps=2,
-                           block_length=2, forbid_ids=[V])
+        diffusion_generate(positional, torch.tensor([[1]]), opts(length=2, steps=2, block_length=2, forbid_ids=[V]))
 
 
 def test_gumbel_argmax_matches_softmax():
@@ -211,7 +213,7 @@ def next_token_model(x):
 def test_autoregressive_greedy_growing_prefix():
     rec = Recorder(next_token_model)
     prompt = torch.tensor([[3, 7], [0, 8]])
-    out = autoregressive_generate(rec, prompt, length=4)
+    out = autoregressive_generate(rec, prompt, opts(length=4))
     assert out.tolist() == [[3, 7, 8, 9, 0, 1], [0, 8, 9, 0, 1, 2]]
     assert [s.shape[1] for s in rec.inputs] == [2, 3, 4, 5]
     for t, s in enumerate(rec.inputs):
@@ -220,14 +222,14 @@ def test_autoregressive_greedy_growing_prefix():
 
 def test_autoregressive_forbid_and_seed():
     prompt = torch.tensor([[3]])
-    out = autoregressive_generate(next_token_model, prompt, length=5, forbid_ids=[4, 6, 8, 0])
+    out = autoregressive_generate(next_token_model, prompt, opts(length=5, forbid_ids=[4, 6, 8, 0]))
     # greedy with 4, 6, 8, 0 forbidden: each step falls back to the second choice, 1 -> 2 is free
     assert out.tolist() == [[3, 5, 7, 9, 1, 2]]
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
         return autoregressive_generate(lambda x: torch.zeros(x.shape[0], x.shape[1], V), prompt,
-                                       length=20, temperature=1.0, generator=g, forbid_ids=[MASK])
+                                       opts(length=20, temperature=1.0, forbid_ids=[MASK]), generator=g)
 
     a, b, c = run(0), run(0), run(1)
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -236,6 +238,42 @@ def test_autoregressive_forbid_and_seed():
 
 def test_autoregressive_validation():
     with pytest.raises(ValueError, match="gen.length"):
-        autoregressive_generate(next_token_model, torch.tensor([[1]]), length=0)
+        autoregressive_generate(next_token_model, torch.tensor([[1]]), opts(length=0))
     with pytest.raises(ValueError, match="gen.temperature"):
-        autoregressive_generate(next_token_model, torch.tensor([[1]]), length=2, temperature=-0.5)
+        autoregressive_generate(next_token_model, torch.tensor([[1]]), opts(length=2, temperature=-0.5))
+
+
+# ---------------------------------------------------------------- confidences in float64 (LLaDA)
+
+TIE_MASK = 3
+
+
+def peaked_leads(x, **kw):
+    """Vocabulary 4, mask id 3, prompt [0] then two generated positions. Position 1's top logit leads by 20:
+    token 1 while position 2 is masked, token 0 once it is decoded; position 2's leads by 30 (token 2). In
+    float32 both probabilities round to 1.0; the more confident position 2 must still go first."""
+    logits = torch.zeros(x.shape[0], x.shape[1], 4)
+    rows = torch.arange(x.shape[0])
+    logits[rows, 1, torch.where(x[:, 2] == TIE_MASK, 1, 0)] = 20.0
+    logits[:, 2, 2] = 30.0
+    return logits
+
+
+@pytest.mark.parametrize("rule", [
+    dict(remasking="low_confidence"), dict(remasking="margin"), dict(remasking="entropy"),
+    dict(remasking="low_confidence", threshold=1.0), dict(remasking="margin", threshold=1.0),
+    dict(remasking="low_confidence", top_k=2, top_p=0.9), dict(remasking="margin", top_p=0.5),
+])
+def test_confidences_of_very_peaked_logits_do_not_tie(rule):
+    o = GenerationOptions(mask_id=TIE_MASK, length=2, steps=2, block_length=2, **rule)
+    out = diffusion_generate(peaked_leads, torch.tensor([[0]]), o)
+    assert out.tolist() == [[0, 0, 2]]  # float32 confidences tie and give [0, 1, 2]
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "margin", "entropy"])
+def test_block_sampler_confidences_do_not_tie(remasking):
+    from difflm.sampling import block_diffusion_generate
+
+    o = GenerationOptions(mask_id=TIE_MASK, length=2, steps=2, block_size=3, remasking=remasking)
+    out = block_diffusion_generate(peaked_leads, torch.tensor([[0]]), o)
+    assert out.tolist() == [[0, 0, 2]]

@@ -20,6 +20,10 @@ Usage with :meth:`difflm.model.transformer.Transformer.forward` (``kv_cache=`` a
 
 Every tensor is ``[B, S, H_kv, D]`` (the attention's ``bshd`` layout, whatever the kernel set); batch rows are
 independent, so the cache is correct for B > 1.
+
+A model with ``model.shift_logits`` gives position i the logits of the hidden state at i - 1, which a forward over
+``[start, end)`` does not compute for i = start: read ``(start - 1, end)`` and drop the first row, as the samplers
+do (:mod:`difflm.sampling`).
 """
 from __future__ import annotations
 

@@ -5,8 +5,18 @@ of MDLM (Sahoo et al. 2024, eq. 10) weighs the cross-entropy of every masked tok
 
     w(t) = -alpha'_t / (1 - alpha_t),
 
-so that for any schedule E_t[w(t) (1 - alpha_t)] = alpha_0 - alpha_1 = 1 (a uniform model scores log V).
-Time is floored, t' = (1 - eps) t + eps, to keep w bounded (MDLM's ``sampling_eps``).
+and in continuous time the NELBO does not depend on the schedule (MDLM sec. 3.2); it is an upper bound on
+the model's NLL. Time is floored, t' = (1 - eps) t + eps, to keep w bounded (MDLM's ``sampling_eps``), so the
+estimate is E_t'[...] over [eps, 1) and E_t[w (1 - alpha)] = (alpha(eps) - alpha(1)) / (1 - eps): 1 for
+``linear``, 1 - eps for ``loglinear``, cos(pi eps / 2) / (1 - eps) ~ 1 + eps for ``cosine``. A uniform model
+therefore scores exactly log V under ``linear`` only (0.1 % below / above under ``loglinear`` / ``cosine`` at
+eps = 1e-3).
+
+Bound. ``linear`` stays within O(eps) of the continuous-time NELBO and ``cosine`` lies ~eps above it: both
+upper-bound the NLL (enumerated exactly on tiny models, tests/test_schedules.py). ``loglinear`` follows
+MDLM's published convention: alpha(1) = eps, so no sequence is ever fully masked and the most-masked end of the
+integral is left out; it lies ~eps below the continuous-time NELBO and can fall below the exact NLL (a uniform
+model: (1 - eps) log V < log V). Its figures compare with MDLM's, but they are not a bound.
 
 =============  =========================  ===================  ==============================
 schedule       alpha(t)                   mask prob 1 - alpha  weight -alpha'/(1 - alpha)

@@ -8,34 +8,24 @@ No KV cache: every step re-runs the model on the whole prefix.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from difflm.sampling.diffusion import (
-    GenerationConfigError,
-    LogitsFn,
-    apply_forbid,
-    check_logits,
-    check_prompt,
-    filter_top_k_top_p,
-)
+from difflm.sampling.diffusion import LogitsFn, apply_forbid, check_logits, check_prompt, filter_top_k_top_p
+from difflm.sampling.options import GenerationOptions
 
 
 @torch.no_grad()
 def autoregressive_generate(
     logits_fn: LogitsFn,
     prompt: torch.Tensor,
+    opts: GenerationOptions,
     *,
-    length: int,
-    temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    forbid_ids: Sequence[int] = (),
-    top_k: int = 0,
-    top_p: float = 1.0,
     prompt_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Generate ``length`` tokens after ``prompt``, one at a time, left to right.
+    """Generate ``opts.length`` tokens after ``prompt``, one at a time, left to right.
 
     Each step calls ``logits_fn`` on the whole prefix ``[B, P + t]`` and reads the last
     position's logits (``forbid_ids`` set to ``-inf``): the argmax at temperature 0, else a
@@ -44,30 +34,24 @@ def autoregressive_generate(
     Args:
         logits_fn: ``x [B, S] int64 -> logits [B, S, V] float`` (causal model).
         prompt: ``[B, P]`` int64, ``P >= 1``.
-        length: tokens to generate (``gen.length``).
-        temperature: >= 0 (``gen.temperature``).
+        opts: the settings (:class:`GenerationOptions`); reads ``length``, ``temperature``, ``top_k``/``top_p``
+            (filters before sampling, 0 / 1 = off) and ``forbid_ids``.
         generator: source of all randomness; the same seed reproduces the output.
-        forbid_ids: token ids never emitted.
-        top_k, top_p: ``gen.top_k`` / ``gen.top_p`` filters before sampling (0 / 1 = off).
         prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts; pads are masked out of
             attention and skipped by the RoPE positions (``logits_fn`` then gets ``attn_mask``/``position_ids``).
     Returns:
         ``[B, P + length]`` int64; the first ``P`` columns are ``prompt``.
     Raises:
-        ValueError: bad ``gen.length``/``gen.temperature`` (:class:`GenerationConfigError`),
-            an empty or non-int64 prompt, bad ``forbid_ids``, or logits of the wrong shape.
+        ValueError: an empty or non-int64 prompt, bad ``forbid_ids``, or logits of the wrong shape.
     """
     check_prompt(prompt)
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token (e.g. BOS) for left-to-right decoding")
-    if length < 1:
-        raise GenerationConfigError(f"gen.length={length} must be >= 1")
-    if not temperature >= 0:
-        raise GenerationConfigError(f"gen.temperature={temperature} must be >= 0")
+    temperature, forbid_ids = opts.temperature, opts.forbid_ids
 
     x = prompt
     valid = None if prompt_mask is None else prompt_mask.bool()
-    for _ in range(length):
+    for _ in range(opts.length):
         if valid is None:
             logits = logits_fn(x)
         else:
@@ -82,7 +66,8 @@ def autoregressive_generate(
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         if valid is None:
             check_logits(logits, x)
-        last = filter_top_k_top_p(apply_forbid(logits[:, -1, :], forbid_ids).float(), top_k, top_p)  # [B, V]
+        last = apply_forbid(logits[:, -1, :], forbid_ids).float()  # [B, V]
+        last = filter_top_k_top_p(last, opts.top_k, opts.top_p)
         if temperature == 0:
             nxt = last.argmax(dim=-1)
         else:

@@ -3,82 +3,79 @@
 Blocks of ``block_size`` tokens are aligned to absolute positions, as in training (block j covers positions
 ``[j * block_size, (j + 1) * block_size)``); the block that holds the end of the prompt is completed first.
 Each block starts fully masked (except prompt tokens inside it) and is denoised with the masked-diffusion
-step of :mod:`difflm.sampling.diffusion` (remasking policy, ``steps_per_block`` steps or a Fast-dLLM
+step of :mod:`difflm.sampling.diffusion` (remasking policy, :func:`steps_per_block` steps or a Fast-dLLM
 ``threshold``) under the block-causal mask, which gives every position exactly its training context.
 
-With ``cache=True`` finished blocks are encoded once into a :class:`difflm.model.kv_cache.KVCache` and each
-step runs only the current block. Because clean blocks never attend to later blocks this is exact: the
-cached and uncached paths compute the same function (Arriola et al. 2025, sec. 3.3, "KV caching").
+With ``gen.cache`` other than ``none`` finished blocks are encoded once into a
+:class:`difflm.model.kv_cache.KVCache` and each step runs only the current block (from the position before it
+under ``model.shift_logits``). Because clean blocks never attend to later blocks this is exact: the cached and
+uncached paths compute the same function (Arriola et al. 2025, sec. 3.3, "KV caching").
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from difflm.model.kv_cache import KVCache
 from difflm.model.masks import block_causal_inference_mask
 from difflm.sampling.diffusion import (
-    GenerationConfigError,
     LogitsFn,
     apply_forbid,
-    check_common,
     check_logits,
     check_prompt,
     num_transfer_tokens,
     propose,
     select_transfer,
 )
+from difflm.sampling.options import GenerationConfigError, GenerationOptions
+
+
+def steps_per_block(opts: GenerationOptions) -> int:
+    """``gen.steps`` spread over the ``gen.length / objective.block_size`` blocks: ``max(1, steps * block_size //
+    length)`` denoising steps per block."""
+    return max(1, opts.steps * opts.block_size // opts.length)
 
 
 @torch.no_grad()
 def block_diffusion_generate(
     logits_fn: LogitsFn,
     prompt: torch.Tensor,
+    opts: GenerationOptions,
     *,
-    mask_id: int,
-    length: int,
-    block_size: int,
-    steps_per_block: int,
-    remasking: str = "low_confidence",
-    temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    forbid_ids: Sequence[int] = (),
-    top_k: int = 0,
-    top_p: float = 1.0,
-    threshold: Optional[float] = None,
-    cache: bool = False,
     stats: Optional[dict] = None,
 ) -> torch.Tensor:
-    """Generate ``length`` tokens after ``prompt`` [B, P] int64 with a block-diffusion model.
+    """Generate ``opts.length`` tokens after ``prompt`` [B, P] int64 with a block-diffusion model.
 
     Args:
         logits_fn: called as ``logits_fn(x, attn_mask=..., position_ids=..., kv_cache=...)`` (the keywords of
             :meth:`difflm.model.transformer.Transformer.forward`); returns ``[B, S, V]``.
-        block_size: the model's ``objective.block_size``.
-        steps_per_block: denoising steps per block (capped by the tokens to generate in it).
-        threshold: Fast-dLLM confidence threshold (None: ``steps_per_block`` fixed steps).
-        cache: exact KV cache of finished blocks.
+        opts: the settings (:class:`GenerationOptions`); reads ``block_size`` (the model's
+            ``objective.block_size``, required), ``length``, ``steps`` (:func:`steps_per_block` per block, capped
+            by the tokens to generate in it), ``remasking``, ``temperature``, ``top_k``/``top_p``, ``threshold``
+            (Fast-dLLM; None: fixed steps), ``cache`` (anything but ``none``: the exact KV cache of finished
+            blocks), ``forbid_ids`` and ``shift_logits``. ``cfg_scale`` must be 0.
+        generator: source of all randomness.
         stats: if given, ``stats["nfe"]`` receives the number of model calls (cache updates included).
-        Other arguments as :func:`difflm.sampling.diffusion.diffusion_generate`.
     Returns: ``[B, P + length]`` int64.
     Raises: GenerationConfigError (a ValueError) for a bad ``gen.*`` setting; ValueError for a bad prompt.
     """
     check_prompt(prompt)
-    check_common(remasking, temperature, top_k, top_p, 0.0, threshold, "none")
-    if length < 1:
-        raise GenerationConfigError(f"gen.length={length} must be >= 1")
-    if steps_per_block < 1:
-        raise GenerationConfigError(f"gen.steps={steps_per_block} must give >= 1 step per block")
-    if block_size < 1:
-        raise GenerationConfigError(f"objective.block_size={block_size} must be >= 1")
+    if opts.block_size is None:
+        raise GenerationConfigError("block_diffusion_generate needs GenerationOptions.block_size "
+                                    "(the bd3lm run's objective.block_size)")
+    if opts.cfg_scale > 0:
+        raise GenerationConfigError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
+    mask_id, block_size, threshold = opts.mask_id, opts.block_size, opts.threshold
+    per_block = steps_per_block(opts)
     batch, prompt_len = prompt.shape
-    total = prompt_len + length
+    total = prompt_len + opts.length
     device = prompt.device
     full_mask = block_causal_inference_mask(total, block_size, device)
-    kv = KVCache() if cache else None
+    kv = KVCache() if opts.cache != "none" else None
     committed = 0  # positions whose K/V are in the cache
-    x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=device)], dim=1)
+    x = torch.cat([prompt, torch.full((batch, opts.length), mask_id, dtype=torch.long, device=device)], dim=1)
     nfe = 0
     pos = prompt_len
     while pos < total:
@@ -93,23 +90,25 @@ def block_diffusion_generate(
                 logits_fn(x[:, rows], kv_cache=kv.read(committed, block_start, commit=True), **kw)
             committed = block_start
             nfe += 1
-        n_steps = min(steps_per_block, end - pos)
+        n_steps = min(per_block, end - pos)
         schedule = num_transfer_tokens(torch.full((batch,), end - pos, device=device), n_steps)
         step = 0
         while (x[:, pos:end] == mask_id).any() if threshold is not None else step < n_steps:
             if kv is not None and committed > 0:
-                logits = logits_fn(x[:, block_start:end], attn_mask=full_mask[:, :, block_start:end, :end],
-                                   position_ids=torch.arange(block_start, end, device=device),
-                                   kv_cache=kv.read(block_start, end))
-                check_logits(logits, x[:, block_start:end])
-                logits = logits[:, pos - block_start:]
+                # a shifting model predicts pos from the state at pos - 1: the span starts there (its K/V are
+                # recomputed from the same clean tokens, so the cache stays exact)
+                a = block_start - 1 if opts.shift_logits and pos == block_start else block_start
+                logits = logits_fn(x[:, a:end], attn_mask=full_mask[:, :, a:end, :end],
+                                   position_ids=torch.arange(a, end, device=device), kv_cache=kv.read(a, end))
+                check_logits(logits, x[:, a:end])
+                logits = logits[:, pos - a:]
             else:
                 logits = logits_fn(x[:, :end], attn_mask=full_mask[:, :, :end, :end])
                 check_logits(logits, x[:, :end])
                 logits = logits[:, pos:end]
             nfe += 1
-            logits = apply_forbid(logits, forbid_ids)
-            x0, confidence = propose(logits, remasking, temperature, generator, top_k, top_p)
+            logits = apply_forbid(logits, opts.forbid_ids)
+            x0, confidence = propose(logits, opts.remasking, opts.temperature, generator, opts.top_k, opts.top_p)
             candidates = x[:, pos:end] == mask_id
             transfer = select_transfer(confidence, candidates, schedule[:, min(step, n_steps - 1)], threshold)
             x[:, pos:end] = torch.where(transfer, x0, x[:, pos:end])

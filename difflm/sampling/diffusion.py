@@ -19,19 +19,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from difflm.errors import DifflmError
+# CACHES, REMASKING and GenerationConfigError are re-exported for callers of this module
+from difflm.sampling.options import CACHES, REMASKING, GenerationConfigError, GenerationOptions  # noqa: F401
 
 LogitsFn = Callable[..., torch.Tensor]
 """x ``[B, S]`` int64 -> logits ``[B, S, V]`` float. Called as ``logits_fn(x)``, or with keyword arguments
 ``attn_mask``, ``position_ids``, ``kv_cache`` (those of :meth:`difflm.model.transformer.Transformer.forward`)
 for padded prompts or a KV cache."""
-
-REMASKING = ("low_confidence", "random", "margin", "entropy")
-CACHES = ("none", "prefix", "dual")
-
-
-class GenerationConfigError(DifflmError, ValueError):
-    """A bad ``gen.*`` setting (a ``ValueError`` that the CLI prints as one line)."""
 
 
 def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
@@ -88,8 +82,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits.float(), dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits.float(), dim=-1)) >= top_p  # mass before it reaches top_p
+        probs = torch.softmax(sorted_logits.double(), dim=-1)  # float64 as the confidences (see propose)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before it reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -129,51 +123,20 @@ def check_prompt(prompt: torch.Tensor) -> None:
         raise ValueError(f"prompt must be [B, P] int64, got {tuple(prompt.shape)} {prompt.dtype}")
 
 
-def check_common(remasking: str, temperature: float, top_k: int, top_p: float, cfg_scale: float,
-                 threshold: Optional[float], cache: str) -> None:
-    """Check the ``gen.*`` settings shared by the masked-diffusion samplers (GenerationConfigError naming the key)."""
-    if remasking not in REMASKING:
-        raise GenerationConfigError(f"gen.remasking={remasking!r} must be one of {REMASKING}")
-    if not temperature >= 0:
-        raise GenerationConfigError(f"gen.temperature={temperature} must be >= 0")
-    if top_k < 0:
-        raise GenerationConfigError(f"gen.top_k={top_k} must be >= 0 (0 = off)")
-    if not 0.0 < top_p <= 1.0:
-        raise GenerationConfigError(f"gen.top_p={top_p} must be in (0, 1] (1 = off)")
-    if not cfg_scale >= 0:
-        raise GenerationConfigError(f"gen.cfg_scale={cfg_scale} must be >= 0 (0 = off)")
-    if threshold is not None and not 0.0 < threshold <= 1.0:
-        raise GenerationConfigError(f"gen.threshold={threshold} must be in (0, 1] or null")
-    if cache not in CACHES:
-        raise GenerationConfigError(f"gen.cache={cache!r} must be one of {CACHES}")
-
-
-def _validate(length: int, steps: int, block_length: int, remasking: str, temperature: float) -> int:
-    """Check the ``gen.*`` settings; return the number of blocks."""
-    if length < 1:
-        raise GenerationConfigError(f"gen.length={length} must be >= 1")
-    if block_length < 1:
-        raise GenerationConfigError(f"gen.block_length={block_length} must be >= 1")
+def _validate(opts: GenerationOptions) -> int:
+    """Check the LLaDA sampler's block and step settings; return the number of blocks."""
+    length, steps, block_length = opts.length, opts.steps, opts.block_length
     if length % block_length != 0:
-        raise GenerationConfigError(
-            f"gen.length={length} must be a multiple of gen.block_length={block_length}"
-        )
+        raise GenerationConfigError(f"gen.length={length} must be a multiple of gen.block_length={block_length}")
     num_blocks = length // block_length
     if steps < num_blocks:
         raise GenerationConfigError(
-            f"gen.steps={steps} must be >= the number of blocks "
-            f"gen.length/gen.block_length={num_blocks}"
-        )
+            f"gen.steps={steps} must be >= the number of blocks gen.length/gen.block_length={num_blocks}")
     if steps % num_blocks != 0:
         raise GenerationConfigError(
-            f"gen.steps={steps} must be a multiple of the number of blocks "
-            f"gen.length/gen.block_length={num_blocks}"
-        )
+            f"gen.steps={steps} must be a multiple of the number of blocks gen.length/gen.block_length={num_blocks}")
     if steps > length:
-        raise GenerationConfigError(
-            f"gen.steps={steps} must be <= gen.length={length} (at least one token per step)"
-        )
-    check_common(remasking, temperature, 0, 1.0, 0.0, None, "none")
+        raise GenerationConfigError(f"gen.steps={steps} must be <= gen.length={length} (at least one token per step)")
     return num_blocks
 
 
@@ -181,16 +144,22 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
             top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
-    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax`` of the filtered,
-    noise-free logits the confidence (higher = unmask first) is ``probs[x0]`` (``low_confidence``),
-    ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs`` (``entropy``) or ``U[0, 1)``
-    (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
+    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax(logits)`` (the model's
+    distribution, noise-free and *not* filtered) the confidence (higher = unmask first) is ``probs[x0]``
+    (``low_confidence``), ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs``
+    (``entropy``) or ``U[0, 1)`` (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
+
+    Two choices keep positions of different confidence from tying (ties go to the leftmost position):
+    ``probs`` are float64, as in LLaDA's reference ``generate.py`` (``F.softmax(logits.to(torch.float64))``;
+    in float32 a token whose logit leads by more than ~17 nats gets probability exactly 1.0, float64 separates
+    leads up to ~36); and the top-k / top-p filters only restrict which token is proposed: the confidence of a
+    filtered distribution would be exactly 1 wherever the nucleus is one token (Dream's ``sample_tokens``
+    computes it after filtering; difflm does not).
     """
-    logits = filter_top_k_top_p(logits, top_k, top_p)
-    x0 = gumbel_argmax(logits, temperature, generator)
+    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits.double(), dim=-1)
     if remasking == "low_confidence":
         confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
     elif remasking == "margin":
@@ -198,7 +167,7 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
         confidence = top2[..., 0] - top2[..., 1]
     else:  # entropy
         confidence = -torch.special.entr(probs).sum(dim=-1)
-    return x0, confidence.double()
+    return x0, confidence
 
 
 def select_transfer(confidence: torch.Tensor, candidates: torch.Tensor, count: Optional[torch.Tensor],
@@ -219,38 +188,61 @@ def select_transfer(confidence: torch.Tensor, candidates: torch.Tensor, count: O
     return (first | (confidence >= threshold)) & candidates
 
 
-class _Forward:
-    """Calls ``logits_fn`` for one batch: padding masks, classifier-free guidance and the KV cache in one place.
+def logits_source(valid: torch.Tensor, shift_logits: bool) -> torch.Tensor:
+    """Which output row of ``logits_fn`` holds each position's prediction, ``[B, S]`` int64.
 
-    Returns the (guided) logits of positions ``[start, end)`` only, ``[B, end - start, V]``.
+    ``valid`` [B, S] bool marks real tokens (False at prompt padding). Without ``shift_logits`` position i's
+    prediction is output row i. A shifting model (``model.shift_logits``, Dream, Ye et al. 2025) writes the
+    state of position j - 1 into output row j, and position i must be predicted from the state of the last
+    *real* position before it, p(i); that state sits in output row p(i) + 1 (= i unless padding lies between).
+    Positions with no real position before them keep row i (position 0 keeps its own state, as the model does).
+    """
+    b, s = valid.shape
+    pos = torch.arange(s, device=valid.device).expand(b, s)
+    if not shift_logits:
+        return pos.clone()
+    last_real = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(dim=1).values  # last real index <= i
+    prev_real = torch.cat([torch.full_like(pos[:, :1], -1), last_real[:, :-1]], dim=1)  # last real index < i
+    return torch.where(prev_real >= 0, prev_real + 1, pos)
+
+
+class _Forward:
+    """Calls ``logits_fn`` for one batch: padding masks, classifier-free guidance, shifted logits and the KV cache
+    in one place.
+
+    Returns the (guided) logits of positions ``[start, end)`` only, ``[B, end - start, V]``, equal to those of
+    the unpadded, uncached forward (exactly so where nothing changed since the cache was written).
     """
 
-    def __init__(self, logits_fn, prompt_len: int, total_len: int, mask_id: int, prompt_mask, cfg_scale: float,
-                 cache: str, forbid_ids, device):
+    def __init__(self, logits_fn, prompt_len: int, total_len: int, opts: GenerationOptions, prompt_mask, device):
         from difflm.model.masks import key_padding_mask
 
-        self.fn, self.prompt_len, self.mask_id = logits_fn, prompt_len, mask_id
-        self.cfg_scale, self.cache_mode, self.forbid_ids = cfg_scale, cache, forbid_ids
+        self.fn, self.prompt_len, self.mask_id = logits_fn, prompt_len, opts.mask_id
+        self.cfg_scale, self.cache_mode, self.forbid_ids = opts.cfg_scale, opts.cache, opts.forbid_ids
+        self.shift = opts.shift_logits
         self.nfe = 0
         self.attn_mask = self.position_ids = None
         self.prompt_mask = prompt_mask
+        b = prompt_mask.shape[0] if prompt_mask is not None else 1
+        valid = torch.ones(b, total_len, dtype=torch.bool, device=device)
         if prompt_mask is not None:
-            b = prompt_mask.shape[0]
-            valid = torch.cat([prompt_mask.bool(), torch.ones(b, total_len - prompt_len, dtype=torch.bool,
-                                                                device=device)], dim=1)
+            valid[:, :prompt_len] = prompt_mask.bool()
             self.position_ids = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
             self.attn_mask = key_padding_mask(valid)
-        if cfg_scale > 0 and self.attn_mask is not None:
+        self.src = logits_source(valid, self.shift)  # [B | 1, S]
+        self.cfg_on = self.cfg_scale > 0  # rows [x; x with the prompt masked]
+        if self.cfg_on and self.attn_mask is not None:
             self.attn_mask = torch.cat([self.attn_mask, self.attn_mask])
             self.position_ids = torch.cat([self.position_ids, self.position_ids])
+            self.src = torch.cat([self.src, self.src])
         self.cache = None
-        if cache != "none":
+        if opts.cache != "none":
             from difflm.model.kv_cache import KVCache
 
             self.cache = KVCache()
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg_scale <= 0:
+        if not self.cfg_on:
             return x
         un = x.clone()
         real = slice(0, self.prompt_len)
@@ -259,6 +251,13 @@ class _Forward:
         else:
             un[:, real] = torch.where(self.prompt_mask.bool(), torch.full_like(un[:, real], self.mask_id), un[:, real])
         return torch.cat([x, un])
+
+    def _rows(self, logits: torch.Tensor, start: int, end: int, offset: int) -> torch.Tensor:
+        """Output rows of positions [start, end) from ``logits`` that begin at absolute position ``offset``."""
+        if not self.shift:
+            return logits[:, start - offset:end - offset]
+        idx = (self.src[:, start:end] - offset).expand(logits.shape[0], -1)
+        return torch.take_along_dim(logits, idx[..., None], dim=1)
 
     def __call__(self, x: torch.Tensor, start: int, end: int, first_of_block: bool) -> torch.Tensor:
         xin = self._inputs(x)
@@ -270,45 +269,45 @@ class _Forward:
                 kw["kv_cache"] = self.cache.write()
             logits = self.fn(xin, **kw)
             check_logits(logits, xin)
-            logits = logits[:, start:end]
+            logits = self._rows(logits, start, end, 0)
         else:
-            a, b = start, (x.shape[1] if self.cache_mode == "prefix" else end)
+            # the span runs from the first position whose state a prediction needs (under shift_logits the
+            # last real position before ``start``: a span forward computes no state outside itself)
+            a = start if not self.shift else max(0, int(self.src[:, start].min()) - 1)
+            b = x.shape[1] if self.cache_mode == "prefix" else end
             if self.attn_mask is not None:
                 kw = {"attn_mask": self.attn_mask[:, :, a:b], "position_ids": self.position_ids[:, a:b]}
             else:
                 kw = {"position_ids": torch.arange(a, b, device=x.device)}
             logits = self.fn(xin[:, a:b], kv_cache=self.cache.read(a, b), **kw)
             check_logits(logits, xin[:, a:b])
-            logits = logits[:, : end - start]
+            logits = self._rows(logits, start, end, a)
         self.nfe += 1
-        if self.cfg_scale > 0:
+        if self.cfg_on:
             cond, un = logits.chunk(2)
             logits = un + (self.cfg_scale + 1.0) * (cond - un)
         return apply_forbid(logits, self.forbid_ids)
+
+
+def check_shift_prompt(prompt_len: int, prompt_mask: Optional[torch.Tensor], shift_logits: bool) -> None:
+    """Under ``shift_logits`` a padded row needs a real prompt token: the first generated token is predicted from
+    the state of the last real token before it (ValueError otherwise)."""
+    if shift_logits and prompt_mask is not None and prompt_len > 0 and not bool(prompt_mask.any(dim=1).all()):
+        raise ValueError("with model.shift_logits every prompt row needs at least one real token (prompt_mask "
+                         "has an all-padding row): the first generated token is predicted from the one before it")
 
 
 @torch.no_grad()
 def diffusion_generate(
     logits_fn: LogitsFn,
     prompt: torch.Tensor,
+    opts: GenerationOptions,
     *,
-    mask_id: int,
-    length: int,
-    steps: int,
-    block_length: int,
-    remasking: str = "low_confidence",
-    temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    forbid_ids: Sequence[int] = (),
-    top_k: int = 0,
-    top_p: float = 1.0,
-    cfg_scale: float = 0.0,
-    threshold: Optional[float] = None,
-    cache: str = "none",
     prompt_mask: Optional[torch.Tensor] = None,
     stats: Optional[dict] = None,
 ) -> torch.Tensor:
-    """Generate ``length`` tokens after ``prompt`` with LLaDA's masked-diffusion sampler.
+    """Generate ``opts.length`` tokens after ``prompt`` with LLaDA's masked-diffusion sampler.
 
     Nie et al. 2025 (arXiv:2502.09992), Algorithms 4-5 with semi-autoregressive blocks;
     reference ``generate.py`` of ML-GSAI/LLaDA. Starting from
@@ -323,43 +322,37 @@ def diffusion_generate(
 
     Args:
         logits_fn: see :data:`LogitsFn`; called with ``attn_mask``/``position_ids``/``kv_cache`` keywords only
-            when ``prompt_mask`` or ``cache`` is given.
+            when ``prompt_mask`` or ``opts.cache`` is given.
         prompt: ``[B, P]`` int64 (padded rows: see ``prompt_mask``).
-        mask_id: the mask token id.
-        length: tokens to generate (``gen.length``).
-        steps: total denoising steps (``gen.steps``); one ``logits_fn`` call each (without ``threshold``).
-        block_length: semi-autoregressive block size (``gen.block_length``).
-        remasking: one of :data:`REMASKING` (``gen.remasking``).
-        temperature: Gumbel-noise temperature, 0 = greedy (``gen.temperature``).
+        opts: the settings (:class:`GenerationOptions`): ``mask_id``, ``length``, ``steps``, ``block_length``,
+            ``remasking``, ``temperature``, ``top_k``/``top_p``, ``cfg_scale`` (the unconditional input has the
+            real prompt tokens masked), ``threshold`` (Fast-dLLM parallel decoding), ``cache`` (``none``,
+            ``prefix`` or ``dual``, Fast-dLLM; approximate for bidirectional models), ``forbid_ids`` and
+            ``shift_logits``.
         generator: source of all randomness; the same seed reproduces the output.
-        forbid_ids: token ids never emitted (e.g. ``mask_id``, padded-vocab rows).
-        top_k, top_p: ``gen.top_k`` / ``gen.top_p`` filters (:func:`filter_top_k_top_p`).
-        cfg_scale: ``gen.cfg_scale``; the unconditional input has the (real) prompt tokens masked.
-        threshold: ``gen.threshold`` (Fast-dLLM parallel decoding), None = fixed schedule.
-        cache: ``gen.cache``: ``none``, ``prefix`` or ``dual`` (Fast-dLLM; approximate for bidirectional models).
         prompt_mask: ``[B, P]`` bool, True at real prompt tokens, for batches of prompts of different lengths,
             left- or right-padded: pad keys are masked out of attention and RoPE positions skip them, so each
-            row is generated as if alone.
+            row is generated as if alone (under ``shift_logits`` too).
         stats: if given, ``stats["nfe"]`` receives the number of model calls.
     Returns:
         ``[B, P + length]`` int64, with no ``mask_id`` in the generated part unless the
         model can only emit it (forbid it to be sure).
     Raises:
         ValueError: a bad ``gen.*`` setting (:class:`GenerationConfigError`, naming the key),
-            a bad prompt, bad ``forbid_ids``, or logits of the wrong shape.
+            a bad prompt or prompt mask, bad ``forbid_ids``, or logits of the wrong shape.
     """
     check_prompt(prompt)
-    num_blocks = _validate(length, steps, block_length, remasking, temperature)
-    check_common(remasking, temperature, top_k, top_p, cfg_scale, threshold, cache)
+    num_blocks = _validate(opts)
     if prompt_mask is not None and prompt_mask.shape != prompt.shape:
         raise ValueError(f"prompt_mask {tuple(prompt_mask.shape)} must have the prompt's shape {tuple(prompt.shape)}")
-    steps_per_block = steps // num_blocks
+    mask_id, threshold, block_length = opts.mask_id, opts.threshold, opts.block_length
+    steps_per_block = opts.steps // num_blocks
     batch, prompt_len = prompt.shape
-    total = prompt_len + length
-    forward = _Forward(logits_fn, prompt_len, total, mask_id, prompt_mask, cfg_scale, cache, forbid_ids,
-                       prompt.device)
+    check_shift_prompt(prompt_len, prompt_mask, opts.shift_logits)
+    total = prompt_len + opts.length
+    forward = _Forward(logits_fn, prompt_len, total, opts, prompt_mask, prompt.device)
 
-    gen = torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)
+    gen = torch.full((batch, opts.length), mask_id, dtype=torch.long, device=prompt.device)
     x = torch.cat([prompt, gen], dim=1)
 
     for block in range(num_blocks):
@@ -370,7 +363,7 @@ def diffusion_generate(
         while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
             candidates = x[:, start:end] == mask_id  # [B, N]
             logits = forward(x, start, end, first_of_block=step == 0)
-            x0, confidence = propose(logits, remasking, temperature, generator, top_k, top_p)
+            x0, confidence = propose(logits, opts.remasking, opts.temperature, generator, opts.top_k, opts.top_p)
             count = schedule[:, min(step, steps_per_block - 1)]
             transfer = select_transfer(confidence, candidates, count, threshold)
             x[:, start:end] = torch.where(transfer, x0, x[:, start:end])

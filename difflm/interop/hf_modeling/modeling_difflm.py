@@ -4,6 +4,7 @@
     logits = model(input_ids).logits                                    # [B, S, V]
     out = model.generate(input_ids, steps=64, gen_length=64, block_length=32, temperature=0.0,
                          cfg_scale=0.0, remasking="low_confidence")    # [B, P + gen_length]
+    out = model.generate(padded_ids, attention_mask=mask)              # padded rows: as if unpadded
 
 The network is difflm's ``difflm/model/transformer.py`` (Llama-style: RMSNorm, RoPE rotate-half, GQA, SwiGLU)
 with its parameter names, so ``model.safetensors`` holds difflm's state dict unchanged:
@@ -97,6 +98,15 @@ def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torc
     return angles.cos(), angles.sin()
 
 
+def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos/sin at explicit positions ``position_ids`` [B, S] int -> [B, 1, S, hd] float32 (padded batches)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+                                / head_dim))
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, S, hd] by position; returns x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -114,7 +124,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, S, d] -> [B, S, d]; ``attn_mask`` [B, 1, S, S] bool (True = attend) replaces the causal /
+        bidirectional pattern (padded batches)."""
         b, s, _ = x.shape
         group = self.num_heads // self.num_kv_heads
         q, k, v = self.qkv(x).view(b, s, -1, group + 2, self.head_dim).split([group, 1, 1], dim=3)
@@ -125,7 +138,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal and attn_mask is None,
+                                             enable_gqa=group > 1)
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -135,8 +149,9 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.mlp = LayerNormMLP(config.hidden_size, config.intermediate_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attention(x, cos, sin, attn_mask)
         return x + self.mlp(x)
 
 
@@ -196,19 +211,37 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         return self.embedding.weight if self.output is None else self.output.weight
 
     def forward(self, input_ids: torch.LongTensor, labels: Optional[torch.LongTensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, **kwargs) -> DiffLMOutput:
-        """Logits for ``input_ids`` [B, S]; ``attention_mask`` must be absent or all ones (no padding support)."""
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("attention_mask with padding is not supported: difflm models attend to the whole "
-                             "sequence; pass unpadded inputs (one sequence per call or equal lengths)")
-        s = input_ids.shape[1]
-        cos, sin = rope_cos_sin(s, self.config.head_dim, self.config.rope_theta, input_ids.device)
+                attention_mask: Optional[torch.Tensor] = None) -> DiffLMOutput:
+        """Logits for ``input_ids`` [B, S] int64.
+
+        ``attention_mask`` [B, S] (1 = real token, 0 = padding, left or right): pad keys are masked out of
+        attention and RoPE positions skip them, so the logits at every real position equal those of the row
+        without its padding (with ``shift_logits`` too: position i's logits come from the last real position
+        before it). Logits at pad positions are meaningless.
+        """
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            if not bool(attention_mask.bool().all()):
+                valid = attention_mask.bool()
+        b, s = input_ids.shape
+        mask = None
+        if valid is None:
+            cos, sin = rope_cos_sin(s, self.config.head_dim, self.config.rope_theta, input_ids.device)
+        else:  # every query sees the real keys and itself (no all-False row for SDPA)
+            cos, sin = rope_cos_sin_at((valid.long().cumsum(dim=1) - 1).clamp(min=0), self.config.head_dim,
+                                       self.config.rope_theta)
+            mask = (valid[:, None, :] | torch.eye(s, dtype=torch.bool, device=valid.device))[:, None]
+            if self.config.causal:
+                mask = mask & torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
         x = self.embedding(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         x = self.final_norm(x)
-        if self.config.shift_logits:  # Dream: position i's logits come from position i - 1
-            x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
+        if self.config.shift_logits:  # Dream: position i's logits come from the (real) position before it
+            x = torch.take_along_dim(x, _previous_real(valid, b, s, x.device)[..., None], dim=1)
         logits = F.linear(x, self.head_weight())
         loss = None
         if labels is not None:
@@ -227,21 +260,24 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  block_length: Optional[int] = None, temperature: Optional[float] = None,
                  cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
                  top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
-                 generator: Optional[torch.Generator] = None, **kwargs) -> torch.LongTensor:
+                 generator: Optional[torch.Generator] = None,
+                 attention_mask: Optional[torch.Tensor] = None) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
         prompt, decoded in blocks of ``block_length`` with ``steps`` steps in all. Each step proposes
         ``x0 = argmax(top-k/top-p filtered logits + temperature * Gumbel)`` (float64) at the block's
-        positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first:
-        ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus top-2 probability), ``entropy``
-        (lowest entropy) or ``random``. ``threshold`` (Fast-dLLM): unmask every masked token of the block
-        whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0: classifier-free guidance,
-        ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the unconditional input.
-        Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply). Defaults come from
-        ``config.gen_*``. The mask id and the embedding's padding ids are never emitted. The same
-        ``generator`` seed gives difflm's output token for token. No padding (``attention_mask``) support.
-        Raises ValueError for inconsistent lengths/steps or an unknown ``remasking``.
+        positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first
+        (confidences in float64, as LLaDA): ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus
+        top-2 probability), ``entropy`` (lowest entropy) or ``random``. ``threshold`` (Fast-dLLM): unmask every
+        masked token of the block whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0:
+        classifier-free guidance, ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the
+        unconditional input. Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply).
+        ``attention_mask`` [B, P] (1 = real, 0 = padding, left or right): each row is generated as if alone
+        (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``. The
+        mask id and the embedding's padding ids are never emitted. The same ``generator`` seed gives difflm's
+        output token for token. Unknown keyword arguments raise TypeError.
+        Raises ValueError for inconsistent lengths/steps, an unknown ``remasking`` or a bad ``attention_mask``.
         """
         cfg = self.config
         pick = lambda value, key, default: getattr(cfg, key, default) if value is None else value  # noqa: E731
@@ -257,30 +293,45 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
         input_ids = input_ids.long()
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            if not bool(attention_mask.bool().all()):
+                valid = attention_mask.bool().to(input_ids.device)
+                if not bool(valid.any(dim=1).all()):
+                    raise ValueError("attention_mask has a row without any real token: give each prompt a token")
         forbid = self._forbidden_ids()
         if cfg.causal:
-            return self._generate_ar(input_ids, gen_length, temperature, generator, forbid, top_k, top_p)
+            return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
         if mask_id is None:
             raise ValueError("config.mask_token_id is not set: pass mask_id=")
-        return self._generate_diffusion(input_ids, steps, gen_length, block_length, temperature, cfg_scale,
+        return self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
                                         remasking, mask_id, generator, forbid, top_k, top_p, threshold)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x).logits.float()
+    def _logits(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self(x, attention_mask=valid).logits.float()
 
-    def _generate_ar(self, x, length, temperature, generator, forbid, top_k, top_p):
-        """Left to right, no KV cache (difflm's autoregressive_generate): argmax at T = 0, else softmax(l / T)."""
+    def _generate_ar(self, x, valid, length, temperature, generator, forbid, top_k, top_p):
+        """Left to right, no KV cache (difflm's autoregressive_generate): argmax at T = 0, else softmax(l / T).
+        The next token comes from each row's last real position (right padding: before the pads)."""
+        rows = torch.arange(x.shape[0], device=x.device)
         for _ in range(length):
-            last = _filter_top_k_top_p(_apply_forbid(self._logits(x)[:, -1, :], forbid), top_k, top_p)  # [B, V]
+            logits = self._logits(x, valid)
+            last_pos = x.shape[1] - 1 if valid is None else x.shape[1] - 1 - valid.flip(1).long().argmax(dim=1)
+            last = _filter_top_k_top_p(_apply_forbid(logits[rows, last_pos], forbid), top_k, top_p)  # [B, V]
             if temperature == 0:
                 nxt = last.argmax(dim=-1)
             else:
                 nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator).squeeze(-1)
             x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
+            if valid is not None:
+                valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         return x
 
-    def _generate_diffusion(self, prompt, steps, length, block_length, temperature, cfg_scale, remasking, mask_id,
-                            generator, forbid, top_k, top_p, threshold):
+    def _generate_diffusion(self, prompt, valid, steps, length, block_length, temperature, cfg_scale, remasking,
+                            mask_id, generator, forbid, top_k, top_p, threshold):
         if length < 1 or block_length < 1 or length % block_length:
             raise ValueError(f"gen_length={length} must be a positive multiple of block_length={block_length}")
         num_blocks = length // block_length
@@ -292,6 +343,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         steps_per_block = steps // num_blocks
         batch, prompt_len = prompt.shape
         x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)], 1)
+        if valid is not None:  # the generated positions are real tokens
+            valid = torch.cat([valid, torch.ones(batch, length, dtype=torch.bool, device=valid.device)], dim=1)
         for block in range(num_blocks):
             start = prompt_len + block * block_length
             end = start + block_length
@@ -299,13 +352,15 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             step = 0
             while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
                 candidates = x[:, start:end] == mask_id  # [B, N]
-                if cfg_scale > 0:
+                if cfg_scale > 0:  # unconditional input: the real prompt tokens masked
                     uncond = x.clone()
-                    uncond[:, :prompt_len] = mask_id
-                    cond, un = self._logits(torch.cat([x, uncond]))[:, start:end].chunk(2)
+                    real = torch.ones_like(prompt, dtype=torch.bool) if valid is None else valid[:, :prompt_len]
+                    uncond[:, :prompt_len] = torch.where(real, torch.full_like(prompt, mask_id), prompt)
+                    both = None if valid is None else torch.cat([valid, valid])
+                    cond, un = self._logits(torch.cat([x, uncond]), both)[:, start:end].chunk(2)
                     logits = un + (cfg_scale + 1.0) * (cond - un)
                 else:
-                    logits = self._logits(x)[:, start:end]
+                    logits = self._logits(x, valid)[:, start:end]
                 x0, confidence = _propose(_apply_forbid(logits, forbid), remasking, temperature, generator,
                                           top_k, top_p)
                 count = schedule[:, min(step, steps_per_block - 1)]
@@ -316,6 +371,17 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
 
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+
+
+def _previous_real(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
+    """[B, S] int64: the last real position before each position (itself where there is none, as position 0);
+    ``valid`` [B, S] bool (None: no padding, so i - 1)."""
+    pos = torch.arange(s, device=device).expand(b, s)
+    if valid is None:
+        return (pos - 1).clamp(min=0)
+    last_real = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(dim=1).values
+    prev = torch.cat([torch.full_like(pos[:, :1], -1), last_real[:, :-1]], dim=1)
+    return torch.where(prev >= 0, prev, pos)
 
 
 def _num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
@@ -341,7 +407,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits.float(), dim=-1)
+        probs = torch.softmax(sorted_logits.double(), dim=-1)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     return logits
@@ -349,11 +415,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
 
 def _propose(logits, remasking, temperature, generator, top_k, top_p):
     """(x0 [B, N] int64, confidence [B, N] float64) for block logits [B, N, V] (see ``generate``)."""
-    logits = _filter_top_k_top_p(logits, top_k, top_p)
-    x0 = _gumbel_argmax(logits, temperature, generator)
+    x0 = _gumbel_argmax(_filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
-    probs = torch.softmax(logits.float(), dim=-1)
+    # the model's (unfiltered) distribution in float64, as LLaDA: in float32 leads > ~17 nats tie at 1.0, and a
+    # one-token nucleus would give every such position confidence 1
+    probs = torch.softmax(logits.double(), dim=-1)
     if remasking == "low_confidence":
         confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
     elif remasking == "margin":
@@ -361,7 +428,7 @@ def _propose(logits, remasking, temperature, generator, top_k, top_p):
         confidence = top2[..., 0] - top2[..., 1]
     else:  # entropy
         confidence = -torch.special.entr(probs).sum(dim=-1)
-    return x0, confidence.double()
+    return x0, confidence
 
 
 def _select_transfer(confidence, candidates, count, threshold):

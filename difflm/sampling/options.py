@@ -1,0 +1,108 @@
+"""The settings of one generation call, shared by every sampler (:class:`GenerationOptions`).
+
+:func:`difflm.sampling.diffusion_generate` (LLaDA), :func:`difflm.sampling.block_diffusion_generate` (BD3-LM) and
+:func:`difflm.sampling.autoregressive_generate` take one :class:`GenerationOptions`, built once from the ``gen.*``
+config and the model's facts by :meth:`GenerationOptions.from_config`; each sampler reads the fields it uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from difflm.errors import DifflmError
+
+REMASKING = ("low_confidence", "random", "margin", "entropy")
+CACHES = ("none", "prefix", "dual")
+
+
+class GenerationConfigError(DifflmError, ValueError):
+    """A bad ``gen.*`` setting (a ``ValueError`` that the CLI prints as one line)."""
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Sampler settings: the ``gen.*`` keys plus the facts of the model and tokenizer that a sampler needs.
+
+    Fields (config key in brackets; samplers that read it):
+        mask_id: the mask token id (diffusion samplers).
+        length: tokens to generate [``gen.length``] (all).
+        steps: denoising steps in all [``gen.steps``]; bd3lm spreads them over its blocks,
+            ``max(1, steps * block_size // length)`` per block (diffusion samplers).
+        block_length: LLaDA's semi-autoregressive block [``gen.block_length``] (LLaDA sampler).
+        remasking: confidence rule, one of :data:`REMASKING` [``gen.remasking``] (diffusion samplers).
+        temperature: >= 0, 0 = greedy [``gen.temperature``] (all).
+        top_k, top_p: nucleus / top-k filters, 0 / 1 = off [``gen.top_k``, ``gen.top_p``] (all).
+        cfg_scale: classifier-free guidance, 0 = off [``gen.cfg_scale``] (LLaDA sampler).
+        threshold: Fast-dLLM confidence threshold in (0, 1], None = fixed schedule [``gen.threshold``]
+            (diffusion samplers).
+        cache: ``none``, ``prefix`` or ``dual`` [``gen.cache``]: Fast-dLLM's block cache for the LLaDA sampler;
+            for bd3lm any value but ``none`` turns on its exact cache of finished blocks.
+        forbid_ids: token ids never emitted (the mask id, the embedding's padding rows) (all).
+        shift_logits: ``logits_fn`` shifts its logits as ``model.shift_logits`` does (Dream: position i's logits
+            come from the hidden state at i - 1); the samplers then give position i the logits of the state
+            at the previous *real* position, also under padding and the KV cache (diffusion samplers).
+        block_size: the bd3lm model's ``objective.block_size`` (block sampler only; None elsewhere).
+
+    Raises:
+        GenerationConfigError: at construction, for a value out of range (naming the ``gen.*`` key).
+    """
+
+    mask_id: int
+    length: int = 64
+    steps: int = 64
+    block_length: int = 64
+    remasking: str = "low_confidence"
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    cfg_scale: float = 0.0
+    threshold: Optional[float] = None
+    cache: str = "none"
+    forbid_ids: Sequence[int] = ()
+    shift_logits: bool = False
+    block_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forbid_ids", tuple(int(i) for i in self.forbid_ids))
+        if self.length < 1:
+            raise GenerationConfigError(f"gen.length={self.length} must be >= 1")
+        if self.steps < 1:
+            raise GenerationConfigError(f"gen.steps={self.steps} must be >= 1")
+        if self.block_length < 1:
+            raise GenerationConfigError(f"gen.block_length={self.block_length} must be >= 1")
+        if self.remasking not in REMASKING:
+            raise GenerationConfigError(f"gen.remasking={self.remasking!r} must be one of {REMASKING}")
+        if not self.temperature >= 0:
+            raise GenerationConfigError(f"gen.temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise GenerationConfigError(f"gen.top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise GenerationConfigError(f"gen.top_p={self.top_p} must be in (0, 1] (1 = off)")
+        if not self.cfg_scale >= 0:
+            raise GenerationConfigError(f"gen.cfg_scale={self.cfg_scale} must be >= 0 (0 = off)")
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            raise GenerationConfigError(f"gen.threshold={self.threshold} must be in (0, 1] or null")
+        if self.cache not in CACHES:
+            raise GenerationConfigError(f"gen.cache={self.cache!r} must be one of {CACHES}")
+        if self.block_size is not None and self.block_size < 1:
+            raise GenerationConfigError(f"objective.block_size={self.block_size} must be >= 1")
+
+    @classmethod
+    def from_config(cls, gen: Any, *, mask_id: int, forbid_ids: Sequence[int] = (), shift_logits: bool = False,
+                    block_size: Optional[int] = None) -> "GenerationOptions":
+        """Options from a ``gen`` config (:class:`difflm.config.schema.GenerateConfig`, a DictConfig or a dict;
+        missing optional keys take the defaults above) and the model's facts."""
+        get = gen.get if hasattr(gen, "get") else lambda k, d=None: getattr(gen, k, d)
+        keys = ("length", "steps", "block_length", "remasking", "temperature", "top_k", "top_p", "cfg_scale",
+                "threshold", "cache")
+        values = {k: v for k in keys if (v := get(k, None)) is not None}
+        return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
+                   block_size=block_size, **values)
+
+    def replace(self, **changes: Any) -> "GenerationOptions":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+__all__ = ["CACHES", "GenerationConfigError", "GenerationOptions", "REMASKING"]
