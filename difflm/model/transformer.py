@@ -31,7 +31,8 @@ from torch import nn
 from difflm.model.attention import attend
 from difflm.model.masks import to_block_mask
 from difflm.model.init import megatron_init_
-from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
+from difflm.model.layers import LayerNormLinear, RMSNorm
+from difflm.model.moe import build_mlp
 from difflm.model.rope import apply_rope, rope_cos_sin, rope_cos_sin_at
 
 
@@ -78,7 +79,9 @@ class Block(nn.Module):
     def __init__(self, cfg, causal: bool):
         super().__init__()
         self.attention = Attention(cfg, causal)
-        self.mlp = LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
+        # MoE integration (issue 15), to be redone in the one-model tree: the MLP slot is MoEMLP when
+        # model.moe.num_experts > 0, else the dense LayerNormMLP (difflm.model.moe.build_mlp).
+        self.mlp = build_mlp(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask=None,
                 kv_cache=None) -> torch.Tensor:
