@@ -226,11 +226,17 @@ class GroupedExperts(nn.Module):
         if self.kernel == "te":
             return self._te(x, counts, w1, w2)
         if grouped_mm_supported(x):
-            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            xb, w1, w2 = x.bfloat16(), w1.bfloat16(), w2.bfloat16()
-            h = _swiglu(torch._grouped_mm(xb, w1.transpose(-2, -1), offs=offs))
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).to(_compute_dtype(x))
+            return self._grouped_mm(x, counts, w1, w2).to(_compute_dtype(x))
         return self._loop(x, counts.tolist(), w1, w2)
+
+    @staticmethod
+    def _grouped_mm(x, counts: torch.Tensor, w1, w2) -> torch.Tensor:
+        """Both expert GEMMs as one ``torch._grouped_mm`` each over the groups ``offs = cumsum(counts)``, in BF16
+        (torchtitan's ``GroupedExperts``); no host sync. Returns BF16 [R, d]."""
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        xb, w1, w2 = x.bfloat16(), w1.bfloat16(), w2.bfloat16()
+        h = _swiglu(torch._grouped_mm(xb, w1.transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def _loop(x, counts: list[int], w1, w2) -> torch.Tensor:
@@ -249,11 +255,11 @@ class GroupedExperts(nn.Module):
         index = None
         if fp8_is_active() and any(c % FP8_GROUP_ROWS for c in splits):
             x, index, splits = _pad_groups(x, splits, FP8_GROUP_ROWS)
-        try:
-            self.fc1_gemm._stacked, self.fc2_gemm._stacked = w1, w2
+        try:  # through __dict__: nn.Module.__setattr__ would register a Parameter as the module's own
+            self.fc1_gemm.__dict__["_stacked"], self.fc2_gemm.__dict__["_stacked"] = w1, w2
             y = self.fc2_gemm(_swiglu(self.fc1_gemm(x, splits)), splits)
         finally:
-            self.fc1_gemm._stacked = self.fc2_gemm._stacked = None
+            self.fc1_gemm.__dict__["_stacked"] = self.fc2_gemm.__dict__["_stacked"] = None
         return y if index is None else y.index_select(0, index)
 
 
@@ -326,8 +332,8 @@ class MoEMLP(nn.Module):
         cfg: ``model`` config (``hidden_size``, ``norm_eps``, ``ffn_hidden_size``, ``moe.*``).
         kernels: kernel set with ``.name`` ``torch`` or ``te`` (or the name itself; None = torch), for the experts.
     Forward: x [*, d] (leading dims are tokens: [B, S, d] or [S, B, d]) -> [*, d] in x's dtype.
-    Training forwards add the auxiliary losses to the backward pass (:class:`AttachAuxLoss`) and count tokens
-    per expert; capacity dropping (``capacity_factor``) applies to training forwards only, evaluation and
+    Training forwards (train mode, gradients on) add the auxiliary losses to the backward pass
+    (:class:`AttachAuxLoss`) and count tokens per expert; capacity dropping (``capacity_factor``) applies to training forwards only, evaluation and
     sampling route every token.
     Buffers: ``router.bias`` (persistent); non-persistent statistics ``step_tokens`` [E] (routed slots this
     step), ``step_losses`` [3] (sum of aux loss, z-loss, forwards this step), ``last_tokens`` [E] and
@@ -367,16 +373,17 @@ class MoEMLP(nn.Module):
         out = self._routed(h, expert_ids, routing.weights)
         if self.shared is not None:
             out = out + self.shared(h)
-        if self.training and not _in_backward():
-            with torch.no_grad():
-                self.step_tokens += counts.float()
-        if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff > 0 or self.z_loss_coeff > 0):
+        if not (self.training and torch.is_grad_enabled()):  # evaluation, sampling, pipeline shape inference
+            return out.reshape(shape)
+        count = not _in_backward()  # activation checkpointing re-runs the forward in backward: count once
+        if count:
+            self.step_tokens += counts.detach().float()
+        if self.aux_loss_coeff > 0 or self.z_loss_coeff > 0:
             aux = self.aux_loss_coeff * load_balancing_loss(routing.probs, counts, self.top_k)
             z = self.z_loss_coeff * router_z_loss(routing.logits)
             out = AttachAuxLoss.apply(out, aux + z, self.loss_scale)
-            if not _in_backward():
-                with torch.no_grad():
-                    self.step_losses += torch.stack([aux.detach(), z.detach(), aux.new_ones(())])
+            if count:
+                self.step_losses += torch.stack([aux.detach(), z.detach(), aux.new_ones(())])
         return out.reshape(shape)
 
     def _drop_over_capacity(self, routing: Routing) -> torch.Tensor:
