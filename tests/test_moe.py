@@ -235,7 +235,7 @@ def test_active_parameters_of_the_presets():
     assert moe_inactive_params(cfg.model) == 16 * (64 - 8) * 3 * 2048 * 1024
     # OLMoE-1B-7B: 6.9B total, 1.3B active with both embeddings (1.07B without the input embedding... and head)
     assert 6.8e9 < total + 50304 * 2048 < 7.0e9 and 1.2e9 < active + 50304 * 2048 < 1.35e9
-    dense = compose_run(["model=1.7b", "model.num_layers=16", "model.num_kv_heads=16", "model.ffn_hidden_size=8192"])
+    dense = compose_run(["model=dense-1b"])
     resolve_model_config(dense.model, 50304)
     with torch.device("meta"):
         dense_n = Transformer(dense.model).num_params()

@@ -264,9 +264,9 @@ class GroupedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """Always-on experts (DeepSeekMoE, Dai et al. 2024, eq. 9): ``num_shared_experts`` SwiGLU experts of width
-    f fused into one of width f_s = n f (torchtitan's layout). ``fc1_weight`` [2 f_s, d], ``fc2_weight`` [d, f_s].
-    Forward x [T, d] (already normalised) -> [T, d]."""
+    """Always-on experts (DeepSeekMoE, Dai et al. 2024, sec. 3.2 "shared expert isolation"): the
+    ``num_shared_experts`` SwiGLU experts of width f fused into one of width f_s = n f (torchtitan's layout).
+    ``fc1_weight`` [2 f_s, d], ``fc2_weight`` [d, f_s]. Forward x [T, d] (already normalised) -> [T, d]."""
 
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
