@@ -220,11 +220,11 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     if dims.ep_enabled:
         _require(num_experts > 0, f"parallel.ep={dims.ep} needs a mixture-of-experts model: set model.moe.num_experts "
                  "(e.g. model=moe-tiny) or parallel.ep=1")
-        _require(num_experts % dims.ep == 0, f"parallel.ep={dims.ep} does not divide model.moe.num_experts={num_experts}: "
-                 "pick an ep that divides the number of experts")
+        _require(num_experts % dims.ep == 0, f"parallel.ep={dims.ep} does not divide model.moe.num_experts="
+                 f"{num_experts}: pick an ep that divides the number of experts")
     if num_experts > 0:
-        _require(not dims.cp_enabled, f"parallel.cp={dims.cp} with model.moe.num_experts={num_experts} is not supported "
-                 "yet (the router statistics would cover one sequence chunk): use parallel.cp=1 for MoE models")
+        _require(not dims.cp_enabled, f"parallel.cp={dims.cp} with model.moe.num_experts={num_experts} is not "
+                 "supported yet (the router statistics would cover one sequence chunk): use parallel.cp=1 for MoE models")
     if dims.cp_enabled:
         reason = cp_unavailable_reason(m, device)
         _require(reason is None, reason or "")

@@ -84,6 +84,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _count(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Occurrences of 0..n-1 in ``ids`` -> [n] int64 (a fixed-size ``bincount``: no data-dependent shape)."""
+    flat = ids.flatten()
+    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
     return torch._C._current_graph_task_id() != -1
@@ -333,8 +339,8 @@ class MoEMLP(nn.Module):
         kernels: kernel set with ``.name`` ``torch`` or ``te`` (or the name itself; None = torch), for the experts.
     Forward: x [*, d] (leading dims are tokens: [B, S, d] or [S, B, d]) -> [*, d] in x's dtype.
     Training forwards (train mode, gradients on) add the auxiliary losses to the backward pass
-    (:class:`AttachAuxLoss`) and count tokens per expert; capacity dropping (``capacity_factor``) applies to training forwards only, evaluation and
-    sampling route every token.
+    (:class:`AttachAuxLoss`) and count tokens per expert; capacity dropping (``capacity_factor``) applies to
+    training forwards only: evaluation and sampling route every token.
     Buffers: ``router.bias`` (persistent); non-persistent statistics ``step_tokens`` [E] (routed slots this
     step), ``step_losses`` [3] (sum of aux loss, z-loss, forwards this step), ``last_tokens`` [E] and
     ``last_losses`` [2] (the previous step's, after :func:`moe_step`).
@@ -366,7 +372,7 @@ class MoEMLP(nn.Module):
         shape = x.shape
         h = rms_norm(x, _local(self.layer_norm_weight), self.eps).reshape(-1, shape[-1])  # [T, d]
         routing = self.router(h)
-        counts = torch.bincount(routing.expert_ids.flatten(), minlength=self.num_experts)  # [E] routed slots
+        counts = _count(routing.expert_ids, self.num_experts)  # [E] routed slots
         expert_ids = routing.expert_ids
         if self.capacity_factor is not None and self.training:
             expert_ids = self._drop_over_capacity(routing)
@@ -406,7 +412,7 @@ class MoEMLP(nn.Module):
         t, k = expert_ids.shape
         flat = expert_ids.flatten()
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order inside a group
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        counts = _count(flat, self.num_experts + 1)[: self.num_experts]  # id E: dropped slots
         dropped = self.capacity_factor is not None and self.training
         kept = int(counts.sum()) if dropped else t * k
         x_sorted = h[order[:kept] // k]  # [N, d]

@@ -176,7 +176,7 @@ def gather_sequence_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor
 
 
 def split_sequence_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The full [.., S, ..], identical on every TP rank -> this rank's [.., S / tp, ..] (see :class:`_SplitSequence`)."""
+    """The full [.., S, ..], identical on every TP rank -> this rank's [.., S / tp, ..] (:class:`_SplitSequence`)."""
     return _SplitSequence.apply(x, dim, group)
 
 

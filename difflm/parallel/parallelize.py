@@ -2,8 +2,8 @@
 
 Order, per model part: pipeline split -> expert parallel (MoE experts sharded over ep, all-to-all dispatch) ->
 tensor/sequence parallel (DTensor; the TE backend does TP inside its modules) -> activation checkpointing ->
-per-block ``torch.compile`` -> FSDP2 (routed experts over efsdp, the rest over dp_shard x cp). The model itself never knows
-its layout (docs/DESIGN.md).
+per-block ``torch.compile`` -> FSDP2 (routed experts over efsdp, the rest over dp_shard x cp). The model
+itself never knows its layout (docs/DESIGN.md).
 """
 from __future__ import annotations
 
