@@ -1,6 +1,6 @@
 """Expert parallelism (difflm/parallel/expert_parallel.py) on CPU with gloo: ``model=moe-tiny`` trains the same
-loss curve under ep2 (2 ranks), ep2 x dp2 (4 ranks: FSDP over dp_shard=4, experts over ep=2 x efsdp=2) and
-ep2 x tp2 (4 ranks) as in one process, and its checkpoints reshard ep2 -> single -> ep2.
+loss curve under ep2 (2 ranks), ep2 x dp2 (4 ranks: FSDP over dp_shard=4, experts over ep=2 x efsdp=2),
+ep2 x tp2 (4 ranks) and pp2 as in one process, and its checkpoints reshard ep2 -> single -> ep2.
 
 Same pattern as tests/test_parallel.py (one ``torchrun`` launch per layout, a single-process reference computed
 once). Losses and the MoE metrics agree to 1e-5 relative over 10 steps; gradient norms to 2e-4: each
@@ -73,6 +73,13 @@ def test_ep2_tp2_matches_single_process(work, reference):
     """4 ranks: tp=2 with sequence parallelism, dp_shard=2 = ep=2 (the MoE layers run replicated over TP)."""
     run(4, work / "ep2tp2", work, "parallel=ep2", "parallel.tp=2", "train.max_steps=4", "train.save_every=0")
     assert_same_curve(work / "ep2tp2", reference, range(1, 5))
+
+
+def test_pp2_matches_single_process(work, reference):
+    """2 pipeline stages of one MoE block each: the stages' shape-inference forwards must not count as training
+    forwards (routing statistics, aux-free bias)."""
+    run(2, work / "pp2", work, "parallel=pp2", "train.max_steps=4", "train.save_every=0")
+    assert_same_curve(work / "pp2", reference, range(1, 5))
 
 
 def test_resharded_resume_ep2_to_single_to_ep2(work, reference):

@@ -21,6 +21,7 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
         cfg: ``model`` config with ``vocab_size`` and ``head_dim`` resolved. ``model.backend`` picks the
             pure-PyTorch :class:`Transformer` (``torch``) or :class:`difflm.model.te_backend.TETransformer`
             (``te``); both start from the same weights for the same seed. ``model.compile`` compiles each block.
+            ``model.moe.num_experts`` > 0 puts a mixture-of-experts MLP in every block (:mod:`difflm.model.moe`).
         causal: attention type (True for the ``ar`` objective).
         precision: the ``precision`` config; the TE backend reads ``fp8_weights`` / ``fp8_skip_first_last``.
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).

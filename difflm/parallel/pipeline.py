@@ -123,6 +123,25 @@ def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, t
     return loss_fn
 
 
+def _stage_class():
+    """``PipelineStage`` whose shape-inference forward (run on the first micro-batch of each new sequence length, on
+    real or uninitialised tensors) runs in eval mode: it is not a training forward, so MoE layers neither count
+    its tokens nor attach aux losses to it (:mod:`difflm.model.moe`)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            modes = [(m, m.training) for m in self.submod.modules()]
+            self.submod.train(False)
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+
+    return Stage
+
+
 class Pipeline:
     """This rank's stages and one schedule per (sequence length, train/eval).
 
@@ -148,10 +167,10 @@ class Pipeline:
     def _schedule(self, seq_len: int, train: bool, n_microbatches: int):
         key = (seq_len, train, n_microbatches)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
-            stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group)
+            stage_cls = _stage_class()
+            stages = [stage_cls(part, sid, self.num_stages, self.device, group=self.pp_group)
                       for part, sid in zip(self.parts, self.ids)]
             name = self.schedule_name if train else ("GPipe" if len(stages) == 1 else "LoopedBFS")
             cls = get_schedule_class(name)
