@@ -28,7 +28,8 @@ Timing: ``--warmup`` steps (compilation, autotuning, FP8 scaling history), then 
 two CUDA events. Tokens/s counts the data tokens, ``train.global_batch_size x data.seq_len`` per step (also
 for bd3lm, whose model sees twice as many). MFU = tokens/s x FLOPs per token / peak, with
 :func:`difflm.training.flops.objective_flops_per_token` (the trainer's count): PaLM's 6 N + 12 L d S (N
-without the input embedding, appendix B) and, for ``bd3lm``, the FLOPs of its 2 L tokens under the
+without the input embedding, appendix B; for mixture-of-experts models without the experts a token is not
+routed to, the active parameters, docs/moe.md) and, for ``bd3lm``, the FLOPs of its 2 L tokens under the
 block-causal mask (:func:`difflm.training.flops.bd3lm_flops_per_token` says how they are counted); peak =
 989 TFLOP/s dense BF16 on H100/H200 (:data:`difflm.training.flops.PEAK_TFLOPS_BF16`), also for FP8 rows so
 that rows compare. ``--profile NAME`` adds a torch.profiler table of the top kernels of that row (printed
@@ -102,6 +103,7 @@ from difflm.config import CONF_DIR  # noqa: E402
 from difflm.config.validate import check_batch, check_choices, check_model, check_precision, resolve_device  # noqa: E402
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import build_model, resolve_model_config  # noqa: E402
+from difflm.model.moe import moe_inactive_params, moe_step, set_moe_loss_scale  # noqa: E402
 from difflm.objectives import build_objective, weighted_ce_sum  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
@@ -217,6 +219,8 @@ def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
     """Megatron-style init drawn on the model's device (the keyed CPU init is slow for billions of
     parameters and irrelevant to speed): norms 1, residual outputs std / sqrt(2 L), others std."""
     scaled = std / math.sqrt(2 * num_layers)
+    for b in model.buffers():  # MoE router bias and statistics: uninitialised after to_empty
+        b.zero_()
     for name, p in model.named_parameters():
         if type(p) is not torch.Tensor and type(p) is not nn.Parameter:
             continue  # TE FP8 weights (precision.fp8_weights): initialised by TE
@@ -347,6 +351,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
     global_batch = cfg.train.global_batch_size
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     precision = cfg.precision
+    set_moe_loss_scale([model], cfg.train.micro_batch_size / global_batch)
 
     def step(micro):
         loss = 0.0
@@ -356,6 +361,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
             micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, global_batch)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
+        moe_step([model])  # MoE: reset the step's routing statistics (and move an aux-loss-free bias)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, clip, foreach=device.type == "cuda")
         scaler.step(optimizer)
@@ -363,7 +369,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    n = model.num_params()
+    n = model.num_params() - moe_inactive_params(cfg.model)  # MoE: the active parameters (docs/moe.md)
     return {"n_params_non_embedding": n, "step": step, "model": model, "optimizer": optimizer,
             "flops_per_token": objective_flops_per_token(cfg.objective, cfg.model, n, cfg.data.seq_len)}
 

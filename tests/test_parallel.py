@@ -32,12 +32,14 @@ COMMON = [
 LOSS_RTOL, NORM_RTOL = 1e-5, 1e-4
 
 
-def launch(nproc: int, run_dir: Path, cache: Path, *overrides: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc -m difflm.train`` (plain ``python -m`` for one process)."""
+def launch(nproc: int, run_dir: Path, cache: Path, *overrides: str, cwd: Path | None = None,
+           common: list[str] = COMMON) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc -m difflm.train`` (plain ``python -m`` for one process),
+    with the ``common`` overrides first."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1", OMP_NUM_THREADS="1")
     prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    cmd = [*prefix, "-m", "difflm.train", *COMMON, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides]
+    cmd = [*prefix, "-m", "difflm.train", *common, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out

@@ -15,6 +15,28 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLP (``model.moe.*``; docs/moe.md). ``num_experts=0`` keeps the dense SwiGLU MLP.
+
+    Every block's MLP becomes ``num_experts`` SwiGLU experts of width ``ffn_hidden_size`` with a top-``top_k``
+    token-choice router, plus ``num_shared_experts`` always-on experts (one fused SwiGLU of width
+    ``num_shared_experts * ffn_hidden_size``). Balancing: the Switch/GShard auxiliary loss
+    (``aux_loss_coeff``), DeepSeek-V3's auxiliary-loss-free bias (``bias_update_rate``), or both.
+    """
+
+    num_experts: int = 0  # 0 = dense MLP (model.ffn_hidden_size)
+    top_k: int = 2  # experts per token
+    ffn_hidden_size: int = 0  # width of each expert; 0 = model.ffn_hidden_size
+    num_shared_experts: int = 0  # always-on experts (DeepSeekMoE), fused into one SwiGLU
+    score_func: str = "softmax"  # softmax | sigmoid (router scores)
+    norm_topk_prob: bool = False  # renormalise the top-k scores to sum to 1
+    aux_loss_coeff: float = 0.01  # Switch/GShard load-balancing loss coefficient (0 = off)
+    z_loss_coeff: float = 0.001  # ST-MoE router z-loss coefficient (0 = off)
+    bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias step gamma (0 = off)
+    capacity_factor: Optional[float] = None  # null = no token dropping; else tokens per expert <= cf * T * k / E
+
+
+@dataclass
 class ModelConfig:
     """Llama-style transformer dimensions.
 
@@ -41,11 +63,13 @@ class ModelConfig:
     compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
     qkv_bias: bool = False  # bias on the fused QKV projection (Qwen2 imports)
     shift_logits: bool = False  # Dream: logits at i come from position i - 1 (AR-initialised diffusion)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (num_experts > 0)
 
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout over a DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); see docs/parallel.md.
+    """Parallel layout over a DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); see docs/parallel.md. Expert
+    parallelism (``ep``) is not a sixth dimension: it splits ``dp_shard x cp`` into (efsdp, ep) for the experts.
 
     The degrees multiply to the number of processes; ``dp_shard=-1`` (or ``dp_replicate=-1``) fills the ranks
     the others leave.
@@ -57,6 +81,7 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel (DTensor; TE's tp_group with model.backend=te)
     pp: int = 1  # pipeline stages (torch.distributed.pipelining)
     cp: int = 1  # context parallel (sequence split for attention; CUDA only)
+    ep: int = 1  # expert parallel (model.moe): experts split over ep ranks of dp_shard x cp (docs/moe.md)
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: >= 2)
     sequence_parallel: bool = True  # with tp > 1: norms/residuals sharded over the sequence (Megatron SP)

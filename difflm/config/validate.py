@@ -15,6 +15,7 @@ from difflm.errors import DifflmError
 CHOICES = {
     "model.backend": ("torch", "te"),
     "model.attention_backend": ("sdpa", "te", "flash", "flex"),
+    "model.moe.score_func": ("softmax", "sigmoid"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
     "precision.fp8_recipe": ("delayed", "current", "block", "mxfp8"),
     "objective.name": ("mdlm", "ar", "bd3lm", "sft"),
@@ -75,9 +76,29 @@ def check_model(m) -> None:
     if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
                           "pip install 'difflm[te]' on a CUDA machine, or use model.backend=torch")
+    check_moe(m)
     if m.backend == "te" and m.get("compile", False):
         raise DifflmError("model.compile=true applies to model.backend=torch (TE runs its own fused kernels): "
                           "set model.compile=false or model.backend=torch")
+
+
+def check_moe(m) -> None:
+    """``model.moe.*`` (mixture of experts; docs/moe.md): sizes, router and balancing settings."""
+    moe = m.get("moe")
+    if moe is None or moe.num_experts == 0:
+        return
+    e = moe.num_experts
+    _require(e > 0, f"model.moe.num_experts={e} must be >= 0 (0 = dense MLP)")
+    _require(1 <= moe.top_k <= e, f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={e}]")
+    _require(moe.ffn_hidden_size >= 0, f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be >= 0 "
+             "(0 = model.ffn_hidden_size)")
+    _require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts={moe.num_shared_experts} must be >= 0")
+    _require(moe.score_func in ("softmax", "sigmoid"),
+             f"model.moe.score_func={moe.score_func!r} is not one of: softmax, sigmoid")
+    for key in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        _require(moe[key] >= 0, f"model.moe.{key}={moe[key]} must be >= 0 (0 = off)")
+    _require(moe.capacity_factor is None or moe.capacity_factor > 0,
+             f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (no token dropping)")
 
 
 def check_precision(cfg, device: torch.device, training: bool = True) -> None:
@@ -150,7 +171,8 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     Returns the resolved :class:`difflm.parallel.mesh.ParallelDims`. Each failure is one line naming the keys:
     degrees vs world size; tp vs heads / KV heads / FFN / padded vocab (``model.vocab_multiple``); pp vs layers;
     sequence length vs cp and sequence-parallel tp; micro batch x accumulation x dp vs global batch; pipeline
-    micro-batches vs stages; layouts the backend or device cannot run (CP on CPU, fp16 loss scaling sharded).
+    micro-batches vs stages; ep vs the experts and dp_shard (MoE); layouts the backend or device cannot run (CP
+    on CPU, fp16 loss scaling sharded, CP with MoE).
     """
     from difflm.parallel.context_parallel import cp_unavailable_reason
     from difflm.parallel.mesh import ParallelDims
@@ -167,6 +189,11 @@ def check_parallel(cfg, world_size: int, device: torch.device):
         for key in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_multiple"):
             _require(m[key] % tp == 0, f"parallel.tp={tp} does not divide model.{key}={m[key]}: pick a tp that divides "
                      "the attention heads, KV heads, FFN width and the vocabulary padding (model.vocab_multiple)")
+        moe = m.get("moe")
+        _require(m.backend == "torch" or moe is None or not moe.num_experts,
+                 f"parallel.tp={tp} with model.backend=te and model.moe.num_experts={moe.num_experts if moe else 0}: "
+                 "the TE kernels run MoE layers without tensor parallelism; use model.backend=torch (MoE layers "
+                 "replicated over TP) or parallel.tp=1 with parallel.ep")
         _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: the tied LM head would need "
                  "a vocab-parallel loss; set model.tie_embeddings=false or parallel.tp=1")
     if dims.pp_enabled:
@@ -190,6 +217,16 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     _require(d.seq_len % multiple == 0,
              f"data.seq_len={d.seq_len} is not a multiple of {multiple} (2 x parallel.cp={dims.cp} for load-balanced "
              f"context parallelism, x parallel.tp={tp} with parallel.sequence_parallel): change data.seq_len")
+    moe = m.get("moe")
+    num_experts = moe.num_experts if moe is not None else 0
+    if dims.ep_enabled:
+        _require(num_experts > 0, f"parallel.ep={dims.ep} needs a mixture-of-experts model: set model.moe.num_experts "
+                 "(e.g. model=moe-tiny) or parallel.ep=1")
+        _require(num_experts % dims.ep == 0, f"parallel.ep={dims.ep} does not divide model.moe.num_experts="
+                 f"{num_experts}: pick an ep that divides the number of experts")
+    if num_experts > 0:
+        _require(not dims.cp_enabled, f"parallel.cp={dims.cp} with model.moe.num_experts={num_experts} is not "
+                 "supported yet (the router statistics would cover one sequence chunk): use parallel.cp=1 for MoE models")
     if dims.cp_enabled:
         reason = cp_unavailable_reason(m, device)
         _require(reason is None, reason or "")

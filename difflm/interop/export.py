@@ -167,7 +167,20 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str):
         bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
         pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        **_moe_fields(m),
     )
+
+
+def _moe_fields(m) -> dict:
+    """The ``moe_*`` fields of :class:`DiffLMConfig` for ``model.moe`` (empty for a dense model)."""
+    from difflm.model.moe import expert_ffn_size, moe_config
+
+    moe = moe_config(m)
+    if moe is None:
+        return {}
+    return {"moe_num_experts": int(moe.num_experts), "moe_top_k": int(moe.top_k),
+            "moe_intermediate_size": expert_ffn_size(m), "moe_num_shared_experts": int(moe.num_shared_experts),
+            "moe_score_func": str(moe.score_func), "moe_norm_topk_prob": bool(moe.norm_topk_prob)}
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",

@@ -138,6 +138,10 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
     kind = hf_cfg.get("model_type")
     if kind not in SUPPORTED:
         raise DifflmError(f"hf={hf!r} has model_type={kind!r}: difflm-import supports {', '.join(SUPPORTED)}")
+    if kind == "difflm" and hf_cfg.get("moe_num_experts", 0):
+        raise DifflmError(f"hf={hf!r} is a mixture-of-experts difflm export (moe_num_experts="
+                          f"{hf_cfg['moe_num_experts']}): difflm-import does not map MoE models yet; resume from the "
+                          "run's own checkpoints instead")
     if kind == "difflm":
         return {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
                 "num_heads": hf_cfg["num_attention_heads"], "num_kv_heads": hf_cfg["num_key_value_heads"],

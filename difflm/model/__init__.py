@@ -25,7 +25,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
     Args:
         cfg: ``model`` config with ``vocab_size`` and ``head_dim`` resolved. ``model.backend`` picks the kernel set
             (:func:`difflm.model.kernels.build_kernels`); every kernel set starts from the same weights for the same
-            seed. ``model.compile`` compiles each block.
+            seed. ``model.compile`` compiles each block. ``model.moe.num_experts`` > 0 puts a mixture-of-experts MLP
+            in every block (:mod:`difflm.model.moe`).
         causal: attention type (True for the ``ar`` objective).
         seed: the keyed initialisation's seed; None leaves the parameters uninitialised (``device="meta"`` for
             counting parameters, or callers that initialise on the device themselves, e.g. scripts/benchmark.py,

@@ -38,6 +38,7 @@ from difflm.errors import DifflmError
 from difflm.model.attention import attend, prepare_mask
 from difflm.model.init import megatron_init_
 from difflm.model.kernels import TorchKernels
+from difflm.model.moe import MoEMLP, moe_config
 from difflm.model.rope import rope_angles
 
 
@@ -90,7 +91,11 @@ class Block(nn.Module):
     def __init__(self, cfg, causal: bool, kernels, layer_number: int):
         super().__init__()
         self.attention = Attention(cfg, causal, kernels, layer_number)
-        self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
+        if moe_config(cfg) is not None:  # mixture of experts (model.moe.num_experts > 0; difflm.model.moe)
+            with torch.device(kernels.device):
+                self.mlp = MoEMLP(cfg, kernels)
+        else:
+            self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
         x = x + self.attention(x, rope, attn_mask, kv_cache)

@@ -56,7 +56,8 @@ def apply_compile(model: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: Optional[torch.dtype] = None,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
+               expert_mesh=None) -> nn.Module:
     """``fully_shard`` every block, then the rest of ``model`` (embedding, final norm, head) as the root unit.
 
     Args:
@@ -65,11 +66,19 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: Optional[torch.dtype] 
         param_dtype / reduce_dtype: ``MixedPrecisionPolicy`` (bf16 compute with FP32 gradient reduction for
             ``precision=bf16``; None keeps FP32).
         reshard_after_forward: False under pipeline parallelism (each micro-batch would re-gather otherwise).
+        expert_mesh: under expert parallelism, the mesh the routed experts (DTensors on ep) are sharded over
+            (:func:`difflm.parallel.expert_parallel.expert_fsdp_mesh`); each MoE layer's ``experts`` becomes an
+            FSDP unit of its own, inside its block's.
     Returns: ``model`` (its class swapped to an ``FSDPModule``), gradients summed over the data-parallel ranks.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if expert_mesh is not None:
+        from difflm.parallel.expert_parallel import routed_expert_modules
+
+        for experts in routed_expert_modules(model):
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for _, block in _block_items(model):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -16,7 +16,9 @@ Flattened views used by the trainer:
     "stage"        = dp_replicate x dp_shard x cp x tp   ranks holding the same pipeline stage (FP8 amax reduction)
 
 Every dimension exists even when its size is 1, so ``mesh["tp"]`` always works.
-See docs/parallel.md for a picture.
+Expert parallelism (``parallel.ep``, MoE models) is not a sixth dimension: it splits ``dp_shard`` into
+``(efsdp, ep)`` for the routed experts only (:func:`difflm.parallel.expert_parallel.expert_mesh`).
+See docs/parallel.md for a picture and docs/moe.md for expert parallelism.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1  # expert parallel: borrowed from dp_shard (efsdp = dp_shard / ep)
 
     @classmethod
     def from_config(cls, p, world_size: int) -> "ParallelDims":
@@ -76,7 +79,14 @@ class ParallelDims:
                 f"parallel.dp_replicate*dp_shard*tp*pp*cp={product} but the world size is {world_size}: "
                 f"parallel={p.name} runs on {product} process(es); launch with torchrun --nproc-per-node {product} "
                 "or pick a layout whose degrees multiply to the world size (dp_shard=-1 fills it)")
-        return cls(world_size=world_size, **degrees)
+        ep = int(p.get("ep", 1))
+        if ep < 1:
+            raise DifflmError(f"parallel.ep={ep} must be a positive degree")
+        if degrees["dp_shard"] % ep:
+            raise DifflmError(f"parallel.ep={ep} does not divide parallel.dp_shard={degrees['dp_shard']}: expert "
+                              "parallelism splits the FSDP shard group; pick an ep dividing dp_shard (world size / "
+                              "(dp_replicate*tp*pp*cp))")
+        return cls(world_size=world_size, ep=ep, **degrees)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -88,6 +98,15 @@ class ParallelDims:
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model when data or context parallel ranks must share/average gradients."""
         return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP shard degree of the routed experts: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
 
     @property
     def tp_enabled(self) -> bool:
@@ -110,7 +129,8 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
-        return " x ".join(f"{name}={size}" for name, size in zip(MESH_DIMS, self.shape()))
+        text = " x ".join(f"{name}={size}" for name, size in zip(MESH_DIMS, self.shape()))
+        return text + (f" (ep={self.ep} of dp_shard)" if self.ep_enabled else "")
 
 
 def build_mesh(dims: ParallelDims, device_type: str):

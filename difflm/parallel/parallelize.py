@@ -1,8 +1,9 @@
 """``parallelize``: apply a layout to a built model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``).
 
-Order, per model part: pipeline split -> tensor/sequence parallel (DTensor; the TE backend does TP inside its
-modules) -> activation checkpointing -> per-block ``torch.compile`` -> FSDP2. The model itself never knows
-its layout (docs/DESIGN.md).
+Order, per model part: pipeline split -> expert parallel (MoE experts sharded over ep, all-to-all dispatch) ->
+tensor/sequence parallel (DTensor; the TE backend does TP inside its modules) -> activation checkpointing ->
+per-block ``torch.compile`` -> FSDP2 (routed experts over efsdp, the rest over dp_shard x cp). The model
+itself never knows its layout (docs/DESIGN.md).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from difflm.parallel.expert_parallel import apply_expert_parallel, expert_fsdp_mesh, expert_mesh, expert_param_mesh
 from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_mesh
 from difflm.parallel.mesh import ParallelDims
 from difflm.parallel.pipeline import Pipeline, build_stage_models, loss_fns
@@ -53,7 +55,10 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
     else:
         parts, ids, num_stages = [model], [0], 1
     param_dtype = torch.bfloat16 if cfg.precision.name in ("bf16", "fp8") else None
+    emesh = expert_mesh(mesh, dims)
     for part in parts:
+        if emesh is not None:
+            apply_expert_parallel(part, expert_param_mesh(emesh, dims), emesh["ep"].get_group())
         if dims.tp_enabled and not te:
             apply_tensor_parallel(part, mesh["tp"], sequence_parallel=sp)
         apply_activation_checkpointing(part, p.activation_checkpointing)
@@ -61,7 +66,8 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
             apply_compile(part)
         if dims.fsdp_enabled:
             apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype,
-                       reshard_after_forward=not dims.pp_enabled)
+                       reshard_after_forward=not dims.pp_enabled,
+                       expert_mesh=expert_fsdp_mesh(emesh, dims) if emesh is not None else None)
     pipeline = None
     if dims.pp_enabled:
         train_loss, eval_loss = loss_fns(cfg.objective, cfg.train.global_batch_size)

@@ -87,6 +87,31 @@ def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, t
     return loss_fn
 
 
+def _stage_class():
+    """``PipelineStage`` whose shape-inference forward (run on the first micro-batch of each new sequence length, on
+    real or uninitialised tensors) runs in eval mode: it is not a training forward, so MoE layers neither count
+    its tokens nor attach aux losses to it (:mod:`difflm.model.moe`)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def in_eval_mode(name: str):
+        def run(self, *args, **kwargs):
+            modes = [(m, m.training) for m in self.submod.modules()]
+            self.submod.train(False)
+            try:
+                return getattr(super(Stage, self), name)(*args, **kwargs)
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+
+        return run
+
+    class Stage(PipelineStage):  # the inference method's name differs between PyTorch versions
+        _forward_metadata_inference = in_eval_mode("_forward_metadata_inference")
+        _shape_inference = in_eval_mode("_shape_inference")
+
+    return Stage
+
+
 class Pipeline:
     """This rank's stages and one schedule per (sequence length, train/eval).
 
@@ -123,12 +148,12 @@ class Pipeline:
     def _schedule(self, batch_size: int, seq_len: int, train: bool, n_microbatches: int):
         key = (batch_size, seq_len, train, n_microbatches)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
             micro = batch_size // n_microbatches
-            stages = [PipelineStage(part, sid, self.num_stages, self.device, group=self.pp_group,
-                                    **self._stage_shapes(part, micro, seq_len))
+            stage_cls = _stage_class()
+            stages = [stage_cls(part, sid, self.num_stages, self.device, group=self.pp_group,
+                                **self._stage_shapes(part, micro, seq_len))
                       for part, sid in zip(self.parts, self.ids)]
             name = self.schedule_name if train else ("GPipe" if len(stages) == 1 else "LoopedBFS")
             cls = get_schedule_class(name)

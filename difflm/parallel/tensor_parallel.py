@@ -14,6 +14,9 @@ attention.q_norm / k_norm  ``SequenceParallel(dim=2)``  weight Replicate; input 
 attention.proj             ``RowwiseParallel``         weight Shard(1); output Replicate / Shard(1)
 mlp                        :class:`SwiGLUParallel`     fc1 Shard(0) of the gate/up-interleaved rows,
                                                        fc2 Shard(1), layer_norm_weight Replicate
+mlp (MoE)                  ``ReplicatedMoE``           all Replicate (routed experts: Shard(0) on ep when
+                                                       ep > 1); runs on the gathered sequence
+                                                       (:mod:`difflm.parallel.expert_parallel`)
 final_norm                 ``SequenceParallel``        (sequence_parallel only) weight Replicate
 output (LM head)           none (replicated)           the loss selects rows (``logits_mask``) of the
                                                        full hidden states, then one full-vocab GEMM
@@ -179,7 +182,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         plan = {
             "attention.qkv": NormColwiseParallel(),
             "attention.proj": RowwiseParallel(output_layouts=seq),
-            "mlp": SwiGLUParallel(sequence_parallel=sequence_parallel),
+            "mlp": _mlp_style(block.mlp, sequence_parallel),
         }
         if attn.q_norm is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -194,6 +197,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         parallelize_module(model.final_norm, tp_mesh, PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     return model
+
+
+def _mlp_style(mlp: nn.Module, sequence_parallel: bool) -> ParallelStyle:
+    """SwiGLU split over TP for the dense MLP; the MoE slot runs replicated over TP (docs/moe.md)."""
+    from difflm.model.moe import MoEMLP
+
+    if isinstance(mlp, MoEMLP):
+        from difflm.parallel.expert_parallel import ReplicatedMoE
+
+        return ReplicatedMoE(sequence_parallel=sequence_parallel)
+    return SwiGLUParallel(sequence_parallel=sequence_parallel)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -27,6 +27,9 @@ def flops_per_token(num_params_non_embedding: int, num_layers: int, hidden_size:
 
     with N the parameters without the input embedding, L layers, d hidden size, S sequence length
     (forward + backward, attention counted over the full S x S score matrix as for bidirectional attention).
+    For a mixture-of-experts model N is the active count: the parameters without the routed experts a token
+    is not sent to (``num_params - difflm.model.moe.moe_inactive_params(cfg)``; docs/moe.md), so MFU counts the
+    FLOPs a token really takes (router and shared experts included, no token dropped).
     """
     return 6.0 * num_params_non_embedding + 12.0 * num_layers * hidden_size * seq_len
 

@@ -30,9 +30,9 @@ class JsonlSink:
 def _fmt(metrics: dict[str, Any]) -> dict[str, str]:
     out = {}
     for key, fmt in (("loss", "{:.4f}"), ("val_nelbo", "{:.4f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
-                     ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}")):
+                     ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}")):
         if metrics.get(key) is not None:
-            out[key] = fmt.format(metrics[key])
+            out[key.replace("moe/load_max_mean", "load")] = fmt.format(metrics[key])
     return out
 
 

@@ -15,6 +15,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
 from difflm.model import build_model, resolve_model_config
+from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, step_length, weighted_ce_sum
 from difflm.objectives.keyed_rng import STREAM_TRAIN
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
@@ -81,12 +82,21 @@ class Trainer:
                                      precision=cfg.precision)
             self.model_parts = [self.model]
             num_params = self.model.num_params()
+        # each micro-batch's MoE aux loss enters the step's objective with weight micro / global (docs/moe.md)
+        set_moe_loss_scale(self.model_parts, t.micro_batch_size / t.global_batch_size)
+        self.moe_group = None
+        if self.dims.distributed:
+            from difflm.parallel.expert_parallel import moe_stat_group
+
+            self.moe_group = moe_stat_group(self.mesh, self.dims)
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts) if self.dims.distributed else self.model,
                                          cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.max_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
-        # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops)
-        self.flops_per_token = objective_flops_per_token(cfg.objective, cfg.model, num_params, cfg.data.seq_len)
+        # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops;
+        # mixture of experts: the active parameters, docs/moe.md)
+        self.flops_per_token = objective_flops_per_token(cfg.objective, cfg.model,
+                                                         num_params - moe_inactive_params(cfg.model), cfg.data.seq_len)
         self.peak = peak_flops(device)
         self.step = 0
         self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
@@ -236,6 +246,7 @@ class Trainer:
                 if isinstance(self.model, FSDPModule):  # reduce-scatter once per step, after the last micro-batch
                     self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
                 loss += self._local_loss(batch, cfg.objective.loss_norm, t.global_batch_size, backward=True)
+        moe_step(self.model_parts, self.moe_group)  # MoE load statistics over the step, aux-loss-free bias update
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_group = self.mesh["pp"].get_group() if dims.pp_enabled else None
@@ -396,6 +407,7 @@ class Trainer:
                         "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
                         "mem_gib": memory_gib(self.device),
                         "skipped_steps": self.skipped_steps,
+                        **moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None),
                     }
                     if do_eval:
                         metrics = self._eval_metrics(metrics)

@@ -24,6 +24,9 @@ class DiffLMConfig(PretrainedConfig):
         tokenizer_vocab_size: ids >= this (and ``mask_token_id``) are never sampled (embedding padding).
         gen_length, gen_steps, gen_block_length, gen_remasking, gen_temperature, gen_cfg_scale, gen_top_k,
         gen_top_p, gen_threshold: default sampler settings (difflm's ``gen.*``).
+        moe_num_experts, moe_top_k, moe_intermediate_size, moe_num_shared_experts, moe_score_func,
+        moe_norm_topk_prob: mixture of experts [model.moe.num_experts, top_k, ffn_hidden_size (resolved),
+        num_shared_experts, score_func, norm_topk_prob]; ``moe_num_experts=0`` is the dense MLP.
     """
 
     model_type = "difflm"
@@ -36,7 +39,9 @@ class DiffLMConfig(PretrainedConfig):
                  tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int = 64,
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
-                 gen_threshold: float | None = None, initializer_range: float = 0.02, **kwargs):
+                 gen_threshold: float | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
+                 moe_top_k: int = 2, moe_intermediate_size: int | None = None, moe_num_shared_experts: int = 0,
+                 moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -62,5 +67,11 @@ class DiffLMConfig(PretrainedConfig):
         self.gen_top_p = gen_top_p
         self.gen_threshold = gen_threshold
         self.initializer_range = initializer_range
+        self.moe_num_experts = moe_num_experts
+        self.moe_top_k = moe_top_k
+        self.moe_intermediate_size = moe_intermediate_size if moe_intermediate_size is not None else intermediate_size
+        self.moe_num_shared_experts = moe_num_shared_experts
+        self.moe_score_func = moe_score_func
+        self.moe_norm_topk_prob = moe_norm_topk_prob
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.tie_word_embeddings = tie_word_embeddings

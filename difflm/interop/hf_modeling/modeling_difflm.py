@@ -20,6 +20,13 @@ with its parameter names, so ``model.safetensors`` holds difflm's state dict unc
     layers.{i}.mlp.fc1_weight                     [2 f, d]   rows [:f] gate (SiLU), [f:] up
     layers.{i}.mlp.fc2_weight                     [d, f]
     final_norm.weight                             [d]
+    (mixture of experts, ``moe_num_experts`` E > 0: the MLP slot is ``MoEMLP``, expert width f_e, f_s = shared x f_e)
+    layers.{i}.mlp.layer_norm_weight              [d]
+    layers.{i}.mlp.router.weight                  [E, d]
+    layers.{i}.mlp.router.bias                    [E]        buffer: added to the scores for the top-k choice only
+    layers.{i}.mlp.experts.fc1_weight             [E, 2 f_e, d]
+    layers.{i}.mlp.experts.fc2_weight             [E, d, f_e]
+    layers.{i}.mlp.shared.fc{1,2}_weight          [2 f_s, d], [d, f_s]  (moe_num_shared_experts > 0)
     output.weight                                 [V, d]     (absent when tie_word_embeddings)
 
 ``generate`` is difflm's masked-diffusion sampler (LLaDA, Nie et al. 2025, arXiv:2502.09992, Alg. 4-5 with
@@ -90,6 +97,82 @@ class LayerNormMLP(nn.Module):
         return F.linear(F.silu(gate) * up, self.fc2_weight)
 
 
+class MoERouter(nn.Module):
+    """Top-k router (FP32): scores = softmax or sigmoid of ``x W^T``; experts = top-k of scores + ``bias``; weights =
+    the chosen scores (renormalised with ``norm_topk_prob``). x [T, d] -> (ids [T, k] int64, weights [T, k] FP32)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.score_func, self.norm_topk_prob = top_k, score_func, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("bias", torch.zeros(num_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class SharedExperts(nn.Module):
+    """Always-on SwiGLU experts fused into one (no norm: the input is already normalised): ``fc1_weight``
+    [2 f_s, d], ``fc2_weight`` [d, f_s]."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.fc1_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.fc2_weight)
+
+
+class MoEExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: ``fc1_weight`` [E, 2f, d] (rows [gate; up]), ``fc2_weight`` [E, d, f]."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = F.linear(x, self.fc1_weight[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.fc2_weight[e])
+
+
+class MoEMLP(nn.Module):
+    """RMSNorm, then the gated sum of the top-k experts' outputs (+ shared experts): [..., d] -> [..., d].
+    Same arithmetic as difflm's ``difflm/model/moe.py`` at inference (no token dropping)."""
+
+    def __init__(self, config: DiffLMConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.moe_intermediate_size
+        self.eps = config.rms_norm_eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(d))
+        self.router = MoERouter(d, config.moe_num_experts, config.moe_top_k, config.moe_score_func,
+                                config.moe_norm_topk_prob)
+        self.experts = MoEExperts(config.moe_num_experts, d, f)
+        shared = config.moe_num_shared_experts * f
+        self.shared = SharedExperts(d, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = _rms_norm(x, self.layer_norm_weight, self.eps).reshape(-1, shape[-1])  # [T, d]
+        ids, weights = self.router(h)
+        y = h.new_zeros(*ids.shape, h.shape[-1])  # [T, k, d]: each slot's expert output
+        for e in ids.unique().tolist():
+            slot = (ids == e).nonzero(as_tuple=True)
+            y[slot] = self.experts(h[slot[0]], e)
+        out = torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(h.dtype)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out.reshape(shape)
+
+
 def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos/sin tables [S, hd] float32; pair i rotates at ``base ** (-2 i / hd)`` (RoFormer, rotate-half)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -147,7 +230,8 @@ class Block(nn.Module):
     def __init__(self, config: DiffLMConfig):
         super().__init__()
         self.attention = Attention(config)
-        self.mlp = LayerNormMLP(config.hidden_size, config.intermediate_size, config.rms_norm_eps)
+        self.mlp = (MoEMLP(config) if getattr(config, "moe_num_experts", 0) > 0
+                    else LayerNormMLP(config.hidden_size, config.intermediate_size, config.rms_norm_eps))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -183,8 +267,13 @@ class DiffLMPreTrainedModel(PreTrainedModel):
             _init.ones_(module.layer_norm_weight)
             _init.normal_(module.fc1_weight, mean=0.0, std=std)
             _init.normal_(module.fc2_weight, mean=0.0, std=std)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (nn.Linear, nn.Embedding, MoERouter)):
             _init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, MoEMLP):
+            _init.ones_(module.layer_norm_weight)
+        elif isinstance(module, (MoEExperts, SharedExperts)):
+            _init.normal_(module.fc1_weight, mean=0.0, std=std)
+            _init.normal_(module.fc2_weight, mean=0.0, std=std)
 
 
 class DiffLMForMaskedLM(DiffLMPreTrainedModel):

@@ -1,0 +1,520 @@
+"""Mixture-of-experts MLP (``model.moe.num_experts > 0``): a token-choice top-k router, SwiGLU experts run as
+one grouped GEMM, optional shared experts, load balancing, and the statistics users watch. docs/moe.md has
+every formula with its source.
+
+The block's MLP slot holds :class:`MoEMLP` instead of the dense SwiGLU ``LayerNormMLP``; like it, the
+pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f`` expert width, ``f_s`` =
+``num_shared_experts * f``; close to Megatron-LM's ``experts.linear_fc1``/``linear_fc2`` and torchtitan's
+``GroupedExperts``, in TE's ``fc1``/``fc2`` spelling)::
+
+    mlp.layer_norm_weight     [d]          RMSNorm scale (as the dense MLP's)
+    mlp.router.weight         [E, d]       router logits = RMSNorm(x) @ weight^T (FP32)
+    mlp.router.bias           [E]          buffer, persistent: DeepSeek-V3's aux-loss-free routing bias
+    mlp.experts.fc1_weight    [E, 2f, d]   per expert [gate; up] rows (SiLU on the gate half), TE's swiglu split
+    mlp.experts.fc2_weight    [E, d, f]
+    mlp.shared.fc1_weight     [2 f_s, d]   (num_shared_experts > 0)
+    mlp.shared.fc2_weight     [d, f_s]
+
+Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+),
+Transformer Engine's ``te.GroupedLinear`` with the ``te`` kernel set, and a loop over experts elsewhere (CPU,
+the reference for tests). All three hold the same two stacked parameters.
+
+Expert parallelism swaps :attr:`MoEMLP.dispatcher` for an all-to-all dispatcher
+(:mod:`difflm.parallel.expert_parallel`); the module itself never knows its layout.
+
+Auxiliary losses are not returned with the logits: :class:`AttachAuxLoss` passes the MoE output through and, in
+backward, adds d(scale * aux)/d(params) (Megatron-LM's ``MoEAuxLossAutoScaler``). ``scale`` is set by the
+trainer (:func:`set_moe_loss_scale`: micro-batch / global batch, so the per-micro-batch aux losses average over
+the step like the CE loss, whose every rank's share is divided by the global normaliser). Layer-local
+statistics live in buffers; :func:`moe_step` reduces them once per step (and moves the aux-free bias),
+:func:`moe_metrics` reads them for metrics.jsonl, the console and wandb.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difflm.model.layers import rms_norm
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+FP8_GROUP_ROWS = 32  # TE's FP8 grouped GEMMs need every expert's row count divisible by 16 (32 for MX/block)
+
+
+# ------------------------------------------------------------------ config helpers
+def moe_config(cfg):
+    """``cfg.moe`` of a ``model`` config, or None when the model is dense (no ``moe`` or ``num_experts`` 0)."""
+    moe = getattr(cfg, "moe", None) if not hasattr(cfg, "get") else cfg.get("moe", None)
+    return moe if moe is not None and int(moe.num_experts or 0) > 0 else None
+
+
+def expert_ffn_size(cfg) -> int:
+    """Width f of one expert: ``model.moe.ffn_hidden_size``, or ``model.ffn_hidden_size`` when that is 0."""
+    return int(cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
+
+
+def moe_inactive_params(cfg) -> int:
+    """Parameters a token does not use: ``L * (E - k) * 3 d f`` (the routed experts it is not sent to).
+
+    ``num_params - moe_inactive_params`` is the active parameter count N of an MoE model, which MFU counts
+    (6 N FLOPs per token, :func:`difflm.training.flops.flops_per_token`); 0 for a dense model.
+    """
+    moe = moe_config(cfg)
+    if moe is None:
+        return 0
+    return cfg.num_layers * (int(moe.num_experts) - int(moe.top_k)) * 3 * cfg.hidden_size * expert_ffn_size(cfg)
+
+
+def _kernel_name(kernels) -> str:
+    if kernels is None:
+        return "torch"
+    return kernels if isinstance(kernels, str) else kernels.name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor parameter (TP-replicated, or this rank's experts under EP); ``t`` otherwise.
+    ``to_local`` keeps the parameter's placements for the gradient (Replicate / Shard(0) over ep)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _count(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Occurrences of 0..n-1 in ``ids`` -> [n] int64 (a fixed-size ``bincount``: no data-dependent shape)."""
+    flat = ids.flatten()
+    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ------------------------------------------------------------------ router
+@dataclass
+class Routing:
+    """What the router decides for T tokens.
+
+    Attributes:
+        logits: [T, E] float32 router logits (for the z-loss).
+        probs: [T, E] float32 per-token distribution over experts for the balancing loss: the softmax scores,
+            or the sigmoid scores normalised to sum to 1 (DeepSeek-V3 eq. 19).
+        expert_ids: [T, k] int64 chosen experts (top-k of scores + bias).
+        weights: [T, k] float32 gating weights (the chosen experts' scores, optionally renormalised).
+    """
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k router (Shazeer et al. 2017; Fedus et al. 2021), computed in FP32.
+
+    ``scores = softmax(x W^T)`` (Switch/GShard/OLMoE) or ``sigmoid(x W^T)`` (DeepSeek-V3 eq. 15); the experts
+    are the top-k of ``scores + bias`` (DeepSeek-V3 eq. 16: the bias only steers the choice), the gating weights
+    the chosen ``scores``, divided by their sum with ``norm_topk_prob`` (DeepSeek-V3 eq. 13 for sigmoid).
+    Parameter ``weight`` [E, d]; buffer ``bias`` [E] float32 (zero unless ``model.moe.bias_update_rate`` > 0).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool):
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func={score_func!r} is not one of {SCORE_FUNCS}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [T, d] (any float dtype) -> :class:`Routing` for its T tokens."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), _local(self.weight).float())  # [T, E]
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores.detach() + self.bias  # the bias never receives gradient
+        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(-1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits, probs, expert_ids, weights)
+
+
+# ------------------------------------------------------------------ experts
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs the experts for input ``x``: CUDA, BF16 compute, compute capability 9+."""
+    return (x.is_cuda and hasattr(torch, "_grouped_mm") and _compute_dtype(x) == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def _pad_groups(x: torch.Tensor, counts: list[int], multiple: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of each group padded with zeros to a multiple of ``multiple``: (x_padded, row index of each input
+    row in it [R] int64, padded counts)."""
+    padded = [-(-c // multiple) * multiple for c in counts]
+    starts, pstarts = [0], [0]
+    for c, p in zip(counts, padded):
+        starts.append(starts[-1] + c)
+        pstarts.append(pstarts[-1] + p)
+    index = torch.cat([torch.arange(pstarts[e], pstarts[e] + c, device=x.device) for e, c in enumerate(counts)]
+                      ) if counts else torch.zeros(0, dtype=torch.long, device=x.device)
+    out = x.new_zeros(pstarts[-1], x.shape[-1]).index_copy(0, index, x)
+    return out, index, padded
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked_grouped_linear_class():
+    """``te.GroupedLinear`` taking its per-GEMM weights from one stacked [G, out, in] tensor per call (set in
+    ``_stacked``) instead of its own ``weight{i}`` parameters, so the experts keep one parameter per GEMM stack."""
+    from difflm.training.precision import import_te
+
+    te = import_te()
+
+    class StackedGroupedLinear(te.GroupedLinear):
+        _stacked: Optional[torch.Tensor] = None
+
+        def _get_weight_tensors(self):
+            return list(self._stacked.unbind(0))
+
+    return StackedGroupedLinear
+
+
+def _te_grouped_linear(num_gemms: int, in_features: int, out_features: int) -> nn.Module:
+    module = _stacked_grouped_linear_class()(num_gemms, in_features, out_features, bias=False, device="meta")
+    for i in range(num_gemms):  # the weights come from GroupedExperts' stacked parameters
+        module._parameters.pop(f"weight{i}", None)
+    return module
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts (Shazeer 2020, eq. 6) applied to expert-sorted tokens.
+
+    Args:
+        num_experts: experts held here (all of them; :mod:`difflm.parallel.expert_parallel` shards dim 0).
+        hidden, ffn: d and f. ``kernels``: the kernel set (``.name`` ``torch`` or ``te``).
+    Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
+    Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
+        (local) expert -> [R, d].
+    Kernels: ``te`` -> ``te.GroupedLinear`` (groups padded to :data:`FP8_GROUP_ROWS` rows under FP8); ``torch``
+    -> ``torch._grouped_mm`` where :func:`grouped_mm_supported`, else a loop over experts (CPU reference).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, kernels=None):
+        super().__init__()
+        self.kernel = _kernel_name(kernels)
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        if self.kernel == "te":
+            self.fc1_gemm = _te_grouped_linear(num_experts, hidden, 2 * ffn)
+            self.fc2_gemm = _te_grouped_linear(num_experts, ffn, hidden)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)  # [E_local, 2f, d], [E_local, d, f]
+        if self.kernel == "te":
+            return self._te(x, counts, w1, w2)
+        if grouped_mm_supported(x):
+            return self._grouped_mm(x, counts, w1, w2).to(_compute_dtype(x))
+        return self._loop(x, counts.tolist(), w1, w2)
+
+    @staticmethod
+    def _grouped_mm(x, counts: torch.Tensor, w1, w2) -> torch.Tensor:
+        """Both expert GEMMs as one ``torch._grouped_mm`` each over the groups ``offs = cumsum(counts)``, in BF16
+        (torchtitan's ``GroupedExperts``); no host sync. Returns BF16 [R, d]."""
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        xb, w1, w2 = x.bfloat16(), w1.bfloat16(), w2.bfloat16()
+        h = _swiglu(torch._grouped_mm(xb, w1.transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def _loop(x, counts: list[int], w1, w2) -> torch.Tensor:
+        """Reference: one pair of matmuls per expert (CPU; tests compare the kernels against it). Experts without
+        tokens run on zero rows, so every local expert stays in the autograd graph (FSDP needs each gradient)."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            outs.append(F.linear(_swiglu(F.linear(x[start:start + n], w1[e])), w2[e]))
+            start += n
+        return torch.cat(outs, dim=0)
+
+    def _te(self, x, counts, w1, w2) -> torch.Tensor:
+        from difflm.training.precision import fp8_is_active
+
+        splits = counts.tolist()
+        index = None
+        if fp8_is_active() and any(c % FP8_GROUP_ROWS for c in splits):
+            x, index, splits = _pad_groups(x, splits, FP8_GROUP_ROWS)
+        try:  # through __dict__: nn.Module.__setattr__ would register a Parameter as the module's own
+            self.fc1_gemm.__dict__["_stacked"], self.fc2_gemm.__dict__["_stacked"] = w1, w2
+            y = self.fc2_gemm(_swiglu(self.fc1_gemm(x, splits)), splits)
+        finally:
+            self.fc1_gemm.__dict__["_stacked"] = self.fc2_gemm.__dict__["_stacked"] = None
+        return y if index is None else y.index_select(0, index)
+
+
+class SharedExperts(nn.Module):
+    """Always-on experts (DeepSeekMoE, Dai et al. 2024, sec. 3.2 "shared expert isolation"): the
+    ``num_shared_experts`` SwiGLU experts of width f fused into one of width f_s = n f (torchtitan's layout).
+    ``fc1_weight`` [2 f_s, d], ``fc2_weight`` [d, f_s]. Forward x [T, d] (already normalised) -> [T, d]."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn, hidden))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_swiglu(F.linear(x, _local(self.fc1_weight))), _local(self.fc2_weight))
+
+
+# ------------------------------------------------------------------ dispatch (no expert parallelism)
+class LocalDispatcher:
+    """Token dispatcher without expert parallelism: every expert is here, the sorted tokens go straight in.
+
+    :class:`difflm.parallel.expert_parallel.AllToAllDispatcher` has the same two methods.
+    """
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor):
+        """x [N, d] sorted by global expert id, ``counts`` [E] -> (rows for the local experts, their counts, ctx)."""
+        return x, counts, None
+
+    def combine(self, y: torch.Tensor, ctx) -> torch.Tensor:
+        """Expert outputs -> rows in the order of ``dispatch``'s input."""
+        return y
+
+
+# ------------------------------------------------------------------ auxiliary losses
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out`` whose backward also sends gradient ``scale`` into ``aux`` (a scalar), so the aux
+    loss joins the objective without being returned by the model (Megatron-LM ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux, ctx.scale), None
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6; GShard, Lepikhin et al. 2020) for top-k
+    routing as Megatron-LM computes it: ``E * sum_i f_i P_i`` with ``f_i = counts_i / (T k)`` the fraction of
+    routed slots taken by expert i and ``P_i = mean_t probs[t, i]``. Equals 1 when perfectly balanced.
+    probs [T, E] float32 (with grad), counts [E] (no grad) -> scalar float32 (without the coefficient)."""
+    t, e = probs.shape
+    return e * (counts.float() / max(t * top_k, 1) * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss (Zoph et al. 2022, eq. 5): ``mean_t (logsumexp_j logits[t, j])^2``. [T, E] -> scalar."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+# ------------------------------------------------------------------ the MLP slot
+class MoEMLP(nn.Module):
+    """RMSNorm + routed SwiGLU experts (+ shared experts): the block's MLP slot when ``model.moe.num_experts`` > 0.
+
+    Args:
+        cfg: ``model`` config (``hidden_size``, ``norm_eps``, ``ffn_hidden_size``, ``moe.*``).
+        kernels: kernel set with ``.name`` ``torch`` or ``te`` (or the name itself; None = torch), for the experts.
+    Forward: x [*, d] (leading dims are tokens: [B, S, d] or [S, B, d]) -> [*, d] in x's dtype.
+    Training forwards (train mode, gradients on) add the auxiliary losses to the backward pass
+    (:class:`AttachAuxLoss`) and count tokens per expert; capacity dropping (``capacity_factor``) applies to
+    training forwards only: evaluation and sampling route every token.
+    Buffers: ``router.bias`` (persistent); non-persistent statistics ``step_tokens`` [E] (routed slots this
+    step), ``step_losses`` [3] (sum of aux loss, z-loss, forwards this step), ``last_tokens`` [E] and
+    ``last_losses`` [2] (the previous step's, after :func:`moe_step`).
+    """
+
+    def __init__(self, cfg, kernels=None):
+        super().__init__()
+        moe = cfg.moe
+        d, f = cfg.hidden_size, expert_ffn_size(cfg)
+        self.eps = cfg.norm_eps
+        self.num_experts, self.top_k = int(moe.num_experts), int(moe.top_k)
+        self.aux_loss_coeff, self.z_loss_coeff = float(moe.aux_loss_coeff), float(moe.z_loss_coeff)
+        self.bias_update_rate = float(moe.bias_update_rate)
+        self.capacity_factor = moe.capacity_factor
+        self.layer_norm_weight = nn.Parameter(torch.ones(d))
+        self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob))
+        self.experts = GroupedExperts(self.num_experts, d, f, kernels)
+        n_shared = int(moe.num_shared_experts)
+        self.shared = SharedExperts(d, n_shared * f) if n_shared > 0 else None
+        self.dispatcher = LocalDispatcher()
+        self.loss_scale = 1.0  # gradient of each forward's aux loss; set_moe_loss_scale
+        e = self.num_experts
+        self.register_buffer("step_tokens", torch.zeros(e), persistent=False)
+        self.register_buffer("step_losses", torch.zeros(3), persistent=False)
+        self.register_buffer("last_tokens", torch.zeros(e), persistent=False)
+        self.register_buffer("last_losses", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = rms_norm(x, _local(self.layer_norm_weight), self.eps).reshape(-1, shape[-1])  # [T, d]
+        routing = self.router(h)
+        counts = _count(routing.expert_ids, self.num_experts)  # [E] routed slots
+        expert_ids = routing.expert_ids
+        if self.capacity_factor is not None and self.training:
+            expert_ids = self._drop_over_capacity(routing)
+        out = self._routed(h, expert_ids, routing.weights)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        if not (self.training and torch.is_grad_enabled()):  # evaluation, sampling, pipeline shape inference
+            return out.reshape(shape)
+        count = not _in_backward()  # activation checkpointing re-runs the forward in backward: count once
+        if count:
+            self.step_tokens += counts.detach().float()
+        if self.aux_loss_coeff > 0 or self.z_loss_coeff > 0:
+            aux = self.aux_loss_coeff * load_balancing_loss(routing.probs, counts, self.top_k)
+            z = self.z_loss_coeff * router_z_loss(routing.logits)
+            out = AttachAuxLoss.apply(out, aux + z, self.loss_scale)
+            if count:
+                self.step_losses += torch.stack([aux.detach(), z.detach(), aux.new_ones(())])
+        return out.reshape(shape)
+
+    def _drop_over_capacity(self, routing: Routing) -> torch.Tensor:
+        """Expert ids [T, k] with the slots beyond each expert's capacity ``ceil(cf * T * k / E)`` set to E (dropped):
+        each expert keeps its highest-scoring tokens (GShard, Lepikhin et al. 2020, sec. 2.2; Megatron-LM's
+        ``moe_token_drop_policy=probs``)."""
+        t, k = routing.expert_ids.shape
+        capacity = int(-(-float(self.capacity_factor) * t * k // self.num_experts))
+        gates = torch.zeros_like(routing.probs).scatter(-1, routing.expert_ids, routing.weights.detach())  # [T, E]
+        chosen = torch.zeros_like(gates, dtype=torch.bool).scatter(-1, routing.expert_ids, True)
+        gates = gates.masked_fill(~chosen, -1.0)
+        top = torch.topk(gates, min(capacity, t), dim=0).indices  # [C, E] best tokens of each expert
+        keep = torch.zeros_like(chosen).scatter(0, top, True) & chosen  # [T, E]
+        kept = keep.gather(-1, routing.expert_ids)  # [T, k]
+        return routing.expert_ids.masked_fill(~kept, self.num_experts)
+
+    def _routed(self, h: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(h[t]) for every token: sort the T k slots by expert, dispatch,
+        run the experts, combine, unsort, weight. Slots with id E (dropped) contribute 0."""
+        t, k = expert_ids.shape
+        flat = expert_ids.flatten()
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order inside a group
+        counts = _count(flat, self.num_experts + 1)[: self.num_experts]  # id E: dropped slots
+        dropped = self.capacity_factor is not None and self.training
+        kept = int(counts.sum()) if dropped else t * k
+        x_sorted = h[order[:kept] // k]  # [N, d]
+        x_local, local_counts, ctx = self.dispatcher.dispatch(x_sorted, counts)
+        y_sorted = self.dispatcher.combine(self.experts(x_local, local_counts), ctx)
+        if kept < t * k:
+            y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(t * k - kept, y_sorted.shape[-1])])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(t * k, device=order.device)
+        y = y_sorted[inverse].view(t, k, -1)  # [T, k, d] back in token order
+        return torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(h.dtype)
+
+
+# ------------------------------------------------------------------ what the trainer calls
+def moe_layers(model_parts: Iterable[nn.Module]) -> list[tuple[int, MoEMLP]]:
+    """(layer index, module) of every :class:`MoEMLP` in ``model_parts``, by layer index (from ``layers.<i>.``)."""
+    found = []
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoEMLP):
+                m = re.search(r"layers\.(\d+)\.", name)
+                found.append((int(m.group(1)) if m else len(found), module))
+    return sorted(found, key=lambda item: item[0])
+
+
+def set_moe_loss_scale(model_parts: Iterable[nn.Module], scale: float) -> None:
+    """Gradient given to each forward's auxiliary loss: the trainer passes micro-batch / global batch size, so
+    the step's objective is CE + the mean over micro-batches (and data-parallel ranks) of the aux losses."""
+    for _, module in moe_layers(model_parts):
+        module.loss_scale = float(scale)
+
+
+@torch.no_grad()
+def moe_step(model_parts: Iterable[nn.Module], group=None) -> None:
+    """End of an optimizer step: sum this step's statistics over ``group`` (the ranks that routed different tokens
+    through the same layers: data and context parallel ranks, not TP peers), keep them as ``last_*``, move the
+    aux-loss-free bias, and zero the step counters. One all-reduce for all layers; a no-op for dense models.
+
+    Bias update (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): ``b_i += gamma * sign(mean_j c_j - c_i)`` with c the
+    step's routed tokens per expert over the global batch (overloaded experts get a lower bias).
+    """
+    layers = [m for _, m in moe_layers(model_parts)]
+    if not layers:
+        return
+    packed = torch.cat([torch.cat([m.step_tokens, m.step_losses]) for m in layers])
+    if group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(packed, group=group)
+    offset = 0
+    for m in layers:
+        e = m.num_experts
+        tokens, losses = packed[offset:offset + e], packed[offset + e:offset + e + 3]
+        offset += e + 3
+        m.last_tokens.copy_(tokens)
+        m.last_losses.copy_(losses[:2] / losses[2].clamp(min=1.0))
+        if m.bias_update_rate > 0 and tokens.sum() > 0:
+            m.router.bias += m.bias_update_rate * torch.sign(tokens.mean() - tokens)
+        m.step_tokens.zero_()
+        m.step_losses.zero_()
+
+
+def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, float]:
+    """Metrics of the last step (after :func:`moe_step`), empty for dense models:
+
+    ``moe/load_max_mean`` (max over experts / mean over experts of the routed tokens, averaged over layers; 1 is
+    perfect balance) and per layer ``moe/load_max_mean/<i>``; ``moe/aux_loss`` and ``moe/z_loss`` (summed over
+    layers, coefficients included: what they add to the loss); ``moe/bias_norm`` (L2 norm of the router bias,
+    averaged over layers). ``pp_group``: pipeline stages hold different layers; their values are gathered.
+    """
+    per_layer = {}
+    for i, m in moe_layers(model_parts):
+        tokens = m.last_tokens
+        load = float(tokens.max() / tokens.mean()) if float(tokens.sum()) > 0 else float("nan")
+        per_layer[i] = (load, float(m.last_losses[0]), float(m.last_losses[1]), float(m.router.bias.norm()))
+    if pp_group is not None:
+        gathered = [None] * torch.distributed.get_world_size(pp_group)
+        torch.distributed.all_gather_object(gathered, per_layer, group=pp_group)
+        per_layer = {k: v for part in gathered for k, v in part.items()}
+    if not per_layer:
+        return {}
+    layers = sorted(per_layer)
+    out = {
+        "moe/load_max_mean": sum(per_layer[i][0] for i in layers) / len(layers),
+        "moe/aux_loss": sum(per_layer[i][1] for i in layers),
+        "moe/z_loss": sum(per_layer[i][2] for i in layers),
+        "moe/bias_norm": sum(per_layer[i][3] for i in layers) / len(layers),
+    }
+    out.update({f"moe/load_max_mean/{i}": per_layer[i][0] for i in layers})
+    return out
+
+
+def build_mlp(cfg, kernels=None) -> nn.Module:
+    """The block's MLP slot: :class:`MoEMLP` when ``cfg.moe.num_experts`` > 0, else the dense SwiGLU
+    :class:`difflm.model.layers.LayerNormMLP` (the torch kernel set's; the ``te`` set builds ``te.LayerNormMLP``)."""
+    if moe_config(cfg) is not None:
+        return MoEMLP(cfg, kernels)
+    from difflm.model.layers import LayerNormMLP
+
+    return LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
+
+
+__all__ = [
+    "AttachAuxLoss", "GroupedExperts", "LocalDispatcher", "MoEMLP", "Routing", "SharedExperts", "TopKRouter",
+    "build_mlp", "expert_ffn_size", "grouped_mm_supported", "load_balancing_loss", "moe_config",
+    "moe_inactive_params", "moe_layers", "moe_metrics", "moe_step", "router_z_loss", "set_moe_loss_scale",
+]

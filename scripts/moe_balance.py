@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Expert load with and without load balancing: ``model=moe-tiny`` on tinyshakespeare, one run per setting.
+
+    python scripts/moe_balance.py --steps 200 --json moe_balance.json [extra Hydra overrides]
+
+Runs ``difflm-train``'s Trainer in this process (CPU by default) for each balancing setting:
+
+    none       model.moe.aux_loss_coeff=0  model.moe.bias_update_rate=0
+    aux_loss   model.moe.aux_loss_coeff=0.01 (Switch/GShard loss; OLMoE's coefficient)
+    aux_free   model.moe.aux_loss_coeff=0  model.moe.bias_update_rate=0.001 (DeepSeek-V3's gamma)
+
+and prints, per window of ``--window`` steps, the mean over steps of ``moe/load_max_mean`` (tokens of the busiest
+expert / mean tokens per expert, averaged over layers; 1 = perfect balance) from each run's metrics.jsonl,
+plus the final training loss. The router z-loss stays at the preset's 0.001 in every run (it does not balance).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SETTINGS = {
+    "none": ["model.moe.aux_loss_coeff=0", "model.moe.bias_update_rate=0"],
+    "aux_loss": ["model.moe.aux_loss_coeff=0.01", "model.moe.bias_update_rate=0"],
+    "aux_free": ["model.moe.aux_loss_coeff=0", "model.moe.bias_update_rate=0.001"],
+}
+BASE = ["model=moe-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=8",
+        "train.eval_every=0", "train.save_every=0", "logger.num_samples=0", "logger.progress_bar=false",
+        "logger.log_every=1", "schedule.warmup_steps=20", "optim.lr=1e-3", "objective.random_length_prob=0",
+        "device=cpu"]
+
+
+def run(name: str, steps: int, root: Path, extra: list[str]) -> list[dict]:
+    from hydra import compose, initialize_config_dir
+
+    from difflm.config import CONF_DIR
+    from difflm.config.validate import check_run
+    from difflm.training.trainer import Trainer
+
+    run_dir = root / name
+    overrides = [*BASE, *SETTINGS[name], f"train.max_steps={steps}", f"run.dir={run_dir}",
+                 f"data.cache_dir={root / 'cache'}", *extra]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    Trainer(cfg, run_dir, check_run(cfg)).fit()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def windows(rows: list[dict], key: str, size: int) -> list[float]:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return [sum(values[i:i + size]) / len(values[i:i + size]) for i in range(0, len(values), size)]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--window", type=int, default=20)
+    ap.add_argument("--runs", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
+    ap.add_argument("--dir", default=None, help="where the run dirs go (default: a temporary directory)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # tiny matrices: one thread is the fastest on a shared CPU
+    names = [n for n in args.runs.split(",") if n]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="moe_balance_"))
+    result = {"steps": args.steps, "window": args.window, "overrides": BASE + args.overrides, "runs": {}}
+    for name in names:
+        rows = run(name, args.steps, root, args.overrides)
+        result["runs"][name] = {"load_max_mean": windows(rows, "moe/load_max_mean", args.window),
+                                "loss": windows(rows, "loss", args.window),
+                                "final_bias_norm": rows[-1].get("moe/bias_norm")}
+    head = f"{'steps':>9} " + " ".join(f"{n:>10}" for n in names)
+    lines = ["moe/load_max_mean (busiest expert / mean, averaged over layers and the window's steps)", head]
+    for w in range(len(next(iter(result["runs"].values()))["load_max_mean"])):
+        lo, hi = w * args.window + 1, min((w + 1) * args.window, args.steps)
+        lines.append(f"{lo:>4}-{hi:<4} " + " ".join(f"{result['runs'][n]['load_max_mean'][w]:>10.3f}" for n in names))
+    lines.append(f"{'loss':>9} " + " ".join(f"{result['runs'][n]['loss'][-1]:>10.3f}" for n in names)
+                 + "   (last window's mean training loss)")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
