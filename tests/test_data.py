@@ -189,7 +189,7 @@ def test_preprocess_errors(tmp_path, tok):
         tokenize_corpus(cfg_for(tmp_path / "*.txt"), tok, c)
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "empty_dir" / "x.csv").write_text("a,b")
-    with pytest.raises(DifflmError, match="data.path=.*no .txt or .jsonl"):
+    with pytest.raises(DifflmError, match="data.path=.*no .txt, .jsonl or .parquet"):
         tokenize_corpus(cfg_for(tmp_path / "empty_dir"), tok, c)
     write_jsonl(tmp_path / "j.jsonl", ["hi"], field="content")
     with pytest.raises(DifflmError, match=r"data.text_field='text'.*\['content', 'id'\]"):
