@@ -86,3 +86,9 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     assert got["bits_per_byte"] == pytest.approx(got["nats_per_byte"] / 0.6931471805599453)
     bad = run_cli("difflm.evaluate", f"run.dir={tmp_path / 'nope'}", f"data.path={text}", timeout=120)
     assert bad.returncode == 2 and "run.dir=" in bad.stderr
+    latin1 = tmp_path / "latin1.txt"  # issue 13 item 9: one line naming the file, the byte and its offset
+    latin1.write_bytes(b"caf\xe9\n")
+    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={latin1}", "device=cpu", timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        f"difflm: error: data.path: {latin1} is not UTF-8 text (byte 0xe9 at offset 3): ")
