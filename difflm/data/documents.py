@@ -39,10 +39,11 @@ class DocFormat:
 
     @classmethod
     def of(cls, cfg, key: str = "data.path") -> "DocFormat":
-        """The format of a DataConfig-like node (``encoding`` defaults to utf-8 when the node has none)."""
+        """The format of a DataConfig-like node (keys it lacks take the defaults; checks the encoding)."""
         enc = getattr(cfg, "encoding", None) or "utf-8"
         check_encoding(enc, key.rsplit(".", 1)[0] + ".encoding" if "." in key else "encoding")
-        return cls(cfg.text_field, cfg.doc_separator, enc, key)
+        return cls(getattr(cfg, "text_field", cls.text_field), getattr(cfg, "doc_separator", cls.doc_separator),
+                   enc, key)
 
 
 @dataclass(frozen=True)
