@@ -128,13 +128,14 @@ _HF: dict = {}
 
 
 def _init_worker(tokenizer: str, queue, threads: int) -> None:
-    """Pool initializer: tokenizer threads first (before the Rust pool starts), then the tokenizer."""
+    """Pool initializer: tokenizer threads first (before the Rust pool starts), then the tokenizer (inherited when
+    the worker was forked)."""
     global _TOK, _REPORT
     os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    from difflm.data.tokenizer import build_tokenizer
+    if _TOK is None:
+        from difflm.data.tokenizer import build_tokenizer
 
-    _TOK = build_tokenizer(tokenizer)
+        _TOK = build_tokenizer(tokenizer)
     _REPORT = queue.put
 
 
@@ -261,15 +262,19 @@ def run_preprocess(cfg) -> dict:
     if workers > 1:
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")  # fresh processes: no inherited tokenizer thread pools
+        # fork: workers inherit the loaded tokenizer and imports (datasets.map forks too); the parent has not encoded
+        # yet, so no tokenizer thread pool is inherited. spawn where fork does not exist.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         queue = ctx.Queue()
         threads = max(1, cores // workers)
         pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(cfg.tokenizer, queue, threads))
+    _TOK = tok  # the workers' tokenizer: inherited by forked workers, used in-process with workers=1
     try:
         hf = None
         if cfg.hf_dataset:
             hf = load_hf(cfg.hf_dataset, cfg.hf_split, fmt)
+            _HF[(cfg.hf_dataset, cfg.hf_split)] = hf
             sources = [{"hf_dataset": cfg.hf_dataset, "split": cfg.hf_split, "rows": len(hf),
                         "fingerprint": getattr(hf, "_fingerprint", None)}]
             pieces = hf_pieces(hf, cfg.hf_dataset, target)
@@ -305,20 +310,18 @@ def run_preprocess(cfg) -> dict:
         tokenize_start = time.perf_counter()
         try:
             if pool is None:
-                _TOK, _REPORT = tok, (lambda report: progress.update(*report))
-                if hf is not None:
-                    _HF[(cfg.hf_dataset, cfg.hf_split)] = hf
+                _REPORT = lambda report: progress.update(*report)  # noqa: E731
                 for i in todo:
                     write_shard(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
             else:
                 _run_pool(pool, queue, progress, [(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
                                                   for i in todo])
         finally:
-            _TOK, _REPORT = None, None
-            _HF.clear()
             progress.close()
         tokenize_s = time.perf_counter() - tokenize_start
     finally:
+        _TOK, _REPORT = None, None
+        _HF.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     shards, new_tokens = [], progress.tokens
