@@ -198,6 +198,6 @@ def test_hf_dataset_input_matches_the_in_trainer_path(tmp_path, tok):
     out = tmp_path / "shards"
     summary = run_preprocess(preprocess_cfg(f"hf_dataset={tmp_path / 'hf'}", "text_field=body", f"output={out}",
                                             "workers=1", "shard_mb=0.0005"))
-    assert summary["shards"] > 3 and summary["documents"] == 40  # the empty row is dropped
+    assert summary["shards"] >= 3 and summary["documents"] == 40  # the empty row is dropped
     cache = tokenize_corpus(DataConfig(hf_dataset=str(tmp_path / "hf"), text_field="body"), tok, str(tmp_path / "c"))
     assert all_tokens(open_all(out)) == all_tokens([cache])
