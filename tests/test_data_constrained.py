@@ -68,3 +68,12 @@ def test_sweep_and_plot_end_to_end_on_cpu(tmp_path):
     assert sorted((r["objective"], r["epochs"], r["steps"]) for r in res["jobs"]) == [
         ("ar", 1.0, 8), ("ar", 2.0, 16), ("mdlm", 1.0, 8), ("mdlm", 2.0, 16)]  # 1024 tokens = 32 windows = 8 steps/epoch
     assert (out / "data_constrained.png").stat().st_size > 10_000
+
+
+def test_experiment_without_data_path_is_one_line(tmp_path):
+    from conftest import run_cli
+
+    out = run_cli("difflm.train", "+experiment=data_constrained", "model=tiny", "device=cpu", "precision=fp32",
+                  f"run.dir={tmp_path / 'r'}", timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "set data.path to the Gutenberg books" in out.stderr.strip().splitlines()[-1]
