@@ -59,13 +59,17 @@ class Piece:
 
 
 def check_encoding(encoding: str, key: str = "data.encoding") -> None:
-    """Raise DifflmError unless ``encoding`` is a known codec that keeps newlines as the byte 0x0A (UTF-8, Latin-1,
-    cp1252, ...; not UTF-16/32, whose files are read line by line as bytes)."""
+    """Raise DifflmError unless ``encoding`` is a known codec that reads ASCII bytes as ASCII (UTF-8, utf-8-sig,
+    Latin-1, cp1252, ...; not UTF-16/32: files are split into lines as bytes at 0x0A)."""
     try:
         codecs.lookup(encoding)
     except LookupError:
         raise DifflmError(f"{key}={encoding!r} is not a known text encoding: e.g. utf-8 or latin-1") from None
-    if "\n".encode(encoding, errors="replace") != b"\n":
+    try:
+        compatible = b"ab\ncd".decode(encoding) == "ab\ncd"
+    except UnicodeDecodeError:
+        compatible = False
+    if not compatible:
         raise DifflmError(f"{key}={encoding!r} is not ASCII-compatible (newline is not one 0x0A byte): "
                           "convert the files to UTF-8 (iconv -t utf-8)")
 
