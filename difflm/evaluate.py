@@ -29,8 +29,7 @@ from omegaconf import OmegaConf
 from difflm.cli import exits_cleanly
 from difflm.config import CONF_DIR
 from difflm.config.validate import resolve_device
-from difflm.data.preprocess import tokenize_corpus
-from difflm.data.windows import build_windows
+from difflm.data.windows import build_windows, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
 from difflm.training.precision import autocast_context
@@ -72,9 +71,9 @@ def evaluate_file(args, device: torch.device) -> dict:
                           f"{cfg.objective.block_size}")
     data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
                                  "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
-                                 "num_proc": 0})
-    with tempfile.TemporaryDirectory() as tmp:
-        ds = tokenize_corpus(data_cfg, tok, args.data.cache_dir or tmp)
+                                 "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
+    with tempfile.TemporaryDirectory() as tmp:  # text is tokenized into tmp; shards are read in place
+        ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
         windows, _ = build_windows(ds, tok.eos_id, seq_len, 0.0)
     n = len(windows) if e.max_windows <= 0 else min(e.max_windows, len(windows))
     draws = 1 if name == "ar" else e.mc_samples

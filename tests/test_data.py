@@ -189,7 +189,7 @@ def test_preprocess_errors(tmp_path, tok):
         tokenize_corpus(cfg_for(tmp_path / "*.txt"), tok, c)
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "empty_dir" / "x.csv").write_text("a,b")
-    with pytest.raises(DifflmError, match="data.path=.*no .txt or .jsonl"):
+    with pytest.raises(DifflmError, match="data.path=.*no .txt, .jsonl or .parquet"):
         tokenize_corpus(cfg_for(tmp_path / "empty_dir"), tok, c)
     write_jsonl(tmp_path / "j.jsonl", ["hi"], field="content")
     with pytest.raises(DifflmError, match=r"data.text_field='text'.*\['content', 'id'\]"):
@@ -272,3 +272,87 @@ def test_sampler_state():
             other.check_state(st)
     with pytest.raises(DifflmError):
         GlobalBatchSampler(0, 8, 1)
+
+
+# ---------------------------------------------------------------- special-token text and encodings (issue 13, 4 and 9)
+LITERAL = "the literal token <|endoftext|> inside"
+LITERAL_IDS = [783, 22436, 10669, 654, 93, 423, 1171, 1156, 49651, 3304]  # GPT-NeoX: the text, not EOS (id 0)
+
+
+def test_special_token_text_in_documents_is_text(tmp_path, tok):
+    assert tok.encode(LITERAL) == LITERAL_IDS
+    assert tok.tokenizer(LITERAL, add_special_tokens=False)["input_ids"] == [783, 22436, 10669, 209, 0, 3304]  # the fault
+    # .txt: a separator LINE still splits documents; the same text inside a line is text
+    (tmp_path / "a.txt").write_text(f"doc one\n<|endoftext|>\n{LITERAL}\n", encoding="utf-8")
+    ds = tokenize_corpus(cfg_for(tmp_path / "a.txt"), tok, str(tmp_path / "c"))
+    assert len(ds) == 2 and ds[1].tolist() == LITERAL_IDS
+    write_jsonl(tmp_path / "b.jsonl", [LITERAL])
+    assert tokenize_corpus(cfg_for(tmp_path / "b.jsonl"), tok, str(tmp_path / "c"))[0].tolist() == LITERAL_IDS
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [LITERAL]}).save_to_disk(str(tmp_path / "hf"))
+    hf = tokenize_corpus(DataConfig(hf_dataset=str(tmp_path / "hf")), tok, str(tmp_path / "c"))
+    assert hf[0].tolist() == LITERAL_IDS
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [LITERAL]}), tmp_path / "d.parquet")
+    assert tokenize_corpus(cfg_for(tmp_path / "d.parquet"), tok, str(tmp_path / "c"))[0].tolist() == LITERAL_IDS
+    # SFT prompts and responses: EOS comes only after the response
+    from difflm.data.sft import tokenize_pair
+
+    ids, n = tokenize_pair(tok, LITERAL, LITERAL, 24, False)
+    assert n == 10 and ids[:20] == LITERAL_IDS * 2 and set(ids[20:]) == {tok.eos_id}
+
+
+def test_mask_token_text_is_never_the_mask_id(tmp_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(NEOX))
+    hf.add_special_tokens({"mask_token": "<|mdm_mask|>"})  # as difflm-import adds it
+    hf.save_pretrained(str(tmp_path / "tok"))
+    t = build_tokenizer(str(tmp_path / "tok"))
+    assert t.mask_id == 50277 and 50277 in t.tokenizer("a <|mdm_mask|> b", add_special_tokens=False)["input_ids"]
+    assert t.mask_id not in t.encode("a <|mdm_mask|> b")
+
+
+def test_caches_of_the_old_tokenization_are_rebuilt(tmp_path, tok, monkeypatch):
+    import difflm.data.preprocess as pre
+
+    (tmp_path / "a.txt").write_text(LITERAL, encoding="utf-8")
+    new = tokenize_corpus(cfg_for(tmp_path / "a.txt"), tok, str(tmp_path / "c")).prefix
+    monkeypatch.setattr(pre, "FORMAT_VERSION", 1)  # the cache key of the version that read specials as specials
+    assert tokenize_corpus(cfg_for(tmp_path / "a.txt"), tok, str(tmp_path / "c")).prefix != new
+
+
+def test_text_that_is_not_utf8_is_one_line(tmp_path, tok):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    path = tmp_path / "latin1.txt"
+    with pytest.raises(DifflmError) as err:
+        tokenize_corpus(cfg_for(path), tok, str(tmp_path / "c"))
+    assert str(err.value).startswith(f"data.path: {path} is not UTF-8 text (byte 0xe9 at offset 3): ")
+    assert "data.encoding=latin-1" in str(err.value)
+    ds = tokenize_corpus(cfg_for(path, encoding="latin-1"), tok, str(tmp_path / "c"))
+    assert decoded_docs(ds, tok) == ["café"]
+    # the offset counts from the start of the file (JSONL, second line), also with a separator-split .txt
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DifflmError, match=r"data.path: .*b.jsonl is not UTF-8 text \(byte 0xe9 at offset 28\)"):
+        tokenize_corpus(cfg_for(tmp_path / "b.jsonl"), tok, str(tmp_path / "c"))
+    (tmp_path / "c.txt").write_bytes(b"ok\n<|endoftext|>\nna\xefve\n")
+    with pytest.raises(DifflmError, match=r"c.txt is not UTF-8 text \(byte 0xef at offset 19\)"):
+        tokenize_corpus(cfg_for(tmp_path / "c.txt"), tok, str(tmp_path / "c"))
+    # SFT JSONL pairs
+    from omegaconf import OmegaConf
+
+    from difflm.data.sft import read_pairs
+
+    (tmp_path / "pairs.jsonl").write_bytes(b'{"q": "caf\xe9", "a": "x"}\n')
+    sft = OmegaConf.create(dict(path=str(tmp_path / "pairs.jsonl"), prompt_field="q", response_field="a",
+                                text_field="text", doc_separator=None, encoding="utf-8"))
+    with pytest.raises(DifflmError, match=r"data.path: .*pairs.jsonl is not UTF-8 text \(byte 0xe9 at offset 10\)"):
+        read_pairs(sft)
+    sft.encoding = "latin-1"
+    assert read_pairs(sft) == [("café", "x")]
+    for bad, needle in (("nope", "data.encoding='nope' is not a known text encoding"),
+                        ("utf-16", "data.encoding='utf-16' is not ASCII-compatible")):
+        with pytest.raises(DifflmError, match=needle):
+            tokenize_corpus(cfg_for(path, encoding=bad), tok, str(tmp_path / "c"))

@@ -124,3 +124,19 @@ def test_multirun_gives_one_run_dir_per_job(tmp_path):
         job_dir = tmp_path / "sweep" / str(job)
         assert (job_dir / "metrics.jsonl").exists()
         assert f"lr: {lr}" in (job_dir / "config.yaml").read_text()
+
+
+def test_data_that_is_not_utf8_is_one_line(tmp_path):
+    """issue 13 item 9: difflm-train on a Latin-1 text file and on Latin-1 SFT JSONL: one line naming the file."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(b'{"q": "caf\xe9", "a": "x"}\n')
+    for args, path, offset in (([f"data.path={bad}"], bad, 3),
+                               (["objective=sft", f"data.path={pairs}", "data.prompt_field=q", "data.response_field=a"],
+                                pairs, 10)):
+        out = run_cli("difflm.train", *args, f"run.dir={tmp_path / 'r'}", "train.max_steps=1", "device=cpu",
+                      timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines()[-1].startswith(
+            f"difflm: error: data.path: {path} is not UTF-8 text (byte 0xe9 at offset {offset}): ")

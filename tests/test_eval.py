@@ -84,5 +84,21 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     assert got["objective"] == objective and got["windows"] == 4 and got["mc_samples"] == 2
     assert 5 < got["nelbo"] < 15 and got["ppl_bound"] > 1
     assert got["bits_per_byte"] == pytest.approx(got["nats_per_byte"] / 0.6931471805599453)
+    # the same text as difflm-preprocess shards: the same windows, hence the same estimate
+    from difflm.data.shards import run_preprocess
+    from tests.conftest import compose_run
+
+    run_preprocess(compose_run([f"input={text}", f"output={tmp_path / 'shards'}", "workers=1", "progress_bar=false"],
+                               config_name="preprocess"))
+    res = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={tmp_path / 'shards'}", "eval.mc_samples=2",
+                  "eval.max_windows=4", f"eval.output={tmp_path / 'eval_shards.json'}", "device=cpu", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "eval_shards.json").read_text())["nelbo"] == got["nelbo"]
     bad = run_cli("difflm.evaluate", f"run.dir={tmp_path / 'nope'}", f"data.path={text}", timeout=120)
     assert bad.returncode == 2 and "run.dir=" in bad.stderr
+    latin1 = tmp_path / "latin1.txt"  # issue 13 item 9: one line naming the file, the byte and its offset
+    latin1.write_bytes(b"caf\xe9\n")
+    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={latin1}", "device=cpu", timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        f"difflm: error: data.path: {latin1} is not UTF-8 text (byte 0xe9 at offset 3): ")

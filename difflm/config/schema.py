@@ -102,11 +102,21 @@ class PrecisionConfig:
 
 
 @dataclass
+class BlendSource:
+    """One corpus of a ``data.blend`` (docs/data.md): read like ``data.path``, drawn with probability ``weight``."""
+
+    path: str = "???"  # .txt/.jsonl/.parquet file, directory or glob, or difflm-preprocess shards
+    weight: float = 1.0  # > 0; weights are normalised to sum to 1
+    name: Optional[str] = None  # in metrics (val_nelbo/<name>, data_share/<name>); default: the path's base name
+
+
+@dataclass
 class DataConfig:
     """Where the text comes from and how it is cut into training windows."""
 
     name: str = "tinyshakespeare"
-    path: str = "${difflm_asset:corpora/tinyshakespeare/input.txt}"  # file, directory or glob
+    # .txt/.jsonl/.parquet file, directory or glob; or difflm-preprocess output / Megatron .bin/.idx shards
+    path: str = "${difflm_asset:corpora/tinyshakespeare/input.txt}"
     hf_dataset: Optional[str] = None  # a `datasets` name or saved-dataset directory instead of path
     hf_split: str = "train"
     tokenizer: str = "${difflm_asset:tokenizers/gpt-neox-20b}"  # HF hub name or local directory
@@ -120,6 +130,9 @@ class DataConfig:
     prompt_field: Optional[str] = None  # SFT: JSONL field of the prompt (objective=sft); null = plain text
     response_field: str = "response"  # SFT: JSONL field of the response
     chat_template: bool = False  # SFT: wrap the prompt with the tokenizer's apply_chat_template
+    encoding: str = "utf-8"  # text encoding of the data files (strict: undecodable bytes are an error)
+    blend: list[BlendSource] = field(default_factory=list)  # a mixture of corpora; replaces path when non-empty
+    max_train_tokens: Optional[int] = None  # unique training tokens: the first N // seq_len windows; null = all
 
 
 @dataclass
@@ -179,6 +192,7 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
+    epochs: Optional[float] = None  # passes over the training windows; sets max_steps = ceil(epochs * windows / batch)
     global_batch_size: int = 8
     micro_batch_size: int = 8
     eval_every: int = 100
@@ -319,6 +333,7 @@ class EvalDataConfig:
     doc_separator: Optional[str] = "<|endoftext|>"
     seq_len: Optional[int] = None  # default: the run's data.seq_len
     cache_dir: Optional[str] = None  # default: a temporary directory
+    encoding: str = "utf-8"  # text encoding of the files
 
 
 @dataclass
@@ -333,6 +348,24 @@ class EvalRunConfig:
     kernels: KernelOverrides = field(default_factory=lambda: KernelOverrides())
 
 
+@dataclass
+class PreprocessConfig:
+    """Command line of ``difflm-preprocess`` (:mod:`difflm.data.shards`): text -> Megatron .bin/.idx shards."""
+
+    input: Optional[str] = None  # .txt/.jsonl/.parquet file, directory or glob
+    hf_dataset: Optional[str] = None  # or a `datasets` hub name / save_to_disk directory
+    hf_split: str = "train"
+    output: str = "???"  # directory of the shards and manifest.json; data.path=<output> trains on it
+    tokenizer: str = "${difflm_asset:tokenizers/gpt-neox-20b}"  # as data.tokenizer
+    text_field: str = "text"  # JSONL / parquet / datasets column
+    doc_separator: Optional[str] = "<|endoftext|>"  # splits .txt files into documents; null: one per file
+    encoding: str = "utf-8"
+    workers: int = 0  # tokenizer processes; 0 = one per CPU core
+    shard_mb: float = 256.0  # input megabytes per shard (whole documents; a .txt without separators is one shard)
+    overwrite: bool = False  # replace the shards of other inputs/settings in output (only difflm-preprocess files)
+    progress_bar: bool = True
+
+
 def register_schema() -> None:
     """Register the schemas of the entry points: ``run_schema`` (:class:`RunConfig`), ``generate_schema``,
     ``export_schema`` and ``import_schema``."""
@@ -342,3 +375,4 @@ def register_schema() -> None:
     cs.store(name="eval_schema", node=EvalRunConfig)
     cs.store(name="export_schema", node=ExportRunConfig)
     cs.store(name="import_schema", node=ImportRunConfig)
+    cs.store(name="preprocess_schema", node=PreprocessConfig)

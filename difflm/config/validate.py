@@ -260,6 +260,19 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"objective.length_multiple={o.length_multiple} must be >= 1 and divide data.seq_len={d.seq_len}")
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
+    _require(t.get("epochs") is None or t.epochs > 0, f"train.epochs={t.get('epochs')} must be > 0 (or null: "
+             "train.max_steps sets the length)")
+    _require(d.get("max_train_tokens") is None or d.max_train_tokens >= d.seq_len,
+             f"data.max_train_tokens={d.get('max_train_tokens')} must be at least one window (data.seq_len="
+             f"{d.seq_len}) or null")
+    _require(not (d.get("blend") and d.get("max_train_tokens") is not None),
+             "data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
+    _require(not (d.get("blend") and d.get("prompt_field") is not None),
+             "data.blend is not supported with objective=sft (data.prompt_field): give the pairs in data.path")
+    if d.get("encoding"):
+        from difflm.data.documents import check_encoding
+
+        check_encoding(d.encoding)
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")

@@ -2,9 +2,9 @@
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from difflm.data.preprocess import tokenize_corpus
 from difflm.data.tokenizer import TokenizerInfo, build_tokenizer
-from difflm.data.windows import GlobalBatchSampler, PackedWindows, build_datasets, build_windows
+from difflm.data.windows import GlobalBatchSampler, PackedStream, PackedWindows, build_datasets, build_sampler, build_windows
 
 __all__ = [
     "TokenizerInfo", "build_tokenizer", "IndexedDataset", "IndexedDatasetBuilder", "tokenize_corpus",
-    "PackedWindows", "build_windows", "GlobalBatchSampler", "build_datasets",
+    "PackedStream", "PackedWindows", "build_windows", "GlobalBatchSampler", "build_sampler", "build_datasets",
 ]

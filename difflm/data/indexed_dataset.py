@@ -7,6 +7,7 @@ int64 document_indices[doc + 1]. .bin holds the raw tokens. Here one sequence = 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from typing import Sequence
@@ -32,8 +33,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class IndexedDatasetBuilder:
     """Streams documents into ``<prefix>.bin``/``.idx``.
 
-    Writes to temporary names and ``os.replace``s them in :meth:`finalize` (.idx last), so a
-    crash never leaves a half-written dataset under the final name.
+    Writes to temporary names, fsyncs them and ``os.replace``s them in :meth:`finalize` (.idx last), so a
+    crash (or power loss) never leaves a half-written dataset under the final name.
     """
 
     def __init__(self, prefix: str, dtype: np.dtype | type = np.uint16):
@@ -56,8 +57,17 @@ class IndexedDatasetBuilder:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(arr.size))
 
+    def abort(self) -> None:
+        """Close and delete the temporary files (after an error); nothing under the final names is touched."""
+        self._bin.close()
+        for suffix in (".bin", ".idx"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.prefix + suffix + self._tmp)
+
     def finalize(self) -> None:
-        """Write the index and atomically move both files to their final names."""
+        """Write the index, fsync both files and atomically move them to their final names (.idx last)."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
@@ -74,8 +84,25 @@ class IndexedDatasetBuilder:
             f.write(sizes.tobytes())
             f.write(pointers.tobytes())
             f.write(doc_idx.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(self.prefix + ".bin" + self._tmp, self.prefix + ".bin")
         os.replace(idx_tmp, self.prefix + ".idx")  # last: .idx present <=> dataset complete
+        fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames in it survive a power loss (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class IndexedDataset:
@@ -103,12 +130,22 @@ class IndexedDataset:
             raise DifflmError(f"indexed dataset {idx_path!r}: unsupported version {version} / dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         off = len(head)
-        self.sizes = np.memmap(idx_path, np.int32, "r", off, (n_seq,))
+        expected = off + 12 * n_seq + 8 * n_doc_idx
+        if os.path.getsize(idx_path) != expected:
+            raise DifflmError(f"indexed dataset {idx_path!r} is truncated or corrupt ({os.path.getsize(idx_path)} bytes, "
+                              f"its header says {expected}): delete it and re-run")
+        # one memory map of the whole index (one file descriptor per file, also with thousands of shards)
+        idx = np.memmap(idx_path, np.uint8, "r") if n_seq else np.zeros(expected, np.uint8)
+        self.sizes = np.frombuffer(idx, np.int32, n_seq, off)
         off += 4 * n_seq
-        self.pointers = np.memmap(idx_path, np.int64, "r", off, (n_seq,))
+        self.pointers = np.frombuffer(idx, np.int64, n_seq, off)
         off += 8 * n_seq
-        self.document_indices = np.array(np.memmap(idx_path, np.int64, "r", off, (n_doc_idx,)))
+        self.document_indices = np.frombuffer(idx, np.int64, n_doc_idx, off).copy()
         nbytes = os.path.getsize(bin_path)
+        if nbytes != int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize:
+            raise DifflmError(f"indexed dataset {bin_path!r} has {nbytes} bytes, its index says "
+                              f"{int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize}: it is truncated or "
+                              "corrupt; delete it and re-run")
         # np.memmap refuses empty files; an empty corpus is reported by the caller
         self.tokens = (np.memmap(bin_path, self.dtype, "r") if nbytes else np.zeros(0, self.dtype))
         seq_ends = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])

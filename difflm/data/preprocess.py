@@ -1,53 +1,29 @@
-"""Text corpus -> tokenized, cached Megatron .bin/.idx dataset."""
+"""Text corpus -> tokenized, cached Megatron .bin/.idx dataset (the in-trainer path; ``difflm-preprocess`` writes
+the same tokens into shards, :mod:`difflm.data.shards`)."""
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import sys
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from difflm.checkpoint.manifest import file_sha256
+from difflm.data.documents import DocFormat, Piece, iter_documents, kind_of, load_hf, read_jsonl, resolve_sources
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
-FORMAT_VERSION = 1  # bump when document splitting or the on-disk layout changes
+# bump when document splitting, tokenization or the on-disk layout changes (old caches are then rebuilt)
+# 2: special-token text inside documents is plain text (split_special_tokens); parquet; data.encoding
+FORMAT_VERSION = 2
 BATCH_DOCS = 1000
-EXTS = (".txt", ".jsonl")
 
-
-def resolve_sources(path: str) -> list[str]:
-    """``data.path`` (file, directory or glob) -> sorted list of .txt/.jsonl files.
-
-    Raises:
-        DifflmError: the path does not exist, the glob matches nothing, or there are no .txt/.jsonl files.
-    """
-    fix = "point data.path at a .txt/.jsonl file, a directory or a glob"
-    p = os.path.expanduser(path)
-    if os.path.isfile(p):
-        if not p.endswith(EXTS):
-            raise DifflmError(f"data.path={path!r} is not a .txt or .jsonl file: {fix}")
-        return [os.path.abspath(p)]
-    if os.path.isdir(p):
-        files = sorted(
-            os.path.join(root, f) for root, _, names in os.walk(p) for f in names if f.endswith(EXTS)
-        )
-        if not files:
-            raise DifflmError(f"data.path={path!r} is a directory with no .txt or .jsonl files under it: {fix}")
-        return [os.path.abspath(f) for f in files]
-    if glob.has_magic(p):
-        matched = sorted(glob.glob(p, recursive=True))
-        files = [os.path.abspath(f) for f in matched if os.path.isfile(f) and f.endswith(EXTS)]
-        if not files:
-            what = "matches nothing" if not matched else "matches no .txt or .jsonl files"
-            raise DifflmError(f"data.path={path!r} {what}: {fix}")
-        return files
-    raise DifflmError(f"data.path={path!r} does not exist: {fix}")
+__all__ = ["tokenize_corpus", "tokenized_batches", "tokenizer_fingerprint", "resolve_sources", "read_jsonl",
+           "FORMAT_VERSION"]
 
 
 def tokenizer_fingerprint(tok: TokenizerInfo) -> str:
@@ -58,115 +34,60 @@ def tokenizer_fingerprint(tok: TokenizerInfo) -> str:
     return hashlib.sha256(f"{type(t).__module__}.{type(t).__qualname__}\n{body}".encode()).hexdigest()
 
 
-def _split_txt(path: str, sep: str | None) -> Iterator[str]:
-    """Documents of a .txt file: text between lines equal to ``sep`` (or the whole file), stripped."""
-    with open(path, encoding="utf-8") as f:  # text mode: CRLF -> LF
-        if sep is None:
-            yield f.read().strip()
-            return
-        buf: list[str] = []
-        for line in f:
-            if line.strip() == sep:
-                yield "".join(buf).strip()
-                buf = []
-            else:
-                buf.append(line)
-        yield "".join(buf).strip()
+def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int = BATCH_DOCS
+                      ) -> Iterator[tuple[list[np.ndarray], int, int]]:
+    """Tokenize documents in batches: per batch (token arrays of its non-empty documents, documents read, characters
+    read). Empty documents (and documents that tokenize to nothing) are dropped; no EOS is added.
 
-
-def read_jsonl(path: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed record) of every non-empty line of a JSONL file.
-
-    Raises: DifflmError naming ``data.path`` and the line for invalid JSON.
+    The one tokenization of corpus text: the in-trainer cache and every ``difflm-preprocess`` worker call it, so
+    both write the same tokens (:meth:`TokenizerInfo.encode`: special-token text is plain text).
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DifflmError(f"data.path: {path}:{lineno} is not valid JSON ({e}): fix or remove that line") from None
-
-
-def _split_jsonl(path: str, field: str) -> Iterator[str]:
-    for lineno, rec in read_jsonl(path):
-        if not isinstance(rec, dict) or field not in rec:
-            keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-            raise DifflmError(
-                f"data.text_field={field!r} not found in {path}:{lineno} (keys: {keys}): set data.text_field to one of them"
-            )
-        yield str(rec[field]).strip()
-
-
-def _file_docs(files: list[str], cfg) -> Iterator[str]:
-    for path in files:
-        if path.endswith(".jsonl"):
-            yield from _split_jsonl(path, cfg.text_field)
-        else:
-            yield from _split_txt(path, cfg.doc_separator)
-
-
-def _load_hf(cfg):
-    """Load ``cfg.hf_dataset`` (saved directory or hub name), split ``cfg.hf_split``."""
-    import datasets
-
-    name = cfg.hf_dataset
-    try:
-        if os.path.isdir(os.path.expanduser(name)):
-            ds = datasets.load_from_disk(os.path.expanduser(name))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[cfg.hf_split]
-        else:
-            ds = datasets.load_dataset(name, split=cfg.hf_split)
-    except Exception as e:  # noqa: BLE001
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise DifflmError(
-            f"data.hf_dataset={name!r} (split data.hf_split={cfg.hf_split!r}) could not be loaded ({reason}): "
-            "give a save_to_disk directory or a datasets hub name"
-        ) from None
-    if cfg.text_field not in ds.column_names:
-        raise DifflmError(
-            f"data.text_field={cfg.text_field!r} is not a column of data.hf_dataset={name!r} "
-            f"(columns: {ds.column_names}): set data.text_field to one of them"
-        )
-    return ds
-
-
-def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
     buf: list[str] = []
+    read = chars = 0
+
+    def flush():
+        ids = tok.encode(buf) if buf else []
+        return [np.asarray(x) for x in ids if x], read, chars
+
     for d in docs:
-        if d:  # empty documents are skipped
+        read += 1
+        chars += len(d)
+        if d:
             buf.append(d)
-            if len(buf) == n:
-                yield buf
-                buf = []
-    if buf:
-        yield buf
+            if len(buf) == batch_docs:
+                yield flush()
+                buf, read, chars = [], 0, 0
+    if buf or read:
+        yield flush()
 
 
 def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
     """Tokenize ``cfg.path`` / ``cfg.hf_dataset`` into ``<cache_dir>/<key>.bin/.idx`` (reused if present).
 
     The key hashes the format version, every source file (path, size, sha256 of bytes) or the
-    HF dataset fingerprint, the tokenizer definition, ``text_field`` and ``doc_separator``.
+    HF dataset fingerprint, the tokenizer definition, ``text_field``, ``doc_separator`` and ``encoding``.
+    Documents come from :func:`difflm.data.documents.iter_documents` and are tokenized by
+    :func:`tokenized_batches` (special-token text stays text), as in ``difflm-preprocess``.
     Tokens are stored as uint16 when ``tok.padded_vocab_size`` <= 65535, else int32. No EOS is
     stored; :func:`difflm.data.windows.build_windows` inserts it.
 
     Raises:
-        DifflmError: bad ``data.path``/``data.hf_dataset``/``data.text_field``, or an empty corpus.
+        DifflmError: bad ``data.path``/``data.hf_dataset``/``data.text_field``/``data.encoding``, a file that is
+            not text in ``data.encoding``, or an empty corpus.
     """
-    key_parts: list = [FORMAT_VERSION, tokenizer_fingerprint(tok), cfg.text_field, cfg.doc_separator]
+    fmt = DocFormat.of(cfg)
+    key_parts: list = [FORMAT_VERSION, tokenizer_fingerprint(tok), cfg.text_field, cfg.doc_separator, fmt.encoding]
+    hf = None
     if cfg.hf_dataset:
-        hf = _load_hf(cfg)
+        hf = load_hf(cfg.hf_dataset, cfg.hf_split, fmt)
         key_parts += ["hf", cfg.hf_dataset, cfg.hf_split, getattr(hf, "_fingerprint", None)]
-        docs: Iterator[str] = (str(t).strip() for t in hf[cfg.text_field])
+        pieces = [Piece(cfg.hf_dataset, 0, None, "hf")]
         total = len(hf)
         source = f"data.hf_dataset={cfg.hf_dataset!r}"
     else:
         files = resolve_sources(cfg.path)
         key_parts += [[f, os.path.getsize(f), file_sha256(f)] for f in files]
-        docs = _file_docs(files, cfg)
+        pieces = [Piece(f, 0, None, kind_of(f)) for f in files]
         total = None
         source = f"data.path={cfg.path!r}"
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:32]
@@ -177,11 +98,15 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
             os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_proc))
         builder = IndexedDatasetBuilder(prefix, token_dtype(tok.padded_vocab_size))
         bar = tqdm(total=total, desc="tokenizing", unit="doc", disable=not sys.stderr.isatty())
-        for batch in _batches(docs, BATCH_DOCS):
-            for ids in tok.tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]:
-                if ids:
-                    builder.add_document(np.asarray(ids))
-            bar.update(len(batch))
+        try:
+            for piece in pieces:
+                for arrays, read, _ in tokenized_batches(tok, iter_documents(piece, fmt, hf)):
+                    for ids in arrays:
+                        builder.add_document(ids)
+                    bar.update(read)
+        except BaseException:
+            builder.abort()
+            raise
         bar.close()
         builder.finalize()
     ds = IndexedDataset(prefix)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from difflm.data.batch import TokenBatch
-from difflm.data.preprocess import read_jsonl, resolve_sources
+from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
@@ -42,33 +42,35 @@ class SFTPairs:
 def read_pairs(cfg) -> list[tuple[str, str]]:
     """(prompt, response) strings of every ``.jsonl`` file of ``data.path``.
 
-    Raises: DifflmError for a non-JSONL source, bad JSON, or a missing field (naming data.prompt_field /
-    data.response_field).
+    Raises: DifflmError for a non-JSONL source, bad JSON, bytes that are not ``data.encoding`` text, or a missing
+    field (naming data.prompt_field / data.response_field).
     """
     pairs = []
+    fmt = DocFormat.of(cfg)
     for path in resolve_sources(cfg.path):
         if not path.endswith(".jsonl"):
             raise DifflmError(f"data.path: {path} is not .jsonl: objective=sft reads prompt/response pairs from JSONL")
-        for lineno, rec in read_jsonl(path):
+        for where, rec in read_jsonl(path, fmt):
             for key in ("prompt_field", "response_field"):
                 if not isinstance(rec, dict) or cfg[key] not in rec:
                     keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                    raise DifflmError(f"data.{key}={cfg[key]!r} not found in {path}:{lineno} (keys: {keys}): "
+                    raise DifflmError(f"data.{key}={cfg[key]!r} not found in {where} (keys: {keys}): "
                                       f"set data.{key} to one of them")
             pairs.append((str(rec[cfg.prompt_field]), str(rec[cfg.response_field])))
     return pairs
 
 
 def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
-    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
+    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring. Prompt and response text are
+    encoded with :meth:`TokenizerInfo.encode` (special-token text in them stays text)."""
     t = tok.tokenizer
     if chat_template:
         if not getattr(t, "chat_template", None):
             raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
         p = list(t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
     else:
-        p = t(prompt, add_special_tokens=False)["input_ids"]
-    r = t(response, add_special_tokens=False)["input_ids"] + [tok.eos_id]
+        p = tok.encode(prompt)
+    r = tok.encode(response) + [tok.eos_id]
     p = p[-(seq_len - 1):] if len(p) >= seq_len else p  # keep at least one response token
     ids = (p + r)[:seq_len]
     return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)

@@ -36,6 +36,21 @@ class TokenizerInfo:
         kept = [int(i) for i in ids if int(i) != self.mask_id and 0 <= int(i) < n]
         return self.tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def encode(self, texts: str | list[str]) -> list[int] | list[list[int]]:
+        """Token ids of user text (one string or a batch), without BOS/EOS.
+
+        Special-token text inside the text is read as plain text (``split_special_tokens=True``): a document that
+        contains the literal ``<|endoftext|>`` or the mask token's text never yields the EOS or mask id. Documents
+        are split by ``data.doc_separator`` before they get here, and EOS is inserted between them as an id.
+        The one encoding of text for every data path (corpus caches, ``difflm-preprocess``, SFT, ``difflm-eval``).
+        """
+        return encode_text(self.tokenizer, texts)
+
+
+def encode_text(tokenizer: Any, texts: str | list[str]) -> list[int] | list[list[int]]:
+    """:meth:`TokenizerInfo.encode` for a bare ``transformers`` tokenizer."""
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
+
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)

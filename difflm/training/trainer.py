@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from difflm.config.validate import check_batch, check_parallel
-from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
+from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, step_length, weighted_ce_sum
@@ -72,7 +72,9 @@ class Trainer:
             if turn == self.is_rank0:
                 self.train_set, self.valid_set = build_datasets(cfg.data, self.tok, cache_dir)
             pdist.barrier()
-        self.sampler = GlobalBatchSampler(len(self.train_set), t.global_batch_size, t.seed)
+        if t.epochs is not None:  # train.epochs: passes over the training windows set the length
+            t.max_steps = max(1, math.ceil(t.epochs * len(self.train_set) / t.global_batch_size))
+        self.sampler = build_sampler(self.train_set, t.global_batch_size, t.seed)
         self.objective = build_objective(cfg.objective, self.tok.mask_id)
         torch.manual_seed(t.seed)
         if self.dims.distributed:
@@ -285,13 +287,15 @@ class Trainer:
         return loss.detach()
 
     @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
+    def evaluate(self, valid_set=None) -> Optional[float]:
         """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
 
-        Uses ``train.eval_batches`` micro-batches and ``train.eval_mc_samples`` antithetic draws of t per window.
+        Uses ``train.eval_batches`` micro-batches and ``train.eval_mc_samples`` antithetic draws of t per window, of
+        ``valid_set`` (default: the run's validation windows).
         """
         cfg, t = self.cfg, self.cfg.train
-        count = min(len(self.valid_set), t.eval_batches * t.micro_batch_size)
+        valid_set = self.valid_set if valid_set is None else valid_set
+        count = min(len(valid_set), t.eval_batches * t.micro_batch_size)
         if count == 0:
             return None
         draws = 1 if cfg.objective.name == "ar" else t.eval_mc_samples
@@ -300,7 +304,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for start in range(0, count, t.micro_batch_size):
             ids = list(range(start, min(count, start + t.micro_batch_size)))
-            tokens = self.valid_set.get(ids)
+            tokens = valid_set.get(ids)
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
                 if self.pipeline is not None:
@@ -408,6 +412,7 @@ class Trainer:
                         "mem_gib": memory_gib(self.device),
                         "skipped_steps": self.skipped_steps,
                         **moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None),
+                        **self.sampler.report(self.data_step),  # epochs (and each blend source's share)
                     }
                     if do_eval:
                         metrics = self._eval_metrics(metrics)
@@ -454,7 +459,14 @@ class Trainer:
             print(message, flush=True)
 
     def _eval_metrics(self, metrics: dict) -> dict:
-        nelbo = self.evaluate()
+        sources = getattr(self.valid_set, "sources", None)  # data.blend: each source, then their weighted mean
+        if sources:
+            per = {name: (w, self.evaluate(part)) for name, w, part in sources}
+            metrics = dict(metrics, **{f"val_nelbo/{n}": v for n, (_, v) in per.items() if v is not None})
+            scored = [(w, v) for w, v in per.values() if v is not None]
+            nelbo = sum(w * v for w, v in scored) / sum(w for w, _ in scored) if scored else None
+        else:
+            nelbo = self.evaluate()
         if nelbo is not None:
             metrics = dict(metrics, val_nelbo=nelbo, val_ppl_bound=math.exp(min(nelbo, 50.0)))
         return metrics

@@ -1,0 +1,396 @@
+"""Pretokenized corpora: ``difflm-preprocess`` writes Megatron .bin/.idx shards once, ``data.path`` reads them.
+
+The counterpart of Megatron-LM's ``tools/preprocess_data.py``. Layout of an output directory::
+
+    shard_00000.bin / .idx   documents of one piece of the input (whole documents, no EOS stored:
+    shard_00001.bin / .idx   the loader inserts one after every document, as for the in-trainer cache)
+    manifest.json            format, tokenizer (name, sha256 of its definition), settings, every source
+                             (path, size, sha256; or the datasets fingerprint) and every shard (its piece,
+                             documents, tokens); ``complete`` is true once every shard is written
+
+* The input is cut into pieces of about ``shard_mb`` MB of whole documents (:func:`difflm.data.documents.file_pieces`),
+  one shard per piece, tokenized by ``workers`` processes with :func:`difflm.data.preprocess.tokenized_batches`
+  (the in-trainer path's function, so the tokens are the same).
+* A shard is written under a temporary name, fsynced and renamed (.bin, then .idx): a crash never leaves a shard
+  that looks complete. A rerun with the same inputs and settings skips the finished shards and writes the rest;
+  different inputs or settings are refused unless ``overwrite=true``.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Callable, Optional
+
+from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
+from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, fsync_dir, token_dtype
+from difflm.data.tokenizer import TokenizerInfo
+from difflm.errors import DifflmError
+
+MANIFEST = "manifest.json"
+FORMAT, VERSION = "difflm-preprocess", 1
+KILL_ENV = "DIFFLM_PREPROCESS_KILL_AT_SHARD"  # test hook: SIGKILL the process writing this shard, mid-write
+
+
+# ---------------------------------------------------------------- reading shards (data.path)
+def read_manifest(path: str) -> Optional[dict]:
+    """The manifest of an output directory, or None when it has none (or it is not difflm-preprocess's)."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    try:
+        m = json.loads(Path(file).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+
+
+def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data.path") -> Optional[list[str]]:
+    """The .bin/.idx prefixes that ``path`` names, in order, or None when it names text files.
+
+    ``path`` may be a ``difflm-preprocess`` output directory (its manifest's shards; refused while incomplete or
+    when made with another tokenizer than ``tok``), a directory of Megatron ``*.idx``/``*.bin`` pairs (sorted), a
+    glob of them, one ``.idx``/``.bin`` file, or a prefix with both files.
+
+    Raises: DifflmError for an incomplete output, another tokenizer, or a path that mixes shards and text files.
+    """
+    from difflm.data.preprocess import tokenizer_fingerprint
+
+    p = os.path.expanduser(path)
+    if os.path.isdir(p):
+        m = read_manifest(p)
+        if m is not None:
+            if not m.get("complete"):
+                raise DifflmError(f"{key}={path!r}: difflm-preprocess has not finished writing it (manifest.json says "
+                                  "incomplete): rerun the same difflm-preprocess command to resume")
+            if tok is not None and m["tokenizer"]["fingerprint"] != tokenizer_fingerprint(tok):
+                raise DifflmError(f"{key}={path!r} was tokenized with another tokenizer ({m['tokenizer']['name']}) "
+                                  "than data.tokenizer: set data.tokenizer to that tokenizer, or rerun "
+                                  "difflm-preprocess with tokenizer=<data.tokenizer>")
+            return [os.path.join(p, s["name"]) for s in m["shards"]]
+        found = sorted(glob.glob(os.path.join(glob.escape(p), "*.idx")))
+        if found:
+            texts = [f for f in os.listdir(p) if f.endswith((".txt", ".jsonl", ".parquet"))]
+            if texts:
+                raise DifflmError(f"{key}={path!r} holds both .bin/.idx shards and text files ({texts[0]}, ...): "
+                                  "point it at a directory of one kind, or at a glob")
+            return [f[:-4] for f in found]
+        return None
+    if os.path.isfile(p) and p.endswith((".idx", ".bin")):
+        return [p[:-4]]
+    if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin"):
+        return [p]
+    if glob.has_magic(p):
+        matched = sorted(glob.glob(p, recursive=True))
+        shards = sorted({f[:-4] for f in matched if f.endswith((".idx", ".bin"))})
+        if shards and len(shards) * 2 < len([f for f in matched if os.path.isfile(f)]):
+            raise DifflmError(f"{key}={path!r} matches both .bin/.idx shards and other files: narrow the glob")
+        return shards or None
+    return None
+
+
+def open_shards(prefixes: list[str], path: str, key: str = "data.path") -> list[IndexedDataset]:
+    """Open shards (memory-mapped). Raises DifflmError naming ``key`` for a missing or corrupt shard or when they
+    hold no tokens."""
+    out = []
+    for prefix in prefixes:
+        try:
+            out.append(IndexedDataset(prefix))
+        except DifflmError as err:
+            raise DifflmError(f"{key}={path!r}: {err}") from None
+    if not out or sum(ds.num_tokens for ds in out) == 0:
+        raise DifflmError(f"{key}={path!r} holds no tokens: point it at non-empty shards")
+    return out
+
+
+def shard_complete(prefix: str) -> bool:
+    """True when ``prefix``.bin/.idx exist and agree (an interrupted write never passes: .idx is renamed last)."""
+    if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
+        return False
+    try:
+        IndexedDataset(prefix)
+    except DifflmError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- workers
+_TOK: Optional[TokenizerInfo] = None
+_REPORT: Optional[Callable] = None
+_HF: dict = {}
+
+
+def _init_worker(tokenizer: str, queue, threads: int) -> None:
+    """Pool initializer: tokenizer threads first (before the Rust pool starts), then the tokenizer (inherited when
+    the worker was forked)."""
+    global _TOK, _REPORT
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    if _TOK is None:
+        from difflm.data.tokenizer import build_tokenizer
+
+        _TOK = build_tokenizer(tokenizer)
+    _REPORT = queue.put
+
+
+def piece_bytes(piece: Piece, hf=None) -> int:
+    """About how many input bytes a piece holds (for the progress bar)."""
+    if piece.kind in ("txt", "jsonl"):
+        return int(piece.end) - int(piece.start)
+    if piece.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(piece.source).metadata
+        return sum(meta.row_group(g).total_byte_size for g in range(piece.start, piece.end))
+    n = len(hf) if hf is not None else 1
+    per_row = (getattr(getattr(hf, "data", None), "nbytes", 0) or n) / max(n, 1)
+    return int((piece.end - piece.start) * per_row)
+
+
+def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split: str, dtype: str, size: int) -> dict:
+    """Tokenize one piece into ``prefix``.bin/.idx (atomic); reports (documents, tokens, bytes) as it goes.
+    Returns {"documents", "tokens"}."""
+    from difflm.data.preprocess import tokenized_batches
+
+    hf = None
+    if piece.kind == "hf":
+        if (piece.source, hf_split) not in _HF:
+            _HF[(piece.source, hf_split)] = load_hf(piece.source, hf_split, fmt)
+        hf = _HF[(piece.source, hf_split)]
+    kill = os.environ.get(KILL_ENV)
+    builder = IndexedDatasetBuilder(prefix, dtype)
+    docs = tokens = reported = 0
+    try:
+        for arrays, read, chars in tokenized_batches(_TOK, iter_documents(piece, fmt, hf)):
+            n_tok = 0
+            for ids in arrays:
+                builder.add_document(ids)
+                n_tok += len(ids)
+            docs += len(arrays)
+            tokens += n_tok
+            step = max(0, min(size, reported + chars) - reported)
+            reported += step
+            if _REPORT is not None:
+                _REPORT((len(arrays), n_tok, step))
+            if kill is not None and int(kill) == index:  # test hook: die with a half-written shard on disk
+                builder._bin.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+    except BaseException:
+        builder.abort()
+        raise
+    builder.finalize()
+    if _REPORT is not None and size > reported:
+        _REPORT((0, 0, size - reported))
+    return {"documents": docs, "tokens": tokens}
+
+
+# ---------------------------------------------------------------- difflm-preprocess
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
+
+
+def _shard_files(out: Path) -> list[Path]:
+    return [f for f in out.iterdir() if f.name.startswith("shard_")]
+
+
+class _Progress:
+    """A tqdm bar over input bytes with documents and tokens/s, or a line every 30 s when stderr is not a terminal."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not enabled,
+                        mininterval=0.5 if tty else 30.0, file=sys.stderr, dynamic_ncols=tty)
+        self.docs = self.tokens = 0
+        self.start = time.perf_counter()
+
+    def update(self, docs: int, tokens: int, nbytes: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.docs:,} docs, {rate:,.0f} tok/s", refresh=False)
+        self.bar.update(nbytes)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_preprocess(cfg) -> dict:
+    """``difflm-preprocess``: tokenize ``cfg.input`` / ``cfg.hf_dataset`` into shards under ``cfg.output``.
+
+    Args:
+        cfg: a :class:`difflm.config.schema.PreprocessConfig` node.
+
+    Returns: a summary dict (shards, skipped, documents, tokens, seconds, tokens_per_s, output).
+
+    Raises:
+        DifflmError: bad input/output/tokenizer/encoding, an output holding other data, a worker that died.
+    """
+    from difflm.data.preprocess import FORMAT_VERSION, tokenizer_fingerprint
+    from difflm.data.tokenizer import build_tokenizer
+
+    global _TOK, _REPORT
+    started = time.perf_counter()
+    if (cfg.input is None) == (cfg.hf_dataset is None):
+        raise DifflmError("give exactly one of input=<file, directory or glob> and hf_dataset=<name or directory>")
+    if not cfg.shard_mb > 0:
+        raise DifflmError(f"shard_mb={cfg.shard_mb} must be > 0 (input megabytes per shard, e.g. 256)")
+    if cfg.workers < 0:
+        raise DifflmError(f"workers={cfg.workers} must be >= 0 (0 = one per CPU core)")
+    fmt = DocFormat.of(cfg, key="input")
+    tok = build_tokenizer(cfg.tokenizer)
+    out = Path(os.path.expanduser(cfg.output))
+    if out.exists() and not out.is_dir():
+        raise DifflmError(f"output={cfg.output!r} is a file: give a directory for the shards")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = cfg.workers or cores
+    target = int(cfg.shard_mb * 1e6)
+    pool = queue = None
+    if workers > 1:
+        import multiprocessing as mp
+
+        # fork: workers inherit the loaded tokenizer and imports (datasets.map forks too); the parent has not encoded
+        # yet, so no tokenizer thread pool is inherited. spawn where fork does not exist.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        queue = ctx.Queue()
+        threads = max(1, cores // workers)
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(cfg.tokenizer, queue, threads))
+    _TOK = tok  # the workers' tokenizer: inherited by forked workers, used in-process with workers=1
+    try:
+        hf = None
+        if cfg.hf_dataset:
+            hf = load_hf(cfg.hf_dataset, cfg.hf_split, fmt)
+            _HF[(cfg.hf_dataset, cfg.hf_split)] = hf
+            sources = [{"hf_dataset": cfg.hf_dataset, "split": cfg.hf_split, "rows": len(hf),
+                        "fingerprint": getattr(hf, "_fingerprint", None)}]
+            pieces = hf_pieces(hf, cfg.hf_dataset, target)
+        else:
+            from difflm.checkpoint.manifest import file_sha256
+
+            files = resolve_sources(cfg.input, key="input")
+            hashes = list(pool.map(file_sha256, files)) if pool else [file_sha256(f) for f in files]
+            sources = [{"path": f, "size": os.path.getsize(f), "sha256": h} for f, h in zip(files, hashes)]
+            pieces = [p for f in files for p in file_pieces(f, fmt, target)]
+        dtype = token_dtype(tok.padded_vocab_size)
+        plan = {
+            "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
+            "tokenizer": {"name": cfg.tokenizer, "fingerprint": tokenizer_fingerprint(tok), "eos_id": tok.eos_id,
+                          "vocab_size": len(tok.tokenizer), "dtype": dtype.name},
+            "settings": {"text_field": cfg.text_field, "doc_separator": cfg.doc_separator, "encoding": fmt.encoding,
+                         "split_special_tokens": True, "eos": "inserted after every document when read",
+                         "shard_mb": cfg.shard_mb},
+            "sources": sources,
+            "shards": [{"name": f"shard_{i:05d}", "source": p.source, "kind": p.kind, "start": p.start, "end": p.end}
+                       for i, p in enumerate(pieces)],
+        }
+        plan_key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+        _prepare_output(out, plan, plan_key, cfg)
+        _write_json(out / MANIFEST, {**plan, "plan_key": plan_key, "complete": False})
+        for f in _shard_files(out):  # temporary files of an interrupted run
+            if ".tmp" in f.name:
+                f.unlink()
+        prefixes = [str(out / s["name"]) for s in plan["shards"]]
+        todo = [i for i, prefix in enumerate(prefixes) if not shard_complete(prefix)]
+        sizes = {i: piece_bytes(pieces[i], hf) for i in todo}
+        progress = _Progress(sum(sizes.values()), cfg.progress_bar)
+        tokenize_start = time.perf_counter()
+        try:
+            if pool is None:
+                _REPORT = lambda report: progress.update(*report)  # noqa: E731
+                for i in todo:
+                    write_shard(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
+            else:
+                _run_pool(pool, queue, progress, [(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
+                                                  for i in todo])
+        finally:
+            progress.close()
+        tokenize_s = time.perf_counter() - tokenize_start
+    finally:
+        _TOK, _REPORT = None, None
+        _HF.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    shards, new_tokens = [], progress.tokens
+    for s, prefix in zip(plan["shards"], prefixes):
+        ds = IndexedDataset(prefix)
+        shards.append({**s, "documents": len(ds), "tokens": ds.num_tokens})
+    documents, tokens = sum(s["documents"] for s in shards), sum(s["tokens"] for s in shards)
+    _write_json(out / MANIFEST, {**plan, "shards": shards, "plan_key": plan_key, "complete": True,
+                                 "documents": documents, "tokens": tokens})
+    seconds = time.perf_counter() - started
+    return {"output": str(out), "shards": len(shards), "skipped": len(shards) - len(todo), "documents": documents,
+            "tokens": tokens, "new_tokens": new_tokens, "seconds": seconds, "tokenize_seconds": tokenize_s,
+            "tokens_per_s": new_tokens / max(tokenize_s, 1e-9), "workers": workers}
+
+
+def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:
+    """Check that ``out`` is empty, or holds this plan's shards (resume), or, with ``overwrite``, old shards to remove.
+    Never deletes files that difflm-preprocess did not write."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        return
+    old = read_manifest(str(out))
+    if old is None:
+        if any(out.iterdir()):
+            raise DifflmError(f"output={cfg.output!r} is not empty and holds no difflm-preprocess manifest: give a new "
+                              "or empty directory")
+        return
+    if old.get("plan_key") == plan_key:
+        return  # resume
+    failed_start = not old.get("complete") and not any(shard_complete(str(out / s["name"])) for s in old["shards"])
+    if not (cfg.overwrite or failed_start):  # a start that failed before its first shard holds nothing to keep
+        changed = [k for k in ("tokenizer", "settings", "sources") if old.get(k) != plan[k]] or ["shards"]
+        raise DifflmError(f"output={cfg.output!r} holds shards of other {'/'.join(changed)} (see its manifest.json): "
+                          "choose a new output directory, or set overwrite=true to replace them")
+    others = [f.name for f in out.iterdir() if f.name != MANIFEST and not f.name.startswith("shard_")]
+    if others:
+        raise DifflmError(f"output={cfg.output!r} also holds files difflm-preprocess did not write ({others[0]}, ...): "
+                          "overwrite=true only replaces its own shards; give a new directory")
+    for f in _shard_files(out):
+        f.unlink()
+    (out / MANIFEST).unlink()
+
+
+def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list[tuple]) -> None:
+    """Run ``write_shard`` tasks on the pool, feeding the workers' reports to the progress bar."""
+    import queue as queue_mod
+
+    def drain():
+        while True:
+            try:
+                progress.update(*queue.get_nowait())
+            except queue_mod.Empty:
+                return
+
+    pending = {pool.submit(write_shard, *task): task[0] for task in tasks}
+    try:
+        while pending:
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            drain()
+            for f in done:
+                index = pending.pop(f)
+                try:
+                    f.result()
+                except BrokenProcessPool:
+                    raise DifflmError(f"a worker process died while writing shard_{index:05d} (killed, or out of "
+                                      "memory: lower workers=); finished shards are kept: rerun the same command "
+                                      "to resume") from None
+        time.sleep(0.05)
+        drain()
+    finally:
+        for f in pending:
+            f.cancel()

@@ -1,0 +1,203 @@
+"""``difflm-preprocess``: shards with the in-trainer path's tokens, read by difflm-train; parallel workers; a crash
+mid-shard leaves nothing that looks complete and a rerun resumes to identical shards; one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SHARED_DATA, compose_run, run_cli
+from difflm.config.schema import DataConfig
+from difflm.data import build_datasets, build_tokenizer, tokenize_corpus
+from difflm.data.shards import KILL_ENV, find_shards, run_preprocess
+from difflm.errors import DifflmError
+
+REPO = Path(__file__).resolve().parents[1]
+NEOX = REPO / "difflm/assets/tokenizers/gpt-neox-20b"
+GUTENBERG = SHARED_DATA / "corpora" / "gutenberg"
+# special-token text inside documents, CRLF, non-ASCII: all must come out as the in-trainer path reads them
+DOCS = ["First story.\r\nIt has two lines.", "A <|endoftext|> inside a document stays text.", "Ünïcödé — “quotes” 你好",
+        "x", "Last one\nwith\n\nblank lines."]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(str(NEOX))
+
+
+def preprocess_cfg(*overrides):
+    return compose_run(["progress_bar=false", *overrides], config_name="preprocess")
+
+
+def make_corpus(root: Path, copies: int = 6) -> Path:
+    """A directory with a .txt (separator lines), a .jsonl and a .parquet file, several documents each."""
+    root.mkdir(parents=True)
+    docs = [f"{d} (copy {i})" for i in range(copies) for d in DOCS]
+    with open(root / "a.txt", "w", encoding="utf-8", newline="") as f:
+        f.write("\r\n<|endoftext|>\r\n".join(docs) + "\r\n")
+    with open(root / "b.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in reversed(docs))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs[::2]}), root / "c.parquet", row_group_size=4)
+    return root
+
+
+def all_tokens(datasets) -> tuple[list[int], list[int]]:
+    """(concatenated tokens, document lengths) of .bin/.idx datasets in order."""
+    tokens = np.concatenate([np.asarray(ds.tokens[: ds.num_tokens], np.int64) for ds in datasets])
+    lengths = np.concatenate([ds.document_lengths for ds in datasets])
+    return tokens.tolist(), lengths.tolist()
+
+
+def test_shards_hold_the_in_trainer_tokens(tmp_path, tok):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "shards"
+    summary = run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", "workers=1", "shard_mb=0.0002"))
+    assert summary["shards"] > 6  # several pieces per file (200 bytes each)
+    cache = tokenize_corpus(DataConfig(path=str(corpus)), tok, str(tmp_path / "cache"))
+    prefixes = find_shards(str(out), tok)
+    from difflm.data.shards import open_shards
+
+    shards = open_shards(prefixes, str(out))
+    assert all_tokens(shards) == all_tokens([cache])
+    # the manifest: tokenizer, sources with hashes, every shard with its counts
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["complete"] and m["tokens"] == cache.num_tokens and m["documents"] == len(cache) == 30 + 30 + 15
+    assert [s["path"] for s in m["sources"]] == [str(corpus / n) for n in ("a.txt", "b.jsonl", "c.parquet")]
+    assert all(len(s["sha256"]) == 64 for s in m["sources"]) and m["settings"]["split_special_tokens"]
+    assert sum(s["tokens"] for s in m["shards"]) == m["tokens"]
+    # data.path=<output> gives the same windows as data.path=<text>
+    from_text = build_datasets(DataConfig(path=str(corpus), seq_len=16), tok, str(tmp_path / "cache"))
+    from_shards = build_datasets(DataConfig(path=str(out), seq_len=16), tok, str(tmp_path / "unused"))
+    for a, b in zip(from_text, from_shards):
+        assert len(a) == len(b) > 0 and torch.equal(a.get(range(len(a))), b.get(range(len(b))))
+    assert not (tmp_path / "unused").exists()  # shards are read in place, nothing is tokenized
+    # a glob of .idx files and a single prefix read too
+    assert find_shards(str(out / "shard_*.idx")) == prefixes
+    assert find_shards(str(out / "shard_00000")) == [str(out / "shard_00000")]
+
+
+def test_gutenberg_shards_train(tmp_path, tok, fast_cfg):
+    if not GUTENBERG.is_dir():
+        pytest.skip(f"shared Gutenberg corpus not found at {GUTENBERG}")
+    books = tmp_path / "books"
+    books.mkdir()
+    for name in ("pg11.txt", "pg5200.txt"):  # the two shortest books keep CI fast
+        shutil.copy(GUTENBERG / name, books / name)
+    out = tmp_path / "shards"
+    res = run_cli("difflm.preprocess", f"input={books}", f"output={out}", "workers=1", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "2 shard(s) (0 already done), 2 documents" in res.stdout and "tokens/s" in res.stdout
+    cache = tokenize_corpus(DataConfig(path=str(books)), tok, str(tmp_path / "text_cache"))
+    assert all_tokens(open_all(out)) == all_tokens([cache])
+    # each book is one document (no separator lines): its text (universal newlines, stripped), tokenized directly
+    direct = tok.tokenizer([(books / n).read_text(encoding="utf-8").strip() for n in ("pg11.txt", "pg5200.txt")],
+                           add_special_tokens=False, verbose=False)["input_ids"]
+    assert all_tokens([cache]) == (direct[0] + direct[1], [len(direct[0]), len(direct[1])])
+    assert cache.num_tokens == 68091  # the README's 39,264 + 28,830 count CRLFs and the trailing newline
+    from difflm.training.trainer import Trainer
+
+    cfg = fast_cfg(f"data.path={out}", "train.max_steps=2", "train.eval_every=2", "train.save_every=0")
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+    metrics = trainer.fit()
+    assert metrics["step"] == 2 and np.isfinite(metrics["val_nelbo"])
+    assert not Path(cfg.data.cache_dir).exists()
+
+
+def open_all(out: Path):
+    from difflm.data.shards import open_shards
+
+    return open_shards(find_shards(str(out)), str(out))
+
+
+def test_workers_write_identical_shards(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", copies=3)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_preprocess(preprocess_cfg(f"input={corpus}", f"output={one}", "workers=1", "shard_mb=0.0003"))
+    summary = run_preprocess(preprocess_cfg(f"input={corpus}", f"output={two}", "workers=2", "shard_mb=0.0003"))
+    assert summary["workers"] == 2
+    names = sorted(os.listdir(one))
+    assert names == sorted(os.listdir(two)) and len(names) > 5
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
+def test_crash_mid_shard_then_resume_gives_identical_shards(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", copies=3)
+    args = [f"input={corpus}", "workers=1", "shard_mb=0.0003", "progress_bar=false"]
+    clean = tmp_path / "clean"
+    run_preprocess(preprocess_cfg(*args, f"output={clean}"))
+    crashed = tmp_path / "crashed"
+    os.environ[KILL_ENV] = "2"  # SIGKILL while shard 2 is half written
+    try:
+        res = run_cli("difflm.preprocess", *args, f"output={crashed}", timeout=600)
+    finally:
+        del os.environ[KILL_ENV]
+    assert res.returncode == -signal.SIGKILL
+    names = set(os.listdir(crashed))
+    assert {"shard_00000.bin", "shard_00000.idx", "shard_00001.bin", "shard_00001.idx"} <= names
+    assert not {"shard_00002.idx", "shard_00002.bin"} & names  # nothing under the final name ...
+    assert any(n.startswith("shard_00002.bin.tmp") for n in names)  # ... only the temporary file
+    assert not json.loads((crashed / "manifest.json").read_text())["complete"]
+    with pytest.raises(DifflmError, match="has not finished writing it.*rerun the same difflm-preprocess"):
+        build_datasets(DataConfig(path=str(crashed)), build_tokenizer(str(NEOX)), str(tmp_path / "c"))
+    kept = {n: (crashed / n).stat().st_mtime_ns for n in ("shard_00000.bin", "shard_00001.idx")}
+    res = run_cli("difflm.preprocess", *args, f"output={crashed}", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "(2 already done)" in res.stdout
+    assert {n: (crashed / n).stat().st_mtime_ns for n in kept} == kept  # finished shards were not rewritten
+    assert sorted(os.listdir(crashed)) == sorted(os.listdir(clean))  # temporary files are gone
+    for name in os.listdir(clean):
+        a, b = (clean / name).read_bytes(), (crashed / name).read_bytes()
+        if name == "manifest.json":
+            a, b = a.replace(str(clean).encode(), b""), b.replace(str(crashed).encode(), b"")
+        assert a == b, name
+
+
+def test_preprocess_errors_are_one_line(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", copies=1)
+    out = tmp_path / "out"
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "latin1.txt").write_bytes(b"caf\xe9\n")
+    res = run_cli("difflm.preprocess", f"input={tmp_path / 'latin1'}", f"output={out}", "workers=1", timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        f"difflm: error: input: {tmp_path / 'latin1' / 'latin1.txt'} is not UTF-8 text (byte 0xe9 at offset 3)")
+    latin = run_preprocess(preprocess_cfg(f"input={tmp_path / 'latin1'}", f"output={tmp_path / 'l1'}", "workers=1",
+                                          "encoding=latin-1"))
+    assert latin["documents"] == 1
+    run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", "workers=1"))
+    with pytest.raises(DifflmError, match="holds shards of other sources.*overwrite=true"):
+        run_preprocess(preprocess_cfg(f"input={corpus / 'a.txt'}", f"output={out}", "workers=1"))
+    assert run_preprocess(preprocess_cfg(f"input={corpus / 'a.txt'}", f"output={out}", "workers=1",
+                                         "overwrite=true"))["shards"] == 1
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(DifflmError, match="not empty and holds no difflm-preprocess manifest"):
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'busy'}", "workers=1"))
+    with pytest.raises(DifflmError, match="exactly one of input"):
+        run_preprocess(preprocess_cfg(f"output={out}"))
+    other = build_tokenizer(str(SHARED_DATA / "tokenizers" / "gpt2")) if (SHARED_DATA / "tokenizers/gpt2").is_dir() else None
+    if other is not None:
+        with pytest.raises(DifflmError, match="another tokenizer"):
+            find_shards(str(out), other)
+
+
+def test_hf_dataset_input_matches_the_in_trainer_path(tmp_path, tok):
+    datasets = pytest.importorskip("datasets")
+    docs = [f"{d} #{i}" for i in range(8) for d in DOCS] + [""]
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "hf"))
+    out = tmp_path / "shards"
+    summary = run_preprocess(preprocess_cfg(f"hf_dataset={tmp_path / 'hf'}", "text_field=body", f"output={out}",
+                                            "workers=1", "shard_mb=0.0005"))
+    assert summary["shards"] >= 3 and summary["documents"] == 40  # the empty row is dropped
+    cache = tokenize_corpus(DataConfig(hf_dataset=str(tmp_path / "hf"), text_field="body"), tok, str(tmp_path / "c"))
+    assert all_tokens(open_all(out)) == all_tokens([cache])
