@@ -48,7 +48,7 @@ from difflm.config.validate import check_batch, check_choices, check_model, chec
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import compile_blocks, resolve_model_config  # noqa: E402
 from difflm.model.transformer import Transformer  # noqa: E402
-from difflm.objectives import build_objective, weighted_ce_sum  # noqa: E402
+from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
 from difflm.training.precision import autocast_context, precision_name  # noqa: E402
@@ -279,16 +279,17 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
     optimizer = build_variant_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
     params = [p for p in model.parameters() if p.requires_grad]
-    global_batch = cfg.train.global_batch_size
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     precision = cfg.precision
 
     def step(micro):
         loss = 0.0
+        norm = cfg.objective.loss_norm
+        normaliser = sum(loss_normaliser(norm, batch.num_tokens) for batch in micro)  # the step's global count
         for batch in micro:
             with autocast_context(precision, device):
                 logits = model(batch.input_ids, batch.loss_mask)
-            micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, global_batch)
+            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
         scaler.unscale_(optimizer)
@@ -319,6 +320,8 @@ def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> di
 
     def step(micro):
         loss = 0.0
+        norm = cfg.objective.loss_norm
+        normaliser = sum(loss_normaliser(norm, batch.num_tokens) for batch in micro)  # the step's global count
         for batch in micro:
             targets = torch.roll(batch.targets, shifts=-1, dims=1)  # AR-style: every position predicts the next
             ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(device.type, enabled=False)

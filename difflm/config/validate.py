@@ -199,9 +199,12 @@ def check_parallel(cfg, world_size: int, device: torch.device):
         _require(m.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
         _require(m.backend == "torch" or not dims.pp_enabled,
                  "parallel.pp>1 with model.backend=te is not wired yet: use model.backend=torch for pipeline layouts")
-        _require(cfg.objective.name in ("mdlm", "ar") or not (dims.pp_enabled or dims.cp_enabled),
+        _require(cfg.objective.name in ("mdlm", "ar", "sft") or not (dims.pp_enabled or dims.cp_enabled),
                  f"objective={cfg.objective.name} passes attention masks/positions to the model, which pipeline and "
-                 "context parallel layouts do not carry yet: use objective=mdlm or ar with parallel.pp/cp=1")
+                 "context parallel layouts do not carry yet: use objective=mdlm, ar or sft with parallel.pp/cp=1")
+        _require(not d.get("intra_document_attention", False) or not (dims.pp_enabled or dims.cp_enabled),
+                 "data.intra_document_attention=true passes attention masks to the model, which pipeline and context "
+                 "parallel layouts do not carry yet: drop it or use parallel.pp/cp=1")
     return dims
 
 

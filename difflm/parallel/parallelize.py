@@ -64,7 +64,7 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
                        reshard_after_forward=not dims.pp_enabled)
     pipeline = None
     if dims.pp_enabled:
-        train_loss, eval_loss = loss_fns(cfg.objective, cfg.train.global_batch_size)
+        train_loss, eval_loss = loss_fns(cfg.objective)
         pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,
                             n_microbatches, train_loss, eval_loss)
     return parts, pipeline
