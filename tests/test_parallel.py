@@ -227,6 +227,8 @@ def test_parallel_dims_fill_and_mesh_order():
     (["parallel=cp2", "device=cpu"], 2, "parallel.cp>1 needs CUDA"),
     (["parallel=tp2", "model.tie_embeddings=true"], 2, "model.tie_embeddings=true"),
     (["parallel=fsdp", "parallel.activation_checkpointing=some"], 2, "parallel.activation_checkpointing='some'"),
+    (["parallel=pp2", "data.intra_document_attention=true"], 2, "data.intra_document_attention=true passes"),
+    (["parallel=pp2", "objective=bd3lm"], 2, "objective=bd3lm passes attention masks"),
 ])
 def test_bad_layouts_are_one_line_errors(overrides, world, needle):
     from difflm.config.validate import check_parallel, resolve_device

@@ -226,6 +226,9 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
     check_objective_data(cfg)
+    _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and cfg.logger.num_samples > 0),
+             "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
+             f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     return device
 
 
@@ -247,6 +250,11 @@ def check_objective_data(cfg) -> None:
     elif d.get("prompt_field") is not None:
         raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
                           "uses: set objective=sft or data.prompt_field=null")
+    if m.get("shift_logits", False):  # the same refusal as difflm-import's
+        _require(o.name != "ar", "model.shift_logits=true is for masked diffusion from an AR model (Dream): "
+                 "objective=ar already predicts the next token; drop model.shift_logits or use objective=mdlm")
+        _require(o.name != "bd3lm", "model.shift_logits=true with objective=bd3lm would read a block's first logits "
+                 "from the previous block's noisy half: drop model.shift_logits or use objective=mdlm or sft")
     needs_mask = o.name == "bd3lm" or d.get("intra_document_attention", False)
     _require(not needs_mask or m.attention_backend in ("sdpa", "flex"),
              f"model.attention_backend={m.attention_backend} cannot take the attention mask that "
