@@ -61,6 +61,50 @@ def test_chat_template_without_template_names_key(pairs_file):
         build_sft_datasets(data_cfg(pairs_file, chat_template=True), tok)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_IDS = [29, 93, 4537, 49651, 187, 1276, 310, 374, 5043, 495, 32, 187, 29, 93, 515, 5567, 49651, 187, 22, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("shape", ["native", "list (transformers 4.x)", "dict", "batch of one"])
+def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
+    """Issue 13 item 5: transformers 5 returns a BatchEncoding from apply_chat_template, which gave the ids
+    ['input_ids', 'attention_mask', 22, 0, ...] and prompt length 2. Right: prompt length 18 and CHAT_IDS, for the
+    4.x list return too (transformers>=4.40 is allowed)."""
+    from difflm.data.sft import tokenize_pair
+
+    tok = build_tokenizer(TOKENIZER)
+    tok.tokenizer.chat_template = CHAT_TEMPLATE
+    native = tok.tokenizer.apply_chat_template
+    wrap = {"native": lambda out: out, "list (transformers 4.x)": lambda out: list(out["input_ids"]),
+            "dict": lambda out: {"input_ids": list(out["input_ids"])}, "batch of one": lambda out: [list(out["input_ids"])]}
+    monkeypatch.setattr(tok.tokenizer, "apply_chat_template", lambda *a, **k: wrap[shape](native(*a, **k)))
+    ids, n = tokenize_pair(tok, "What is 2 plus 3?", "5", 24, True)
+    assert (ids, n) == (CHAT_IDS, 18)
+
+
+def test_chat_template_sft_cli_run_ends_well(tmp_path):
+    """``difflm-train objective=sft data.chat_template=true`` with a tokenizer whose config holds a chat template."""
+    import json
+    import shutil
+
+    from tests.conftest import FAST, run_cli
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tok_dir)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"q": f"What is {i} plus 3?", "a": str(i + 3)}) + "\n" for i in range(8)))
+    out = run_cli("difflm.train", *FAST, "objective=sft", f"data.path={pairs}", "data.prompt_field=q",
+                  "data.response_field=a", "data.chat_template=true", f"data.tokenizer={tok_dir}", "data.seq_len=32",
+                  "train.max_steps=2", "train.eval_every=2", "train.save_every=0", "device=cpu",
+                  f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and 0 < rows[-1]["loss"] < 30 and rows[-1]["val_nelbo"] > 0
+
+
 def test_missing_field_names_key(pairs_file):
     with pytest.raises(DifflmError, match="data.prompt_field='prompt'"):
         build_sft_datasets(data_cfg(pairs_file, prompt_field="prompt"), build_tokenizer(TOKENIZER))

@@ -8,7 +8,7 @@ generation prompt). Pairs longer than the window keep the end of the prompt and 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -59,13 +59,34 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
     return pairs
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn of ``tokenizer``'s chat template, with the generation prompt.
+
+    ``apply_chat_template(tokenize=True)`` returns a list of ids in transformers 4.x and a ``BatchEncoding``
+    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here.
+    Raises: DifflmError (naming ``data.chat_template``) without a template or for an output that holds no ids.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: BatchEncoding / dict
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    out = list(out)
+    if len(out) == 1 and isinstance(out[0], (list, tuple)):  # a batch of one conversation
+        out = list(out[0])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
+        raise DifflmError(f"data.chat_template=true: the tokenizer's apply_chat_template returned {type(out).__name__} "
+                          f"{str(out)[:80]}, not token ids: set data.chat_template=false or fix the tokenizer's template")
+    return out
+
+
 def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
     """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
     t = tok.tokenizer
     if chat_template:
-        if not getattr(t, "chat_template", None):
-            raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
-        p = list(t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
+        p = chat_prompt_ids(t, prompt)
     else:
         p = t(prompt, add_special_tokens=False)["input_ids"]
     r = t(response, add_special_tokens=False)["input_ids"] + [tok.eos_id]
