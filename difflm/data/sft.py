@@ -95,20 +95,26 @@ def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, 
     return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)
 
 
+def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
+    """Every pair of ``data.path`` (``cfg``: ``path``, ``prompt_field``, ``response_field``, ``seq_len``,
+    ``chat_template``), tokenized into ``seq_len`` rows. Raises: DifflmError for a file without pairs."""
+    pairs = read_pairs(cfg)
+    if not pairs:
+        raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
+    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
+    return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
+
+
 def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
     """(train, valid) pairs; valid = the last ``data.valid_fraction`` of the pairs (at least one if > 0).
 
     Raises: DifflmError for an empty file or when no training pair is left.
     """
-    pairs = read_pairs(cfg)
-    if not pairs:
-        raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
-    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
-    tokens = np.asarray([ids for ids, _ in rows], dtype=np.int64)
-    lengths = np.asarray([n for _, n in rows], dtype=np.int64)
-    n_valid = max(1, round(cfg.valid_fraction * len(rows))) if cfg.valid_fraction > 0 else 0
-    if len(rows) - n_valid < 1:
-        raise DifflmError(f"data.path={cfg.path!r} has {len(rows)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
+    pairs = load_pairs(cfg, tok)
+    tokens, lengths = pairs.tokens, pairs.prompt_lengths
+    n_valid = max(1, round(cfg.valid_fraction * len(pairs))) if cfg.valid_fraction > 0 else 0
+    if len(pairs) - n_valid < 1:
+        raise DifflmError(f"data.path={cfg.path!r} has {len(pairs)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
                           "leaves none for training: add pairs or lower data.valid_fraction")
-    cut = len(rows) - n_valid
+    cut = len(pairs) - n_valid
     return SFTPairs(tokens[:cut], lengths[:cut]), SFTPairs(tokens[cut:], lengths[cut:])
