@@ -187,7 +187,7 @@ class ProfileConfig:
 
 @dataclass
 class RunDirConfig:
-    dir: str = "outputs/${now:%Y-%m-%d_%H-%M-%S}"
+    dir: str = "outputs/${now:%Y-%m-%d_%H-%M-%S}-${difflm_run_id:}"  # unique per process: same-second starts differ
 
 
 @dataclass

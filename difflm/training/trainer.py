@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, resume_checkpoint, \
+    save_checkpoint
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import GlobalBatchSampler, build_datasets, build_tokenizer
 from difflm.model import build_model, resolve_model_config
@@ -140,7 +141,7 @@ class Trainer:
         return self.step + self.data_offset
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is None:
             return
         self._load(found[1])
