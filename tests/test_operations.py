@@ -188,7 +188,8 @@ def test_damaged_newer_checkpoint_is_moved_aside_not_overwritten(fast_cfg, capsy
     kept = _tree(ckpts / "step_4")
     trainer = Trainer(fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0"), cfg.run.dir, CPU)
     assert trainer.resumed_from == 2
-    assert "step_4 is incomplete or corrupt (__0_0.distcp is missing): moved to step_4.damaged" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step_4 is incomplete or corrupt (__0_0.distcp is missing): moved to step_4.damaged" in out
     trainer.fit()  # saves a new step_4
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_4", "step_4.damaged"]
     assert _tree(ckpts / "step_4.damaged") == kept

@@ -12,9 +12,9 @@ renamed to ``step_<N>`` last by rank 0 after a barrier:
 a directory with the final name is complete, so a crash mid-save never leaves a checkpoint that
 resumes wrongly; a checkpoint damaged afterwards (truncated file, lost file) fails its manifest check, is moved
 aside to ``step_<N>.damaged`` and the previous complete one is used instead; when none is complete the run stops
-(:func:`resume_checkpoint`), so damaged files are never overwritten by a fresh start. DCP's state-dict helpers (``get_state_dict``/``set_state_dict``) key everything by
-parameter name, so the same files load under any later parallel layout (PyTorch docs,
-"Distributed Checkpoint - torch.distributed.checkpoint").
+(:func:`resume_checkpoint`), so damaged files are never overwritten by a fresh start. DCP's state-dict helpers
+(``get_state_dict``/``set_state_dict``) key everything by parameter name, so the same files load under any later
+parallel layout (PyTorch docs, "Distributed Checkpoint - torch.distributed.checkpoint").
 """
 from __future__ import annotations
 
