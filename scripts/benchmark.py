@@ -267,7 +267,7 @@ def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.devi
     out = []
     for k in range(count):
         tokens = torch.randint(0, vocab_real, (b, s), generator=gen)
-        batch = objective.noise(tokens, range(k * b, (k + 1) * b), (seed, 0, k), b)
+        batch = objective.noise(tokens, range(k * b, (k + 1) * b), (seed, k), b)
         out.append(batch.to(device))
     sync(device)
     return out

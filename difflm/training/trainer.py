@@ -206,7 +206,9 @@ class Trainer:
         Data-parallel rank d takes global samples ``[d * local, (d + 1) * local)`` of the step (local =
         global batch / dp), micro-batch m the ids ``d * local + m * mb ...``: the noise is keyed by these GLOBAL
         ids, so every layout trains on the same noised batch as one process. Each rank's loss is divided by the
-        global normaliser; FSDP sums gradients (divide factor 1), pipeline schedules do not rescale them.
+        normaliser of the whole global batch (:meth:`_step_normaliser`, counted before the first forward), so the
+        step's loss does not depend on the split; FSDP sums gradients (divide factor 1), pipeline schedules do not
+        rescale them.
         """
         from difflm.parallel.fsdp import FSDPModule
         from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
@@ -216,12 +218,12 @@ class Trainer:
         seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
                               effective_length_multiple(cfg, dims))
         windows = self.sampler.indices(self.data_step)
-        local, mb = t.global_batch_size // dims.dp, t.micro_batch_size
+        local = t.global_batch_size // dims.dp
         start = self.coords["dp"] * local
         key = (t.seed, self.data_step)  # the step's noise key (difflm.objectives.keyed_rng)
-        per_micro = 1 if self.pipeline is not None else self.accum_steps  # the pipeline splits its local batch itself
-        size = local // per_micro
-        ids = [range(start + m * size, start + (m + 1) * size) for m in range(per_micro)]
+        n_micro = 1 if self.pipeline is not None else self.accum_steps  # a pipeline splits its local batch itself
+        size = local // n_micro  # train.micro_batch_size without a pipeline
+        ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
         tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
         normaliser = self._step_normaliser(tokens)
         for part in self.model_parts:
