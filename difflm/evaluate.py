@@ -8,12 +8,21 @@ separated by EOS, as in training; the last partial window is dropped). Per windo
 antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo et al. 2024, sec. 3.5).
 
 * ``mdlm`` / ``sft``: the continuous-time NELBO (MDLM eq. 10 / LLaDA eq. 3 with ``objective.schedule``'s weight),
-  an upper bound on the NLL.
+  an upper bound on the NLL for the ``linear`` and ``cosine`` schedules; under ``loglinear`` (MDLM's published
+  convention) it lies about ``eps`` below the continuous-time bound and can fall under the NLL
+  (docs/objectives_and_sampling.md).
 * ``bd3lm``: the block-diffusion NELBO (Arriola et al. 2025, eq. 6), one t per block.
 * ``ar``: the exact NLL of the L - 1 predicted tokens (one draw).
 
-Reports nats per token (``nelbo``), its standard error over windows, the perplexity bound ``exp(nelbo)``,
-and nats / bits per UTF-8 byte of the decoded windows (tokenizer-independent, e.g. Gao et al. 2020, The Pile).
+* ``sft``: the response-only NELBO of prompt/response pairs (a JSONL file with the run's ``data.prompt_field`` /
+  ``data.response_field``, or ``data.prompt_field=... data.response_field=...``): the prompt is never masked and
+  carries no loss, the response is padded with EOS to ``data.seq_len`` as in training.
+
+Reports nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
+``ar``, the response lengths for ``sft``), its standard error over windows, the perplexity bound ``exp(nelbo)``,
+and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The Pile): the loss of every scored
+token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the document text only (no EOS or
+other special-token text; for ``sft`` the responses), as the lm-evaluation-harness counts them.
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ from omegaconf import OmegaConf
 from difflm.cli import exits_cleanly
 from difflm.config import CONF_DIR
 from difflm.config.validate import resolve_device
+from difflm.data.batch import split_batch
+from difflm.data.sft import load_pairs
 from difflm.data.windows import build_windows, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
@@ -55,6 +66,64 @@ def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, 
     return torch.stack(out)
 
 
+def document_bytes(tok, ids) -> int:
+    """UTF-8 bytes of the document text in ``ids`` (1-D): every special token (EOS, padding, mask, ...) and id
+    outside the tokenizer is left out, and each run of text tokens between them is decoded on its own.
+
+    This is the byte count of bits per byte as the lm-evaluation-harness defines it (the UTF-8 bytes of the
+    documents; Gao et al. 2020, The Pile, sec. 4): the text of an EOS separator (13 bytes for ``<|endoftext|>``)
+    is not document text, although its prediction is part of the loss.
+    """
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    n = len(tok.tokenizer)
+    special = set(tok.tokenizer.all_special_ids) | {tok.eos_id, tok.mask_id}
+    total, run = 0, []
+    for i in [*map(int, ids), -1]:
+        if 0 <= i < n and i not in special:
+            run.append(i)
+        elif run:
+            total += len(tok.tokenizer.decode(run, skip_special_tokens=False,
+                                              clean_up_tokenization_spaces=False).encode("utf-8"))
+            run = []
+    return total
+
+
+def scored_ids(name: str, tokens) -> list:
+    """Per row of ``tokens`` (tensor [B, L] or TokenBatch) the ids whose prediction the NELBO scores: all for the
+    diffusion objectives, all but the first for ``ar``, the response for ``sft``."""
+    ids, extras = split_batch(tokens)
+    if name == "ar":
+        return [row[1:] for row in ids]
+    if name == "sft":
+        return [row[int(n):] for row, n in zip(ids, extras.prompt_lengths)]
+    return list(ids)
+
+
+def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
+    """The evaluation rows: packed ``seq_len`` windows of ``data.path``'s documents, or for an ``sft`` run the
+    prompt/response pairs of a JSONL file (fields and chat template from ``data.*`` or the run's config)."""
+    if cfg.objective.name == "sft":
+        d = args.data
+        return load_pairs(OmegaConf.create({
+            "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
+            "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
+            "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template}), tok)
+    data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
+                                 "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
+                                 "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
+    ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
+    return build_windows(ds, tok.eos_id, seq_len, 0.0)[0]
+
+
+def bound_kind(objective_cfg) -> str:
+    """What the reported figure is: the exact NLL (``ar``), an upper bound on it, or MDLM's loglinear estimate."""
+    if objective_cfg.name == "ar":
+        return "exact NLL"
+    if objective_cfg.get("schedule", "linear") == "loglinear":
+        return "NELBO estimate (loglinear schedule: not a strict upper bound on the NLL)"
+    return "NELBO (upper bound on the NLL)"
+
+
 def evaluate_file(args, device: torch.device) -> dict:
     """The metrics dict of ``difflm-eval`` (see the module docstring)."""
     from difflm.generate import load_run
@@ -64,37 +133,38 @@ def evaluate_file(args, device: torch.device) -> dict:
     if e.mc_samples < 1 or e.batch_size < 1:
         raise DifflmError(f"eval.mc_samples={e.mc_samples} and eval.batch_size={e.batch_size} must be >= 1")
     name = cfg.objective.name
+    for key in ("prompt_field", "response_field", "chat_template"):
+        if name != "sft" and args.data.get(key) is not None:
+            raise DifflmError(f"data.{key} applies to objective=sft runs and this run is objective={name}: drop it")
     objective = build_objective(cfg.objective, tok.mask_id)
     seq_len = args.data.seq_len or cfg.data.seq_len
     if name == "bd3lm" and seq_len % cfg.objective.block_size:
         raise DifflmError(f"data.seq_len={seq_len} must be a multiple of the run's objective.block_size="
                           f"{cfg.objective.block_size}")
-    data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
-                                 "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
-                                 "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
     with tempfile.TemporaryDirectory() as tmp:  # text is tokenized into tmp; shards are read in place
-        ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
-        windows, _ = build_windows(ds, tok.eos_id, seq_len, 0.0)
+        windows = eval_dataset(args, cfg, tok, seq_len, tmp)
     n = len(windows) if e.max_windows <= 0 else min(e.max_windows, len(windows))
+    if n == 0:
+        raise DifflmError(f"data.path={args.data.path!r} gives no full window of data.seq_len={seq_len} tokens: "
+                          "give more text or a smaller data.seq_len")
     draws = 1 if name == "ar" else e.mc_samples
     precision = "bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32"
-    per_window, nbytes = [], 0
+    per_window, num_tokens, nbytes = [], 0.0, 0
     for start in range(0, n, e.batch_size):
         ids = list(range(start, min(n, start + e.batch_size)))
         tokens = windows.get(ids)
         est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision)  # [K, B]
         per_window.append(est.mean(dim=0))
-        for row in tokens:  # bytes of the predicted tokens (all but the first for ar)
-            nbytes += len(tok.decode(row[1:] if name == "ar" else row).encode("utf-8"))
+        num_tokens += float(objective.num_tokens(tokens).double().sum())  # loss tokens: L, L - 1 (ar), response
+        nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))
     per_window_t = torch.cat(per_window)
-    predicted = seq_len - 1 if name == "ar" else seq_len
     total = float(per_window_t.sum())
-    nelbo = total / (n * predicted)
-    stderr = float(per_window_t.std() / predicted / math.sqrt(n)) if n > 1 else float("nan")
+    nelbo = total / num_tokens
+    stderr = float(per_window_t.std() / (num_tokens / n) / math.sqrt(n)) if n > 1 else float("nan")
     return {
         "run_dir": str(args.run.dir), "data_path": str(args.data.path), "objective": name,
-        "bound": "exact NLL" if name == "ar" else "NELBO (upper bound on the NLL)",
-        "windows": n, "seq_len": seq_len, "mc_samples": draws,
+        "bound": bound_kind(cfg.objective),
+        "windows": n, "seq_len": seq_len, "mc_samples": draws, "tokens": int(num_tokens), "bytes": nbytes,
         "nelbo": nelbo, "nelbo_stderr": stderr, "ppl_bound": math.exp(min(nelbo, 50.0)),
         "nats_per_byte": total / max(nbytes, 1), "bits_per_byte": total / max(nbytes, 1) / math.log(2),
     }

@@ -104,7 +104,7 @@ from difflm.config.validate import check_batch, check_choices, check_model, chec
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import build_model, resolve_model_config  # noqa: E402
 from difflm.model.moe import moe_inactive_params, moe_step, set_moe_loss_scale  # noqa: E402
-from difflm.objectives import build_objective, weighted_ce_sum  # noqa: E402
+from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
 from difflm.training.precision import autocast_context  # noqa: E402
@@ -336,7 +336,7 @@ def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.devi
     out = []
     for k in range(count):
         tokens = torch.randint(0, vocab_real, (b, s), generator=gen)
-        batch = objective.noise(tokens, range(k * b, (k + 1) * b), (seed, 0, k), b)
+        batch = objective.noise(tokens, range(k * b, (k + 1) * b), (seed, k), b)
         out.append(batch.to(device))
     sync(device)
     return out
@@ -348,17 +348,18 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
     optimizer = build_variant_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
     params = [p for p in model.parameters() if p.requires_grad]
-    global_batch = cfg.train.global_batch_size
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     precision = cfg.precision
-    set_moe_loss_scale([model], cfg.train.micro_batch_size / global_batch)
+    set_moe_loss_scale([model], cfg.train.micro_batch_size / cfg.train.global_batch_size)
 
     def step(micro):
         loss = 0.0
+        norm = cfg.objective.loss_norm
+        normaliser = sum(loss_normaliser(norm, batch.num_tokens) for batch in micro)  # the step's global count
         for batch in micro:
             with autocast_context(precision, device):
                 logits = model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
-            micro_loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, global_batch)
+            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
         moe_step([model])  # MoE: reset the step's routing statistics (and move an aux-loss-free bias)
@@ -389,6 +390,8 @@ def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> di
 
     def step(micro):
         loss = 0.0
+        norm = cfg.objective.loss_norm
+        normaliser = sum(loss_normaliser(norm, batch.num_tokens) for batch in micro)  # the step's global count
         for batch in micro:
             targets = torch.roll(batch.targets, shifts=-1, dims=1)  # AR-style: every position predicts the next
             ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else torch.autocast(device.type, enabled=False)

@@ -155,8 +155,8 @@ def test_bd3lm_at_block_size_L_equals_mdlm():
         assert torch.equal(bd.loss_mask[:, :8], md.loss_mask) and torch.equal(bd.input_ids[:, :8], md.input_ids)
         assert torch.allclose(bd.weights[:, :8], md.weights)
     model = tiny_model()
-    lbd = weighted_ce_sum(model(bd.input_ids, bd.loss_mask, **bd.model_kwargs()), bd, "token", 3)
-    lmd = weighted_ce_sum(model(md.input_ids, md.loss_mask), md, "token", 3)
+    lbd = weighted_ce_sum(model(bd.input_ids, bd.loss_mask, **bd.model_kwargs()), bd, "token", 3 * 8)
+    lmd = weighted_ce_sum(model(md.input_ids, md.loss_mask), md, "token", 3 * 8)
     assert lbd.item() == pytest.approx(lmd.item(), rel=1e-5)
 
 
@@ -176,7 +176,7 @@ def test_bd3lm_at_block_size_1_is_the_next_token_nll():
         ref = model(ctx, attn_mask=tril)[:, -1]
         assert torch.allclose(logits[:, i], ref, atol=1e-5)
         nll = nll + F.cross_entropy(ref, tokens[:, i], reduction="sum")
-    loss = weighted_ce_sum(model(full.input_ids, full.loss_mask, **full.model_kwargs()), full, "token", 2)
+    loss = weighted_ce_sum(model(full.input_ids, full.loss_mask, **full.model_kwargs()), full, "token", 2 * L)
     assert loss.item() == pytest.approx(nll.item() / (2 * L), rel=1e-5)  # weight 1/t = 1 at t = 1
     # any other mask: each masked token's loss is the same AR term (it sees only the clean prefix), weight 1/p
     part = obj.noise(tokens, [0, 1], (3, 0, 1), 2)

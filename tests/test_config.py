@@ -65,11 +65,31 @@ def test_wrong_type_fails_at_compose_time():
     (["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp*cp=2"),
     (["objective.length_multiple=5"], "objective.length_multiple=5"),
     (["logger.sample_temperature=-1"], "logger.sample_temperature=-1"),
+    (["objective=ar", "model.shift_logits=true"], "model.shift_logits=true is for masked diffusion"),
+    (["objective=bd3lm", "model.shift_logits=true"], "model.shift_logits=true with objective=bd3lm"),
+    (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"], "gen.cfg_scale is not implemented"),
 ])
 def test_validation_errors_name_the_key(overrides, needle):
     with pytest.raises(DifflmError) as err:
         check_run(compose_run(overrides))
     assert needle in str(err.value)
+
+
+def test_ar_with_shift_logits_is_one_line_exit_2(tmp_path):
+    """Issue 13 item 2: ``objective=ar model.shift_logits=true`` trained (exit 0) though difflm-import refuses it."""
+    out = run_cli("difflm.train", "objective=ar", "model.shift_logits=true", f"run.dir={tmp_path / 'run'}", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("difflm: error: model.shift_logits=true"), lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_sft_is_allowed_under_pipeline_layouts():
+    from difflm.config.validate import check_parallel, resolve_device
+
+    cfg = compose_run(["objective=sft", "data.prompt_field=q", "data.response_field=a", "parallel=pp2",
+                       "model.num_layers=2", "train.global_batch_size=8", "train.micro_batch_size=2", "device=cpu"])
+    assert check_parallel(cfg, 2, resolve_device("cpu")).pp == 2
 
 
 def test_cuda_on_cpu_machine_refused():

@@ -86,6 +86,29 @@ def test_tokenizer_errors(tmp_path, monkeypatch):
         build_tokenizer(str(d))
 
 
+@pytest.mark.parametrize("extra,roles", [
+    ({"mask_token": "<|endoftext|>"}, "bos_token and eos_token and unk_token"),  # NeoX: bos = eos = unk = id 0
+    ({"mask_token": "<|padding|>"}, "pad_token"),  # NeoX's pad token
+])
+def test_mask_token_that_is_another_special_token_is_refused(tmp_path, extra, roles):
+    """Issue 13 item 3: ``"mask_token": "<|endoftext|>"`` gave mask_id = eos_id = 0 and training went on; the sampler
+    forbids the mask id, so the model could never end a text."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer.json", d / "tokenizer.json")
+    config = json.loads((SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, **extra}))
+    with pytest.raises(DifflmError) as err:
+        build_tokenizer(str(d))
+    msg = str(err.value)
+    assert f"data.tokenizer='{d}' sets mask_token" in msg and f"which is also its {roles}:" in msg
+    assert "remove mask_token from its tokenizer_config.json (difflm then uses the first free id, 50277)" in msg
+    assert "\n" not in msg
+    # a mask token of its own is kept (a new token: the first free id)
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "mask_token": "<|mask|>"}))
+    assert build_tokenizer(str(d)).mask_id == 50277
+
+
 # ---------------------------------------------------------------- preprocessing
 def test_roundtrip_txt_jsonl_dir(tmp_path, tok):
     txt = tmp_path / "a.txt"

@@ -3,11 +3,13 @@ briefly trained run. The lm-evaluation-harness adapter is tested when ``lm_eval`
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from difflm.errors import DifflmError
 from difflm.evaluate import sequence_nelbo
 from difflm.objectives import ARObjective, MDLMObjective
 from tests.conftest import run_cli
@@ -102,3 +104,64 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith(
         f"difflm: error: data.path: {latin1} is not UTF-8 text (byte 0xe9 at offset 3): ")
+
+
+def _train(fast_cfg, *overrides):
+    """A one-step in-process run with a checkpoint (the FAST model); returns the trainer."""
+    from difflm.training.trainer import Trainer
+
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0", "device=cpu", *overrides)
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+    trainer.fit()
+    return trainer
+
+
+def _evaluate(*overrides):
+    from conftest import compose_run
+    from difflm.evaluate import evaluate_file
+
+    return evaluate_file(compose_run(["device=cpu", *overrides], config_name="eval"), torch.device("cpu"))
+
+
+def test_bits_per_byte_count_only_document_bytes(fast_cfg, tmp_path):
+    """Issue 13 item 8: 60 JSONL lines of "To be or not" in 32-token windows; 8 windows = 256 tokens hold 51 documents
+    and the "To" of the 52nd: 51 * 12 + 2 = 614 UTF-8 bytes of text. The EOS separators' text (13 bytes each) made
+    it 1,277 bytes and halved bits per byte."""
+    from difflm.evaluate import document_bytes
+
+    trainer = _train(fast_cfg)
+    data = tmp_path / "to_be.jsonl"
+    data.write_text('{"text": "To be or not"}\n' * 60)
+    got = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={data}", "eval.max_windows=8", "eval.mc_samples=2")
+    assert (got["windows"], got["tokens"], got["bytes"]) == (8, 256, 51 * len(b"To be or not") + 2)
+    assert got["bits_per_byte"] == pytest.approx(got["nelbo"] * 256 / 614 / math.log(2), rel=1e-9)
+    tok = trainer.tok
+    doc = tok.tokenizer("To be or not", add_special_tokens=False)["input_ids"]
+    assert document_bytes(tok, [*doc, tok.eos_id, *doc, tok.mask_id, doc[0]]) == 12 + 12 + 2
+    assert document_bytes(tok, [tok.eos_id, tok.eos_id]) == 0
+    mixed = tok.tokenizer("naïve café — 東京", add_special_tokens=False)["input_ids"]
+    assert document_bytes(tok, [tok.eos_id, *mixed, tok.eos_id]) == len("naïve café — 東京".encode("utf-8"))
+
+
+def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
+    """Issue 13 item 16: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO: the
+    same figure as the trainer's validation NELBO on the same pairs (same seed and draws), with tokens = the response
+    lengths and bytes = the responses' UTF-8 bytes."""
+    pairs = [{"q": " ".join(["why"] * (1 + 3 * i)), "a": f"because {i} — naïve"} for i in range(8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps(p) + "\n" for p in pairs[6:]))  # valid_fraction 0.25: the last 2 pairs
+    trainer = _train(fast_cfg, "objective=sft", "objective.loss_norm=token", f"data.path={path}",
+                     "data.prompt_field=q", "data.response_field=a", "data.valid_fraction=0.25",
+                     "train.eval_mc_samples=3", "train.seed=5")
+    got = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={valid}", "eval.mc_samples=3", "eval.seed=5")
+    tok = trainer.tok.tokenizer
+    prompt_lengths = [len(tok(p["q"], add_special_tokens=False)["input_ids"]) for p in pairs[6:]]
+    assert got["objective"] == "sft" and got["windows"] == 2
+    assert got["tokens"] == sum(32 - n for n in prompt_lengths)
+    assert got["bytes"] == sum(len(p["a"].encode("utf-8")) for p in pairs[6:])
+    assert got["nelbo"] == pytest.approx(trainer.evaluate(), rel=1e-5)
+    mdlm = _train(fast_cfg, f"run.dir={tmp_path / 'mdlm'}")
+    with pytest.raises(DifflmError, match="data.prompt_field applies to objective=sft runs"):
+        _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={valid}", "data.prompt_field=q")

@@ -29,7 +29,7 @@ def test_loss_equals_hand_computation():
     assert batch.input_ids.tolist() == [[MASK, 4, MASK, 6], [7, 8, 9, MASK]]
     logits_all = torch.randn(2, 4, 12)
     logits = logits_all[mask]
-    got = weighted_ce_sum(logits, batch, "token", global_batch_size=2)
+    got = weighted_ce_sum(logits, batch, "token", 2 * 4)  # 2 sequences x 4 tokens
     # by hand: p = 0.9 t + 0.1; sum over masked of -log softmax / p, divided by B * L
     p = [0.9 * 0.5 + 0.1, 0.9 * 0.25 + 0.1]
     total = 0.0
@@ -47,10 +47,10 @@ def test_global_normaliser_makes_accumulation_exact():
     obj = objective()
     full = obj.noise(tokens, range(4), (0, 0, 0), 4)
     logits = torch.randn(int(full.loss_mask.sum()), 100)
-    whole = weighted_ce_sum(logits, full, "token", 4)
+    whole = weighted_ce_sum(logits, full, "token", 4 * 16)
     n0 = int(full.loss_mask[:2].sum())
     halves = [obj.noise(tokens[:2], range(2), (0, 0, 0), 4), obj.noise(tokens[2:], range(2, 4), (0, 0, 0), 4)]
-    split = weighted_ce_sum(logits[:n0], halves[0], "token", 4) + weighted_ce_sum(logits[n0:], halves[1], "token", 4)
+    split = weighted_ce_sum(logits[:n0], halves[0], "token", 64) + weighted_ce_sum(logits[n0:], halves[1], "token", 64)
     assert torch.equal(halves[0].loss_mask, full.loss_mask[:2]) and torch.equal(halves[1].t, full.t[2:])
     assert split.item() == pytest.approx(whole.item(), rel=1e-6)
 
@@ -106,7 +106,7 @@ def test_ar_objective_is_next_token_nll():
     assert batch.input_ids.tolist() == tokens.tolist()
     assert batch.targets[0, :3].tolist() == [2, 3, 4] and batch.loss_mask.tolist() == [[True, True, True, False]]
     logits_all = torch.randn(1, 4, 10)
-    got = weighted_ce_sum(logits_all[batch.loss_mask], batch, "token", 1)
+    got = weighted_ce_sum(logits_all[batch.loss_mask], batch, "token", 3)
     assert got.item() == pytest.approx(F.cross_entropy(logits_all[0, :3], tokens[0, 1:]).item(), rel=1e-6)
 
 
@@ -125,4 +125,32 @@ def test_expected_loss_of_uniform_model_is_log_vocab():
     tokens = torch.randint(0, v, (256, 64))
     batch = obj.noise(tokens, range(256), (0, 0, 0), 256)
     logits = torch.zeros(int(batch.loss_mask.sum()), v)
-    assert weighted_ce_sum(logits, batch, "token", 256).item() == pytest.approx(math.log(v), rel=0.05)
+    assert weighted_ce_sum(logits, batch, "token", 256 * 64).item() == pytest.approx(math.log(v), rel=0.05)
+
+
+def test_keyed_streams_are_domain_separated():
+    """Issue 13 item 14: bare-int keys were zero-padded by SeedSequence, so step 0's random-length coin
+    (seed, 0, STREAM_LENGTH=2) drew the same number as sample 0's t at step 2 (seed, STREAM_TRAIN=0, 2, 0)."""
+    import numpy as np
+
+    from difflm.objectives.keyed_rng import (MAX_FIELDS, NUM_STREAMS, STREAM_LENGTH, STREAM_T, key_words,
+                                             keyed_generator, keyed_uniform)
+
+    def old_uniform(*key):
+        seed = int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1)
+        return float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
+
+    assert old_uniform(1234, 0, 2) == old_uniform(1234, 0, 2, 0) == pytest.approx(0.18532628)  # the reported collision
+    coin = float(torch.rand((), generator=keyed_generator(STREAM_LENGTH, 1234, 0)))  # step_length's first draw
+    t = sample_t([0], key=(1234, 2), global_batch_size=1, mode="iid")  # sample 0's t at step 2
+    assert coin != pytest.approx(float(t[0]), abs=1e-3)
+    assert float(t[0]) == keyed_uniform(STREAM_T, 1234, 2, 0)
+    # no two (stream, fields) give the same words: trailing zeros, word splitting of large ints, other streams
+    keys = [(s, *f) for s in range(NUM_STREAMS) for f in [(), (0,), (0, 0), (1234, 0, 2), (1234, 0, 2, 0), (1234, 2, 0),
+                                                         (2**32 + 5,), (5, 1), (5, 0, 1), (2**64 - 1,)]]
+    words = {key_words(*k).tobytes() for k in keys}
+    assert len(words) == len(keys)
+    assert len({keyed_uniform(*k) for k in keys}) == len(keys)
+    for bad in [(STREAM_T, -1), (NUM_STREAMS, 0), (STREAM_T, 2**64), (STREAM_T, *range(MAX_FIELDS + 1))]:
+        with pytest.raises(ValueError):
+            key_words(*bad)

@@ -78,6 +78,132 @@ def test_damaged_latest_checkpoint_falls_back(fast_cfg, capsys):
     assert "step_4 is incomplete or corrupt" in capsys.readouterr().out
 
 
+def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock(tmp_path):
+    """Issue 13 item 10: two runs with one run.dir interleaved their metrics and one crashed. The second now stops at
+    start with one line (exit 2) and changes nothing; after kill -9 of the first, a resume is not blocked."""
+    run_dir, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step_2").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (run_dir / "checkpoints" / "step_2").is_dir()
+        overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
+        second = subprocess.run(train_cmd(run_dir, tmp_path / "cache"), capture_output=True, text=True, env=env,
+                                timeout=300)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.stderr.splitlines() == [
+            f"difflm: error: run.dir='{run_dir}' is in use by another run (pid {first.pid} on {os.uname().nodename}): "
+            "wait for it to end, or choose another run.dir"]
+        assert (run_dir / ".hydra" / "overrides.yaml").read_text() == overrides  # Hydra's record is the first run's
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    step, _ = latest_checkpoint(run_dir)
+    resumed = subprocess.run(train_cmd(run_dir, tmp_path / "cache", f"train.max_steps={step + 1}"),
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"from step {step}" in resumed.stdout and (run_dir / ".difflm.lock").exists()
+
+
+@pytest.mark.parametrize("kind", ["existing file", "file as parent", "checkpoints is a file", "read-only"])
+def test_run_dir_problems_are_one_line(tmp_path, kind):
+    """Issue 13 item 11: run.dir problems ended in tracebacks. Each is one line naming run.dir, exit 2, nothing
+    written or removed."""
+    from difflm.training.run_dir import claim_run_dir
+
+    target, needle = tmp_path / "run", "cannot be created or written"
+    if kind == "existing file":
+        target.write_text("my notes\n")
+        needle = "is an existing file, not a directory"
+    elif kind == "file as parent":
+        (tmp_path / "afile").write_text("x")
+        target = tmp_path / "afile" / "run"
+    elif kind == "checkpoints is a file":
+        target.mkdir()
+        (target / "checkpoints").write_text("x")
+        needle = "holds a file named checkpoints"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        (tmp_path / "ro").mkdir(mode=0o500)
+        target = tmp_path / "ro" / "run"
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(DifflmError) as err:
+        claim_run_dir(target)
+    assert str(err.value).startswith(f"run.dir='{target}'") and needle in str(err.value) and "\n" not in str(err.value)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    if kind == "existing file":  # and the CLI: one line, exit 2, before Hydra writes anything
+        out = subprocess.run(train_cmd(target, tmp_path / "cache"), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stderr.splitlines() == [f"difflm: error: {err.value}"]
+        assert target.read_text() == "my notes\n"
+
+
+def test_default_run_dirs_of_jobs_started_together_differ(tmp_path):
+    """Issue 13 item 10: the default run.dir resolved ${now:} to the second, so two jobs started in the same second
+    shared it. Now it carries a per-process random id."""
+    procs = [subprocess.Popen([sys.executable, "-m", "difflm.train", "--cfg", "job", "--resolve"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    dirs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        dirs.append(next(line.split("dir: ")[1] for line in out.splitlines() if line.startswith("  dir: outputs/")))
+    assert dirs[0] != dirs[1] and all(len(d.rsplit("-", 1)[1]) == 6 for d in dirs)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_checkpoints_missing_their_data_stop_the_run_without_touching_them(fast_cfg, tmp_path):
+    """Issue 13 item 11: when no checkpoint is complete (a step dir without manifest.json, one whose .distcp is
+    gone), the run started afresh and later replaced them. Now: one line naming run.dir, exit 2, files untouched."""
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    ckpts = Path(cfg.run.dir) / "checkpoints"
+    (ckpts / "step_2" / "manifest.json").unlink()
+    (ckpts / "step_4" / "__0_0.distcp").unlink()  # its manifest lists it
+    before = _tree(Path(cfg.run.dir))
+    with pytest.raises(DifflmError) as err:
+        Trainer(fast_cfg("train.max_steps=6", "train.save_every=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    msg = str(err.value)
+    assert msg.startswith(f"run.dir='{cfg.run.dir}': no checkpoint is complete (step_4: __0_0.distcp is missing; "
+                          "step_2: no manifest.json (the save did not finish))") and "\n" not in msg
+    assert _tree(Path(cfg.run.dir)) == before
+    out = subprocess.run([sys.executable, "-m", "difflm.train", *FAST, "train.max_steps=6", "train.eval_every=0",
+                          f"run.dir={cfg.run.dir}", f"data.cache_dir={cfg.data.cache_dir}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.splitlines() == [f"difflm: error: {msg}"], out.stderr[-2000:]
+    hydra_files = (".hydra", ".difflm", "train.log")  # Hydra's record of the invocation and its (appended) log
+    assert {k: v for k, v in _tree(Path(cfg.run.dir)).items() if not k.startswith(hydra_files)} == before
+
+
+def test_damaged_newer_checkpoint_is_moved_aside_not_overwritten(fast_cfg, capsys):
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    ckpts = Path(cfg.run.dir) / "checkpoints"
+    (ckpts / "step_4" / "__0_0.distcp").unlink()
+    kept = _tree(ckpts / "step_4")
+    trainer = Trainer(fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert trainer.resumed_from == 2
+    out = capsys.readouterr().out
+    assert "step_4 is incomplete or corrupt (__0_0.distcp is missing): moved to step_4.damaged" in out
+    trainer.fit()  # saves a new step_4
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_4", "step_4.damaged"]
+    assert _tree(ckpts / "step_4.damaged") == kept
+
+
+def test_unreadable_trainer_state_is_one_line(fast_cfg):
+    cfg = fast_cfg("train.max_steps=2", "train.save_every=2", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    state = Path(cfg.run.dir) / "checkpoints" / "step_2" / "trainer_state.pt"
+    state.write_bytes(b"\0" * state.stat().st_size)  # same size: the manifest (no checksums) cannot tell
+    with pytest.raises(DifflmError, match=r"checkpoints/step_2: trainer_state.pt cannot be read .*move step_2 away"):
+        Trainer(cfg, cfg.run.dir, CPU)
+
+
 def test_sigterm_saves_and_exits_with_requeue_status(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000", "train.save_every=0"),

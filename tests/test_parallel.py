@@ -158,6 +158,28 @@ def test_async_save_single_process_is_published_and_resumes(fast_cfg):
     assert Trainer(cfg, cfg.run.dir, torch.device("cpu")).resumed_from == 2
 
 
+def sft_pairs(path: Path) -> Path:
+    """16 prompt/response pairs whose prompts run from 1 to 24 words: response lengths differ between ranks."""
+    lines = [json.dumps({"prompt": " ".join(["word"] * (1 + (7 * i) % 24)), "response": f"answer {i} is {i * i}"})
+             for i in range(16)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("overrides", [["parallel=ddp"], ["parallel=pp2"]], ids=["ddp", "pp2"])
+def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
+    """Issue 13 item 1: the ``loss_norm=token`` normaliser is the response-token count of the GLOBAL batch on every
+    data-parallel rank and pipeline micro-batch, so dp2 and pp2 train the one-process curve of objective=sft."""
+    pairs = sft_pairs(work / "pairs.jsonl")
+    sft = ["objective=sft", "objective.loss_norm=token", f"data.path={pairs}", "data.prompt_field=prompt",
+           "data.response_field=response", "data.valid_fraction=0", "train.max_steps=2", "train.save_every=0"]
+    if not (work / "sft_single" / "metrics.jsonl").exists():
+        launch(1, work / "sft_single", work / "sft_cache", *sft, "train.micro_batch_size=8")
+    run_dir = work / f"sft_{overrides[0].split('=')[1]}"
+    launch(2, run_dir, work / "sft_cache", *sft, *overrides)
+    assert_same_curve(run_dir, rows(work / "sft_single"), [1, 2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="context parallelism runs on CUDA only (ring attention / TE kernels); CPU has no CP path")
 def test_cp2_matches_single_process(work, reference):
@@ -215,6 +237,8 @@ def test_parallel_dims_fill_and_mesh_order():
     (["parallel=cp2", "device=cpu"], 2, "parallel.cp>1 needs CUDA"),
     (["parallel=tp2", "model.tie_embeddings=true"], 2, "model.tie_embeddings=true"),
     (["parallel=fsdp", "parallel.activation_checkpointing=some"], 2, "parallel.activation_checkpointing='some'"),
+    (["parallel=pp2", "data.intra_document_attention=true"], 2, "data.intra_document_attention=true passes"),
+    (["parallel=pp2", "objective=bd3lm"], 2, "objective=bd3lm passes attention masks"),
 ])
 def test_bad_layouts_are_one_line_errors(overrides, world, needle):
     from difflm.config.validate import check_parallel, resolve_device

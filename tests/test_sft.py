@@ -12,7 +12,7 @@ from difflm.data import build_tokenizer
 from difflm.data.batch import TokenBatch
 from difflm.data.sft import build_sft_datasets
 from difflm.errors import DifflmError
-from difflm.objectives import SFTObjective, weighted_ce_sum
+from difflm.objectives import SFTObjective, loss_normaliser, weighted_ce_sum
 from tests.conftest import SHARED_DATA
 from tests.dlm_helpers import objective_cfg
 
@@ -61,6 +61,50 @@ def test_chat_template_without_template_names_key(pairs_file):
         build_sft_datasets(data_cfg(pairs_file, chat_template=True), tok)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_IDS = [29, 93, 4537, 49651, 187, 1276, 310, 374, 5043, 495, 32, 187, 29, 93, 515, 5567, 49651, 187, 22, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("shape", ["native", "list (transformers 4.x)", "dict", "batch of one"])
+def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
+    """Issue 13 item 5: transformers 5 returns a BatchEncoding from apply_chat_template, which gave the ids
+    ['input_ids', 'attention_mask', 22, 0, ...] and prompt length 2. Right: prompt length 18 and CHAT_IDS, for the
+    4.x list return too (transformers>=4.40 is allowed)."""
+    from difflm.data.sft import tokenize_pair
+
+    tok = build_tokenizer(TOKENIZER)
+    tok.tokenizer.chat_template = CHAT_TEMPLATE
+    native = tok.tokenizer.apply_chat_template
+    wrap = {"native": lambda out: out, "list (transformers 4.x)": lambda out: list(out["input_ids"]),
+            "dict": lambda out: {"input_ids": list(out["input_ids"])}, "batch of one": lambda out: [list(out["input_ids"])]}
+    monkeypatch.setattr(tok.tokenizer, "apply_chat_template", lambda *a, **k: wrap[shape](native(*a, **k)))
+    ids, n = tokenize_pair(tok, "What is 2 plus 3?", "5", 24, True)
+    assert (ids, n) == (CHAT_IDS, 18)
+
+
+def test_chat_template_sft_cli_run_ends_well(tmp_path):
+    """``difflm-train objective=sft data.chat_template=true`` with a tokenizer whose config holds a chat template."""
+    import json
+    import shutil
+
+    from tests.conftest import FAST, run_cli
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tok_dir)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"q": f"What is {i} plus 3?", "a": str(i + 3)}) + "\n" for i in range(8)))
+    out = run_cli("difflm.train", *FAST, "objective=sft", f"data.path={pairs}", "data.prompt_field=q",
+                  "data.response_field=a", "data.chat_template=true", f"data.tokenizer={tok_dir}", "data.seq_len=32",
+                  "train.max_steps=2", "train.eval_every=2", "train.save_every=0", "device=cpu",
+                  f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and 0 < rows[-1]["loss"] < 30 and rows[-1]["val_nelbo"] > 0
+
+
 def test_missing_field_names_key(pairs_file):
     with pytest.raises(DifflmError, match="data.prompt_field='prompt'"):
         build_sft_datasets(data_cfg(pairs_file, prompt_field="prompt"), build_tokenizer(TOKENIZER))
@@ -84,6 +128,62 @@ def test_masking_never_touches_prompt_and_normalises_per_response():
     ce = torch.nn.functional.cross_entropy(logits_all.transpose(1, 2), tokens, reduction="none")
     want = ((ce * full.weights).sum(1) / torch.tensor([21.0, 14.0, 1.0, 24.0])).mean()
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_token_normaliser_is_the_global_count_for_every_split():
+    """Issue 13 item 1: prompt lengths [2, 2, 12, 12] in rows of 16 give 14 + 14 + 4 + 4 = 36 response tokens. Each
+    micro-batch used its own mean count, so micro-batches of 2 or 1 gave the ``sequence`` value."""
+    from tests.dlm_helpers import tiny_model
+
+    torch.manual_seed(3)
+    tokens, lengths = torch.randint(0, 40, (4, 16)), torch.tensor([2, 2, 12, 12])
+    obj, model = SFTObjective(objective_cfg(name="sft", t_sampling="stratified"), 47), tiny_model()
+    key = (1234, 0)
+    whole = obj.noise(TokenBatch(tokens, lengths), range(4), key, 4)
+    assert obj.num_tokens(TokenBatch(tokens, lengths)).tolist() == [14.0, 14.0, 4.0, 4.0]
+    assert float(loss_normaliser("token", whole.num_tokens)) == 36.0
+    with torch.no_grad():
+        logits = model(whole.input_ids, whole.loss_mask)
+        ce = torch.nn.functional.cross_entropy(model(whole.input_ids).transpose(1, 2), tokens, reduction="none")
+    want = float((ce * whole.weights).sum() / 36)
+    per_seq = float(((ce * whole.weights).sum(1) / torch.tensor([14.0, 14.0, 4.0, 4.0])).mean())
+    assert abs(want - per_seq) > 0.02 * want  # the two norms differ here, so the test can tell them apart
+    for mb in (4, 2, 1):
+        micro = [obj.noise(TokenBatch(tokens[i:i + mb], lengths[i:i + mb]), range(i, i + mb), key, 4)
+                 for i in range(0, 4, mb)]
+        normaliser = sum(loss_normaliser("token", b.num_tokens) for b in micro)
+        with torch.no_grad():
+            got = sum(float(weighted_ce_sum(model(b.input_ids, b.loss_mask), b, "token", normaliser)) for b in micro)
+            seq = sum(float(weighted_ce_sum(model(b.input_ids, b.loss_mask), b, "sequence",
+                                            sum(loss_normaliser("sequence", c.num_tokens) for c in micro)))
+                      for b in micro)
+        assert normaliser == 36.0
+        assert got == pytest.approx(want, rel=1e-5), mb
+        assert seq == pytest.approx(per_seq, rel=1e-5), mb
+    assert float(weighted_ce_sum(logits, whole, "token", 36.0)) == pytest.approx(want, rel=1e-5)
+
+
+@needs_gsm8k
+@pytest.mark.parametrize("global_batch,micro_sizes", [(4, (4, 2, 1)), (3, (3, 1))])
+def test_trainer_step_loss_does_not_depend_on_micro_batches(fast_cfg, pairs_file, tmp_path, global_batch, micro_sizes):
+    """Issue 13 item 1 on the trainer: step-1 loss of objective=sft is the same for every micro-batch size (global
+    batch 3: micro-batch 3 gave 11.2217, micro-batch 1 gave 10.1905), and so is the validation NELBO (total weighted
+    CE / total response tokens, however the validation pairs are batched)."""
+    from difflm.training.trainer import Trainer
+
+    got = {}
+    for mb in micro_sizes:
+        cfg = fast_cfg("objective=sft", "objective.loss_norm=token", f"data.path={pairs_file}",
+                       "data.prompt_field=question", "data.response_field=answer", "data.seq_len=96",
+                       "data.valid_fraction=0.25", f"train.global_batch_size={global_batch}", f"train.micro_batch_size={mb}",
+                       "train.eval_batches=3", f"train.max_steps=1", "train.eval_every=1", "train.save_every=0",
+                       "device=cpu", f"run.dir={tmp_path / f'mb{mb}'}")
+        trainer = Trainer(cfg, tmp_path / f"mb{mb}", torch.device("cpu"))
+        out = trainer.train_step()
+        got[mb] = (float(out["loss"]), trainer.evaluate())  # the 3 validation pairs in batches of mb
+    ref = got[micro_sizes[0]]
+    assert all(v[0] == pytest.approx(ref[0], rel=1e-5) for v in got.values()), got
+    assert all(v[1] == pytest.approx(ref[1], rel=1e-5) for v in got.values()), got
 
 
 def test_sft_needs_pairs():

@@ -409,7 +409,7 @@ def _parity(cfg, causal, seed=0, b=2, s=256, attention="sdpa"):
     for name, m in (("torch", ref), ("te", model)):
         with autocast_context("bf16", dev):
             logits = m(ids, mask)
-        loss = weighted_ce_sum(logits, batch, "token", b)
+        loss = weighted_ce_sum(logits, batch, "token", b * s)
         loss.backward()
         grads = {k: p.grad.float().clone() for k, p in m.named_parameters()}
         out[name] = (logits.float(), loss.detach(), grads)

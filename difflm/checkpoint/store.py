@@ -10,10 +10,11 @@ Layout of ``<run.dir>/checkpoints/step_<N>/``:
 A checkpoint is written under ``.step_<N>.tmp`` (by every rank, each its shards), its files fsynced, and
 renamed to ``step_<N>`` last by rank 0 after a barrier:
 a directory with the final name is complete, so a crash mid-save never leaves a checkpoint that
-resumes wrongly; a checkpoint damaged afterwards (truncated file, lost file) fails its manifest check and
-the previous complete one is used instead. DCP's state-dict helpers (``get_state_dict``/``set_state_dict``) key everything by
-parameter name, so the same files load under any later parallel layout (PyTorch docs,
-"Distributed Checkpoint - torch.distributed.checkpoint").
+resumes wrongly; a checkpoint damaged afterwards (truncated file, lost file) fails its manifest check, is moved
+aside to ``step_<N>.damaged`` and the previous complete one is used instead; when none is complete the run stops
+(:func:`resume_checkpoint`), so damaged files are never overwritten by a fresh start. DCP's state-dict helpers
+(``get_state_dict``/``set_state_dict``) key everything by parameter name, so the same files load under any later
+parallel layout (PyTorch docs, "Distributed Checkpoint - torch.distributed.checkpoint").
 """
 from __future__ import annotations
 
@@ -62,6 +63,44 @@ def latest_checkpoint(run_dir: Path, report=print) -> Optional[tuple[int, Path]]
     return None
 
 
+def resume_checkpoint(run_dir: Path, report=print) -> Optional[tuple[int, Path]]:
+    """The checkpoint a training run resumes from: the newest that matches its manifest (None without any).
+
+    Newer damaged checkpoints are reported and moved aside by rank 0 to ``step_<N>.damaged`` (``.damaged.1``, ...
+    if taken), where retention and a later save of the same step leave them alone: nothing is deleted.
+    Collective under a process group (every rank calls it and gets the same answer).
+
+    Raises: DifflmError naming ``run.dir`` when checkpoints exist but none is complete: starting afresh would
+        overwrite them, so the run stops until the files are restored or moved away.
+    """
+    found = list_checkpoints(run_dir)
+    problems = []
+    for step, path in reversed(found):
+        problem = manifest_problem(path)
+        if problem is None:
+            break
+        problems.append((step, path, problem))
+    else:
+        step = path = None
+    if found and step is None:
+        listed = "; ".join(f"step_{s}: {p}" for s, _, p in problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        raise DifflmError(f"run.dir={str(run_dir)!r}: no checkpoint is complete ({listed}): restore the missing files, "
+                          f"or move {checkpoints_root(run_dir)} away to start this run.dir afresh")
+    barrier()  # every rank has looked before rank 0 renames
+    for bad_step, bad_path, problem in problems:
+        if is_rank0():
+            aside = bad_path.with_name(f"{bad_path.name}.damaged")
+            n = 0
+            while aside.exists():
+                n += 1
+                aside = bad_path.with_name(f"{bad_path.name}.damaged.{n}")
+            os.replace(bad_path, aside)
+            report(f"checkpoint {bad_path} is incomplete or corrupt ({problem}): moved to {aside.name}, "
+                   f"resuming from step {step}")
+    barrier()
+    return None if step is None else (step, path)
+
+
 def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int) -> list[int]:
     """Delete checkpoints outside the retention policy (``train.keep_last``/``train.keep_every``); rank 0 only.
     Returns the deleted steps."""
@@ -74,7 +113,11 @@ def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int) -> list[in
 
 def find_checkpoint(run_dir: Path, step: Optional[int] = None) -> tuple[int, Path]:
     """The checkpoint at ``step`` (default: the latest); DifflmError naming ``run.dir``/``step`` if absent."""
-    ckpts = {s: p for s, p in list_checkpoints(run_dir) if manifest_problem(p) is None}
+    found = list_checkpoints(run_dir)
+    ckpts = {s: p for s, p in found if manifest_problem(p) is None}
+    if not ckpts and found:
+        raise DifflmError(f"run.dir={str(run_dir)!r}: no checkpoint is complete (step_{found[-1][0]}: "
+                          f"{manifest_problem(found[-1][1])}): restore the missing files or train again")
     if not ckpts:
         raise DifflmError(f"run.dir={str(run_dir)!r} holds no checkpoint (checkpoints/step_<N>/): "
                           "train first, or point run.dir at a run that saved one (train.save_every)")
@@ -265,4 +308,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     model_sd.update(fresh)
     set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=options)
-    return torch.load(path / TRAINER_STATE, weights_only=True)
+    try:
+        return torch.load(path / TRAINER_STATE, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file of a complete-looking checkpoint: one line
+        raise DifflmError(f"checkpoint {path}: {TRAINER_STATE} cannot be read ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]}): restore it, or move {path.name} away to resume from "
+                          "an earlier checkpoint") from None

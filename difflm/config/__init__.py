@@ -28,6 +28,10 @@ def asset_path(relative: str) -> str:
 
 if not OmegaConf.has_resolver("difflm_asset"):
     OmegaConf.register_new_resolver("difflm_asset", asset_path)
+if not OmegaConf.has_resolver("difflm_run_id"):  # the unique suffix of default run dirs
+    from difflm.training.run_dir import run_id
+
+    OmegaConf.register_new_resolver("difflm_run_id", run_id)
 register_schema()
 
 __all__ = ["ASSETS", "CONF_DIR", "RunConfig", "asset_path"]

@@ -227,7 +227,7 @@ class ProfileConfig:
 
 @dataclass
 class RunDirConfig:
-    dir: str = "outputs/${now:%Y-%m-%d_%H-%M-%S}"
+    dir: str = "outputs/${now:%Y-%m-%d_%H-%M-%S}-${difflm_run_id:}"  # unique per process: same-second starts differ
 
 
 @dataclass
@@ -328,12 +328,15 @@ class EvalConfig:
 class EvalDataConfig:
     """Text to evaluate on; the tokenizer, window length and objective come from the run."""
 
-    path: str = "???"  # .txt/.jsonl file, directory or glob
+    path: str = "???"  # .txt/.jsonl file, directory or glob (sft runs: a JSONL file of prompt/response pairs)
     text_field: str = "text"
     doc_separator: Optional[str] = "<|endoftext|>"
     seq_len: Optional[int] = None  # default: the run's data.seq_len
     cache_dir: Optional[str] = None  # default: a temporary directory
     encoding: str = "utf-8"  # text encoding of the files
+    prompt_field: Optional[str] = None  # sft runs: JSONL prompt field (default: the run's data.prompt_field)
+    response_field: Optional[str] = None  # sft runs: JSONL response field (default: the run's data.response_field)
+    chat_template: Optional[bool] = None  # sft runs: wrap prompts in the chat template (default: as the run)
 
 
 @dataclass

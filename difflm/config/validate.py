@@ -277,6 +277,9 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
+    _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and cfg.logger.num_samples > 0),
+             "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
+             f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     return device
 
 
@@ -298,6 +301,11 @@ def check_objective_data(cfg) -> None:
     elif d.get("prompt_field") is not None:
         raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
                           "uses: set objective=sft or data.prompt_field=null")
+    if m.get("shift_logits", False):  # the same refusal as difflm-import's
+        _require(o.name != "ar", "model.shift_logits=true is for masked diffusion from an AR model (Dream): "
+                 "objective=ar already predicts the next token; drop model.shift_logits or use objective=mdlm")
+        _require(o.name != "bd3lm", "model.shift_logits=true with objective=bd3lm would read a block's first logits "
+                 "from the previous block's noisy half: drop model.shift_logits or use objective=mdlm or sft")
     from difflm.model.attention import CAPABILITIES, refuse
 
     if o.name == "bd3lm" and not CAPABILITIES[m.attention_backend].block_diffusion:

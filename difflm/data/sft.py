@@ -8,7 +8,7 @@ generation prompt). Pairs longer than the window keep the end of the prompt and 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -60,14 +60,35 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
     return pairs
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn of ``tokenizer``'s chat template, with the generation prompt.
+
+    ``apply_chat_template(tokenize=True)`` returns a list of ids in transformers 4.x and a ``BatchEncoding``
+    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here.
+    Raises: DifflmError (naming ``data.chat_template``) without a template or for an output that holds no ids.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: BatchEncoding / dict
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    out = list(out)
+    if len(out) == 1 and isinstance(out[0], (list, tuple)):  # a batch of one conversation
+        out = list(out[0])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
+        raise DifflmError(f"data.chat_template=true: the tokenizer's apply_chat_template returned {type(out).__name__} "
+                          f"{str(out)[:80]}, not token ids: set data.chat_template=false or fix the tokenizer's template")
+    return out
+
+
 def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
     """(``seq_len`` token ids, prompt length) of one pair; see the module docstring. Prompt and response text are
     encoded with :meth:`TokenizerInfo.encode` (special-token text in them stays text)."""
     t = tok.tokenizer
     if chat_template:
-        if not getattr(t, "chat_template", None):
-            raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
-        p = list(t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
+        p = chat_prompt_ids(t, prompt)
     else:
         p = tok.encode(prompt)
     r = tok.encode(response) + [tok.eos_id]
@@ -76,20 +97,26 @@ def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, 
     return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)
 
 
+def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
+    """Every pair of ``data.path`` (``cfg``: ``path``, ``prompt_field``, ``response_field``, ``seq_len``,
+    ``chat_template``), tokenized into ``seq_len`` rows. Raises: DifflmError for a file without pairs."""
+    pairs = read_pairs(cfg)
+    if not pairs:
+        raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
+    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
+    return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
+
+
 def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
     """(train, valid) pairs; valid = the last ``data.valid_fraction`` of the pairs (at least one if > 0).
 
     Raises: DifflmError for an empty file or when no training pair is left.
     """
-    pairs = read_pairs(cfg)
-    if not pairs:
-        raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
-    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
-    tokens = np.asarray([ids for ids, _ in rows], dtype=np.int64)
-    lengths = np.asarray([n for _, n in rows], dtype=np.int64)
-    n_valid = max(1, round(cfg.valid_fraction * len(rows))) if cfg.valid_fraction > 0 else 0
-    if len(rows) - n_valid < 1:
-        raise DifflmError(f"data.path={cfg.path!r} has {len(rows)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
+    pairs = load_pairs(cfg, tok)
+    tokens, lengths = pairs.tokens, pairs.prompt_lengths
+    n_valid = max(1, round(cfg.valid_fraction * len(pairs))) if cfg.valid_fraction > 0 else 0
+    if len(pairs) - n_valid < 1:
+        raise DifflmError(f"data.path={cfg.path!r} has {len(pairs)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
                           "leaves none for training: add pairs or lower data.valid_fraction")
-    cut = len(rows) - n_valid
+    cut = len(pairs) - n_valid
     return SFTPairs(tokens[:cut], lengths[:cut]), SFTPairs(tokens[cut:], lengths[cut:])

@@ -70,6 +70,20 @@ def missing_tokenizer_files(directory: str) -> str | None:
     return f"{directory} has none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
 
 
+def special_roles_of(tok, token_id: int) -> list[str]:
+    """The special-token roles other than ``mask_token`` that ``token_id`` holds in ``tok`` (e.g. ``["eos_token"]``),
+    from ``tok.special_tokens_map`` (named roles and lists of extra special tokens)."""
+    roles = []
+    for role, value in tok.special_tokens_map.items():
+        if role == "mask_token":
+            continue
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and tok.convert_tokens_to_ids(str(token)) == token_id:
+                roles.append(role)
+                break
+    return roles
+
+
 def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerInfo:
     """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
 
@@ -77,7 +91,8 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
     ``trust_remote_code`` is never set.
 
     Raises:
-        DifflmError: the tokenizer cannot be loaded, has no EOS token, or vocab_multiple < 1.
+        DifflmError: the tokenizer cannot be loaded, has no EOS token, its mask token is also another special
+            token (eos, bos, pad, unk, ...), or vocab_multiple < 1.
     """
     from transformers import AutoTokenizer
 
@@ -112,6 +127,14 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
         )
     n = len(tok)
     mask_id = tok.mask_token_id if tok.mask_token_id is not None else n
+    clash = special_roles_of(tok, mask_id)
+    if clash:
+        raise DifflmError(
+            f"data.tokenizer={name_or_path!r} sets mask_token {tok.mask_token!r} (id {mask_id}), which is also its "
+            f"{' and '.join(clash)}: the mask must be a token of its own (the sampler never emits the mask id, so a "
+            f"mask equal to eos could never end a text); remove mask_token from its tokenizer_config.json (difflm then "
+            f"uses the first free id, {n}) or set it to an unused token"
+        )
     needed = max(n, mask_id + 1)
     padded = -(-needed // vocab_multiple) * vocab_multiple
     return TokenizerInfo(tokenizer=tok, eos_id=int(tok.eos_token_id), mask_id=int(mask_id), padded_vocab_size=int(padded))

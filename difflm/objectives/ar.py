@@ -22,6 +22,11 @@ class ARObjective:
     def __init__(self, cfg, mask_id: int):
         self.cfg, self.mask_id = cfg, mask_id
 
+    def num_tokens(self, tokens) -> torch.Tensor:
+        """The L - 1 predicted positions of each row of ``tokens`` [B, L] (tensor or TokenBatch), [B] float32."""
+        tokens, _ = split_batch(tokens)
+        return torch.full((tokens.shape[0],), float(tokens.shape[1] - 1))
+
     def noise(self, tokens: torch.Tensor, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
               t_sampling: str | None = None) -> NoisedBatch:
         """Next-token batch of ``tokens`` [B, S] (or a TokenBatch: intra-document causal mask from its doc ids)."""
@@ -36,7 +41,7 @@ class ARObjective:
             loss_mask=loss_mask,
             weights=loss_mask.float(),
             t=torch.zeros(b),
-            num_tokens=torch.full((b,), float(s - 1)),
+            num_tokens=self.num_tokens(tokens),
             attn_mask=None if extras is None or extras.doc_ids is None else DocumentMask(extras.doc_ids, causal=True),
         )
 

@@ -68,24 +68,40 @@ class NoisedBatch:
         return kwargs
 
 
-def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, global_batch_size: int) -> torch.Tensor:
+def loss_normaliser(norm: str, num_tokens: torch.Tensor) -> torch.Tensor:
+    """The share of ``num_tokens`` [B] (a batch's ``NoisedBatch.num_tokens``) in the normaliser of a step.
+
+    ``token``: the number of loss tokens, ``num_tokens.sum()``; ``sequence``: the number of sequences, B.
+    Both are sums over samples, so the shares of every micro-batch, data-parallel rank and pipeline
+    micro-batch add up to the normaliser of the whole global batch, whatever the split. Returns a float64
+    scalar on ``num_tokens``' device.
+    """
+    if norm == "sequence":
+        return torch.tensor(float(num_tokens.numel()), dtype=torch.float64, device=num_tokens.device)
+    return num_tokens.double().sum()
+
+
+def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser) -> torch.Tensor:
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
         logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order).
-        norm: ``token`` divides by the number of tokens in the global batch (``num_tokens`` summed over it,
-            assuming equal lengths: ``global_batch_size * num_tokens``); ``sequence`` divides each
-            sequence's sum by its own ``num_tokens`` and averages over the global batch. They agree
-            when all sequences have the same length.
-    Returns: a scalar whose sum over the micro-batches of a step is the step's loss.
+        norm: ``token`` sums the weighted CE of every loss position and divides by ``normaliser``, the
+            number of loss tokens of the whole global batch (the mean over its tokens); ``sequence``
+            divides each sequence's sum by its own ``num_tokens`` and the total by ``normaliser``, the
+            number of sequences of the global batch (LLaDA's SFT ``answer_lengths``).
+        normaliser: float or scalar tensor, :func:`loss_normaliser` summed over EVERY sample of the step
+            (all micro-batches, data-parallel ranks and pipeline micro-batches), so the step's loss does
+            not depend on how the global batch is split.
+    Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
     ce = F.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
     per_position = torch.zeros_like(batch.weights)
     per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
     per_sequence = per_position.sum(dim=1)
     if norm == "sequence":
-        return (per_sequence / batch.num_tokens).sum() / global_batch_size
-    return per_sequence.sum() / (batch.num_tokens.mean() * global_batch_size)
+        per_sequence = per_sequence / batch.num_tokens
+    return (per_sequence.sum() / normaliser).float()
 
 
 def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) -> int:
@@ -96,7 +112,7 @@ def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) 
     the length is rounded down to a multiple of ``multiple`` (at least ``multiple``) so that
     sequence/context parallel ranks can split it.
     """
-    gen = keyed_generator(seed, step, STREAM_LENGTH)
+    gen = keyed_generator(STREAM_LENGTH, seed, step)
     if prob <= 0 or float(torch.rand((), generator=gen)) >= prob:
         return seq_len
     length = int(torch.randint(1, seq_len + 1, (), generator=gen))

@@ -26,8 +26,8 @@ from difflm.data.batch import split_batch
 from difflm.errors import DifflmError
 from difflm.model.masks import BlockDiffusionMask
 from difflm.objectives.base import NoisedBatch
-from difflm.objectives.keyed_rng import STREAM_EVAL, keyed_generator, keyed_uniform
-from difflm.objectives.mdlm import MDLMObjective, sample_t
+from difflm.objectives.keyed_rng import STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_MASK, keyed_uniform
+from difflm.objectives.mdlm import MDLMObjective, draw_mask, sample_t
 
 
 class BD3LMObjective(MDLMObjective):
@@ -71,11 +71,10 @@ class BD3LMObjective(MDLMObjective):
             position_ids=torch.arange(length).repeat(2),
         )
 
-    def _mask(self, p_blocks: torch.Tensor, length: int, sample_ids: Sequence[int], key: tuple[int, ...]) -> torch.Tensor:
+    def _mask(self, p_blocks: torch.Tensor, length: int, sample_ids: Sequence[int], key: tuple[int, ...],
+              stream: int = STREAM_MASK) -> torch.Tensor:
         """Bernoulli mask [B, L] with the probability of each token's block; same uniforms as mdlm's draw_mask."""
-        p_pos = p_blocks.repeat_interleave(self.block_size, dim=1)
-        rows = [torch.rand(length, generator=keyed_generator(*key, int(i), 1)) for i in sample_ids]
-        return torch.stack(rows) < p_pos
+        return draw_mask(p_blocks.repeat_interleave(self.block_size, dim=1), length, sample_ids, key, stream)
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
               t_sampling: str | None = None) -> NoisedBatch:
@@ -93,8 +92,8 @@ class BD3LMObjective(MDLMObjective):
         """Draw ``draw`` of ``num_draws``: antithetic t per block, t = (u_{i,j} + d / K) mod 1 (see mdlm)."""
         tokens, extras = split_batch(tokens)
         nb = self._blocks(tokens.shape[1])
-        u = torch.tensor([[keyed_uniform(seed, STREAM_EVAL, int(i) * nb + j) for j in range(nb)] for i in sample_ids],
+        u = torch.tensor([[keyed_uniform(STREAM_EVAL_T, seed, int(i) * nb + j) for j in range(nb)] for i in sample_ids],
                          dtype=torch.float64)
         t = ((u + draw / num_draws) % 1.0).float()
         p, _ = self.schedule(t)
-        return self.build(tokens, t, self._mask(p, tokens.shape[1], sample_ids, (seed, STREAM_EVAL, draw)), extras)
+        return self.build(tokens, t, self._mask(p, tokens.shape[1], sample_ids, (seed, draw), STREAM_EVAL_MASK), extras)

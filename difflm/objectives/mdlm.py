@@ -18,7 +18,8 @@ import torch
 from difflm.data.batch import split_batch
 from difflm.model.masks import DocumentMask
 from difflm.objectives.base import NoisedBatch
-from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL, keyed_generator, keyed_uniform
+from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_MASK, STREAM_T, \
+    keyed_generator, keyed_uniform
 from difflm.objectives.schedules import mask_prob_and_weight
 
 
@@ -30,6 +31,8 @@ def mask_prob(t: torch.Tensor, eps: float) -> torch.Tensor:
 def sample_t(sample_ids: Sequence[int], *, key: tuple[int, ...], global_batch_size: int, mode: str) -> torch.Tensor:
     """Diffusion time of each sample, [B] float32 in [0, 1), a function of (key, sample id) only.
 
+    ``key`` is the step's noise key, e.g. (seed, step); draws use the streams ``STREAM_T`` / ``STREAM_BATCH_T``.
+
     Modes (``objective.t_sampling``):
       * ``iid``: independent U(0, 1) per sample (LLaDA).
       * ``antithetic``: MDLM's low-discrepancy sampler (Sahoo et al. 2024, sec. 3.5 / Kingma et al. 2021,
@@ -39,19 +42,24 @@ def sample_t(sample_ids: Sequence[int], *, key: tuple[int, ...], global_batch_si
     """
     ids = torch.as_tensor(list(sample_ids), dtype=torch.float64)
     if mode == "iid":
-        return torch.tensor([keyed_uniform(*key, int(i)) for i in ids.tolist()], dtype=torch.float32)
+        return torch.tensor([keyed_uniform(STREAM_T, *key, int(i)) for i in ids.tolist()], dtype=torch.float32)
     if mode == "antithetic":
-        u = keyed_uniform(*key, STREAM_BATCH_T)
+        u = keyed_uniform(STREAM_BATCH_T, *key)
         return ((u + ids / global_batch_size) % 1.0).float()
     if mode == "stratified":
-        u = torch.tensor([keyed_uniform(*key, int(i)) for i in ids.tolist()], dtype=torch.float64)
+        u = torch.tensor([keyed_uniform(STREAM_T, *key, int(i)) for i in ids.tolist()], dtype=torch.float64)
         return ((ids + u) / global_batch_size).float()
     raise ValueError(f"objective.t_sampling={mode!r} is not one of iid, antithetic, stratified")
 
 
-def draw_mask(p: torch.Tensor, seq_len: int, sample_ids: Sequence[int], key: tuple[int, ...]) -> torch.Tensor:
-    """Bernoulli(p_i) mask per position, [B, seq_len] bool; row i depends only on (key, sample_ids[i])."""
-    rows = [torch.rand(seq_len, generator=keyed_generator(*key, int(i), 1)) for i in sample_ids]
+def draw_mask(p: torch.Tensor, seq_len: int, sample_ids: Sequence[int], key: tuple[int, ...],
+              stream: int = STREAM_MASK) -> torch.Tensor:
+    """Bernoulli(p_i) mask per position, [B, seq_len] bool; row i depends only on (stream, key, sample_ids[i]).
+
+    ``p`` is [B] (one probability per row) or [B, seq_len] (per position, e.g. BD3-LM's per-block p)."""
+    rows = [torch.rand(seq_len, generator=keyed_generator(stream, *key, int(i))) for i in sample_ids]
+    if p.dim() == 2:
+        return torch.stack(rows) < p
     return torch.stack(rows) < p[:, None]
 
 
@@ -95,6 +103,15 @@ class MDLMObjective:
         """(mask probability, NELBO weight) at t under ``objective.schedule`` (default ``linear``)."""
         return mask_prob_and_weight(t, getattr(self.cfg, "schedule", "linear") or "linear", self.cfg.eps)
 
+    def num_tokens(self, tokens) -> torch.Tensor:
+        """The loss normaliser of each row of ``tokens`` [B, S] (tensor or TokenBatch): its length S, [B] float32.
+
+        The same value as the ``num_tokens`` of :meth:`noise`'s batch, available before noising, so the trainer
+        can count the loss tokens of a whole global batch (:func:`difflm.objectives.base.loss_normaliser`) first.
+        """
+        tokens, _ = split_batch(tokens)
+        return torch.full((tokens.shape[0],), float(tokens.shape[1]))
+
     def _finish(self, batch: NoisedBatch, extras) -> NoisedBatch:
         """Add the intra-document mask of packed windows (``data.intra_document_attention``)."""
         if extras is not None and extras.doc_ids is not None:
@@ -103,8 +120,8 @@ class MDLMObjective:
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
               t_sampling: str | None = None) -> NoisedBatch:
-        """Noise ``tokens`` [B, S] (CPU int64, or a :class:`difflm.data.batch.TokenBatch`). ``key`` is e.g.
-        (seed, STREAM_TRAIN, step)."""
+        """Noise ``tokens`` [B, S] (CPU int64, or a :class:`difflm.data.batch.TokenBatch`). ``key`` is the step's
+        noise key, (seed, step) in the trainer (:mod:`difflm.objectives.keyed_rng`)."""
         tokens, extras = split_batch(tokens)
         t = sample_t(sample_ids, key=key, global_batch_size=global_batch_size, mode=t_sampling or self.cfg.t_sampling)
         p, w = self.schedule(t)
@@ -120,8 +137,8 @@ class MDLMObjective:
         Everything is keyed, so every evaluation of a run sees the same noise and curves are comparable.
         """
         tokens, extras = split_batch(tokens)
-        u = torch.tensor([keyed_uniform(seed, STREAM_EVAL, int(i)) for i in sample_ids], dtype=torch.float64)
+        u = torch.tensor([keyed_uniform(STREAM_EVAL_T, seed, int(i)) for i in sample_ids], dtype=torch.float64)
         t = ((u + draw / num_draws) % 1.0).float()
         p, w = self.schedule(t)
-        mask = draw_mask(p, tokens.shape[1], sample_ids, (seed, STREAM_EVAL, draw))
+        mask = draw_mask(p, tokens.shape[1], sample_ids, (seed, draw), STREAM_EVAL_MASK)
         return self._finish(noise_batch(tokens, t, mask, self.mask_id, self.cfg.eps, w), extras)

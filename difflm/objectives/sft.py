@@ -26,16 +26,25 @@ class SFTObjective(MDLMObjective):
 
     causal = False
 
-    def _restrict(self, batch: NoisedBatch, tokens) -> NoisedBatch:
+    @staticmethod
+    def _is_response(tokens) -> torch.Tensor:
+        """[B, S] bool: the response positions of a TokenBatch with prompt lengths (DifflmError without them)."""
         if not isinstance(tokens, TokenBatch) or tokens.prompt_lengths is None:
             raise DifflmError("objective=sft needs prompt/response data: set data.prompt_field and data.response_field "
                               "(a .jsonl file of pairs)")
         s = tokens.tokens.shape[1]
-        is_response = torch.arange(s)[None, :] >= tokens.prompt_lengths[:, None]  # [B, S]
+        return torch.arange(s)[None, :] >= tokens.prompt_lengths[:, None]
+
+    def num_tokens(self, tokens) -> torch.Tensor:
+        """Response length of each row (prompt excluded; at least 1), [B] float32: LLaDA's ``answer_lengths``."""
+        return self._is_response(tokens).sum(dim=1).clamp(min=1).float()
+
+    def _restrict(self, batch: NoisedBatch, tokens) -> NoisedBatch:
+        is_response = self._is_response(tokens)  # [B, S]
         batch.loss_mask = batch.loss_mask & is_response
         batch.weights = torch.where(batch.loss_mask, batch.weights, torch.zeros(()))
         batch.input_ids = torch.where(is_response, batch.input_ids, tokens.tokens)  # prompt stays clean
-        batch.num_tokens = is_response.sum(dim=1).clamp(min=1).float()
+        batch.num_tokens = self.num_tokens(tokens)
         return batch
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,

@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
                        expert_mesh=expert_fsdp_mesh(emesh, dims) if emesh is not None else None)
     pipeline = None
     if dims.pp_enabled:
-        train_loss, eval_loss = loss_fns(cfg.objective, cfg.train.global_batch_size)
+        train_loss, eval_loss = loss_fns(cfg.objective)
         from difflm.training.precision import compute_dtype
 
         pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,

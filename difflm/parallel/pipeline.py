@@ -10,7 +10,7 @@ Stages per rank: "loop" style (stage ``r + v * pp`` on rank r) for GPipe, 1F1B, 
 LoopedBFS and InterleavedZeroBubble; "v" style (stages r and 2 pp - 1 - r) for ZBVZeroBubble and DualPipeV.
 
 The last stage computes the loss: the schedules call ``loss_fn(output, target)`` per micro-batch, with the
-targets, weights, loss mask and normaliser of the noised batch packed into one float64 tensor
+targets, weights, loss mask, per-sequence and global normalisers of the noised batch packed into one float64 tensor
 (:func:`pack_targets`), and the weighted cross-entropy of :func:`difflm.objectives.weighted_ce_sum` on the
 full-vocab logits at the masked rows. Gradients are not rescaled (``scale_grads=False``): each
 micro-batch loss is already divided by the global normaliser.
@@ -64,17 +64,20 @@ def build_stage_models(model: nn.Module, pp_rank: int, pp: int, virtual: int, sc
     return parts, ids, num_stages
 
 
-def pack_targets(batch: NoisedBatch) -> torch.Tensor:
-    """[B, S, 4] float64: targets, weights, loss mask and per-sequence normaliser of ``batch`` (exact in float64),
+def pack_targets(batch: NoisedBatch, normaliser) -> torch.Tensor:
+    """[B, S, 5] float64: targets, weights, loss mask, per-sequence ``num_tokens`` and the step's global
+    ``normaliser`` (float or scalar tensor, see :func:`difflm.objectives.base.weighted_ce_sum`; exact in float64),
     the single ``target`` tensor a pipeline schedule splits into micro-batches with the inputs."""
     b, s = batch.targets.shape
+    norm = torch.as_tensor(normaliser, dtype=torch.float64, device=batch.targets.device).expand(b, s)
     return torch.stack([batch.targets.double(), batch.weights.double(), batch.loss_mask.double(),
-                        batch.num_tokens.double()[:, None].expand(b, s)], dim=-1)
+                        batch.num_tokens.double()[:, None].expand(b, s), norm], dim=-1)
 
 
-def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss_fn(logits [b, S, V], packed [b, S, 4]) -> scalar``: the weighted CE of the micro-batch's masked rows,
-    divided by the global normaliser (:func:`weighted_ce_sum`)."""
+def make_loss_fn(norm: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(logits [b, S, V], packed [b, S, 5]) -> scalar``: the weighted CE of the micro-batch's masked rows,
+    divided by the step's global normaliser packed with the targets (:func:`pack_targets`,
+    :func:`weighted_ce_sum`), so pipeline micro-batches add up to the same loss as any other split."""
 
     def loss_fn(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         targets = packed[..., 0].long()
@@ -82,7 +85,7 @@ def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, t
         batch = NoisedBatch(input_ids=targets, targets=targets, loss_mask=mask, weights=packed[..., 1].float(),
                             t=torch.zeros(targets.shape[0], device=targets.device),
                             num_tokens=packed[:, 0, 3].float())
-        return weighted_ce_sum(logits[mask], batch, norm, global_batch_size)
+        return weighted_ce_sum(logits[mask], batch, norm, packed[0, 0, 4])
 
     return loss_fn
 
@@ -162,35 +165,37 @@ class Pipeline:
                                        loss_fn=self.loss_fn if train else self.eval_loss_fn, scale_grads=False)
         return self._schedules[key]
 
-    def step(self, batch: NoisedBatch) -> torch.Tensor:
-        """Forward + backward of the local batch [B, S] in ``n_microbatches`` micro-batches. Returns the sum of the
-        micro-batch losses on the rank holding the last stage, 0 elsewhere."""
+    def step(self, batch: NoisedBatch, normaliser) -> torch.Tensor:
+        """Forward + backward of the local batch [B, S] in ``n_microbatches`` micro-batches, each loss divided by
+        the step's global ``normaliser``. Returns the sum of the micro-batch losses on the rank holding the last
+        stage, 0 elsewhere."""
         batch_size, seq_len = batch.input_ids.shape
         schedule = self._schedule(batch_size, seq_len, True, self.n_microbatches)
-        return self._run(schedule.step, batch)
+        return self._run(schedule.step, batch, normaliser)
 
     @torch.no_grad()
-    def evaluate(self, batch: NoisedBatch) -> torch.Tensor:
-        """Forward-only loss sum (``eval_loss_fn``) of ``batch`` as one micro-batch; 0 off the last stage."""
+    def evaluate(self, batch: NoisedBatch, normaliser=1.0) -> torch.Tensor:
+        """Forward-only loss (``eval_loss_fn``) of ``batch`` as one micro-batch, divided by ``normaliser`` (1: the
+        sum); 0 off the last stage."""
         schedule = self._schedule(*batch.input_ids.shape, False, 1)
-        return self._run(schedule.eval, batch)
+        return self._run(schedule.eval, batch, normaliser)
 
-    def _run(self, fn, batch: NoisedBatch) -> torch.Tensor:
+    def _run(self, fn, batch: NoisedBatch, normaliser) -> torch.Tensor:
         shared = batch.step_model_kwargs()
         for part in self.parts:  # a schedule sends only activations between stages: the rest is set on them
             part.step_inputs = shared
         losses: list = []
         args = (batch.input_ids,) if self.has_first else ()
-        kwargs = dict(target=pack_targets(batch), losses=losses) if self.has_last else {}
+        kwargs = dict(target=pack_targets(batch, normaliser), losses=losses) if self.has_last else {}
         fn(*args, **kwargs)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([torch.as_tensor(x, device=self.device).float().reshape(()) for x in losses]).sum()
 
 
-def loss_fns(objective_cfg, global_batch_size: int) -> tuple[Callable, Callable]:
-    """(train, eval) loss functions: the training normaliser, and per-sequence sums for the NELBO estimate."""
-    return make_loss_fn(objective_cfg.loss_norm, global_batch_size), make_loss_fn("token", 1)
+def loss_fns(objective_cfg) -> tuple[Callable, Callable]:
+    """(train, eval) loss functions: ``objective.loss_norm``, and ``token`` sums for the NELBO estimate."""
+    return make_loss_fn(objective_cfg.loss_norm), make_loss_fn("token")
 
 
 __all__ = ["PP_SCHEDULES", "Pipeline", "build_stage_models", "loss_fns", "make_loss_fn",

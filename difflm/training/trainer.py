@@ -11,13 +11,13 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, resume_checkpoint, \
+    save_checkpoint
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
-from difflm.objectives import build_objective, step_length, weighted_ce_sum
-from difflm.objectives.keyed_rng import STREAM_TRAIN
+from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
@@ -153,7 +153,7 @@ class Trainer:
         return self.step + self.data_offset
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is None:
             return
         self._load(found[1])
@@ -218,7 +218,9 @@ class Trainer:
         Data-parallel rank d takes global samples ``[d * local, (d + 1) * local)`` of the step (local =
         global batch / dp), micro-batch m the ids ``d * local + m * mb ...``: the noise is keyed by these GLOBAL
         ids, so every layout trains on the same noised batch as one process. Each rank's loss is divided by the
-        global normaliser; FSDP sums gradients (divide factor 1), pipeline schedules do not rescale them.
+        normaliser of the whole global batch (:meth:`_step_normaliser`, counted before the first forward), so the
+        step's loss does not depend on the split; FSDP sums gradients (divide factor 1), pipeline schedules do not
+        rescale them.
         """
         from difflm.parallel.fsdp import FSDPModule
         from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
@@ -228,26 +230,27 @@ class Trainer:
         seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
                               effective_length_multiple(cfg, dims))
         windows = self.sampler.indices(self.data_step)
-        local, mb = t.global_batch_size // dims.dp, t.micro_batch_size
+        local = t.global_batch_size // dims.dp
         start = self.coords["dp"] * local
-        key = (t.seed, STREAM_TRAIN, self.data_step)
+        key = (t.seed, self.data_step)  # the step's noise key (difflm.objectives.keyed_rng)
+        n_micro = 1 if self.pipeline is not None else self.accum_steps  # a pipeline splits its local batch itself
+        size = local // n_micro  # train.micro_batch_size without a pipeline
+        ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
+        tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
+        normaliser = self._step_normaliser(tokens)
         for part in self.model_parts:
             part.train()
         loss = torch.zeros((), device=self.device)
         if self.pipeline is not None:
-            ids = range(start, start + local)
-            tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
-            batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
+            batch = self.objective.noise(tokens[0], ids[0], key, t.global_batch_size).to(self.device)
             with self._autocast():
-                loss += self.pipeline.step(batch).detach()
+                loss += self.pipeline.step(batch, normaliser).detach()
         else:
             for micro in range(self.accum_steps):
-                ids = range(start + micro * mb, start + (micro + 1) * mb)
-                tokens = self.train_set.get(windows[list(ids)])[:, :seq_len]
-                batch = self.objective.noise(tokens, ids, key, t.global_batch_size).to(self.device)
+                batch = self.objective.noise(tokens[micro], ids[micro], key, t.global_batch_size).to(self.device)
                 if isinstance(self.model, FSDPModule):  # reduce-scatter once per step, after the last micro-batch
                     self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
-                loss += self._local_loss(batch, cfg.objective.loss_norm, t.global_batch_size, backward=True)
+                loss += self._local_loss(batch, cfg.objective.loss_norm, normaliser, backward=True)
         moe_step(self.model_parts, self.moe_group)  # MoE load statistics over the step, aux-loss-free bias update
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -260,8 +263,20 @@ class Trainer:
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
 
-    def _local_loss(self, batch, norm: str, global_batch_size: int, backward: bool) -> torch.Tensor:
-        """This rank's share of the weighted CE of ``batch`` (its sequence chunks under CP), backward if asked."""
+    def _step_normaliser(self, token_batches) -> torch.Tensor:
+        """The loss normaliser of the whole global batch (:func:`difflm.objectives.base.loss_normaliser`): this
+        rank's micro-batches ``token_batches`` counted, then summed over the data-parallel ranks (tp / cp / pp
+        ranks of one dp rank hold the same samples). Float64 scalar on the device; the same on every rank."""
+        norm = self.cfg.objective.loss_norm
+        local = sum(float(loss_normaliser(norm, self.objective.num_tokens(tb))) for tb in token_batches)
+        total = torch.tensor(local, dtype=torch.float64, device=self.device)
+        if self.dims.dp > 1:
+            pdist.all_reduce_sum(total, group=self.mesh["dp"].get_group())
+        return total
+
+    def _local_loss(self, batch, norm: str, normaliser, backward: bool) -> torch.Tensor:
+        """This rank's share of the weighted CE of ``batch`` (its sequence chunks under CP) divided by the step's
+        ``normaliser`` (:meth:`_step_normaliser`), backward if asked."""
         from difflm.parallel.context_parallel import shard_sequence, torch_cp_context
 
         cfg, dims = self.cfg, self.dims
@@ -281,7 +296,7 @@ class Trainer:
         with ctx:
             with self._autocast():
                 logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
-            loss = weighted_ce_sum(logits, batch, norm, global_batch_size)
+            loss = weighted_ce_sum(logits, batch, norm, normaliser)
             if backward:
                 self.scaler.scale(loss).backward()
         return loss.detach()
@@ -291,7 +306,9 @@ class Trainer:
         """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
 
         Uses ``train.eval_batches`` micro-batches and ``train.eval_mc_samples`` antithetic draws of t per window, of
-        ``valid_set`` (default: the run's validation windows).
+        ``valid_set`` (default: the run's validation windows). The weighted CE of every window and draw is summed
+        and divided by their loss tokens (``num_tokens``: the window length, L - 1 for ``ar``, the response length
+        for ``sft``), however the windows are batched.
         """
         cfg, t = self.cfg, self.cfg.train
         valid_set = self.valid_set if valid_set is None else valid_set
@@ -302,22 +319,24 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        num_tokens = 0.0
         for start in range(0, count, t.micro_batch_size):
             ids = list(range(start, min(count, start + t.micro_batch_size)))
             tokens = valid_set.get(ids)
+            num_tokens += draws * float(self.objective.num_tokens(tokens).double().sum())
             for draw in range(draws):
                 batch = self.objective.eval_noise(tokens, ids, draw, draws, t.seed).to(self.device)
                 if self.pipeline is not None:
                     with self._autocast():
-                        total += self.pipeline.evaluate(batch).double()
+                        total += self.pipeline.evaluate(batch, 1.0).double()
                 else:
-                    total += self._local_loss(batch, "token", 1, backward=False).double()
+                    total += self._local_loss(batch, "token", 1.0, backward=False).double()
         for part in self.model_parts:
             part.train()
         # every data-parallel rank evaluated all windows (the same forwards, as FSDP needs) and TP ranks hold
         # the same loss: the sum over ranks counts each dp * tp times
         total = pdist.all_reduce_sum(total) / (self.dims.tp * self.dims.dp)
-        return float(total) / (count * draws)
+        return float(total) / num_tokens
 
     @torch.no_grad()
     def generate_samples(self, prompt: str, num: int) -> list[str]:

@@ -1,0 +1,149 @@
+"""Claiming ``run.dir`` for one training run: the path must be a writable directory, and one run holds it.
+
+Two runs writing the same ``run.dir`` interleave their metrics and replace each other's checkpoints. The run
+that starts first takes an exclusive ``fcntl.flock`` on ``<run.dir>/.difflm.lock`` and holds it until it
+ends; a second run finds it held and stops with one line. The kernel drops a flock when its process dies
+(exit, crash, ``kill -9``), so a stale lock file never blocks a resume (Linux ``flock(2)``; it also holds
+across NFS clients on Linux >= 2.6.12, where flock is emulated with POSIX byte-range locks).
+
+``difflm-train`` claims the directory in a Hydra callback (:class:`RunDirGuard`, listed under
+``hydra.callbacks`` in ``conf/train.yaml``) *before* Hydra creates the directory and writes ``.hydra/`` into
+it, so a refused run changes nothing. Under torchrun or SLURM only global rank 0 claims it (the other ranks
+take rank 0's ``run.dir``; when rank 0 stops, the launcher ends them).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Any, IO, Optional
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+
+from difflm.errors import DifflmError
+
+LOCK_FILE = ".difflm.lock"
+
+
+@functools.lru_cache(maxsize=None)
+def run_id() -> str:
+    """A short random id, the same for the whole process (the ``${difflm_run_id:}`` resolver).
+
+    The default ``run.dir`` is ``outputs/<date>_<time>-<run_id>``: two jobs started in the same second get
+    different directories (``${now:}`` alone resolves to the second).
+    """
+    return secrets.token_hex(3)
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Refuse a ``run.dir`` that is not (or cannot become) a directory, before anything is written.
+
+    Raises: DifflmError naming ``run.dir`` when it, or its ``checkpoints`` entry, is an existing file.
+    """
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise DifflmError(f"run.dir={str(run_dir)!r} is an existing file, not a directory: choose another run.dir "
+                          "(the file was left as it is)")
+    ckpts = path / "checkpoints"
+    if ckpts.exists() and not ckpts.is_dir():
+        raise DifflmError(f"run.dir={str(run_dir)!r} holds a file named checkpoints where the checkpoint directory "
+                          "goes: move it away or choose another run.dir")
+
+
+def claim_run_dir(run_dir: str | Path) -> IO[str]:
+    """Create ``run_dir`` if needed and take its exclusive lock; returns the open lock file (keep it open: closing
+    it, or the process ending, releases the lock).
+
+    Raises: DifflmError naming ``run.dir`` when it is a file (:func:`check_run_dir`), cannot be created or written
+        (with the OS's reason), or is held by another running process (whose pid and host the message names).
+    """
+    check_run_dir(run_dir)
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle = open(path / LOCK_FILE, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise DifflmError(f"run.dir={str(run_dir)!r} cannot be created or written ({exc.strerror or exc}): choose a "
+                          "writable run.dir") from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DifflmError(f"run.dir={str(run_dir)!r} is in use by another run ({holder}): wait for it to end, or "
+                              "choose another run.dir") from None
+        raise DifflmError(f"run.dir={str(run_dir)!r}: cannot lock {LOCK_FILE} ({exc.strerror or exc}): choose a "
+                          "run.dir on a file system with flock support") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+def release_run_dir(handle: Optional[IO[str]]) -> None:
+    """Release a lock taken by :func:`claim_run_dir` (the lock file stays; a later run reuses it)."""
+    if handle is not None and not handle.closed:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        handle.close()
+
+
+def _global_rank() -> int:
+    from difflm.parallel.distributed import launch_env
+
+    return launch_env()["rank"]
+
+
+def _exit_on_error(fn, *args) -> Any:
+    """Run ``fn``; a DifflmError ends the process as every entry point does (one line, exit status 2)."""
+    from difflm.cli import exits_cleanly
+
+    return exits_cleanly(fn)(*args)
+
+
+class RunDirGuard(Callback):
+    """Hydra callback (``hydra.experimental.callback.Callback``) that claims ``run.dir``.
+
+    A single run claims ``hydra.run.dir`` in ``on_run_start``, before Hydra creates it. In a multirun the sweep
+    directory is checked in ``on_multirun_start`` and each job claims its own directory in ``on_job_start``.
+    Only global rank 0 claims; the lock is released when the run or job ends (or the process dies).
+    """
+
+    def __init__(self) -> None:
+        self._handle: Optional[IO[str]] = None
+
+    def _claim(self, run_dir: str) -> None:
+        if _global_rank() == 0:
+            self._handle = _exit_on_error(claim_run_dir, run_dir)
+
+    def _release(self) -> None:
+        release_run_dir(self._handle)
+        self._handle = None
+
+    def on_run_start(self, config, **kwargs: Any) -> None:
+        self._claim(str(config.hydra.run.dir))
+
+    def on_run_end(self, config, **kwargs: Any) -> None:
+        self._release()
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        if _global_rank() == 0:
+            _exit_on_error(check_run_dir, str(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        pass
+
+    def on_job_start(self, config, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            self._claim(str(config.hydra.runtime.output_dir))
+
+    def on_job_end(self, config, job_return, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            self._release()
