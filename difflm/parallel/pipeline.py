@@ -12,7 +12,7 @@ LoopedBFS and InterleavedZeroBubble; "v" style (stages r and 2 pp - 1 - r) for Z
 The last stage computes the loss: the schedules call ``loss_fn(output, target)`` per micro-batch, with the
 targets, weights, loss mask and normaliser of the noised batch packed into one float64 tensor
 (:func:`pack_targets`), and the weighted cross-entropy of :func:`difflm.objectives.weighted_ce_sum` on the
-full-vocab logits at the masked rows. Gradients are not rescaled (``scale_grads=False``): each
+logits at the masked rows (this rank's vocabulary slice under TP: the vocab-parallel cross-entropy). Gradients are not rescaled (``scale_grads=False``): each
 micro-batch loss is already divided by the global normaliser.
 """
 from __future__ import annotations
@@ -72,9 +72,11 @@ def pack_targets(batch: NoisedBatch) -> torch.Tensor:
                         batch.num_tokens.double()[:, None].expand(b, s)], dim=-1)
 
 
-def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_loss_fn(norm: str, global_batch_size: int,
+                 vocab_group=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn(logits [b, S, V], packed [b, S, 4]) -> scalar``: the weighted CE of the micro-batch's masked rows,
-    divided by the global normaliser (:func:`weighted_ce_sum`)."""
+    divided by the global normaliser (:func:`weighted_ce_sum`). ``vocab_group``: the TP group of a vocab-parallel
+    head, whose last stage returns [b, S, V/tp] logits (:mod:`difflm.parallel.vocab_parallel`)."""
 
     def loss_fn(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         targets = packed[..., 0].long()
@@ -82,7 +84,7 @@ def make_loss_fn(norm: str, global_batch_size: int) -> Callable[[torch.Tensor, t
         batch = NoisedBatch(input_ids=targets, targets=targets, loss_mask=mask, weights=packed[..., 1].float(),
                             t=torch.zeros(targets.shape[0], device=targets.device),
                             num_tokens=packed[:, 0, 3].float())
-        return weighted_ce_sum(logits[mask], batch, norm, global_batch_size)
+        return weighted_ce_sum(logits[mask], batch, norm, global_batch_size, vocab_group=vocab_group)
 
     return loss_fn
 
@@ -150,9 +152,10 @@ class Pipeline:
         return torch.stack([torch.as_tensor(x, device=self.device).float().reshape(()) for x in losses]).sum()
 
 
-def loss_fns(objective_cfg, global_batch_size: int) -> tuple[Callable, Callable]:
+def loss_fns(objective_cfg, global_batch_size: int, vocab_group=None) -> tuple[Callable, Callable]:
     """(train, eval) loss functions: the training normaliser, and per-sequence sums for the NELBO estimate."""
-    return make_loss_fn(objective_cfg.loss_norm, global_batch_size), make_loss_fn("token", 1)
+    return (make_loss_fn(objective_cfg.loss_norm, global_batch_size, vocab_group),
+            make_loss_fn("token", 1, vocab_group))
 
 
 __all__ = ["PP_SCHEDULES", "Pipeline", "build_stage_models", "loss_fns", "make_loss_fn",
