@@ -33,6 +33,8 @@ SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4", "mod
 VOCAB = 320  # > one init tile (256 rows), divisible by tp=2
 LAYOUTS = {  # name -> (overrides, backend); 4 ranks each
     "fsdp": (["parallel=fsdp"], "torch"),
+    "fsdp_levers": (["parallel=fsdp", "parallel.reshard_after_forward=false", "parallel.fsdp_prefetch=2",
+                     "parallel.reduce_dtype=bf16", "precision=bf16"], "torch"),
     "ddp": (["parallel=ddp"], "torch"),
     "tp2_sp": (["parallel=tp2"], "torch"),
     "tp2_no_sp": (["parallel=tp2", "parallel.sequence_parallel=false", "model.qk_norm=true"], "torch"),
@@ -99,6 +101,19 @@ def _canonical(parts) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fsdp_settings(model) -> dict:
+    """The FSDP2 settings of block 0 (the data-parallel levers' wiring)."""
+    block = model.layers[next(iter(model.layers.keys()))] if hasattr(model.layers, "keys") else model.layers[0]
+    if not hasattr(block, "_get_fsdp_state"):
+        return {}
+    state = block._get_fsdp_state()
+    group = state._fsdp_param_group
+    return {"param_dtype": group.mp_policy.param_dtype, "reduce_dtype": group.mp_policy.reduce_dtype,
+            "reshard_after_forward": group.post_forward_mesh_info is not None,
+            "forward_prefetch": len(state._states_to_forward_prefetch or []),
+            "backward_prefetch": len(state._states_to_backward_prefetch or [])}
+
+
 def _layouts_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -125,7 +140,7 @@ def _layouts_worker(rank: int, world: int, port: int, out: str) -> None:
                 num_params = model.num_params()
                 parts, _ = parallelize(model, mesh, dims, cfg, torch.device("cpu"), 2)
                 materialize(parts, torch.device("cpu"), cfg.model, cfg.train.seed)
-            results[name] = {"params": _canonical(parts), "num_params": num_params}
+            results[name] = {"params": _canonical(parts), "num_params": num_params, "fsdp": _fsdp_settings(parts[0])}
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -154,6 +169,17 @@ def test_every_layout_starts_from_the_single_process_weights(name, layout_weight
         seen |= set(got)
         assert rank_results[name]["num_params"] == reference.num_params()
     assert seen == set(expected), sorted(set(expected) ^ seen)
+
+
+def test_data_parallel_levers_reach_fsdp2(layout_weights):
+    """parallel.reduce_dtype / reshard_after_forward / fsdp_prefetch set FSDP2's policy; the defaults keep FP32
+    reduction, resharding after forward and FSDP2's implicit prefetching."""
+    default, levers = layout_weights[0]["fsdp"]["fsdp"], layout_weights[0]["fsdp_levers"]["fsdp"]
+    assert default == {"param_dtype": None, "reduce_dtype": torch.float32, "reshard_after_forward": True,
+                       "forward_prefetch": 0, "backward_prefetch": 0}
+    # block 0 of 4: prefetches blocks 1 and 2 in forward, none in backward (it runs last there)
+    assert levers == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "reshard_after_forward": False,
+                      "forward_prefetch": 2, "backward_prefetch": 0}
 
 
 # ------------------------------------------------------------------ 70B-shaped construction on 4 ranks

@@ -148,7 +148,7 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # pipeline stages send and receive contiguous activations/gradients
 
 
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -156,7 +156,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def scatter_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
