@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -41,27 +42,23 @@ def _key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=16).digest(), "little")
 
 
-def _as_slice(idx: torch.Tensor):
+def _as_slice(idx: np.ndarray):
     """``idx`` as a slice when it is a run of consecutive integers (the common case: plain row/column blocks)."""
-    if len(idx) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((idx.diff() == 1).all()):
+    if len(idx) and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all()):
         return slice(int(idx[0]), int(idx[-1]) + 1)
     return idx
 
 
-def _groups(idx: torch.Tensor) -> list[tuple[int, object, object]]:
+def _groups(idx: np.ndarray) -> list[tuple[int, object, object]]:
     """(tile, positions in ``idx``, offsets inside the tile) for each tile the positions ``idx`` fall in; positions
     and offsets are slices where they are consecutive."""
     tiles = idx // TILE
-    order = torch.argsort(tiles, stable=True)
-    values, counts = torch.unique_consecutive(tiles[order], return_counts=True)
+    order = np.argsort(tiles, kind="stable")
+    values, starts = np.unique(tiles[order], return_index=True)
     out = []
-    for tile, pos in zip(values.tolist(), order.split(counts.tolist())):
+    for tile, pos in zip(values.tolist(), np.split(order, starts[1:])):
         out.append((tile, _as_slice(pos), _as_slice(idx[pos] - tile * TILE)))
     return out
-
-
-def _take(t: torch.Tensor, dim: int, where) -> torch.Tensor:
-    return t[(slice(None),) * dim + (where,)] if isinstance(where, slice) else t.index_select(dim, where)
 
 
 def keyed_normal(seed: int, name: str, full_shape: Sequence[int], index: Index = (None, None),
@@ -74,30 +71,38 @@ def keyed_normal(seed: int, name: str, full_shape: Sequence[int], index: Index =
         index: int64 positions (any order, any subset) per matrix dim; None takes the whole dim.
         out: an FP32 CPU tensor of ``len(index[0]) * len(index[1])`` elements to fill in place (no second buffer).
     Returns: FP32 CPU tensor [len(index[0]), len(index[1])] (1-D for a 1-D ``full_shape``; ``out`` reshaped when
-        given); only the tiles it intersects are drawn.
+        given); only the tiles it intersects are drawn, by ``torch.get_num_threads()`` threads (NumPy's generators
+        and copies release the GIL); the values do not depend on the thread count.
     """
     rows = int(full_shape[0]) if len(full_shape) else 1
     cols = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
-    r_idx = torch.arange(rows) if index[0] is None else index[0].cpu().long()
-    c_idx = torch.arange(cols) if len(index) < 2 or index[1] is None else index[1].cpu().long()
+    r_idx = np.arange(rows) if index[0] is None else index[0].cpu().numpy().astype(np.int64)
+    c_idx = np.arange(cols) if len(index) < 2 or index[1] is None else index[1].cpu().numpy().astype(np.int64)
     out = torch.empty(len(r_idx), len(c_idx)) if out is None else out.view(len(r_idx), len(c_idx))
+    dest = out.detach().numpy()  # shares memory with ``out``
     key, col_tiles = _key(seed, name), -(-cols // TILE)
     col_groups = _groups(c_idx)
-    for a, r_pos, r_in in _groups(r_idx):
+
+    def fill(row_group) -> None:
+        a, r_pos, r_in = row_group
         for b, c_pos, c_in in col_groups:
-            shape = (min(TILE, rows - a * TILE), min(TILE, cols - b * TILE))
             gen = np.random.Generator(np.random.Philox(key=key, counter=(a * col_tiles + b) << 64))
-            block = _take(_take(torch.from_numpy(gen.standard_normal(shape, dtype=np.float32)), 0, r_in), 1, c_in)
-            if isinstance(c_pos, slice):
-                dest = out[:, c_pos]
-                if isinstance(r_pos, slice):
-                    dest[r_pos].copy_(block)
-                else:
-                    dest.index_copy_(0, r_pos, block)
+            tile = gen.standard_normal((min(TILE, rows - a * TILE), min(TILE, cols - b * TILE)), dtype=np.float32)
+            tile *= np.float32(std)
+            block = tile[r_in][:, c_in]
+            if isinstance(r_pos, slice) or isinstance(c_pos, slice):
+                dest[r_pos, c_pos] = block
             else:
-                rows_of = torch.arange(out.shape[0])[r_pos] if isinstance(r_pos, slice) else r_pos
-                out[rows_of[:, None], c_pos[None, :]] = block
-    out.mul_(std)
+                dest[np.ix_(r_pos, c_pos)] = block
+
+    row_groups = _groups(r_idx)
+    threads = min(torch.get_num_threads(), len(row_groups))
+    if threads > 1 and len(r_idx) * len(c_idx) >= 1 << 22:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fill, row_groups))
+    else:
+        for group in row_groups:
+            fill(group)
     return out.reshape(len(r_idx)) if len(full_shape) <= 1 else out
 
 
