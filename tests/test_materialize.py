@@ -59,6 +59,18 @@ def test_keyed_normal_blocks_are_entries_of_the_full_draw():
     assert vec.shape == (700,) and torch.equal(keyed_normal(3, "v", (700,), (torch.arange(300, 700), None)), vec[300:])
 
 
+def test_threads_do_not_change_the_values():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = keyed_normal(1, "w", (2048, 2048 + 7))
+        torch.set_num_threads(2)
+        two = keyed_normal(1, "w", (2048, 2048 + 7))  # >= 4 Mi values: drawn by 2 threads
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
 def test_a_shard_draws_only_the_tiles_it_intersects(monkeypatch):
     drawn = []
     real = model_init.np.random.Philox

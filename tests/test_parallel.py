@@ -263,6 +263,20 @@ def test_tp_comm_overlap_refusals_on_a_gpu(overrides, needle):
     check_tp_comm_overlap(ok, ParallelDims.from_config(ok.parallel, 2), torch.device("cuda"))  # accepted
 
 
+def test_async_tensor_parallel_switch_keeps_multicast_off(monkeypatch):
+    """The torch backend's tp_comm_overlap: Inductor's micro-pipelined TP, symmetric memory without multicast."""
+    import torch._inductor.config as inductor_config
+
+    from difflm.parallel.parallelize import enable_async_tensor_parallel
+
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "placeholder")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST")
+    enable_async_tensor_parallel()
+    assert inductor_config._micro_pipeline_tp is True
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
 def test_random_lengths_round_to_the_layout_multiple():
     from difflm.parallel.mesh import ParallelDims
     from difflm.parallel.parallelize import effective_length_multiple
