@@ -1,4 +1,5 @@
-"""``parallelize``: apply a layout to a built model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``).
+"""``parallelize``: apply a layout to a model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``);
+``build_parallel_model``: build on the meta device, lay out, materialise this rank's shards (what the trainer does).
 
 Order, per model part: pipeline split -> tensor/sequence parallel (DTensor; the TE backend does TP inside its
 modules) -> activation checkpointing -> per-block ``torch.compile`` -> FSDP2. The model itself never knows
@@ -16,6 +17,8 @@ from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile, 
 from difflm.parallel.mesh import ParallelDims
 from difflm.parallel.pipeline import Pipeline, build_stage_models, loss_fns
 from difflm.parallel.tensor_parallel import apply_tensor_parallel
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype
 
 
 def sequence_parallel_enabled(p, dims: ParallelDims) -> bool:
@@ -104,9 +107,6 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
     parts, pipeline = parallelize(model, mesh, dims, cfg, device, n_microbatches)
     materialize(parts, device, cfg.model, cfg.train.seed)
     return parts, pipeline, num_params, te_groups
-
-
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def enable_async_tensor_parallel() -> None:

@@ -307,8 +307,8 @@ class Trainer:
             return []
         from difflm.parallel.vocab_parallel import gather_logits
 
-        if self.cfg.parallel.get("tp_comm_overlap", False):  # userbuffers / async TP are sized for training shapes
-            return []
+        if self.cfg.parallel.get("tp_comm_overlap", False) and self.cfg.model.backend == "te":
+            return []  # TE's userbuffers are sized for the training micro-batch
         self.model.eval()
         ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
         prompt_ids = torch.tensor([ids] * num, device=self.device)
