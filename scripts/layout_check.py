@@ -88,7 +88,8 @@ ddp fsdp tp2 tp4 tp2pp2 cp2 / ddp fsdp tp2 tp4 tp8 tp4pp2 cp2, throughput adds t
         --tput-variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp4pp2
     python scripts/layout_check.py --gpus 8 --parts big --big-backends te --precisions bf16,fp8 --big-model 8b \
         --big-layout fsdp --big-micro 2 --out /root/lc8big
-    # (4 GPUs: --gpus 4, --tp-layouts tp2,tp4, variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp2pp2)
+    # 4 GPUs: --gpus 4, --tp-layouts tp2,tp4 and
+    #   --tput-variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp2pp2
 
 Any of them with ``--plan`` prints the launches and runs nothing. CPU dry run (gloo, fp32):
 

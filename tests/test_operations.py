@@ -241,7 +241,8 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     found = {}
     for pid in load_script("layout_check").descendants(launcher.pid):
         try:
-            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+            items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            env = dict(item.split("=", 1) for item in items if "=" in item)
             cmdline = Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
             continue

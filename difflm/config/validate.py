@@ -230,8 +230,8 @@ def check_tp_comm_overlap(cfg, dims, device: torch.device) -> None:
                  "changes the length: set objective.random_length_prob=0")
     else:
         _require(bool(p.compile or m.get("compile", False)),
-                 "parallel.tp_comm_overlap=true with model.backend=torch is Inductor's async TP, which rewrites compiled "
-                 "blocks: set parallel.compile=true (or model.compile=true)")
+                 "parallel.tp_comm_overlap=true with model.backend=torch is Inductor's async TP, which rewrites "
+                 "compiled blocks: set parallel.compile=true (or model.compile=true)")
 
 
 def check_run(cfg, world_size: int = 1) -> torch.device:

@@ -44,8 +44,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: int, precision
     fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
     if meta:
         if fp8_weights:
-            raise DifflmError("precision.fp8_weights=true creates TE's FP8 weights on the GPU and cannot be built on the "
-                              "meta device for a parallel layout: set precision.fp8_weights=false")
+            raise DifflmError("precision.fp8_weights=true creates TE's FP8 weights on the GPU and cannot be built "
+                              "on the meta device for a parallel layout: set precision.fp8_weights=false")
         return Transformer(cfg, causal=causal, kernels=kernels)
     if fp8_weights:  # TE creates FP8 weights on the GPU directly
         kernels.device = device

@@ -135,8 +135,8 @@ def megatron_init_(model: torch.nn.Module, cfg, seed: int, locate: Optional[Loca
         if count != local.numel():
             raise ValueError(f"init of {full_name}: the layout locates {count} values for a local tensor of shape "
                              f"{tuple(local.shape)}")
-        in_place = type(local) in (torch.Tensor, torch.nn.Parameter) and local.device.type == "cpu" and local.dtype == torch.float32 \
-            and local.is_contiguous()
+        in_place = (type(local) in (torch.Tensor, torch.nn.Parameter) and local.device.type == "cpu"
+                    and local.dtype == torch.float32 and local.is_contiguous())
         values = keyed_normal(seed, full_name, full_shape, index, std, out=local if in_place else None)
         if not in_place:
             local.copy_(values.reshape(local.shape))

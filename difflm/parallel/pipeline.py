@@ -12,8 +12,8 @@ LoopedBFS and InterleavedZeroBubble; "v" style (stages r and 2 pp - 1 - r) for Z
 The last stage computes the loss: the schedules call ``loss_fn(output, target)`` per micro-batch, with the
 targets, weights, loss mask and normaliser of the noised batch packed into one float64 tensor
 (:func:`pack_targets`), and the weighted cross-entropy of :func:`difflm.objectives.weighted_ce_sum` on the
-logits at the masked rows (this rank's vocabulary slice under TP: the vocab-parallel cross-entropy). Gradients are not rescaled (``scale_grads=False``): each
-micro-batch loss is already divided by the global normaliser.
+logits at the masked rows (this rank's vocabulary slice under TP: the vocab-parallel cross-entropy). Gradients are
+not rescaled (``scale_grads=False``): each micro-batch loss is already divided by the global normaliser.
 """
 from __future__ import annotations
 

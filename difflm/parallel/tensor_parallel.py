@@ -235,7 +235,7 @@ class GateUpInterleave:
 
     def full_index(self, fqn: str, dim: int, index: torch.Tensor, held_size: int) -> torch.Tensor:
         """Positions in the ``[gate; up]`` tensor of the positions ``index`` along ``dim`` of the held (interleaved)
-        tensor, whose ``dim`` has ``held_size`` entries (used by the sharded init, :mod:`difflm.parallel.materialize`)."""
+        tensor, whose ``dim`` has ``held_size`` entries (the sharded init, :mod:`difflm.parallel.materialize`)."""
         return interleave_gate_up(torch.arange(held_size), self.tp)[index] if dim == 0 else index
 
 

@@ -38,7 +38,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 # ------------------------------------------------------------------ autograd pieces
 class _CopyToGroup(torch.autograd.Function):
-    """Forward: identity; backward: all-reduce (SUM) over ``group`` (Megatron's ``copy_to_tensor_model_parallel_region``)."""
+    """Forward: identity; backward: all-reduce (SUM) over ``group`` (Megatron-LM's
+    ``copy_to_tensor_model_parallel_region``)."""
 
     @staticmethod
     def forward(ctx, x, group):
