@@ -8,7 +8,11 @@ Every run is its own launch of ``python -m difflm.train`` (one process) or ``pyt
 ``<out>/<part>/<backend>/<run>`` with logging every step (``metrics.jsonl``), no evaluation, no samples and
 ``objective.random_length_prob=0`` (every step at full length, so layouts whose sequence split rounds lengths
 see the same batches). NVLink multicast stays off in every process started here (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): it can take a shared host's GPUs down.
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, UB_SKIPMC=1 for TE's userbuffers): it can take a
+shared host's GPUs down. TE runs under a tensor-parallel layout also get CUDA_DEVICE_MAX_CONNECTIONS=1 (one work
+queue, so TP collectives are scheduled before the GEMMs they overlap; TE warns without it). With several GPUs the
+1-GPU runs (the correctness references of all backends, the throughput baselines of all backends and precisions)
+run side by side, one per GPU.
 
 Parts (``--parts``, comma-separated; correctness and reshard run backend by backend, then throughput, then big):
 
@@ -38,8 +42,11 @@ Parts (``--parts``, comma-separated; correctness and reshard run backend by back
   ``train.global_batch_size = micro x accum x dp``; then tp2 / tp4 (``--tp-layouts``) on all ``--gpus`` ranks.
   Tokens/s/GPU and MFU are the medians of the per-step ``tokens_per_s_per_gpu`` and ``mfu`` in metrics.jsonl
   over the steps after ``--warmup`` (one logged value per step); efficiency = tokens/s/GPU / that of the 1-GPU
-  run of the same backend and precision (target >= 95 % for data parallelism). MFU is against the BF16 dense
-  peak, FP8 too.
+  run of the same backend and precision (target >= 97 % for data parallelism). MFU is against the BF16 dense
+  peak, FP8 too. ``--tput-variants`` adds rows on all GPUs with extra overrides, ``preset:key=value:...``
+  (e.g. ``ddp:parallel.reduce_dtype=bf16``, shown as ``ddp+bf16red``; ``tp2:parallel.tp_comm_overlap=true`` as
+  ``tp2+overlap``); an entry of ``--tp-layouts`` / ``--tput-variants`` prefixed ``bf16@`` or ``fp8@`` runs for
+  that precision only.
 * ``big``: ``--big-model`` (default 8b) under ``--big-layout`` (default fsdp) on all ``--gpus``, micro-batch
   ``--big-micro``, extra ``--big-overrides``, for ``--big-backends`` x ``--precisions``: tokens/s/GPU and MFU as above.
 
@@ -52,23 +59,42 @@ throughput launch stopped there still reports the steps it logged). Each row is 
 ``<out>/layout_check.json`` is rewritten after every run, so a killed script leaves its results; the whole
 table is printed at the end. ``--plan`` prints the launches without running them.
 
-Command lines (each call of a GPU machine ~8 min; ``--time-budget`` leaves time for the table):
+Issue 14 on 2 H200s (each call stays under the device tool's 10 minutes; the launch times are estimates, ~25 s of
+start-up per launch plus the steps; ``--time-budget`` cuts what would not fit, its rows say "skipped: time budget"):
 
-    # 2 GPUs: 14 launches of 32-53 s each on H200 (torch backend measured: 8 launches, 302 s), ~9 min with te
-    python scripts/layout_check.py --gpus 2 --parts correctness,reshard --steps 20 --out /root/lc2 \\
-        --time-budget 520 --timeout 150 -- model=125m precision=bf16 data.seq_len=1024 \\
-        train.micro_batch_size=4 train.global_batch_size=16
-    # 2 GPUs: 9 launches, te ~45 s, torch-compile ~90 s (compilation) (estimates); the last rows may hit the budget
-    python scripts/layout_check.py --gpus 2 --parts throughput --precisions bf16,fp8 --tput-backends te,torch-compile \\
-        --tput-steps 10 --warmup 3 --tput-accum 4 --out /root/lc2t --time-budget 520 --timeout 200
-    # 4 / 8 GPUs: the same two commands with --gpus 4 / 8 (layouts tp4, tp2pp2 / tp8, tp4pp2, tp2pp2 -> fsdp
-    # resharding, 4- and 8-GPU scaling); the 8b row:
-    python scripts/layout_check.py --gpus 8 --parts big --big-backends te --precisions bf16,fp8 \\
-        --big-model 8b --big-layout fsdp --big-overrides "parallel.activation_checkpointing=full" --out /root/lc8b
-    # any of them with --plan: the launches, nothing run
-    # CPU dry run (gloo, fp32)
-    python scripts/layout_check.py --device cpu --gpus 2 --parts correctness,reshard,throughput --steps 4 \\
-        --tput-model tiny --tput-seq 64 --precisions fp32 --tput-backends torch -- model=tiny data.seq_len=32 \\
+    # A. throughput + 8B (~7.5 min: 2 baselines side by side, 7 two-GPU 1.7b launches, one 8b launch)
+    python scripts/layout_check.py --gpus 2 --parts throughput,big --out /root/lc14a --time-budget 560 \
+        --timeout 170 --tput-backends te --precisions bf16,fp8 --tput-model 1.7b --tput-seq 4096 --tput-micro 4 \
+        --tput-accum 4 --tput-steps 8 --warmup 3 --dp-layout ddp --tp-layouts bf16@tp2 \
+        --tput-variants ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true \
+        --big-model 8b --big-layout fsdp --big-micro 1 --big-precisions bf16
+    # B. correctness of ddp fsdp tp2 pp2 cp2 for both backends vs one GPU (~5 min: 2 references side by side,
+    #    10 two-GPU 125m launches of 4 steps)
+    python scripts/layout_check.py --gpus 2 --parts correctness --out /root/lc14b --time-budget 560 --timeout 120 \
+        --steps 4 --backends te,torch --layouts ddp,fsdp,tp2,pp2,cp2 \
+        -- model=125m precision=bf16 data.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=16
+    # C. (optional) the torch backend's throughput: compiled blocks, async TP (~6 min, compilation)
+    python scripts/layout_check.py --gpus 2 --parts throughput --out /root/lc14c --time-budget 560 --timeout 240 \
+        --tput-backends torch-compile --precisions bf16 --tput-steps 8 --warmup 4 --dp-layout ddp --tp-layouts tp2 \
+        --tput-variants tp2:parallel.tp_comm_overlap=true
+
+4 and 8 GPUs (no such machine yet): the same calls with ``--gpus 4`` / ``--gpus 8``; the layout sets become
+ddp fsdp tp2 tp4 tp2pp2 cp2 / ddp fsdp tp2 tp4 tp8 tp4pp2 cp2, throughput adds the 2- and 4-GPU scaling rows:
+
+    python scripts/layout_check.py --gpus 8 --parts correctness,reshard --steps 8 --out /root/lc8b --timeout 150 \
+        -- model=125m precision=bf16 data.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=32
+    python scripts/layout_check.py --gpus 8 --parts throughput --out /root/lc8t --timeout 200 --tput-backends te \
+        --precisions bf16,fp8 --tput-steps 8 --warmup 3 --dp-layout fsdp --tp-layouts tp2,tp4,tp8 \
+        --tput-variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp4pp2
+    python scripts/layout_check.py --gpus 8 --parts big --big-backends te --precisions bf16,fp8 --big-model 8b \
+        --big-layout fsdp --big-micro 2 --out /root/lc8big
+    # 4 GPUs: --gpus 4, --tp-layouts tp2,tp4 and
+    #   --tput-variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp2pp2
+
+Any of them with ``--plan`` prints the launches and runs nothing. CPU dry run (gloo, fp32):
+
+    python scripts/layout_check.py --device cpu --gpus 2 --parts correctness,reshard,throughput --steps 4 \
+        --tput-model tiny --tput-seq 64 --precisions fp32 --tput-backends torch -- model=tiny data.seq_len=32 \
         train.micro_batch_size=2 train.global_batch_size=8
 """
 from __future__ import annotations
@@ -97,7 +123,15 @@ from difflm.config import CONF_DIR  # noqa: E402
 from difflm.config.schema import TrainConfig  # noqa: E402
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "UB_SKIPMC": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
+# TE's tensor parallelism: one CUDA work queue, so each TP collective is scheduled before the GEMM it overlaps
+# (TE warns without it; Megatron-LM requires it for TP communication overlap)
+TE_TP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+VARIANT_TAGS = {  # short names of the override variants in the layout column (--tput-variants)
+    "parallel.reduce_dtype=bf16": "bf16red", "parallel.tp_comm_overlap=true": "overlap",
+    "parallel.reshard_after_forward=false": "noreshard", "parallel.grad_sync=every": "syncall",
+    "parallel.activation_checkpointing=full": "ac", "parallel.activation_checkpointing=selective": "sac",
+}
 LAYOUTS = {
     2: ["ddp", "fsdp", "tp2", "pp2", "cp2"],
     4: ["ddp", "fsdp", "tp2", "tp4", "tp2pp2", "cp2"],
@@ -162,6 +196,39 @@ def skip_reason(layout: str, backend: str, device: str, gpus: int) -> Optional[s
     return None
 
 
+def parse_variant(entry: str) -> tuple[str, list[str], str]:
+    """``preset[:key=value...]`` -> (preset, overrides, label for the layout column), e.g. ``tp2:parallel.
+    tp_comm_overlap=true`` -> ("tp2", ["parallel.tp_comm_overlap=true"], "tp2+overlap")."""
+    preset, *overrides = [x for x in entry.split(":") if x]
+    tags = [VARIANT_TAGS.get(o, o.rsplit(".", 1)[-1]) for o in overrides]
+    return preset, overrides, "+".join([preset, *tags])
+
+
+def for_precision(entry: str, precision: str) -> Optional[str]:
+    """``--tp-layouts`` / ``--tput-variants`` entries may start with ``<precision>@`` to run for that precision only:
+    the entry without it when it applies to ``precision``, else None."""
+    only, sep, rest = entry.partition("@")
+    if not sep:
+        return entry
+    return rest if only == precision else None
+
+
+def launch_env(overrides: list[str]) -> dict[str, str]:
+    """Extra environment of one launch: :data:`TE_TP_ENV` for the TE backend under a tensor-parallel layout."""
+    if override_value(overrides, "model.backend", "torch") != "te":
+        return {}
+    tp = override_value(overrides, "parallel.tp")
+    if tp is None:
+        tp = layout_degrees(override_value(overrides, "parallel", "single"))["tp"]
+    return dict(TE_TP_ENV) if int(tp) > 1 else {}
+
+
+def max_memory(metrics: dict[int, dict]) -> Optional[float]:
+    """Peak ``mem_gib`` over the logged steps (rank 0's CUDA allocator peak: per GPU), None if not logged."""
+    values = [r["mem_gib"] for r in metrics.values() if r.get("mem_gib") is not None]
+    return max(values) if values else None
+
+
 # ------------------------------------------------------------------ metrics
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Logged training steps of ``<run_dir>/metrics.jsonl`` by step (rows with a loss)."""
@@ -220,6 +287,7 @@ class Row:
     tokens_per_s_per_gpu: Optional[float] = None
     efficiency: Optional[float] = None
     mfu: Optional[float] = None
+    mem_gib: Optional[float] = None
     status: str = "ok"  # ok | FAIL (tolerance) | failed | timeout | skipped | reference | planned
     note: str = ""
     run: str = ""
@@ -231,13 +299,14 @@ COLUMNS = [  # header, width, Row -> text
     ("part", 11, lambda r: r.part),
     ("backend", 13, lambda r: r.backend),
     ("prec", 5, lambda r: r.precision),
-    ("layout", 11, lambda r: r.layout),
+    ("layout", 17, lambda r: r.layout),
     ("GPUs", 4, lambda r: str(r.gpus)),
     ("loss diff", 9, lambda r: _num(r.loss_diff, "{:.2e}")),
     ("gnorm diff", 10, lambda r: _num(r.grad_diff, "{:.2e}")),
     ("tok/s/GPU", 10, lambda r: _num(r.tokens_per_s_per_gpu, "{:,.0f}")),
     ("eff", 6, lambda r: _num(r.efficiency, "{:.1%}")),
     ("MFU", 6, lambda r: _num(r.mfu, "{:.1%}")),
+    ("mem GiB", 7, lambda r: _num(r.mem_gib, "{:.1f}")),
 ]
 
 
@@ -371,44 +440,72 @@ class Runner:
             return [sys.executable, *args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
 
-    def env(self, ranks: int) -> dict[str, str]:
+    def env(self, ranks: int, overrides: list[str], gpu: Optional[int] = None) -> dict[str, str]:
         threads = str(max(1, min(4, (os.cpu_count() or 1) // ranks)))
-        return {"OMP_NUM_THREADS": threads, **os.environ, **SAFE_ENV}
+        env = {"OMP_NUM_THREADS": threads, **os.environ, **SAFE_ENV, **launch_env(overrides)}
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        return env
 
     def run(self, name: str, ranks: int, overrides: list[str], resume_from: Optional[Path] = None) -> RunResult:
         """Launch (or return the earlier result of the same launch). The run dir starts empty, except for
         ``resume_from`` (a ``checkpoints/step_<N>`` dir), copied in so the run resumes from it."""
-        run_dir = self.out / name
-        cmd = self.command(ranks, run_dir, overrides)
-        if name in self.done and self.done[name][0] == cmd:
-            return self.done[name][1]
-        result = self._launch(name, run_dir, ranks, cmd, resume_from)
-        self.done[name] = (cmd, result)
-        return result
+        return self.run_concurrent([(name, ranks, overrides, resume_from)])[0]
 
-    def _launch(self, name: str, run_dir: Path, ranks: int, cmd: list[str], resume_from: Optional[Path]) -> RunResult:
-        print(f"# {name} ({ranks} proc): {shlex.join(cmd)}", flush=True)
+    def run_concurrent(self, jobs: list[tuple], gpus: int = 1) -> list[RunResult]:
+        """Launches of ``(name, ranks, overrides, resume_from)``; when all are 1-rank CUDA runs and ``gpus`` > 1 they
+        run side by side, ``gpus`` at a time, each on its own GPU (``CUDA_VISIBLE_DEVICES``): the 1-GPU references
+        and baselines of a multi-GPU machine. Earlier identical launches are not repeated."""
+        results: list[Optional[RunResult]] = [None] * len(jobs)
+        pending = []
+        for i, (name, ranks, overrides, resume_from) in enumerate(jobs):
+            cmd = self.command(ranks, self.out / name, overrides)
+            if name in self.done and self.done[name][0] == cmd:
+                results[i] = self.done[name][1]
+            else:
+                pending.append((i, name, ranks, overrides, resume_from, cmd))
+        side_by_side = self.device == "cuda" and gpus > 1 and all(job[2] == 1 for job in pending)
+        width = gpus if side_by_side else 1
+        for first in range(0, len(pending), width):
+            started = []
+            for slot, (i, name, ranks, overrides, resume_from, cmd) in enumerate(pending[first:first + width]):
+                env = self.env(ranks, overrides, slot if side_by_side else None)
+                started.append((i, name, cmd, self._start(name, self.out / name, ranks, cmd, resume_from, env)))
+            for i, name, cmd, handle in started:
+                results[i] = self._finish(*handle)
+                self.done[name] = (cmd, results[i])
+        return results
+
+    def _start(self, name: str, run_dir: Path, ranks: int, cmd: list[str], resume_from: Optional[Path], env: dict):
+        extra = {k: v for k, v in env.items() if k in (*TE_TP_ENV, "CUDA_VISIBLE_DEVICES")}
+        print(f"# {name} ({ranks} proc{', ' + shlex.join(f'{k}={v}' for k, v in extra.items()) if extra else ''}): "
+              f"{shlex.join(cmd)}", flush=True)
         if self.plan:
-            return RunResult(name, run_dir, ok=False, status="planned")
+            return (name, run_dir, None, 0.0, 0.0, "planned")
         limit = min(self.timeout, self.remaining())
         if limit < 10:
-            return RunResult(name, run_dir, ok=False, status="skipped", note="time budget")
+            return (name, run_dir, None, 0.0, 0.0, "skipped")
         shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: never mix with an earlier run
         run_dir.mkdir(parents=True)
         if resume_from is not None:
             shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
         (run_dir / "cmd.txt").write_text(shlex.join(cmd) + "\n")
-        start = time.monotonic()
         with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(ranks), stdout=out, stderr=err,
-                                    start_new_session=True)
-            try:
-                proc.wait(timeout=limit)
-                status = "ok" if proc.returncode == 0 else "failed"
-                note = "" if status == "ok" else f"exit status {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                stop_process_tree(proc)
-                status, note = "timeout", f"killed after {limit:.0f} s"
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+        return (name, run_dir, proc, time.monotonic(), limit, "started")
+
+    def _finish(self, name: str, run_dir: Path, proc, start: float, limit: float, state: str) -> RunResult:
+        if state == "planned":
+            return RunResult(name, run_dir, ok=False, status="planned")
+        if state == "skipped":
+            return RunResult(name, run_dir, ok=False, status="skipped", note="time budget")
+        try:
+            proc.wait(timeout=max(1.0, limit - (time.monotonic() - start)))
+            status = "ok" if proc.returncode == 0 else "failed"
+            note = "" if status == "ok" else f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            stop_process_tree(proc)
+            status, note = "timeout", f"killed after {limit:.0f} s"
         result = RunResult(name, run_dir, ok=status == "ok", status=status, note=note,
                            metrics=read_metrics(run_dir), stdout=(run_dir / "stdout.log").read_text(errors="replace"),
                            wall_s=time.monotonic() - start)
@@ -455,9 +552,9 @@ class LayoutCheck:
         tmp.replace(self.args.out / "layout_check.json")
 
     def row_from(self, row: Row, result: RunResult) -> Row:
-        """Copy a launch's status, note, name, wall time and stderr excerpt into ``row``."""
+        """Copy a launch's status, note, name, wall time, peak memory and stderr excerpt into ``row``."""
         row.status, row.note, row.run, row.wall_s = result.status, result.note, result.name, result.wall_s
-        row.stderr_tail = result.stderr_tail
+        row.stderr_tail, row.mem_gib = result.stderr_tail, max_memory(result.metrics)
         return row
 
     def judge(self, row: Row) -> None:
@@ -476,16 +573,19 @@ class LayoutCheck:
             return [f"parallel={layout}"], ""
         return [f"parallel={layout}", f"train.micro_batch_size={mb}"], f"micro-batch {mb}"
 
-    def correctness_run(self, backend: str, layout: str) -> tuple[RunResult, str]:
-        """The correctness launch of ``layout`` (the reshard source also saves at step N/2)."""
+    def correctness_job(self, backend: str, layout: str) -> tuple[tuple, str]:
+        """The correctness launch of ``layout`` as a Runner job (the reshard source also saves at step N/2)."""
         overrides, note = self.layout_overrides(layout)
         saves = "reshard" in self.args.parts and layout in self.reshard_from and self.half > 0
         save = [f"train.save_every={self.half}"] if saves else []
         ranks = 1 if layout == "single" else self.args.gpus
-        result = self.runner.run(f"correctness/{backend}/{layout}", ranks,
-                                 [*BACKENDS[backend], *self.shared, f"train.max_steps={self.args.steps}",
-                                  *overrides, *save])
-        return result, note
+        job = (f"correctness/{backend}/{layout}", ranks,
+               [*BACKENDS[backend], *self.shared, f"train.max_steps={self.args.steps}", *overrides, *save], None)
+        return job, note
+
+    def correctness_run(self, backend: str, layout: str) -> tuple[RunResult, str]:
+        job, note = self.correctness_job(backend, layout)
+        return self.runner.run(*job), note
 
     def reference(self, backend: str) -> RunResult:
         return self.correctness_run(backend, "single")[0]
@@ -581,17 +681,23 @@ class LayoutCheck:
             pass
 
     # -------------------------------------------------------------- throughput
-    def tput_run(self, label: str, backend: str, precision: str, layout: str, ranks: int, model: str,
-                 micro: int, extra: list[str]) -> tuple[Row, RunResult]:
-        """One throughput launch: weak scaling, global batch = micro x accum x dp."""
-        dp = 1 if layout == "single" else dp_degree(layout, ranks)
+    def tput_job(self, label: str, backend: str, precision: str, layout: str, ranks: int, model: str,
+                 micro: int, extra: list[str]) -> tuple:
+        """One throughput launch as a Runner job: weak scaling, global batch = micro x accum x dp. ``layout`` is a
+        preset or a variant ``preset:key=value...`` (:func:`parse_variant`)."""
+        preset, variant, tag = parse_variant(layout)
+        dp = 1 if preset == "single" else dp_degree(preset, ranks)
         overrides = [*TPUT_BACKENDS[backend], f"precision={precision}", f"model={model}",
                      f"data.seq_len={self.args.tput_seq}", f"train.micro_batch_size={micro}",
                      f"train.global_batch_size={micro * self.args.tput_accum * dp}",
-                     f"train.max_steps={self.args.tput_steps}", f"parallel={layout}", *extra]
-        row = Row(label, backend, precision, layout, ranks)
-        result = self.runner.run(f"{label}/{backend}-{precision}/{model}-{layout}-{ranks}", ranks, overrides)
-        self.row_from(row, result)
+                     f"train.max_steps={self.args.tput_steps}", f"parallel={preset}", *extra, *variant]
+        return (f"{label}/{backend}-{precision}/{model}-{tag}-{ranks}", ranks, overrides, None)
+
+    def tput_row(self, label: str, backend: str, precision: str, layout: str, ranks: int, result: RunResult,
+                 micro: int) -> Row:
+        preset, _, tag = parse_variant(layout)
+        dp = 1 if preset == "single" else dp_degree(preset, ranks)
+        row = self.row_from(Row(label, backend, precision, tag, ranks), result)
         try:  # a launch stopped by its timeout still reports the steps it logged
             summary = summarize_throughput(result.metrics, self.args.warmup)
             row.tokens_per_s_per_gpu, row.mfu = summary["tokens_per_s_per_gpu"], summary["mfu"]
@@ -600,11 +706,19 @@ class LayoutCheck:
         except ValueError as err:
             if result.ok:
                 row.status, row.note = "failed", str(err)
-        return row, result
+        return row
+
+    def tput_run(self, label: str, backend: str, precision: str, layout: str, ranks: int, model: str,
+                 micro: int, extra: list[str]) -> tuple[Row, RunResult]:
+        result = self.runner.run(*self.tput_job(label, backend, precision, layout, ranks, model, micro, extra))
+        return self.tput_row(label, backend, precision, layout, ranks, result, micro), result
 
     def check_throughput(self) -> None:
+        """1-GPU baselines (side by side on the machine's GPUs), then per backend and precision: data-parallel
+        scaling (``--dp-layout`` on 2, 4, 8 GPUs up to ``--gpus``), the TP layouts and the variants on all GPUs."""
         a = self.args
         extra = shlex.split(a.tput_overrides)
+        combos = []
         for backend in a.tput_backends:
             for precision in a.precisions:
                 if precision == "fp8" and backend != "te":
@@ -613,23 +727,28 @@ class LayoutCheck:
                 if reason is not None:
                     self.add(skipped(Row("throughput", backend, precision, "-", 1), reason))
                     continue
-                baseline = None
-                counts = [n for n in (1, 2, 4, 8) if n <= a.gpus]
-                plan = [("single" if n == 1 else a.dp_layout, n) for n in counts] + \
-                    [(tp, a.gpus) for tp in a.tp_layouts if min_ranks(tp) <= a.gpus]
-                for layout, ranks in plan:
-                    row, _ = self.tput_run("throughput", backend, precision, layout, ranks, a.tput_model,
-                                           a.tput_micro, extra)
-                    if ranks == 1 and row.tokens_per_s_per_gpu is not None:
-                        baseline = row.tokens_per_s_per_gpu
-                    row.efficiency = scaling_efficiency(row.tokens_per_s_per_gpu, baseline)
-                    self.add(row)
+                combos.append((backend, precision))
+        baselines = self.runner.run_concurrent(
+            [self.tput_job("throughput", b, p, "single", 1, a.tput_model, a.tput_micro, extra) for b, p in combos],
+            a.gpus)
+        for (backend, precision), base in zip(combos, baselines):
+            row = self.tput_row("throughput", backend, precision, "single", 1, base, a.tput_micro)
+            baseline = row.tokens_per_s_per_gpu
+            self.add(row)
+            entries = [for_precision(e, precision) for e in (*a.tp_layouts, *a.tput_variants)]
+            plan = [(a.dp_layout, n) for n in (2, 4, 8) if n <= a.gpus] + \
+                [(e, a.gpus) for e in entries if e is not None and min_ranks(parse_variant(e)[0]) <= a.gpus]
+            for layout, ranks in plan:
+                row, _ = self.tput_run("throughput", backend, precision, layout, ranks, a.tput_model, a.tput_micro,
+                                       extra)
+                row.efficiency = scaling_efficiency(row.tokens_per_s_per_gpu, baseline)
+                self.add(row)
 
     def check_big_model(self) -> None:
         a = self.args
         extra = [*shlex.split(a.tput_overrides), *shlex.split(a.big_overrides)]
         for backend in a.big_backends:
-            for precision in a.precisions:
+            for precision in a.big_precisions or a.precisions:
                 if precision == "fp8" and backend != "te":
                     continue
                 reason = skip_reason(a.big_layout, backend, a.device, a.gpus)
@@ -643,16 +762,22 @@ class LayoutCheck:
 
     # -------------------------------------------------------------- all
     def run(self) -> list[Row]:
-        """Correctness and reshard backend by backend (a time budget then cuts the last backend, not a whole
-        part), then throughput, then big; the final table lists the rows part by part."""
+        """The parts in ``--parts`` order, correctness and reshard together, backend by backend (a time budget then
+        cuts the last parts or backend, not a whole part); the final table lists the rows part by part."""
         per_backend = [p for p in ("correctness", "reshard") if p in self.args.parts]
-        for backend in self.args.backends if per_backend else []:
-            for part in per_backend:
-                getattr(self, f"check_{part}")(backend)
-        if "throughput" in self.args.parts:
-            self.check_throughput()
-        if "big" in self.args.parts:
-            self.check_big_model()
+        order = list(dict.fromkeys("per_backend" if p in per_backend else p for p in self.args.parts))
+        for part in order:
+            if part == "per_backend":
+                # the 1-GPU references of every backend side by side, one GPU each
+                self.runner.run_concurrent([self.correctness_job(b, "single")[0] for b in self.args.backends
+                                            if skip_reason("single", b, self.args.device, 1) is None], self.args.gpus)
+                for backend in self.args.backends:
+                    for name in per_backend:
+                        getattr(self, f"check_{name}")(backend)
+            elif part == "throughput":
+                self.check_throughput()
+            elif part == "big":
+                self.check_big_model()
         self.rows.sort(key=lambda r: PARTS.index(r.part))  # stable: run order within a part
         self.write_json()
         print(f"\n# layout_check: {len(self.rows)} rows in {time.monotonic() - self.runner.start:.0f} s, "
@@ -670,7 +795,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--gpus", type=int, default=2, help="ranks of the multi-process runs (2, 4 or 8)")
     ap.add_argument("--parts", type=csv, default=["correctness", "reshard", "throughput"],
-                    help="comma-separated: correctness, reshard (both backend by backend), throughput, big")
+                    help="comma-separated, run in this order: correctness, reshard (both backend by backend), "
+                         "throughput, big")
     ap.add_argument("--out", type=Path, default=Path("layout_check"))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (NCCL) or cpu (gloo dry run)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per launch before it is killed")
@@ -695,13 +821,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tput-steps", type=int, default=12)
     g.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
     g.add_argument("--dp-layout", default="fsdp", help="data-parallel preset of the scaling rows")
-    g.add_argument("--tp-layouts", type=csv, default=["tp2", "tp4"])
+    g.add_argument("--tp-layouts", type=csv, default=["tp2", "tp4"], help="rows on all GPUs ([prec@]preset)")
+    g.add_argument("--tput-variants", type=csv, default=[],
+                   help="more rows on all GPUs, [prec@]preset[:key=value...] each, e.g. "
+                        "ddp:parallel.reduce_dtype=bf16 or bf16@tp2:parallel.tp_comm_overlap=true")
     g.add_argument("--tput-overrides", default="", help="extra overrides of every throughput run (one string)")
     g = ap.add_argument_group("big (one large model under one layout)")
     g.add_argument("--big-model", default="8b")
     g.add_argument("--big-layout", default="fsdp")
     g.add_argument("--big-micro", type=int, default=1)
     g.add_argument("--big-backends", type=csv, default=None, help="default: the first of --tput-backends")
+    g.add_argument("--big-precisions", type=csv, default=None, help="default: --precisions")
     g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
     ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs")
     args = ap.parse_args(argv)

@@ -122,7 +122,7 @@ def test_plan_lists_every_launch_of_a_gpu_run(tmp_path, capsys):
                     "--", "model=125m", "precision=bf16", "train.micro_batch_size=4", "train.global_batch_size=16"])
     by = {(r.part, r.backend, r.precision, r.layout, r.gpus): r for r in rows}
     assert by["correctness", "torch", "bf16", "tp4pp2", 8].status == "planned"
-    assert by["correctness", "te", "bf16", "tp4pp2", 8].status == "planned"  # TE stages: the one model
+    assert by["correctness", "te", "bf16", "tp4pp2", 8].status == "planned"  # TE stages come from the one model
     assert by["reshard", "torch", "bf16", "tp2pp2>fsdp", 8].status == "planned"
     assert by["correctness", "torch", "bf16", "ddp", 8].note == "micro-batch 2"  # 16 / (2 x 8 dp)
     assert [r.gpus for r in rows if r.part == "throughput" and r.backend == "te" and r.precision == "fp8"] == \
@@ -133,3 +133,38 @@ def test_plan_lists_every_launch_of_a_gpu_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "--nproc-per-node=8" in printed and "train.global_batch_size=128" in printed  # 4 x 4 x 8 weak scaling
     assert json.loads((tmp_path / "layout_check.json").read_text())["rows"][0]["status"] == "planned"
+
+
+def test_variants_precisions_and_launch_environment():
+    assert lc.parse_variant("tp2:parallel.tp_comm_overlap=true") == ("tp2", ["parallel.tp_comm_overlap=true"],
+                                                                     "tp2+overlap")
+    assert lc.parse_variant("ddp:parallel.reduce_dtype=bf16:parallel.fsdp_prefetch=2") == \
+        ("ddp", ["parallel.reduce_dtype=bf16", "parallel.fsdp_prefetch=2"], "ddp+bf16red+fsdp_prefetch=2")
+    assert lc.parse_variant("fsdp") == ("fsdp", [], "fsdp")
+    assert lc.for_precision("bf16@tp2", "bf16") == "tp2" and lc.for_precision("bf16@tp2", "fp8") is None
+    assert lc.for_precision("tp2:x=1", "fp8") == "tp2:x=1"
+    assert lc.launch_env(["model.backend=te", "parallel=tp2"]) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert lc.launch_env(["model.backend=te", "parallel=ddp"]) == {}
+    assert lc.launch_env(["model.backend=torch", "parallel=tp2"]) == {}
+    assert lc.launch_env(["model.backend=te", "parallel=fsdp", "parallel.tp=2"]) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert lc.SAFE_ENV["UB_SKIPMC"] == "1" and lc.SAFE_ENV["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_issue14_plan_runs_baselines_side_by_side(tmp_path, capsys):
+    """The 2-GPU throughput call of the docstring: both 1-GPU baselines at once on GPUs 0 and 1, then the rows."""
+    rows = lc.main(["--plan", "--gpus", "2", "--parts", "throughput,big", "--out", str(tmp_path), "--tput-backends",
+                    "te", "--precisions", "bf16,fp8", "--dp-layout", "ddp", "--tp-layouts", "bf16@tp2",
+                    "--tput-variants", "ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true",
+                    "--big-model", "8b", "--big-micro", "1", "--big-precisions", "bf16"])
+    got = [(r.part, r.precision, r.layout, r.gpus) for r in rows]
+    assert got == [("throughput", "bf16", "single", 1), ("throughput", "bf16", "ddp", 2),
+                   ("throughput", "bf16", "tp2", 2), ("throughput", "bf16", "ddp+bf16red", 2),
+                   ("throughput", "bf16", "tp2+overlap", 2), ("throughput", "fp8", "single", 1),
+                   ("throughput", "fp8", "ddp", 2), ("throughput", "fp8", "ddp+bf16red", 2),
+                   ("throughput", "fp8", "tp2+overlap", 2), ("big", "bf16", "fsdp", 2)]
+    printed = capsys.readouterr().out.splitlines()
+    launches = [line for line in printed if line.startswith("# ")]
+    assert "CUDA_VISIBLE_DEVICES=0" in launches[0] and "te-bf16/1.7b-single" in launches[0]
+    assert "CUDA_VISIBLE_DEVICES=1" in launches[1] and "te-fp8/1.7b-single" in launches[1]
+    overlap = next(line for line in launches if "tp2+overlap" in line and "te-fp8" in line)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in overlap and "parallel.tp_comm_overlap=true" in overlap

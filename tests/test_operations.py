@@ -358,3 +358,65 @@ def test_checksums_catch_a_flipped_byte(fast_cfg):
     messages = []
     assert latest_checkpoint(cfg.run.dir, report=messages.append)[0] == 2
     assert "does not match its SHA-256" in messages[0]
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the difflm.train workers a torchrun launch started (from /proc: their RANK variable)."""
+    from conftest import load_script
+
+    found = {}
+    for pid in load_script("layout_check").descendants(launcher.pid):
+        try:
+            items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            env = dict(item.split("=", 1) for item in items if "=" in item)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        if "difflm.train" in cmdline and "RANK" in env and "torch.distributed.run" not in cmdline:
+            found[int(env["RANK"])] = pid
+    return found
+
+
+@pytest.mark.slow
+def test_sigkill_one_rank_of_tp2pp2_three_times_then_resume_matches(tmp_path):
+    """tp2 x pp2 on 4 gloo ranks: three times in a row, SIGKILL one rank picked at random at a random moment (mid-step
+    or mid-save); torchrun stops the others, the same command resumes from the last complete checkpoint, and every
+    step any of the launches logged has the uninterrupted run's loss, bit for bit."""
+    from conftest import load_script
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+                "difflm.train", *FAST, "parallel=tp2pp2", "device=cpu", "train.eval_every=0", "logger.log_every=1",
+                "objective.random_length_prob=0", "train.max_steps=8", "train.save_every=2",
+                f"data.cache_dir={tmp_path / 'cache'}"]
+    subprocess.run([*torchrun, f"run.dir={tmp_path / 'ref'}"], env=env, check=True, capture_output=True, timeout=900)
+    reference = last_losses(tmp_path / "ref")
+    assert sorted(reference) == list(range(1, 9))
+    run_dir, rng, kills = tmp_path / "run", random.Random(0), []
+    metrics = run_dir / "metrics.jsonl"
+    logged = lambda: metrics.read_text().count("\n") if metrics.exists() else 0  # noqa: E731
+    for trial in range(3):
+        with open(tmp_path / f"trial{trial}.log", "w") as log:
+            proc = subprocess.Popen([*torchrun, f"run.dir={run_dir}"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            target, deadline = logged() + rng.randint(1, 2), time.monotonic() + 600
+            while logged() < target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.5))  # somewhere in the next step, or in the save after it
+            ranks = worker_pids(proc)
+            if proc.poll() is None and len(ranks) == 4:
+                victim = rng.randrange(4)
+                os.kill(ranks[victim], signal.SIGKILL)
+                kills.append((victim, max(last_losses(run_dir), default=0)))
+            proc.wait(timeout=300)  # torchrun stops the surviving ranks and fails
+        finally:
+            if proc.poll() is None:
+                load_script("layout_check").stop_process_tree(proc)
+        got = last_losses(run_dir)
+        assert got == {s: reference[s] for s in got}, (trial, kills)  # this launch resumed where it should
+    assert len(kills) == 3, kills
+    done = subprocess.run([*torchrun, f"run.dir={run_dir}"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "from step" in done.stdout  # resumed, not restarted
+    assert last_losses(run_dir) == reference
+    print("SIGKILLed (rank, last logged step):", kills, "checkpoints:", [s for s, _ in list_checkpoints(run_dir)])

@@ -78,6 +78,9 @@ LAYOUTS = {
     "tp2_sp": (2, ["parallel=tp2"]),
     "pp2_1f1b": (2, ["parallel=pp2"]),
     "pp2_interleaved": (2, ["parallel=pp2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_virtual_stages=2"]),
+    # data-parallel levers that change when and how often FSDP2 communicates, not what it computes
+    "fsdp_levers": (2, ["parallel=fsdp", "parallel.reshard_after_forward=false", "parallel.fsdp_prefetch=2",
+                        "parallel.grad_sync=every"]),
 }
 
 
@@ -92,6 +95,18 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
     # rank 0 alone writes: one metrics file, one config, Hydra's files in run.dir, nothing in the other ranks' cwd
     assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra").is_dir()
     assert list(cwd.iterdir()) == []
+
+
+def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
+    """parallel.reduce_dtype=bf16 rounds the summed gradients to BF16 (8 bits of mantissa): the curve moves, a little."""
+    run_dir = work / "ddp_bf16_reduce"
+    launch(2, run_dir, work / "cache", "train.max_steps=3", "train.save_every=0", "parallel=ddp",
+           "parallel.reduce_dtype=bf16")
+    got = rows(run_dir)
+    for s in (1, 2, 3):
+        assert got[s]["loss"] == pytest.approx(reference[s]["loss"], rel=1e-3)
+        assert got[s]["grad_norm"] == pytest.approx(reference[s]["grad_norm"], rel=2e-2)
+    assert any(got[s]["grad_norm"] != reference[s]["grad_norm"] for s in (1, 2, 3))  # it did reduce in BF16
 
 
 def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
@@ -237,8 +252,12 @@ def test_parallel_dims_fill_and_mesh_order():
     (["parallel=cp2", "device=cpu"], 2, "parallel.cp>1 needs CUDA"),
     (["parallel=tp2", "model.tie_embeddings=true"], 2, "model.tie_embeddings=true"),
     (["parallel=fsdp", "parallel.activation_checkpointing=some"], 2, "parallel.activation_checkpointing='some'"),
-    (["parallel=pp2", "data.intra_document_attention=true"], 2, "data.intra_document_attention=true passes"),
-    (["parallel=pp2", "objective=bd3lm"], 2, "objective=bd3lm passes attention masks"),
+    (["parallel=pp2", "data.intra_document_attention=true"], 2, "data.intra_document_attention=true gives every"),
+    (["parallel=cp2", "objective=bd3lm", "device=cuda"], 2, "objective=bd3lm with parallel.cp=2"),
+    (["parallel=fsdp", "parallel.reduce_dtype=fp16"], 2, "parallel.reduce_dtype='fp16' is not one of: fp32, bf16"),
+    (["parallel=fsdp", "parallel.grad_sync=never"], 2, "parallel.grad_sync='never'"),
+    (["parallel=fsdp", "parallel.fsdp_prefetch=-1"], 2, "parallel.fsdp_prefetch=-1 must be >= 0"),
+    (["parallel=tp2", "parallel.tp_comm_overlap=true"], 2, "parallel.tp_comm_overlap=true needs CUDA"),
 ])
 def test_bad_layouts_are_one_line_errors(overrides, world, needle):
     from difflm.config.validate import check_parallel, resolve_device
@@ -249,6 +268,39 @@ def test_bad_layouts_are_one_line_errors(overrides, world, needle):
     with pytest.raises(DifflmError) as err:
         check_parallel(cfg, world, resolve_device("cpu"))
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel=fsdp"], "this layout has parallel.tp=1"),
+    (["parallel=tp2", "parallel.sequence_parallel=false"], "sequence_parallel=False"),
+    (["parallel=tp2", "model.backend=torch"], "set parallel.compile=true"),
+    (["parallel=tp2", "model.backend=te", "objective.random_length_prob=0.01"], "objective.random_length_prob=0.01"),
+])
+def test_tp_comm_overlap_refusals_on_a_gpu(overrides, needle):
+    """What ``parallel.tp_comm_overlap`` needs besides CUDA (checked as on a GPU machine)."""
+    from difflm.config.validate import check_tp_comm_overlap
+    from difflm.parallel.mesh import ParallelDims
+
+    cfg = compose_run(["parallel.tp_comm_overlap=true", *overrides])
+    with pytest.raises(DifflmError) as err:
+        check_tp_comm_overlap(cfg, ParallelDims.from_config(cfg.parallel, 2), torch.device("cuda"))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    ok = compose_run(["parallel=tp2", "parallel.tp_comm_overlap=true", "parallel.compile=true"])
+    check_tp_comm_overlap(ok, ParallelDims.from_config(ok.parallel, 2), torch.device("cuda"))  # accepted
+
+
+def test_async_tensor_parallel_switch_keeps_multicast_off(monkeypatch):
+    """The torch backend's tp_comm_overlap: Inductor's micro-pipelined TP, symmetric memory without multicast."""
+    import torch._inductor.config as inductor_config
+
+    from difflm.parallel.parallelize import enable_async_tensor_parallel
+
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "placeholder")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST")
+    enable_async_tensor_parallel()
+    assert inductor_config._micro_pipeline_tp is True
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
 
 def test_random_lengths_round_to_the_layout_multiple():

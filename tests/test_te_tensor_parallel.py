@@ -3,7 +3,8 @@
 Transformer Engine itself needs CUDA; what difflm adds around it is plain torch.distributed and is checked
 here against single-process values: the sequence-parallel scatter/gather and their gradients, the shard
 arithmetic (init, checkpoints), partial-gradient sums and the global gradient norm over TP-sharded plain
-tensors. The GPU end-to-end check (tp2 losses vs one GPU) is ``scripts/layout_check.py``.
+tensors. The TE kernel set under TP on the CPU stand-in: tests/test_vocab_parallel.py (losses and gradients vs one
+process) and tests/test_materialize.py (initial weights). The GPU end-to-end check is ``scripts/layout_check.py``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from difflm.model.init import megatron_init_
+from difflm.parallel.materialize import ShardLocator
 from difflm.parallel.parallelize import grad_norm_and_clip
 from difflm.parallel.te_tensor_parallel import (
     TensorParallelShards,
@@ -59,11 +61,26 @@ class FakeTE(nn.Module):
         return TensorParallelShards(dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group), self.tp_group)
 
 
+class RankShards(FakeTE):
+    """A FakeTE that says it is TP rank ``rank`` of ``tp`` without a process group (for the init arithmetic)."""
+
+    def __init__(self, rank: int, tp: int):
+        super().__init__(tp, group=object())
+        self._place = TensorParallelShards(rank, tp)
+
+    def tp_shards(self) -> TensorParallelShards:
+        return self._place
+
+
+def init_(model: nn.Module, seed: int) -> None:
+    megatron_init_(model, CFG, seed, locate=ShardLocator([model]))
+
+
 def test_shard_names_and_partial_grads():
     assert shard_dim("layers.3.attention.qkv.weight") == 0
     assert shard_dim("layers.3._checkpoint_wrapped_module.mlp.fc2_weight") == 1
     assert shard_dim("layers.3.mlp.layer_norm_weight") is None
-    assert shard_dim("embedding.weight") is None and shard_dim("output.weight") is None
+    assert shard_dim("embedding.weight") is None and shard_dim("output.weight") == 0  # vocab-parallel head
     assert has_partial_grad("layers.0.attention.k_norm.weight", sequence_parallel=False)
     assert not has_partial_grad("layers.0.mlp.layer_norm_weight", sequence_parallel=False)
     assert has_partial_grad("layers.0.mlp.layer_norm_weight", sequence_parallel=True)
@@ -75,8 +92,8 @@ def test_tp_init_gives_the_shards_of_the_single_process_init():
     full = FakeTE()
     megatron_init_(full, CFG, seed=7)
     for rank in range(TP):
-        part = FakeTE(TP)
-        megatron_init_(part, CFG, seed=7, shards=TensorParallelShards(rank, TP))
+        part = RankShards(rank, TP)
+        init_(part, seed=7)
         proj = full.layers[0].attention.proj.weight.chunk(TP, dim=1)[rank]
         fc1 = interleave_gate_up(full.layers[0].mlp.fc1_weight, TP).chunk(TP, dim=0)[rank]
         torch.testing.assert_close(part.layers[0].attention.proj.weight, proj, rtol=0, atol=0)
@@ -100,12 +117,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         results = {}
         group = dist.group.WORLD
-        # sequence parallel boundaries: a replicated loss of gather(2 * scatter(x)) has the single-process gradient
+        # sequence parallel boundaries around a split computation (the vocab-parallel head): rank r's loss is
+        # sum(y[:, r]^2), its "vocabulary slice"; the sum over ranks is one process's sum((2 x[:, :2])^2), and the
+        # gather's backward (reduce-scatter) sums the ranks' partial gradients
         x = torch.arange(24, dtype=torch.float64).reshape(8, 3).requires_grad_()
         chunk = scatter_sequence(x, group)
         results["chunk"] = chunk.detach().clone()
         y = gather_sequence(2 * chunk, group)
-        (y ** 2).sum().backward()
+        (y[:, rank] ** 2).sum().backward()
         results["x_grad"] = x.grad.clone()
         results["y"] = y.detach().clone()
         # shards -> full is the inverse of full -> shards
@@ -115,7 +134,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["fc1_full"] = full
         # partial gradients summed, sharded ones left alone; the norm counts shards once and replicas once
         model = FakeTE(world, group)
-        megatron_init_(model, CFG, seed=3, shards=shards)
+        init_(model, seed=3)
         for p in model.parameters():
             p.grad = torch.full_like(p, float(rank + 1))
         reduced = all_reduce_partial_grads([model], group, sequence_parallel=True)
@@ -153,7 +172,8 @@ def test_sequence_scatter_gather_values_and_gradients(tp2_results):
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["chunk"], x[rank * 4:(rank + 1) * 4])
         torch.testing.assert_close(res["y"], 2 * x)
-        torch.testing.assert_close(res["x_grad"], 8 * x)  # d/dx sum((2x)^2) = 8x, on every rank
+        # d/dx sum((2 x[:, :2])^2) = 8x on columns 0 and 1, 0 on column 2, on every rank
+        torch.testing.assert_close(res["x_grad"], 8 * x * torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
 
 
 def test_shard_roundtrip_partial_grads_and_norm(tp2_results):

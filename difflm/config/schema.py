@@ -87,6 +87,12 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tp > 1: norms/residuals sharded over the sequence (Megatron SP)
     activation_checkpointing: str = "none"  # none | selective (every 2nd block) | full
     compile: bool = False  # torch.compile each block after TP/AC, before FSDP
+    # data-parallel levers (docs/parallel.md "Data-parallel levers"); the defaults keep the measured behaviour
+    reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of FSDP2's gradient reduce-scatter / all-reduce
+    reshard_after_forward: bool = True  # FSDP2: free gathered blocks after forward (false: keep them to backward)
+    fsdp_prefetch: int = 0  # 0: FSDP2's implicit prefetch; n >= 1: all-gather the next n blocks explicitly
+    grad_sync: str = "last"  # last: reduce gradients in the last micro-batch's backward | every: in every one
+    tp_comm_overlap: bool = False  # overlap SP all-gather/reduce-scatter with the GEMMs (TE userbuffers / async TP)
 
 
 @dataclass

@@ -162,6 +162,8 @@ def check_batch(cfg, world_size: int = 1) -> int:
 PARALLEL_CHOICES = {
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "parallel.activation_checkpointing": ("none", "selective", "full"),
+    "parallel.reduce_dtype": ("fp32", "bf16"),
+    "parallel.grad_sync": ("last", "every"),
 }
 
 
@@ -194,8 +196,8 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  f"parallel.tp={tp} with model.backend=te and model.moe.num_experts={moe.num_experts if moe else 0}: "
                  "the TE kernels run MoE layers without tensor parallelism; use model.backend=torch (MoE layers "
                  "replicated over TP) or parallel.tp=1 with parallel.ep")
-        _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: the tied LM head would need "
-                 "a vocab-parallel loss; set model.tie_embeddings=false or parallel.tp=1")
+        _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: under TP the LM head is "
+                 "vocab-parallel with its own weight (output.weight); set model.tie_embeddings=false or parallel.tp=1")
     if dims.pp_enabled:
         virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)
         _require(virtual >= 1, f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
@@ -213,6 +215,10 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  "the LM head (last stage) live on different ranks; set model.tie_embeddings=false")
         _require(not dims.cp_enabled, f"parallel.pp={dims.pp} with parallel.cp={dims.cp} is not supported yet: "
                  "use one of them")
+    _require(int(p.get("fsdp_prefetch", 0)) >= 0,
+             f"parallel.fsdp_prefetch={p.get('fsdp_prefetch')} must be >= 0 (0: FSDP2's own prefetching)")
+    if p.get("tp_comm_overlap", False):
+        check_tp_comm_overlap(cfg, dims, device)
     multiple = layout_length_multiple(p, dims)
     _require(d.seq_len % multiple == 0,
              f"data.seq_len={d.seq_len} is not a multiple of {multiple} (2 x parallel.cp={dims.cp} for load-balanced "
@@ -242,6 +248,27 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  "data.intra_document_attention=true gives every sample its own attention mask, which pipeline and "
                  "context-parallel layouts cannot carry: set it to false, or parallel.pp=1 and parallel.cp=1")
     return dims
+
+
+def check_tp_comm_overlap(cfg, dims, device: torch.device) -> None:
+    """What ``parallel.tp_comm_overlap=true`` needs (docs/parallel.md "TP communication overlap"): sequence-parallel
+    TP on CUDA; TE userbuffers with fixed token counts; torch async TP with compiled blocks."""
+    p, m = cfg.parallel, cfg.model
+    _require(dims.tp_enabled and p.sequence_parallel,
+             f"parallel.tp_comm_overlap=true overlaps the all-gather / reduce-scatter of sequence-parallel TP and this "
+             f"layout has parallel.tp={dims.tp}, parallel.sequence_parallel={p.sequence_parallel}: use tp > 1 with "
+             "sequence_parallel=true, or parallel.tp_comm_overlap=false")
+    _require(device.type == "cuda", "parallel.tp_comm_overlap=true needs CUDA (TE userbuffers / symmetric memory): "
+             "set parallel.tp_comm_overlap=false on this machine")
+    if m.backend == "te":
+        _require(cfg.objective.random_length_prob == 0,
+                 f"parallel.tp_comm_overlap=true with model.backend=te allocates userbuffers for data.seq_len x "
+                 f"train.micro_batch_size tokens and objective.random_length_prob={cfg.objective.random_length_prob} "
+                 "changes the length: set objective.random_length_prob=0")
+    else:
+        _require(bool(p.compile or m.get("compile", False)),
+                 "parallel.tp_comm_overlap=true with model.backend=torch is Inductor's async TP, which rewrites "
+                 "compiled blocks: set parallel.compile=true (or model.compile=true)")
 
 
 def check_run(cfg, world_size: int = 1) -> torch.device:

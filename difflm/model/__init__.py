@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from difflm.errors import DifflmError
 from difflm.model.kernels import build_kernels
 from difflm.model.transformer import Transformer
 
@@ -18,7 +19,7 @@ def resolve_model_config(cfg, vocab_size: int) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_heads
 
 
-def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int], precision=None,
+def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int], precision=None, meta: bool = False,
                 **te_parallel) -> Transformer:
     """Build on the meta device (no memory), materialise on ``device``, then initialise with ``seed``.
 
@@ -32,8 +33,10 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
             counting parameters, or callers that initialise on the device themselves, e.g. scripts/benchmark.py,
             where the keyed CPU draw of billions of values would dominate).
         precision: the ``precision`` config; the TE kernels read ``fp8_weights`` / ``fp8_skip_first_last``.
+        meta: stop after building on the meta device (``device`` is only checked): the caller lays the model out
+            and materialises each rank's shards (:func:`difflm.parallel.materialize.materialize`).
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).
-    Returns: a :class:`Transformer` with FP32 parameters on ``device`` in train mode.
+    Returns: a :class:`Transformer` with FP32 parameters on ``device`` in train mode (on ``meta`` with ``meta``).
     Raises: DifflmError for ``backend=te`` without Transformer Engine or CUDA.
     """
     device = torch.device(device)
@@ -46,6 +49,11 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
             check_te_device(device)
     kernels = build_kernels(cfg, "meta", precision, **te_parallel)
     fp8_weights = getattr(kernels, "fp8_weights_recipe", None) is not None
+    if meta:
+        if fp8_weights:
+            raise DifflmError("precision.fp8_weights=true creates TE's FP8 weights on the GPU and cannot be built "
+                              "on the meta device for a parallel layout: set precision.fp8_weights=false")
+        return Transformer(cfg, causal=causal, kernels=kernels)
     if fp8_weights:  # TE creates FP8 weights on the GPU directly
         kernels.device = device
     model = Transformer(cfg, causal=causal, kernels=kernels)

@@ -10,6 +10,8 @@ slot                   ``torch`` (:class:`TorchKernels`)           ``te`` (:clas
 ``linear``             ``nn.Linear(bias=False)``                    ``te.Linear``
 ``norm_mlp``           :class:`~difflm.model.layers.LayerNormMLP`   ``te.LayerNormMLP(activation="swiglu")``
 ``norm``               :class:`~difflm.model.layers.RMSNorm`        ``te.RMSNorm``
+``lm_head``            ``nn.Linear`` (vocab-parallel by DTensor TP)   ``nn.Linear``; under TP a local vocab shard
+                                                                    (:class:`~difflm.parallel.vocab_parallel.VocabParallelLinear`)
 ``attention_core``     None (:func:`~difflm.model.attention.attend`)  ``te.DotProductAttention`` (attention_backend=te)
 rotary embedding       cos/sin tables                               TE's fused RoPE kernel
 =====================  ==========================================  ==========================================
@@ -67,6 +69,10 @@ class TorchKernels:
         """RMSNorm over the last ``dim`` features; ``residual``: it normalises the residual stream (final norm)."""
         with torch.device(self.device):
             return RMSNorm(dim, eps)
+
+    def lm_head(self, hidden: int, vocab: int) -> nn.Module:
+        """The LM head ``output`` (weight [vocab, hidden]); DTensor TP makes it vocab-parallel later."""
+        return nn.Linear(hidden, vocab, bias=False, device=self.device)
 
     def attention_core(self, cfg, causal: bool, layer_number: int):
         """A layer's own attention module, or None: :func:`difflm.model.attention.attend` picks the kernel."""

@@ -11,7 +11,8 @@ Module for module (parameter names and shapes are those of the torch kernels, se
     layers.{i}.attention.proj     te.Linear                                    weight [d, h hd]
     layers.{i}.mlp                te.LayerNormMLP(activation="swiglu")         layer_norm_weight, fc1_weight [2f, d], fc2_weight [d, f]
     final_norm                    te.RMSNorm(d)                                weight [d]
-    embedding, output             torch nn.Embedding / nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head)
+    embedding, output             torch nn.Embedding / nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head);
+                                  under TP ``output`` is vocab-parallel (difflm.parallel.vocab_parallel)
 
 Every TE module also carries an ``_extra_state`` entry in the state dict (its FP8 scaling metadata: an empty uint8
 tensor until FP8 has run, then a serialized ``DelayedScaling`` amax history). That is the only difference between
@@ -21,7 +22,8 @@ the two layouts; :func:`torch_to_te_state_dict` and :func:`te_to_torch_state_dic
 Tensor/sequence/context parallelism use TE's own arguments (``tp_group``, ``parallel_mode``, ``sequence_parallel``,
 ``cp_group``): as the design notes say, the TE kernels are the one place that takes process groups in a
 constructor, because TE's TP/CP live inside its modules. With ``sequence_parallel`` the residual stream is kept
-sequence-first (``sbhd``, TE splits dim 0): :meth:`TEKernels.enter` scatters it, :meth:`TEKernels.exit` gathers it.
+sequence-first (``sbhd``, TE splits dim 0): :meth:`TEKernels.enter` scatters it, :meth:`TEKernels.exit` gathers it
+for the vocab-parallel LM head.
 Transformer Engine is imported only when a kernel set is built.
 """
 from __future__ import annotations
@@ -127,14 +129,19 @@ class TEKernels(TorchKernels):
             region, ``fp8_weights`` builds the other blocks' weights in FP8 (``te.quantized_model_init``).
         tp_group, sequence_parallel, cp_group, cp_global_ranks, cp_stream, cp_comm_type: passed to the TE modules
             (None / False: one GPU).
-    Raises: DifflmError when Transformer Engine cannot be imported, or when context parallelism is asked of an
-        attention backend other than ``te`` (TE's ring attention lives in ``te.DotProductAttention``).
+        ub_tokens: with sequence-parallel TP, overlap its all-gathers / reduce-scatters with the GEMMs through TE's
+            userbuffers (``parallel.tp_comm_overlap``): the token count of one micro-batch (seq_len x micro batch
+            / cp), the size of the communication buffers (:func:`initialize_userbuffers`). None: no overlap.
+    Raises: DifflmError when Transformer Engine cannot be imported, when context parallelism is asked of an
+        attention backend other than ``te`` (TE's ring attention lives in ``te.DotProductAttention``), or when
+        ``ub_tokens`` is given without sequence-parallel TP.
     """
 
     name = "te"
 
     def __init__(self, cfg, device="meta", precision=None, *, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"):
+                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
+                 ub_tokens: Optional[int] = None):
         super().__init__(cfg, device)
         self.te = import_te()
         options = fp8_layer_options(cfg, precision)
@@ -151,6 +158,19 @@ class TEKernels(TorchKernels):
                                   "set model.attention_backend=te")
             self.cp_args = dict(cp_group=cp_group, cp_global_ranks=cp_global_ranks, cp_comm_type=cp_comm_type,
                                 cp_stream=cp_stream if cp_stream is not None else torch.cuda.Stream())
+        self.ub = {}  # userbuffers arguments per slot (TE TransformerLayer's defaults under ub_tp_comm_overlap)
+        if ub_tokens is not None:
+            if not self.sequence_parallel:
+                raise DifflmError("parallel.tp_comm_overlap=true overlaps the communication of sequence-parallel TP: "
+                                  "set parallel.sequence_parallel=true with parallel.tp > 1")
+            initialize_userbuffers(ub_tokens, cfg.hidden_size, self.tp_size, fp8=precision_name(precision) == "fp8")
+            self.ub = {
+                "qkv": dict(ub_overlap_ag=True, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True, ub_bulk_wgrad=True,
+                            ub_name="qkv"),
+                "proj": dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name="proj"),
+                "mlp": dict(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True,
+                            ub_bulk_wgrad=True),
+            }
 
     def _tp(self, mode: Optional[str]) -> dict:
         args = dict(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel)
@@ -159,20 +179,31 @@ class TEKernels(TorchKernels):
     # ------------------------------------------------------------------ slots
     def norm_linear(self, in_features, out_features, *, eps, bias=False):
         return self.te.LayerNormLinear(in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm",
-                                       device=self.device, **self._tp("column"))
+                                       device=self.device, **self._tp("column"), **self.ub.get("qkv", {}))
 
     def linear(self, in_features, out_features):
-        return self.te.Linear(in_features, out_features, bias=False, device=self.device, **self._tp("row"))
+        return self.te.Linear(in_features, out_features, bias=False, device=self.device, **self._tp("row"),
+                              **self.ub.get("proj", {}))
 
     def norm_mlp(self, hidden, ffn, *, eps):
         return self.te.LayerNormMLP(hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
                                     tp_group=self.tp_group, tp_size=self.tp_size,
                                     set_parallel_mode=self.tp_group is not None,
-                                    sequence_parallel=self.sequence_parallel, device=self.device)
+                                    sequence_parallel=self.sequence_parallel, device=self.device,
+                                    **self.ub.get("mlp", {}))
 
     def norm(self, dim, *, eps, residual=False):
         return self.te.RMSNorm(dim, eps=eps, device=self.device,
                                sequence_parallel=(self.sequence_parallel or None) if residual else None)
+
+    def lm_head(self, hidden, vocab):
+        """A plain torch head (kept in BF16 under FP8, as Megatron-LM's); under TP this rank's rows of a vocab-parallel
+        head (:class:`difflm.parallel.vocab_parallel.VocabParallelLinear`)."""
+        if self.tp_group is None:
+            return super().lm_head(hidden, vocab)
+        from difflm.parallel.vocab_parallel import VocabParallelLinear
+
+        return VocabParallelLinear.local(hidden, vocab, self.tp_group, self.device)
 
     def attention_core(self, cfg, causal, layer_number):
         """A ``te.DotProductAttention`` per layer, whatever ``model.attention_backend`` (its ``_extra_state`` is part
@@ -212,10 +243,16 @@ class TEKernels(TorchKernels):
         return x
 
     def exit(self, x):
+        """[S(/tp), B, d] or [B, S, d] -> the full [B, S, d] for the vocab-parallel head, whose gradient to it is a
+        partial sum per TP rank: gathered with a reduce-scatter backward (SP), else an all-reduce backward."""
         if self.sequence_parallel:
             from difflm.parallel.te_tensor_parallel import gather_sequence
 
             x = gather_sequence(x, self.tp_group).transpose(0, 1)
+        elif self.tp_group is not None:
+            from difflm.parallel.vocab_parallel import copy_to_group
+
+            x = copy_to_group(x, self.tp_group)
         return x
 
     def layer_context(self, index):
@@ -239,6 +276,43 @@ class TEKernels(TorchKernels):
         return TensorParallelShards(dist.get_rank(self.tp_group), self.tp_size, self.tp_group)
 
 
+_UB_SHAPE: Optional[tuple] = None  # (tokens, hidden, tp, fp8) of this process's userbuffers
+
+
+def initialize_userbuffers(tokens: int, hidden: int, tp: int, fp8: bool) -> None:
+    """TE's userbuffers for comm/GEMM overlap of sequence-parallel TP (``initialize_ub``, once per process, before
+    the TE modules are built; Megatron-LM's ``_initialize_tp_communicators``): buffers of [tokens, hidden] in BF16,
+    plus FP8 ones for ``fp8`` runs (blocks that run in BF16 inside an FP8 run use the BF16 ones). Bootstrapped over
+    NCCL on the TP ranks, which are consecutive global ranks in difflm's mesh, as ``initialize_ub`` assumes.
+    NVLink multicast stays off: ``UB_SKIPMC=1`` (CUDA IPC instead) unless set.
+
+    Raises: DifflmError when they already exist with another shape, or when TE cannot create them (one line).
+    """
+    global _UB_SHAPE
+    import os
+
+    shape = (int(tokens), int(hidden), int(tp), bool(fp8))
+    if _UB_SHAPE is not None:
+        if _UB_SHAPE != shape:
+            raise DifflmError(f"TE userbuffers exist for (tokens, hidden, tp, fp8)={_UB_SHAPE} and this model asks "
+                              f"for {shape}: one process holds one set (parallel.tp_comm_overlap)")
+        return
+    os.environ.setdefault("UB_SKIPMC", "1")
+    from transformer_engine.pytorch.module import base
+
+    modes = [base.UserBufferQuantizationMode.NONE]
+    if fp8:
+        modes.insert(0, base.UserBufferQuantizationMode.FP8)
+    try:
+        base.initialize_ub([shape[0], shape[1]], tp, quantization_modes=modes, dtype=torch.bfloat16,
+                           bootstrap_backend="nccl")
+    except (RuntimeError, ValueError, AssertionError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DifflmError(f"parallel.tp_comm_overlap=true: Transformer Engine could not create its userbuffers "
+                          f"({first}); set parallel.tp_comm_overlap=false") from err
+    _UB_SHAPE = shape
+
+
 def check_te_device(device: torch.device) -> None:
     """Raises: DifflmError unless ``device`` is CUDA (TE's kernels are CUDA-only)."""
     if torch.device(device).type != "cuda":
@@ -247,4 +321,5 @@ def check_te_device(device: torch.device) -> None:
 
 
 __all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "check_te_device", "fp8_layer_options",
+           "initialize_userbuffers",
            "te_module_names", "te_to_torch_state_dict", "torch_to_te_state_dict"]

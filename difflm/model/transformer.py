@@ -126,8 +126,7 @@ class Transformer(nn.Module):
                 blocks.append(Block(cfg, causal, kernels, layer_number=i + 1))
         self.layers = nn.ModuleList(blocks)
         self.final_norm = kernels.norm(cfg.hidden_size, eps=cfg.norm_eps, residual=True)
-        self.output = (None if cfg.tie_embeddings
-                       else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=kernels.device))
+        self.output = None if cfg.tie_embeddings else kernels.lm_head(cfg.hidden_size, cfg.vocab_size)
 
     # ------------------------------------------------------------------ structure
     def blocks(self) -> list[tuple[int, nn.Module]]:
@@ -143,7 +142,7 @@ class Transformer(nn.Module):
         input under torch sequence parallelism.
 
         Forward of a stage: ``input_ids`` [B, S] on the first stage or hidden states from the previous stage;
-        returns hidden states, or on the last stage full logits [B, S, V] (the loss selects rows).
+        returns hidden states, or on the last stage logits [B, S, V] (the loss selects rows; [B, S, V/tp] under TP).
         """
         stage = Transformer.__new__(Transformer)
         nn.Module.__init__(stage)
@@ -232,20 +231,24 @@ class Transformer(nn.Module):
             return self.head(x, logits_mask)
 
     def head(self, x: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Final norm and LM head on the residual stream ``x``: logits [B, S, V], or [N, V] at ``logits_mask``."""
+        """Final norm and LM head on the residual stream ``x``: logits [B, S, V], or [N, V] at ``logits_mask``.
+        Under tensor parallelism the head is vocab-parallel: each rank returns its [.., V/tp] slice
+        (:mod:`difflm.parallel.vocab_parallel`; ``gather_logits`` for full ones)."""
         x = self.kernels.exit(self.final_norm(x))
         if getattr(self.cfg, "shift_logits", False):  # Dream: position i predicts token i (from state i - 1)
             x = torch.cat([x[:, :1], x[:, :-1]], dim=1)
         if logits_mask is not None:
             x = x[logits_mask] if logits_mask.dtype == torch.bool else x.flatten(0, 1).index_select(0, logits_mask)
-        return F.linear(x, self.head_weight())
+        return F.linear(x, self.embedding.weight) if self.output is None else self.output(x)
 
     # ------------------------------------------------------------------ weights
     def init_weights(self, seed: int) -> None:
         """Keyed Megatron-style init (:func:`difflm.model.init.megatron_init_`): every kernel set and every layout
-        built with the same seed holds identical weights (under TE's TP each rank draws the full tensor and keeps its
-        shard)."""
-        megatron_init_(self, self.cfg, seed, shards=self.tp_shards())
+        built with the same seed holds identical weights; a rank holding shards (TE's TP, DTensors) draws only the
+        init tiles of its shards (:class:`difflm.parallel.materialize.ShardLocator`)."""
+        from difflm.parallel.materialize import ShardLocator
+
+        megatron_init_(self, self.cfg, seed, locate=ShardLocator([self]))
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count of the whole model (TE TP shards counted at their full size, so MFU under TP is that of

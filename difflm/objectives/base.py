@@ -81,11 +81,13 @@ def loss_normaliser(norm: str, num_tokens: torch.Tensor) -> torch.Tensor:
     return num_tokens.double().sum()
 
 
-def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser) -> torch.Tensor:
+def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser, vocab_group=None) -> torch.Tensor:
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
-        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order).
+        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order); with ``vocab_group`` this
+            rank's vocabulary slice [N, V/tp] of a vocab-parallel head
+            (:func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`, collective over the group).
         norm: ``token`` sums the weighted CE of every loss position and divides by ``normaliser``, the
             number of loss tokens of the whole global batch (the mean over its tokens); ``sequence``
             divides each sequence's sum by its own ``num_tokens`` and the total by ``normaliser``, the
@@ -95,7 +97,13 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
             not depend on how the global batch is split.
     Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
-    ce = F.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
+    targets = batch.targets[batch.loss_mask]
+    if vocab_group is not None:
+        from difflm.parallel.vocab_parallel import vocab_parallel_cross_entropy
+
+        ce = vocab_parallel_cross_entropy(logits, targets, vocab_group)
+    else:
+        ce = F.cross_entropy(logits.float(), targets, reduction="none")
     per_position = torch.zeros_like(batch.weights)
     per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
     per_sequence = per_position.sum(dim=1)

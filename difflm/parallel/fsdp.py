@@ -57,18 +57,23 @@ def apply_compile(model: nn.Module) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: Optional[torch.dtype] = None,
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
-               expert_mesh=None) -> nn.Module:
+               expert_mesh=None, prefetch: int = 0) -> nn.Module:
     """``fully_shard`` every block, then the rest of ``model`` (embedding, final norm, head) as the root unit.
 
     Args:
         dp_mesh: 1-D (shard) or 2-D (replicate, shard) mesh; parameters that already are DTensors on the TP
             mesh get 2-D (dp, tp) placements from FSDP2.
         param_dtype / reduce_dtype: ``MixedPrecisionPolicy`` (bf16 compute with FP32 gradient reduction for
-            ``precision=bf16``; None keeps FP32).
-        reshard_after_forward: False under pipeline parallelism (each micro-batch would re-gather otherwise).
+            ``precision=bf16``; ``parallel.reduce_dtype=bf16`` halves the gradient traffic; None keeps FP32).
+        reshard_after_forward: free the all-gathered parameters after each block's forward (ZeRO-3) and gather them
+            again for its backward; False keeps them until the backward (one all-gather fewer per micro-batch, the
+            memory of the unsharded blocks). False under pipeline parallelism (each micro-batch would re-gather).
         expert_mesh: under expert parallelism, the mesh the routed experts (DTensors on ep) are sharded over
             (:func:`difflm.parallel.expert_parallel.expert_fsdp_mesh`); each MoE layer's ``experts`` becomes an
             FSDP unit of its own, inside its block's.
+        prefetch: 0 leaves FSDP2's implicit prefetching (the next block's all-gather is issued as the current one
+            runs); n >= 1 prefetches the next n blocks explicitly in forward and the previous n in backward
+            (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``).
     Returns: ``model`` (its class swapped to an ``FSDPModule``), gradients summed over the data-parallel ranks.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -79,9 +84,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: Optional[torch.dtype] 
 
         for experts in routed_expert_modules(model):
             fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    for _, block in _block_items(model):
+    blocks = [block for _, block in _block_items(model)]
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if prefetch > 0:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -1,4 +1,5 @@
-"""``parallelize``: apply a layout to a built model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``).
+"""``parallelize``: apply a layout to a model (torchtitan's ``parallelize_llama`` + ``pipeline_llm``);
+``build_parallel_model``: build on the meta device, lay out, materialise this rank's shards (what the trainer does).
 
 Order, per model part: pipeline split -> expert parallel (MoE experts sharded over ep, all-to-all dispatch) ->
 tensor/sequence parallel (DTensor; the TE backend does TP inside its modules) -> activation checkpointing ->
@@ -18,6 +19,8 @@ from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile, 
 from difflm.parallel.mesh import ParallelDims
 from difflm.parallel.pipeline import Pipeline, build_stage_models, loss_fns
 from difflm.parallel.tensor_parallel import apply_tensor_parallel
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype
 
 
 def sequence_parallel_enabled(p, dims: ParallelDims) -> bool:
@@ -40,7 +43,9 @@ def effective_length_multiple(cfg, dims: ParallelDims) -> int:
 
 def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.device,
                 n_microbatches: int) -> tuple[list[nn.Module], Optional[Pipeline]]:
-    """Lay ``model`` (built and initialised on ``device``, identical on every rank) out over ``mesh``.
+    """Lay ``model`` out over ``mesh``: on the meta device (then :func:`difflm.parallel.materialize.materialize`
+    allocates and initialises each rank's shards, as :func:`build_parallel_model` does), or built and initialised
+    identically on every rank.
 
     Returns (model parts of this rank, pipeline or None). Without pipeline parallelism the one part is
     ``model`` itself (same parameter names); with it, this rank's stage modules.
@@ -56,6 +61,9 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
         parts, ids, num_stages = [model], [0], 1
     param_dtype = torch.bfloat16 if cfg.precision.name in ("bf16", "fp8") else None
     emesh = expert_mesh(mesh, dims)
+    reduce_dtype = REDUCE_DTYPES[p.get("reduce_dtype", "fp32")]
+    if dims.tp_enabled and not te and p.get("tp_comm_overlap", False):
+        enable_async_tensor_parallel()
     for part in parts:
         if emesh is not None:
             apply_expert_parallel(part, expert_param_mesh(emesh, dims), emesh["ep"].get_group())
@@ -65,18 +73,63 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
         if p.compile or cfg.model.get("compile", False):
             apply_compile(part)
         if dims.fsdp_enabled:
-            apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype,
-                       reshard_after_forward=not dims.pp_enabled,
-                       expert_mesh=expert_fsdp_mesh(emesh, dims) if emesh is not None else None)
+            apply_fsdp(part, fsdp_mesh(mesh, dims), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=bool(p.get("reshard_after_forward", True)) and not dims.pp_enabled,
+                       expert_mesh=expert_fsdp_mesh(emesh, dims) if emesh is not None else None,
+                       prefetch=int(p.get("fsdp_prefetch", 0)))
     pipeline = None
     if dims.pp_enabled:
-        train_loss, eval_loss = loss_fns(cfg.objective)
+        vocab_group = mesh["tp"].get_group() if dims.tp_enabled else None
+        train_loss, eval_loss = loss_fns(cfg.objective, vocab_group)
         from difflm.training.precision import compute_dtype
 
         pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,
                             n_microbatches, train_loss, eval_loss,
                             activation_dtype=compute_dtype(cfg.precision) or torch.float32)
     return parts, pipeline
+
+
+def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, causal: bool,
+                         n_microbatches: int) -> tuple[list[nn.Module], Optional[Pipeline], int, dict]:
+    """This rank's part of the model of ``cfg`` under the layout ``dims``, without ever building the whole model:
+    built on the meta device, laid out there (:func:`parallelize`), then only this rank's shards are allocated on
+    ``device`` and initialised with the keyed init of ``train.seed`` (:func:`difflm.parallel.materialize.materialize`:
+    the weights of one process, drawn at O(shard) cost).
+
+    Returns (model parts, pipeline or None, the full model's parameter count without the input embedding (for MFU),
+    the TE process-group arguments the kernels got (empty for the torch backend)).
+    """
+    from difflm.model import build_model
+    from difflm.parallel.materialize import materialize
+    from difflm.parallel.mesh import te_process_groups
+
+    model_cfg = cfg.model.copy()
+    model_cfg.compile = False  # compiled per block after TP/AC, before FSDP (parallelize)
+    te_groups = {}
+    if cfg.model.backend == "te":
+        te_groups = te_process_groups(mesh, dims, sequence_parallel_enabled(cfg.parallel, dims))
+        if dims.tp_enabled and cfg.parallel.get("tp_comm_overlap", False):
+            te_groups["ub_tokens"] = cfg.data.seq_len * cfg.train.micro_batch_size // dims.cp
+    model = build_model(model_cfg, causal=causal, device=device, seed=cfg.train.seed, precision=cfg.precision,
+                        meta=True, **te_groups)
+    num_params = model.num_params()
+    parts, pipeline = parallelize(model, mesh, dims, cfg, device, n_microbatches)
+    materialize(parts, device, cfg.model, cfg.train.seed)
+    return parts, pipeline, num_params, te_groups
+
+
+def enable_async_tensor_parallel() -> None:
+    """Torch backend, ``parallel.tp_comm_overlap``: Inductor's micro-pipelined TP (async TP; torchtitan's
+    ``maybe_enable_async_tp``) fuses the sequence-parallel all-gather + matmul and matmul + reduce-scatter of the
+    compiled blocks into chunked, overlapped ops on symmetric memory. Needs compiled blocks and CUDA (checked by
+    :func:`difflm.config.validate.check_parallel`). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    unless set): symmetric memory then uses CUDA IPC peer access."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    inductor_config._micro_pipeline_tp = True
 
 
 def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None,

@@ -6,7 +6,8 @@ and a few things are left to the framework, as Megatron-LM does them (Shoeybi et
 Korthikanti et al. 2022, sec. 4.2.2):
 
 * the sequence split of the residual stream at the sequence-parallel boundaries: :func:`scatter_sequence`
-  after the embedding, :func:`gather_sequence` before the (replicated) LM head;
+  after the embedding, :func:`gather_sequence` before the vocab-parallel LM head
+  (:mod:`difflm.parallel.vocab_parallel`; its rows ``output.weight`` are split like TE's column-parallel weights);
 * gradients that are partial sums over the TP ranks: the RMSNorm scales applied to a sequence shard
   (``layer_norm_weight``, ``final_norm.weight`` with sequence parallelism) and the QK-norm scales, which each
   rank applies to its own heads only; :func:`all_reduce_partial_grads` sums them, like Megatron-LM's
@@ -39,6 +40,7 @@ SHARD_DIM = {  # parameter name suffix -> dimension split over TP ranks
     "attention.proj.weight": 1,
     "mlp.fc1_weight": 0,
     "mlp.fc2_weight": 1,
+    "output.weight": 0,  # the vocab-parallel LM head (difflm.parallel.vocab_parallel)
 }
 GATE_UP = "mlp.fc1_weight"
 
@@ -90,6 +92,16 @@ class TensorParallelShards:
             full = interleave_gate_up(full, self.size)
         return full.chunk(self.size, dim=dim)[self.rank]
 
+    def full_index(self, fqn: str, dim: int, index: torch.Tensor, held_size: int) -> torch.Tensor:
+        """Positions in the full tensor of the positions ``index`` along ``dim`` of this rank's shard (which has
+        ``held_size`` entries there): the sharded init (:mod:`difflm.parallel.materialize`) draws only those."""
+        if dim != shard_dim(fqn) or self.size == 1:
+            return index
+        full = torch.arange(held_size * self.size)
+        if clean_fqn(fqn).endswith(GATE_UP):
+            full = interleave_gate_up(full, self.size)
+        return full.chunk(self.size)[self.rank][index]
+
     def full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor from every rank's shard (collective over ``group``); inverse of :meth:`local`."""
         dim = shard_dim(fqn)
@@ -103,49 +115,60 @@ class TensorParallelShards:
 
 # ------------------------------------------------------------------ sequence-parallel boundaries
 class _ScatterSequence(torch.autograd.Function):
-    """Forward: keep this rank's chunk of dim 0; backward: all-gather the chunks' gradients."""
+    """Forward: keep this rank's chunk of ``dim``; backward: all-gather the chunks' gradients."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=0)[rank].contiguous()
+        return x.chunk(size, dim=dim)[rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the chunks along dim 0; backward: keep this rank's chunk of the gradient (the
-    computation after the gather is replicated, so every rank holds the same full gradient)."""
+    """Forward: all-gather the chunks along ``dim``; backward: reduce-scatter (sum the ranks' gradients, keep this
+    rank's chunk). What follows the gather is the vocab-parallel LM head, whose gradient to its input is a partial sum
+    on each rank (Megatron's ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=True)``)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim0(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=0)[rank].contiguous(), None
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
-def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()  # pipeline stages send and receive contiguous activations/gradients
 
 
-def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """[S, ...] (replicated on the TP ranks) -> this rank's [S / tp, ...] chunk; S must divide by tp."""
-    return _ScatterSequence.apply(x, group)
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """[S / tp, ...] chunks -> the full [S, ...] on every TP rank (inverse of :func:`scatter_sequence`)."""
-    return _GatherSequence.apply(x, group)
+def scatter_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """[.., S, ..] (replicated on the TP ranks, sequence along ``dim``) -> this rank's [.., S / tp, ..] chunk; S
+    must divide by tp. Backward: all-gather."""
+    return _ScatterSequence.apply(x, group, dim)
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """[.., S / tp, ..] chunks -> the full [.., S, ..] on every TP rank; backward: reduce-scatter (see
+    :class:`_GatherSequence`: used before the vocab-parallel LM head)."""
+    return _GatherSequence.apply(x, group, dim)
 
 
 # ------------------------------------------------------------------ gradients

@@ -17,9 +17,10 @@ mlp                        :class:`SwiGLUParallel`     fc1 Shard(0) of the gate/
 mlp (MoE)                  ``ReplicatedMoE``           all Replicate (routed experts: Shard(0) on ep when
                                                        ep > 1); runs on the gathered sequence
                                                        (:mod:`difflm.parallel.expert_parallel`)
-final_norm                 ``SequenceParallel``        (sequence_parallel only) weight Replicate
-output (LM head)           none (replicated)           the loss selects rows (``logits_mask``) of the
-                                                       full hidden states, then one full-vocab GEMM
+final_norm                 ``SequenceParallel`` +      weight Replicate; its output is gathered (SP) for
+                           :class:`EnterVocabParallel` the head, gradients summed over TP
+output (LM head)           :class:`VocabParallelStyle` weight Shard(0) (vocab-parallel): each rank's logits
+                                                       [N, V/tp]; vocab-parallel cross-entropy
 =========================  ==========================  ==============================================
 
 The fused QKV rows are grouped per KV head, so ``Shard(0)`` gives each rank whole groups when tp divides
@@ -29,9 +30,9 @@ parallelize time, to ``[gate_0; up_0; gate_1; up_1; ...]`` (:func:`interleave_ga
 hands rank r ``[gate_r; up_r]``, and the checkpoint code un-permutes (:func:`canonical_state_dict`), so state
 dicts and DCP checkpoints hold the ``[gate; up]`` layout of a single process under every layout.
 
-The LM head stays replicated: ``Transformer.forward`` selects the masked rows of the hidden states and
-calls ``F.linear`` with ``head_weight()`` itself, so a vocab-parallel head (``loss_parallel``) would need a
-change in the model (left for later, docs/parallel.md).
+The LM head is vocab-parallel (:mod:`difflm.parallel.vocab_parallel`, the same head and cross-entropy as the TE
+backend's): the loss selects the masked rows of the full hidden states, each rank computes the logits of its
+vocabulary slice, and the cross-entropy reduces over the TP group; no rank holds full-vocabulary logits.
 """
 from __future__ import annotations
 
@@ -46,13 +47,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from difflm.model.layers import LayerNormMLP, rms_norm
+from difflm.parallel.vocab_parallel import EnterVocabParallel, VocabParallelStyle
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -192,10 +193,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         parallelize_module(block, tp_mesh, plan)
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
-    if sequence_parallel and getattr(model, "final_norm", None) is not None:
-        parallelize_module(model.final_norm, tp_mesh, SequenceParallel(use_local_output=False))
-        parallelize_module(model.final_norm, tp_mesh, PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+    if getattr(model, "final_norm", None) is not None:  # the last stage: vocab-parallel head (vocab_parallel.py)
+        if sequence_parallel:
+            parallelize_module(model.final_norm, tp_mesh, SequenceParallel(use_local_output=True))
+        parallelize_module(model.final_norm, tp_mesh, EnterVocabParallel(sequence_parallel=sequence_parallel))
+    if getattr(model, "output", None) is not None:
+        parallelize_module(model.output, tp_mesh, VocabParallelStyle())
     return model
 
 
@@ -227,9 +230,10 @@ def clean_fqn(name: str) -> str:
 class GateUpInterleave:
     """The checkpoint layout of a DTensor ``fc1_weight`` held in gate/up-interleaved rows over ``tp`` ranks.
 
-    Same three methods as :class:`difflm.parallel.te_tensor_parallel.TensorParallelShards` (the TE backend's
-    plain shards), so :func:`canonical_state_dict` treats both alike: ``full`` (the ``[gate; up]`` tensor of a
-    single process, from the DTensor's full value), ``full_shape`` and ``local`` (what to distribute back).
+    Same methods as :class:`difflm.parallel.te_tensor_parallel.TensorParallelShards` (the TE backend's plain
+    shards), so :func:`canonical_state_dict` and the sharded init treat both alike: ``full`` (the ``[gate; up]``
+    tensor of a single process, from the DTensor's full value), ``full_shape``, ``local`` (what to distribute back)
+    and ``full_index`` (where held rows sit in the full tensor).
     """
 
     tp: int
@@ -242,6 +246,11 @@ class GateUpInterleave:
 
     def local(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         return interleave_gate_up(full, self.tp)
+
+    def full_index(self, fqn: str, dim: int, index: torch.Tensor, held_size: int) -> torch.Tensor:
+        """Positions in the ``[gate; up]`` tensor of the positions ``index`` along ``dim`` of the held (interleaved)
+        tensor, whose ``dim`` has ``held_size`` entries (the sharded init, :mod:`difflm.parallel.materialize`)."""
+        return interleave_gate_up(torch.arange(held_size), self.tp)[index] if dim == 0 else index
 
 
 def canonical_layouts(model_parts: Iterable[nn.Module]) -> dict:

@@ -56,12 +56,14 @@ class Trainer:
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
         self.te_tp = None  # (TP group, sequence parallel, ids of TP-sharded params) of the TE backend under TP
+        self.vocab_group = None  # TP group of the vocab-parallel LM head and cross-entropy (tp > 1)
         if self.dims.distributed:
             self.device = device = pdist.init_distributed(device, timeout_s=t.collective_timeout)
             from difflm.parallel.mesh import build_mesh, mesh_coordinates
 
             self.mesh = build_mesh(self.dims, device.type)
             self.coords = mesh_coordinates(self.mesh)
+            self.vocab_group = self.mesh["tp"].get_group() if self.dims.tp_enabled else None
         self.is_rank0 = pdist.is_rank0()
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,22 +113,13 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     def _build_parallel_model(self) -> int:
-        """Build the full model (same init on every rank), then lay it out over the mesh (difflm.parallel).
-        Returns the full model's parameter count without the input embedding (for MFU)."""
-        from difflm.parallel.mesh import te_process_groups
-        from difflm.parallel.parallelize import parallelize, sequence_parallel_enabled
+        """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
+        shard with the single-process init (:func:`difflm.parallel.parallelize.build_parallel_model`): no rank ever
+        holds the whole model. Returns the full model's parameter count without the input embedding (for MFU)."""
+        from difflm.parallel.parallelize import build_parallel_model
 
-        cfg = self.cfg
-        model_cfg = cfg.model.copy()
-        model_cfg.compile = False  # compiled per block after TP/AC, before FSDP (parallelize)
-        te_groups = {}
-        if cfg.model.backend == "te":
-            te_groups = te_process_groups(self.mesh, self.dims, sequence_parallel_enabled(cfg.parallel, self.dims))
-        model = build_model(model_cfg, causal=self.objective.causal, device=self.device, seed=cfg.train.seed,
-                            precision=cfg.precision, **te_groups)
-        num_params = model.num_params()
-        self.model_parts, self.pipeline = parallelize(model, self.mesh, self.dims, cfg, self.device,
-                                                      n_microbatches=self.accum_steps)
+        self.model_parts, self.pipeline, num_params, te_groups = build_parallel_model(
+            self.cfg, self.mesh, self.dims, self.device, self.objective.causal, self.accum_steps)
         if te_groups.get("tp_group") is not None:
             from difflm.parallel.te_tensor_parallel import sharded_param_ids
 
@@ -238,6 +231,7 @@ class Trainer:
         ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
         tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
         normaliser = self._step_normaliser(tokens)
+        every_sync = cfg.parallel.get("grad_sync", "last") == "every"
         for part in self.model_parts:
             part.train()
         loss = torch.zeros((), device=self.device)
@@ -248,8 +242,8 @@ class Trainer:
         else:
             for micro in range(self.accum_steps):
                 batch = self.objective.noise(tokens[micro], ids[micro], key, t.global_batch_size).to(self.device)
-                if isinstance(self.model, FSDPModule):  # reduce-scatter once per step, after the last micro-batch
-                    self.model.set_requires_gradient_sync(micro == self.accum_steps - 1)
+                if isinstance(self.model, FSDPModule):  # parallel.grad_sync=last: reduce once, in the last backward
+                    self.model.set_requires_gradient_sync(micro == self.accum_steps - 1 or every_sync)
                 loss += self._local_loss(batch, cfg.objective.loss_norm, normaliser, backward=True)
         moe_step(self.model_parts, self.moe_group)  # MoE load statistics over the step, aux-loss-free bias update
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
@@ -296,7 +290,7 @@ class Trainer:
         with ctx:
             with self._autocast():
                 logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
-            loss = weighted_ce_sum(logits, batch, norm, normaliser)
+            loss = weighted_ce_sum(logits, batch, norm, normaliser, vocab_group=self.vocab_group)
             if backward:
                 self.scaler.scale(loss).backward()
         return loss.detach()
@@ -350,6 +344,10 @@ class Trainer:
 
         if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
             return []
+        from difflm.parallel.vocab_parallel import gather_logits
+
+        if self.cfg.parallel.get("tp_comm_overlap", False) and self.cfg.model.backend == "te":
+            return []  # TE's userbuffers are sized for the training micro-batch
         self.model.eval()
         ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
         gen = self.cfg.gen
@@ -358,10 +356,11 @@ class Trainer:
             warm = OmegaConf.merge(gen, {"temperature": self.cfg.logger.sample_temperature})
             batches = [(1, gen), (num - 1, warm)]
         rows = []
-        for count, settings in batches:
-            prompt_ids = torch.tensor([ids] * count, device=self.device)
-            rows += generate_ids(self.model, self.tok, prompt_ids, settings, self.objective.causal,
-                                 precision=self.cfg.precision, objective=self.cfg.objective)
+        with gather_logits(self.model_parts):  # the sampler reads full-vocabulary logits
+            for count, settings in batches:
+                prompt_ids = torch.tensor([ids] * count, device=self.device)
+                rows += generate_ids(self.model, self.tok, prompt_ids, settings, self.objective.causal,
+                                     precision=self.cfg.precision, objective=self.cfg.objective)
         self.model.train()
         return [prompt + self.tok.decode(row.tolist()) for row in rows]
 
