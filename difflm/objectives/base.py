@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_generator
+from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_uniforms
 
 
 @dataclass
@@ -26,6 +26,9 @@ class NoisedBatch:
             :class:`~difflm.model.masks.DocumentMask`) that each attention kernel takes in its own form, or a
             dense bool [B | 1, 1, S, S] tensor.
         position_ids: optional RoPE positions [S] or [B, S] int64 (BD3-LM: ``0..L-1`` twice).
+        loss_index: [N] int64 positions of ``loss_mask`` in the flattened ``B * S`` tokens (row-major), filled by
+            :meth:`to` where the mask was drawn (the CPU): selecting the loss rows by index on the GPU needs no
+            device-to-host sync, selecting them with a boolean mask does (the count N is unknown to the host).
     """
 
     input_ids: torch.Tensor
@@ -36,10 +39,31 @@ class NoisedBatch:
     num_tokens: torch.Tensor
     attn_mask: Optional[Any] = None
     position_ids: Optional[torch.Tensor] = None
+    loss_index: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "NoisedBatch":
-        return NoisedBatch(**{k: None if v is None else v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                              else v.to(device) for k, v in self.__dict__.items()})
+        """The batch on ``device`` (``loss_index`` computed first on the source device). CPU tensors bound for a
+        GPU go through pinned memory, so the copies are asynchronous and the host runs ahead of the device."""
+        device = torch.device(device)
+        fields = dict(self.__dict__)
+        if fields["loss_index"] is None:
+            fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
+        pin = device.type == "cuda"
+
+        def move(v):
+            if v is None:
+                return None
+            if isinstance(v, torch.Tensor):
+                if pin and v.device.type == "cpu":
+                    v = v.pin_memory()
+                return v.to(device, non_blocking=True)
+            return v.to(device)
+
+        return NoisedBatch(**{k: move(v) for k, v in fields.items()})
+
+    def logits_selector(self) -> torch.Tensor:
+        """What the model's ``logits_mask`` takes: ``loss_index`` when known (no host sync), else ``loss_mask``."""
+        return self.loss_mask if self.loss_index is None else self.loss_index
 
     def model_kwargs(self) -> dict:
         """The optional model inputs that are set (``attn_mask``, ``position_ids``), as keyword arguments.
@@ -85,7 +109,8 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
-        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order).
+        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order: the model's output for
+            ``logits_mask=batch.logits_selector()``).
         norm: ``token`` sums the weighted CE of every loss position and divides by ``normaliser``, the
             number of loss tokens of the whole global batch (the mean over its tokens); ``sequence``
             divides each sequence's sum by its own ``num_tokens`` and the total by ``normaliser``, the
@@ -95,13 +120,21 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
             not depend on how the global batch is split.
     Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
-    ce = F.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
-    per_position = torch.zeros_like(batch.weights)
-    per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
-    per_sequence = per_position.sum(dim=1)
+    if batch.loss_index is None:
+        ce = F.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
+        per_position = torch.zeros_like(batch.weights)
+        per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
+        per_sequence = per_position.sum(dim=1)
+        if norm == "sequence":
+            per_sequence = per_sequence / batch.num_tokens
+        return (per_sequence.sum() / normaliser).float()
+    # the same sum over the loss positions, selected by index: no device-to-host sync
+    idx = batch.loss_index
+    ce = F.cross_entropy(logits.float(), batch.targets.flatten().index_select(0, idx), reduction="none")
+    terms = ce * batch.weights.flatten().index_select(0, idx)
     if norm == "sequence":
-        per_sequence = per_sequence / batch.num_tokens
-    return (per_sequence.sum() / normaliser).float()
+        terms = terms / batch.num_tokens.index_select(0, idx // batch.targets.shape[1])
+    return (terms.sum() / normaliser).float()
 
 
 def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) -> int:
@@ -112,8 +145,8 @@ def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) 
     the length is rounded down to a multiple of ``multiple`` (at least ``multiple``) so that
     sequence/context parallel ranks can split it.
     """
-    gen = keyed_generator(STREAM_LENGTH, seed, step)
-    if prob <= 0 or float(torch.rand((), generator=gen)) >= prob:
+    coin, draw = keyed_uniforms(STREAM_LENGTH, seed, step, n=2)
+    if prob <= 0 or coin >= prob:
         return seq_len
-    length = int(torch.randint(1, seq_len + 1, (), generator=gen))
+    length = 1 + int(draw * seq_len)  # U{1, ..., seq_len}
     return max(multiple, length // multiple * multiple)
