@@ -45,21 +45,13 @@ class NoisedBatch:
         """The batch on ``device`` (``loss_index`` computed first on the source device). CPU tensors bound for a
         GPU go through pinned memory, so the copies are asynchronous and the host runs ahead of the device."""
         device = torch.device(device)
+        from difflm.model.masks import to_device
+
         fields = dict(self.__dict__)
         if fields["loss_index"] is None:
             fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
-        pin = device.type == "cuda"
-
-        def move(v):
-            if v is None:
-                return None
-            if isinstance(v, torch.Tensor):
-                if pin and v.device.type == "cpu":
-                    v = v.pin_memory()
-                return v.to(device, non_blocking=True)
-            return v.to(device)
-
-        return NoisedBatch(**{k: move(v) for k, v in fields.items()})
+        return NoisedBatch(**{k: None if v is None else to_device(v, device) if isinstance(v, torch.Tensor)
+                              else v.to(device) for k, v in fields.items()})
 
     def logits_selector(self) -> torch.Tensor:
         """What the model's ``logits_mask`` takes: ``loss_index`` when known (no host sync), else ``loss_mask``."""

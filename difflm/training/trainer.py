@@ -16,6 +16,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
+from difflm.model.masks import to_device
 from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
@@ -202,7 +203,7 @@ class Trainer:
         """Optimizer and schedule step, unless the loss or gradient norm is not finite: then the update is
         skipped (the step and its data still count) and ``skipped`` is set in the returned metrics."""
         lr = self.scheduler.get_last_lr()[0]
-        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))  # one host sync per step
+        finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync of a step
         if finite or self.scaler.is_enabled():  # GradScaler skips non-finite fp16 steps itself (and rescales)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -286,7 +287,7 @@ class Trainer:
         ranks of one dp rank hold the same samples). Float64 scalar on the device; the same on every rank."""
         norm = self.cfg.objective.loss_norm
         local = sum(float(loss_normaliser(norm, self.objective.num_tokens(tb))) for tb in token_batches)
-        total = torch.tensor(local, dtype=torch.float64, device=self.device)
+        total = to_device(torch.tensor(local, dtype=torch.float64), self.device)  # asynchronous copy
         if self.dims.dp > 1:
             pdist.all_reduce_sum(total, group=self.mesh["dp"].get_group())
         return total
