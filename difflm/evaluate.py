@@ -95,7 +95,7 @@ def scored_ids(name: str, tokens) -> list:
     if name == "ar":
         return [row[1:] for row in ids]
     if name == "sft":
-        return [row[int(n):] for row, n in zip(ids, extras.prompt_lengths)]
+        return [row[response] for row, response in zip(ids, extras.response_mask())]
     return list(ids)
 
 
