@@ -83,6 +83,22 @@ def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
     assert (ids, n) == (CHAT_IDS, 18)
 
 
+def test_chat_template_keeps_special_token_text_of_the_prompt_as_text():
+    """The prompt's own text never becomes a special token under the chat template either (issue 13 item 4's kind):
+    the template keeps its special tokens, the prompt is encoded as plain text; ordinary prompts are unchanged."""
+    from difflm.data.sft import chat_prompt_ids
+
+    tok = build_tokenizer(TOKENIZER)
+    tok.tokenizer.chat_template = CHAT_TEMPLATE
+    plain = chat_prompt_ids(tok.tokenizer, "What is 2 plus 3?")
+    assert plain == CHAT_IDS[:18]
+    tricky = chat_prompt_ids(tok.tokenizer, "What is <|endoftext|> plus 3?")
+    assert tok.eos_id not in tricky
+    text_ids = tok.encode("What is <|endoftext|> plus 3?")
+    assert tricky[:5] == plain[:5] and tricky[5:5 + len(text_ids)] == text_ids  # '<|user|>\n' then the text
+    assert tricky[5 + len(text_ids):] == plain[-7:]  # '\n<|assistant|>\n'
+
+
 def test_chat_template_sft_cli_run_ends_well(tmp_path):
     """``difflm-train objective=sft data.chat_template=true`` with a tokenizer whose config holds a chat template."""
     import json

@@ -21,7 +21,7 @@ import torch
 
 from difflm.data.batch import TokenBatch
 from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
-from difflm.data.tokenizer import TokenizerInfo
+from difflm.data.tokenizer import TokenizerInfo, encode_text
 from difflm.errors import DifflmError
 
 
@@ -80,11 +80,24 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of ``prompt`` as one user turn of ``tokenizer``'s chat template, with the generation prompt.
 
     ``apply_chat_template(tokenize=True)`` returns a list of ids in transformers 4.x and a ``BatchEncoding``
-    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here.
+    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here. A prompt that
+    contains special-token text (e.g. a literal ``<|endoftext|>``) keeps it as text: the template is rendered around a
+    placeholder, its own parts encoded with their special tokens and the prompt as plain text
+    (:func:`difflm.data.tokenizer.encode_text`).
     Raises: DifflmError (naming ``data.chat_template``) without a template or for an output that holds no ids.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) + list(tokenizer.get_added_vocab())
+                if t.strip() and t in prompt]
+    if specials:
+        placeholder = "\x00difflm-prompt\x00"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": placeholder}], add_generation_prompt=True,
+                                             tokenize=False)
+        if text.count(placeholder) == 1:
+            before, after = text.split(placeholder)
+            piece = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"] if t else []  # noqa: E731
+            return piece(before) + encode_text(tokenizer, prompt) + piece(after)
     out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: BatchEncoding / dict
         out = out["input_ids"]

@@ -371,7 +371,7 @@ class Trainer:
         if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
             return []
         self.model.eval()
-        ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
+        ids = self.tok.encode(prompt) or [self.tok.eos_id]
         gen = self.cfg.gen
         batches = [(num, gen)]
         if gen.temperature == 0 and num > 1:
