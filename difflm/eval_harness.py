@@ -153,7 +153,7 @@ class DifflmHarnessLM(LM):
         return str(self.cfg.data.tokenizer).replace("/", "__")
 
     def tok_encode(self, text: str) -> list[int]:
-        return self.tok.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tok.encode(text)  # special-token text in the task stays text
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids): trailing spaces of the context move to the continuation, the pair is

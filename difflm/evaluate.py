@@ -58,7 +58,7 @@ def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, 
     for draw in range(draws):
         batch = objective.eval_noise(tokens, sample_ids, draw, draws, seed).to(device)
         with autocast_context(precision, device):
-            logits = model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
+            logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
         ce = torch.nn.functional.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
         per_pos = torch.zeros_like(batch.weights, dtype=torch.float64)
         per_pos[batch.loss_mask] = (ce * batch.weights[batch.loss_mask]).double()
@@ -95,7 +95,7 @@ def scored_ids(name: str, tokens) -> list:
     if name == "ar":
         return [row[1:] for row in ids]
     if name == "sft":
-        return [row[int(n):] for row, n in zip(ids, extras.prompt_lengths)]
+        return [row[response] for row, response in zip(ids, extras.response_mask())]
     return list(ids)
 
 

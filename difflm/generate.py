@@ -153,7 +153,7 @@ def _main(args) -> None:
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
-    ids = tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tok.eos_id]
+    ids = tok.encode(prompt) or [tok.eos_id]  # special-token text in the prompt stays text
     out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
                        objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")

@@ -358,7 +358,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
         normaliser = sum(loss_normaliser(norm, batch.num_tokens) for batch in micro)  # the step's global count
         for batch in micro:
             with autocast_context(precision, device):
-                logits = model(batch.input_ids, batch.loss_mask, **batch.model_kwargs())
+                logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
             micro_loss = weighted_ce_sum(logits, batch, norm, normaliser)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()

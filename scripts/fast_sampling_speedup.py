@@ -27,7 +27,7 @@ def main() -> None:
     device = torch.device("cpu")
     cfg, model, tok = load_run(a.run_dir, None, device)
     texts = a.prompts.split("|")[: a.batch]
-    ids = [tok.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = [tok.encode(t) for t in texts]
     width = max(map(len, ids))
     prompt = torch.tensor([[tok.eos_id] * (width - len(i)) + i for i in ids])
     mask = torch.tensor([[False] * (width - len(i)) + [True] * len(i) for i in ids])

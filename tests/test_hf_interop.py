@@ -200,6 +200,14 @@ def test_export_bf16_and_errors(trained_run, tmp_path):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
     with pytest.raises(DifflmError, match="max_shard_size"):
         parse_size("lots")
+    bd3lm = tmp_path / "bd3lm_run"  # the same run, said to be bd3lm: its export would sample the wrong way
+    import shutil
+
+    shutil.copytree(root / "run", bd3lm, ignore=shutil.ignore_patterns("data_cache", ".difflm.lock"))
+    cfg_text = (bd3lm / "config.yaml").read_text().replace("name: mdlm", "name: bd3lm")
+    (bd3lm / "config.yaml").write_text(cfg_text)
+    with pytest.raises(DifflmError, match="objective=bd3lm run: the exported modeling file"):
+        export_run(bd3lm, tmp_path / "bd3lm_out")
 
 
 def test_import_errors_name_the_problem(tmp_path, monkeypatch):

@@ -130,27 +130,35 @@ def test_expected_loss_of_uniform_model_is_log_vocab():
 
 def test_keyed_streams_are_domain_separated():
     """Issue 13 item 14: bare-int keys were zero-padded by SeedSequence, so step 0's random-length coin
-    (seed, 0, STREAM_LENGTH=2) drew the same number as sample 0's t at step 2 (seed, STREAM_TRAIN=0, 2, 0)."""
+    (seed, 0, STREAM_LENGTH=2) drew the same number as sample 0's t at step 2 (seed, STREAM_TRAIN=0, 2, 0).
+    Keys now have a fixed layout with the stream first, and every number is a counter-based function of its key."""
     import numpy as np
 
-    from difflm.objectives.keyed_rng import (MAX_FIELDS, NUM_STREAMS, STREAM_LENGTH, STREAM_T, key_words,
-                                             keyed_generator, keyed_uniform)
+    from difflm.objectives.keyed_rng import (MAX_FIELDS, NUM_STREAMS, STREAM_LENGTH, STREAM_MASK, STREAM_T, key_hash,
+                                             keyed_uniform, keyed_uniforms)
 
     def old_uniform(*key):
         seed = int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0] >> 1)
         return float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
 
     assert old_uniform(1234, 0, 2) == old_uniform(1234, 0, 2, 0) == pytest.approx(0.18532628)  # the reported collision
-    coin = float(torch.rand((), generator=keyed_generator(STREAM_LENGTH, 1234, 0)))  # step_length's first draw
+    coin = keyed_uniforms(STREAM_LENGTH, 1234, 0, n=2)[0]  # step_length's first draw
     t = sample_t([0], key=(1234, 2), global_batch_size=1, mode="iid")  # sample 0's t at step 2
     assert coin != pytest.approx(float(t[0]), abs=1e-3)
-    assert float(t[0]) == keyed_uniform(STREAM_T, 1234, 2, 0)
-    # no two (stream, fields) give the same words: trailing zeros, word splitting of large ints, other streams
+    assert float(t[0]) == pytest.approx(keyed_uniform(STREAM_T, 1234, 2, 0), abs=1e-7)
+    # no two (stream, fields) hash the same: trailing zeros, large ints, other streams
     keys = [(s, *f) for s in range(NUM_STREAMS) for f in [(), (0,), (0, 0), (1234, 0, 2), (1234, 0, 2, 0), (1234, 2, 0),
                                                          (2**32 + 5,), (5, 1), (5, 0, 1), (2**64 - 1,)]]
-    words = {key_words(*k).tobytes() for k in keys}
-    assert len(words) == len(keys)
+    assert len({int(key_hash(*k)) for k in keys}) == len(keys)
     assert len({keyed_uniform(*k) for k in keys}) == len(keys)
-    for bad in [(STREAM_T, -1), (NUM_STREAMS, 0), (STREAM_T, 2**64), (STREAM_T, *range(MAX_FIELDS + 1))]:
+    for bad in [(STREAM_T, -1), (NUM_STREAMS, 0), (STREAM_T, 2**64), (STREAM_T, *range(MAX_FIELDS + 1)),
+                (STREAM_T, np.array([3, -1]))]:
         with pytest.raises(ValueError):
-            key_words(*bad)
+            key_hash(*bad)
+    # vectorised over ids and counters = one key at a time; values uniform on [0, 1)
+    ids = np.arange(50)
+    rows = keyed_uniforms(STREAM_MASK, 7, 3, ids, n=400)
+    assert rows.shape == (50, 400) and np.array_equal(rows[17], keyed_uniforms(STREAM_MASK, 7, 3, 17, n=400))
+    assert 0.0 <= rows.min() and rows.max() < 1.0 and abs(rows.mean() - 0.5) < 0.01 and abs(rows.var() - 1 / 12) < 0.002
+    # counters do not overlap between neighbouring keys (a row is not a shifted copy of another)
+    assert not np.isin(rows[0], rows[1]).any()

@@ -83,6 +83,22 @@ def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
     assert (ids, n) == (CHAT_IDS, 18)
 
 
+def test_chat_template_keeps_special_token_text_of_the_prompt_as_text():
+    """The prompt's own text never becomes a special token under the chat template either (issue 13 item 4's kind):
+    the template keeps its special tokens, the prompt is encoded as plain text; ordinary prompts are unchanged."""
+    from difflm.data.sft import chat_prompt_ids
+
+    tok = build_tokenizer(TOKENIZER)
+    tok.tokenizer.chat_template = CHAT_TEMPLATE
+    plain = chat_prompt_ids(tok.tokenizer, "What is 2 plus 3?")
+    assert plain == CHAT_IDS[:18]
+    tricky = chat_prompt_ids(tok.tokenizer, "What is <|endoftext|> plus 3?")
+    assert tok.eos_id not in tricky
+    text_ids = tok.encode("What is <|endoftext|> plus 3?")
+    assert tricky[:5] == plain[:5] and tricky[5:5 + len(text_ids)] == text_ids  # '<|user|>\n' then the text
+    assert tricky[5 + len(text_ids):] == plain[-7:]  # '\n<|assistant|>\n'
+
+
 def test_chat_template_sft_cli_run_ends_well(tmp_path):
     """``difflm-train objective=sft data.chat_template=true`` with a tokenizer whose config holds a chat template."""
     import json
@@ -212,3 +228,67 @@ def test_sft_trains_on_gsm8k(fast_cfg, pairs_file, tmp_path):
     device = check_run(cfg)
     metrics = Trainer(cfg, tmp_path / "run", device).fit()
     assert metrics["step"] == 2 and 0 < metrics["loss"] < 30 and "val_nelbo" in metrics
+
+
+def test_pack_pairs_layout():
+    """Greedy packing: pairs in order, none split, the last pair of a window owns the EOS padding."""
+    from difflm.data.sft import pack_pairs
+
+    eos = 0
+    packed = pack_pairs([([1, 2], [3, eos]), ([4], [5, 6, eos]), ([7, 8, 9], [10, eos])], seq_len=8, eos_id=eos)
+    assert packed.tokens.tolist() == [[1, 2, 3, eos, 4, 5, 6, eos], [7, 8, 9, 10, eos, eos, eos, eos]]
+    assert packed.prompt_mask.astype(int).tolist() == [[1, 1, 0, 0, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert packed.doc_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]]
+    batch = packed.get([0, 1])
+    assert batch.response_mask().sum(dim=1).tolist() == [5, 5]  # response + EOS (+ padding) tokens
+    obj = SFTObjective(objective_cfg(name="sft"), 47)
+    assert obj.num_tokens(batch).tolist() == [5.0, 5.0]
+
+
+@needs_gsm8k
+def test_packed_pairs_see_only_themselves(pairs_file):
+    """With intra-document attention a packed pair's logits equal those of the pair alone (RoPE is relative: the
+    offset inside the window changes nothing the pair can see)."""
+    from difflm.data.sft import load_pairs
+    from difflm.model.masks import DocumentMask
+    from tests.dlm_helpers import tiny_model
+
+    tok = build_tokenizer(TOKENIZER)
+    cfg = data_cfg(pairs_file, seq_len=256, sft_packing=True, intra_document_attention=True)
+    packed = load_pairs(cfg, tok)
+    assert packed.tokens.shape[0] < 12 and packed.doc_ids is not None  # several pairs a window
+    row = packed.get([0])
+    model = tiny_model(vocab=tok.padded_vocab_size)
+    with torch.no_grad():
+        logits = model(row.tokens, attn_mask=DocumentMask(row.doc_ids))
+        for k in row.doc_ids[0].unique().tolist()[:2]:
+            where = (row.doc_ids[0] == k).nonzero().flatten()
+            alone = model(row.tokens[:, where])
+            torch.testing.assert_close(logits[0, where], alone[0], atol=2e-5, rtol=1e-4)
+    assert load_pairs(data_cfg(pairs_file, seq_len=256, sft_packing=True), tok).doc_ids is None  # no mask asked
+
+
+def test_sft_packing_config_checks(fast_cfg):
+    from difflm.config.validate import check_objective_data
+
+    with pytest.raises(DifflmError, match="add data.sft_packing=true"):
+        check_objective_data(fast_cfg("objective=sft", "data.prompt_field=q", "data.intra_document_attention=true",
+                                      "objective.random_length_prob=0"))
+    with pytest.raises(DifflmError, match="data.sft_packing=true packs prompt/response pairs"):
+        check_objective_data(fast_cfg("data.sft_packing=true"))
+    check_objective_data(fast_cfg("objective=sft", "data.prompt_field=q", "data.intra_document_attention=true",
+                                  "data.sft_packing=true", "objective.random_length_prob=0"))
+
+
+@needs_gsm8k
+def test_packed_sft_trains_with_intra_document_attention(fast_cfg, pairs_file, tmp_path):
+    from difflm.config.validate import check_run
+    from difflm.training.trainer import Trainer
+
+    cfg = fast_cfg("objective=sft", f"data.path={pairs_file}", "data.prompt_field=question",
+                   "data.response_field=answer", "data.seq_len=256", "data.valid_fraction=0.25",
+                   "data.sft_packing=true", "data.intra_document_attention=true", "train.global_batch_size=2",
+                   "train.micro_batch_size=1", "train.max_steps=2", "train.eval_every=2", "train.save_every=0",
+                   "device=cpu")
+    metrics = Trainer(cfg, tmp_path / "run", check_run(cfg)).fit()
+    assert metrics["step"] == 2 and 0 < metrics["loss"] < 30 and metrics["val_nelbo"] > 0

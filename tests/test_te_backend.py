@@ -266,6 +266,7 @@ OBJECTIVE_CASES = {
     "ar": dict(name="ar"),
     "bd3lm": dict(name="bd3lm", block_size=4),
     "sft": dict(name="sft"),
+    "sft_packed": dict(name="sft", packed=True),
     "mdlm_packed": dict(name="mdlm", packed=True),
     "ar_packed": dict(name="ar", packed=True),
     "bd3lm_packed": dict(name="bd3lm", block_size=4, packed=True),
@@ -286,7 +287,12 @@ def test_every_objective_trains_a_step_under_both_kernel_sets(fake_te, case):
     obj = build_objective(objective_cfg(**spec), mask_id=95)
     cfg = small_cfg()
     x = torch.randint(1, 95, (2, 16), generator=torch.Generator().manual_seed(5))
-    if packed:
+    if packed and spec["name"] == "sft":  # two pairs in row 0, three in row 1 (data.sft_packing)
+        doc = torch.tensor([[0] * 9 + [1] * 7, [0] * 5 + [1] * 6 + [2] * 5])
+        prompt = torch.zeros(2, 16, dtype=torch.bool)
+        prompt[0, :3] = prompt[0, 9:12] = prompt[1, :2] = prompt[1, 5:8] = prompt[1, 11:13] = True
+        tokens = TokenBatch(x, doc_ids=doc, prompt_mask=prompt)
+    elif packed:
         x[0, 6] = x[1, 3] = x[1, 10] = 0
         tokens = TokenBatch(x, doc_ids=document_ids(x, 0))
     elif spec["name"] == "sft":

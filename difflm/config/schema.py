@@ -136,6 +136,7 @@ class DataConfig:
     prompt_field: Optional[str] = None  # SFT: JSONL field of the prompt (objective=sft); null = plain text
     response_field: str = "response"  # SFT: JSONL field of the response
     chat_template: bool = False  # SFT: wrap the prompt with the tokenizer's apply_chat_template
+    sft_packing: bool = False  # SFT: pack several pairs into each window (with intra_document_attention: kept apart)
     encoding: str = "utf-8"  # text encoding of the data files (strict: undecodable bytes are an error)
     blend: list[BlendSource] = field(default_factory=list)  # a mixture of corpora; replaces path when non-empty
     max_train_tokens: Optional[int] = None  # unique training tokens: the first N // seq_len windows; null = all

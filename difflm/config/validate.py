@@ -339,5 +339,9 @@ def check_objective_data(cfg) -> None:
         raise refuse(m.attention_backend, "block_diffusion")
     if d.get("intra_document_attention", False) and not CAPABILITIES[m.attention_backend].documents:
         raise refuse(m.attention_backend, "documents")
-    _require(not (d.get("intra_document_attention", False) and o.name == "sft"),
-             "data.intra_document_attention=true applies to packed text, not objective=sft pairs: drop it")
+    _require(not (d.get("intra_document_attention", False) and o.name == "sft" and not d.get("sft_packing", False)),
+             "data.intra_document_attention=true with objective=sft applies to packed pairs: add data.sft_packing=true "
+             "or drop it")
+    _require(not d.get("sft_packing", False) or o.name == "sft",
+             f"data.sft_packing=true packs prompt/response pairs, which only objective=sft uses (this run is "
+             f"objective={o.name}): drop it")

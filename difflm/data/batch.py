@@ -19,11 +19,22 @@ class TokenBatch:
         tokens: [B, S] int64.
         prompt_lengths: [B] int64 or None: the first ``prompt_lengths[b]`` tokens of row b are the prompt (SFT).
         doc_ids: [B, S] int64 or None: packed-document index of each token (intra-document attention).
+        prompt_mask: [B, S] bool or None: True at prompt tokens, for rows that pack several prompt/response pairs
+            (``data.sft_packing``); replaces ``prompt_lengths``.
     """
 
     tokens: torch.Tensor
     prompt_lengths: Optional[torch.Tensor] = None
     doc_ids: Optional[torch.Tensor] = None
+    prompt_mask: Optional[torch.Tensor] = None
+
+    def response_mask(self) -> Optional[torch.Tensor]:
+        """[B, S] bool, True at the response tokens (everything but the prompts), or None for plain text."""
+        if self.prompt_mask is not None:
+            return ~self.prompt_mask
+        if self.prompt_lengths is not None:
+            return torch.arange(self.tokens.shape[1])[None, :] >= self.prompt_lengths[:, None]
+        return None
 
     @property
     def shape(self) -> torch.Size:
@@ -37,7 +48,8 @@ class TokenBatch:
         if self.prompt_lengths is not None:
             lengths = self.prompt_lengths[rows].clamp(max=tokens.shape[1])
         doc_ids = None if self.doc_ids is None else self.doc_ids[key]
-        return TokenBatch(tokens, lengths, doc_ids)
+        prompt_mask = None if self.prompt_mask is None else self.prompt_mask[key]
+        return TokenBatch(tokens, lengths, doc_ids, prompt_mask)
 
 
 def split_batch(batch: Union[torch.Tensor, TokenBatch]) -> tuple[torch.Tensor, Optional[TokenBatch]]:

@@ -5,6 +5,12 @@ tokens ``[prompt, response, EOS, EOS, ...]``: the response gets one EOS and is p
 (LLaDA pads with |EOS| and trains on them, so the model learns to end its answer). With
 ``data.chat_template=true`` the prompt is the tokenizer's ``apply_chat_template`` of one user turn (with the
 generation prompt). Pairs longer than the window keep the end of the prompt and cut the response.
+
+With ``data.sft_packing=true`` several pairs share a window (greedy, in file order; a pair never straddles two
+windows): each pair is ``[prompt, response, EOS]``, the last pair of a window is padded with EOS to the window, and
+every token carries its pair's index (``doc_ids``) and whether it is prompt (``prompt_mask``). With
+``data.intra_document_attention=true`` the pairs of a window do not attend to each other (the objective's
+:class:`difflm.model.masks.DocumentMask`), so packing changes the compute per pair, not what each pair sees.
 """
 from __future__ import annotations
 
@@ -15,28 +21,38 @@ import torch
 
 from difflm.data.batch import TokenBatch
 from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
-from difflm.data.tokenizer import TokenizerInfo
+from difflm.data.tokenizer import TokenizerInfo, encode_text
 from difflm.errors import DifflmError
 
 
 class SFTPairs:
-    """Tokenized pairs: ``tokens`` [N, seq_len] int64 and ``prompt_lengths`` [N] int64.
+    """Tokenized rows: ``tokens`` [N, seq_len] int64 with ``prompt_lengths`` [N] int64 (one pair a row), or, for
+    packed rows, ``prompt_mask`` [N, seq_len] bool and ``doc_ids`` [N, seq_len] int64 (the pair of each token;
+    None: the pairs of a row may attend to each other).
 
     :meth:`get` has the API of :class:`difflm.data.windows.PackedWindows` but returns a :class:`TokenBatch`
     (which slices like the token tensor), so the trainer fetches batches the same way.
     """
 
-    def __init__(self, tokens: np.ndarray, prompt_lengths: np.ndarray):
-        self.tokens, self.prompt_lengths = tokens, prompt_lengths
+    def __init__(self, tokens: np.ndarray, prompt_lengths: np.ndarray | None = None,
+                 prompt_mask: np.ndarray | None = None, doc_ids: np.ndarray | None = None):
+        self.tokens, self.prompt_lengths, self.prompt_mask, self.doc_ids = tokens, prompt_lengths, prompt_mask, doc_ids
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def rows(self, sl: slice) -> "SFTPairs":
+        """The rows ``sl`` (e.g. the train / valid split)."""
+        pick = (lambda a: None if a is None else a[sl])  # noqa: E731
+        return SFTPairs(self.tokens[sl], pick(self.prompt_lengths), pick(self.prompt_mask), pick(self.doc_ids))
 
     def get(self, indices: Sequence[int]) -> TokenBatch:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"pair index out of range [0, {len(self)})")
-        return TokenBatch(torch.from_numpy(self.tokens[idx]), torch.from_numpy(self.prompt_lengths[idx]))
+        take = (lambda a: None if a is None else torch.from_numpy(a[idx]))  # noqa: E731
+        return TokenBatch(torch.from_numpy(self.tokens[idx]), take(self.prompt_lengths), take(self.doc_ids),
+                          take(self.prompt_mask))
 
 
 def read_pairs(cfg) -> list[tuple[str, str]]:
@@ -64,11 +80,24 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of ``prompt`` as one user turn of ``tokenizer``'s chat template, with the generation prompt.
 
     ``apply_chat_template(tokenize=True)`` returns a list of ids in transformers 4.x and a ``BatchEncoding``
-    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here.
+    (a dict with ``input_ids``) in 5.x; both (and a batch of one) give the same flat list of ints here. A prompt that
+    contains special-token text (e.g. a literal ``<|endoftext|>``) keeps it as text: the template is rendered around a
+    placeholder, its own parts encoded with their special tokens and the prompt as plain text
+    (:func:`difflm.data.tokenizer.encode_text`).
     Raises: DifflmError (naming ``data.chat_template``) without a template or for an output that holds no ids.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DifflmError("data.chat_template=true but data.tokenizer has no chat template: set data.chat_template=false")
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) + list(tokenizer.get_added_vocab())
+                if t.strip() and t in prompt]
+    if specials:
+        placeholder = "\x00difflm-prompt\x00"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": placeholder}], add_generation_prompt=True,
+                                             tokenize=False)
+        if text.count(placeholder) == 1:
+            before, after = text.split(placeholder)
+            piece = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"] if t else []  # noqa: E731
+            return piece(before) + encode_text(tokenizer, prompt) + piece(after)
     out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: BatchEncoding / dict
         out = out["input_ids"]
@@ -83,26 +112,62 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return out
 
 
-def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
-    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring. Prompt and response text are
-    encoded with :meth:`TokenizerInfo.encode` (special-token text in them stays text)."""
-    t = tok.tokenizer
-    if chat_template:
-        p = chat_prompt_ids(t, prompt)
-    else:
-        p = tok.encode(prompt)
+def pair_ids(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + EOS) of one pair, cut to ``seq_len`` tokens in all (the end of the prompt is kept,
+    at least one response token). Prompt and response text are encoded with :meth:`TokenizerInfo.encode`
+    (special-token text in them stays text)."""
+    p = chat_prompt_ids(tok.tokenizer, prompt) if chat_template else tok.encode(prompt)
     r = tok.encode(response) + [tok.eos_id]
     p = p[-(seq_len - 1):] if len(p) >= seq_len else p  # keep at least one response token
-    ids = (p + r)[:seq_len]
+    return p, r[:seq_len - len(p)]
+
+
+def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
+    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
+    p, r = pair_ids(tok, prompt, response, seq_len, chat_template)
+    ids = p + r
     return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)
+
+
+def pack_pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos_id: int) -> SFTPairs:
+    """Pack (prompt ids, response ids) pairs greedily into ``seq_len`` rows (see the module docstring): tokens,
+    prompt mask and the pair index of every token (each row's last pair owns the EOS padding)."""
+    rows, masks, docs = [], [], []
+    row, mask, doc = [], [], []
+
+    def close():
+        pad = seq_len - len(row)
+        rows.append(row + [eos_id] * pad)
+        masks.append(mask + [False] * pad)
+        docs.append(doc + [doc[-1]] * pad)
+
+    for k, (p, r) in enumerate(pairs):
+        if row and len(row) + len(p) + len(r) > seq_len:
+            close()
+            row, mask, doc = [], [], []
+        row += p + r
+        mask += [True] * len(p) + [False] * len(r)
+        doc += [k] * (len(p) + len(r))
+    if row:
+        close()
+    return SFTPairs(np.asarray(rows, dtype=np.int64), prompt_mask=np.asarray(masks, dtype=bool),
+                    doc_ids=np.asarray(docs, dtype=np.int64))
 
 
 def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     """Every pair of ``data.path`` (``cfg``: ``path``, ``prompt_field``, ``response_field``, ``seq_len``,
-    ``chat_template``), tokenized into ``seq_len`` rows. Raises: DifflmError for a file without pairs."""
+    ``chat_template``, optional ``sft_packing`` / ``intra_document_attention``), tokenized into ``seq_len`` rows:
+    one pair a row, or packed (:func:`pack_pairs`; document ids kept for intra-document attention).
+    Raises: DifflmError for a file without pairs."""
     pairs = read_pairs(cfg)
     if not pairs:
         raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
+    if cfg.get("sft_packing", False):
+        packed = pack_pairs([pair_ids(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs], cfg.seq_len,
+                            tok.eos_id)
+        if not cfg.get("intra_document_attention", False):
+            packed.doc_ids = None
+        return packed
     rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
     return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
 
@@ -113,10 +178,9 @@ def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
     Raises: DifflmError for an empty file or when no training pair is left.
     """
     pairs = load_pairs(cfg, tok)
-    tokens, lengths = pairs.tokens, pairs.prompt_lengths
     n_valid = max(1, round(cfg.valid_fraction * len(pairs))) if cfg.valid_fraction > 0 else 0
     if len(pairs) - n_valid < 1:
         raise DifflmError(f"data.path={cfg.path!r} has {len(pairs)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
                           "leaves none for training: add pairs or lower data.valid_fraction")
     cut = len(pairs) - n_valid
-    return SFTPairs(tokens[:cut], lengths[:cut]), SFTPairs(tokens[cut:], lengths[cut:])
+    return pairs.rows(slice(0, cut)), pairs.rows(slice(cut, None))

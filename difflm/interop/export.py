@@ -198,6 +198,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DifflmError(f"out={str(out)!r} exists and is not empty: choose a new directory or pass overwrite=true")
     cfg, model, tok, _ = load_run_for_export(run_dir, step)
+    if cfg.objective.name == "bd3lm":  # the exported generate is LLaDA's sampler over bidirectional attention
+        raise DifflmError(f"run.dir={str(run_dir)!r} is an objective=bd3lm run: the exported modeling file samples "
+                          "masked diffusion with bidirectional attention, not BD3-LM's block-causal blocks, so its "
+                          "generate would not be the model's sampler; sample with difflm-generate instead")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

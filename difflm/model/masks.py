@@ -183,8 +183,7 @@ class DocumentMask:
     def to(self, device) -> "DocumentMask":
         """The mask on ``device``; ``cu_seqlens`` is computed first (on the source device) and moved along."""
         cu, longest = self.varlen()
-        return DocumentMask(self.doc_ids.to(device, non_blocking=True), self.causal,
-                            cu.to(device, non_blocking=True), longest)
+        return DocumentMask(to_device(self.doc_ids, device), self.causal, to_device(cu, device), longest)
 
     def dense(self) -> torch.Tensor:
         """[B, 1, S, S] bool (:func:`document_mask`)."""
@@ -224,7 +223,7 @@ class BlockDiffusionMask:
             self.device = self.doc_ids.device
 
     def to(self, device) -> "BlockDiffusionMask":
-        ids = None if self.doc_ids is None else self.doc_ids.to(device, non_blocking=True)
+        ids = None if self.doc_ids is None else to_device(self.doc_ids, device)
         return BlockDiffusionMask(self.seq_len, self.block_size, ids, torch.device(device))
 
     def dense(self) -> torch.Tensor:
@@ -252,6 +251,15 @@ class BlockDiffusionMask:
 
         n = 2 * length
         return create_block_mask(mask_mod, b, None, n, n, device=str(ids.device), BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; a CPU tensor bound for a GPU goes through pinned memory so that the copy is asynchronous
+    (a copy from pageable memory waits for the device's queued work)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=16)

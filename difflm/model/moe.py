@@ -467,8 +467,8 @@ def moe_step(model_parts: Iterable[nn.Module], group=None) -> None:
         offset += e + 3
         m.last_tokens.copy_(tokens)
         m.last_losses.copy_(losses[:2] / losses[2].clamp(min=1.0))
-        if m.bias_update_rate > 0 and tokens.sum() > 0:
-            m.router.bias += m.bias_update_rate * torch.sign(tokens.mean() - tokens)
+        if m.bias_update_rate > 0:  # (a step that routed no tokens leaves the bias alone; no host sync)
+            m.router.bias += m.bias_update_rate * torch.sign(tokens.mean() - tokens) * (tokens.sum() > 0)
         m.step_tokens.zero_()
         m.step_losses.zero_()
 

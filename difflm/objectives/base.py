@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_generator
+from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_uniforms
 
 
 @dataclass
@@ -26,6 +26,9 @@ class NoisedBatch:
             :class:`~difflm.model.masks.DocumentMask`) that each attention kernel takes in its own form, or a
             dense bool [B | 1, 1, S, S] tensor.
         position_ids: optional RoPE positions [S] or [B, S] int64 (BD3-LM: ``0..L-1`` twice).
+        loss_index: [N] int64 positions of ``loss_mask`` in the flattened ``B * S`` tokens (row-major), filled by
+            :meth:`to` where the mask was drawn (the CPU): selecting the loss rows by index on the GPU needs no
+            device-to-host sync, selecting them with a boolean mask does (the count N is unknown to the host).
     """
 
     input_ids: torch.Tensor
@@ -36,10 +39,23 @@ class NoisedBatch:
     num_tokens: torch.Tensor
     attn_mask: Optional[Any] = None
     position_ids: Optional[torch.Tensor] = None
+    loss_index: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "NoisedBatch":
-        return NoisedBatch(**{k: None if v is None else v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                              else v.to(device) for k, v in self.__dict__.items()})
+        """The batch on ``device`` (``loss_index`` computed first on the source device). CPU tensors bound for a
+        GPU go through pinned memory, so the copies are asynchronous and the host runs ahead of the device."""
+        device = torch.device(device)
+        from difflm.model.masks import to_device
+
+        fields = dict(self.__dict__)
+        if fields["loss_index"] is None:
+            fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
+        return NoisedBatch(**{k: None if v is None else to_device(v, device) if isinstance(v, torch.Tensor)
+                              else v.to(device) for k, v in fields.items()})
+
+    def logits_selector(self) -> torch.Tensor:
+        """What the model's ``logits_mask`` takes: ``loss_index`` when known (no host sync), else ``loss_mask``."""
+        return self.loss_mask if self.loss_index is None else self.loss_index
 
     def model_kwargs(self) -> dict:
         """The optional model inputs that are set (``attn_mask``, ``position_ids``), as keyword arguments.
@@ -81,13 +97,24 @@ def loss_normaliser(norm: str, num_tokens: torch.Tensor) -> torch.Tensor:
     return num_tokens.double().sum()
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_group=None) -> torch.Tensor:
+    """-log softmax(logits)[target] per row in FP32, [N]: ``logits`` [N, V] (or this rank's [N, V/tp] vocabulary slice
+    with ``vocab_group``, :func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`), ``targets`` [N]."""
+    if vocab_group is not None:
+        from difflm.parallel.vocab_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets, vocab_group)
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
 def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser, vocab_group=None) -> torch.Tensor:
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
-        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order); with ``vocab_group`` this
-            rank's vocabulary slice [N, V/tp] of a vocab-parallel head
-            (:func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`, collective over the group).
+        logits: [N, V] logits at the ``batch.loss_mask`` positions (row-major order: the model's output for
+            ``logits_mask=batch.logits_selector()``); with ``vocab_group`` this rank's vocabulary slice [N, V/tp] of
+            a vocab-parallel head (:func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`, collective
+            over the group).
         norm: ``token`` sums the weighted CE of every loss position and divides by ``normaliser``, the
             number of loss tokens of the whole global batch (the mean over its tokens); ``sequence``
             divides each sequence's sum by its own ``num_tokens`` and the total by ``normaliser``, the
@@ -97,19 +124,22 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
             not depend on how the global batch is split.
     Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
-    targets = batch.targets[batch.loss_mask]
-    if vocab_group is not None:
-        from difflm.parallel.vocab_parallel import vocab_parallel_cross_entropy
-
-        ce = vocab_parallel_cross_entropy(logits, targets, vocab_group)
-    else:
-        ce = F.cross_entropy(logits.float(), targets, reduction="none")
-    per_position = torch.zeros_like(batch.weights)
-    per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
-    per_sequence = per_position.sum(dim=1)
+    if batch.loss_index is None:
+        targets = batch.targets[batch.loss_mask]
+        ce = token_cross_entropy(logits, targets, vocab_group)
+        per_position = torch.zeros_like(batch.weights)
+        per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
+        per_sequence = per_position.sum(dim=1)
+        if norm == "sequence":
+            per_sequence = per_sequence / batch.num_tokens
+        return (per_sequence.sum() / normaliser).float()
+    # the same sum over the loss positions, selected by index: no device-to-host sync
+    idx = batch.loss_index
+    ce = token_cross_entropy(logits, batch.targets.flatten().index_select(0, idx), vocab_group)
+    terms = ce * batch.weights.flatten().index_select(0, idx)
     if norm == "sequence":
-        per_sequence = per_sequence / batch.num_tokens
-    return (per_sequence.sum() / normaliser).float()
+        terms = terms / batch.num_tokens.index_select(0, idx // batch.targets.shape[1])
+    return (terms.sum() / normaliser).float()
 
 
 def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) -> int:
@@ -120,8 +150,8 @@ def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) 
     the length is rounded down to a multiple of ``multiple`` (at least ``multiple``) so that
     sequence/context parallel ranks can split it.
     """
-    gen = keyed_generator(STREAM_LENGTH, seed, step)
-    if prob <= 0 or float(torch.rand((), generator=gen)) >= prob:
+    coin, draw = keyed_uniforms(STREAM_LENGTH, seed, step, n=2)
+    if prob <= 0 or coin >= prob:
         return seq_len
-    length = int(torch.randint(1, seq_len + 1, (), generator=gen))
+    length = 1 + int(draw * seq_len)  # U{1, ..., seq_len}
     return max(multiple, length // multiple * multiple)

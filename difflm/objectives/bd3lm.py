@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from difflm.data.batch import split_batch
 from difflm.errors import DifflmError
 from difflm.model.masks import BlockDiffusionMask
 from difflm.objectives.base import NoisedBatch
-from difflm.objectives.keyed_rng import STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_MASK, keyed_uniform
+from difflm.objectives.keyed_rng import STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_MASK, keyed_uniforms
 from difflm.objectives.mdlm import MDLMObjective, draw_mask, sample_t
 
 
@@ -92,8 +93,8 @@ class BD3LMObjective(MDLMObjective):
         """Draw ``draw`` of ``num_draws``: antithetic t per block, t = (u_{i,j} + d / K) mod 1 (see mdlm)."""
         tokens, extras = split_batch(tokens)
         nb = self._blocks(tokens.shape[1])
-        u = torch.tensor([[keyed_uniform(STREAM_EVAL_T, seed, int(i) * nb + j) for j in range(nb)] for i in sample_ids],
-                         dtype=torch.float64)
+        units = np.asarray([int(i) * nb + j for i in sample_ids for j in range(nb)], dtype=np.int64)
+        u = torch.from_numpy(keyed_uniforms(STREAM_EVAL_T, seed, units)[:, 0]).view(len(sample_ids), nb)
         t = ((u + draw / num_draws) % 1.0).float()
         p, _ = self.schedule(t)
         return self.build(tokens, t, self._mask(p, tokens.shape[1], sample_ids, (seed, draw), STREAM_EVAL_MASK), extras)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from difflm.data.batch import split_batch
 from difflm.model.masks import DocumentMask
 from difflm.objectives.base import NoisedBatch
 from difflm.objectives.keyed_rng import STREAM_BATCH_T, STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_MASK, STREAM_T, \
-    keyed_generator, keyed_uniform
+    keyed_uniform, keyed_uniforms
 from difflm.objectives.schedules import mask_prob_and_weight
 
 
@@ -40,15 +41,15 @@ def sample_t(sample_ids: Sequence[int], *, key: tuple[int, ...], global_batch_si
       * ``stratified``: t_i = (i + u_i) / G, one independent draw per stratum.
     Raises: ValueError for an unknown mode.
     """
-    ids = torch.as_tensor(list(sample_ids), dtype=torch.float64)
+    ids = np.asarray(list(sample_ids), dtype=np.int64)
     if mode == "iid":
-        return torch.tensor([keyed_uniform(STREAM_T, *key, int(i)) for i in ids.tolist()], dtype=torch.float32)
+        return torch.from_numpy(keyed_uniforms(STREAM_T, *key, ids)[:, 0]).float()
     if mode == "antithetic":
         u = keyed_uniform(STREAM_BATCH_T, *key)
-        return ((u + ids / global_batch_size) % 1.0).float()
+        return torch.from_numpy((u + ids / global_batch_size) % 1.0).float()
     if mode == "stratified":
-        u = torch.tensor([keyed_uniform(STREAM_T, *key, int(i)) for i in ids.tolist()], dtype=torch.float64)
-        return ((ids + u) / global_batch_size).float()
+        u = keyed_uniforms(STREAM_T, *key, ids)[:, 0]
+        return torch.from_numpy((ids + u) / global_batch_size).float()
     raise ValueError(f"objective.t_sampling={mode!r} is not one of iid, antithetic, stratified")
 
 
@@ -57,10 +58,8 @@ def draw_mask(p: torch.Tensor, seq_len: int, sample_ids: Sequence[int], key: tup
     """Bernoulli(p_i) mask per position, [B, seq_len] bool; row i depends only on (stream, key, sample_ids[i]).
 
     ``p`` is [B] (one probability per row) or [B, seq_len] (per position, e.g. BD3-LM's per-block p)."""
-    rows = [torch.rand(seq_len, generator=keyed_generator(stream, *key, int(i))) for i in sample_ids]
-    if p.dim() == 2:
-        return torch.stack(rows) < p
-    return torch.stack(rows) < p[:, None]
+    u = torch.from_numpy(keyed_uniforms(stream, *key, np.asarray(list(sample_ids), dtype=np.int64), n=seq_len))
+    return u < (p if p.dim() == 2 else p[:, None]).double()
 
 
 def noise_batch(tokens: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, mask_id: int, eps: float,
@@ -137,7 +136,7 @@ class MDLMObjective:
         Everything is keyed, so every evaluation of a run sees the same noise and curves are comparable.
         """
         tokens, extras = split_batch(tokens)
-        u = torch.tensor([keyed_uniform(STREAM_EVAL_T, seed, int(i)) for i in sample_ids], dtype=torch.float64)
+        u = torch.from_numpy(keyed_uniforms(STREAM_EVAL_T, seed, np.asarray(list(sample_ids), dtype=np.int64))[:, 0])
         t = ((u + draw / num_draws) % 1.0).float()
         p, w = self.schedule(t)
         mask = draw_mask(p, tokens.shape[1], sample_ids, (seed, draw), STREAM_EVAL_MASK)

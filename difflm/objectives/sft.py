@@ -22,18 +22,21 @@ from difflm.objectives.mdlm import MDLMObjective
 
 
 class SFTObjective(MDLMObjective):
-    """Masked diffusion restricted to response tokens. Batches must be :class:`TokenBatch` with prompt lengths."""
+    """Masked diffusion restricted to response tokens. Batches must be :class:`TokenBatch` with prompts (prompt
+    lengths, or the prompt mask of rows packing several pairs, ``data.sft_packing``, whose documents keep their
+    intra-document attention mask)."""
 
     causal = False
 
     @staticmethod
     def _is_response(tokens) -> torch.Tensor:
-        """[B, S] bool: the response positions of a TokenBatch with prompt lengths (DifflmError without them)."""
-        if not isinstance(tokens, TokenBatch) or tokens.prompt_lengths is None:
+        """[B, S] bool: the response positions of a TokenBatch with prompts (prompt lengths, or the prompt mask of
+        packed pairs; DifflmError without them)."""
+        response = tokens.response_mask() if isinstance(tokens, TokenBatch) else None
+        if response is None:
             raise DifflmError("objective=sft needs prompt/response data: set data.prompt_field and data.response_field "
                               "(a .jsonl file of pairs)")
-        s = tokens.tokens.shape[1]
-        return torch.arange(s)[None, :] >= tokens.prompt_lengths[:, None]
+        return response
 
     def num_tokens(self, tokens) -> torch.Tensor:
         """Response length of each row (prompt excluded; at least 1), [B] float32: LLaDA's ``answer_lengths``."""

@@ -166,11 +166,10 @@ def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()
-    if math.isfinite(max_norm):  # the coefficient of torch.nn.utils.clip_grads_with_norm_, applied per tensor kind
-        coef = min(1.0, max_norm / (float(total) + 1e-6))
-        if coef < 1.0:
-            for kind in (True, False):  # foreach ops take DTensors and plain tensors only in separate lists
-                grads = [p.grad for p in params if isinstance(p.grad, DTensor) == kind]
-                if grads:
-                    torch._foreach_mul_(grads, coef)
+    if math.isfinite(max_norm):  # the coefficient of torch.nn.utils.clip_grads_with_norm_, as a tensor: no host sync
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for kind in (True, False):  # foreach ops take DTensors and plain tensors only in separate lists
+            grads = [p.grad.to_local() if kind else p.grad for p in params if isinstance(p.grad, DTensor) == kind]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

@@ -16,6 +16,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
+from difflm.model.masks import to_device
 from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
@@ -108,6 +109,7 @@ class Trainer:
         self.resumed_from: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self._pending_save = None
+        self._prefetched = None  # (data step, its device batches): prepared while the previous step runs
         self._resume()
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -152,6 +154,7 @@ class Trainer:
         self._load(found[1])
 
     def _load(self, path: Path) -> None:
+        self._prefetched = None
         state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
@@ -193,7 +196,7 @@ class Trainer:
         """Optimizer and schedule step, unless the loss or gradient norm is not finite: then the update is
         skipped (the step and its data still count) and ``skipped`` is set in the returned metrics."""
         lr = self.scheduler.get_last_lr()[0]
-        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))  # one host sync per step
+        finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync of a step
         if finite or self.scaler.is_enabled():  # GradScaler skips non-finite fp16 steps itself (and rescales)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -216,34 +219,26 @@ class Trainer:
         rescale them.
         """
         from difflm.parallel.fsdp import FSDPModule
-        from difflm.parallel.parallelize import effective_length_multiple, grad_norm_and_clip
+        from difflm.parallel.parallelize import grad_norm_and_clip
         from difflm.parallel.te_tensor_parallel import all_reduce_partial_grads
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        seq_len = step_length(cfg.data.seq_len, self.data_step, t.seed, cfg.objective.random_length_prob,
-                              effective_length_multiple(cfg, dims))
-        windows = self.sampler.indices(self.data_step)
-        local = t.global_batch_size // dims.dp
-        start = self.coords["dp"] * local
-        key = (t.seed, self.data_step)  # the step's noise key (difflm.objectives.keyed_rng)
-        n_micro = 1 if self.pipeline is not None else self.accum_steps  # a pipeline splits its local batch itself
-        size = local // n_micro  # train.micro_batch_size without a pipeline
-        ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
-        tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
-        normaliser = self._step_normaliser(tokens)
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == self.data_step:
+            batches, normaliser, seq_len = prefetched[1]
+        else:
+            batches, normaliser, seq_len = self._step_batches(self.data_step)
         every_sync = cfg.parallel.get("grad_sync", "last") == "every"
         for part in self.model_parts:
             part.train()
         loss = torch.zeros((), device=self.device)
         if self.pipeline is not None:
-            batch = self.objective.noise(tokens[0], ids[0], key, t.global_batch_size).to(self.device)
             with self._autocast():
-                loss += self.pipeline.step(batch, normaliser).detach()
+                loss += self.pipeline.step(batches[0], normaliser).detach()
         else:
-            for micro in range(self.accum_steps):
-                batch = self.objective.noise(tokens[micro], ids[micro], key, t.global_batch_size).to(self.device)
+            for micro, batch in enumerate(batches):
                 if isinstance(self.model, FSDPModule):  # parallel.grad_sync=last: reduce once, in the last backward
-                    self.model.set_requires_gradient_sync(micro == self.accum_steps - 1 or every_sync)
+                    self.model.set_requires_gradient_sync(micro == len(batches) - 1 or every_sync)
                 loss += self._local_loss(batch, cfg.objective.loss_norm, normaliser, backward=True)
         moe_step(self.model_parts, self.moe_group)  # MoE load statistics over the step, aux-loss-free bias update
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
@@ -255,7 +250,30 @@ class Trainer:
             all_reduce_partial_grads(self.model_parts, tp_group, sp)
         grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
+        if self.step + 1 < t.max_steps:  # the next step's host work while the device runs this one (no sync so far)
+            self._prefetched = (self.data_step + 1, self._step_batches(self.data_step + 1))
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
+
+    def _step_batches(self, data_step: int) -> tuple[list, torch.Tensor, int]:
+        """The noised micro-batches of ``data_step`` on the device (one local batch for a pipeline, which splits it
+        itself), the step's loss normaliser (:meth:`_step_normaliser`) and its sequence length. Host work and
+        asynchronous copies only: it can run while the device is busy with the previous step."""
+        from difflm.parallel.parallelize import effective_length_multiple
+
+        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        seq_len = step_length(cfg.data.seq_len, data_step, t.seed, cfg.objective.random_length_prob,
+                              effective_length_multiple(cfg, dims))
+        windows = self.sampler.indices(data_step)
+        local = t.global_batch_size // dims.dp
+        start = self.coords["dp"] * local
+        key = (t.seed, data_step)  # the step's noise key (difflm.objectives.keyed_rng)
+        n_micro = 1 if self.pipeline is not None else self.accum_steps  # a pipeline splits its local batch itself
+        size = local // n_micro  # train.micro_batch_size without a pipeline
+        ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
+        tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
+        normaliser = self._step_normaliser(tokens)
+        batches = [self.objective.noise(tb, r, key, t.global_batch_size).to(self.device) for tb, r in zip(tokens, ids)]
+        return batches, normaliser, seq_len
 
     def _step_normaliser(self, token_batches) -> torch.Tensor:
         """The loss normaliser of the whole global batch (:func:`difflm.objectives.base.loss_normaliser`): this
@@ -263,7 +281,7 @@ class Trainer:
         ranks of one dp rank hold the same samples). Float64 scalar on the device; the same on every rank."""
         norm = self.cfg.objective.loss_norm
         local = sum(float(loss_normaliser(norm, self.objective.num_tokens(tb))) for tb in token_batches)
-        total = torch.tensor(local, dtype=torch.float64, device=self.device)
+        total = to_device(torch.tensor(local, dtype=torch.float64), self.device)  # asynchronous copy
         if self.dims.dp > 1:
             pdist.all_reduce_sum(total, group=self.mesh["dp"].get_group())
         return total
@@ -279,17 +297,19 @@ class Trainer:
         if dims.cp_enabled and cfg.model.backend == "te":  # TE's ring attention: feed each rank its chunks
             cp, r = dims.cp, self.coords["cp"]
             positions = shard_sequence(torch.arange(batch.input_ids.shape[1], device=self.device), cp, r, dim=0)
-            batch = type(batch)(**{**batch.__dict__, **{k: shard_sequence(getattr(batch, k), cp, r) for k in
-                                                        ("input_ids", "targets", "loss_mask", "weights")}})
+            batch = type(batch)(**{**batch.__dict__, "loss_index": None,  # the index was of the full sequence
+                                    **{k: shard_sequence(getattr(batch, k), cp, r) for k in
+                                       ("input_ids", "targets", "loss_mask", "weights")}})
             kwargs = dict(kwargs, position_ids=positions)
         elif dims.cp_enabled:  # torch: context_parallel shards the buffers in place and patches SDPA
+            batch.loss_index = None  # the index was of the full sequence
             positions = torch.arange(batch.input_ids.shape[1], device=self.device)
             kwargs = dict(kwargs, position_ids=positions)
             ctx = torch_cp_context(self.mesh["cp"], [batch.input_ids, batch.targets, batch.loss_mask, batch.weights,
                                                      positions], [1, 1, 1, 1, 0], causal=self.objective.causal)
         with ctx:
             with self._autocast():
-                logits = self.model(batch.input_ids, batch.loss_mask, **kwargs)
+                logits = self.model(batch.input_ids, batch.logits_selector(), **kwargs)
             loss = weighted_ce_sum(logits, batch, norm, normaliser, vocab_group=self.vocab_group)
             if backward:
                 self.scaler.scale(loss).backward()
@@ -349,7 +369,7 @@ class Trainer:
         if self.cfg.parallel.get("tp_comm_overlap", False) and self.cfg.model.backend == "te":
             return []  # TE's userbuffers are sized for the training micro-batch
         self.model.eval()
-        ids = self.tok.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.tok.eos_id]
+        ids = self.tok.encode(prompt) or [self.tok.eos_id]
         gen = self.cfg.gen
         batches = [(num, gen)]
         if gen.temperature == 0 and num > 1:
