@@ -5,8 +5,11 @@ model of width 64, 32-token windows, 3 steps) compared with a single-process ref
 Losses agree to 1e-5 (relative); gradient norms to 1e-4, because the reference's own FP32 norm of the
 50k x 64 LM-head gradient (``clip_grad_norm_``) carries ~2e-5 of summation error, which a sharded norm does
 not reproduce bit for bit. Resharded resumes: a tp2pp2 checkpoint resumes under fsdp on 4 ranks and in one
-process; a single-process checkpoint resumes under dp2 x tp2. Context parallelism needs CUDA: its layout
-test skips on CPU, its sharding arithmetic is tested here.
+process; a single-process checkpoint resumes under dp2 x tp2. Every launch builds its model on the meta device and
+materialises each rank's shards (tests/test_materialize.py); under TP the LM head and cross-entropy are vocab-parallel
+(tests/test_vocab_parallel.py). The data-parallel levers that only move communication (no resharding after forward,
+explicit prefetch, gradient sync every micro-batch) keep the curve to 1e-5; BF16 gradient reduction stays within
+1e-3. Context parallelism needs CUDA: its layout test skips on CPU, its sharding arithmetic is tested here.
 """
 from __future__ import annotations
 
