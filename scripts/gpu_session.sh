@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU runs behind the figures of README.md and docs/*.md, as one-call parts of at most 10 minutes each on a
+# 2 x H200 machine (Transformer Engine 2.20 and flash-attn 4 staged into /root/site: docs/performance.md says how).
+#
+#   bash scripts/gpu_session.sh single   # GPU 0: benchmark vs MegaDLMs (mdlm, bd3lm, flash rows; .megadlms carried)
+#                                        # GPU 1: the CUDA tests (TE parity incl. bd3lm and packed documents, FP8,
+#                                        #        attention backends, one sync per step), MoE vs dense rows, the
+#                                        #        small-model rows of issue 17
+#   bash scripts/gpu_session.sh layouts  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU, MoE ep2 / fsdp
+#   bash scripts/gpu_session.sh scale    # 2 GPUs: weak scaling, DP levers, tp2 (+ comm overlap), 8b under fsdp
+#
+# Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
+set -u
+part=${1:?usage: gpu_session.sh single|layouts|scale}
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 UB_SKIPMC=1
+CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && \
+  export CUDNN_HOME LD_LIBRARY_PATH=$CUDNN_HOME/lib:${LD_LIBRARY_PATH:-}  # TE must load PyTorch's cuDNN
+T="model.backend=te model.attention_backend=te"
+
+case "$part" in
+single)
+  B="objective=bd3lm objective.block_size=16 model.attention_backend=flex"
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+    --steps 6 --warmup 2 --batches 2 --row-timeout 120 --time-budget 540 --json "$OUT/bench.json" \
+    --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
+    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
+    --variant "te-bf16-bd3lm: model.backend=te $B" --variant "te-fp8-bd3lm: model.backend=te precision=fp8 $B" \
+    --variant "te-bf16-flash: model.backend=te model.attention_backend=flash" \
+    --variant "te-bf16-s2048: $T $S2" --variant "te-fp8-s2048: $T precision=fp8 $S2" \
+    > "$OUT/bench.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+    timeout 200 python3 -m pytest tests/test_te_backend.py tests/test_step_syncs.py -q -p no:cacheprovider -rs \
+      -k "not stand_in" 2>&1 | tail -40
+    timeout 200 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=1 \
+      precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 2 --batches 2 --row-timeout 60 \
+      --time-budget 190 --json "$OUT/bench_moe.json" \
+      --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
+      --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
+      --variant "dense-1b-te-fp8: model=dense-1b $T precision=fp8" 2>&1 | tail -30
+    timeout 150 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
+      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
+      --batches 2 --row-timeout 70 --time-budget 145 --json "$OUT/bench_small.json" \
+      --variant "125m-te-bf16: $T" --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      2>&1 | tail -20
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tail -60 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  ;;
+layouts)
+  timeout 390 python3 scripts/layout_check.py --gpus 2 --parts correctness --out "$OUT/lc" --time-budget 380 \
+    --timeout 110 --steps 4 --backends te,torch --layouts ddp,fsdp,tp2,pp2,cp2 \
+    -- model=125m precision=bf16 data.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=16 \
+    > "$OUT/layouts.log" 2>&1
+  tail -30 "$OUT/layouts.log"
+  for layout in ep2 fsdp; do
+    timeout 90 python3 scripts/layout_check.py --gpus 2 --parts big --big-model moe-1b-7b --big-layout $layout \
+      --big-backends torch --precisions bf16 --out "$OUT/moe_$layout" --timeout 85 \
+      -- data.seq_len=4096 train.micro_batch_size=1 > "$OUT/moe_$layout.log" 2>&1
+    tail -6 "$OUT/moe_$layout.log"
+  done
+  ;;
+scale)
+  timeout 580 python3 scripts/layout_check.py --gpus 2 --parts throughput,big --out "$OUT/scale" --time-budget 560 \
+    --timeout 170 --tput-backends te --precisions bf16,fp8 --tput-model 1.7b --tput-seq 4096 --tput-micro 4 \
+    --tput-accum 4 --tput-steps 8 --warmup 3 --dp-layout ddp --tp-layouts bf16@tp2 \
+    --tput-variants ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true \
+    --big-model 8b --big-layout fsdp --big-micro 1 --big-precisions bf16 > "$OUT/scale.log" 2>&1
+  tail -40 "$OUT/scale.log"
+  ;;
+*) echo "unknown part $part"; exit 2 ;;
+esac
