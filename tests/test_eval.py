@@ -32,7 +32,10 @@ class ContextModel(torch.nn.Module):
         visible = (input_ids != MASK).float().mean(dim=1)  # [B]
         logits = torch.zeros(*input_ids.shape, self.vocab)
         logits.scatter_(2, self.clean.expand_as(input_ids)[..., None], (8.0 * visible)[:, None, None].expand(-1, input_ids.shape[1], 1))
-        return logits if logits_mask is None else logits[logits_mask]
+        if logits_mask is None:
+            return logits
+        # the model contract: a [B, S] bool mask, or [N] int64 positions in the flattened [B * S]
+        return logits[logits_mask] if logits_mask.dtype == torch.bool else logits.flatten(0, 1)[logits_mask]
 
 
 def test_antithetic_draws_reduce_variance():

@@ -233,6 +233,10 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     if num_experts > 0:
         _require(not dims.cp_enabled, f"parallel.cp={dims.cp} with model.moe.num_experts={num_experts} is not "
                  "supported yet (the router statistics would cover one sequence chunk): use parallel.cp=1 for MoE models")
+    # what no device can run comes before what this device cannot
+    _require(cfg.objective.name != "bd3lm" or not dims.cp_enabled,
+             f"objective=bd3lm with parallel.cp={dims.cp}: context parallelism splits the sequence for unmasked "
+             "attention only; use parallel.cp=1 (or objective=mdlm)")
     if dims.cp_enabled:
         reason = cp_unavailable_reason(m, device)
         _require(reason is None, reason or "")
@@ -240,9 +244,6 @@ def check_parallel(cfg, world_size: int, device: torch.device):
         _require(cfg.precision.name != "fp16", "precision=fp16 (loss scaling) is single-process only: use "
                  "precision=bf16 with parallel layouts")
         _require(m.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
-        _require(cfg.objective.name != "bd3lm" or not dims.cp_enabled,
-                 f"objective=bd3lm with parallel.cp={dims.cp}: context parallelism splits the sequence for unmasked "
-                 "attention only; use parallel.cp=1 (or objective=mdlm)")
         per_sample = d.get("intra_document_attention", False)
         _require(not per_sample or not (dims.pp_enabled or dims.cp_enabled),
                  "data.intra_document_attention=true gives every sample its own attention mask, which pipeline and "

@@ -45,7 +45,9 @@ def expert_mesh(mesh, dims):
     """The expert view of ``mesh`` (``dp_shard`` unflattened into ``(efsdp, ep)``), or None when ep is 1."""
     if dims.ep <= 1:
         return None
-    return mesh._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
+    # the dim by position: torch 2.11's _unflatten refuses a dim given by name (pytorch/pytorch#176443)
+    dim = mesh.mesh_dim_names.index("dp_shard")
+    return mesh._unflatten(dim, (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
 
 
 def expert_param_mesh(emesh, dims):

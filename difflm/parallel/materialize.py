@@ -86,9 +86,22 @@ class ShardLocator:
             full_shape = layout.full_shape(fqn, held_shape)
             index = [layout.full_index(fqn, d, torch.arange(held_shape[d]) if i is None else i, held_shape[d])
                      for d, i in enumerate(index)]
-        if p.ndim > 2 and any(i is not None for i in index[1:]):
-            raise ValueError(f"{fqn}: sharded init covers tensors split along dims 0 and 1 only")
-        return fqn, full_shape, (index + [None, None])[:2] if p.ndim <= 2 else [index[0], None]
+        if p.ndim <= 2:
+            return fqn, full_shape, (index + [None, None])[:2]
+        return fqn, full_shape, [index[0], _flat_columns(index[1:], full_shape[1:])]
+
+
+def _flat_columns(index: list[Optional[torch.Tensor]], full_shape: torch.Size) -> Optional[torch.Tensor]:
+    """Positions in the flattened trailing dims ``prod(full_shape)`` (row-major) of the local tensor's trailing dims,
+    in the order ``reshape`` lays them out (e.g. the [E, in, out] expert weights split by TP along dim 1 or 2).
+    None when no trailing dim is split."""
+    if all(i is None for i in index):
+        return None
+    flat = torch.zeros(1, dtype=torch.int64)
+    for i, n in zip(index, full_shape):
+        i = torch.arange(n) if i is None else i
+        flat = (flat[:, None] * n + i[None, :]).reshape(-1)
+    return flat
 
 
 def materialize(parts: list[nn.Module], device: torch.device, model_cfg, seed: int) -> list[nn.Module]:
