@@ -8,6 +8,8 @@
 #                                        #        small-model rows of issue 17
 #   bash scripts/gpu_session.sh layouts  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU, MoE ep2 / fsdp
 #   bash scripts/gpu_session.sh scale    # 2 GPUs: weak scaling, DP levers, tp2 (+ comm overlap), 8b under fsdp
+#   bash scripts/gpu_session.sh profile  # 1 GPU: MoE kernel tests, MoE vs dense rows (profiled), and model=1.7b
+#                                        #        TE BF16 / FP8 against MegaDLMs at S=4096, both profiled
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
@@ -72,6 +74,23 @@ scale)
     --tput-variants ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true \
     --big-model 8b --big-layout fsdp --big-micro 1 --big-precisions bf16 > "$OUT/scale.log" 2>&1
   tail -40 "$OUT/scale.log"
+  ;;
+profile)
+  export DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  timeout 90 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -8
+  timeout 200 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=1 \
+    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 2 --batches 2 --row-timeout 60 \
+    --time-budget 190 --json "$OUT/bench_moe.json" --profile moe-1b-7b-te-bf16 \
+    --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
+    --variant "moe-1b-7b-torch-bf16: model=moe-1b-7b" --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
+    > "$OUT/bench_moe.log" 2>&1
+  tail -30 "$OUT/bench_moe.log"
+  timeout 280 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 2 \
+    --batches 2 --row-timeout 90 --time-budget 270 --json "$OUT/bench.json" --profile te-bf16,te-fp8 \
+    --megadlms .megadlms --megadlms-shapes 4096x16 --megadlms-timeout 100 \
+    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" > "$OUT/bench.log" 2>&1
+  tail -60 "$OUT/bench.log"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,13 @@ def load_script(name: str):
     sys.modules[f"difflm_{name}"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def report(name: str, **values) -> None:
+    """Print a GPU test's figures and append them to ``$DIFFLM_TEST_REPORT`` (JSON lines) when it is set: the
+    numbers docs/performance.md quotes come from these lines."""
+    print(name, values)
+    path = os.environ.get("DIFFLM_TEST_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **values}) + "\n")

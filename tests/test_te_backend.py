@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import report
 from fixtures.fake_te_env import fake_te, real_te_available  # noqa: F401  (pytest fixture)
 
 from difflm.config.schema import ModelConfig
@@ -35,14 +36,6 @@ def small_cfg(**kw) -> ModelConfig:
                 vocab_size=96, qk_norm=True)
     base.update(kw)
     return ModelConfig(**base)
-
-
-def report(name: str, **values) -> None:
-    print(name, values)
-    path = os.environ.get("DIFFLM_TEST_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": name, **values}) + "\n")
 
 
 # ------------------------------------------------------------------ layout vs the recorded TE fixture

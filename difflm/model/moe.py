@@ -16,8 +16,8 @@ pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f``
     mlp.shared.fc2_weight     [d, f_s]
 
 Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+),
-Transformer Engine's ``te.GroupedLinear`` with the ``te`` kernel set, and a loop over experts elsewhere (CPU,
-the reference for tests). All three hold the same two stacked parameters.
+Transformer Engine's ``te.GroupedLinear`` with the ``te`` kernel set under FP8, and a loop over experts elsewhere
+(CPU, the reference for tests). All three hold the same two stacked parameters.
 
 Expert parallelism swaps :attr:`MoEMLP.dispatcher` for an all-to-all dispatcher
 (:mod:`difflm.parallel.expert_parallel`); the module itself never knows its layout.
@@ -214,8 +214,9 @@ class GroupedExperts(nn.Module):
     Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
     Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
         (local) expert -> [R, d].
-    Kernels: ``te`` -> ``te.GroupedLinear`` (groups padded to :data:`FP8_GROUP_ROWS` rows under FP8); ``torch``
-    -> ``torch._grouped_mm`` where :func:`grouped_mm_supported`, else a loop over experts (CPU reference).
+    Kernels: ``te`` under FP8 -> ``te.GroupedLinear`` (groups padded to :data:`FP8_GROUP_ROWS` rows); otherwise
+    ``torch._grouped_mm`` where :func:`grouped_mm_supported` (BF16 on sm90+, no host sync), else a loop over experts
+    (CPU reference; also ``te`` without FP8 on CPU, through the fake-TE test fixture).
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, kernels=None):
@@ -228,10 +229,12 @@ class GroupedExperts(nn.Module):
             self.fc2_gemm = _te_grouped_linear(num_experts, ffn, hidden)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from difflm.training.precision import fp8_is_active
+
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)  # [E_local, 2f, d], [E_local, d, f]
-        if self.kernel == "te":
+        if self.kernel == "te" and fp8_is_active():  # te.GroupedLinear for its FP8 GEMMs (host-side splits)
             return self._te(x, counts, w1, w2)
-        if grouped_mm_supported(x):
+        if grouped_mm_supported(x):  # BF16 under either kernel set: no host sync, unlike GroupedLinear's splits
             return self._grouped_mm(x, counts, w1, w2).to(_compute_dtype(x))
         return self._loop(x, counts.tolist(), w1, w2)
 
