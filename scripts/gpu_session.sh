@@ -77,10 +77,10 @@ scale)
   ;;
 profile)
   export DIFFLM_TEST_REPORT=$OUT/report.jsonl
-  timeout 90 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -8
-  timeout 200 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=1 \
+  timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -8
+  timeout 180 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=1 \
     precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 2 --batches 2 --row-timeout 60 \
-    --time-budget 190 --json "$OUT/bench_moe.json" --profile moe-1b-7b-te-bf16 \
+    --time-budget 170 --json "$OUT/bench_moe.json" --profile moe-1b-7b-te-bf16 \
     --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
     --variant "moe-1b-7b-torch-bf16: model=moe-1b-7b" --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
     > "$OUT/bench_moe.log" 2>&1

@@ -37,9 +37,9 @@ def moe_cfg(**moe):
                                  moe=base))
 
 
-def make_layer(seed=0, kernels=None, **moe) -> MoEMLP:
+def make_layer(seed=0, **moe) -> MoEMLP:
     torch.manual_seed(seed)
-    layer = MoEMLP(moe_cfg(**moe), kernels)
+    layer = MoEMLP(moe_cfg(**moe))
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.3)
@@ -95,15 +95,15 @@ def test_grouped_mm_matches_the_loop():
     assert torch.allclose(got.float(), ref, atol=3e-2, rtol=3e-2), (got.float() - ref).abs().max()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (torch._grouped_mm, TE GroupedLinear)")
-@pytest.mark.parametrize("kernel,fp8", [("torch", False), ("te", False), ("te", True)])
-def test_cuda_expert_kernels_match_the_loop(kernel, fp8):
-    """On the GPU, the MoE layer with E=8 experts of d=256, f=512 over 2 x 512 tokens: BF16 grouped GEMMs
-    (either kernel set) and TE's FP8 GroupedLinear against the same layer's CPU loop in FP32, forward and
-    gradients (relative L2 errors; BF16 ~4e-3, FP8 ~6e-2)."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (torch._grouped_mm)")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_cuda_expert_kernels_match_the_loop(precision):
+    """On the GPU, the MoE layer with E=8 experts of d=256, f=512 over 2 x 512 tokens, its experts through
+    torch._grouped_mm in BF16 (also inside an FP8 region: the experts stay BF16), against the same layer's CPU loop
+    in FP32, forward and gradients (relative L2 errors; measured ~5e-3 to 8e-3 on an H200)."""
     from difflm.training.precision import autocast_context, import_te
 
-    if kernel == "te":
+    if precision == "fp8":
         try:
             import_te()
         except Exception as e:  # noqa: BLE001 - TE missing on this machine
@@ -115,64 +115,22 @@ def test_cuda_expert_kernels_match_the_loop(kernel, fp8):
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.05)
-    gpu = MoEMLP(cfg, kernel).train().cuda()
-    gpu.load_state_dict(ref.state_dict(), strict=False)
+    gpu = MoEMLP(cfg).train().cuda()
+    gpu.load_state_dict(ref.state_dict())
     x = torch.randn(2, 512, 256)
     out_ref = ref(x)
     out_ref.square().mean().backward()
-    with autocast_context("fp8" if fp8 else "bf16", torch.device("cuda")):
+    with autocast_context(precision, torch.device("cuda")):
         out = gpu(x.cuda())
     out.float().square().mean().backward()
 
     def rel(a, b):
         return float((a.float().cpu() - b).norm() / b.norm())
 
-    tol = 0.1 if fp8 else 2e-2
     errors = {"out": rel(out, out_ref)}
     errors.update({n: rel(q.grad, p.grad) for (n, p), q in zip(ref.named_parameters(), gpu.parameters())})
-    report(f"moe_{kernel}_{'fp8' if fp8 else 'bf16'}_vs_loop", **errors)
-    assert all(e < tol for e in errors.values()), errors
-
-
-@pytest.mark.parametrize("fp8", [True, False])
-def test_te_grouped_linear_kernels_match_torch(fake_te, fp8):
-    """Under FP8 the te kernel set runs te.GroupedLinear (groups padded to FP8_GROUP_ROWS rows); without FP8 it
-    takes the grouped-GEMM path of the torch set (here the CPU loop). Both give the reference values."""
-    import transformer_engine.pytorch as te
-
-    from difflm.model import moe as moe_mod
-
-    torch.manual_seed(0)
-    cfg = moe_cfg()
-    ref = make_layer(seed=1).train()
-    te_layer = MoEMLP(cfg, "te").train()
-    te_layer.load_state_dict(ref.state_dict(), strict=False)
-    names = {n for n, _ in te_layer.named_parameters()}
-    assert names == {n for n, _ in ref.named_parameters()}  # the TE kernels add no parameters
-    assert "experts.fc1_gemm._extra_state" in te_layer.state_dict()  # ... only TE's FP8 metadata
-    x = torch.randn(2, 6, 16)
-    calls = []
-    te_path = moe_mod.GroupedExperts._te
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe_mod.GroupedExperts, "_te", lambda self, *a: calls.append(1) or te_path(self, *a))
-        with te.autocast(enabled=fp8):  # the stand-in computes in full precision: only the path changes
-            out_ref, out_te = ref(x), te_layer(x)
-    assert bool(calls) == fp8
-    assert torch.allclose(out_te, out_ref, atol=1e-5)
-    out_ref.square().sum().backward()
-    out_te.square().sum().backward()
-    for (name, p), q in zip(ref.named_parameters(), te_layer.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
-
-
-def test_fp8_group_padding_is_a_row_embedding():
-    from difflm.model.moe import _pad_groups
-
-    x = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
-    padded, index, splits = _pad_groups(x, [3, 0, 4], 4)
-    assert splits == [4, 0, 4] and padded.shape == (8, 2)
-    assert torch.equal(padded.index_select(0, index), x)
-    assert torch.equal(padded[3], torch.zeros(2)) and index.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    report(f"moe_{precision}_vs_loop", **errors)
+    assert all(e < 2e-2 for e in errors.values()), errors
 
 
 def test_aux_losses_enter_the_gradient_with_the_loss_scale():
@@ -346,8 +304,8 @@ def test_bad_moe_settings_are_one_line_errors(overrides, world, needle):
 
 
 def test_moe_model_under_te_kernels_matches_torch_kernels(fake_te):
-    """The one model builds its MoE MLP with either kernel set (TE: te.GroupedLinear): same names, same logits, and
-    the TE checkpoint layout lists the grouped GEMMs' FP8 metadata; TE + TP + MoE is refused in one line."""
+    """The one model builds its MoE MLP under either kernel set (the same torch module: the TE set's attention
+    around it): same names, same logits, no TE metadata in the MLP slot; TE + TP + MoE is refused in one line."""
     from difflm.config.validate import check_parallel, resolve_device
     from difflm.model import Transformer, resolve_model_config
     from difflm.model.te_kernels import TEKernels, te_module_names, te_to_torch_state_dict, torch_to_te_state_dict
@@ -358,8 +316,8 @@ def test_moe_model_under_te_kernels_matches_torch_kernels(fake_te):
     ref.init_weights(3)
     te_model = Transformer(cfg, kernels=TEKernels(cfg, device="cpu"))
     te_model.load_state_dict(torch_to_te_state_dict(ref.state_dict(), cfg))  # strict: the names line up
-    assert "layers.0.mlp.experts.fc1_gemm._extra_state" in te_model.state_dict()
-    assert "layers.0.mlp" not in te_module_names(cfg)
+    assert not any(k.startswith("layers.0.mlp") and k.endswith("_extra_state") for k in te_model.state_dict())
+    assert "layers.0.mlp" not in te_module_names(cfg) and "layers.0.attention.qkv" in te_module_names(cfg)
     ref.load_state_dict(te_to_torch_state_dict(te_model.state_dict()))
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -15,9 +15,11 @@ pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f``
     mlp.shared.fc1_weight     [2 f_s, d]   (num_shared_experts > 0)
     mlp.shared.fc2_weight     [d, f_s]
 
-Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+),
-Transformer Engine's ``te.GroupedLinear`` with the ``te`` kernel set under FP8, and a loop over experts elsewhere
-(CPU, the reference for tests). All three hold the same two stacked parameters.
+Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+) under
+either kernel set and every precision (under ``precision=fp8`` the experts stay BF16), and a loop over experts
+elsewhere (CPU, the reference for tests). Transformer Engine's ``te.GroupedLinear`` is not used: fed the stacked
+expert weights, its FP8 backward returned zero weight gradients on an H200 (TE 2.20.2, tests/test_moe.py's CUDA
+test), and its per-expert splits are a host list (one sync per layer). All three hold the same two stacked parameters.
 
 Expert parallelism swaps :attr:`MoEMLP.dispatcher` for an all-to-all dispatcher
 (:mod:`difflm.parallel.expert_parallel`); the module itself never knows its layout.
@@ -31,7 +33,6 @@ statistics live in buffers; :func:`moe_step` reduces them once per step (and mov
 """
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -43,7 +44,6 @@ from torch import nn
 from difflm.model.layers import rms_norm
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-FP8_GROUP_ROWS = 32  # TE's FP8 grouped GEMMs need every expert's row count divisible by 16 (32 for MX/block)
 
 
 # ------------------------------------------------------------------ config helpers
@@ -68,12 +68,6 @@ def moe_inactive_params(cfg) -> int:
     if moe is None:
         return 0
     return cfg.num_layers * (int(moe.num_experts) - int(moe.top_k)) * 3 * cfg.hidden_size * expert_ffn_size(cfg)
-
-
-def _kernel_name(kernels) -> str:
-    if kernels is None:
-        return "torch"
-    return kernels if isinstance(kernels, str) else kernels.name
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -167,74 +161,27 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def _pad_groups(x: torch.Tensor, counts: list[int], multiple: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of each group padded with zeros to a multiple of ``multiple``: (x_padded, row index of each input
-    row in it [R] int64, padded counts)."""
-    padded = [-(-c // multiple) * multiple for c in counts]
-    starts, pstarts = [0], [0]
-    for c, p in zip(counts, padded):
-        starts.append(starts[-1] + c)
-        pstarts.append(pstarts[-1] + p)
-    index = torch.cat([torch.arange(pstarts[e], pstarts[e] + c, device=x.device) for e, c in enumerate(counts)]
-                      ) if counts else torch.zeros(0, dtype=torch.long, device=x.device)
-    out = x.new_zeros(pstarts[-1], x.shape[-1]).index_copy(0, index, x)
-    return out, index, padded
-
-
-@functools.lru_cache(maxsize=None)
-def _stacked_grouped_linear_class():
-    """``te.GroupedLinear`` taking its per-GEMM weights from one stacked [G, out, in] tensor per call (set in
-    ``_stacked``) instead of its own ``weight{i}`` parameters, so the experts keep one parameter per GEMM stack."""
-    from difflm.training.precision import import_te
-
-    te = import_te()
-
-    class StackedGroupedLinear(te.GroupedLinear):
-        _stacked: Optional[torch.Tensor] = None
-
-        def _get_weight_tensors(self):
-            return list(self._stacked.unbind(0))
-
-    return StackedGroupedLinear
-
-
-def _te_grouped_linear(num_gemms: int, in_features: int, out_features: int) -> nn.Module:
-    module = _stacked_grouped_linear_class()(num_gemms, in_features, out_features, bias=False, device="meta")
-    for i in range(num_gemms):  # the weights come from GroupedExperts' stacked parameters
-        module._parameters.pop(f"weight{i}", None)
-    return module
-
-
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts (Shazeer 2020, eq. 6) applied to expert-sorted tokens.
 
     Args:
         num_experts: experts held here (all of them; :mod:`difflm.parallel.expert_parallel` shards dim 0).
-        hidden, ffn: d and f. ``kernels``: the kernel set (``.name`` ``torch`` or ``te``).
+        hidden, ffn: d and f.
     Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
     Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
         (local) expert -> [R, d].
-    Kernels: ``te`` under FP8 -> ``te.GroupedLinear`` (groups padded to :data:`FP8_GROUP_ROWS` rows); otherwise
-    ``torch._grouped_mm`` where :func:`grouped_mm_supported` (BF16 on sm90+, no host sync), else a loop over experts
-    (CPU reference; also ``te`` without FP8 on CPU, through the fake-TE test fixture).
+    Kernels (the same under both kernel sets): ``torch._grouped_mm`` where :func:`grouped_mm_supported` (BF16 on sm90+, no host
+    sync), else a loop over experts (the CPU reference).
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, kernels=None):
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
         super().__init__()
-        self.kernel = _kernel_name(kernels)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
-        if self.kernel == "te":
-            self.fc1_gemm = _te_grouped_linear(num_experts, hidden, 2 * ffn)
-            self.fc2_gemm = _te_grouped_linear(num_experts, ffn, hidden)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        from difflm.training.precision import fp8_is_active
-
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)  # [E_local, 2f, d], [E_local, d, f]
-        if self.kernel == "te" and fp8_is_active():  # te.GroupedLinear for its FP8 GEMMs (host-side splits)
-            return self._te(x, counts, w1, w2)
-        if grouped_mm_supported(x):  # BF16 under either kernel set: no host sync, unlike GroupedLinear's splits
+        if grouped_mm_supported(x):
             return self._grouped_mm(x, counts, w1, w2).to(_compute_dtype(x))
         return self._loop(x, counts.tolist(), w1, w2)
 
@@ -256,20 +203,6 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(_swiglu(F.linear(x[start:start + n], w1[e])), w2[e]))
             start += n
         return torch.cat(outs, dim=0)
-
-    def _te(self, x, counts, w1, w2) -> torch.Tensor:
-        from difflm.training.precision import fp8_is_active
-
-        splits = counts.tolist()
-        index = None
-        if fp8_is_active() and any(c % FP8_GROUP_ROWS for c in splits):
-            x, index, splits = _pad_groups(x, splits, FP8_GROUP_ROWS)
-        try:  # through __dict__: nn.Module.__setattr__ would register a Parameter as the module's own
-            self.fc1_gemm.__dict__["_stacked"], self.fc2_gemm.__dict__["_stacked"] = w1, w2
-            y = self.fc2_gemm(_swiglu(self.fc1_gemm(x, splits)), splits)
-        finally:
-            self.fc1_gemm.__dict__["_stacked"] = self.fc2_gemm.__dict__["_stacked"] = None
-        return y if index is None else y.index_select(0, index)
 
 
 class SharedExperts(nn.Module):
@@ -339,7 +272,6 @@ class MoEMLP(nn.Module):
 
     Args:
         cfg: ``model`` config (``hidden_size``, ``norm_eps``, ``ffn_hidden_size``, ``moe.*``).
-        kernels: kernel set with ``.name`` ``torch`` or ``te`` (or the name itself; None = torch), for the experts.
     Forward: x [*, d] (leading dims are tokens: [B, S, d] or [S, B, d]) -> [*, d] in x's dtype.
     Training forwards (train mode, gradients on) add the auxiliary losses to the backward pass
     (:class:`AttachAuxLoss`) and count tokens per expert; capacity dropping (``capacity_factor``) applies to
@@ -349,7 +281,7 @@ class MoEMLP(nn.Module):
     ``last_losses`` [2] (the previous step's, after :func:`moe_step`).
     """
 
-    def __init__(self, cfg, kernels=None):
+    def __init__(self, cfg):
         super().__init__()
         moe = cfg.moe
         d, f = cfg.hidden_size, expert_ffn_size(cfg)
@@ -360,7 +292,7 @@ class MoEMLP(nn.Module):
         self.capacity_factor = moe.capacity_factor
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
         self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob))
-        self.experts = GroupedExperts(self.num_experts, d, f, kernels)
+        self.experts = GroupedExperts(self.num_experts, d, f)
         n_shared = int(moe.num_shared_experts)
         self.shared = SharedExperts(d, n_shared * f) if n_shared > 0 else None
         self.dispatcher = LocalDispatcher()
@@ -506,18 +438,8 @@ def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, fl
     return out
 
 
-def build_mlp(cfg, kernels=None) -> nn.Module:
-    """The block's MLP slot: :class:`MoEMLP` when ``cfg.moe.num_experts`` > 0, else the dense SwiGLU
-    :class:`difflm.model.layers.LayerNormMLP` (the torch kernel set's; the ``te`` set builds ``te.LayerNormMLP``)."""
-    if moe_config(cfg) is not None:
-        return MoEMLP(cfg, kernels)
-    from difflm.model.layers import LayerNormMLP
-
-    return LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_eps)
-
-
 __all__ = [
     "AttachAuxLoss", "GroupedExperts", "LocalDispatcher", "MoEMLP", "Routing", "SharedExperts", "TopKRouter",
-    "build_mlp", "expert_ffn_size", "grouped_mm_supported", "load_balancing_loss", "moe_config",
+    "expert_ffn_size", "grouped_mm_supported", "load_balancing_loss", "moe_config",
     "moe_inactive_params", "moe_layers", "moe_metrics", "moe_step", "router_z_loss", "set_moe_loss_scale",
 ]

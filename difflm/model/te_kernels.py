@@ -53,10 +53,10 @@ FP8_ROWS_MULTIPLE = 32  # FP8 GEMMs need the token count divisible by 16 (32 for
 # ------------------------------------------------------------------ state-dict layout
 def te_module_names(cfg) -> list[str]:
     """Paths of the TE modules of a ``model`` config, i.e. the state-dict prefixes with an ``_extra_state``
-    (a mixture-of-experts MLP holds two ``te.GroupedLinear``: ``mlp.experts.fc1_gemm`` and ``fc2_gemm``)."""
+    (a mixture-of-experts MLP is the same torch module under both kernel sets: no TE module there)."""
     from difflm.model.moe import moe_config
 
-    mlp = ["mlp.experts.fc1_gemm", "mlp.experts.fc2_gemm"] if moe_config(cfg) is not None else ["mlp"]
+    mlp = [] if moe_config(cfg) is not None else ["mlp"]
     names = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}.attention."

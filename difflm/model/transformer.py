@@ -93,7 +93,7 @@ class Block(nn.Module):
         self.attention = Attention(cfg, causal, kernels, layer_number)
         if moe_config(cfg) is not None:  # mixture of experts (model.moe.num_experts > 0; difflm.model.moe)
             with torch.device(kernels.device):
-                self.mlp = MoEMLP(cfg, kernels)
+                self.mlp = MoEMLP(cfg)  # the same torch modules under both kernel sets
         else:
             self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
