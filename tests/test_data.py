@@ -95,8 +95,8 @@ def test_mask_token_that_is_another_special_token_is_refused(tmp_path, extra, ro
     forbids the mask id, so the model could never end a text."""
     d = tmp_path / "tok"
     d.mkdir()
-    shutil.copy(SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer.json", d / "tokenizer.json")
-    config = json.loads((SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer_config.json").read_text())
+    shutil.copy(NEOX / "tokenizer.json", d / "tokenizer.json")
+    config = json.loads((NEOX / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**config, **extra}))
     with pytest.raises(DifflmError) as err:
         build_tokenizer(str(d))

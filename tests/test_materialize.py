@@ -59,6 +59,24 @@ def test_keyed_normal_blocks_are_entries_of_the_full_draw():
     assert vec.shape == (700,) and torch.equal(keyed_normal(3, "v", (700,), (torch.arange(300, 700), None)), vec[300:])
 
 
+def test_a_3d_shard_gets_the_values_of_its_full_tensor():
+    """Expert stacks [E, out, in] are drawn as [E, out x in]: a shard split along any dims (experts over EP, a
+    trailing dim over TP) gets exactly the entries of the full tensor at its positions (materialize._flat_columns)."""
+    from difflm.parallel.materialize import _flat_columns
+
+    full_shape = torch.Size([6, 40, 300])
+    full = keyed_normal(2, "layers.0.mlp.experts.fc1_weight", full_shape, std=0.02).view(full_shape)
+    experts, rows, cols = torch.arange(2, 4), torch.tensor([39, 0, 7]), torch.arange(250, 300)
+    for index in ([experts, None, cols], [experts, rows, cols], [None, rows, None], [experts, None, None]):
+        flat = _flat_columns(index[1:], full_shape[1:])
+        got = keyed_normal(2, "layers.0.mlp.experts.fc1_weight", full_shape, [index[0], flat], std=0.02)
+        want = full
+        for dim, i in enumerate(index):
+            want = want if i is None else want.index_select(dim, i)
+        torch.testing.assert_close(got.view(want.shape), want, rtol=0, atol=0)
+    assert _flat_columns([None, None], full_shape[1:]) is None
+
+
 def test_threads_do_not_change_the_values():
     before = torch.get_num_threads()
     try:
