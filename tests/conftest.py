@@ -63,3 +63,18 @@ def report(name: str, **values) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **values}) + "\n")
+
+
+def spawn_ranks(worker, world: int, out) -> list:
+    """Run ``worker(rank, world, port, out)`` in ``world`` spawned processes (``port``: a free localhost port for
+    their gloo rendezvous) and return what each rank saved to ``out/rank{r}.pt``."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(world, port, str(out)), nprocs=world, join=True)
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import compose_run
+from conftest import compose_run, spawn_ranks
 from difflm.model import init as model_init
 from difflm.model.init import keyed_normal
 
@@ -105,12 +103,6 @@ def test_a_shard_draws_only_the_tiles_it_intersects(monkeypatch):
 
 
 # ------------------------------------------------------------------ layouts vs one process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(overrides, backend):
     cfg = compose_run([*SMALL, f"model.backend={backend}", *overrides])
     cfg.model.vocab_size, cfg.model.head_dim = VOCAB, cfg.model.hidden_size // cfg.model.num_heads
@@ -179,8 +171,7 @@ def _layouts_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def layout_weights(tmp_path_factory):
     out = tmp_path_factory.mktemp("materialize")
-    mp.spawn(_layouts_worker, args=(4, _free_port(), str(out)), nprocs=4, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return spawn_ranks(_layouts_worker, 4, out)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -256,8 +247,7 @@ def _big_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_70b_shaped_fsdp_construction_stays_below_the_full_model(tmp_path):
-    mp.spawn(_big_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
-    stats = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    stats = spawn_ranks(_big_worker, 4, tmp_path)
     gib = 2**30
     full = stats[0]["full_bytes"] / gib
     largest = 2 * 28672 * 8192 * 4 / gib  # fc1 [2 f, d] in FP32: what drawing one full tensor would add

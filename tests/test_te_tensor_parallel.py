@@ -9,16 +9,15 @@ process) and tests/test_materialize.py (initial weights). The GPU end-to-end che
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from conftest import spawn_ranks
 from difflm.model.init import megatron_init_
 from difflm.parallel.materialize import ShardLocator
 from difflm.parallel.parallelize import grad_norm_and_clip
@@ -105,12 +104,6 @@ def test_tp_init_gives_the_shards_of_the_single_process_init():
                                                                              up[rank * k:(rank + 1) * k]]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -162,8 +155,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def tp2_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("te_tp")
-    mp.spawn(_worker, args=(TP, _free_port(), str(out)), nprocs=TP, join=True)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]
+    return out, spawn_ranks(_worker, TP, out)
 
 
 def test_sequence_scatter_gather_values_and_gradients(tp2_results):

@@ -11,17 +11,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import compose_run
+from conftest import compose_run, spawn_ranks
 from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
 from difflm.errors import DifflmError
 
@@ -32,12 +30,6 @@ MODEL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "mod
 KINDS = {"torch_sp": ("torch", True), "torch_no_sp": ("torch", False), "te_sp": ("te", True),
          "te_no_sp": ("te", False)}
 FAKE_TE = str(Path(__file__).resolve().parent / "fixtures" / "fake_te")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ce_inputs():
@@ -151,8 +143,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("vocab_parallel")
-    mp.spawn(_worker, args=(TP, _free_port(), str(out)), nprocs=TP, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(TP)]
+    return spawn_ranks(_worker, TP, out)
 
 
 @pytest.fixture(scope="module")

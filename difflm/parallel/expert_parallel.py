@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from difflm.model.moe import MoEMLP, moe_layers
+from difflm.parallel.te_tensor_parallel import all_gather_along, scatter_sequence
 
 
 # ------------------------------------------------------------------ meshes
@@ -141,35 +142,18 @@ def routed_expert_modules(model: nn.Module) -> list[nn.Module]:
 class _GatherSequence(torch.autograd.Function):
     """All-gather along ``dim`` over ``group``; the gradient of a replicated consumer is identical on every rank,
     so backward keeps this rank's chunk (Megatron-LM's ``gather_from_sequence_parallel_region`` with
-    ``tensor_parallel_output_grad=False``)."""
+    ``tensor_parallel_output_grad=False``; :func:`difflm.parallel.te_tensor_parallel.gather_sequence` is the
+    variant whose backward reduce-scatters partial gradients)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return all_gather_along(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Keep this rank's chunk along ``dim`` of a replicated tensor; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=dim)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts, dim=ctx.dim), None, None
 
 
 def gather_sequence_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -178,8 +162,9 @@ def gather_sequence_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor
 
 
 def split_sequence_replicated(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The full [.., S, ..], identical on every TP rank -> this rank's [.., S / tp, ..] (:class:`_SplitSequence`)."""
-    return _SplitSequence.apply(x, dim, group)
+    """The full [.., S, ..], identical on every TP rank -> this rank's [.., S / tp, ..]; backward all-gathers
+    (:func:`difflm.parallel.te_tensor_parallel.scatter_sequence`)."""
+    return scatter_sequence(x, group, dim)
 
 
 def replicate_moe_over_tp(module: MoEMLP, group, sequence_parallel: bool, seq_dim: int = 1) -> MoEMLP:

@@ -125,7 +125,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return all_gather_along(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -136,14 +136,15 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+        return all_gather_along(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
-def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (all-gather over ``group``), contiguous."""
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -201,6 +202,6 @@ def sharded_param_ids(parts: Iterable[nn.Module]) -> set[int]:
 
 
 __all__ = [
-    "SHARD_DIM", "TensorParallelShards", "all_reduce_partial_grads", "gather_sequence", "has_partial_grad",
-    "scatter_sequence", "shard_dim", "sharded_param_ids",
+    "SHARD_DIM", "TensorParallelShards", "all_gather_along", "all_reduce_partial_grads", "gather_sequence",
+    "has_partial_grad", "scatter_sequence", "shard_dim", "sharded_param_ids",
 ]

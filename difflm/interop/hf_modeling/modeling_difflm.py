@@ -308,13 +308,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         without its padding (with ``shift_logits`` too: position i's logits come from the last real position
         before it). Logits at pad positions are meaningless.
         """
-        valid = None
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            if not bool(attention_mask.bool().all()):
-                valid = attention_mask.bool()
+        valid = _valid_positions(attention_mask, input_ids)
         b, s = input_ids.shape
         mask = None
         if valid is None:
@@ -382,15 +376,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
         input_ids = input_ids.long()
-        valid = None
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            if not bool(attention_mask.bool().all()):
-                valid = attention_mask.bool().to(input_ids.device)
-                if not bool(valid.any(dim=1).all()):
-                    raise ValueError("attention_mask has a row without any real token: give each prompt a token")
+        valid = _valid_positions(attention_mask, input_ids)
+        if valid is not None and not bool(valid.any(dim=1).all()):
+            raise ValueError("attention_mask has a row without any real token: give each prompt a token")
         forbid = self._forbidden_ids()
         if cfg.causal:
             return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
@@ -460,6 +448,18 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
 
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+
+
+def _valid_positions(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """``attention_mask`` [B, S] (1 real, 0 padding) as a bool tensor on ``input_ids``' device, or None when it is
+    absent or all ones. Raises ValueError when its shape is not that of ``input_ids``."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}")
+    valid = attention_mask.bool().to(input_ids.device)
+    return None if bool(valid.all()) else valid
 
 
 def _previous_real(valid: Optional[torch.Tensor], b: int, s: int, device) -> torch.Tensor:
