@@ -32,7 +32,6 @@ import contextlib
 from typing import Mapping, Optional
 
 import torch
-from torch import nn
 
 from difflm.errors import DifflmError
 from difflm.model.kernels import TorchKernels

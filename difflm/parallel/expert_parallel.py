@@ -29,7 +29,7 @@ TP like the dense MLP) is left for later (docs/moe.md). Context parallelism with
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
