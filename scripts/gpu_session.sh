@@ -8,6 +8,8 @@
 #                                        #        small-model rows of issue 17
 #   bash scripts/gpu_session.sh layouts  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU, MoE ep2 / fsdp
 #   bash scripts/gpu_session.sh scale    # 2 GPUs: weak scaling, DP levers, tp2 (+ comm overlap), 8b under fsdp
+#   bash scripts/gpu_session.sh speed    # 2 GPUs: issue 17's levers against MegaDLMs, their tests, small models,
+#                                        #         a profile and the trainer's tokens/s
 #   bash scripts/gpu_session.sh profile  # 1 GPU: MoE kernel tests, MoE vs dense rows (profiled), and model=1.7b
 #                                        #        TE BF16 / FP8 against MegaDLMs at S=4096, both profiled
 #
@@ -91,6 +93,46 @@ profile)
     --megadlms .megadlms --megadlms-shapes 4096x16 --megadlms-timeout 100 \
     --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" > "$OUT/bench.log" 2>&1
   tail -60 "$OUT/bench.log"
+  ;;
+speed)
+  # issue 17 on 2 GPUs. GPU 0: model=1.7b against MegaDLMs, the fused QKV kernel and in-place FP32 weight-gradient
+  # accumulation (the defaults) against both off ("unfused"). GPU 1: the CUDA tests of the changed paths, the small
+  # models both ways, a profile of the new 1.7B BF16 step, and the trainer (difflm-train, metrics.jsonl) at 350m.
+  U="model.fused_qkv=false model.fuse_wgrad_accumulation=false"
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+    --steps 6 --warmup 3 --batches 2 --row-timeout 120 --time-budget 565 --json "$OUT/bench.json" \
+    --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
+    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
+    --variant "te-bf16-unfused: $T $U" --variant "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" \
+    --variant "te-bf16-s2048: $T $S2" --variant "te-fp8-s2048: $T precision=fp8 $S2" \
+    > "$OUT/bench.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+    timeout 170 python3 -m pytest tests/test_qkv.py tests/test_te_backend.py tests/test_step_syncs.py -q \
+      -p no:cacheprovider -rs -x -k "not stand_in" 2>&1 | tail -25
+    timeout 170 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
+      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
+      --batches 2 --row-timeout 60 --time-budget 165 --json "$OUT/bench_small.json" \
+      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-unfused: $T $U" \
+      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      --variant "350m-te-bf16-unfused: model=350m $T $U data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      2>&1 | tail -12
+    timeout 100 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
+      --batches 2 --row-timeout 95 --json "$OUT/bench_profile.json" --profile te-bf16 --variant "te-bf16: $T" \
+      2>&1 | tail -45
+    rm -rf /tmp/tr350 && timeout 110 python3 -m difflm.train model=350m $T precision=bf16 device=cuda \
+      data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32 train.max_steps=25 \
+      train.eval_every=0 train.save_every=0 logger.log_every=1 logger.progress_bar=false logger.num_samples=0 data.cache_dir=/tmp/tr350cache \
+      objective.random_length_prob=0 run.dir=/tmp/tr350 > "$OUT/train350.log" 2>&1; tail -3 "$OUT/train350.log"
+    python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/tr350/metrics.jsonl')]; \
+r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer 350m tokens/s median', st.median(x['tokens_per_s'] for x in r), \
+'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tail -45 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

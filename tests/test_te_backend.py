@@ -90,24 +90,6 @@ def test_mapping_refuses_a_te_state_dict_and_dequantizes_fp8(fake_te):
     assert torch.equal(out["a.weight"], w.to(torch.bfloat16).float())
 
 
-# ------------------------------------------------------------------ RoPE
-def test_te_fused_rope_freqs_match_torch_tables(fake_te):
-    from difflm.model.kernels import TorchKernels
-    from difflm.model.rope import rope_angles
-    from difflm.model.te_kernels import TEKernels
-
-    cfg = small_cfg()
-    angles = rope_angles(torch.arange(40), 16, 10000.0)
-    x = torch.randn(2, 40, 4, 16, generator=torch.Generator().manual_seed(0))
-    te_k, torch_k = TEKernels(cfg), TorchKernels(cfg)
-    freqs = te_k.rope(angles)
-    assert freqs.shape == (40, 1, 1, 16)  # TE's fused kernel layout
-    torch.testing.assert_close(te_k.apply_rope(x, freqs), torch_k.apply_rope(x, torch_k.rope(angles)))
-    # per-row positions (padded prompts) fall back to the tables, which rotate identically
-    rows = rope_angles(torch.arange(40).repeat(2, 1), 16, 10000.0)
-    torch.testing.assert_close(te_k.apply_rope(x, te_k.rope(rows)), torch_k.apply_rope(x, torch_k.rope(angles)))
-
-
 # ------------------------------------------------------------------ attention dispatch (CPU)
 def qkv(b=2, h=4, h_kv=2, s=24, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -191,6 +173,43 @@ def test_te_model_matches_torch_model_on_stand_in(fake_te, causal, h_kv, extra):
     torch.testing.assert_close(model(ids, mask), ref(ids, mask), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model(ids), ref(ids), atol=1e-5, rtol=1e-5)
     assert model.num_params() == ref.num_params()
+
+
+def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fake_te):
+    """fuse_wgrad_accumulation: TE's weight-gradient GEMMs add into ``main_grad``, which is the parameter's
+    ``.grad``; over three micro-batches and two optimizer steps (zero_grad both ways) the gradients equal those of
+    the torch kernels, which autograd accumulates."""
+    cfg = small_cfg()
+    ref, model = Transformer(cfg), te_model(cfg)
+    ref.load_state_dict(te_to_torch_state_dict(model.state_dict()))
+    fused = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "proj.weight", "fc1_weight",
+                                                                  "fc2_weight"))]
+    assert len(fused) == 4 * cfg.num_layers
+    g = torch.Generator().manual_seed(4)
+    steps = [[torch.randint(0, cfg.vocab_size, (2, 12), generator=g) for _ in range(3)] for _ in range(2)]
+    for step, set_to_none in zip(steps, (True, False)):
+        firsts = []
+        for m in (model, ref):
+            for ids in step:
+                m(ids).float().square().mean().backward()
+                firsts.append(model.layers[0].attention.qkv.seen_first_microbatch)
+        assert firsts[:3] == [True, False, False]  # FP8 weights cast once per step, reused after
+        for p in fused:
+            assert p.grad is p.main_grad  # one FP32 buffer, no second copy
+        grads = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            assert all(p.grad is p.main_grad and not p.main_grad.any() for p in fused)  # zeroed in place
+    # evaluation (no gradients) caches nothing; without the option TE returns gradients to autograd
+    with torch.no_grad():
+        model(steps[0][0])
+    assert model.layers[0].attention.qkv.seen_first_microbatch is None
+    plain = te_model(cfg, fuse_wgrad_accumulation=False)
+    plain(steps[0][0]).float().square().mean().backward()
+    assert all(not hasattr(p, "main_grad") and p.grad is not None for p in plain.parameters())
 
 
 def test_te_kernels_take_masks_positions_and_caches(fake_te):

@@ -13,10 +13,11 @@ slot                   ``torch`` (:class:`TorchKernels`)           ``te`` (:clas
 ``lm_head``            ``nn.Linear`` (vocab-parallel by DTensor TP)   ``nn.Linear``; under TP a local vocab shard
                                                                     (:class:`~difflm.parallel.vocab_parallel.VocabParallelLinear`)
 ``attention_core``     None (:func:`~difflm.model.attention.attend`)  ``te.DotProductAttention`` (attention_backend=te)
-rotary embedding       cos/sin tables                               TE's fused RoPE kernel
 =====================  ==========================================  ==========================================
 
-plus the few places where a kernel set shapes the residual stream: its layout (``bshd``, or ``sbhd`` under TE's
+Between the QKV projection and the attention kernel both sets run :func:`difflm.model.qkv.qkv_heads` (split into
+heads, QK-norm, RoPE: one compiled kernel on CUDA, from the (cos, sin) tables of :meth:`TorchKernels.rope`), plus
+the few places where a kernel set shapes the residual stream: its layout (``bshd``, or ``sbhd`` under TE's
 sequence parallelism, where :meth:`enter` / :meth:`exit` scatter and gather the sequence) and the FP8 regions
 (:meth:`layer_context`, :meth:`forward_context`). Parameter names and shapes are the same in both sets, so state
 dicts move between them (TE adds an ``_extra_state`` per module).
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from difflm.model.layers import LayerNormLinear, LayerNormMLP, RMSNorm
-from difflm.model.rope import apply_rope, rope_tables
+from difflm.model.rope import rope_tables
 
 
 class TorchKernels:
@@ -84,11 +85,9 @@ class TorchKernels:
 
     # ------------------------------------------------------------------ residual stream
     def rope(self, angles: torch.Tensor):
-        """What the layers rotate queries and keys with: (cos, sin) tables for :attr:`layout`."""
+        """What the layers rotate queries and keys with (:func:`difflm.model.qkv.qkv_heads`): (cos, sin) tables for
+        :attr:`layout`."""
         return rope_tables(angles, self.layout)
-
-    def apply_rope(self, x: torch.Tensor, tables) -> torch.Tensor:
-        return apply_rope(x, *tables)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The embedding output [B, S, d] as the residual stream of this kernel set."""

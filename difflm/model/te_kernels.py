@@ -35,7 +35,6 @@ import torch
 
 from difflm.errors import DifflmError
 from difflm.model.kernels import TorchKernels
-from difflm.model.rope import rope_tables
 from difflm.training.precision import (
     build_fp8_recipe,
     fp8_is_active,
@@ -131,6 +130,12 @@ class TEKernels(TorchKernels):
         ub_tokens: with sequence-parallel TP, overlap its all-gathers / reduce-scatters with the GEMMs through TE's
             userbuffers (``parallel.tp_comm_overlap``): the token count of one micro-batch (seq_len x micro batch
             / cp), the size of the communication buffers (:func:`initialize_userbuffers`). None: no overlap.
+        fuse_wgrad_accumulation: the weight-gradient GEMMs of the linear layers accumulate straight into FP32
+            gradients (TE's ``fuse_wgrad_accumulation``, Megatron-LM's ``main_grad``), instead of writing a BF16
+            gradient per micro-batch that autograd casts and adds to ``.grad``: :func:`accumulate_into_grad`. On
+            when this and ``model.fuse_wgrad_accumulation`` are; the layouts that reduce gradients through FSDP2 or
+            split the backward into pipeline stages pass False (their hooks and schedules read what autograd hands
+            back), and FP8 weights (``precision.fp8_weights``) leave it off.
     Raises: DifflmError when Transformer Engine cannot be imported, when context parallelism is asked of an
         attention backend other than ``te`` (TE's ring attention lives in ``te.DotProductAttention``), or when
         ``ub_tokens`` is given without sequence-parallel TP.
@@ -140,12 +145,14 @@ class TEKernels(TorchKernels):
 
     def __init__(self, cfg, device="meta", precision=None, *, tp_group=None, sequence_parallel: bool = False,
                  cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
-                 ub_tokens: Optional[int] = None):
+                 ub_tokens: Optional[int] = None, fuse_wgrad_accumulation: bool = True):
         super().__init__(cfg, device)
         self.te = import_te()
         options = fp8_layer_options(cfg, precision)
         self.bf16_layers = frozenset(int(i) for i in options["bf16_layers"])
         self.fp8_weights_recipe = options["fp8_weights_recipe"]
+        self.fuse_wgrad = (bool(fuse_wgrad_accumulation) and bool(getattr(cfg, "fuse_wgrad_accumulation", True))
+                           and self.fp8_weights_recipe is None)
         self.tp_group = tp_group if _group_size(tp_group) > 1 else None
         self.tp_size = _group_size(self.tp_group)
         self.sequence_parallel = bool(sequence_parallel) and self.tp_group is not None
@@ -175,21 +182,29 @@ class TEKernels(TorchKernels):
         args = dict(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel)
         return dict(args, parallel_mode=mode if self.tp_group is not None else None)
 
+    def _wgrad(self, module, *names):
+        """``module`` with its weight gradients accumulated in FP32 in place (see ``fuse_wgrad_accumulation``)."""
+        if self.fuse_wgrad:
+            accumulate_into_grad(module, names)
+        return module
+
     # ------------------------------------------------------------------ slots
     def norm_linear(self, in_features, out_features, *, eps, bias=False):
-        return self.te.LayerNormLinear(in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm",
-                                       device=self.device, **self._tp("column"), **self.ub.get("qkv", {}))
+        return self._wgrad(self.te.LayerNormLinear(
+            in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm", device=self.device,
+            fuse_wgrad_accumulation=self.fuse_wgrad, **self._tp("column"), **self.ub.get("qkv", {})), "weight")
 
     def linear(self, in_features, out_features):
-        return self.te.Linear(in_features, out_features, bias=False, device=self.device, **self._tp("row"),
-                              **self.ub.get("proj", {}))
+        return self._wgrad(self.te.Linear(
+            in_features, out_features, bias=False, device=self.device, fuse_wgrad_accumulation=self.fuse_wgrad,
+            **self._tp("row"), **self.ub.get("proj", {})), "weight")
 
     def norm_mlp(self, hidden, ffn, *, eps):
-        return self.te.LayerNormMLP(hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu",
-                                    tp_group=self.tp_group, tp_size=self.tp_size,
-                                    set_parallel_mode=self.tp_group is not None,
-                                    sequence_parallel=self.sequence_parallel, device=self.device,
-                                    **self.ub.get("mlp", {}))
+        return self._wgrad(self.te.LayerNormMLP(
+            hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu", tp_group=self.tp_group,
+            tp_size=self.tp_size, set_parallel_mode=self.tp_group is not None, sequence_parallel=self.sequence_parallel,
+            device=self.device, fuse_wgrad_accumulation=self.fuse_wgrad, **self.ub.get("mlp", {})),
+            "fc1_weight", "fc2_weight")
 
     def norm(self, dim, *, eps, residual=False):
         return self.te.RMSNorm(dim, eps=eps, device=self.device,
@@ -219,18 +234,6 @@ class TEKernels(TorchKernels):
         return quantized_model_init(True, self.fp8_weights_recipe)
 
     # ------------------------------------------------------------------ residual stream
-    def rope(self, angles):
-        """TE's fused RoPE takes ``freqs`` [S, 1, 1, D] (one position per row); per-row positions ([B, S, D]
-        angles: padded prompts) use the torch tables, which rotate identically."""
-        return angles[:, None, None, :] if angles.dim() == 2 else rope_tables(angles, self.layout)
-
-    def apply_rope(self, x, tables):
-        if isinstance(tables, tuple):
-            return super().apply_rope(x, tables)
-        from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-
-        return apply_rotary_pos_emb(x, tables, tensor_format=self.layout, fused=True)
-
     def enter(self, x):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):  # residual stream in the compute dtype (Megatron-LM default)
@@ -273,6 +276,40 @@ class TEKernels(TorchKernels):
         from difflm.parallel.te_tensor_parallel import TensorParallelShards
 
         return TensorParallelShards(dist.get_rank(self.tp_group), self.tp_size, self.tp_group)
+
+
+def accumulate_into_grad(module: torch.nn.Module, names) -> None:
+    """Give the weights ``names`` of a TE module built with ``fuse_wgrad_accumulation=True`` the buffer (in the
+    parameters' dtype, FP32) its weight-gradient GEMMs accumulate into (``main_grad``, TE docs:
+    ``te.Linear(fuse_wgrad_accumulation)``), shown to the optimizer, the clipping and the checkpoints as the
+    parameter's ``.grad``; and tell the module which micro-batch of the step it runs (``is_first_microbatch``).
+
+    A forward pre-hook, before each forward that records gradients: weights whose ``.grad`` is None (a new step:
+    ``optimizer.zero_grad(set_to_none=True)`` cleared it) get their buffer zeroed and set as ``.grad``, and the
+    module runs with ``is_first_microbatch=True``; later micro-batches find the buffers there and run with
+    ``False``, so under FP8 TE reuses the FP8 weights it cast in the first one (the weights change only at the
+    optimizer step) and the gradients accumulate on. ``zero_grad(set_to_none=False)`` zeroes the same buffers. TE
+    returns no gradient for these weights, so autograd neither writes nor adds a second copy. Forwards without
+    gradients (evaluation, sampling) leave everything as it is and cache nothing.
+    """
+    def before_forward(mod, args, kwargs):
+        weights = [getattr(mod, name) for name in names]
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in weights):
+            return None
+        first = False
+        for p in weights:
+            if not p.requires_grad or p.grad is not None:
+                continue
+            first = True
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
+                p.main_grad = torch.zeros_like(p)
+            else:
+                p.main_grad.zero_()
+            p.grad = p.main_grad
+        return args, dict(kwargs, is_first_microbatch=first)
+
+    module.register_forward_pre_hook(before_forward, with_kwargs=True)
 
 
 _UB_SHAPE: Optional[tuple] = None  # (tokens, hidden, tp, fp8) of this process's userbuffers
@@ -319,6 +356,7 @@ def check_te_device(device: torch.device) -> None:
                           "use device=cuda on an NVIDIA GPU, or model.backend=torch")
 
 
-__all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "check_te_device", "fp8_layer_options",
+__all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "accumulate_into_grad", "check_te_device",
+           "fp8_layer_options",
            "initialize_userbuffers",
            "te_module_names", "te_to_torch_state_dict", "torch_to_te_state_dict"]

@@ -39,11 +39,13 @@ from difflm.model.attention import attend, prepare_mask
 from difflm.model.init import megatron_init_
 from difflm.model.kernels import TorchKernels
 from difflm.model.moe import MoEMLP, moe_config
+from difflm.model.qkv import qkv_heads
 from difflm.model.rope import rope_angles
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`.
+    """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`; q, k
+    and v come out of the fused QKV projection through :func:`difflm.model.qkv.qkv_heads` (one compiled kernel on CUDA).
 
     Shapes: x [B, S, d] (or [S, B, d] in a sequence-first kernel set) -> same. ``num_heads`` / ``num_kv_heads`` are
     this rank's counts (tensor parallelism divides them). ``causal`` selects the AR mask; diffusion attends both ways.
@@ -59,6 +61,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         self.causal, self.kernels = causal, kernels
         self.attention_backend = getattr(cfg, "attention_backend", "sdpa")  # see difflm.model.attention
+        self.fused_qkv = bool(getattr(cfg, "fused_qkv", True))  # see difflm.model.qkv
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = kernels.norm_linear(cfg.hidden_size, qkv_out, eps=cfg.norm_eps, bias=bool(getattr(cfg, "qkv_bias", False)))
         self.q_norm = kernels.norm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -69,15 +72,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
         qkv = self.qkv(x)
         lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
-        group = self.num_heads // self.num_kv_heads
-        qkv = qkv.view(*lead, self.num_kv_heads, group + 2, self.head_dim)
-        q, k, v = qkv.split([group, 1, 1], dim=3)
-        q = q.reshape(*lead, self.num_heads, self.head_dim)
-        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.apply_rope(q, rope), self.kernels.apply_rope(k, rope)
+        q, k, v = qkv_heads(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
+                            fused=self.fused_qkv)
         if kv_cache is not None:  # difflm.model.kv_cache.LayerKV: cached K/V around this forward's positions
             k, v = kv_cache.update(k, v)
         out = attend(q, k, v, causal=self.causal, backend=self.attention_backend, layout=self.kernels.layout,

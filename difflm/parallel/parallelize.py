@@ -110,6 +110,8 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
         te_groups = te_process_groups(mesh, dims, sequence_parallel_enabled(cfg.parallel, dims))
         if dims.tp_enabled and cfg.parallel.get("tp_comm_overlap", False):
             te_groups["ub_tokens"] = cfg.data.seq_len * cfg.train.micro_batch_size // dims.cp
+        # FSDP2's reduce-scatter hooks and the pipeline schedules read the gradients autograd hands back
+        te_groups["fuse_wgrad_accumulation"] = not (dims.fsdp_enabled or dims.pp_enabled)
     model = build_model(model_cfg, causal=causal, device=device, seed=cfg.train.seed, precision=cfg.precision,
                         meta=True, **te_groups)
     num_params = model.num_params()
