@@ -134,5 +134,37 @@ r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer 350m tokens/s median
   wait
   tail -45 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
   ;;
+speed2)
+  # issue 17, the call after "speed": the same comparison again (repeatability), FlashAttention 4 rows, blocks
+  # compiled around TE's modules, and a profile of the FP8 step; small models with compiled blocks.
+  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget 565 --json "$OUT/bench.json" \
+    --megadlms .megadlms --megadlms-shapes 4096x16 --megadlms-timeout 150 \
+    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
+    --variant "te-bf16-flash: model.backend=te model.attention_backend=flash" \
+    --variant "te-fp8-flash: model.backend=te model.attention_backend=flash precision=fp8" \
+    --variant "te-bf16-compiled: $T model.compile=true" --variant "te-fp8-compiled: $T precision=fp8 model.compile=true" \
+    > "$OUT/bench.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
+      --batches 2 --row-timeout 115 --json "$OUT/bench_profile.json" --profile te-fp8 \
+      --variant "te-fp8: $T precision=fp8" 2>&1 | tail -45
+    timeout 420 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
+      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
+      --batches 2 --row-timeout 80 --time-budget 410 --json "$OUT/bench_small.json" \
+      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-compiled: $T model.compile=true" \
+      --variant "125m-torch-compiled: model.compile=true" \
+      --variant "125m-te-bf16-flash: model.backend=te model.attention_backend=flash" \
+      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      --variant "350m-te-bf16-compiled: model=350m $T model.compile=true data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      --variant "350m-torch-compiled: model=350m model.compile=true data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      2>&1 | tail -14
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
