@@ -166,5 +166,45 @@ speed2)
   wait
   tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
   ;;
+speed3)
+  # issue 17, a third call: the comparison again with the fastest attention per precision (FA4 for BF16, TE's FP8
+  # attention for FP8) at both shapes; on GPU 1 the trainer at model=1.7b against the benchmark row on the same GPU,
+  # and the small models at two micro-batch sizes.
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  F="model.backend=te model.attention_backend=flash"
+  D="$T precision=fp8 precision.fp8_attention=true"
+  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+    --steps 6 --warmup 3 --batches 2 --row-timeout 120 --time-budget 565 --json "$OUT/bench.json" \
+    --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
+    --variant "te-bf16-flash: $F" --variant "te-fp8-dpa: $D" --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
+    --variant "te-bf16-flash-s2048: $F $S2" --variant "te-fp8-dpa-s2048: $D $S2" \
+    > "$OUT/bench.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    timeout 100 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 \
+      --batches 2 --row-timeout 95 --json "$OUT/bench_gpu1.json" --variant "te-bf16: $T" 2>&1 | grep "^te-bf16 " | tail -1
+    rm -rf /tmp/tr17 && timeout 200 python3 -m difflm.train model=1.7b $T precision=bf16 device=cuda \
+      data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=16 train.max_steps=22 \
+      train.eval_every=0 train.save_every=0 logger.log_every=1 logger.progress_bar=false logger.num_samples=0 \
+      data.cache_dir=/tmp/tr17cache objective.random_length_prob=0 run.dir=/tmp/tr17 > "$OUT/train17.log" 2>&1
+    tail -2 "$OUT/train17.log"
+    python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/tr17/metrics.jsonl')]; \
+r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer 1.7b tokens/s median', st.median(x['tokens_per_s'] for x in r), \
+'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
+    timeout 260 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
+      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
+      --batches 2 --row-timeout 60 --time-budget 250 --json "$OUT/bench_small.json" \
+      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
+      --variant "125m-flash-mb64: $F train.micro_batch_size=64" \
+      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
+      --variant "350m-te-bf16-mb16: model=350m $T data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32" \
+      --variant "350m-flash-mb16: model=350m $F data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32" \
+      2>&1 | tail -9
+  ) > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
