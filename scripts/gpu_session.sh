@@ -24,6 +24,41 @@ CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2
   export CUDNN_HOME LD_LIBRARY_PATH=$CUDNN_HOME/lib:${LD_LIBRARY_PATH:-}  # TE must load PyTorch's cuDNN
 T="model.backend=te model.attention_backend=te"
 
+# model=1.7b, S=4096, micro-batch 4 x 4 against MegaDLMs (shapes "$1") on GPU 0, one 575 s call: bench_vs_megadlms SHAPES VARIANT...
+bench_vs_megadlms() {
+  local shapes=$1; shift
+  local variants=(); for v in "$@"; do variants+=(--variant "$v"); done
+  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
+    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget 565 --json "$OUT/bench.json" \
+    --megadlms .megadlms --megadlms-shapes "$shapes" --megadlms-timeout 150 "${variants[@]}" > "$OUT/bench.log" 2>&1
+}
+# rows of model=125m (S=1024, micro-batch 32 x 2) on the current GPU within BUDGET s: bench_small BUDGET JSON VARIANT...
+bench_small() {
+  local budget=$1 json=$2; shift 2
+  local variants=(); for v in "$@"; do variants+=(--variant "$v"); done
+  timeout $((budget + 10)) python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
+    train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
+    --batches 2 --row-timeout 80 --time-budget "$budget" --json "$OUT/$json" "${variants[@]}" 2>&1 | tail -14
+}
+# one profiled model=1.7b row (S=4096, micro-batch 4 x 4) on the current GPU: profile_row NAME OVERRIDES
+profile_row() {
+  timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
+    --batches 2 --row-timeout 115 --json "$OUT/bench_profile.json" --profile "$1" --variant "$1: $2" 2>&1 | tail -45
+}
+# the trainer (difflm-train) for STEPS steps and the median tokens/s of its metrics.jsonl after step 5: train_rate NAME STEPS OVERRIDE...
+train_rate() {
+  local name=$1 steps=$2; shift 2
+  rm -rf "/tmp/$name" && timeout 200 python3 -m difflm.train "$@" device=cuda train.max_steps="$steps" \
+    train.eval_every=0 train.save_every=0 logger.log_every=1 logger.progress_bar=false logger.num_samples=0 \
+    data.cache_dir="/tmp/$name-cache" objective.random_length_prob=0 run.dir="/tmp/$name" > "$OUT/$name.log" 2>&1
+  tail -2 "$OUT/$name.log"
+  python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/$name/metrics.jsonl')]; \
+r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer $name tokens/s median', st.median(x['tokens_per_s'] for x in r), \
+'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
+}
+
 case "$part" in
 single)
   B="objective=bd3lm objective.block_size=16 model.attention_backend=flex"
@@ -100,68 +135,34 @@ speed)
   # models both ways, a profile of the new 1.7B BF16 step, and the trainer (difflm-train, metrics.jsonl) at 350m.
   U="model.fused_qkv=false model.fuse_wgrad_accumulation=false"
   S2="data.seq_len=2048 train.global_batch_size=32"
-  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
-    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
-    --steps 6 --warmup 3 --batches 2 --row-timeout 120 --time-budget 565 --json "$OUT/bench.json" \
-    --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
-    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
-    --variant "te-bf16-unfused: $T $U" --variant "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" \
-    --variant "te-bf16-s2048: $T $S2" --variant "te-fp8-s2048: $T precision=fp8 $S2" \
-    > "$OUT/bench.log" 2>&1 &
+  M350="model=350m data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32"
+  bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-bf16-unfused: $T $U" \
+    "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" "te-bf16-s2048: $T $S2" \
+    "te-fp8-s2048: $T precision=fp8 $S2" &
   (
     export CUDA_VISIBLE_DEVICES=1 DIFFLM_TEST_REPORT=$OUT/report.jsonl
     timeout 170 python3 -m pytest tests/test_qkv.py tests/test_te_backend.py tests/test_step_syncs.py -q \
       -p no:cacheprovider -rs -x -k "not stand_in" 2>&1 | tail -25
-    timeout 170 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
-      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
-      --batches 2 --row-timeout 60 --time-budget 165 --json "$OUT/bench_small.json" \
-      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-unfused: $T $U" \
-      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      --variant "350m-te-bf16-unfused: model=350m $T $U data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      2>&1 | tail -12
-    timeout 100 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
-      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
-      --batches 2 --row-timeout 95 --json "$OUT/bench_profile.json" --profile te-bf16 --variant "te-bf16: $T" \
-      2>&1 | tail -45
-    rm -rf /tmp/tr350 && timeout 110 python3 -m difflm.train model=350m $T precision=bf16 device=cuda \
-      data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32 train.max_steps=25 \
-      train.eval_every=0 train.save_every=0 logger.log_every=1 logger.progress_bar=false logger.num_samples=0 data.cache_dir=/tmp/tr350cache \
-      objective.random_length_prob=0 run.dir=/tmp/tr350 > "$OUT/train350.log" 2>&1; tail -3 "$OUT/train350.log"
-    python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/tr350/metrics.jsonl')]; \
-r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer 350m tokens/s median', st.median(x['tokens_per_s'] for x in r), \
-'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
+    bench_small 165 bench_small.json "125m-te-bf16: $T" "125m-te-bf16-unfused: $T $U" "350m-te-bf16: $T $M350" \
+      "350m-te-bf16-unfused: $T $U $M350"
+    profile_row te-bf16 "$T"
+    train_rate tr350 25 $T precision=bf16 $M350
   ) > "$OUT/gpu1.log" 2>&1 &
   wait
   tail -45 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
   ;;
 speed2)
-  # issue 17, the call after "speed": the same comparison again (repeatability), FlashAttention 4 rows, blocks
-  # compiled around TE's modules, and a profile of the FP8 step; small models with compiled blocks.
-  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
-    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
-    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget 565 --json "$OUT/bench.json" \
-    --megadlms .megadlms --megadlms-shapes 4096x16 --megadlms-timeout 150 \
-    --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
-    --variant "te-bf16-flash: model.backend=te model.attention_backend=flash" \
-    --variant "te-fp8-flash: model.backend=te model.attention_backend=flash precision=fp8" \
-    --variant "te-bf16-compiled: $T model.compile=true" --variant "te-fp8-compiled: $T precision=fp8 model.compile=true" \
-    > "$OUT/bench.log" 2>&1 &
+  # issue 17, the call after "speed": the same comparison again (repeatability), FlashAttention 4 rows, and a profile
+  # of the FP8 step; small models against the torch kernels' compiled blocks.
+  M350="model=350m data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32"
+  F="model.backend=te model.attention_backend=flash"
+  bench_vs_megadlms 4096x16 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-bf16-flash: $F" \
+    "te-fp8-flash: $F precision=fp8" &
   (
     export CUDA_VISIBLE_DEVICES=1
-    timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
-      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
-      --batches 2 --row-timeout 115 --json "$OUT/bench_profile.json" --profile te-fp8 \
-      --variant "te-fp8: $T precision=fp8" 2>&1 | tail -45
-    timeout 420 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
-      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
-      --batches 2 --row-timeout 80 --time-budget 410 --json "$OUT/bench_small.json" \
-      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-compiled: $T model.compile=true" \
-      --variant "125m-torch-compiled: model.compile=true" \
-      --variant "125m-te-bf16-flash: model.backend=te model.attention_backend=flash" \
-      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      --variant "350m-te-bf16-compiled: model=350m $T model.compile=true data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      --variant "350m-torch-compiled: model=350m model.compile=true data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      2>&1 | tail -14
+    profile_row te-fp8 "$T precision=fp8"
+    bench_small 410 bench_small.json "125m-te-bf16: $T" "125m-torch-compiled: model.compile=true" \
+      "125m-te-bf16-flash: $F" "350m-te-bf16: $T $M350" "350m-torch-compiled: model.compile=true $M350"
   ) > "$OUT/gpu1.log" 2>&1 &
   wait
   tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
@@ -173,35 +174,18 @@ speed3)
   S2="data.seq_len=2048 train.global_batch_size=32"
   F="model.backend=te model.attention_backend=flash"
   D="$T precision=fp8 precision.fp8_attention=true"
-  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
-    train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
-    --steps 6 --warmup 3 --batches 2 --row-timeout 120 --time-budget 565 --json "$OUT/bench.json" \
-    --megadlms .megadlms --megadlms-shapes 4096x16,2048x32 --megadlms-timeout 150 \
-    --variant "te-bf16-flash: $F" --variant "te-fp8-dpa: $D" --variant "te-bf16: $T" --variant "te-fp8: $T precision=fp8" \
-    --variant "te-bf16-flash-s2048: $F $S2" --variant "te-fp8-dpa-s2048: $D $S2" \
-    > "$OUT/bench.log" 2>&1 &
+  M350="model=350m data.seq_len=2048 train.global_batch_size=32"
+  bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash: $F" "te-fp8-dpa: $D" "te-bf16: $T" "te-fp8: $T precision=fp8" \
+    "te-bf16-flash-s2048: $F $S2" "te-fp8-dpa-s2048: $D $S2" &
   (
     export CUDA_VISIBLE_DEVICES=1
     timeout 100 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
       train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 \
       --batches 2 --row-timeout 95 --json "$OUT/bench_gpu1.json" --variant "te-bf16: $T" 2>&1 | grep "^te-bf16 " | tail -1
-    rm -rf /tmp/tr17 && timeout 200 python3 -m difflm.train model=1.7b $T precision=bf16 device=cuda \
-      data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=16 train.max_steps=22 \
-      train.eval_every=0 train.save_every=0 logger.log_every=1 logger.progress_bar=false logger.num_samples=0 \
-      data.cache_dir=/tmp/tr17cache objective.random_length_prob=0 run.dir=/tmp/tr17 > "$OUT/train17.log" 2>&1
-    tail -2 "$OUT/train17.log"
-    python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/tr17/metrics.jsonl')]; \
-r=[x for x in r if 'tokens_per_s' in x][5:]; print('trainer 1.7b tokens/s median', st.median(x['tokens_per_s'] for x in r), \
-'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
-    timeout 260 python3 scripts/benchmark.py model=125m data.seq_len=1024 train.micro_batch_size=32 \
-      train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
-      --batches 2 --row-timeout 60 --time-budget 250 --json "$OUT/bench_small.json" \
-      --variant "125m-te-bf16: $T" --variant "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
-      --variant "125m-flash-mb64: $F train.micro_batch_size=64" \
-      --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
-      --variant "350m-te-bf16-mb16: model=350m $T data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32" \
-      --variant "350m-flash-mb16: model=350m $F data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32" \
-      2>&1 | tail -9
+    train_rate tr17 22 model=1.7b $T precision=bf16 data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=16
+    bench_small 250 bench_small.json "125m-te-bf16: $T" "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
+      "125m-flash-mb64: $F train.micro_batch_size=64" "350m-te-bf16: $T $M350 train.micro_batch_size=8" \
+      "350m-te-bf16-mb16: $T $M350 train.micro_batch_size=16" "350m-flash-mb16: $F $M350 train.micro_batch_size=16"
   ) > "$OUT/gpu1.log" 2>&1 &
   wait
   tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
