@@ -61,7 +61,9 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
         rope: (cos, sin) float32 tables broadcasting against [B, S, H, D] (:func:`difflm.model.rope.rope_tables`).
         num_heads, num_kv_heads, head_dim: H, H_kv (H_kv divides H: grouped-query attention) and D.
         q_norm, k_norm: the QK-norm modules (anything with ``weight`` [D] and ``eps``: RMSNorm, Henry et al. 2020 /
-            Dehghani et al. 2023 ``x / rms(x) * weight`` per head), or None without ``model.qk_norm``.
+            Dehghani et al. 2023 ``x / rms(x) * weight`` per head), or None without ``model.qk_norm``. Their
+            weights are read directly, unless they are DTensors (torch tensor parallelism): then the modules run,
+            with the layout hooks they carry.
         fused: run the compiled kernel on CUDA while gradients are on (training); the eager composition otherwise
             (evaluation and sampling, whose shapes vary from call to call, and the CPU), which computes the same.
     Raises: DifflmError naming ``model.fused_qkv`` when torch.compile cannot build the kernel (no Triton).
@@ -72,10 +74,14 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
     cos, sin = rope
     q_weight = None if q_norm is None else q_norm.weight
     k_weight = None if k_norm is None else k_norm.weight
+    if not _plain(q_weight, k_weight):  # DTensor TP: the norm modules carry the layout (SequenceParallel hooks)
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
+        q, k = apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
+        return q.contiguous(), k.contiguous(), v.contiguous()
     eps = 0.0 if q_norm is None else float(q_norm.eps)
     args = (qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
     if (fused and qkv.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and _plain(qkv, cos, sin, q_weight, k_weight)):
+            and _plain(qkv, cos, sin)):
         try:
             return _compiled()(*args)
         except Exception as err:  # noqa: BLE001 - an Inductor/Triton failure: name the switch that avoids it
