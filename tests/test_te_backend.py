@@ -188,12 +188,10 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
     g = torch.Generator().manual_seed(4)
     steps = [[torch.randint(0, cfg.vocab_size, (2, 12), generator=g) for _ in range(3)] for _ in range(2)]
     for step, set_to_none in zip(steps, (True, False)):
-        firsts = []
         for m in (model, ref):
             for ids in step:
                 m(ids).float().square().mean().backward()
-                firsts.append(model.layers[0].attention.qkv.seen_first_microbatch)
-        assert firsts[:3] == [True, False, False]  # FP8 weights cast once per step, reused after
+        assert model.layers[0].attention.qkv.seen_first_microbatch is None  # BF16: no micro-batch contract
         for p in fused:
             assert p.grad is p.main_grad  # one FP32 buffer, no second copy
         grads = dict(model.named_parameters())
@@ -203,10 +201,33 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
             m.zero_grad(set_to_none=set_to_none)
         if not set_to_none:
             assert all(p.grad is p.main_grad and not p.main_grad.any() for p in fused)  # zeroed in place
-    # evaluation (no gradients) caches nothing; without the option TE returns gradients to autograd
-    with torch.no_grad():
-        model(steps[0][0])
+    # FP8: the weights are cast in a step's first micro-batch and reused after; evaluation caches nothing
+    from difflm.training.precision import te_autocast
+
+    firsts = []
+    tiles = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3)]  # whole FP8 tiles of tokens
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused: no version-counter bumps
+    for set_to_none in (True, False, True):
+        for ids in tiles:
+            with te_autocast(True):
+                model(ids).float().square().mean().backward()
+            firsts.append(model.layers[0].attention.qkv.seen_first_microbatch)
+        opt.step()  # new weights: the next step casts again, whichever way the gradients are zeroed
+        opt.zero_grad(set_to_none=set_to_none)
+    assert firsts == [True, False, False] * 3
+    seen = []
+    for load in (False, True):  # a checkpoint load between micro-batches writes the weights in place too
+        if load:
+            with torch.no_grad():
+                model.load_state_dict({k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()})
+        with te_autocast(True):
+            model(tiles[0]).float().square().mean().backward()
+        seen.append(model.layers[0].attention.qkv.seen_first_microbatch)
+    assert seen == [True, True]
+    with torch.no_grad(), te_autocast(True):
+        model(tiles[0])
     assert model.layers[0].attention.qkv.seen_first_microbatch is None
+    # without the option TE returns gradients to autograd
     plain = te_model(cfg, fuse_wgrad_accumulation=False)
     plain(steps[0][0]).float().square().mean().backward()
     assert all(not hasattr(p, "main_grad") and p.grad is not None for p in plain.parameters())

@@ -29,6 +29,7 @@ Transformer Engine is imported only when a kernel set is built.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Mapping, Optional
 
 import torch
@@ -278,35 +279,62 @@ class TEKernels(TorchKernels):
         return TensorParallelShards(dist.get_rank(self.tp_group), self.tp_size, self.tp_group)
 
 
+_STEPS = [0]  # optimizer steps taken in this process (any torch optimizer)
+
+
+@functools.lru_cache(maxsize=None)
+def _count_optimizer_steps() -> None:
+    def after_step(optimizer, args, kwargs):
+        _STEPS[0] += 1
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(after_step)
+
+
+def _optimizer_steps() -> int:
+    _count_optimizer_steps()
+    return _STEPS[0]
+
+
 def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     """Give the weights ``names`` of a TE module built with ``fuse_wgrad_accumulation=True`` the buffer (in the
     parameters' dtype, FP32) its weight-gradient GEMMs accumulate into (``main_grad``, TE docs:
     ``te.Linear(fuse_wgrad_accumulation)``), shown to the optimizer, the clipping and the checkpoints as the
-    parameter's ``.grad``; and tell the module which micro-batch of the step it runs (``is_first_microbatch``).
+    parameter's ``.grad``; and, under FP8, tell the module which micro-batch of the step it runs
+    (``is_first_microbatch``).
 
     A forward pre-hook, before each forward that records gradients: weights whose ``.grad`` is None (a new step:
-    ``optimizer.zero_grad(set_to_none=True)`` cleared it) get their buffer zeroed and set as ``.grad``, and the
-    module runs with ``is_first_microbatch=True``; later micro-batches find the buffers there and run with
-    ``False``, so under FP8 TE reuses the FP8 weights it cast in the first one (the weights change only at the
-    optimizer step) and the gradients accumulate on. ``zero_grad(set_to_none=False)`` zeroes the same buffers. TE
-    returns no gradient for these weights, so autograd neither writes nor adds a second copy. Forwards without
-    gradients (evaluation, sampling) leave everything as it is and cache nothing.
+    ``optimizer.zero_grad(set_to_none=True)`` cleared it) get their buffer zeroed and set as ``.grad``; later
+    micro-batches find the buffers there and their gradients accumulate on. ``zero_grad(set_to_none=False)`` zeroes
+    the same buffers. TE returns no gradient for these weights, so autograd neither writes nor adds a second copy.
+    Inside an FP8 region the module runs with ``is_first_microbatch=True`` when its weights may have changed since
+    its last FP8 cast (an optimizer step was taken, or their version counters moved: a checkpoint load) and
+    ``False`` otherwise, so
+    TE casts the weights to FP8 once per step and reuses them in the other micro-batches, whichever way the
+    gradients are zeroed. That is TE's and Megatron-LM's contract: one forward with gradients per module and
+    micro-batch (the first one's weight gradient overwrites the buffer), which difflm's training step keeps.
+    Forwards without gradients (evaluation, sampling) leave everything as it is and cache nothing.
     """
     def before_forward(mod, args, kwargs):
         weights = [getattr(mod, name) for name in names]
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in weights):
             return None
-        first = False
         for p in weights:
-            if not p.requires_grad or p.grad is not None:
-                continue
-            first = True
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
-                p.main_grad = torch.zeros_like(p)
-            else:
-                p.main_grad.zero_()
-            p.grad = p.main_grad
+            if p.requires_grad and p.grad is None:
+                main_grad = getattr(p, "main_grad", None)
+                if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
+                    p.main_grad = torch.zeros_like(p)
+                else:
+                    p.main_grad.zero_()
+                p.grad = p.main_grad
+        if not fp8_is_active():  # the FP8 weight cache is all it buys; BF16 modules get no micro-batch contract
+            return None
+        # what changes the weights: an optimizer step (counted by a global torch.optim hook: fused AdamW does not
+        # bump version counters) or another in-place write (a checkpoint load, which does)
+        state = (_optimizer_steps(), tuple(p._version for p in weights))
+        first = state != getattr(mod, "_fp8_cast_state", None)
+        mod._fp8_cast_state = state
         return args, dict(kwargs, is_first_microbatch=first)
 
     module.register_forward_pre_hook(before_forward, with_kwargs=True)
