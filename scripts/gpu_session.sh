@@ -41,11 +41,17 @@ bench_small() {
     train.global_batch_size=64 precision=bf16 device=cuda --no-reference --isolate --steps 8 --warmup 3 \
     --batches 2 --row-timeout 80 --time-budget "$budget" --json "$OUT/$json" "${variants[@]}" 2>&1 | tail -14
 }
-# one profiled model=1.7b row (S=4096, micro-batch 4 x 4) on the current GPU: profile_row NAME OVERRIDES
-profile_row() {
+# one model=1.7b row (S=4096, micro-batch 4 x 4) on the current GPU: bench_row NAME OVERRIDES JSON [--profile NAME]
+bench_row() {
+  local name=$1 overrides=$2 json=$3; shift 3
   timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
-    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
-    --batches 2 --row-timeout 115 --json "$OUT/bench_profile.json" --profile "$1" --variant "$1: $2" 2>&1 | tail -45
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 \
+    --batches 2 --row-timeout 115 --json "$OUT/$json" "$@" --variant "$name: $overrides" 2>&1 | tail -45
+}
+# after a part's GPU 0 job and GPU 1 subshell were started in the background: wait, then print both logs
+report_two_gpus() {
+  wait
+  tail -60 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
 }
 # the trainer (difflm-train) for STEPS steps and the median tokens/s of its metrics.jsonl after step 5: train_rate NAME STEPS OVERRIDE...
 train_rate() {
@@ -88,8 +94,7 @@ single)
       --variant "125m-te-bf16: $T" --variant "350m-te-bf16: model=350m $T data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32" \
       2>&1 | tail -20
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tail -60 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  report_two_gpus
   ;;
 layouts)
   timeout 390 python3 scripts/layout_check.py --gpus 2 --parts correctness --out "$OUT/lc" --time-budget 380 \
@@ -145,11 +150,10 @@ speed)
       -p no:cacheprovider -rs -x -k "not stand_in" 2>&1 | tail -25
     bench_small 165 bench_small.json "125m-te-bf16: $T" "125m-te-bf16-unfused: $T $U" "350m-te-bf16: $T $M350" \
       "350m-te-bf16-unfused: $T $U $M350"
-    profile_row te-bf16 "$T"
+    bench_row te-bf16 "$T" bench_profile.json --profile te-bf16
     train_rate tr350 25 $T precision=bf16 $M350
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tail -45 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  report_two_gpus
   ;;
 speed2)
   # issue 17, the call after "speed": the same comparison again (repeatability), FlashAttention 4 rows, and a profile
@@ -160,12 +164,11 @@ speed2)
     "te-fp8-flash: $F precision=fp8" &
   (
     export CUDA_VISIBLE_DEVICES=1
-    profile_row te-fp8 "$T precision=fp8"
+    bench_row te-fp8 "$T precision=fp8" bench_profile.json --profile te-fp8
     bench_small 410 bench_small.json "125m-te-bf16: $T" "125m-torch-compiled: model.compile=true" \
       "125m-te-bf16-flash: $F" "350m-te-bf16: $T $M350" "350m-torch-compiled: model.compile=true $M350"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  report_two_gpus
   ;;
 speed3)
   # issue 17, a third call: the comparison again with the fastest attention per precision (FA4 for BF16, TE's FP8
@@ -179,16 +182,13 @@ speed3)
     "te-bf16-flash-s2048: $F $S2" "te-fp8-dpa-s2048: $D $S2" &
   (
     export CUDA_VISIBLE_DEVICES=1
-    timeout 100 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
-      train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 \
-      --batches 2 --row-timeout 95 --json "$OUT/bench_gpu1.json" --variant "te-bf16: $T" 2>&1 | grep "^te-bf16 " | tail -1
+    bench_row te-bf16 "$T" bench_gpu1.json | grep "^te-bf16 " | tail -1
     train_rate tr17 22 model=1.7b $T precision=bf16 data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=16
     bench_small 250 bench_small.json "125m-te-bf16: $T" "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
       "125m-flash-mb64: $F train.micro_batch_size=64" "350m-te-bf16: $T $M350 train.micro_batch_size=8" \
       "350m-te-bf16-mb16: $T $M350 train.micro_batch_size=16" "350m-flash-mb16: $F $M350 train.micro_batch_size=16"
   ) > "$OUT/gpu1.log" 2>&1 &
-  wait
-  tail -40 "$OUT/bench.log"; echo; echo "=== GPU 1"; cat "$OUT/gpu1.log"
+  report_two_gpus
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

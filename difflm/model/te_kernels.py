@@ -310,9 +310,8 @@ def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     the same buffers. TE returns no gradient for these weights, so autograd neither writes nor adds a second copy.
     Inside an FP8 region the module runs with ``is_first_microbatch=True`` when its weights may have changed since
     its last FP8 cast (an optimizer step was taken, or their version counters moved: a checkpoint load) and
-    ``False`` otherwise, so
-    TE casts the weights to FP8 once per step and reuses them in the other micro-batches, whichever way the
-    gradients are zeroed. That is TE's and Megatron-LM's contract: one forward with gradients per module and
+    ``False`` otherwise, so TE casts the weights to FP8 once per step and reuses them in the other micro-batches,
+    whichever way the gradients are zeroed. That is TE's and Megatron-LM's contract: one forward with gradients per module and
     micro-batch (the first one's weight gradient overwrites the buffer), which difflm's training step keeps.
     Forwards without gradients (evaluation, sampling) leave everything as it is and cache nothing.
     """
@@ -385,6 +384,5 @@ def check_te_device(device: torch.device) -> None:
 
 
 __all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "accumulate_into_grad", "check_te_device",
-           "fp8_layer_options",
-           "initialize_userbuffers",
-           "te_module_names", "te_to_torch_state_dict", "torch_to_te_state_dict"]
+           "fp8_layer_options", "initialize_userbuffers", "te_module_names", "te_to_torch_state_dict",
+           "torch_to_te_state_dict"]
