@@ -43,6 +43,7 @@ from difflm.data.sft import load_pairs
 from difflm.data.windows import build_windows, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
+from difflm.objectives.cross_entropy import token_cross_entropy
 from difflm.training.precision import autocast_context
 
 
@@ -59,7 +60,7 @@ def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, 
         batch = objective.eval_noise(tokens, sample_ids, draw, draws, seed).to(device)
         with autocast_context(precision, device):
             logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
-        ce = torch.nn.functional.cross_entropy(logits.float(), batch.targets[batch.loss_mask], reduction="none")
+        ce = token_cross_entropy(logits, batch.targets[batch.loss_mask])
         per_pos = torch.zeros_like(batch.weights, dtype=torch.float64)
         per_pos[batch.loss_mask] = (ce * batch.weights[batch.loss_mask]).double()
         out.append(per_pos.sum(dim=1).cpu())

@@ -297,14 +297,18 @@ KERNEL_CLASSES = (
 
 
 def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int = 1) -> tuple[str, dict]:
-    """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, share per class)."""
+    """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, share per class, plus
+    ``device_ms_per_step`` (kernel time) and ``gpu_busy``: kernel time / wall time of the profiled steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         for i in range(2):
             step(micro_batches(batches, i, accum))
         sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1000.0 / 2
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     table = averages.table(sort_by=sort, row_limit=rows, max_name_column_width=90)
@@ -323,6 +327,8 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
             total += t
         shares = {k: round(v / total, 4) for k, v in sorted(shares.items())} if total else {}
         shares["device_ms_per_step"] = round(total / 2 / 1000.0, 2)
+        # kernel time over the profiled steps' wall time: well below 1 means the GPU waits for the host
+        shares["gpu_busy"] = round(total / 2 / 1000.0 / wall_ms, 3)
     return table, shares
 
 
@@ -359,7 +365,7 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
         for batch in micro:
             with autocast_context(precision, device):
                 logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
-            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser)
+            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser, fused=cfg.model.fused_cross_entropy)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
         moe_step([model])  # MoE: reset the step's routing statistics (and move an aux-loss-free bias)

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -420,3 +421,33 @@ def test_sigkill_one_rank_of_tp2pp2_three_times_then_resume_matches(tmp_path):
     assert "from step" in done.stdout  # resumed, not restarted
     assert last_losses(run_dir) == reference
     print("SIGKILLed (rank, last logged step):", kills, "checkpoints:", [s for s, _ in list_checkpoints(run_dir)])
+
+
+def test_next_steps_data_is_prepared_on_the_data_thread_and_equals_the_inline_batches(fast_cfg):
+    """After a step, the next step's windows and noise are being prepared on the trainer's data thread (not inline
+    before the step's one sync); what the thread returns equals preparing the same data step inline."""
+    cfg = fast_cfg("train.max_steps=3", "train.save_every=0", "train.eval_every=0")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    seen = []
+    real = trainer._host_batches
+
+    def spy(data_step):
+        seen.append((data_step, threading.current_thread().name))
+        return real(data_step)
+
+    trainer._host_batches = spy
+    trainer.train_step()
+    data_step, future = trainer._prefetched
+    assert data_step == 1
+    tokens, batches, seq_len = future.result()
+    assert seen == [(0, threading.main_thread().name), (1, seen[1][1])] and seen[1][1].startswith("difflm-data")
+    tokens_inline, batches_inline, seq_inline = real(1)
+    assert seq_len == seq_inline == cfg.data.seq_len
+    for a, b in zip(tokens, tokens_inline):
+        assert torch.equal(a.tokens if hasattr(a, "tokens") else a, b.tokens if hasattr(b, "tokens") else b)
+    for a, b in zip(batches, batches_inline):
+        for name in ("input_ids", "targets", "loss_mask", "weights", "loss_index"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert batches[0].loss_index.numel() == int(batches[0].loss_mask.sum()) > 0
+    trainer.train_step()  # consumes the prefetched step 1
+    assert trainer.step == 2 and trainer._prefetched[0] == 2

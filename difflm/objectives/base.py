@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from difflm.objectives.cross_entropy import token_cross_entropy
 from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_uniforms
 
 
@@ -53,6 +54,18 @@ class NoisedBatch:
         return NoisedBatch(**{k: None if v is None else to_device(v, device) if isinstance(v, torch.Tensor)
                               else v.to(device) for k, v in fields.items()})
 
+    def pinned(self, pin: bool = True) -> "NoisedBatch":
+        """The batch with ``loss_index`` computed and, with ``pin`` (a batch bound for a GPU), its CPU tensors in
+        pinned memory, so that :meth:`to` the GPU is only asynchronous copies. Host work: the trainer runs it on its
+        data thread."""
+        fields = dict(self.__dict__)
+        if fields["loss_index"] is None:
+            fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
+        if pin:
+            fields = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                      for k, v in fields.items()}
+        return NoisedBatch(**fields)
+
     def logits_selector(self) -> torch.Tensor:
         """What the model's ``logits_mask`` takes: ``loss_index`` when known (no host sync), else ``loss_mask``."""
         return self.loss_mask if self.loss_index is None else self.loss_index
@@ -97,17 +110,8 @@ def loss_normaliser(norm: str, num_tokens: torch.Tensor) -> torch.Tensor:
     return num_tokens.double().sum()
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_group=None) -> torch.Tensor:
-    """-log softmax(logits)[target] per row in FP32, [N]: ``logits`` [N, V] (or this rank's [N, V/tp] vocabulary slice
-    with ``vocab_group``, :func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`), ``targets`` [N]."""
-    if vocab_group is not None:
-        from difflm.parallel.vocab_parallel import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(logits, targets, vocab_group)
-    return F.cross_entropy(logits.float(), targets, reduction="none")
-
-
-def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser, vocab_group=None) -> torch.Tensor:
+def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser, vocab_group=None,
+                    fused: bool = True) -> torch.Tensor:
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
@@ -122,11 +126,13 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
         normaliser: float or scalar tensor, :func:`loss_normaliser` summed over EVERY sample of the step
             (all micro-batches, data-parallel ranks and pipeline micro-batches), so the step's loss does
             not depend on how the global batch is split.
+        fused: ``model.fused_cross_entropy``: TE's fused cross-entropy kernel on CUDA
+            (:func:`difflm.objectives.cross_entropy.token_cross_entropy`).
     Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
     if batch.loss_index is None:
         targets = batch.targets[batch.loss_mask]
-        ce = token_cross_entropy(logits, targets, vocab_group)
+        ce = token_cross_entropy(logits, targets, vocab_group, fused)
         per_position = torch.zeros_like(batch.weights)
         per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
         per_sequence = per_position.sum(dim=1)
@@ -135,7 +141,7 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
         return (per_sequence.sum() / normaliser).float()
     # the same sum over the loss positions, selected by index: no device-to-host sync
     idx = batch.loss_index
-    ce = token_cross_entropy(logits, batch.targets.flatten().index_select(0, idx), vocab_group)
+    ce = token_cross_entropy(logits, batch.targets.flatten().index_select(0, idx), vocab_group, fused)
     terms = ce * batch.weights.flatten().index_select(0, idx)
     if norm == "sequence":
         terms = terms / batch.num_tokens.index_select(0, idx // batch.targets.shape[1])

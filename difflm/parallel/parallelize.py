@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, mesh, dims: ParallelDims, cfg, device: torch.d
     pipeline = None
     if dims.pp_enabled:
         vocab_group = mesh["tp"].get_group() if dims.tp_enabled else None
-        train_loss, eval_loss = loss_fns(cfg.objective, vocab_group)
+        train_loss, eval_loss = loss_fns(cfg.objective, vocab_group, cfg.model.fused_cross_entropy)
         from difflm.training.precision import compute_dtype
 
         pipeline = Pipeline(parts, ids, num_stages, mesh["pp"].get_group(), device, p.pp_schedule,

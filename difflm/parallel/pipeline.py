@@ -74,12 +74,12 @@ def pack_targets(batch: NoisedBatch, normaliser) -> torch.Tensor:
                         batch.num_tokens.double()[:, None].expand(b, s), norm], dim=-1)
 
 
-def make_loss_fn(norm: str, vocab_group=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_loss_fn(norm: str, vocab_group=None, fused: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn(logits [b, S, V], packed [b, S, 5]) -> scalar``: the weighted CE of the micro-batch's masked rows,
     divided by the step's global normaliser packed with the targets (:func:`pack_targets`,
     :func:`weighted_ce_sum`), so pipeline micro-batches add up to the same loss as any other split.
     ``vocab_group``: the TP group of a vocab-parallel head, whose last stage returns [b, S, V/tp] logits
-    (:mod:`difflm.parallel.vocab_parallel`)."""
+    (:mod:`difflm.parallel.vocab_parallel`). ``fused``: ``model.fused_cross_entropy``."""
 
     def loss_fn(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         targets = packed[..., 0].long()
@@ -87,7 +87,8 @@ def make_loss_fn(norm: str, vocab_group=None) -> Callable[[torch.Tensor, torch.T
         batch = NoisedBatch(input_ids=targets, targets=targets, loss_mask=mask, weights=packed[..., 1].float(),
                             t=torch.zeros(targets.shape[0], device=targets.device),
                             num_tokens=packed[:, 0, 3].float())
-        return weighted_ce_sum(logits[mask], batch, norm, packed[0, 0, 4], vocab_group=vocab_group)
+        return weighted_ce_sum(logits[mask], batch, norm, packed[0, 0, 4], vocab_group=vocab_group,
+                               fused=fused)
 
     return loss_fn
 
@@ -195,9 +196,10 @@ class Pipeline:
         return torch.stack([torch.as_tensor(x, device=self.device).float().reshape(()) for x in losses]).sum()
 
 
-def loss_fns(objective_cfg, vocab_group=None) -> tuple[Callable, Callable]:
-    """(train, eval) loss functions: ``objective.loss_norm``, and ``token`` sums for the NELBO estimate."""
-    return make_loss_fn(objective_cfg.loss_norm, vocab_group), make_loss_fn("token", vocab_group)
+def loss_fns(objective_cfg, vocab_group=None, fused: bool = True) -> tuple[Callable, Callable]:
+    """(train, eval) loss functions: ``objective.loss_norm``, and ``token`` sums for the NELBO estimate;
+    ``fused``: ``model.fused_cross_entropy``."""
+    return make_loss_fn(objective_cfg.loss_norm, vocab_group, fused), make_loss_fn("token", vocab_group, fused)
 
 
 __all__ = ["PP_SCHEDULES", "Pipeline", "build_stage_models", "loss_fns", "make_loss_fn",

@@ -1,9 +1,11 @@
 """The training loop: steps with gradient accumulation, evaluation of the NELBO bound, samples, checkpoints."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -109,7 +111,12 @@ class Trainer:
         self.resumed_from: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self._pending_save = None
-        self._prefetched = None  # (data step, its device batches): prepared while the previous step runs
+        # (data step, Future of its host batches): the next step's data and noise are prepared on a thread while this
+        # step's kernels are launched, so the host work never leaves the device idle (numpy and torch's CPU ops
+        # release the GIL)
+        self._prefetched = None
+        self._data_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
+        self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
         self._resume()
         if self.is_rank0:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -154,7 +161,9 @@ class Trainer:
         self._load(found[1])
 
     def _load(self, path: Path) -> None:
-        self._prefetched = None
+        pending, self._prefetched = self._prefetched, None
+        if pending is not None:  # let the data thread finish before the sampler state is replaced
+            concurrent.futures.wait([pending[1]])
         state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
@@ -225,9 +234,12 @@ class Trainer:
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None and prefetched[0] == self.data_step:
-            batches, normaliser, seq_len = prefetched[1]
-        else:
-            batches, normaliser, seq_len = self._step_batches(self.data_step)
+            host = prefetched[1].result()
+        else:  # the first step, or the data step moved (a resume, a roll-back): prepare it here
+            host = self._host_batches(self.data_step)
+        if self.step + 1 < t.max_steps:
+            self._prefetched = (self.data_step + 1, self._data_thread.submit(self._host_batches, self.data_step + 1))
+        batches, normaliser, seq_len = self._device_batches(*host)
         every_sync = cfg.parallel.get("grad_sync", "last") == "every"
         for part in self.model_parts:
             part.train()
@@ -250,14 +262,16 @@ class Trainer:
             all_reduce_partial_grads(self.model_parts, tp_group, sp)
         grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
-        if self.step + 1 < t.max_steps:  # the next step's host work while the device runs this one (no sync so far)
-            self._prefetched = (self.data_step + 1, self._step_batches(self.data_step + 1))
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
 
-    def _step_batches(self, data_step: int) -> tuple[list, torch.Tensor, int]:
-        """The noised micro-batches of ``data_step`` on the device (one local batch for a pipeline, which splits it
-        itself), the step's loss normaliser (:meth:`_step_normaliser`) and its sequence length. Host work and
-        asynchronous copies only: it can run while the device is busy with the previous step."""
+    def _host_batches(self, data_step: int) -> tuple[list, list, int]:
+        """The token windows and noised micro-batches of ``data_step`` on the host, pinned (one local batch for a
+        pipeline, which splits it itself), and its sequence length. Host work only, no collective: it runs on the
+        data thread while the device is busy with the previous step."""
+        with self._data_lock:
+            return self._host_batches_locked(data_step)
+
+    def _host_batches_locked(self, data_step: int) -> tuple[list, list, int]:
         from difflm.parallel.parallelize import effective_length_multiple
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
@@ -271,9 +285,14 @@ class Trainer:
         size = local // n_micro  # train.micro_batch_size without a pipeline
         ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
         tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
-        normaliser = self._step_normaliser(tokens)
-        batches = [self.objective.noise(tb, r, key, t.global_batch_size).to(self.device) for tb, r in zip(tokens, ids)]
-        return batches, normaliser, seq_len
+        batches = [self.objective.noise(tb, r, key, t.global_batch_size).pinned(self.device.type == "cuda")
+                   for tb, r in zip(tokens, ids)]
+        return tokens, batches, seq_len
+
+    def _device_batches(self, tokens, batches, seq_len: int) -> tuple[list, torch.Tensor, int]:
+        """:meth:`_host_batches` on the device (asynchronous copies), with the step's loss normaliser
+        (:meth:`_step_normaliser`, a collective over data-parallel ranks) and the sequence length."""
+        return [b.to(self.device) for b in batches], self._step_normaliser(tokens), seq_len
 
     def _step_normaliser(self, token_batches) -> torch.Tensor:
         """The loss normaliser of the whole global batch (:func:`difflm.objectives.base.loss_normaliser`): this
@@ -310,7 +329,8 @@ class Trainer:
         with ctx:
             with self._autocast():
                 logits = self.model(batch.input_ids, batch.logits_selector(), **kwargs)
-            loss = weighted_ce_sum(logits, batch, norm, normaliser, vocab_group=self.vocab_group)
+            loss = weighted_ce_sum(logits, batch, norm, normaliser, vocab_group=self.vocab_group,
+                                   fused=cfg.model.fused_cross_entropy)
             if backward:
                 self.scaler.scale(loss).backward()
         return loss.detach()
