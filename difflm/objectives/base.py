@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from difflm.objectives.cross_entropy import token_cross_entropy
 from difflm.objectives.keyed_rng import STREAM_LENGTH, keyed_uniforms
