@@ -425,9 +425,14 @@ def test_sigkill_one_rank_of_tp2pp2_three_times_then_resume_matches(tmp_path):
 
 def test_next_steps_data_is_prepared_on_the_data_thread_and_equals_the_inline_batches(fast_cfg):
     """After a step, the next step's windows and noise are being prepared on the trainer's data thread (not inline
-    before the step's one sync); what the thread returns equals preparing the same data step inline."""
+    before the step's one sync); what the thread returns equals preparing the same data step inline. The trainer
+    starts the thread for a GPU only (on the CPU the host is the device): the test gives the CPU trainer one."""
+    import concurrent.futures
+
     cfg = fast_cfg("train.max_steps=3", "train.save_every=0", "train.eval_every=0")
     trainer = Trainer(cfg, cfg.run.dir, CPU)
+    assert trainer._data_thread is None
+    trainer._data_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
     seen = []
     real = trainer._host_batches
 

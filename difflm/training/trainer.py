@@ -111,11 +111,12 @@ class Trainer:
         self.resumed_from: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self._pending_save = None
-        # (data step, Future of its host batches): the next step's data and noise are prepared on a thread while this
-        # step's kernels are launched, so the host work never leaves the device idle (numpy and torch's CPU ops
-        # release the GIL)
+        # (data step, Future of its host batches): on a GPU the next step's data and noise are prepared on a thread
+        # while this step's kernels are launched, so the host work never leaves the device idle (numpy and torch's
+        # CPU ops release the GIL). On the CPU the host is the device: the thread would only compete with it.
         self._prefetched = None
-        self._data_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
+        self._data_thread = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
+                             if device.type == "cuda" else None)
         self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
         self._resume()
         if self.is_rank0:
@@ -237,7 +238,7 @@ class Trainer:
             host = prefetched[1].result()
         else:  # the first step, or the data step moved (a resume, a roll-back): prepare it here
             host = self._host_batches(self.data_step)
-        if self.step + 1 < t.max_steps:
+        if self.step + 1 < t.max_steps and self._data_thread is not None:
             self._prefetched = (self.data_step + 1, self._data_thread.submit(self._host_batches, self.data_step + 1))
         batches, normaliser, seq_len = self._device_batches(*host)
         every_sync = cfg.parallel.get("grad_sync", "last") == "every"
