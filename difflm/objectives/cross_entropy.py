@@ -5,9 +5,11 @@ Triton kernel (``transformer_engine.pytorch.cross_entropy.parallel_cross_entropy
 forward reads the BF16 logits once, keeps a copy for the backward and two FP32 statistics per row (max and sum of
 exponentials), the backward writes the gradient, ``softmax - onehot`` times the upstream gradient, into that copy.
 FP32 logits [N, V] are never materialised. (TE's ``overwrite_input`` would save the copy, 1 of ~5 passes, but leaves
-the caller's logits holding their gradient after ``backward()``: not taken, so no caller can read stale logits.) The unfused path, ``F.cross_entropy(logits.float())``, writes and reads FP32
-[N, V] tensors about ten times per micro-batch: at ``model=125m`` (V = 50304, 16 k loss rows per 32 k-token
-micro-batch) that is ~30 GB of memory traffic per micro-batch.
+the caller's logits holding their gradient after ``backward()``: not taken, so no caller can read stale logits.)
+The unfused path, ``F.cross_entropy(logits.float())``, writes and reads FP32 [N, V] tensors about ten times per
+micro-batch: at ``model=125m`` (V = 50304, 16 k loss rows per 32 k-token micro-batch) that is ~30 GB of memory
+traffic per micro-batch. Measured: 1.12x on the 125m step, 1.015x at 350m and 1.7B (docs/performance.md). A
+vocab-parallel head (``vocab_group``) keeps :func:`difflm.parallel.vocab_parallel.vocab_parallel_cross_entropy`.
 """
 from __future__ import annotations
 
