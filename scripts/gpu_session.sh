@@ -12,10 +12,16 @@
 #                                        #         a profile and the trainer's tokens/s
 #   bash scripts/gpu_session.sh profile  # 1 GPU: MoE kernel tests, MoE vs dense rows (profiled), and model=1.7b
 #                                        #        TE BF16 / FP8 against MegaDLMs at S=4096, both profiled
+#   bash scripts/gpu_session.sh speed2|speed3|speed4|speed5|speed6
+#                                        # 2 GPUs: issue 17's later calls (repeats, FA4, the fused cross-entropy,
+#                                        #         micro-batch 8 at S=2048, small models at larger micro-batches)
+#   bash scripts/gpu_session.sh trainer_gaps|trainer125
+#                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
+#                                        #         beside the benchmark row
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed6|trainer_gaps|trainer125}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
