@@ -56,6 +56,13 @@ bench_row() {
     train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 \
     --batches 2 --row-timeout 115 --json "$OUT/$json" "$@" --variant "$name: $overrides" 2>&1 | tail -45
 }
+# the trainer's model=125m shape of issue 17 (TE BF16, S=1024, one micro-batch of 64), and its benchmark row on
+# GPU 0 within BUDGET s, started in the background: bench_125m_gpu0 BUDGET
+TRAIN125="model=125m $T precision=bf16 data.seq_len=1024 train.micro_batch_size=64 train.global_batch_size=64"
+bench_125m_gpu0() {
+  ( CUDA_VISIBLE_DEVICES=0 bench_small "$1" bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
+    > "$OUT/bench.log" 2>&1 ) &
+}
 # after a part's GPU 0 job and GPU 1 subshell were started in the background: wait, then print both logs
 report_two_gpus() {
   wait
@@ -251,9 +258,8 @@ speed6)
     > "$OUT/bench.log" 2>&1 ) &
   (
     export CUDA_VISIBLE_DEVICES=1
-    A="model=125m $T precision=bf16 data.seq_len=1024 train.micro_batch_size=64 train.global_batch_size=64"
-    train_rate tr125 40 $A
-    LOG_EVERY=10 train_rate tr125-log10 80 $A
+    train_rate tr125 40 $TRAIN125
+    LOG_EVERY=10 train_rate tr125-log10 80 $TRAIN125
   ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
   ;;
@@ -261,12 +267,10 @@ trainer_gaps)
   # issue 17: where the trainer's step at model=125m loses ~20 % against the benchmark row: a torch.profiler trace of
   # 2 trainer steps (profile.enabled) read by scripts/trace_gaps.py (GPU busy share, largest idle gaps and the host
   # work during them); the benchmark row on the other GPU for the same-call figure.
-  A="model=125m $T precision=bf16 data.seq_len=1024 train.micro_batch_size=64 train.global_batch_size=64"
-  ( CUDA_VISIBLE_DEVICES=0 bench_small 120 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
-    > "$OUT/bench.log" 2>&1 ) &
+  bench_125m_gpu0 120
   (
     export CUDA_VISIBLE_DEVICES=1
-    train_rate tr125p 12 $A profile.enabled=true profile.wait=6 profile.warmup=2 profile.active=2
+    train_rate tr125p 12 $TRAIN125 profile.enabled=true profile.wait=6 profile.warmup=2 profile.active=2
     for f in /tmp/tr125p/profile/*.json*; do python3 scripts/trace_gaps.py "$f" --top 14; done
   ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
@@ -274,10 +278,8 @@ trainer_gaps)
 trainer125)
   # issue 17: the trainer at model=125m with the next step's data and noise prepared on the data thread (after
   # trainer_gaps), against the benchmark row on the other GPU in the same call
-  A="model=125m $T precision=bf16 data.seq_len=1024 train.micro_batch_size=64 train.global_batch_size=64"
-  ( CUDA_VISIBLE_DEVICES=0 bench_small 100 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
-    > "$OUT/bench.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=1 train_rate tr125 30 $A ) > "$OUT/gpu1.log" 2>&1 &
+  bench_125m_gpu0 100
+  ( CUDA_VISIBLE_DEVICES=1 train_rate tr125 30 $TRAIN125 ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
   ;;
 *) echo "unknown part $part"; exit 2 ;;

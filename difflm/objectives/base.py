@@ -47,9 +47,7 @@ class NoisedBatch:
         device = torch.device(device)
         from difflm.model.masks import to_device
 
-        fields = dict(self.__dict__)
-        if fields["loss_index"] is None:
-            fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
+        fields = self.pinned(pin=False).__dict__  # to_device pins what it copies to a GPU
         return NoisedBatch(**{k: None if v is None else to_device(v, device) if isinstance(v, torch.Tensor)
                               else v.to(device) for k, v in fields.items()})
 

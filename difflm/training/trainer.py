@@ -269,25 +269,22 @@ class Trainer:
         """The token windows and noised micro-batches of ``data_step`` on the host, pinned (one local batch for a
         pipeline, which splits it itself), and its sequence length. Host work only, no collective: it runs on the
         data thread while the device is busy with the previous step."""
-        with self._data_lock:
-            return self._host_batches_locked(data_step)
-
-    def _host_batches_locked(self, data_step: int) -> tuple[list, list, int]:
         from difflm.parallel.parallelize import effective_length_multiple
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
         seq_len = step_length(cfg.data.seq_len, data_step, t.seed, cfg.objective.random_length_prob,
                               effective_length_multiple(cfg, dims))
-        windows = self.sampler.indices(data_step)
         local = t.global_batch_size // dims.dp
         start = self.coords["dp"] * local
         key = (t.seed, data_step)  # the step's noise key (difflm.objectives.keyed_rng)
         n_micro = 1 if self.pipeline is not None else self.accum_steps  # a pipeline splits its local batch itself
         size = local // n_micro  # train.micro_batch_size without a pipeline
         ids = [range(start + m * size, start + (m + 1) * size) for m in range(n_micro)]
-        tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
-        batches = [self.objective.noise(tb, r, key, t.global_batch_size).pinned(self.device.type == "cuda")
-                   for tb, r in zip(tokens, ids)]
+        with self._data_lock:
+            windows = self.sampler.indices(data_step)
+            tokens = [self.train_set.get(windows[list(r)])[:, :seq_len] for r in ids]
+            batches = [self.objective.noise(tb, r, key, t.global_batch_size).pinned(self.device.type == "cuda")
+                       for tb, r in zip(tokens, ids)]
         return tokens, batches, seq_len
 
     def _device_batches(self, tokens, batches, seq_len: int) -> tuple[list, torch.Tensor, int]:
