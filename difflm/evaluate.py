@@ -48,11 +48,13 @@ from difflm.training.precision import autocast_context
 
 
 @torch.no_grad()
-def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, precision: str = "fp32") -> torch.Tensor:
+def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, precision: str = "fp32",
+                   fused: bool = True) -> torch.Tensor:
     """Per-sequence NELBO estimates in nats (sums over the sequence), ``[draws, B]`` float64.
 
     Args:
         tokens: [B, L] int64 (or a TokenBatch) on the CPU; ``sample_ids`` key the noise of each row.
+        fused: the run's ``model.fused_cross_entropy`` (:func:`difflm.objectives.cross_entropy.token_cross_entropy`).
     """
     device = next(model.parameters()).device
     out = []
@@ -60,7 +62,7 @@ def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, 
         batch = objective.eval_noise(tokens, sample_ids, draw, draws, seed).to(device)
         with autocast_context(precision, device):
             logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
-        ce = token_cross_entropy(logits, batch.targets[batch.loss_mask])
+        ce = token_cross_entropy(logits, batch.targets[batch.loss_mask], fused=fused)
         per_pos = torch.zeros_like(batch.weights, dtype=torch.float64)
         per_pos[batch.loss_mask] = (ce * batch.weights[batch.loss_mask]).double()
         out.append(per_pos.sum(dim=1).cpu())
@@ -154,7 +156,8 @@ def evaluate_file(args, device: torch.device) -> dict:
     for start in range(0, n, e.batch_size):
         ids = list(range(start, min(n, start + e.batch_size)))
         tokens = windows.get(ids)
-        est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision)  # [K, B]
+        est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision,  # [K, B]
+                             fused=cfg.model.get("fused_cross_entropy", True))  # runs saved before the key: on
         per_window.append(est.mean(dim=0))
         num_tokens += float(objective.num_tokens(tokens).double().sum())  # loss tokens: L, L - 1 (ar), response
         nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))

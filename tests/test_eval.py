@@ -60,6 +60,27 @@ def test_antithetic_draws_reduce_variance():
     assert float(anti.var()) < 0.5 * float(iid.var()), (float(anti.var()), float(iid.var()))
 
 
+def test_nelbo_passes_the_runs_fused_cross_entropy_choice_to_the_loss(monkeypatch):
+    """``difflm-eval`` honours ``model.fused_cross_entropy`` as training does (on the CPU both paths are
+    ``F.cross_entropy``, so the estimates agree exactly)."""
+    import difflm.evaluate as ev
+
+    seen = []
+    real = ev.token_cross_entropy
+
+    def spy(logits, targets, vocab_group=None, fused=True):
+        seen.append(fused)
+        return real(logits, targets, vocab_group, fused)
+
+    monkeypatch.setattr(ev, "token_cross_entropy", spy)
+    tokens = torch.randint(0, 40, (2, 32), generator=torch.Generator().manual_seed(4))
+    model, obj = ContextModel(tokens), MDLMObjective(objective_cfg(), MASK)
+    off = sequence_nelbo(model, obj, tokens, [0, 1], 2, 3, fused=False)
+    on = sequence_nelbo(model, obj, tokens, [0, 1], 2, 3)
+    assert seen == [False, False, True, True]
+    assert torch.equal(off, on) and bool((on > 0).all())
+
+
 def test_ar_estimate_is_the_exact_nll():
     model = tiny_model(causal=True)
     tokens = torch.randint(0, 40, (2, 12))
