@@ -12,16 +12,19 @@
 #                                        #         a profile and the trainer's tokens/s
 #   bash scripts/gpu_session.sh profile  # 1 GPU: MoE kernel tests, MoE vs dense rows (profiled), and model=1.7b
 #                                        #        TE BF16 / FP8 against MegaDLMs at S=4096, both profiled
-#   bash scripts/gpu_session.sh speed2|speed3|speed4|speed5|speed6
+#   bash scripts/gpu_session.sh speed2|speed3|speed4|speed5|speed6|speed7
 #                                        # 2 GPUs: issue 17's later calls (repeats, FA4, the fused cross-entropy,
-#                                        #         micro-batch 8 at S=2048, small models at larger micro-batches)
-#   bash scripts/gpu_session.sh trainer_gaps|trainer125
+#                                        #         micro-batch 8 at S=2048, small models at larger micro-batches;
+#                                        #         speed7: the comparison again, with sdpa on GPU 1)
+#   bash scripts/gpu_session.sh sdpa     # 1 GPU: the SDPA kernel order tested and timed, torch kernels at 125m / 350m
+#   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
-#                                        #         beside the benchmark row
+#                                        #         beside the benchmark row; attn: attention in isolation
+#                                        #         (scripts/attention_speed.py), cuDNN norms, a 350m profile
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed6|trainer_gaps|trainer125}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -79,6 +82,21 @@ train_rate() {
   python3 -c "import json,statistics as st; r=[json.loads(l) for l in open('/tmp/$name/metrics.jsonl')]; \
 r=[x for x in r if 'tokens_per_s' in x and x['step'] > 5]; print('trainer $name tokens/s median', st.median(x['tokens_per_s'] for x in r), \
 'mfu', st.median(x.get('mfu') or 0 for x in r), 'steps', len(r))"
+}
+
+# the CUDA tests of the SDPA kernel order (cuDNN first on Hopper), SDPA in isolation in that order against PyTorch's
+# FlashAttention-2 default, and the small models on the torch kernels (compiled blocks, SDPA) beside TE and FA4
+sdpa_rows() {
+  local F="model.backend=te model.attention_backend=flash"
+  local C="model.backend=torch model.compile=true model.attention_backend=sdpa"
+  local M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
+  timeout 150 python3 -m pytest tests/test_sdpa_priority.py tests/test_te_backend.py -q -p no:cacheprovider -rs \
+    -k "sdpa or attention" 2>&1 | tail -8
+  timeout 100 python3 scripts/attention_speed.py --shape 1.7b-s4096=4,4096,16,128 --shape 125m-s1024=64,1024,12,64 \
+    --shape 350m-s2048=16,2048,16,64 --backend sdpa --backend sdpa-flash --gemm-between 8 --json "$OUT/attention.json"
+  bench_small 300 bench_small.json "125m-torch-compiled-mb64: $C train.micro_batch_size=64" \
+    "125m-te-bf16-mb64: $T train.micro_batch_size=64" "125m-flash-mb64: $F train.micro_batch_size=64" \
+    "350m-torch-compiled-mb16: $C $M350" "350m-te-bf16-mb16: $T $M350" "350m-flash-mb16: $F $M350"
 }
 
 case "$part" in
@@ -280,6 +298,43 @@ trainer125)
   # trainer_gaps), against the benchmark row on the other GPU in the same call
   bench_125m_gpu0 100
   ( CUDA_VISIBLE_DEVICES=1 train_rate tr125 30 $TRAIN125 ) > "$OUT/gpu1.log" 2>&1 &
+  report_two_gpus
+  ;;
+speed7)
+  # issue 17, session 22: the comparison again (repeatability; speed5's rows) on GPU 0, and with a second GPU the
+  # sdpa part below on it
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  F="model.backend=te model.attention_backend=flash"
+  bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" \
+    "te-bf16-flash: $F" "te-bf16-s2048: $T $S2" "te-fp8-s2048: $T precision=fp8 $S2" &
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then ( CUDA_VISIBLE_DEVICES=1 sdpa_rows ) > "$OUT/gpu1.log" 2>&1 &
+  else echo "one GPU: run the sdpa part in its own call" > "$OUT/gpu1.log"; fi
+  report_two_gpus
+  ;;
+sdpa)
+  # issue 17, session 22, one GPU: the SDPA kernel order (cuDNN first on Hopper) tested and timed (sdpa_rows)
+  CUDA_VISIBLE_DEVICES=0 sdpa_rows
+  ;;
+attn)
+  # issue 17: attention in isolation per backend / layout / shape, alone and between MLP-sized GEMMs
+  # (scripts/attention_speed.py), the 1.7B BF16 row with TE's cuDNN norm kernels against its default on the same GPU
+  # (GPU 0, after the 125m benchmark row); the trainer at 125m with the data thread and a profiled 350m row (GPU 1)
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    bench_small 100 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64"
+    timeout 150 python3 scripts/attention_speed.py --shape 1.7b-s4096=4,4096,16,128 --shape 1.7b-s2048=4,2048,16,128 \
+      --shape 350m-s2048=16,2048,16,64 --shape 125m-s1024=64,1024,12,64 --backend te --backend te-sbhd \
+      --backend sdpa-cudnn --backend sdpa-flash --backend flash --gemm-between 0 --gemm-between 8 \
+      --json "$OUT/attention.json"
+    bench_row te-bf16 "$T" bench_1p7b.json
+    NVTE_NORM_FWD_USE_CUDNN=1 NVTE_NORM_BWD_USE_CUDNN=1 bench_row te-bf16-cudnn-norm "$T" bench_1p7b_norm.json
+  ) > "$OUT/bench.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    train_rate tr125 30 $TRAIN125
+    PROFILE=350m-te-bf16-mb16 bench_small 120 bench_350m.json \
+      "350m-te-bf16-mb16: $T model=350m data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32"
+  ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
   ;;
 *) echo "unknown part $part"; exit 2 ;;
