@@ -105,6 +105,7 @@ from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import build_model, resolve_model_config  # noqa: E402
 from difflm.model.moe import moe_inactive_params, moe_step, set_moe_loss_scale  # noqa: E402
 from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum  # noqa: E402
+from difflm.training.allocator import use_expandable_segments  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
 from difflm.training.precision import autocast_context  # noqa: E402
@@ -584,6 +585,8 @@ def run_in_process(p: dict, args, device, tok, cache: dict) -> dict:
     """Plan entry ``p`` in this process (batches shared between rows of the same objective and shape)."""
     cfg = p["cfg"]
     row = row_info(p["name"], cfg, p["kind"] if p["kind"] == "reference" else "difflm", args.reference_precision)
+    # the trainer's allocator mode (train.expandable_segments); once on, it stays on for this process's later rows
+    use_expandable_segments(cfg.train.expandable_segments, device)
     try:
         check_row(cfg, device)
         objective = build_objective(cfg.objective, tok.mask_id)

@@ -17,6 +17,7 @@
 #                                        #         micro-batch 8 at S=2048, small models at larger micro-batches;
 #                                        #         speed7: the comparison again, with sdpa on GPU 1)
 #   bash scripts/gpu_session.sh sdpa     # 1 GPU: the SDPA kernel order tested and timed, torch kernels at 125m / 350m
+#   bash scripts/gpu_session.sh fp8small # 1 GPU: FP8 at 125m / 350m, the trainer at 1.7B FP8 S=2048, torch kernels
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -24,7 +25,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -314,6 +315,20 @@ speed7)
 sdpa)
   # issue 17, session 22, one GPU: the SDPA kernel order (cuDNN first on Hopper) tested and timed (sdpa_rows)
   CUDA_VISIBLE_DEVICES=0 sdpa_rows
+  ;;
+fp8small)
+  # issue 17, session 22, one GPU: FP8 at the small models beside their BF16 row; the trainer in the host-bound case
+  # (model=1.7b FP8, S=2048, micro-batch 4: does the data thread cost the launching thread?) against its benchmark
+  # row; the torch kernels at model=1.7b, S=4096 (compiled blocks, SDPA in the cuDNN-first order)
+  M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  export CUDA_VISIBLE_DEVICES=0
+  bench_small 170 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
+    "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" "350m-te-bf16-mb16: $T $M350" \
+    "350m-te-fp8-mb16: $T precision=fp8 $M350"
+  bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
+  train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
+  bench_row torch-compiled "model.backend=torch model.compile=true" bench_torch.json | grep "^torch" | tail -1
   ;;
 attn)
   # issue 17: attention in isolation per backend / layout / shape, alone and between MLP-sized GEMMs

@@ -21,6 +21,7 @@ from difflm.model import build_model, resolve_model_config
 from difflm.model.masks import to_device
 from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
+from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
@@ -54,6 +55,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, device: torch.device):
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         t = cfg.train
+        use_expandable_segments(t.get("expandable_segments", True), device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
