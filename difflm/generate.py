@@ -124,9 +124,12 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
     if cfg.model.backend == "te" and device.type != "cuda":
         raise DifflmError(f"the run's model.backend=te needs CUDA and the device is {device.type}: add "
                           "kernels.backend=torch (checkpoints load into either kernel set)")
-    reason = attention_unavailable_reason(cfg.model.attention_backend, device, "bf16")
+    backend = cfg.model.attention_backend
+    reason = attention_unavailable_reason(backend, device, "bf16", training=False, key="kernels.attention_backend")
     if reason is not None:
-        raise DifflmError(f"{reason} (run with kernels.attention_backend=sdpa to override the run's choice)")
+        if kernels is None or kernels.get("attention_backend") is None:  # the run's own choice, not an override
+            reason = f"the run's model.attention_backend={backend} cannot run here; {reason}"
+        raise DifflmError(reason)
 
 
 def read_prompt(args) -> str:

@@ -68,6 +68,9 @@ def test_wrong_type_fails_at_compose_time():
     (["objective=ar", "model.shift_logits=true"], "model.shift_logits=true is for masked diffusion"),
     (["objective=bd3lm", "model.shift_logits=true"], "model.shift_logits=true with objective=bd3lm"),
     (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"], "gen.cfg_scale is not implemented"),
+    (["profile.enabled=true", "profile.active=0"], "profile.active=0"),
+    (["profile.enabled=true", "train.max_steps=3"], "profile.wait + profile.warmup + profile.active = 10 steps, "
+     "more than train.max_steps=3"),
 ])
 def test_validation_errors_name_the_key(overrides, needle):
     with pytest.raises(DifflmError) as err:

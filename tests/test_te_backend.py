@@ -131,6 +131,37 @@ def test_cuda_only_attention_backends_refuse_cpu(backend):
         attend(q, k, v, causal=False, backend="xformers")
 
 
+@pytest.mark.parametrize("backend", ["flash", "te"])
+def test_cpu_refusals_suggest_only_backends_that_run_there(backend):
+    """Training on the CPU: sdpa only (flex has no CPU backward); forward-only runs (eval, generate) may also use
+    flex, and the message names the key the user sets there."""
+    cpu = torch.device("cpu")
+    training = attention_unavailable_reason(backend, cpu)
+    assert training.endswith("use model.attention_backend=sdpa")
+    assert attention_unavailable_reason("flex", cpu).endswith("use model.attention_backend=sdpa")
+    forward = attention_unavailable_reason(backend, cpu, training=False, key="kernels.attention_backend")
+    assert forward.startswith(f"kernels.attention_backend={backend} runs CUDA kernels only")
+    assert forward.endswith("use kernels.attention_backend=sdpa (or flex)")
+    assert attention_unavailable_reason("flex", cpu, training=False) is None
+
+
+def test_eval_and_generate_kernel_overrides_name_the_kernels_key():
+    from omegaconf import OmegaConf
+
+    from difflm.generate import apply_kernel_overrides
+
+    cpu = torch.device("cpu")
+    cfg = OmegaConf.create({"model": {"backend": "torch", "attention_backend": "te", "compile": False}})
+    with pytest.raises(DifflmError) as err:  # the run's own choice
+        apply_kernel_overrides(cfg, None, cpu)
+    assert str(err.value).startswith("the run's model.attention_backend=te cannot run here; kernels.attention_backend"
+                                     "=te runs CUDA kernels only")
+    with pytest.raises(DifflmError, match=r"^kernels.attention_backend=flash runs CUDA kernels only"):
+        apply_kernel_overrides(cfg, {"attention_backend": "flash"}, cpu)
+    apply_kernel_overrides(cfg, {"attention_backend": "flex"}, cpu)  # forward-only: flex runs on the CPU
+    assert cfg.model.attention_backend == "flex"
+
+
 # ------------------------------------------------------------------ TE kernels in the one model, on the CPU stand-in
 def te_model(cfg, causal=False, seed=7, **kernel_args):
     """The one Transformer with TE kernels on the CPU stand-in, keyed init."""

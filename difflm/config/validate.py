@@ -302,6 +302,8 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
         check_encoding(d.encoding)
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    if cfg.get("profile") is not None and cfg.profile.enabled:
+        check_profile(cfg.profile, t)
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
@@ -309,6 +311,19 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
              f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     return device
+
+
+def check_profile(p, t) -> None:
+    """``profile.*`` when ``profile.enabled``: a schedule torch.profiler accepts, whose window ends within the run
+    (``train.max_steps``, unless ``train.epochs`` sets the length later), so that a trace is written."""
+    _require(p.wait >= 0 and p.warmup >= 0 and p.active >= 1,
+             f"profile.wait={p.wait}, profile.warmup={p.warmup}, profile.active={p.active}: wait and warmup must be "
+             ">= 0 and active >= 1 (the steps recorded)")
+    window = p.wait + p.warmup + p.active
+    _require(t.get("epochs") is not None or window <= t.max_steps,
+             f"profile.wait + profile.warmup + profile.active = {window} steps, more than train.max_steps="
+             f"{t.max_steps}: no trace would be written; lower profile.wait (or warmup, active) or raise "
+             "train.max_steps")
 
 
 def check_objective_data(cfg) -> None:

@@ -113,38 +113,46 @@ def flash_attn_func() -> Optional[tuple[Callable, int]]:
     return None if found is None else (found[0].flash_attn_func, found[1])
 
 
-def attention_unavailable_reason(backend: str, device: torch.device, precision: str = "bf16") -> Optional[str]:
-    """Why ``model.attention_backend=backend`` cannot run on ``device`` at ``precision``; None when it can."""
+def attention_unavailable_reason(backend: str, device: torch.device, precision: str = "bf16", *,
+                                 training: bool = True, key: str = "model.attention_backend") -> Optional[str]:
+    """Why attention ``backend`` cannot run on ``device`` at ``precision``; None when it can.
+
+    Args:
+        training: False for forward-only runs (``difflm-eval``, ``difflm-generate``), where FlexAttention also runs on
+            the CPU (PyTorch's eager reference; it has no CPU backward).
+        key: the setting the message names (``kernels.attention_backend`` when the user overrode a run's kernels).
+    """
     if backend not in ATTENTION_BACKENDS:
-        return f"model.attention_backend={backend!r} is not one of: {', '.join(ATTENTION_BACKENDS)}"
+        return f"{key}={backend!r} is not one of: {', '.join(ATTENTION_BACKENDS)}"
     if backend == "sdpa":
         return None
     if backend == "flex":
         try:
             importlib.import_module("torch.nn.attention.flex_attention")
         except ImportError:
-            return (f"model.attention_backend=flex needs torch>=2.5 (this is {torch.__version__}): "
-                    "upgrade PyTorch or use model.attention_backend=sdpa")
-        if device.type != "cuda":
-            return (f"model.attention_backend=flex trains on CUDA only (PyTorch has no FlexAttention backward on "
-                    f"{device.type}): use model.attention_backend=sdpa")
+            return (f"{key}=flex needs torch>=2.5 (this is {torch.__version__}): "
+                    f"upgrade PyTorch or use {key}=sdpa")
+        if device.type != "cuda" and training:
+            return (f"{key}=flex trains on CUDA only (PyTorch has no FlexAttention backward on "
+                    f"{device.type}): use {key}=sdpa")
         return None
     if device.type != "cuda":
-        return (f"model.attention_backend={backend} runs CUDA kernels only and this run is on {device.type}: "
-                "use model.attention_backend=sdpa (or flex)")
+        also = "" if training else " (or flex)"
+        return (f"{key}={backend} runs CUDA kernels only and this run is on {device.type}: "
+                f"use {key}=sdpa{also}")
     if backend == "te":
         error = te_import_error()
         if error is not None:
-            return (f"model.attention_backend=te needs Transformer Engine, which could not be imported ({error}): "
-                    "pip install 'difflm[te]' on a CUDA machine, or use model.attention_backend=sdpa")
+            return (f"{key}=te needs Transformer Engine, which could not be imported ({error}): "
+                    f"pip install 'difflm[te]' on a CUDA machine, or use {key}=sdpa")
         return None
     # flash
     if flash_attn_module() is None:
-        return ("model.attention_backend=flash needs FlashAttention (flash_attn.cute, flash_attn_interface or "
-                "flash_attn): pip install 'difflm[flash]', or use model.attention_backend=sdpa")
+        return (f"{key}=flash needs FlashAttention (flash_attn.cute, flash_attn_interface or "
+                f"flash_attn): pip install 'difflm[flash]', or use {key}=sdpa")
     if precision not in ("bf16", "fp16", "fp8"):
-        return (f"model.attention_backend=flash runs in bf16/fp16 only and precision={precision}: "
-                "use precision=bf16 or model.attention_backend=sdpa")
+        return (f"{key}=flash runs in bf16/fp16 only and precision={precision}: "
+                f"use precision=bf16 or {key}=sdpa")
     return None
 
 
