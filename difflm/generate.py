@@ -28,6 +28,7 @@ from difflm.errors import DifflmError
 from difflm.model import build_model
 from difflm.sampling import (GenerationOptions, autoregressive_generate, block_diffusion_generate,
                              diffusion_generate)
+from difflm.training.allocator import use_expandable_segments
 from difflm.training.precision import autocast_context
 
 
@@ -100,6 +101,8 @@ def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None)
     if not (path / "config.yaml").exists():
         raise DifflmError(f"run.dir={run_dir!r} has no config.yaml: point run.dir at a difflm-train output directory")
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
+    # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
+    use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)
     _, ckpt = find_checkpoint(path, step)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)

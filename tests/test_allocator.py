@@ -60,3 +60,16 @@ def test_on_a_gpu_the_following_segments_are_expandable():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[True]"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_eval_and_generate_follow_the_runs_setting(fast_cfg, monkeypatch, enabled):
+    import difflm.generate as generate_module
+
+    cfg = fast_cfg(f"train.expandable_segments={str(enabled).lower()}", "train.max_steps=1", "train.save_every=1",
+                   "train.eval_every=0", "logger.num_samples=0")
+    Trainer(cfg, cfg.run.dir, torch.device("cpu")).fit()
+    seen = []
+    monkeypatch.setattr(generate_module, "use_expandable_segments", lambda flag, device: seen.append((flag, device.type)))
+    generate_module.load_run(cfg.run.dir, None, torch.device("cpu"))  # difflm-eval, -generate and the harness
+    assert seen == [(enabled, "cpu")]
