@@ -18,6 +18,7 @@
 #                                        #         speed7: the comparison again, with sdpa on GPU 1)
 #   bash scripts/gpu_session.sh sdpa     # 1 GPU: the SDPA kernel order tested and timed, torch kernels at 125m / 350m
 #   bash scripts/gpu_session.sh fp8small # 1 GPU: FP8 at 125m / 350m, the trainer at 1.7B FP8 S=2048, torch kernels
+#   bash scripts/gpu_session.sh fp8flash # 1 GPU: FP8 + FA4 at 125m / 350m, allocator tests, the trainer again
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -25,7 +26,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -329,6 +330,21 @@ fp8small)
   bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
   train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
   bench_row torch-compiled "model.backend=torch model.compile=true" bench_torch.json | grep "^torch" | tail -1
+  ;;
+fp8flash)
+  # issue 17, next: FP8 with FlashAttention 4 at the small models (FA4 is 9-17 % faster than cuDNN under load there),
+  # the allocator test on the GPU, and the trainer at 1.7B FP8 S=2048 with train.expandable_segments set by difflm
+  # itself (fp8small measured it through the environment variable) against its benchmark row
+  M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
+  S2="data.seq_len=2048 train.global_batch_size=32"
+  F="model.backend=te model.attention_backend=flash"
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 120 python3 -m pytest tests/test_allocator.py tests/test_sdpa_priority.py -q -p no:cacheprovider -rs 2>&1 | tail -4
+  bench_small 200 bench_small.json "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" \
+    "125m-flash-fp8-mb64: $F precision=fp8 train.micro_batch_size=64" "350m-te-fp8-mb16: $T precision=fp8 $M350" \
+    "350m-flash-fp8-mb16: $F precision=fp8 $M350"
+  bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
+  train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
   ;;
 attn)
   # issue 17: attention in isolation per backend / layout / shape, alone and between MLP-sized GEMMs
