@@ -20,7 +20,8 @@ Backends (``--backend``, repeatable): ``te`` / ``te-sbhd`` (``te.DotProductAtten
 :func:`difflm.model.attention.sdpa_priority`), ``sdpa-cudnn`` / ``sdpa-flash`` (one PyTorch SDPA kernel forced;
 ``sdpa-flash`` is PyTorch's own first choice, FlashAttention-2),
 ``flash`` (flash-attn 4 / 3 / 2, whichever is installed). A backend that cannot run prints ``NAME: failed: reason``.
-Needs CUDA.
+Needs CUDA; every argument (each ``--shape``: a name and four positive integers) is checked first, before the CUDA
+check and any timing (usage errors exit 2). ``--json`` is rewritten after every row.
 """
 from __future__ import annotations
 
@@ -94,7 +95,20 @@ def time_row(backend: str, b: int, s: int, h: int, d: int, *, iters: int, warmup
             "fwd_bwd_tflops": round(3 * fwd_flops / step_ms / 1e9, 1)}
 
 
+def parse_shape(spec: str) -> tuple[str, tuple[int, int, int, int]]:
+    """``"NAME=B,S,H,D"`` -> (NAME, (B, S, H, D)); raises ValueError naming the fault (empty name, not four
+    positive integers)."""
+    name, sep, dims = spec.partition("=")
+    parts = dims.split(",")
+    if not sep or not name.strip() or len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shape {spec!r}: expected NAME=B,S,H,D with a name and four positive integers, "
+                         "e.g. 1.7b-s4096=4,4096,16,128")
+    b, s, h, d = (int(p) for p in parts)
+    return name.strip(), (b, s, h, d)
+
+
 def main(argv=None) -> int:
+    """Time every shape x backend x ``--gemm-between`` row and print it; write ``--json``. Usage errors exit 2."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", required=True, metavar="NAME=B,S,H,D")
     parser.add_argument("--backend", action="append", choices=sorted(BACKENDS), required=True)
@@ -104,15 +118,25 @@ def main(argv=None) -> int:
                         help="GEMMs before each timed call (repeatable: one row per value; default 0)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("attention_speed.py needs a CUDA GPU")
-    rows = []
+    # every argument is checked before the CUDA check and any timing, so no row is timed and then lost
+    shapes = []
     for spec in args.shape:
-        name, _, dims = spec.partition("=")
         try:
-            b, s, h, d = (int(x) for x in dims.split(","))
-        except ValueError:
-            parser.error(f"--shape {spec!r}: expected NAME=B,S,H,D, e.g. 1.7b-s4096=4,4096,16,128")
+            shapes.append(parse_shape(spec))
+        except ValueError as err:
+            parser.error(str(err))
+    if args.iters < 1 or args.warmup < 0 or any(n < 0 for n in args.gemm_between or []):
+        parser.error("--iters must be >= 1, --warmup >= 0 and --gemm-between >= 0")
+    if not torch.cuda.is_available():
+        parser.error("attention_speed.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    rows = []
+
+    def save():  # after every row, so a run cut short (timeout, a crash in a kernel) keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    for name, (b, s, h, d) in shapes:
         for backend in args.backend:
             for between in args.gemm_between or [0]:
                 label = f"{name} {backend} gemm_between={between}"
@@ -123,11 +147,10 @@ def main(argv=None) -> int:
                     print(f"{label}: failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
                     continue
                 rows.append(row)
+                save()
                 print(f"{label}: fwd {row['fwd_ms']} ms ({row['fwd_tflops']} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']} "
                       f"ms ({row['fwd_bwd_tflops']} TFLOP/s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save()
     return 0
 
 

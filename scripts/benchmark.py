@@ -19,10 +19,12 @@ logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gr
 run's AdamW (fused on CUDA). One timed step is one optimizer step over ``train.global_batch_size`` sequences,
 accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. Weights are drawn on the
 device (Megatron-style, :func:`fast_init`), not by the trainer's keyed CPU init, which would take longer
-than the measurement at 1.7B. ``reference`` is the baseline written below: a plain eager PyTorch
-transformer of the same dimensions (separate nn.Linear q/k/v/o, SwiGLU MLP, nn.RMSNorm, SDPA, full-vocab
-LM head with cross-entropy at every position, fused AdamW), at BF16 autocast on CUDA (FP32 on CPU), at the
-base shape and objective (``--no-reference`` leaves it out).
+than the measurement at 1.7B; each row's draw is seeded with ``--seed`` (as are the batches), so the same
+command gives the same losses and rows of the same model start from the same weights. ``reference`` is the
+baseline written below: a plain eager PyTorch transformer of the same dimensions (separate nn.Linear
+q/k/v/o, SwiGLU MLP, nn.RMSNorm, SDPA, full-vocab LM head with cross-entropy at every position, fused
+AdamW), at BF16 autocast on CUDA (FP32 on CPU), at the base shape and objective (``--no-reference``
+leaves it out).
 
 Timing: ``--warmup`` steps (compilation, autotuning, FP8 scaling history), then ``--steps`` steps between
 two CUDA events. Tokens/s counts the data tokens, ``train.global_batch_size x data.seq_len`` per step (also
@@ -32,8 +34,11 @@ without the input embedding, appendix B; for mixture-of-experts models without t
 routed to, the active parameters, docs/moe.md) and, for ``bd3lm``, the FLOPs of its 2 L tokens under the
 block-causal mask (:func:`difflm.training.flops.bd3lm_flops_per_token` says how they are counted); peak =
 989 TFLOP/s dense BF16 on H100/H200 (:data:`difflm.training.flops.PEAK_TFLOPS_BF16`), also for FP8 rows so
-that rows compare. ``--profile NAME`` adds a torch.profiler table of the top kernels of that row (printed
-and written next to the JSON).
+that rows compare. ``mem GiB``: on CUDA the row's peak allocation; on a CPU the process's peak RSS, shown
+only for rows with a process of their own (``--isolate``), ``-`` for rows sharing one. ``--profile NAME``
+(a row of the plan, checked before any row runs) adds a torch.profiler table of the top kernels of that row
+(printed and written next to the JSON); the kernel time shares and ``gpu_busy`` need CUDA, on a CPU the
+table is of CPU ops.
 
 MegaDLMs in the same call (``--megadlms DIR``, an export made by ``scripts/megadlms_baseline.py export``):
 its own pretraining at the base model's dimensions and micro-batch, one GPU, for each ``--megadlms-shapes``
@@ -51,7 +56,9 @@ to what is left of S seconds and starts no row with less than 30 s left (``NAME:
 the order of the variants, each preceded by the MegaDLMs rows of its shape (S, global batch) not run yet,
 so the order of ``--variant`` decides what a budget cut leaves out. Each row is printed as it completes and
 the JSON is rewritten after every row. Without ``--isolate`` rows share one process (CPU tests); a variant
-whose overrides do not compose fails alone.
+whose overrides do not compose fails alone. Exit status: 2 with one ``difflm: error:`` line for a usage
+error (a base override that does not compose, a bad option or row name), 1 when every difflm row failed,
+else 0.
 
 GPU command (issue 17 / issue 12): one H200, TE staged by ../shared/device/stage.sh in the calls just before
 (add ``--flash`` there for the last row), ``.megadlms`` carried; one call of <= 10 min (``--time-budget 550``;
@@ -178,11 +185,39 @@ class ReferenceTransformer(nn.Module):
 
 
 def compose(overrides: list[str]):
+    """``conf/train.yaml`` composed with ``overrides``; a Hydra error (unknown key or group option, bad
+    syntax or value) raises DifflmError with its message on one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise DifflmError(hydra_message(e)) from None  # names the key or option at fault
+
+
+def hydra_message(err: BaseException) -> str:
+    """Hydra's multi-line message on one line: its first line, the first line of its cause, the rest, the
+    available options comma-separated; without the search path, the grammar link and OmegaConf's key dump."""
+    def lines(text: str) -> list[str]:
+        out = []
+        for raw in text.splitlines():
+            line = raw.strip().rstrip(".")
+            if line.startswith("Config search path"):
+                break
+            if not line or line.startswith(("See https://", "full_key:", "reference_type=", "object_type=")):
+                continue
+            if raw.startswith("\t") and out:  # one option of an "Available options in 'model':" list
+                out[-1] += (" " if out[-1].endswith(":") else ", ") + line
+            else:
+                out.append(line)
+        return out
+
+    own, cause = lines(str(err)), lines(str(err.__cause__ or ""))
+    return ". ".join(own[:1] + cause[:1] + own[1:]) or type(err).__name__
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -216,10 +251,12 @@ def load_sibling(name: str):
 
 
 @torch.no_grad()
-def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
+def fast_init(model: nn.Module, std: float, num_layers: int, seed: int) -> None:
     """Megatron-style init drawn on the model's device (the keyed CPU init is slow for billions of
-    parameters and irrelevant to speed): norms 1, residual outputs std / sqrt(2 L), others std."""
+    parameters and irrelevant to speed): norms 1, residual outputs std / sqrt(2 L), others std. The draws
+    come from a generator seeded with ``seed`` on that device, so the same model and seed give the same weights."""
     scaled = std / math.sqrt(2 * num_layers)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for b in model.buffers():  # MoE router bias and statistics: uninitialised after to_empty
         b.zero_()
     for name, p in model.named_parameters():
@@ -230,14 +267,16 @@ def fast_init(model: nn.Module, std: float, num_layers: int) -> None:
         elif name.endswith("bias"):
             p.zero_()
         else:
-            p.normal_(0.0, scaled if name.endswith(("proj.weight", "fc2_weight", "o.weight", "w2.weight")) else std)
+            p.normal_(0.0, scaled if name.endswith(("proj.weight", "fc2_weight", "o.weight", "w2.weight")) else std,
+                      generator=gen)
 
 
-def build_variant_model(cfg, causal: bool, device: torch.device) -> nn.Module:
+def build_variant_model(cfg, causal: bool, device: torch.device, seed: int) -> nn.Module:
     """The model of ``cfg.model`` through the public :func:`difflm.model.build_model` (any backend, compiled
     blocks with ``model.compile``), left uninitialised there and filled by :func:`fast_init` on ``device``."""
+    torch.manual_seed(seed)  # what TE initialises itself (FP8 weights) draws from the global generators
     model = build_model(cfg.model, causal=causal, device=device, seed=None, precision=cfg.precision)
-    fast_init(model, cfg.model.init_std, cfg.model.num_layers)
+    fast_init(model, cfg.model.init_std, cfg.model.num_layers, seed)
     return model
 
 
@@ -256,9 +295,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory_gib(device: torch.device) -> float:
+def peak_memory_gib(device: torch.device, own_process: bool) -> float | None:
+    """The row's peak memory: CUDA's peak allocation (reset per row), or on CPU the process's peak RSS, which is
+    the row's only when it has the process to itself (``own_process``: ``--only``, so ``--isolate``); else None."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    if not own_process:  # ru_maxrss is the whole process's lifetime peak: the same for every in-process row
+        return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -349,9 +392,10 @@ def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.devi
     return out
 
 
-def run_difflm_row(cfg, device, causal: bool) -> dict:
-    """Model, optimizer and one training step of a difflm row (the trainer's step without data loading)."""
-    model = build_variant_model(cfg, causal, device)
+def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
+    """Model (weights seeded with ``seed``), optimizer and one training step of a difflm row (the trainer's
+    step without data loading)."""
+    model = build_variant_model(cfg, causal, device, seed)
     optimizer = build_variant_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -382,13 +426,14 @@ def run_difflm_row(cfg, device, causal: bool) -> dict:
             "flops_per_token": objective_flops_per_token(cfg.objective, cfg.model, n, cfg.data.seq_len)}
 
 
-def run_reference_row(cfg, device, causal: bool, reference_precision: str) -> dict:
-    """Model, optimizer and one training step of the eager reference (AR-style loss at every position)."""
+def run_reference_row(cfg, device, causal: bool, reference_precision: str, seed: int) -> dict:
+    """Model (weights seeded with ``seed``), optimizer and one training step of the eager reference (AR-style
+    loss at every position)."""
     m = cfg.model
     with torch.device("meta"):
         model = ReferenceTransformer(m, causal)
     model.to_empty(device=device)
-    fast_init(model, m.init_std, m.num_layers)
+    fast_init(model, m.init_std, m.num_layers, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[reference_precision]
@@ -443,7 +488,8 @@ def measure(row: dict, cfg, device, batches, args, build) -> dict:
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         tps = tokens / seconds
         row.update(step_ms=seconds * 1e3, tokens_per_s=tps, loss=loss,
-                   mfu=mfu(tps, state["flops_per_token"], args.peak), peak_mem_gib=peak_memory_gib(device),
+                   mfu=mfu(tps, state["flops_per_token"], args.peak),
+                   peak_mem_gib=peak_memory_gib(device, own_process=args.only is not None),
                    n_params_non_embedding=state["n_params_non_embedding"], flops_per_token=state["flops_per_token"])
         if not math.isfinite(loss):
             row["error"] = f"non-finite loss {loss}"
@@ -501,8 +547,8 @@ def plan_rows(args, base, vocab_size: int) -> list[dict]:
     for name, extra in args.variants:
         try:
             cfg = compose(args.overrides + extra)
-        except Exception as e:  # noqa: BLE001 - a bad override fails its row, not the call
-            plan.append({"name": name, "kind": "variant", "extra": extra, "error": f"{type(e).__name__}: {e}"})
+        except DifflmError as e:  # a bad override fails its row, not the call
+            plan.append({"name": name, "kind": "variant", "extra": extra, "error": str(e)})
             continue
         entry = {"name": name, "kind": "variant", "extra": extra, "cfg": cfg}
         shape = (cfg.data.seq_len, cfg.train.global_batch_size)
@@ -597,9 +643,10 @@ def run_in_process(p: dict, args, device, tok, cache: dict) -> dict:
         row["error"] = str(e)
         return row
     if p["kind"] == "reference":
-        build = lambda: run_reference_row(cfg, device, objective.causal, args.reference_precision)  # noqa: E731
+        build = lambda: run_reference_row(  # noqa: E731
+            cfg, device, objective.causal, args.reference_precision, args.seed)
     else:
-        build = lambda: run_difflm_row(cfg, device, objective.causal)  # noqa: E731
+        build = lambda: run_difflm_row(cfg, device, objective.causal, args.seed)  # noqa: E731
     return measure(row, cfg, device, cache[key], args, build)
 
 
@@ -788,6 +835,10 @@ def main(argv=None) -> dict:
     tok = build_tokenizer(base.data.tokenizer, base.model.vocab_multiple)
     resolve_model_config(base.model, tok.padded_vocab_size)
     plan = plan_rows(args, base, tok.padded_vocab_size)
+    profilable = [p["name"] for p in plan if p["kind"] != "megadlms"]  # MegaDLMs rows run its own code
+    unknown = sorted(args.profile - set(profilable))
+    if unknown:
+        raise DifflmError(f"--profile {','.join(unknown)}: no such row; the rows are: {', '.join(profilable)}")
     if args.only is not None:
         plan = [p for p in plan if p["name"] == args.only and p["kind"] != "megadlms"]
         if not plan:
@@ -812,10 +863,12 @@ def main(argv=None) -> dict:
     isolated = args.isolate and args.only is None
     for p in plan:
         left = math.inf if args.time_budget is None else args.time_budget - (time.monotonic() - started)
+        system = {"variant": "difflm"}.get(p["kind"], p["kind"])
         if "error" in p:
-            row = {"name": p["name"], "error": p["error"]}
+            row = {"name": p["name"], "system": system, "error": p["error"]}
         elif left < MIN_ROW_S:
-            row = {"name": p["name"], "skipped": True, "error": f"time budget ({args.time_budget:.0f} s) spent"}
+            row = {"name": p["name"], "system": system, "skipped": True,
+                   "error": f"time budget ({args.time_budget:.0f} s) spent"}
         elif p["kind"] == "megadlms":
             row = megadlms_row(p, base, args, timeout=min(args.megadlms_timeout, left))
         elif isolated:
@@ -832,7 +885,9 @@ def main(argv=None) -> dict:
     result = result_record(args, base, device_name, tok.padded_vocab_size, rows)
     for r in rows:  # profiles first, the tables last (the end of the output is what a log tail shows)
         if "profile_table" in r:
-            print(f"\n--- profile: {r['name']} (kernel time shares {r.get('kernel_shares')}) ---\n"
+            what = (f"kernel time shares {r['kernel_shares']}" if r.get("kernel_shares")
+                    else "CPU ops; kernel time shares and gpu_busy need CUDA")
+            print(f"\n--- profile: {r['name']} ({what}) ---\n"
                   + "\n".join(line[:160] for line in r["profile_table"].splitlines()[:args.profile_rows + 4]))
     print(f"\n{device_name} | model={base.model.name} micro_batch={base.train.micro_batch_size} | "
           f"{args.steps} steps after {args.warmup} warm-up | MFU vs {result['peak_tflops'] or '-'} TFLOP/s | "
@@ -848,9 +903,22 @@ def main(argv=None) -> dict:
     return result
 
 
-if __name__ == "__main__":
+def exit_status(result: dict) -> int:
+    """1 when the call had difflm rows (the variants, not ``reference`` or MegaDLMs) and every one failed or was
+    skipped, so scripts notice; else 0."""
+    ours = [r for r in result.get("rows", []) if r.get("system") == "difflm"]
+    return 1 if ours and not any("tokens_per_s" in r and "error" not in r for r in ours) else 0
+
+
+def cli(argv=None) -> int:
+    """The command line: :func:`main`'s exit status (:func:`exit_status`), or 2 with one line on stderr for a
+    usage error (a bad override, option or row name)."""
     try:
-        main()
+        return exit_status(main(argv))
     except DifflmError as e:
         print(f"difflm: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

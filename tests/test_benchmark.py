@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -105,7 +107,8 @@ def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
     ref, ours = rows["reference"], rows["torch"]
     for r in (ref, ours):
         assert "error" not in r, r
-        assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["peak_mem_gib"] > 0
+        # CPU rows in one process: no per-row memory figure (ru_maxrss is the process's lifetime peak)
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["peak_mem_gib"] is None
         # one optimizer step = 2 accumulated micro-batches of 2 x 16 tokens
         assert r["step_ms"] == pytest.approx(4 * 16 / r["tokens_per_s"] * 1e3, rel=1e-9)
         assert r["mfu"] is None  # no peak FLOP/s for a CPU
@@ -121,6 +124,7 @@ def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][1]["tokens_per_s"] == ours["tokens_per_s"]
     printed = capsys.readouterr().out
     assert "reference" in printed and "tokens/s" in printed and "te: failed: " in printed
+    assert printed.splitlines()[0].split()[-4:] == ["-", "1.000", "-", f"{ref['loss']:.3f}"]  # mem GiB: "-"
 
 
 def test_bd3lm_flops_count_the_mask_and_both_halves():
@@ -200,3 +204,69 @@ def test_isolated_row_that_times_out_is_reported(tmp_path, capsys):
     (row,) = result["rows"]
     assert row["error"].startswith("timeout after 1 s") and "tokens_per_s" not in row
     assert "slow: failed: timeout after 1 s" in capsys.readouterr().out
+
+
+# A model small enough for a few CPU rows in seconds (the LM head is the tokenizer's 50k vocabulary).
+SMALL = ["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+         "model.ffn_hidden_size=64", "data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=2",
+         "device=cpu", "--steps", "1", "--warmup", "0", "--batches", "1"]
+
+
+def test_weights_are_seeded_so_rows_and_calls_compare(capsys):
+    """Same seed: rows of the same model start from the same weights (fused and unfused cross-entropy are one
+    F.cross_entropy on CPU, so their first-step losses are equal) and the same command repeats its losses."""
+    bench = load_script("benchmark")
+    args = [*SMALL, "--no-reference", "--profile", "fused", "--variant", "fused: model.fused_cross_entropy=true",
+            "--variant", "unfused: model.fused_cross_entropy=false"]
+    first = bench.main(args)
+    losses = {r["name"]: r["loss"] for r in first["rows"]}
+    assert set(losses) == {"fused", "unfused"} and math.isfinite(losses["fused"])
+    assert losses["fused"] == losses["unfused"]
+    assert {r["name"]: r["loss"] for r in bench.main(args)["rows"]} == losses
+    assert bench.exit_status(first) == 0
+    printed = capsys.readouterr().out
+    assert "--- profile: fused (CPU ops; kernel time shares and gpu_busy need CUDA) ---" in printed
+    assert "aten::mm" in printed and "kernel time shares {}" not in printed
+
+
+def test_cpu_memory_is_per_row_only_in_its_own_process():
+    bench = load_script("benchmark")
+    assert bench.peak_memory_gib(torch.device("cpu"), own_process=False) is None
+    assert 0.01 < bench.peak_memory_gib(torch.device("cpu"), own_process=True) < 1024  # this process's RSS
+
+
+def test_unknown_profile_row_fails_before_any_row_runs(capsys):
+    bench = load_script("benchmark")
+    assert bench.cli([*SMALL, "--profile", "nosuch,a", "--variant", "a: ", "--variant", "b: "]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "difflm: error: --profile nosuch: no such row; the rows are: reference, a, b\n"
+
+
+def test_bad_base_override_is_one_line_exit_2(capsys):
+    from conftest import REPO
+
+    bench = load_script("benchmark")
+    assert bench.cli(["model=nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("difflm: error: In 'train': Could not find 'model/nosuch'. Available options in 'model': ")
+    assert ", tiny" in err and err.count("\n") == 1
+    # the script itself: no Hydra traceback
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "model=tiny", "model.nosuchkey=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("difflm: error: Could not override 'model.nosuchkey'. Key 'nosuchkey' not in 'ModelConfig'. "
+                           "To append to your config use +model.nosuchkey=1\n")
+
+
+def test_exit_status_1_when_every_difflm_row_fails(capsys):
+    bench = load_script("benchmark")
+    # the te backend is refused on a CPU; a variant whose override does not compose fails in the plan
+    argv = [*SMALL, "--no-reference", "--variant", "te: model.backend=te", "--variant", "bad: model.nope=1"]
+    assert bench.cli(argv) == 1
+    printed = capsys.readouterr().out
+    assert "te: failed: " in printed and "bad: failed: Could not override 'model.nope'" in printed
+    # a row of the reference alone does not count as a difflm row
+    assert bench.exit_status({"rows": [{"name": "reference", "system": "reference", "tokens_per_s": 1.0},
+                                       {"name": "te", "system": "difflm", "error": "x"}]}) == 1
+    assert bench.exit_status({"plan": ["a"]}) == 0  # --plan runs nothing
