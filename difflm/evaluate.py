@@ -157,7 +157,7 @@ def evaluate_file(args, device: torch.device) -> dict:
         ids = list(range(start, min(n, start + e.batch_size)))
         tokens = windows.get(ids)
         est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision,  # [K, B]
-                             fused=cfg.model.get("fused_cross_entropy", True))  # runs saved before the key: on
+                             fused=cfg.model.fused_cross_entropy)  # load_run's schema merge: true for older runs
         per_window.append(est.mean(dim=0))
         num_tokens += float(objective.num_tokens(tokens).double().sum())  # loss tokens: L, L - 1 (ar), response
         nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))

@@ -34,6 +34,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && \
   export CUDNN_HOME LD_LIBRARY_PATH=$CUDNN_HOME/lib:${LD_LIBRARY_PATH:-}  # TE must load PyTorch's cuDNN
 T="model.backend=te model.attention_backend=te"
+F="model.backend=te model.attention_backend=flash"  # TE with FlashAttention 4
+S2="data.seq_len=2048 train.global_batch_size=32"    # model=1.7b at S=2048 (MegaDLMs' second shape)
+M350_16="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
 
 # model=1.7b, S=4096, micro-batch 4 x 4 against MegaDLMs (shapes "$1") on GPU 0, one 575 s call: bench_vs_megadlms SHAPES VARIANT...
 bench_vs_megadlms() {
@@ -89,22 +92,19 @@ r=[x for x in r if 'tokens_per_s' in x and x['step'] > 5]; print('trainer $name 
 # the CUDA tests of the SDPA kernel order (cuDNN first on Hopper), SDPA in isolation in that order against PyTorch's
 # FlashAttention-2 default, and the small models on the torch kernels (compiled blocks, SDPA) beside TE and FA4
 sdpa_rows() {
-  local F="model.backend=te model.attention_backend=flash"
   local C="model.backend=torch model.compile=true model.attention_backend=sdpa"
-  local M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
   timeout 150 python3 -m pytest tests/test_sdpa_priority.py tests/test_te_backend.py -q -p no:cacheprovider -rs \
     -k "sdpa or attention" 2>&1 | tail -8
   timeout 100 python3 scripts/attention_speed.py --shape 1.7b-s4096=4,4096,16,128 --shape 125m-s1024=64,1024,12,64 \
     --shape 350m-s2048=16,2048,16,64 --backend sdpa --backend sdpa-flash --gemm-between 8 --json "$OUT/attention.json"
   bench_small 300 bench_small.json "125m-torch-compiled-mb64: $C train.micro_batch_size=64" \
     "125m-te-bf16-mb64: $T train.micro_batch_size=64" "125m-flash-mb64: $F train.micro_batch_size=64" \
-    "350m-torch-compiled-mb16: $C $M350" "350m-te-bf16-mb16: $T $M350" "350m-flash-mb16: $F $M350"
+    "350m-torch-compiled-mb16: $C $M350_16" "350m-te-bf16-mb16: $T $M350_16" "350m-flash-mb16: $F $M350_16"
 }
 
 case "$part" in
 single)
   B="objective=bd3lm objective.block_size=16 model.attention_backend=flex"
-  S2="data.seq_len=2048 train.global_batch_size=32"
   CUDA_VISIBLE_DEVICES=0 timeout 560 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
     train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
     --steps 6 --warmup 2 --batches 2 --row-timeout 120 --time-budget 540 --json "$OUT/bench.json" \
@@ -175,7 +175,6 @@ speed)
   # accumulation (the defaults) against both off ("unfused"). GPU 1: the CUDA tests of the changed paths, the small
   # models both ways, a profile of the new 1.7B BF16 step, and the trainer (difflm-train, metrics.jsonl) at 350m.
   U="model.fused_qkv=false model.fuse_wgrad_accumulation=false"
-  S2="data.seq_len=2048 train.global_batch_size=32"
   M350="model=350m data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32"
   bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-bf16-unfused: $T $U" \
     "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" "te-bf16-s2048: $T $S2" \
@@ -195,7 +194,6 @@ speed2)
   # issue 17, the call after "speed": the same comparison again (repeatability), FlashAttention 4 rows, and a profile
   # of the FP8 step; small models against the torch kernels' compiled blocks.
   M350="model=350m data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32"
-  F="model.backend=te model.attention_backend=flash"
   bench_vs_megadlms 4096x16 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-bf16-flash: $F" \
     "te-fp8-flash: $F precision=fp8" &
   (
@@ -210,8 +208,6 @@ speed3)
   # issue 17, a third call: the comparison again with the fastest attention per precision (FA4 for BF16, TE's FP8
   # attention for FP8) at both shapes; on GPU 1 the trainer at model=1.7b against the benchmark row on the same GPU,
   # and the small models at two micro-batch sizes.
-  S2="data.seq_len=2048 train.global_batch_size=32"
-  F="model.backend=te model.attention_backend=flash"
   D="$T precision=fp8 precision.fp8_attention=true"
   M350="model=350m data.seq_len=2048 train.global_batch_size=32"
   bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash: $F" "te-fp8-dpa: $D" "te-bf16: $T" "te-fp8: $T precision=fp8" \
@@ -230,7 +226,6 @@ speed4)
   # issue 17, session 21: TE's fused cross-entropy (model.fused_cross_entropy, default on) against the unfused FP32
   # path, and why FP8 at S=2048 runs no faster than BF16 (GPU-busy share of a profile; micro-batch 8). GPU 1: the
   # CUDA tests of the changed paths, the small models both ways with a 125m profile, the FP8 S=2048 profile.
-  S2="data.seq_len=2048 train.global_batch_size=32"
   C="model.fused_cross_entropy=false"
   M350="model=350m data.seq_len=2048 train.micro_batch_size=8 train.global_batch_size=32"
   bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-bf16-unfused-ce: $T $C" "te-fp8: $T precision=fp8" \
@@ -249,8 +244,6 @@ speed5)
   # issue 17, session 21, the call after speed4: the comparison again (repeatability) with the fused cross-entropy
   # on; GPU 1: MegaDLMs FP8 at S=2048 with micro-batch 8 beside difflm's micro-batch 8 rows (is the host-bound
   # micro-batch 4 the fair shape?), the small models at their larger micro-batches, the trainer at 125m.
-  S2="data.seq_len=2048 train.global_batch_size=32"
-  F="model.backend=te model.attention_backend=flash"
   bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" \
     "te-bf16-flash: $F" "te-bf16-s2048: $T $S2" "te-fp8-s2048: $T precision=fp8 $S2" &
   (
@@ -260,16 +253,15 @@ speed5)
     bench_row te-fp8-s2048-mb8 "$T precision=fp8 $S2 train.micro_batch_size=8" bench_gpu1.json | grep "^te-fp8" | tail -1
     bench_small 200 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
       "125m-flash-mb64: $F train.micro_batch_size=64" \
-      "350m-te-bf16-mb16: $T model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16" \
-      "350m-flash-mb16: $F model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
-    train_rate tr125 40 model=125m $T precision=bf16 data.seq_len=1024 train.micro_batch_size=64 train.global_batch_size=64
+      "350m-te-bf16-mb16: $T $M350_16" \
+      "350m-flash-mb16: $F $M350_16"
+    train_rate tr125 40 $TRAIN125
   ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
   ;;
 speed6)
   # issue 17, session 21, a third call: the small models again (repeatability) and at larger micro-batches (GPU 0);
   # the trainer at 125m logging every step and every 10 steps (the default) against the benchmark rows (GPU 1).
-  F="model.backend=te model.attention_backend=flash"
   M350="model=350m data.seq_len=2048 train.global_batch_size=32"
   ( CUDA_VISIBLE_DEVICES=0 bench_small 300 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
       "125m-flash-mb64: $F train.micro_batch_size=64" \
@@ -305,8 +297,6 @@ trainer125)
 speed7)
   # issue 17, session 22: the comparison again (repeatability; speed5's rows) on GPU 0, and with a second GPU the
   # sdpa part below on it
-  S2="data.seq_len=2048 train.global_batch_size=32"
-  F="model.backend=te model.attention_backend=flash"
   bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8: $T precision=fp8" "te-fp8-dpa: $T precision=fp8 precision.fp8_attention=true" \
     "te-bf16-flash: $F" "te-bf16-s2048: $T $S2" "te-fp8-s2048: $T precision=fp8 $S2" &
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then ( CUDA_VISIBLE_DEVICES=1 sdpa_rows ) > "$OUT/gpu1.log" 2>&1 &
@@ -321,12 +311,10 @@ fp8small)
   # issue 17, session 22, one GPU: FP8 at the small models beside their BF16 row; the trainer in the host-bound case
   # (model=1.7b FP8, S=2048, micro-batch 4: does the data thread cost the launching thread?) against its benchmark
   # row; the torch kernels at model=1.7b, S=4096 (compiled blocks, SDPA in the cuDNN-first order)
-  M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
-  S2="data.seq_len=2048 train.global_batch_size=32"
   export CUDA_VISIBLE_DEVICES=0
   bench_small 170 bench_small.json "125m-te-bf16-mb64: $T train.micro_batch_size=64" \
-    "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" "350m-te-bf16-mb16: $T $M350" \
-    "350m-te-fp8-mb16: $T precision=fp8 $M350"
+    "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" "350m-te-bf16-mb16: $T $M350_16" \
+    "350m-te-fp8-mb16: $T precision=fp8 $M350_16"
   bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
   train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
   bench_row torch-compiled "model.backend=torch model.compile=true" bench_torch.json | grep "^torch" | tail -1
@@ -335,14 +323,11 @@ fp8flash)
   # issue 17, next: FP8 with FlashAttention 4 at the small models (FA4 is 9-17 % faster than cuDNN under load there),
   # the allocator test on the GPU, and the trainer at 1.7B FP8 S=2048 with train.expandable_segments set by difflm
   # itself (fp8small measured it through the environment variable) against its benchmark row
-  M350="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
-  S2="data.seq_len=2048 train.global_batch_size=32"
-  F="model.backend=te model.attention_backend=flash"
   export CUDA_VISIBLE_DEVICES=0
   timeout 120 python3 -m pytest tests/test_allocator.py tests/test_sdpa_priority.py -q -p no:cacheprovider -rs 2>&1 | tail -4
   bench_small 200 bench_small.json "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" \
-    "125m-flash-fp8-mb64: $F precision=fp8 train.micro_batch_size=64" "350m-te-fp8-mb16: $T precision=fp8 $M350" \
-    "350m-flash-fp8-mb16: $F precision=fp8 $M350"
+    "125m-flash-fp8-mb64: $F precision=fp8 train.micro_batch_size=64" "350m-te-fp8-mb16: $T precision=fp8 $M350_16" \
+    "350m-flash-fp8-mb16: $F precision=fp8 $M350_16"
   bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
   train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
   ;;
@@ -364,7 +349,7 @@ attn)
     export CUDA_VISIBLE_DEVICES=1
     train_rate tr125 30 $TRAIN125
     PROFILE=350m-te-bf16-mb16 bench_small 120 bench_350m.json \
-      "350m-te-bf16-mb16: $T model=350m data.seq_len=2048 train.micro_batch_size=16 train.global_batch_size=32"
+      "350m-te-bf16-mb16: $T $M350_16"
   ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
   ;;

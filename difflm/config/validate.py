@@ -302,7 +302,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
         check_encoding(d.encoding)
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
-    if cfg.get("profile") is not None and cfg.profile.enabled:
+    if cfg.profile.enabled:
         check_profile(cfg.profile, t)
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")

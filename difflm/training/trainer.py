@@ -55,7 +55,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, device: torch.device):
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         t = cfg.train
-        use_expandable_segments(t.get("expandable_segments", True), device)  # before the model's allocations
+        use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
