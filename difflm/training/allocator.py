@@ -5,8 +5,8 @@ logits and their gradient, ``[N_masked, V]`` BF16, change size every micro-batch
 those sizes fragment the cached segments and the allocator keeps asking CUDA for new ones (``cudaMalloc`` /
 ``cudaFree``, which synchronise): on an H200 at ``model=1.7b``, FP8, S = 2048, micro-batch 4 (a step bound by the
 host's kernel launches) the trainer ran 54.4 k tokens/s with the default allocator and 60.1 k with expandable
-segments, against 62.0 k for ``scripts/benchmark.py``, whose pre-drawn batches repeat their sizes
-(docs/performance.md). Expandable segments grow one mapping per stream in place instead (PyTorch docs, "CUDA
+segments (the next call on the same machine), against 62.0 k for ``scripts/benchmark.py``, whose pre-drawn batches
+repeat their sizes (docs/performance.md). Expandable segments grow one mapping per stream in place instead (PyTorch docs, "CUDA
 semantics: Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). The trainer, the benchmark's rows and the loading of
 a trained run (``difflm-eval``, ``difflm-generate``, the lm-eval harness: the run's own setting) apply it.
 """
