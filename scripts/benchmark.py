@@ -107,12 +107,14 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
 from difflm.config import CONF_DIR  # noqa: E402
-from difflm.config.validate import check_batch, check_choices, check_model, check_precision, resolve_device  # noqa: E402
+from difflm.config.validate import (  # noqa: E402
+    check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import build_model, resolve_model_config  # noqa: E402
 from difflm.model.moe import moe_inactive_params, moe_step, set_moe_loss_scale  # noqa: E402
 from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum  # noqa: E402
 from difflm.training.allocator import use_expandable_segments  # noqa: E402
+from difflm.training.cuda_graphs import capture_block_graphs  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
 from difflm.training.optimizer import build_optimizer  # noqa: E402
 from difflm.training.precision import autocast_context  # noqa: E402
@@ -402,6 +404,8 @@ def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     precision = cfg.precision
     set_moe_loss_scale([model], cfg.train.micro_batch_size / cfg.train.global_batch_size)
+    if cfg.train.cuda_graphs:  # the trainer captures at its first step; here before the timed ones
+        capture_block_graphs(model, precision, cfg.train.micro_batch_size, cfg.data.seq_len)
 
     def step(micro):
         loss = 0.0
@@ -472,6 +476,7 @@ def row_info(name: str, cfg, system: str, reference_precision: str = "bf16") -> 
             "backend": "reference" if ref else m.backend, "precision": reference_precision if ref else cfg.precision.name,
             "fp8_recipe": cfg.precision.fp8_recipe if cfg.precision.name == "fp8" and not ref else None,
             "attention": "sdpa" if ref else m.attention_backend, "compile": bool(m.get("compile", False)) and not ref,
+            "cuda_graphs": bool(cfg.train.get("cuda_graphs", False)) and not ref,
             "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch_size,
             "micro_batch": cfg.train.micro_batch_size, "model": m.name}
 
@@ -572,6 +577,7 @@ def check_row(cfg, device) -> None:
     check_model(cfg.model)
     check_precision(cfg, device, training=False)
     check_batch(cfg)
+    check_cuda_graphs(cfg, 1, device)
 
 
 def megadlms_row(p: dict, base, args, timeout: float) -> dict:

@@ -19,6 +19,9 @@
 #   bash scripts/gpu_session.sh sdpa     # 1 GPU: the SDPA kernel order tested and timed, torch kernels at 125m / 350m
 #   bash scripts/gpu_session.sh fp8small # 1 GPU: FP8 at 125m / 350m, the trainer at 1.7B FP8 S=2048, torch kernels
 #   bash scripts/gpu_session.sh fp8flash # 1 GPU: FP8 + FA4 at 125m / 350m, allocator tests, the trainer again
+#   bash scripts/gpu_session.sh graphs   # 1 GPU: CUDA graphs of the TE blocks tested and timed at 1.7B, the trainer
+#   bash scripts/gpu_session.sh speed8|smallgraphs
+#                                        # 1 GPU: the comparison with graphed FP8 rows; the small models graphed
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -26,7 +29,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -42,9 +45,10 @@ M350_16="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_bat
 bench_vs_megadlms() {
   local shapes=$1; shift
   local variants=(); for v in "$@"; do variants+=(--variant "$v"); done
-  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
+  local budget=${BENCH_BUDGET:-565}  # seconds for all rows (less when the call also installs the staged wheels)
+  CUDA_VISIBLE_DEVICES=0 timeout $((budget + 10)) python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
     train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
-    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget 565 --json "$OUT/bench.json" \
+    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget "$budget" --json "$OUT/bench.json" \
     --megadlms .megadlms --megadlms-shapes "$shapes" --megadlms-timeout 150 "${variants[@]}" > "$OUT/bench.log" 2>&1
 }
 # rows of model=125m (S=1024, micro-batch 32 x 2) on the current GPU within BUDGET s: bench_small BUDGET JSON VARIANT...
@@ -330,6 +334,49 @@ fp8flash)
     "350m-flash-fp8-mb16: $F precision=fp8 $M350_16"
   bench_row te-fp8-s2048 "$T precision=fp8 $S2" bench_fp8_s2048.json | grep "^te-fp8" | tail -1
   train_rate tr17fp8 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4
+  ;;
+graphs)
+  # issue 17, session 23, one GPU: CUDA graphs of the TE blocks (train.cuda_graphs) tested against eager training
+  # (BF16, FP8), the allocator's GPU test; graphed against eager rows at model=1.7b S=2048 (the host-bound FP8 row) and
+  # S=4096, FP8 + FA4 at 350m; the trainer with graphs at 1.7B FP8 S=2048 beside its benchmark rows
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  G="train.cuda_graphs=true"
+  timeout 120 python3 -m pytest tests/test_cuda_graphs.py tests/test_allocator.py -q -p no:cacheprovider -rs 2>&1 | tail -6
+  grep cuda_graphs_vs_eager "$OUT/report.jsonl"
+  timeout 250 python3 scripts/benchmark.py model=1.7b $S2 train.micro_batch_size=4 precision=bf16 device=cuda \
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 90 --time-budget 240 \
+    --json "$OUT/bench_s2048.json" --variant "te-fp8-s2048: $T precision=fp8" \
+    --variant "te-fp8-s2048-graphs: $T precision=fp8 $G" --variant "te-bf16-s2048: $T" \
+    --variant "te-bf16-s2048-graphs: $T $G" 2>&1 | tail -8
+  train_rate tr17fp8g 24 model=1.7b $T precision=fp8 $S2 train.micro_batch_size=4 $G
+  grep "CUDA graphs" "$OUT/tr17fp8g.log"
+  bench_row te-fp8-dpa-graphs "$T precision=fp8 precision.fp8_attention=true $G" bench_s4096.json | grep "^te-fp8" | tail -1
+  ;;
+speed8)
+  # issue 17, session 23, one GPU: the comparison against MegaDLMs at both shapes in one call with the FP8 rows
+  # graphed (train.cuda_graphs), beside the BF16 rows (GPU-bound: graphs do not move them, call "graphs")
+  G="train.cuda_graphs=true"
+  bench_vs_megadlms 4096x16,2048x32 "te-bf16: $T" "te-fp8-graphs: $T precision=fp8 $G" \
+    "te-fp8-dpa-graphs: $T precision=fp8 precision.fp8_attention=true $G" "te-bf16-s2048: $T $S2" \
+    "te-fp8-s2048-graphs: $T precision=fp8 $S2 $G" "te-fp8-dpa-s2048-graphs: $T precision=fp8 precision.fp8_attention=true $S2 $G"
+  tail -25 "$OUT/bench.log"
+  ;;
+smallgraphs)
+  # issue 17, session 23, one GPU: graphed against eager training on a wider model (4 micro-batches a step); the FP8
+  # row at S=4096 eager and graphed (speed8's graphed FP8 row ended at loss 10.4, eager rows at 9.7-9.9: FP8 noise or
+  # the graphs?); the small models with FP8 (+ FA4) eager and graphed
+  G="train.cuda_graphs=true"
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  timeout 100 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -rs -k wide 2>&1 | tail -3
+  grep cuda_graphs_vs_eager "$OUT/report.jsonl"
+  for r in te-fp8 te-fp8-graphs; do
+    bench_row $r "$T precision=fp8 $([ $r = te-fp8-graphs ] && echo $G)" bench_$r.json | grep "^te-fp8" | tail -1
+  done
+  bench_small ${SMALL_BUDGET:-280} bench_small.json "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" \
+    "125m-te-fp8-mb64-graphs: $T precision=fp8 train.micro_batch_size=64 $G" \
+    "125m-flash-fp8-mb64-graphs: $F precision=fp8 train.micro_batch_size=64 $G" \
+    "350m-te-fp8-mb16: $T precision=fp8 $M350_16" "350m-te-fp8-mb16-graphs: $T precision=fp8 $M350_16 $G" \
+    "350m-flash-fp8-mb16-graphs: $F precision=fp8 $M350_16 $G"
   ;;
 attn)
   # issue 17: attention in isolation per backend / layout / shape, alone and between MLP-sized GEMMs

@@ -307,6 +307,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
+    check_cuda_graphs(cfg, world_size, device)
     _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and cfg.logger.num_samples > 0),
              "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
              f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
@@ -324,6 +325,17 @@ def check_profile(p, t) -> None:
              f"profile.wait + profile.warmup + profile.active = {window} steps, more than train.max_steps="
              f"{t.max_steps}: no trace would be written; lower profile.wait (or warmup, active) or raise "
              "train.max_steps")
+
+
+def check_cuda_graphs(cfg, world_size: int, device: torch.device) -> None:
+    """``train.cuda_graphs=true``: a run whose blocks can be captured
+    (:func:`difflm.training.cuda_graphs.cuda_graphs_unavailable_reason`)."""
+    if cfg.train.get("cuda_graphs", False):
+        from difflm.training.cuda_graphs import cuda_graphs_unavailable_reason
+
+        reason = cuda_graphs_unavailable_reason(cfg, world_size, device)
+        if reason is not None:
+            raise DifflmError(reason)
 
 
 def check_objective_data(cfg) -> None:

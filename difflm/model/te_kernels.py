@@ -315,28 +315,44 @@ def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     micro-batch (the first one's weight gradient overwrites the buffer), which difflm's training step keeps.
     Forwards without gradients (evaluation, sampling) leave everything as it is and cache nothing.
     """
+    for name in names:  # what difflm.training.cuda_graphs looks for: these weights' gradients live in main_grad
+        getattr(module, name).accumulates_in_main_grad = True
+
     def before_forward(mod, args, kwargs):
         weights = [getattr(mod, name) for name in names]
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in weights):
             return None
-        for p in weights:
-            if p.requires_grad and p.grad is None:
-                main_grad = getattr(p, "main_grad", None)
-                if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
-                    p.main_grad = torch.zeros_like(p)
-                else:
-                    p.main_grad.zero_()
-                p.grad = p.main_grad
+        attach_main_grads(weights)
         if not fp8_is_active():  # the FP8 weight cache is all it buys; BF16 modules get no micro-batch contract
             return None
-        # what changes the weights: an optimizer step (counted by a global torch.optim hook: fused AdamW does not
-        # bump version counters) or another in-place write (a checkpoint load, which does)
-        state = (_optimizer_steps(), tuple(p._version for p in weights))
-        first = state != getattr(mod, "_fp8_cast_state", None)
-        mod._fp8_cast_state = state
-        return args, dict(kwargs, is_first_microbatch=first)
+        return args, dict(kwargs, is_first_microbatch=weights_changed_since_cast(mod, weights))
 
     module.register_forward_pre_hook(before_forward, with_kwargs=True)
+
+
+def attach_main_grads(weights) -> None:
+    """The start of a step for weights whose gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`):
+    those whose ``.grad`` is None (``zero_grad(set_to_none=True)`` cleared it) get their FP32 buffer zeroed (created
+    on first use, or after the weights moved device) and set as ``.grad``; the others are left to accumulate."""
+    for p in weights:
+        if p.requires_grad and p.grad is None:
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
+                p.main_grad = torch.zeros_like(p)
+            else:
+                p.main_grad.zero_()
+            p.grad = p.main_grad
+
+
+def weights_changed_since_cast(owner, weights) -> bool:
+    """Whether ``weights`` may have changed since ``owner`` (a module) last cast them to FP8, recording this call as
+    the new cast: TE's ``is_first_microbatch``. What changes weights: an optimizer step (counted by a global
+    torch.optim hook: fused AdamW does not bump version counters) or another in-place write (a checkpoint load, which
+    does)."""
+    state = (_optimizer_steps(), tuple(p._version for p in weights))
+    first = state != getattr(owner, "_fp8_cast_state", None)
+    owner._fp8_cast_state = state
+    return first
 
 
 _UB_SHAPE: Optional[tuple] = None  # (tokens, hidden, tp, fp8) of this process's userbuffers

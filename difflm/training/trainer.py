@@ -117,6 +117,7 @@ class Trainer:
         # while this step's kernels are launched, so the host work never leaves the device idle (numpy and torch's
         # CPU ops release the GIL). On the CPU the host is the device: the thread would only compete with it.
         self._prefetched = None
+        self.block_graphs = None  # train.cuda_graphs: captured at the first step (difflm.training.cuda_graphs)
         self._data_thread = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
                              if device.type == "cuda" else None)
         self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
@@ -243,6 +244,8 @@ class Trainer:
         if self.step + 1 < t.max_steps and self._data_thread is not None:
             self._prefetched = (self.data_step + 1, self._data_thread.submit(self._host_batches, self.data_step + 1))
         batches, normaliser, seq_len = self._device_batches(*host)
+        if t.cuda_graphs and self.block_graphs is None:  # after any resume: the weights are final in place
+            self._capture_block_graphs()
         every_sync = cfg.parallel.get("grad_sync", "last") == "every"
         for part in self.model_parts:
             part.train()
@@ -266,6 +269,17 @@ class Trainer:
         grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
         return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
+
+    def _capture_block_graphs(self) -> None:
+        """``train.cuda_graphs``: capture the blocks at the run's micro-batch shape (one process; checked by
+        :func:`difflm.config.validate.check_cuda_graphs`)."""
+        from difflm.training.cuda_graphs import capture_block_graphs
+
+        t = self.cfg.train
+        self.block_graphs = capture_block_graphs(self.model, self.cfg.precision, t.micro_batch_size,
+                                                 self.cfg.data.seq_len)
+        self._report(f"CUDA graphs: {len(self.block_graphs.blocks)} blocks captured for micro-batches of "
+                     f"{t.micro_batch_size} x {self.cfg.data.seq_len} tokens in {self.block_graphs.seconds:.1f} s")
 
     def _host_batches(self, data_step: int) -> tuple[list, list, int]:
         """The token windows and noised micro-batches of ``data_step`` on the host, pinned (one local batch for a
