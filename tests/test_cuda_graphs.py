@@ -33,6 +33,8 @@ CUDA = torch.device("cuda")
     (["model.backend=te", "data.intra_document_attention=true"], 1, "data.intra_document_attention=true"),
     (["model.backend=te", "model.compile=true"], 1, "set model.compile=false"),
     (["model=moe-1b-7b", "model.backend=te"], 1, "model.moe.num_experts > 0"),
+    (["model.backend=te", "precision=fp8", "data.seq_len=100", "train.micro_batch_size=2", "train.global_batch_size=2"],
+     1, "train.micro_batch_size x data.seq_len = 200 tokens is not a multiple of 32"),
 ])
 def test_runs_that_cannot_be_graphed_are_named(overrides, world, needle):
     cfg = compose_run([*overrides, "train.cuda_graphs=true"])
@@ -243,6 +245,6 @@ def test_the_trainer_captures_once_at_its_first_step_with_the_run_shape(fast_cfg
     cfg = fast_cfg("train.cuda_graphs=true", "train.max_steps=3", "train.eval_every=0", "train.save_every=0")
     trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
     assert seen == []  # not at construction: a resume may still load weights
-    trainer.train_step()
-    trainer.train_step()
+    metrics = trainer.fit()
     assert seen == [(trainer.model, cfg.precision.name, cfg.train.micro_batch_size, cfg.data.seq_len)]
+    assert metrics["step"] == 3 and metrics["cuda_graph_replays"] == 0  # the stand-in graphs no block

@@ -19,8 +19,9 @@ What is graphed and what is not:
 * FP8: the delayed-scaling amaxes are reduced as in eager TE (the outer ``te.autocast`` region and the first module's
   backward), and FP8 weight casts are cached across the micro-batches of a step (``is_first_microbatch`` from the
   same test the eager hooks use).
-* A block's graph holds its activations until its backward replays; a second graphed forward of the same block before
-  that backward runs eager instead, so two-pass objectives stay correct.
+* A block's graph holds its activations until its backward replays; a second forward of the same block before that
+  backward runs eager instead, so the first call's activations are not overwritten. (Under FP8 that second forward is
+  outside TE's one-forward-per-micro-batch contract, as it is in eager training: no objective makes one.)
 
 One process only for now: FSDP2 (``parallel=ddp|fsdp``), pipeline schedules and TE's TP/CP communicate from hooks
 and inside the modules, which a captured graph would have to include (:func:`cuda_graphs_unavailable_reason`).
@@ -35,6 +36,7 @@ import torch
 
 from difflm.errors import DifflmError
 from difflm.model.rope import rope_angles
+from difflm.model.te_kernels import FP8_ROWS_MULTIPLE, attach_main_grads, weights_changed_since_cast
 from difflm.training.precision import build_fp8_recipe, compute_dtype, fp8_is_active, import_te, precision_name
 
 
@@ -59,6 +61,11 @@ def cuda_graphs_unavailable_reason(cfg, world_size: int, device: torch.device) -
                 "mask: set train.cuda_graphs=false")
     if m.get("compile", False):
         return "train.cuda_graphs=true with model.compile=true: TE blocks are not compiled; set model.compile=false"
+    tokens = cfg.train.micro_batch_size * d.seq_len
+    if precision_name(cfg.precision) == "fp8" and tokens % FP8_ROWS_MULTIPLE:
+        return (f"train.cuda_graphs=true with precision=fp8: train.micro_batch_size x data.seq_len = {tokens} tokens "
+                f"is not a multiple of {FP8_ROWS_MULTIPLE}, so the blocks would run in BF16 outside their FP8 graphs: "
+                "change either, or set train.cuda_graphs=false")
     return None
 
 
@@ -82,9 +89,13 @@ class GraphedBlock:
         self.fp8, self.cache_fp8_weights = fp8, cache_fp8_weights
         self.weights = [p for p in block.parameters() if p.requires_grad]
         self.main_grad_weights = [p for p in self.weights if getattr(p, "accumulates_in_main_grad", False)]
-        self.pointers = tuple(p.data_ptr() for p in block.parameters())
+        self.pointers = self._storage()
         self.pending = False  # a graphed forward whose backward has not replayed yet
         self.replays = self.eager_calls = 0
+
+    def _storage(self) -> tuple:
+        # the objects too: TE's FP8 weights are wrapper tensors whose data_ptr() is 0
+        return tuple((id(p), p.data_ptr()) for p in self.block.parameters())
 
     def matches(self, x: torch.Tensor, rope, attn_mask, kv_cache) -> bool:
         """Whether this call is the captured one: training, gradients on, same shapes, dtype and FP8 state, no mask or
@@ -97,12 +108,10 @@ class GraphedBlock:
         if not self.matches(x, rope, attn_mask, kv_cache):
             self.eager_calls += 1
             return type(self.block).forward(self.block, x, rope, attn_mask, kv_cache)
-        if tuple(p.data_ptr() for p in self.block.parameters()) != self.pointers:
+        if self._storage() != self.pointers:
             raise DifflmError(f"layers.{self.index}: its parameters were replaced after its CUDA graph was captured "
                               "(train.cuda_graphs=true); update weights in place (load_state_dict, optimizer steps) or "
                               "set train.cuda_graphs=false")
-        from difflm.model.te_kernels import attach_main_grads, weights_changed_since_cast
-
         attach_main_grads(self.main_grad_weights)  # the step's first micro-batch: zero the FP32 accumulators
         kwargs = {}
         if self.cache_fp8_weights:
@@ -151,8 +160,8 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
     Call it at the start of a training step (gradients of the step not yet accumulated): the capture runs three
     warm-up forward/backward passes on random inputs and then clears every gradient of the blocks. FP8 scaling state
     is restored by TE afterwards; the weights are not changed.
-    Returns: the :class:`BlockGraphs`. Raises: DifflmError when Transformer Engine is missing or the model is not a
-    single-process TE model.
+    Returns: the :class:`BlockGraphs`. Raises: DifflmError when Transformer Engine is missing, or the model is not a
+    TE model with a batch-first residual stream (other layouts are refused earlier: :func:`cuda_graphs_unavailable_reason`).
     """
     te = import_te()
     if getattr(model.kernels, "name", None) != "te" or getattr(model.kernels, "layout", "bshd") != "bshd":
@@ -163,16 +172,18 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
     fp8 = precision_name(precision) == "fp8"
     bf16_layers = getattr(model.kernels, "bf16_layers", frozenset())
     blocks = model.blocks()
-    enabled = tuple(fp8 and i not in bf16_layers for i, _ in blocks)
-    cache = fp8 and getattr(model.kernels, "fp8_weights_recipe", None) is None  # TE: no caching for FP8 weights
+    fp8_rows = micro_batch * seq_len % FP8_ROWS_MULTIPLE == 0  # else TEKernels.forward_context runs BF16
+    enabled = tuple(fp8 and fp8_rows and i not in bf16_layers for i, _ in blocks)
+    cache = any(enabled) and getattr(model.kernels, "fp8_weights_recipe", None) is None  # none for FP8 weights
     rope = tuple(model.kernels.rope(rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_base)))
     shape = (micro_batch, seq_len, cfg.hidden_size)
     sample_args = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True), rope) for _ in blocks)
     start = time.perf_counter()
+    modes = [block.training for _, block in blocks]
+    for _, block in blocks:  # TE graphs the mode a module is in: the training graphs (forward and backward)
+        block.train()
     for _, block in blocks:  # the FP32 accumulators exist before capture, so no graph allocates or zeroes them
         block.zero_grad(set_to_none=True)
-        from difflm.model.te_kernels import attach_main_grads
-
         attach_main_grads([p for p in block.parameters() if getattr(p, "accumulates_in_main_grad", False)])
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
         _make_graphed_callables(te, tuple(b for _, b in blocks), sample_args, enabled,
@@ -182,7 +193,8 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
         g = GraphedBlock(block, index, block.forward, shape, dtype, [t.shape for t in rope], fp8_block, cache)
         block.forward = g
         graphed.append(g)
-    for _, block in blocks:  # the warm-up passes' gradients
+    for (_, block), mode in zip(blocks, modes):  # the warm-up passes' gradients; the modes as they were
+        block.train(mode)
         for p in block.parameters():
             if getattr(p, "main_grad", None) is not None:
                 p.main_grad.zero_()

@@ -241,11 +241,13 @@ class Trainer:
             host = prefetched[1].result()
         else:  # the first step, or the data step moved (a resume, a roll-back): prepare it here
             host = self._host_batches(self.data_step)
+        if t.cuda_graphs and self.block_graphs is None:  # after any resume: the weights are final in place
+            if prefetched is not None:  # no other thread may call CUDA (pinning memory) while a graph is captured
+                concurrent.futures.wait([prefetched[1]])
+            self._capture_block_graphs()  # so before the data thread gets the next step
         if self.step + 1 < t.max_steps and self._data_thread is not None:
             self._prefetched = (self.data_step + 1, self._data_thread.submit(self._host_batches, self.data_step + 1))
         batches, normaliser, seq_len = self._device_batches(*host)
-        if t.cuda_graphs and self.block_graphs is None:  # after any resume: the weights are final in place
-            self._capture_block_graphs()
         every_sync = cfg.parallel.get("grad_sync", "last") == "every"
         for part in self.model_parts:
             part.train()
@@ -482,6 +484,7 @@ class Trainer:
                         "tokens_per_s_per_gpu": per_gpu,
                         "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
                         "mem_gib": memory_gib(self.device),
+                        **({"cuda_graph_replays": self.block_graphs.replays} if self.block_graphs else {}),
                         "skipped_steps": self.skipped_steps,
                         **moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None),
                         **self.sampler.report(self.data_step),  # epochs (and each blend source's share)
