@@ -476,7 +476,7 @@ def row_info(name: str, cfg, system: str, reference_precision: str = "bf16") -> 
             "backend": "reference" if ref else m.backend, "precision": reference_precision if ref else cfg.precision.name,
             "fp8_recipe": cfg.precision.fp8_recipe if cfg.precision.name == "fp8" and not ref else None,
             "attention": "sdpa" if ref else m.attention_backend, "compile": bool(m.get("compile", False)) and not ref,
-            "cuda_graphs": bool(cfg.train.get("cuda_graphs", False)) and not ref,
+            "cuda_graphs": cfg.train.cuda_graphs and not ref,
             "seq_len": cfg.data.seq_len, "global_batch": cfg.train.global_batch_size,
             "micro_batch": cfg.train.micro_batch_size, "model": m.name}
 

@@ -369,9 +369,8 @@ smallgraphs)
   export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
   timeout 100 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -rs -k wide 2>&1 | tail -3
   grep cuda_graphs_vs_eager "$OUT/report.jsonl"
-  for r in te-fp8 te-fp8-graphs; do
-    bench_row $r "$T precision=fp8 $([ $r = te-fp8-graphs ] && echo $G)" bench_$r.json | grep "^te-fp8" | tail -1
-  done
+  bench_row te-fp8 "$T precision=fp8" bench_te-fp8.json | grep "^te-fp8" | tail -1
+  bench_row te-fp8-graphs "$T precision=fp8 $G" bench_te-fp8-graphs.json | grep "^te-fp8" | tail -1
   bench_small ${SMALL_BUDGET:-280} bench_small.json "125m-te-fp8-mb64: $T precision=fp8 train.micro_batch_size=64" \
     "125m-te-fp8-mb64-graphs: $T precision=fp8 train.micro_batch_size=64 $G" \
     "125m-flash-fp8-mb64-graphs: $F precision=fp8 train.micro_batch_size=64 $G" \

@@ -330,7 +330,7 @@ def check_profile(p, t) -> None:
 def check_cuda_graphs(cfg, world_size: int, device: torch.device) -> None:
     """``train.cuda_graphs=true``: a run whose blocks can be captured
     (:func:`difflm.training.cuda_graphs.cuda_graphs_unavailable_reason`)."""
-    if cfg.train.get("cuda_graphs", False):
+    if cfg.train.cuda_graphs:
         from difflm.training.cuda_graphs import cuda_graphs_unavailable_reason
 
         reason = cuda_graphs_unavailable_reason(cfg, world_size, device)

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from difflm.errors import DifflmError
+from difflm.model.moe import moe_config
 from difflm.model.rope import rope_angles
 from difflm.model.te_kernels import FP8_ROWS_MULTIPLE, attach_main_grads, weights_changed_since_cast
 from difflm.training.precision import build_fp8_recipe, compute_dtype, fp8_is_active, import_te, precision_name
@@ -52,14 +53,14 @@ def cuda_graphs_unavailable_reason(cfg, world_size: int, device: torch.device) -
     if world_size > 1:
         return (f"train.cuda_graphs=true runs in one process; this run has {world_size} (parallel layouts communicate "
                 "from hooks a graph cannot hold): set train.cuda_graphs=false")
-    if m.get("moe") is not None and m.moe.get("num_experts", 0) > 0:
+    if moe_config(m) is not None:
         return ("train.cuda_graphs=true needs fixed shapes; mixture-of-experts routing (model.moe.num_experts > 0) "
                 "changes them every micro-batch: set train.cuda_graphs=false")
-    if o.name == "bd3lm" or d.get("intra_document_attention", False):
+    if o.name == "bd3lm" or d.intra_document_attention:
         what = "objective=bd3lm" if o.name == "bd3lm" else "data.intra_document_attention=true"
         return (f"train.cuda_graphs=true graphs unmasked full-sequence blocks; {what} gives every step an attention "
                 "mask: set train.cuda_graphs=false")
-    if m.get("compile", False):
+    if m.compile:
         return "train.cuda_graphs=true with model.compile=true: TE blocks are not compiled; set model.compile=false"
     tokens = cfg.train.micro_batch_size * d.seq_len
     if precision_name(cfg.precision) == "fp8" and tokens % FP8_ROWS_MULTIPLE:
@@ -193,11 +194,8 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
         g = GraphedBlock(block, index, block.forward, shape, dtype, [t.shape for t in rope], fp8_block, cache)
         block.forward = g
         graphed.append(g)
-    for (_, block), mode in zip(blocks, modes):  # the warm-up passes' gradients; the modes as they were
-        block.train(mode)
-        for p in block.parameters():
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()
+    for (_, block), mode in zip(blocks, modes):  # the modes as they were; the warm-up passes' gradients dropped (the
+        block.train(mode)  # next forward zeroes the main_grad buffers: attach_main_grads)
         block.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     return BlockGraphs(graphed, time.perf_counter() - start)

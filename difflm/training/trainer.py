@@ -242,9 +242,8 @@ class Trainer:
         else:  # the first step, or the data step moved (a resume, a roll-back): prepare it here
             host = self._host_batches(self.data_step)
         if t.cuda_graphs and self.block_graphs is None:  # after any resume: the weights are final in place
-            if prefetched is not None:  # no other thread may call CUDA (pinning memory) while a graph is captured
-                concurrent.futures.wait([prefetched[1]])
-            self._capture_block_graphs()  # so before the data thread gets the next step
+            # before the data thread gets its first work: no other thread may call CUDA (pin memory) during a capture
+            self._capture_block_graphs()
         if self.step + 1 < t.max_steps and self._data_thread is not None:
             self._prefetched = (self.data_step + 1, self._data_thread.submit(self._host_batches, self.data_step + 1))
         batches, normaliser, seq_len = self._device_batches(*host)
