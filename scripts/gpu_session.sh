@@ -22,6 +22,10 @@
 #   bash scripts/gpu_session.sh graphs   # 1 GPU: CUDA graphs of the TE blocks tested and timed at 1.7B, the trainer
 #   bash scripts/gpu_session.sh speed8|smallgraphs
 #                                        # 1 GPU: the comparison with graphed FP8 rows; the small models graphed
+#   bash scripts/gpu_session.sh speed9   # 1 GPU: the graphs tests again, micro-batch 8 at S=4096 (FP8, BF16), profiled
+#   bash scripts/gpu_session.sh speed10|mb8fair|mb8profile
+#                                        # 1 GPU: the comparison with micro-batch 8 rows; MegaDLMs at micro-batch 8
+#                                        #        and the trainer; the BF16 micro-batch 8 rows profiled and repeated
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -29,7 +33,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -376,6 +380,59 @@ smallgraphs)
     "125m-flash-fp8-mb64-graphs: $F precision=fp8 train.micro_batch_size=64 $G" \
     "350m-te-fp8-mb16: $T precision=fp8 $M350_16" "350m-te-fp8-mb16-graphs: $T precision=fp8 $M350_16 $G" \
     "350m-flash-fp8-mb16-graphs: $F precision=fp8 $M350_16 $G"
+  ;;
+speed9)
+  # issue 17, session 24, one GPU: the revised graphed-against-eager GPU tests; micro-batch 8 at S=4096 (same global
+  # batch 16: two micro-batches a step, twice the rows per GEMM) for FP8 + FP8 attention and BF16 (+ FA4) beside the
+  # micro-batch 4 rows, the FP8 micro-batch 8 row profiled (ms per kernel class)
+  G="train.cuda_graphs=true" D="precision=fp8 precision.fp8_attention=true" MB8="train.micro_batch_size=8"
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  timeout 150 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -rs 2>&1 | tail -6
+  grep cuda_graphs_vs_eager "$OUT/report.jsonl"
+  budget=${BENCH_BUDGET:-400}
+  timeout $((budget + 10)) python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 \
+    --row-timeout 130 --time-budget "$budget" --json "$OUT/bench_mb8.json" --profile te-fp8-dpa-mb8 --profile-rows 30 \
+    --variant "te-fp8-dpa-graphs: $T $D $G" --variant "te-fp8-dpa-mb8: $T $D $MB8" \
+    --variant "te-fp8-dpa-mb8-graphs: $T $D $MB8 $G" --variant "te-bf16: $T" --variant "te-bf16-mb8: $T $MB8" \
+    --variant "te-bf16-flash-mb8: $F $MB8" > "$OUT/bench.log" 2>&1
+  tail -70 "$OUT/bench.log"
+  ;;
+speed10)
+  # issue 17, session 24, one GPU (the call after speed9, same machine): the comparison against MegaDLMs at both shapes
+  # with difflm at micro-batch 8 (same global batches), FP8 + FP8 attention and BF16 + FA4, beside the default BF16 row
+  MB8="train.micro_batch_size=8"
+  BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 \
+    "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" "te-bf16-flash-mb8: $F $MB8" \
+    "te-bf16-flash-s2048-mb8: $F $S2 $MB8" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8" "te-bf16: $T"
+  tail -22 "$OUT/bench.log"
+  ;;
+mb8fair)
+  # issue 17, session 24, one GPU: MegaDLMs at micro-batch 8 too (S=4096, global batch 16; is micro-batch 8 a lever
+  # only difflm gets?), difflm's FP8 micro-batch 8 row, and the trainer at that shape against it
+  export CUDA_VISIBLE_DEVICES=0
+  D="precision=fp8 precision.fp8_attention=true"
+  for p in fp8 bf16; do
+    timeout 170 python3 scripts/megadlms_baseline.py run --megadlms .megadlms --seq-len 4096 --global-batch 16 \
+      --micro-batch 8 --precision $p --timeout 160 --json "$OUT/megadlms_mb8_$p.json" 2>&1 | tail -3
+  done
+  bench_row te-fp8-dpa-mb8 "$T $D train.micro_batch_size=8" bench_mb8.json | grep "^te-fp8" | tail -1
+  train_rate tr17fp8mb8 22 model=1.7b $T $D data.seq_len=4096 train.global_batch_size=16 train.micro_batch_size=8
+  ;;
+mb8profile)
+  # issue 17, session 24, one GPU: the BF16 + FA4 micro-batch 8 rows profiled (ms per kernel class: the targets they
+  # miss), then the S=2048 BF16 micro-batch 8 rows twice each with FA4 and cuDNN attention (repeatability)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 250 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=8 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 \
+    --row-timeout 120 --time-budget 240 --json "$OUT/bench_prof.json" \
+    --profile te-bf16-flash-mb8,te-bf16-flash-s2048-mb8 --profile-rows 30 \
+    --variant "te-bf16-flash-mb8: $F" --variant "te-bf16-flash-s2048-mb8: $F $S2" > "$OUT/bench.log" 2>&1
+  grep -A3 "^row\|kernel time shares" "$OUT/bench.log" | cut -c1-200
+  timeout 250 python3 scripts/benchmark.py model=1.7b $S2 train.micro_batch_size=8 precision=bf16 device=cuda \
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 80 --time-budget 240 \
+    --json "$OUT/bench_rep.json" --variant "flash-a: $F" --variant "flash-b: $F" --variant "te-a: $T" \
+    --variant "te-b: $T" 2>&1 | grep -A6 "^row" | cut -c1-200
   ;;
 attn)
   # issue 17: attention in isolation per backend / layout / shape, alone and between MLP-sized GEMMs

@@ -49,6 +49,13 @@ EXTRA_STATE = "_extra_state"
 FP8_ROWS_MULTIPLE = 32  # FP8 GEMMs need the token count divisible by 16 (32 for block/MX scaling)
 
 
+def fp8_fits(num_tokens: int) -> bool:
+    """Whether a forward of ``num_tokens`` tokens (micro-batch x sequence, this rank's) runs its GEMMs in FP8: TE's
+    FP8 GEMMs need whole tiles of rows, so other counts (random-length steps, sampling) run in BF16 inside an FP8
+    region (:meth:`TEKernels.forward_context`)."""
+    return num_tokens % FP8_ROWS_MULTIPLE == 0
+
+
 # ------------------------------------------------------------------ state-dict layout
 def te_module_names(cfg) -> list[str]:
     """Paths of the TE modules of a ``model`` config, i.e. the state-dict prefixes with an ``_extra_state``
@@ -265,7 +272,7 @@ class TEKernels(TorchKernels):
 
     def forward_context(self, num_tokens):
         # FP8 GEMMs need whole tiles of tokens: odd-sized inputs (random-length steps, sampling) run in BF16.
-        if num_tokens % FP8_ROWS_MULTIPLE and fp8_is_active():
+        if not fp8_fits(num_tokens) and fp8_is_active():
             return te_autocast(False)
         return contextlib.nullcontext()
 
@@ -399,6 +406,6 @@ def check_te_device(device: torch.device) -> None:
                           "use device=cuda on an NVIDIA GPU, or model.backend=torch")
 
 
-__all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "accumulate_into_grad", "check_te_device",
+__all__ = ["EXTRA_STATE", "FP8_ROWS_MULTIPLE", "TEKernels", "accumulate_into_grad", "check_te_device", "fp8_fits",
            "fp8_layer_options", "initialize_userbuffers", "te_module_names", "te_to_torch_state_dict",
            "torch_to_te_state_dict"]

@@ -37,7 +37,7 @@ import torch
 from difflm.errors import DifflmError
 from difflm.model.moe import moe_config
 from difflm.model.rope import rope_angles
-from difflm.model.te_kernels import FP8_ROWS_MULTIPLE, attach_main_grads, weights_changed_since_cast
+from difflm.model.te_kernels import FP8_ROWS_MULTIPLE, attach_main_grads, fp8_fits, weights_changed_since_cast
 from difflm.training.precision import build_fp8_recipe, compute_dtype, fp8_is_active, import_te, precision_name
 
 
@@ -63,7 +63,7 @@ def cuda_graphs_unavailable_reason(cfg, world_size: int, device: torch.device) -
     if m.compile:
         return "train.cuda_graphs=true with model.compile=true: TE blocks are not compiled; set model.compile=false"
     tokens = cfg.train.micro_batch_size * d.seq_len
-    if precision_name(cfg.precision) == "fp8" and tokens % FP8_ROWS_MULTIPLE:
+    if precision_name(cfg.precision) == "fp8" and not fp8_fits(tokens):
         return (f"train.cuda_graphs=true with precision=fp8: train.micro_batch_size x data.seq_len = {tokens} tokens "
                 f"is not a multiple of {FP8_ROWS_MULTIPLE}, so the blocks would run in BF16 outside their FP8 graphs: "
                 "change either, or set train.cuda_graphs=false")
@@ -173,8 +173,7 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
     fp8 = precision_name(precision) == "fp8"
     bf16_layers = getattr(model.kernels, "bf16_layers", frozenset())
     blocks = model.blocks()
-    fp8_rows = micro_batch * seq_len % FP8_ROWS_MULTIPLE == 0  # else TEKernels.forward_context runs BF16
-    enabled = tuple(fp8 and fp8_rows and i not in bf16_layers for i, _ in blocks)
+    enabled = tuple(fp8 and fp8_fits(micro_batch * seq_len) and i not in bf16_layers for i, _ in blocks)
     cache = any(enabled) and getattr(model.kernels, "fp8_weights_recipe", None) is None  # none for FP8 weights
     rope = tuple(model.kernels.rope(rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_base)))
     shape = (micro_batch, seq_len, cfg.hidden_size)
