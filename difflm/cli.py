@@ -9,13 +9,42 @@ import sys
 from difflm.errors import DifflmError
 
 
+def check_required(cfg) -> None:
+    """Refuse a composed config that leaves a mandatory key (``???`` in a schema or YAML) without a value.
+
+    Raises: DifflmError naming every such key and how to give it (``run.dir is required: pass run.dir=...``),
+    before any work starts; OmegaConf would otherwise raise ``MissingMandatoryValue`` wherever the key is first read.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        given = " ".join(f"{key}=..." for key in missing)
+        raise DifflmError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required: pass {given} "
+                          f"on the command line (--cfg job prints the composed config)")
+
+
 def exits_cleanly(fn):
-    """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2."""
+    """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2.
+
+    A config passed as the first argument is checked first by :func:`check_required`; a mandatory value read
+    later (a ``???`` that only an interpolation reaches) ends the same way, naming its key.
+    """
+    from omegaconf.errors import MissingMandatoryValue
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            if args:
+                check_required(args[0])
             return fn(*args, **kwargs)
+        except MissingMandatoryValue as err:
+            key = getattr(err, "full_key", None) or "a mandatory key"
+            print(f"difflm: error: {key} is required: pass {key}=... on the command line", file=sys.stderr,
+                  flush=True)
+            sys.exit(2)
         except DifflmError as err:
             print(f"difflm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)

@@ -5,9 +5,11 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from difflm.cli import hydra_quoted, quote_free_text
+from difflm.cli import check_required, hydra_quoted, quote_free_text
 from difflm.errors import DifflmError
 from difflm.generate import read_prompt
+
+from conftest import run_cli
 
 TEXTS = ["a, b", "ROMEO: my lord (aside) [exit]", "it's", "say \"hi\", ok", "back\\", "a\\'b", "${oc.env:HOME}",
          "k=v, w", "two\nlines", "", "{x: 1}"]
@@ -39,3 +41,26 @@ def test_prompt_file(tmp_path):
         read_prompt(OmegaConf.create({"prompt": "hi", "prompt_file": str(path)}))
     with pytest.raises(DifflmError, match="prompt_file="):
         read_prompt(OmegaConf.create({"prompt": "", "prompt_file": str(tmp_path / "missing.txt")}))
+
+
+def test_check_required_names_every_missing_key():
+    check_required(OmegaConf.create({"run": {"dir": "x"}, "out": "y"}))  # all given: no error
+    with pytest.raises(DifflmError, match=r"^out, run.dir are required: pass out=... run.dir=..."):
+        check_required(OmegaConf.create({"run": {"dir": "???"}, "out": "???", "step": None}))
+
+
+# Every entry point with a mandatory key, run with none given: one line naming the keys, exit 2, no traceback.
+REQUIRED = [("difflm.evaluate", [], "data.path, run.dir are required"),
+            ("difflm.evaluate", ["run.dir=somewhere"], "data.path is required"),
+            ("difflm.generate", [], "run.dir is required"),
+            ("difflm.interop.export", ["run.dir=somewhere"], "out is required"),
+            ("difflm.interop.hf_import", [], "hf, run.dir are required"),
+            ("difflm.preprocess", ["input=x.txt"], "output is required")]
+
+
+@pytest.mark.parametrize("module,args,message", REQUIRED, ids=[f"{m}-{len(a)}" for m, a, _ in REQUIRED])
+def test_entry_points_name_their_missing_keys(module, args, message, tmp_path):
+    out = run_cli(module, *args, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith(f"difflm: error: {message}: pass "), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -7,6 +7,7 @@ import pytest
 import difflm.config
 from difflm.config.validate import check_batch, check_run
 from difflm.data import build_tokenizer
+from difflm.errors import DifflmError
 
 from conftest import compose_run, run_cli
 
@@ -15,6 +16,30 @@ EXPERIMENTS = sorted(p.stem for p in (difflm.config.CONF_DIR / "experiment").glo
 
 # recipes whose sweep runs many small jobs, one process each (parallel=single)
 SINGLE_GPU_SWEEPS = {"data_constrained": 1}
+
+
+# recipes of a pre-training corpus only the user has: data.path is null, and the run refuses to start without it
+LEAVE_THE_CORPUS_TO_YOU = {"llada_8b", "megadlm_1.7b"}
+
+
+@pytest.mark.parametrize("name", sorted(LEAVE_THE_CORPUS_TO_YOU))
+def test_recipe_without_its_corpus_refuses_to_start(name):
+    """A ``???`` merged over the schema's default keeps the default (the embedded tinyshakespeare), so a recipe
+    that forgot data.path used to train a 1.7B model on it; null is refused before anything is built."""
+    cfg = compose_run([f"experiment={name}", "device=cpu"])
+    assert cfg.data.path is None and cfg.data.hf_dataset is None
+    with pytest.raises(DifflmError, match=r"^data.path is not set .*pass data.path="):
+        check_run(cfg, world_size=8)
+    with_hub = compose_run([f"experiment={name}", "device=cpu", "data.hf_dataset=/data/owt_saved"])
+    assert check_run(with_hub, world_size=8).type == "cpu"
+
+
+def test_recipe_without_its_corpus_is_one_line_from_the_command_line(tmp_path):
+    out = run_cli("difflm.train", "experiment=megadlm_1.7b", f"run.dir={tmp_path / 'run'}", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]  # one line, no traceback
+    assert out.stderr.startswith("difflm: error: data.path is not set")
+    assert not (tmp_path / "run" / "data_cache").exists()  # nothing tokenized
 
 
 def test_recipes_exist():
@@ -27,7 +52,8 @@ def test_recipe_composes_validates_and_records_its_source(name):
     assert text.startswith("# @package _global_\n")
     assert "github.com/" in text or "et al." in text, "a recipe names its source"
     assert "Same as" in text and "Differs:" in text, "a recipe says what it keeps and what differs"
-    cfg = compose_run([f"experiment={name}", "device=cpu"])
+    corpus = ["data.path=/data/corpus"] if name in LEAVE_THE_CORPUS_TO_YOU else []
+    cfg = compose_run([f"experiment={name}", "device=cpu", *corpus])
     world = SINGLE_GPU_SWEEPS.get(name, 8)
     assert check_run(cfg, world_size=world).type == "cpu"
     assert check_batch(cfg, world_size=world) >= 1  # accumulation steps on one 8-GPU node (or one GPU per job)

@@ -292,3 +292,16 @@ def test_packed_sft_trains_with_intra_document_attention(fast_cfg, pairs_file, t
                    "device=cpu")
     metrics = Trainer(cfg, tmp_path / "run", check_run(cfg)).fit()
     assert metrics["step"] == 2 and 0 < metrics["loss"] < 30 and metrics["val_nelbo"] > 0
+
+
+def test_sft_refuses_a_hub_dataset_it_would_not_read(tmp_path):
+    """objective=sft reads pairs from data.path's JSONL files only: a data.hf_dataset would be silently ignored."""
+    from conftest import compose_run
+    from difflm.config.validate import check_objective_data
+
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text('{"prompt": "1+1?", "response": "2"}\n', encoding="utf-8")
+    args = ["objective=sft", f"data.path={pairs_file}", "data.prompt_field=prompt", "data.response_field=response"]
+    check_objective_data(compose_run(args))  # the JSONL file alone is fine
+    with pytest.raises(DifflmError, match=r"objective=sft reads .* data.hf_dataset='org/pairs'\): set data.path"):
+        check_objective_data(compose_run([*args, "data.hf_dataset=org/pairs"]))

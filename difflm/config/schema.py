@@ -124,8 +124,9 @@ class DataConfig:
     """Where the text comes from and how it is cut into training windows."""
 
     name: str = "tinyshakespeare"
-    # .txt/.jsonl/.parquet file, directory or glob; or difflm-preprocess output / Megatron .bin/.idx shards
-    path: str = "${difflm_asset:corpora/tinyshakespeare/input.txt}"
+    # .txt/.jsonl/.parquet file, directory or glob; or difflm-preprocess output / Megatron .bin/.idx shards;
+    # null (the experiments that leave the corpus to you) is refused unless hf_dataset or blend is given
+    path: Optional[str] = "${difflm_asset:corpora/tinyshakespeare/input.txt}"
     hf_dataset: Optional[str] = None  # a `datasets` name or saved-dataset directory instead of path
     hf_split: str = "train"
     tokenizer: str = "${difflm_asset:tokenizers/gpt-neox-20b}"  # HF hub name or local directory

@@ -280,6 +280,10 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     check_precision(cfg, device)
     check_parallel(cfg, world_size, device)
     d, o, t = cfg.data, cfg.objective, cfg.train
+    _require(bool(d.path or d.hf_dataset or d.get("blend")),
+             "data.path is not set (this experiment leaves the corpus to you): pass data.path=<.txt/.jsonl/.parquet "
+             "file, directory, glob or difflm-preprocess shards>, data.hf_dataset=<name or save_to_disk directory> or "
+             "data.blend=[...]")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     _require(0.0 < o.eps < 1.0, f"objective.eps={o.eps} must be in (0, 1)")
@@ -353,6 +357,9 @@ def check_objective_data(cfg) -> None:
                  "(a .jsonl file)")
         _require(o.random_length_prob == 0, f"objective.random_length_prob={o.random_length_prob} would cut responses: "
                  "set it to 0 for objective=sft")
+        _require(d.get("hf_dataset") is None and bool(d.path),
+                 f"objective=sft reads prompt/response pairs from the .jsonl files of data.path (data.path="
+                 f"{d.path!r}, data.hf_dataset={d.get('hf_dataset')!r}): set data.path and data.hf_dataset=null")
     elif d.get("prompt_field") is not None:
         raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
                           "uses: set objective=sft or data.prompt_field=null")
