@@ -65,6 +65,18 @@ def test_resume_with_other_model_is_refused(fast_cfg):
         Trainer(fast_cfg("model.hidden_size=32", "train.max_steps=2"), cfg.run.dir, CPU)
 
 
+@pytest.mark.parametrize("smaller", ["model.num_layers=1", "model.tie_embeddings=true", "model.qk_norm=false"])
+def test_resume_with_a_smaller_model_is_refused(fast_cfg, smaller):
+    """A model with no place for some checkpoint tensors would drop their trained values without a word."""
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0", "model.qk_norm=true")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    saved = (Path(cfg.run.dir) / "config.yaml").read_text()
+    with pytest.raises(DifflmError, match=r"does not match this model: it holds [1-9]\d* tensor\(s\) this model has "
+                                          r"no place for \((layers\.1\.|output\.weight|.*norm)"):
+        Trainer(fast_cfg("train.max_steps=2", "model.qk_norm=true", smaller), cfg.run.dir, CPU)
+    assert (Path(cfg.run.dir) / "config.yaml").read_text() == saved  # the run's record still names its model
+
+
 def test_resume_with_other_batch_is_refused(fast_cfg):
     cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0")
     Trainer(cfg, cfg.run.dir, CPU).fit()

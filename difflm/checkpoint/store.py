@@ -274,6 +274,30 @@ def _absent_extra_state(model_sd: dict, keys: Optional[set[str]]) -> dict:
     return {n: model_sd.pop(n) for n in absent}
 
 
+def _refuse_unplaced_tensors(path: Path, model_sd: dict, keys: Optional[set[str]]) -> None:
+    """Raise DifflmError when the checkpoint holds model tensors this model has no place for.
+
+    ``dcp.load`` fills only the entries it is asked for, so a smaller model (fewer layers, tied embeddings, no
+    QK-norm) would load silently with part of the trained weights dropped. Under pipeline parallelism a rank holds
+    only its stage's entries, so the names of every rank are gathered first. TE's ``_extra_state`` (FP8 scaling
+    metadata) is left out: a checkpoint of the TE kernels loads into the torch kernels without it.
+    """
+    if keys is None:
+        return
+    names = {n for n in model_sd if not n.endswith(EXTRA_STATE_SUFFIX)}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = set().union(*gathered)
+    unplaced = sorted(k[len("model."):] for k in keys if k.startswith("model.") and
+                      not k.endswith(EXTRA_STATE_SUFFIX) and k[len("model."):] not in names)
+    if unplaced:
+        raise DifflmError(f"checkpoint {path} does not match this model: it holds {len(unplaced)} tensor(s) this model "
+                          f"has no place for ({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''}), so "
+                          "their trained values would be dropped: resume with the model config it was saved with, "
+                          "or use a new run.dir")
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
@@ -295,7 +319,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     else:
         model_sd, optim_sd = get_state_dict(target, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
-    fresh = _absent_extra_state(model_sd, checkpoint_keys(path))
+    keys = checkpoint_keys(path)
+    _refuse_unplaced_tensors(path, model_sd, keys)
+    fresh = _absent_extra_state(model_sd, keys)
     pending = prepare_canonical_load(model_sd, optim_sd, canonical_layouts(_parts(model)))
     try:
         with warnings.catch_warnings():
