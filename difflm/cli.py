@@ -3,10 +3,37 @@ values (prompts) reach Hydra as one string whatever characters they hold."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
+from pathlib import Path
 
 from difflm.errors import DifflmError
+
+
+def writable_output(key: str, path, directory: bool = False) -> Path:
+    """``path`` (a file, or with ``directory`` a directory to be written) checked before any work: its parent
+    folders are created, and a probe file is written and removed there, so a mistake ends the command at once.
+
+    Returns ``path`` as a Path (``~`` expanded). Raises: DifflmError naming ``key`` when ``path`` is a directory
+    where a file is expected (or a file where a directory is), or its folder cannot be created or written
+    (a file on the way, a read-only or pseudo filesystem such as /proc).
+    """
+    path = Path(path).expanduser()
+    if not directory and path.is_dir():
+        raise DifflmError(f"{key}={str(path)!r} is a directory: give a file path")
+    if directory and path.exists() and not path.is_dir():
+        raise DifflmError(f"{key}={str(path)!r} is a file: give a directory path")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".{path.name}.probe{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise DifflmError(f"{key}={str(path)!r} cannot be written ({err.strerror or type(err).__name__}: "
+                          f"{err.filename or parent}): choose a folder you can write in") from None
+    return path
 
 
 def check_required(cfg) -> None:

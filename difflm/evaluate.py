@@ -29,13 +29,12 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import OmegaConf
 
-from difflm.cli import exits_cleanly
+from difflm.cli import exits_cleanly, writable_output
 from difflm.config import CONF_DIR
 from difflm.config.validate import resolve_device
 from difflm.data.batch import split_batch
@@ -178,11 +177,12 @@ def evaluate_file(args, device: torch.device) -> dict:
 @exits_cleanly
 def main(args) -> None:
     device = resolve_device(args.device)
+    output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
     result = evaluate_file(args, device)
     text = json.dumps(result, indent=2)
     print(text)
-    if args.eval.output:
-        Path(args.eval.output).write_text(text + "\n")
+    if output is not None:
+        output.write_text(text + "\n")
 
 
 if __name__ == "__main__":

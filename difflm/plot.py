@@ -3,7 +3,7 @@
 
     difflm-plot run.dir=outputs/tiny-shakespeare                       # -> outputs/tiny-shakespeare/curves.png
     difflm-plot run.dir=runs/mdlm run.dir=runs/ar out=mdlm_vs_ar.png    # one line per run in every panel
-    difflm-plot run.dir=sweeps/lr                                      # a multirun: every job under it
+    difflm-plot run.dir=sweeps/lr                                      # a multirun: every job -> sweeps/lr/curves.png
     difflm-plot run.dir='sweeps/lr/*' keys=loss,val_nelbo              # globs; pick the panels
 
 Arguments are ``key=value`` words like the other entry points, but ``run.dir`` may repeat, so this is a small
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from difflm.cli import exits_cleanly
+from difflm.cli import exits_cleanly, writable_output
 from difflm.errors import DifflmError
 
 DEFAULT_KEYS = ("loss", "val_nelbo", "lr", "tokens_per_s")
@@ -64,6 +64,16 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
     return dirs
 
 
+def default_out(patterns: list[str], dirs: list[Path]) -> Path:
+    """Where the figure goes without ``out=``: ``curves.png`` in the one run, or in the one folder named (a
+    multirun's sweep directory), else in the current folder (several run.dir= or a glob)."""
+    if len(dirs) == 1:
+        return dirs[0] / "curves.png"
+    if len(patterns) == 1 and not glob.has_magic(patterns[0]):
+        return Path(patterns[0]) / "curves.png"
+    return Path("curves.png")
+
+
 def _labels(dirs: list[Path]) -> list[str]:
     """The shortest trailing parts of the paths that tell the runs apart."""
     parts = [Path(d).resolve().parts for d in dirs]
@@ -90,6 +100,13 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
     except ImportError as err:
         raise DifflmError("difflm-plot needs matplotlib: pip install 'difflm[plot]' (or pip install matplotlib)") \
             from err
+    suffix = Path(out).suffix.lstrip(".").lower()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if suffix not in formats:
+        raise DifflmError(f"out={str(out)!r}: matplotlib writes {', '.join('.' + f for f in sorted(formats))} files: "
+                          "end out with one of them (e.g. curves.png)")
+    out = writable_output("out", out)
     runs = [(label, read_metrics(d)) for label, d in zip(_labels(run_dirs), run_dirs)]
     if not any(row.get(k) is not None for _, rows in runs for row in rows for k in keys):
         raise DifflmError(f"no run logged any of keys={','.join(keys)}: check the key names in metrics.jsonl")
@@ -112,7 +129,6 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
     for ax in list(axes.flat)[len(keys):]:
         ax.remove()
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return fig
@@ -149,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     patterns, out, keys = parse_args(sys.argv[1:] if argv is None else argv)
     dirs = expand_run_dirs(patterns)
     if out is None:
-        out = dirs[0] / "curves.png" if len(dirs) == 1 else Path("curves.png")
+        out = default_out(patterns, dirs)
     plot_runs(dirs, out, keys)
     print(out)
 

@@ -122,12 +122,23 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     assert json.loads((tmp_path / "eval_shards.json").read_text())["nelbo"] == got["nelbo"]
     bad = run_cli("difflm.evaluate", f"run.dir={tmp_path / 'nope'}", f"data.path={text}", timeout=120)
     assert bad.returncode == 2 and "run.dir=" in bad.stderr
+    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", f"eval.output={plain_file(tmp_path)}/x.json",
+                  "device=cpu", timeout=300)  # a file where the output's folder should be: refused before the work
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout
+    assert bad.stderr.startswith("difflm: error: eval.output=") and "cannot be written" in bad.stderr
     latin1 = tmp_path / "latin1.txt"  # issue 13 item 9: one line naming the file, the byte and its offset
     latin1.write_bytes(b"caf\xe9\n")
     bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={latin1}", "device=cpu", timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith(
         f"difflm: error: data.path: {latin1} is not UTF-8 text (byte 0xe9 at offset 3): ")
+
+
+def plain_file(tmp_path):
+    """A plain file, to stand where a folder is expected."""
+    path = tmp_path / "plain_file"
+    path.write_text("")
+    return path
 
 
 def _train(fast_cfg, *overrides):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import FAST, compose_run, run_cli
+from difflm.checkpoint.store import list_checkpoints
 from difflm.config import ASSETS
 from difflm.data import build_tokenizer
 from difflm.errors import DifflmError
@@ -208,6 +210,43 @@ def test_export_bf16_and_errors(trained_run, tmp_path):
     (bd3lm / "config.yaml").write_text(cfg_text)
     with pytest.raises(DifflmError, match="objective=bd3lm run: the exported modeling file"):
         export_run(bd3lm, tmp_path / "bd3lm_out")
+
+
+def test_export_never_replaces_the_run_or_a_folder_that_is_not_an_export(trained_run, tmp_path):
+    import stat
+
+    root, _, _ = trained_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run, ignore=shutil.ignore_patterns("data_cache", ".difflm.lock"))
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    for out in (run, tmp_path):  # the run directory, a folder holding it
+        with pytest.raises(DifflmError, match=r"^out=.*(the run directory|a folder holding run.dir).*out=<run.dir>/hf"):
+            export_run(run, out, overwrite=True)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    with pytest.raises(DifflmError, match="not an earlier export .* choose a new directory"):
+        export_run(run, notes, overwrite=True)
+    assert (notes / "todo.txt").read_text() == "keep me"
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    hf = export_run(run, run / "hf")  # inside the run: fine, and an earlier export is replaced on request
+    assert export_run(run, hf, overwrite=True) == hf and (hf / "config.json").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((hf / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # readable like the rest
+    with pytest.raises(DifflmError, match=r"^out=.* is a file: give a directory path"):
+        export_run(run, notes / "todo.txt")
+
+
+def test_import_overwrite_starts_a_clean_record(tmp_path):
+    src = make_hf(tmp_path, "llama", 50280, False)
+    run = tmp_path / "run"
+    import_hf(str(src), run)
+    (run / "metrics.jsonl").write_text('{"step": 12, "loss": 3.0}\n')  # an earlier run's records
+    (run / "samples.txt").write_text("old samples\n")
+    import_hf(str(src), run, overwrite=True)
+    assert not (run / "metrics.jsonl").exists() and not (run / "samples.txt").exists()
+    assert [s for s, _ in list_checkpoints(run)] == [0]
 
 
 def test_import_errors_name_the_problem(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from difflm.errors import DifflmError
-from difflm.plot import expand_run_dirs, parse_args, plot_runs, read_metrics
+from difflm.plot import default_out, expand_run_dirs, parse_args, plot_runs, read_metrics
 
 from conftest import run_cli
 
@@ -70,3 +70,22 @@ def test_cli_writes_the_png(tmp_path):
     assert (tmp_path / "ab.png").read_bytes()[:8] == PNG_MAGIC
     bad = run_cli("difflm.plot", f"run.dir={tmp_path / 'missing'}", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("difflm: error: ") and "Traceback" not in bad.stderr
+
+
+def test_default_out_and_refused_outs(tmp_path):
+    for job in range(2):
+        _write_run(tmp_path / "sweep" / str(job), 0.1 * (job + 1))
+    sweep = str(tmp_path / "sweep")
+    assert default_out([sweep], expand_run_dirs([sweep])) == tmp_path / "sweep" / "curves.png"  # not ./curves.png
+    one = str(tmp_path / "sweep" / "0")
+    assert default_out([one], expand_run_dirs([one])) == tmp_path / "sweep" / "0" / "curves.png"
+    assert default_out([sweep + "/*"], expand_run_dirs([sweep + "/*"])) == Path("curves.png")
+    dirs = expand_run_dirs([sweep])
+    with pytest.raises(DifflmError, match=r"^out='.*x.foo': matplotlib writes .*\.png.*end out with one of them"):
+        plot_runs(dirs, tmp_path / "x.foo")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DifflmError, match=r"^out='.*afile/x.png' cannot be written .*choose a folder you can write in"):
+        plot_runs(dirs, tmp_path / "afile" / "x.png")
+    (tmp_path / "d.png").mkdir()
+    with pytest.raises(DifflmError, match=r"^out='.*d.png' is a directory: give a file path"):
+        plot_runs(dirs, tmp_path / "d.png")

@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import find_checkpoint, load_checkpoint
-from difflm.cli import exits_cleanly
+from difflm.cli import exits_cleanly, writable_output
 from difflm.config import CONF_DIR, RunConfig
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
@@ -111,13 +111,20 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int
         shards[-1][name] = t
         size += nbytes
     metadata = {"format": "pt"}
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def save(shard: dict, fname: str) -> None:
+        save_file(shard, str(out / fname), metadata=metadata)
+        os.chmod(out / fname, 0o666 & ~umask)  # safetensors writes 0600; the other files follow the umask
+
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata=metadata)
+        save(shards[0], "model.safetensors")
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata=metadata)
+        save(shard, fname)
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -183,6 +190,26 @@ def _moe_fields(m) -> dict:
             "moe_score_func": str(moe.score_func), "moe_norm_topk_prob": bool(moe.norm_topk_prob)}
 
 
+def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:
+    """Refuse an ``out`` whose replacement would lose data: the run directory itself or a folder holding it, and,
+    with ``overwrite=true``, any non-empty folder that is not an earlier export (it has no ``config.json``).
+
+    Raises: DifflmError naming ``out`` and the fix.
+    """
+    target, run = out.resolve(), run_dir.resolve()
+    if target == run or target in run.parents:
+        raise DifflmError(f"out={str(out)!r} is {'the run directory' if target == run else 'a folder holding run.dir'} "
+                          f"({str(run_dir)!r}): replacing it would delete the run's checkpoints; choose another "
+                          "directory, e.g. out=<run.dir>/hf")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise DifflmError(f"out={str(out)!r} exists and is not empty: choose a new directory or pass overwrite=true")
+    if not (out / "config.json").is_file():
+        raise DifflmError(f"out={str(out)!r} is not an earlier export (it has no config.json), and overwrite=true "
+                          "would delete everything in it: choose a new directory")
+
+
 def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
                max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
@@ -194,9 +221,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
     if dtype not in DTYPES:
         raise DifflmError(f"dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
-    out = Path(out).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise DifflmError(f"out={str(out)!r} exists and is not empty: choose a new directory or pass overwrite=true")
+    out = writable_output("out", out, directory=True)
+    _refuse_unsafe_out(out, Path(run_dir).expanduser(), overwrite)
     cfg, model, tok, _ = load_run_for_export(run_dir, step)
     if cfg.objective.name == "bd3lm":  # the exported generate is LLaDA's sampler over bidirectional attention
         raise DifflmError(f"run.dir={str(run_dir)!r} is an objective=bd3lm run: the exported modeling file samples "

@@ -244,6 +244,9 @@ def train_overrides(cfg) -> list[str]:
             + [f"run.dir={cfg.run.dir}"])
 
 
+REPLACED_RUN_RECORDS = ("metrics.jsonl", "samples.txt")  # removed with the checkpoints by overwrite=true
+
+
 def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shift_logits: bool = False,
               vocab_multiple: int = 128, mask_token: str = DEFAULT_MASK_TOKEN, revision: Optional[str] = None,
               overwrite: bool = False):
@@ -276,6 +279,8 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
 
     if overwrite and list_checkpoints(run_dir):
         shutil.rmtree(run_dir / "checkpoints")
+        for record in REPLACED_RUN_RECORDS:  # the old run's curves and samples would mix with the new run's
+            (run_dir / record).unlink(missing_ok=True)
     tok_dir = run_dir / "tokenizer"
     from transformers.utils import logging as hf_logging
 
