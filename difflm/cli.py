@@ -54,7 +54,8 @@ def check_required(cfg) -> None:
 
 
 def exits_cleanly(fn):
-    """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2.
+    """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2, Ctrl-C
+    (KeyboardInterrupt) prints ``difflm: interrupted`` and exits 130, as a shell reports it.
 
     A config passed as the first argument is checked first by :func:`check_required`; a mandatory value read
     later (a ``???`` that only an interpolation reaches) ends the same way, naming its key.
@@ -75,6 +76,9 @@ def exits_cleanly(fn):
         except DifflmError as err:
             print(f"difflm: error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
+            print("\ndifflm: interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
 
     return wrapper
 

@@ -18,7 +18,7 @@ import torch
 
 from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
 from difflm.errors import DifflmError
-from difflm.training.preemption import EXIT_REQUEUE
+from difflm.training.preemption import EXIT_INTERRUPTED, EXIT_REQUEUE
 from difflm.training.trainer import Trainer
 
 from conftest import FAST
@@ -205,20 +205,56 @@ def test_unreadable_trainer_state_is_one_line(fast_cfg):
         Trainer(cfg, cfg.run.dir, CPU)
 
 
-def test_sigterm_saves_and_exits_with_requeue_status(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000", "train.save_every=0"),
+def _started_run(run_dir: Path, cache: Path) -> subprocess.Popen:
+    """A long difflm-train process, returned once it has logged two steps."""
+    proc = subprocess.Popen(train_cmd(run_dir, cache, "train.max_steps=100000", "train.save_every=0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    return proc
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, EXIT_REQUEUE), (signal.SIGINT, EXIT_INTERRUPTED)])
+def test_sigterm_and_ctrl_c_save_and_exit(tmp_path, sig, status):
+    run_dir = tmp_path / "run"
+    proc = _started_run(run_dir, tmp_path / "cache")
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_REQUEUE, stderr[-2000:]
+    assert proc.returncode == status, stderr[-2000:]
     step, _ = latest_checkpoint(run_dir)
-    assert step >= 2 and f"stopped at step {step} (SIGTERM)" in stdout
+    assert step >= 2 and f"stopped at step {step} ({sig.name}); checkpoint saved" in stdout
+    assert "Traceback" not in stderr
+
+
+def test_second_ctrl_c_stops_at_once_in_one_line(capsys):
+    """The first Ctrl-C asks for a save; the second raises KeyboardInterrupt at once, which every entry point
+    reports as one line with the shell's status 130."""
+    from difflm.cli import exits_cleanly
+    from difflm.training.preemption import StopRequest
+
+    stop = StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs at the next bytecode
+        assert stop.should_stop() and stop.interrupted and stop.reason == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def train():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        exits_cleanly(train)()
+    assert exit_.value.code == EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip() == "difflm: Ctrl-C: saving at the end of this step and exiting (Ctrl-C " \
+        "again stops at once, without saving)\n\ndifflm: interrupted"
 
 
 def test_time_limit_saves_and_stops(fast_cfg):

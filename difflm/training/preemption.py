@@ -1,9 +1,10 @@
-"""Stop requests from the cluster: SIGTERM / SIGUSR1 and a wall-clock limit.
+"""Stop requests from the cluster: SIGTERM / SIGUSR1 and a wall-clock limit; and Ctrl-C (SIGINT) at a terminal.
 
 SLURM sends SIGUSR1 ahead of the time limit when the job asks for it (``#SBATCH --signal=USR1@120``) and
 SIGTERM on preemption or ``scancel``. The handler only records the request; the training loop finishes
 the step it is in, saves a checkpoint and exits with :data:`EXIT_REQUEUE`; under SLURM, rank 0 first asks
-for the job to be requeued (:func:`request_slurm_requeue`). Megatron-LM's ``--exit-signal-handler`` and
+for the job to be requeued (:func:`request_slurm_requeue`). Ctrl-C saves the same way but exits with
+:data:`EXIT_INTERRUPTED` and never requeues; a second Ctrl-C raises KeyboardInterrupt at once. Megatron-LM's ``--exit-signal-handler`` and
 torchtitan work the same way.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Optional
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL (sysexits.h): "try again later"; the run saved and can resume
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for Ctrl-C; the run saved and can resume
 
 
 class StopRequest:
@@ -28,7 +31,7 @@ class StopRequest:
     after the same step even if only one received the signal.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, time_limit_s: float = 0.0, margin_s: float = 0.0):
         self.reason: Optional[str] = None
@@ -43,6 +46,15 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self.reason = signal.Signals(signum).name
+        if signum == signal.SIGINT:  # Ctrl-C: save like SIGTERM; a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+            print("\ndifflm: Ctrl-C: saving at the end of this step and exiting (Ctrl-C again stops at once, "
+                  "without saving)", file=sys.stderr, flush=True)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the stop came from Ctrl-C (SIGINT): a person at the terminal, so no SLURM requeue."""
+        return self.reason == signal.Signals.SIGINT.name
 
     def should_stop(self) -> bool:
         if self.reason is None and self.deadline is not None and time.monotonic() + self.margin_s >= self.deadline:
