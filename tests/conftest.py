@@ -20,7 +20,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 FAST = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
     "model.ffn_hidden_size=128", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-    "train.eval_batches=2", "train.eval_mc_samples=2", "logger.progress_bar=false", "logger.num_samples=0",
+    "train.eval_windows=4", "train.eval_mc_samples=2", "logger.progress_bar=false", "logger.num_samples=0",
     "schedule.warmup_steps=2",
 ]
 

@@ -200,3 +200,18 @@ def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
     mdlm = _train(fast_cfg, f"run.dir={tmp_path / 'mdlm'}")
     with pytest.raises(DifflmError, match="data.prompt_field applies to objective=sft runs"):
         _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={valid}", "data.prompt_field=q")
+
+
+def test_validation_nelbo_does_not_depend_on_the_micro_batch_size(fast_cfg, tmp_path):
+    """train.eval_windows counts windows: the same windows, draws and model give the same val_nelbo whatever
+    train.micro_batch_size batches them (train.eval_batches counted micro-batches, so it did not)."""
+    from difflm.config.validate import check_run
+    from difflm.training.trainer import Trainer
+
+    got = []
+    for mb in (1, 2, 4):
+        cfg = fast_cfg(f"train.micro_batch_size={mb}", "train.eval_windows=4", f"run.dir={tmp_path / f'mb{mb}'}")
+        got.append(Trainer(cfg, cfg.run.dir, torch.device("cpu")).evaluate())
+    assert got[0] > 5 and got == pytest.approx([got[0]] * 3, rel=1e-6)
+    with pytest.raises(DifflmError, match=r"train.eval_batches was removed .* set train.eval_windows=6 instead"):
+        check_run(fast_cfg("train.eval_batches=3", "train.micro_batch_size=2", "device=cpu"))

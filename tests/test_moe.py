@@ -273,7 +273,7 @@ def test_every_objective_trains_a_step_with_moe(objective, fast_cfg, tmp_path):
         extra = [f"data.path={pairs}", "data.prompt_field=question", "data.response_field=answer",
                  "data.seq_len=96", "data.valid_fraction=0.25", "objective.random_length_prob=0"]
     cfg = fast_cfg("model=moe-tiny", f"objective={objective}", *extra, "train.max_steps=1", "train.eval_every=1",
-                   "train.eval_batches=1", "train.eval_mc_samples=1", "train.save_every=0", "logger.log_every=1",
+                   "train.eval_windows=2", "train.eval_mc_samples=1", "train.save_every=0", "logger.log_every=1",
                    "device=cpu")
     metrics = Trainer(cfg, tmp_path / "run", CPU).fit()
     assert metrics["step"] == 1 and 0 < metrics["loss"] < 30 and math.isfinite(metrics["val_nelbo"])

@@ -192,7 +192,7 @@ def test_trainer_step_loss_does_not_depend_on_micro_batches(fast_cfg, pairs_file
         cfg = fast_cfg("objective=sft", "objective.loss_norm=token", f"data.path={pairs_file}",
                        "data.prompt_field=question", "data.response_field=answer", "data.seq_len=96",
                        "data.valid_fraction=0.25", f"train.global_batch_size={global_batch}", f"train.micro_batch_size={mb}",
-                       "train.eval_batches=3", f"train.max_steps=1", "train.eval_every=1", "train.save_every=0",
+                       "train.eval_windows=3", f"train.max_steps=1", "train.eval_every=1", "train.save_every=0",
                        "device=cpu", f"run.dir={tmp_path / f'mb{mb}'}")
         trainer = Trainer(cfg, tmp_path / f"mb{mb}", torch.device("cpu"))
         out = trainer.train_step()

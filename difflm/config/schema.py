@@ -207,7 +207,8 @@ class TrainConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 8
     eval_every: int = 100
-    eval_batches: int = 8
+    eval_windows: int = 64  # validation windows per evaluation (however train.micro_batch_size batches them)
+    eval_batches: Optional[int] = None  # removed (counted micro-batches): refused with the eval_windows to set
     eval_mc_samples: int = 4
     save_every: int = 100
     seed: int = 1234

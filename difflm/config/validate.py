@@ -292,6 +292,12 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"objective.length_multiple={o.length_multiple} must be >= 1 and divide data.seq_len={d.seq_len}")
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
+    _require(t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
+             "evaluation off)")
+    _require(t.get("eval_batches") is None,
+             f"train.eval_batches was removed (it counted micro-batches, so val_nelbo changed with "
+             f"train.micro_batch_size): set train.eval_windows={(t.get('eval_batches') or 0) * t.micro_batch_size} "
+             f"instead (the same windows at this micro-batch size)")
     _require(t.get("epochs") is None or t.epochs > 0, f"train.epochs={t.get('epochs')} must be > 0 (or null: "
              "train.max_steps sets the length)")
     _require(d.get("max_train_tokens") is None or d.max_train_tokens >= d.seq_len,
