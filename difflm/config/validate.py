@@ -312,6 +312,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
         check_encoding(d.encoding)
     _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    check_schedule(cfg.schedule)
     if cfg.profile.enabled:
         check_profile(cfg.profile, t)
     _require(cfg.logger.sample_temperature >= 0,
@@ -322,6 +323,16 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
              f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     return device
+
+
+def check_schedule(s) -> None:
+    """``schedule.*`` in range: a warmup of >= 0 steps, and fractions of ``optim.lr`` / of the run in [0, 1]
+    (a min_lr_ratio above 1 would make the decay climb; a negative warmup would start part-way down the decay)."""
+    _require(s.warmup_steps >= 0, f"schedule.warmup_steps={s.warmup_steps} must be >= 0 (0 = no warmup)")
+    _require(0.0 <= s.min_lr_ratio <= 1.0, f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1] (the final "
+             "learning rate as a fraction of optim.lr)")
+    _require(0.0 <= s.decay_fraction <= 1.0, f"schedule.decay_fraction={s.decay_fraction} must be in [0, 1] (wsd: "
+             "the last fraction of the steps that decays)")
 
 
 def check_profile(p, t) -> None:

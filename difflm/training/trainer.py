@@ -25,7 +25,7 @@ from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
-from difflm.training.schedule import build_scheduler, restore_scheduler
+from difflm.training.schedule import build_scheduler, restore_scheduler, short_run_warning
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest
 from difflm.training.profiling import Profiler
@@ -101,6 +101,8 @@ class Trainer:
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts) if self.dims.distributed else self.model,
                                          cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.max_steps)
+        if (warning := short_run_warning(cfg.schedule, t.max_steps, cfg.optim.lr)) is not None:
+            self._report(warning)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
         # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops;
         # mixture of experts: the active parameters, docs/moe.md)
