@@ -125,6 +125,9 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
             cfg.model[key] = value
     cfg.model.compile = False
     if cfg.model.backend == "te" and device.type != "cuda":
+        if kernels is not None and kernels.get("backend") == "te":  # the override asked for it, not the run
+            raise DifflmError(f"kernels.backend=te needs CUDA and the device is {device.type}: drop it or set "
+                              "kernels.backend=torch")
         raise DifflmError(f"the run's model.backend=te needs CUDA and the device is {device.type}: add "
                           "kernels.backend=torch (checkpoints load into either kernel set)")
     backend = cfg.model.attention_backend
@@ -133,6 +136,17 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
         if kernels is None or kernels.get("attention_backend") is None:  # the run's own choice, not an override
             reason = f"the run's model.attention_backend={backend} cannot run here; {reason}"
         raise DifflmError(reason)
+
+
+def beyond_trained_length(prompt_tokens: int, length: int, seq_len: int) -> str | None:
+    """A warning when the prompt and ``gen.length`` new tokens need more positions than the run's ``data.seq_len``:
+    the model never saw such positions (RoPE beyond the trained length) and its text degrades. None otherwise."""
+    total = prompt_tokens + length
+    if total <= seq_len:
+        return None
+    return (f"difflm: warning: the prompt ({prompt_tokens} tokens) and gen.length={length} make {total} positions, "
+            f"more than the run's data.seq_len={seq_len} it was trained on: expect poor text; shorten the prompt or "
+            "gen.length")
 
 
 def read_prompt(args) -> str:
@@ -160,6 +174,8 @@ def _main(args) -> None:
     device = resolve_device(args.device)
     cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
     ids = tok.encode(prompt) or [tok.eos_id]  # special-token text in the prompt stays text
+    if (warning := beyond_trained_length(len(ids), args.gen.length, cfg.data.seq_len)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
                        objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")

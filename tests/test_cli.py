@@ -64,3 +64,27 @@ def test_entry_points_name_their_missing_keys(module, args, message, tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith(f"difflm: error: {message}: pass "), out.stderr[-2000:]
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_generation_past_the_trained_length_is_reported():
+    from difflm.generate import beyond_trained_length
+
+    assert beyond_trained_length(60, 4, 64) is None
+    assert beyond_trained_length(300, 16, 64) == (
+        "difflm: warning: the prompt (300 tokens) and gen.length=16 make 316 positions, more than the run's "
+        "data.seq_len=64 it was trained on: expect poor text; shorten the prompt or gen.length")
+
+
+def test_kernel_override_errors_blame_the_override_not_the_run():
+    import torch
+
+    from conftest import compose_run
+    from difflm.generate import apply_kernel_overrides
+
+    cfg = compose_run(["model=tiny"])
+    assert cfg.model.backend == "torch"
+    with pytest.raises(DifflmError, match=r"^kernels.backend=te needs CUDA and the device is cpu: drop it"):
+        apply_kernel_overrides(cfg, OmegaConf.create({"backend": "te"}), torch.device("cpu"))
+    te_run = compose_run(["model=tiny", "model.backend=te"])
+    with pytest.raises(DifflmError, match=r"^the run's model.backend=te needs CUDA .* add kernels.backend=torch"):
+        apply_kernel_overrides(te_run, None, torch.device("cpu"))

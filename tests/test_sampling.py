@@ -181,6 +181,22 @@ def test_validation_names_key(kwargs, key):
     assert isinstance(err.value, GenerationConfigError)
 
 
+@pytest.mark.parametrize("length, block_length, steps, suggested", [
+    (32, 64, 64, "gen.length=32 gen.block_length=32 gen.steps=32"),  # only gen.length changed from the defaults
+    (10, 4, 5, "gen.length=10 gen.block_length=10 gen.steps=5"),
+    (8, 4, 3, "gen.length=8 gen.block_length=4 gen.steps=2"),
+    (8, 4, 1, "gen.length=8 gen.block_length=4 gen.steps=2"),
+    (8, 4, 10, "gen.length=8 gen.block_length=4 gen.steps=8"),
+])
+def test_block_and_step_errors_suggest_a_setting_that_runs(length, block_length, steps, suggested):
+    with pytest.raises(GenerationConfigError) as err:
+        diffusion_generate(positional, torch.tensor([[1]]), opts(length=length, block_length=block_length, steps=steps))
+    assert str(err.value).endswith(f"; e.g. {suggested}")
+    fixed = dict(part.split("=") for part in suggested.replace("gen.", "").split())
+    out = diffusion_generate(positional, torch.tensor([[1]]), opts(**{k: int(v) for k, v in fixed.items()}))
+    assert out.shape == (1, 1 + length)  # the suggestion is accepted and fills every position
+
+
 def test_bad_logits_shape_and_forbid_ids():
     with pytest.raises(ValueError, match="logits_fn"):
         diffusion_generate(lambda x: torch.zeros(1, 3), torch.tensor([[1]]), opts(length=2, steps=2, block_length=2))

@@ -123,20 +123,36 @@ def check_prompt(prompt: torch.Tensor) -> None:
         raise ValueError(f"prompt must be [B, P] int64, got {tuple(prompt.shape)} {prompt.dtype}")
 
 
+def consistent_setting(length: int, steps: int, block_length: int) -> str:
+    """The nearest ``gen.length gen.block_length gen.steps`` that :func:`_validate` accepts, keeping ``length``:
+    the block is kept when it divides the length (else one block of the whole length), and the steps are the
+    largest multiple of the block count not above ``min(steps, length)`` (at least one per block)."""
+    block = block_length if 0 < block_length <= length and length % block_length == 0 else length
+    blocks = length // block
+    fitted = max(blocks, min(steps, length) // blocks * blocks)
+    return f"gen.length={length} gen.block_length={block} gen.steps={fitted}"
+
+
 def _validate(opts: GenerationOptions) -> int:
-    """Check the LLaDA sampler's block and step settings; return the number of blocks."""
+    """Check the LLaDA sampler's block and step settings; return the number of blocks.
+
+    Raises: GenerationConfigError naming the key, with a consistent setting of all three keys
+    (:func:`consistent_setting`), since changing one (e.g. only ``gen.length``) often breaks another.
+    """
     length, steps, block_length = opts.length, opts.steps, opts.block_length
+    fix = f"; e.g. {consistent_setting(length, steps, block_length)}"
     if length % block_length != 0:
-        raise GenerationConfigError(f"gen.length={length} must be a multiple of gen.block_length={block_length}")
+        raise GenerationConfigError(f"gen.length={length} must be a multiple of gen.block_length={block_length}{fix}")
     num_blocks = length // block_length
     if steps < num_blocks:
         raise GenerationConfigError(
-            f"gen.steps={steps} must be >= the number of blocks gen.length/gen.block_length={num_blocks}")
+            f"gen.steps={steps} must be >= the number of blocks gen.length/gen.block_length={num_blocks}{fix}")
     if steps % num_blocks != 0:
         raise GenerationConfigError(
-            f"gen.steps={steps} must be a multiple of the number of blocks gen.length/gen.block_length={num_blocks}")
+            f"gen.steps={steps} must be a multiple of the number of blocks gen.length/gen.block_length={num_blocks}{fix}")
     if steps > length:
-        raise GenerationConfigError(f"gen.steps={steps} must be <= gen.length={length} (at least one token per step)")
+        raise GenerationConfigError(f"gen.steps={steps} must be <= gen.length={length} (at least one token per step)"
+                                    f"{fix}")
     return num_blocks
 
 
