@@ -10,6 +10,8 @@ from pathlib import Path
 
 from difflm.errors import DifflmError
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for Ctrl-C
+
 
 def writable_output(key: str, path, directory: bool = False) -> Path:
     """``path`` (a file, or with ``directory`` a directory to be written) checked before any work: its parent
@@ -70,15 +72,13 @@ def exits_cleanly(fn):
             return fn(*args, **kwargs)
         except MissingMandatoryValue as err:
             key = getattr(err, "full_key", None) or "a mandatory key"
-            print(f"difflm: error: {key} is required: pass {key}=... on the command line", file=sys.stderr,
-                  flush=True)
-            sys.exit(2)
+            message, status = f"difflm: error: {key} is required: pass {key}=... on the command line", 2
         except DifflmError as err:
-            print(f"difflm: error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            message, status = f"difflm: error: {err}", 2
         except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
-            print("\ndifflm: interrupted", file=sys.stderr, flush=True)
-            sys.exit(130)
+            message, status = "\ndifflm: interrupted", EXIT_INTERRUPTED
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(status)
 
     return wrapper
 

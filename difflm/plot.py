@@ -97,12 +97,12 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
         raise DifflmError("difflm-plot needs matplotlib: pip install 'difflm[plot]' (or pip install matplotlib)") \
             from err
     suffix = Path(out).suffix.lstrip(".").lower()
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    formats = FigureCanvasBase.get_supported_filetypes()
     if suffix not in formats:
         raise DifflmError(f"out={str(out)!r}: matplotlib writes {', '.join('.' + f for f in sorted(formats))} files: "
                           "end out with one of them (e.g. curves.png)")

@@ -19,7 +19,7 @@ from difflm.config import CONF_DIR
 from difflm.config.validate import check_run
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
-from difflm.training.preemption import EXIT_INTERRUPTED, EXIT_REQUEUE, request_slurm_requeue
+from difflm.training.preemption import EXIT_REQUEUE, exit_status, request_slurm_requeue
 from difflm.training.trainer import Trainer
 
 
@@ -45,12 +45,11 @@ def _main(cfg) -> None:
             print(f"resuming {cfg.run.dir} from step {trainer.resumed_from}")
         trainer.fit()
         if trainer.stop_reason is not None:
-            interrupted = trainer.stop_reason == "SIGINT"  # Ctrl-C: a person stopped it, so no requeue
-            status = EXIT_INTERRUPTED if interrupted else EXIT_REQUEUE
+            status = exit_status(trainer.stop_reason)
             if trainer.is_rank0:
                 print(f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, "
                       f"rerun the same command to resume (exit status {status})", flush=True)
-                if not interrupted and request_slurm_requeue():
+                if status == EXIT_REQUEUE and request_slurm_requeue():
                     print(f"requeued SLURM job {os.environ['SLURM_JOB_ID']}", flush=True)
             destroy_distributed()
             sys.exit(status)

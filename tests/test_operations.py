@@ -233,13 +233,13 @@ def test_second_ctrl_c_stops_at_once_in_one_line(capsys):
     """The first Ctrl-C asks for a save; the second raises KeyboardInterrupt at once, which every entry point
     reports as one line with the shell's status 130."""
     from difflm.cli import exits_cleanly
-    from difflm.training.preemption import StopRequest
+    from difflm.training.preemption import StopRequest, exit_status
 
     stop = StopRequest()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)  # the handler runs at the next bytecode
-        assert stop.should_stop() and stop.interrupted and stop.reason == "SIGINT"
+        assert stop.should_stop() and exit_status(stop.reason) == EXIT_INTERRUPTED and stop.reason == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)

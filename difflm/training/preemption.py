@@ -4,8 +4,8 @@ SLURM sends SIGUSR1 ahead of the time limit when the job asks for it (``#SBATCH 
 SIGTERM on preemption or ``scancel``. The handler only records the request; the training loop finishes
 the step it is in, saves a checkpoint and exits with :data:`EXIT_REQUEUE`; under SLURM, rank 0 first asks
 for the job to be requeued (:func:`request_slurm_requeue`). Ctrl-C saves the same way but exits with
-:data:`EXIT_INTERRUPTED` and never requeues; a second Ctrl-C raises KeyboardInterrupt at once. Megatron-LM's ``--exit-signal-handler`` and
-torchtitan work the same way.
+:data:`EXIT_INTERRUPTED` and never requeues (:func:`exit_status`); a second Ctrl-C raises KeyboardInterrupt at
+once. Megatron-LM's ``--exit-signal-handler`` and torchtitan work the same way.
 """
 from __future__ import annotations
 
@@ -20,8 +20,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from difflm.cli import EXIT_INTERRUPTED
+
 EXIT_REQUEUE = 75  # EX_TEMPFAIL (sysexits.h): "try again later"; the run saved and can resume
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for Ctrl-C; the run saved and can resume
+
+
+def exit_status(reason: str) -> int:
+    """``difflm-train``'s exit status after a saved stop for ``reason`` (:attr:`StopRequest.reason`): Ctrl-C's
+    :data:`EXIT_INTERRUPTED` (a person stopped it: no requeue), else :data:`EXIT_REQUEUE`."""
+    return EXIT_INTERRUPTED if reason == signal.Signals.SIGINT.name else EXIT_REQUEUE
 
 
 class StopRequest:
@@ -50,11 +57,6 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
             print("\ndifflm: Ctrl-C: saving at the end of this step and exiting (Ctrl-C again stops at once, "
                   "without saving)", file=sys.stderr, flush=True)
-
-    @property
-    def interrupted(self) -> bool:
-        """Whether the stop came from Ctrl-C (SIGINT): a person at the terminal, so no SLURM requeue."""
-        return self.reason == signal.Signals.SIGINT.name
 
     def should_stop(self) -> bool:
         if self.reason is None and self.deadline is not None and time.monotonic() + self.margin_s >= self.deadline:

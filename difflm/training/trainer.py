@@ -357,8 +357,8 @@ class Trainer:
         """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
 
         Uses the first ``train.eval_windows`` windows of ``valid_set`` (default: the run's validation windows), in
-        micro-batches, and ``train.eval_mc_samples`` antithetic draws of t per window. The weighted CE of every window and draw is summed
-        and divided by their loss tokens (``num_tokens``: the window length, L - 1 for ``ar``, the response length
+        micro-batches, and ``train.eval_mc_samples`` antithetic draws of t per window. The weighted CE of every
+        window and draw is summed and divided by their loss tokens (``num_tokens``: the window length, L - 1 for ``ar``, the response length
         for ``sft``), however the windows are batched.
         """
         cfg, t = self.cfg, self.cfg.train
