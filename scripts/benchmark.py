@@ -499,7 +499,7 @@ def measure(row: dict, cfg, device, batches, args, build) -> dict:
         if not math.isfinite(loss):
             row["error"] = f"non-finite loss {loss}"
         if row["name"] in args.profile:
-            table, shares = profile_step(state["step"], batches, device, rows=30, accum=accum)
+            table, shares = profile_step(state["step"], batches, device, rows=max(30, args.profile_rows), accum=accum)
             row["kernel_shares"] = shares
             row["profile_table"] = table
     except Exception as e:  # noqa: BLE001 - one failing row must not hide the others

@@ -26,6 +26,11 @@
 #   bash scripts/gpu_session.sh speed10|mb8fair|mb8profile
 #                                        # 1 GPU: the comparison with micro-batch 8 rows; MegaDLMs at micro-batch 8
 #                                        #        and the trainer; the BF16 micro-batch 8 rows profiled and repeated
+#   bash scripts/gpu_session.sh qkvtriton  # 1 GPU: the Triton QKV kernels tested and timed against torch.compile,
+#                                        #        the micro-batch 8 rows with them (BF16 profiled)
+#   bash scripts/gpu_session.sh qkvtriton2|speed11
+#                                        # 1 GPU: the backward kernel on (row tile, KV group) programs tested and timed,
+#                                        #        the trainer beside its benchmark row; the comparison against MegaDLMs
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -33,7 +38,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
@@ -455,6 +460,42 @@ attn)
       "350m-te-bf16-mb16: $T $M350_16"
   ) > "$OUT/gpu1.log" 2>&1 &
   report_two_gpus
+  ;;
+qkvtriton)
+  # issue 17, session 26, one GPU: the Triton QKV split / QK-norm / RoPE kernels against eager on the GPU, timed against
+  # torch.compile of the same function (the path they replace), then the micro-batch 8 rows of model=1.7b with them
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  timeout 200 python3 -m pytest tests/test_qkv.py tests/test_te_backend.py -q -p no:cacheprovider -rs -x 2>&1 | tail -6
+  grep qkv_triton "$OUT/report.jsonl"
+  timeout 120 python3 scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 350m-mb16=16,2048,16,16,64 \
+    --shape 125m-mb64=64,1024,12,12,64 --json "$OUT/qkv_speed.json" 2>&1 | tail -32
+  MB8="train.micro_batch_size=8"
+  timeout 280 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 120 \
+    --time-budget 270 --json "$OUT/bench_qkv.json" --profile te-bf16-flash-mb8 --profile-rows 40 \
+    --variant "te-bf16-flash-mb8: $F" --variant "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true" \
+    --variant "te-bf16-flash-s2048-mb8: $F $S2" > "$OUT/bench.log" 2>&1
+  grep -A5 "^row" "$OUT/bench.log" | cut -c1-200
+  ;;
+qkvtriton2)
+  # issue 17, session 26, one GPU: the QKV kernels again (backward on (row tile, KV group) programs), timed per tile
+  # setting; the trainer at the FP8 micro-batch 8 shape beside its benchmark row
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  D="precision=fp8 precision.fp8_attention=true" MB8="train.micro_batch_size=8"
+  timeout 100 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs 2>&1 | tail -3
+  grep qkv_triton "$OUT/report.jsonl"
+  timeout 100 python3 scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 125m-mb64=64,1024,12,12,64 \
+    --tiles 8x2,16x2,16x4,32x4,32x8,64x8 --json "$OUT/qkv_speed.json" 2>&1 | tail -20
+  bench_row te-fp8-dpa-mb8 "$T $D $MB8" bench_mb8.json | grep "^te-fp8" | tail -1
+  train_rate tr17fp8mb8 22 model=1.7b $T $D data.seq_len=4096 train.global_batch_size=16 $MB8
+  ;;
+speed11)
+  # issue 17, session 26, one GPU: the comparison against MegaDLMs at both shapes with the Triton QKV kernels
+  MB8="train.micro_batch_size=8"
+  BENCH_BUDGET=${BENCH_BUDGET:-570} bench_vs_megadlms 4096x16,2048x32 \
+    "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" "te-bf16-flash-mb8: $F $MB8" \
+    "te-bf16-flash-s2048-mb8: $F $S2 $MB8" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
+  tail -22 "$OUT/bench.log"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

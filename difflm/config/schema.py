@@ -61,7 +61,7 @@ class ModelConfig:
     backend: str = "torch"  # torch | te
     attention_backend: str = "sdpa"  # sdpa | te | flash | flex
     compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
-    fused_qkv: bool = True  # split/QK-norm/RoPE as one compiled kernel on CUDA (difflm.model.qkv); false: eager
+    fused_qkv: bool = True  # split/QK-norm/RoPE as Triton kernels on CUDA (difflm.model.qkv_triton); false: eager
     fused_cross_entropy: bool = True  # CUDA + TE installed: TE's fused CE kernel, no FP32 [N, V] logits (objectives.cross_entropy)
     fuse_wgrad_accumulation: bool = True  # backend=te: weight-grad GEMMs accumulate into FP32 .grad (not under FSDP/PP)
     qkv_bias: bool = False  # bias on the fused QKV projection (Qwen2 imports)

@@ -16,7 +16,7 @@ slot                   ``torch`` (:class:`TorchKernels`)           ``te`` (:clas
 =====================  ==========================================  ==========================================
 
 Between the QKV projection and the attention kernel both sets run :func:`difflm.model.qkv.qkv_heads` (split into
-heads, QK-norm, RoPE: one compiled kernel on CUDA, from the (cos, sin) tables of :meth:`TorchKernels.rope`), plus
+heads, QK-norm, RoPE: two Triton kernels on CUDA, from the (cos, sin) tables of :meth:`TorchKernels.rope`), plus
 the few places where a kernel set shapes the residual stream: its layout (``bshd``, or ``sbhd`` under TE's
 sequence parallelism, where :meth:`enter` / :meth:`exit` scatter and gather the sequence) and the FP8 regions
 (:meth:`layer_context`, :meth:`forward_context`). Parameter names and shapes are the same in both sets, so state

@@ -4,14 +4,14 @@ Between the QKV GEMM and the attention kernel sit only memory-bound steps: the s
 and keys (``model.qk_norm``), the rotary embedding and the copies that make q / k / v dense for the attention
 kernel. Run one by one they read and write the activations about ten times forward and backward (on an H200 at
 ``model=1.7b``, S = 4096, ~125 ms of a 1.6 s step went to those norms, RoPE kernels, strided copies and the
-backward's concatenation). :func:`qkv_heads` writes them as one function; on CUDA, while training, it runs through
-``torch.compile`` (``model.fused_qkv=true``), which fuses the forward into one pass that writes dense q, k and v and
-the backward into one pass that writes the gradient of the QKV output. Both kernel sets use it, so the torch and
-Transformer Engine models compute the same values.
+backward's concatenation). :func:`qkv_heads` writes them as one function; on CUDA (``model.fused_qkv=true``) it runs
+as two Triton kernels (:mod:`difflm.model.qkv_triton`): one pass forward that writes dense q, k and v, one pass
+backward that writes the gradient of the QKV output and the norm scales' partial sums. Both kernel sets use it, so
+the torch and Transformer Engine models compute the same values; inside blocks compiled by ``model.compile`` the
+eager composition is traced instead, for Inductor to fuse with its neighbours.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -42,9 +42,31 @@ def _qkv_heads(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, nu
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    return torch.compile(_qkv_heads, dynamic=False, fullgraph=True)
+class _QKVHeadsTriton(torch.autograd.Function):
+    """:func:`qkv_heads` through the Triton kernels of :mod:`difflm.model.qkv_triton` (one pass each way)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
+        from difflm.model import qkv_triton
+
+        q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+        ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight)
+        ctx.dims = (eps, num_heads, num_kv_heads, head_dim)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        from difflm.model import qkv_triton
+
+        qkv, cos, sin, q_weight, k_weight = ctx.saved_tensors
+        dqkv, dq_weight, dk_weight = qkv_triton.backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, *ctx.dims)
+        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None
+
+
+def qkv_heads_triton(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The fused path of :func:`qkv_heads` (``qkv`` [A0, A1, C] contiguous, any device Triton runs on: CUDA, or the CPU
+    under ``TRITON_INTERPRET=1``); differentiable in ``qkv`` and the norm scales."""
+    return _QKVHeadsTriton.apply(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
 
 
 def _plain(*tensors) -> bool:
@@ -64,9 +86,9 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
             Dehghani et al. 2023 ``x / rms(x) * weight`` per head), or None without ``model.qk_norm``. Their
             weights are read directly, unless they are DTensors (torch tensor parallelism): then the modules run,
             with the layout hooks they carry.
-        fused: run the compiled kernel on CUDA while gradients are on (training); the eager composition otherwise
-            (evaluation and sampling, whose shapes vary from call to call, and the CPU), which computes the same.
-    Raises: DifflmError naming ``model.fused_qkv`` when torch.compile cannot build the kernel (no Triton).
+        fused: run the Triton kernels on CUDA (training, evaluation and sampling alike); the eager composition
+            otherwise (the CPU, DTensor inputs, inside ``torch.compile``), which computes the same.
+    Raises: DifflmError naming ``model.fused_qkv`` when Triton is not installed.
     Returns: q [B, S, H, D], k and v [B, S, H_kv, D], each contiguous (what the attention kernels read without a
         copy), in ``qkv``'s dtype. The norm and the rotation are computed in float32 (the norm's output rounded to the
         compute dtype first, as an unfused norm module returns it).
@@ -80,16 +102,13 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
         return q.contiguous(), k.contiguous(), v.contiguous()
     eps = 0.0 if q_norm is None else float(q_norm.eps)
     args = (qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
-    if (fused and qkv.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and _plain(qkv, cos, sin)):
+    if fused and qkv.is_cuda and not torch.compiler.is_compiling() and _plain(qkv, cos, sin) and qkv.dim() == 3:
         try:
-            return _compiled()(*args)
-        except Exception as err:  # noqa: BLE001 - an Inductor/Triton failure: name the switch that avoids it
-            if isinstance(err, DifflmError) or "BackendCompilerFailed" not in type(err).__name__:
-                raise
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DifflmError(f"model.fused_qkv=true compiles the QKV split/QK-norm/RoPE with torch.compile, which "
-                              f"failed here ({first}): set model.fused_qkv=false") from err
+            import triton  # noqa: F401 - shipped with PyTorch's CUDA builds
+        except ImportError as err:
+            raise DifflmError("model.fused_qkv=true runs the QKV split/QK-norm/RoPE as Triton kernels and Triton is "
+                              "not installed: pip install triton, or set model.fused_qkv=false") from err
+        return qkv_heads_triton(qkv.contiguous(), *args[1:])
     return _qkv_heads(*args)
 
 

@@ -45,7 +45,7 @@ from difflm.model.rope import rope_angles
 
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`; q, k
-    and v come out of the fused QKV projection through :func:`difflm.model.qkv.qkv_heads` (one compiled kernel on CUDA).
+    and v come out of the fused QKV projection through :func:`difflm.model.qkv.qkv_heads` (Triton kernels on CUDA).
 
     Shapes: x [B, S, d] (or [S, B, d] in a sequence-first kernel set) -> same. ``num_heads`` / ``num_kv_heads`` are
     this rank's counts (tensor parallelism divides them). ``causal`` selects the AR mask; diffusion attends both ways.

@@ -1,0 +1,233 @@
+"""Triton kernels of :func:`difflm.model.qkv.qkv_heads`: one pass forward, one pass backward.
+
+Between the QKV GEMM and the attention kernel sit only memory-bound steps (the split into heads, QK-norm, RoPE, the
+copies that make q / k / v dense). ``torch.compile`` fused them into one forward kernel plus a copy of v, and three
+backward kernels, because the backward feeds the un-rotated gradient into two reductions along different axes (the
+per-row norm and the norm scale's sum over rows) and so wrote it out in FP32 and read it twice. On an H200 at
+``model=1.7b``, S = 4096, micro-batch 8 those kernels took 56 ms of a 1,414 ms step against ~26 ms for reading and
+writing the activations once (profile in docs/performance.md). Here each program owns a tile of rows of one head
+slot, so both reductions stay in registers: the backward reads the three incoming gradients and the saved QKV output
+once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per tile (summed by
+``torch.sum``, so the result is deterministic; no atomics).
+
+The arithmetic follows the eager composition operation for operation, in float32 (``F.rms_norm`` on the upcast
+head, the norm's output rounded to the compute dtype, ``x * cos + rotate_half(x) * sin``, and in the backward the
+gradient rounded to the compute dtype where eager autograd rounds it), with floating-point contraction off, so the
+values equal the eager ones up to the order of the norm's sum. Formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4)
+``y = x * rsqrt(mean(x^2) + eps) * w``; its gradient ``dx = r (w dy) - x r^3 mean(w dy x)``, ``dw = sum dy x r``;
+RoPE (Su et al. 2021, eq. 34, rotate-half form) and its transpose ``dx1 = g1 cos1 + g2 sin2``,
+``dx2 = g2 cos2 - g1 sin1``.
+
+Runs on any device Triton runs on, including the CPU under ``TRITON_INTERPRET=1`` (how CI tests it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF: tl.constexpr):
+    """cos / sin of both halves of the head dimension for each row (token) of the tile: [T, HB] each."""
+    toff = (rows // inner).to(tl.int64) * cos_s0 + (rows % inner).to(tl.int64) * cos_s1
+    lo = toff[:, None] + d[None, :] * cos_sd
+    hi = toff[:, None] + (d[None, :] + HALF) * cos_sd
+    c1 = tl.load(cos_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + hi, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + hi, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _load_scale(w_ptr, d, HALF: tl.constexpr):
+    return (tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32),
+            tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
+                         n_rows, inner, cos_s0, cos_s1, cos_sd, eps,
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
+                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr):
+    """One program per tile of ``BLOCK_T`` rows (tokens), every head of them: the RoPE tables and norm scales are
+    read once per tile. Slot ``g * (group + 2) + j`` of a row is query head ``g * group + j`` for ``j < group``, key
+    head ``g`` for ``j = group``, value head ``g`` for ``j = group + 1`` (Megatron-LM's grouping,
+    :func:`difflm.model.qkv.split_heads`)."""
+    GROUP: tl.constexpr = H // HKV
+    HALF: tl.constexpr = D // 2
+    C: tl.constexpr = (H + 2 * HKV) * D
+    dt = q_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HB)
+    mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
+    row64 = rows[:, None].to(tl.int64)
+    c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
+    if QK_NORM:
+        qw1, qw2 = _load_scale(qw_ptr, d, HALF)
+        kw1, kw2 = _load_scale(kw_ptr, d, HALF)
+    for g in range(HKV):
+        for j in tl.static_range(GROUP + 2):
+            src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
+            x1 = tl.load(src, mask=mask, other=0.0)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0)
+            if j == GROUP + 1:  # value head: a dense copy
+                dst = v_ptr + (row64 * HKV + g) * D + d[None, :]
+                tl.store(dst, x1, mask=mask)
+                tl.store(dst + HALF, x2, mask=mask)
+            else:
+                x1 = x1.to(tl.float32)
+                x2 = x2.to(tl.float32)
+                if QK_NORM:
+                    if j < GROUP:
+                        w1, w2 = qw1, qw2
+                    else:
+                        w1, w2 = kw1, kw2
+                    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
+                    # the norm's output in the compute dtype, as the unfused norm module returns it
+                    x1 = (x1 * r * w1[None, :]).to(dt).to(tl.float32)
+                    x2 = (x2 * r * w2[None, :]).to(dt).to(tl.float32)
+                o1 = x1 * c1 + (-x2) * s1
+                o2 = x2 * c2 + x1 * s2
+                if j < GROUP:
+                    dst = q_ptr + (row64 * H + g * GROUP + j) * D + d[None, :]
+                else:
+                    dst = k_ptr + (row64 * HKV + g) * D + d[None, :]
+                tl.store(dst, o1.to(dt), mask=mask)
+                tl.store(dst + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, dqkv_ptr, dw_ptr,
+                         n_rows, inner, cos_s0, cos_s1, cos_sd, eps,
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
+                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr):
+    """One program per tile of ``BLOCK_T`` rows and KV group (its query heads, key head and value head): the backward
+    reads and writes twice what the forward does per head, so it takes more programs in flight than one per tile.
+    Writes the QKV gradient and, with QK-norm, the program's partial sums of the query and key norm scales'
+    gradients to ``dw_ptr[tile, group, 0 | 1, :]`` (float32)."""
+    GROUP: tl.constexpr = H // HKV
+    HALF: tl.constexpr = D // 2
+    C: tl.constexpr = (H + 2 * HKV) * D
+    dt = dqkv_ptr.dtype.element_ty
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HB)
+    mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
+    row64 = rows[:, None].to(tl.int64)
+    c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
+    dq1 = tl.zeros([HB], dtype=tl.float32)
+    dq2 = tl.zeros([HB], dtype=tl.float32)
+    dk1 = tl.zeros([HB], dtype=tl.float32)
+    dk2 = tl.zeros([HB], dtype=tl.float32)
+    if QK_NORM:
+        qw1, qw2 = _load_scale(qw_ptr, d, HALF)
+        kw1, kw2 = _load_scale(kw_ptr, d, HALF)
+    for j in tl.static_range(GROUP + 2):
+        dst = dqkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
+        if j == GROUP + 1:
+            src = gv_ptr + (row64 * HKV + g) * D + d[None, :]
+            tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
+            tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+        else:
+            if j < GROUP:
+                src = gq_ptr + (row64 * H + g * GROUP + j) * D + d[None, :]
+            else:
+                src = gk_ptr + (row64 * HKV + g) * D + d[None, :]
+            g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            # the gradient of the rotation's input, in the compute dtype (eager autograd rounds it there)
+            y1 = (g1 * c1 + g2 * s2).to(dt).to(tl.float32)
+            y2 = (g2 * c2 + (-g1) * s1).to(dt).to(tl.float32)
+            if QK_NORM:
+                src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
+                x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
+                if j < GROUP:  # rows past n_rows load as 0 and add nothing
+                    w1, w2 = qw1, qw2
+                    dq1 += tl.sum(y1 * (x1 * r), 0)
+                    dq2 += tl.sum(y2 * (x2 * r), 0)
+                else:
+                    w1, w2 = kw1, kw2
+                    dk1 += tl.sum(y1 * (x1 * r), 0)
+                    dk2 += tl.sum(y2 * (x2 * r), 0)
+                u1 = y1 * w1[None, :]
+                u2 = y2 * w2[None, :]
+                dot = ((tl.sum(u1 * x1, 1) + tl.sum(u2 * x2, 1)) / D)[:, None]
+                r3 = r * r * r
+                y1 = r * u1 - x1 * r3 * dot
+                y2 = r * u2 - x2 * r3 * dot
+            tl.store(dst, y1.to(dt), mask=mask)
+            tl.store(dst + HALF, y2.to(dt), mask=mask)
+    if QK_NORM:
+        part = dw_ptr + (tile.to(tl.int64) * HKV + g) * 2 * D + d
+        tl.store(part, dq1, mask=d < HALF)
+        tl.store(part + HALF, dq2, mask=d < HALF)
+        tl.store(part + D, dk1, mask=d < HALF)
+        tl.store(part + D + HALF, dk2, mask=d < HALF)
+
+
+# rows (tokens) per program and warps per program, forward and backward (scripts/qkv_speed.py times others)
+FWD_BLOCK_T, FWD_WARPS = 32, 4
+BWD_BLOCK_T, BWD_WARPS = 16, 2
+
+
+def _tables(qkv, cos, sin, head_dim: int):
+    """The RoPE tables as broadcast views [A0, A1, D] of ``qkv``'s two leading dims, and their common strides."""
+    shape = (qkv.shape[0], qkv.shape[1], 1, head_dim)
+    cos, sin = torch.broadcast_to(cos, shape)[:, :, 0], torch.broadcast_to(sin, shape)[:, :, 0]
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, cos.stride()
+
+
+def _launch_args(qkv, cos, sin, head_dim):
+    cos, sin, (s0, s1, sd) = _tables(qkv, cos, sin, head_dim)
+    n_rows = qkv.shape[0] * qkv.shape[1]
+    return cos, sin, n_rows, (n_rows, qkv.shape[1], s0, s1, sd)
+
+
+def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q [A0, A1, H, D], k and v [A0, A1, H_kv, D] (contiguous, ``qkv``'s dtype) from ``qkv`` [A0, A1, (H + 2 H_kv) D]
+    (contiguous; [B, S, ...] or [S, B, ...]), the RoPE tables ``cos`` / ``sin`` (float32, broadcasting against
+    [A0, A1, 1, D]) and the QK-norm scales ``q_weight`` / ``k_weight`` [D] (None: no QK-norm)."""
+    a0, a1 = qkv.shape[:2]
+    q = qkv.new_empty(a0, a1, num_heads, head_dim)
+    k = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
+    v = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
+    cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
+    norm = q_weight is not None
+    weights = (q_weight, k_weight) if norm else (qkv, qkv)  # not read without QK-norm
+    qkv_heads_fwd_kernel[(triton.cdiv(n_rows, FWD_BLOCK_T),)](
+        qkv, cos, sin, *weights, q, k, v, *geometry, float(eps), H=num_heads, HKV=num_kv_heads, D=head_dim,
+        HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=FWD_BLOCK_T, QK_NORM=norm, num_warps=FWD_WARPS,
+        enable_fp_fusion=False)
+    return q, k, v
+
+
+def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int,
+             head_dim: int):
+    """(d qkv [A0, A1, C] in ``qkv``'s dtype, d q_weight, d k_weight [D] in the weights' dtype, or None without
+    QK-norm) from the gradients of q, k, v (None: zero) and the forward's inputs."""
+    a0, a1 = qkv.shape[:2]
+    gq = torch.zeros(a0, a1, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gq is None else gq
+    gk = torch.zeros(a0, a1, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gk is None else gk
+    gv = torch.zeros(a0, a1, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gv is None else gv
+    gq, gk, gv = gq.contiguous(), gk.contiguous(), gv.contiguous()
+    cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
+    norm = q_weight is not None
+    tiles = triton.cdiv(n_rows, BWD_BLOCK_T)
+    dqkv = torch.empty_like(qkv)
+    partial = torch.empty(tiles * num_kv_heads if norm else 1, 2, head_dim, device=qkv.device, dtype=torch.float32)
+    weights = (q_weight, k_weight) if norm else (qkv, qkv)
+    qkv_heads_bwd_kernel[(tiles, num_kv_heads)](
+        gq, gk, gv, qkv, cos, sin, *weights, dqkv, partial, *geometry, float(eps), H=num_heads, HKV=num_kv_heads,
+        D=head_dim, HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=BWD_BLOCK_T, QK_NORM=norm,
+        num_warps=BWD_WARPS, enable_fp_fusion=False)
+    if not norm:
+        return dqkv, None, None
+    dw = partial.sum(0)
+    return dqkv, dw[0].to(q_weight.dtype), dw[1].to(k_weight.dtype)

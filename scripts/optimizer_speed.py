@@ -1,0 +1,77 @@
+"""Time the optimizer step of a model preset alone: fused AdamW, the gradient norm and clipping, and zeroing the
+gradient buffers, each against the bytes it must move (HBM traffic / time = achieved bandwidth).
+
+The parameters are FP32 tensors of the preset's shapes (``difflm.model.build_model`` on the meta device, then
+materialised empty on the GPU); the step is the trainer's (``difflm.training.optimizer.build_optimizer``,
+``difflm.parallel.parallelize.grad_norm_and_clip``), so a lever tried here is the one the trainer runs.
+
+    python scripts/optimizer_speed.py model=1.7b --steps 10
+
+Prints one line per part: ms per step, GB moved, GB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def timed(fn, steps: int) -> float:
+    """Median ms of ``steps`` calls of ``fn`` (one warm-up call first), timed with CUDA events."""
+    fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config (model=1.7b ...)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from benchmark import compose
+    from difflm.data import build_tokenizer
+    from difflm.model import build_model, resolve_model_config
+    from difflm.parallel.parallelize import grad_norm_and_clip
+    from difflm.training.optimizer import build_optimizer
+
+    cfg = compose(args.overrides)
+    resolve_model_config(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple).padded_vocab_size)
+    device = torch.device("cuda")
+    meta = build_model(cfg.model, causal=False, device=torch.device("meta"), seed=None, meta=True)
+    params = [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(0, 0.02)) for p in meta.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in params)
+    holder = torch.nn.Module()
+    holder.params = torch.nn.ParameterList(params)
+    optimizer = build_optimizer(holder, cfg.optim, device)
+    results = {
+        # param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written (FP32)
+        "adamw": (timed(optimizer.step, args.steps), 28 * n),
+        # every gradient read once for the norm, read and written once by the clip
+        "norm_and_clip": (timed(lambda: grad_norm_and_clip(params, 1e-9), args.steps), 12 * n),
+        "zero_grads": (timed(lambda: torch._foreach_zero_([p.grad for p in params]), args.steps), 4 * n),
+    }
+    print(f"{torch.cuda.get_device_name()} | {n / 1e9:.3f} B FP32 parameters in {len(params)} tensors")
+    for name, (ms, nbytes) in results.items():
+        print(f"{name:14s} {ms:8.2f} ms  {nbytes / 1e9:7.1f} GB  {nbytes / ms / 1e6:7.0f} GB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: {"ms": v[0], "bytes": v[1]} for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Time the QKV split / QK-norm / RoPE step (:func:`difflm.model.qkv.qkv_heads`) forward and backward on a GPU:
+eager, ``torch.compile`` of the same function (the path before the Triton kernels), and the Triton kernels of
+:mod:`difflm.model.qkv_triton` at several tile sizes, each against the bytes it must move (read the QKV output, write
+q / k / v; backward: read their gradients and the saved q / k, write the QKV gradient).
+
+    python scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 125m-mb64=64,1024,12,12,64
+
+A shape is NAME=B,S,H,H_KV,D (QK-norm on). Prints ms per call and GB/s per row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, steps: int = 20) -> float:
+    """Median ms of ``steps`` calls of ``fn`` after three warm-up calls, timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", required=True, help="NAME=B,S,H,H_KV,D")
+    ap.add_argument("--tiles", default="16x2,16x4,32x4,32x8,64x4,64x8",
+                    help="Triton BLOCK_TxWARPS settings, each used forward and backward")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from difflm.model import qkv_triton
+    from difflm.model.qkv import _qkv_heads, qkv_heads_triton
+    from difflm.model.rope import rope_angles, rope_tables
+
+    compiled = torch.compile(_qkv_heads, dynamic=False, fullgraph=True)
+    results = []
+    for spec in args.shape:
+        name, dims = spec.split("=")
+        b, s, h, hkv, d = (int(x) for x in dims.split(","))
+        qkv = (torch.randn(b, s, (h + 2 * hkv) * d, device="cuda") * 2).bfloat16().requires_grad_(True)
+        qw = torch.nn.Parameter(1 + 0.1 * torch.randn(d, device="cuda"))
+        kw = torch.nn.Parameter(1 + 0.1 * torch.randn(d, device="cuda"))
+        cos, sin = rope_tables(rope_angles(torch.arange(s, device="cuda"), d, 10000.0), "bshd")
+        grads = [torch.randn(b, s, n, d, device="cuda").bfloat16() for n in (h, hkv, hkv)]
+        nbytes = qkv.numel() * 2  # one read or one write of the QKV output
+        fwd_bytes, bwd_bytes = 2 * nbytes, 2 * nbytes + nbytes * (h + hkv) // (h + 2 * hkv)
+
+        def run(fn):
+            def fwd():
+                return fn(qkv, cos, sin, qw, kw, 1e-6, h, hkv, d)
+
+            def fwd_bwd():
+                torch.autograd.backward(fwd(), grads)
+
+            with torch.no_grad():
+                f = timed(fwd)
+            return f, timed(fwd_bwd) - f
+
+        rows = [("eager", *run(_qkv_heads)), ("torch.compile", *run(compiled))]
+        for tile in args.tiles.split(","):
+            block_t, warps = (int(x) for x in tile.split("x"))
+            qkv_triton.FWD_BLOCK_T, qkv_triton.FWD_WARPS = block_t, warps
+            qkv_triton.BWD_BLOCK_T, qkv_triton.BWD_WARPS = block_t, warps
+            rows.append((f"triton {tile}", *run(qkv_heads_triton)))
+        print(f"\n{name}: B={b} S={s} H={h} H_kv={hkv} D={d}  (fwd {fwd_bytes / 1e9:.2f} GB, bwd {bwd_bytes / 1e9:.2f} GB)")
+        for label, f, bw in rows:
+            print(f"  {label:16s} fwd {f:7.3f} ms {fwd_bytes / f / 1e6:6.0f} GB/s   bwd {bw:7.3f} ms "
+                  f"{bwd_bytes / bw / 1e6:6.0f} GB/s")
+            results.append({"shape": name, "row": label, "fwd_ms": f, "bwd_ms": bw})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
