@@ -101,6 +101,12 @@ for layout in ("bshd", "sbhd"):
             for d in (16, 24):  # 24: a half of 12 lanes in a block of 16 (masked)
                 out.append([layout, heads, kv_heads, qk_norm, d,
                             *_triton_against_eager("cpu", torch.float32, layout, heads, kv_heads, qk_norm, d, 3, 13)])
+from difflm.model.qkv import qkv_heads_triton
+empty = torch.zeros(2, 0, 6 * 16, requires_grad=True)
+scales = [torch.nn.Parameter(torch.ones(16)) for _ in range(2)]
+q, k, v = qkv_heads_triton(empty, torch.ones(0, 1, 16), torch.zeros(0, 1, 16), *scales, 1e-6, 2, 2, 16)
+(q.sum() + k.sum() + v.sum()).backward()
+out.append([list(q.shape), list(empty.grad.shape), scales[0].grad.abs().sum().item()])
 print(json.dumps(out))
 """
 
@@ -108,7 +114,7 @@ print(json.dumps(out))
 def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     """The Triton kernels, run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
     imported, so in a process of its own), against the eager composition in float32: both layouts, MHA and GQA,
-    with and without QK-norm, a head size whose half is not a power of two, 39 rows (a partial tile of 32).
+    with and without QK-norm, a head size whose half is not a power of two, 39 rows (partial tiles), and no rows.
     Without QK-norm the values and gradients are bitwise equal; with it, they differ by the order of the norm's sum."""
     pytest.importorskip("triton")
     import json
@@ -122,6 +128,7 @@ def test_triton_qkv_kernels_match_eager_in_the_interpreter():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rows.pop() == [[2, 0, 2, 16], [2, 0, 96], 0.0]  # no tokens: empty outputs, zero scale gradients
     assert len(rows) == 24
     for layout, heads, kv_heads, qk_norm, d, values, grads in rows:
         case = (layout, heads, kv_heads, qk_norm, d)

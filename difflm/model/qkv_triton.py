@@ -5,10 +5,11 @@ copies that make q / k / v dense). ``torch.compile`` fused them into one forward
 backward kernels, because the backward feeds the un-rotated gradient into two reductions along different axes (the
 per-row norm and the norm scale's sum over rows) and so wrote it out in FP32 and read it twice. On an H200 at
 ``model=1.7b``, S = 4096, micro-batch 8 those kernels took 56 ms of a 1,414 ms step against ~26 ms for reading and
-writing the activations once (profile in docs/performance.md). Here each program owns a tile of rows of one head
-slot, so both reductions stay in registers: the backward reads the three incoming gradients and the saved QKV output
-once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per tile (summed by
-``torch.sum``, so the result is deterministic; no atomics).
+writing the activations once (profile in docs/performance.md). Here a forward program owns a tile of rows (tokens)
+and every head of it (the RoPE tables and norm scales read once per tile), a backward program a tile of rows and one
+KV group, so both of the backward's reductions stay in registers: it reads the three incoming gradients and the saved
+QKV output once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per program
+(summed by ``torch.sum``, so the result is deterministic; no atomics).
 
 The arithmetic follows the eager composition operation for operation, in float32 (``F.rms_norm`` on the upcast
 head, the norm's output rounded to the compute dtype, ``x * cos + rotate_half(x) * sin``, and in the backward the
@@ -200,6 +201,8 @@ def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_k
     v = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
     cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
     norm = q_weight is not None
+    if n_rows == 0:  # no tokens: nothing to launch
+        return q, k, v
     weights = (q_weight, k_weight) if norm else (qkv, qkv)  # not read without QK-norm
     qkv_heads_fwd_kernel[(triton.cdiv(n_rows, FWD_BLOCK_T),)](
         qkv, cos, sin, *weights, q, k, v, *geometry, float(eps), H=num_heads, HKV=num_kv_heads, D=head_dim,
@@ -221,6 +224,8 @@ def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_head
     norm = q_weight is not None
     tiles = triton.cdiv(n_rows, BWD_BLOCK_T)
     dqkv = torch.empty_like(qkv)
+    if n_rows == 0:
+        return dqkv, *((torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if norm else (None, None))
     partial = torch.empty(tiles * num_kv_heads if norm else 1, 2, head_dim, device=qkv.device, dtype=torch.float32)
     weights = (q_weight, k_weight) if norm else (qkv, qkv)
     qkv_heads_bwd_kernel[(tiles, num_kv_heads)](
