@@ -16,7 +16,7 @@ generate:           ## continue a prompt with the run trained by `make train`
 	difflm-generate run.dir=$(RUN_DIR) prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32
 
 test:               ## the whole test suite (CPU)
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q --durations=20
 
 test-fast:          ## everything but the end-to-end CLI runs
 	$(PYTHON) -m pytest tests -q --ignore=tests/test_end_to_end.py

@@ -109,3 +109,40 @@ def test_scheduler_resumes_with_another_number_of_parameter_groups():
         three.step()
         source.step()
     assert resumed.get_last_lr() == source.get_last_lr()[:2]
+
+
+def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast_cfg, capsys):
+    """Changed settings are allowed on a resume (a lower lr, another objective: AR-to-diffusion adaptation), but named
+    in one line, and the settings the earlier steps ran with stay next to the run as config.step_<N>[.<k>].yaml."""
+    from omegaconf import OmegaConf
+
+    common = ("train.save_every=1", "train.eval_every=0")
+    cfg = fast_cfg("train.max_steps=1", *common)
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    run = Path(cfg.run.dir)
+    first = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    Trainer(fast_cfg("train.max_steps=2", *common), run, CPU)  # the same settings but the length
+    line = next(x for x in capsys.readouterr().out.splitlines() if "changed settings" in x)
+    assert line == (f"difflm: resuming at step 1 with changed settings: train.max_steps: 1 -> 2 (the earlier settings "
+                    f"are kept in {run / 'config.step_1.yaml'})")
+    assert (run / "config.step_1.yaml").read_text() == first
+    second = (run / "config.yaml").read_text()
+    resumed = Trainer(fast_cfg("train.max_steps=2", *common, "optim.lr=1e-4", "objective=ar"), run, CPU)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "changed settings" in x)
+    assert "objective.name: 'mdlm' -> 'ar'" in line and "optim.lr: 0.0003 -> 0.0001" in line
+    assert line.endswith(f"(the earlier settings are kept in {run / 'config.step_1.2.yaml'})")
+    assert (run / "config.step_1.yaml").read_text() == first  # no record is replaced
+    assert (run / "config.step_1.2.yaml").read_text() == second
+    assert OmegaConf.load(run / "config.yaml").objective.name == "ar" and resumed.resumed_from == 1
+    Trainer(fast_cfg("train.max_steps=2", *common, "optim.lr=1e-4", "objective=ar"), run, CPU)
+    assert "changed settings" not in capsys.readouterr().out  # the same settings again: nothing to report
+
+
+def test_changed_settings_lists_every_differing_leaf():
+    from difflm.training.run_config import changed_settings
+
+    old = {"a": {"b": 1, "c": [1, 2]}, "d": "x", "gone": 3}
+    new = {"a": {"b": 2, "c": [1, 2]}, "d": "x", "new": {"e": None}}
+    assert changed_settings(old, new) == [("a.b", 1, 2), ("gone", 3, "<absent>"), ("new.e", "<absent>", None)]
+    assert changed_settings(old, old) == []

@@ -29,6 +29,7 @@ from difflm.training.schedule import build_scheduler, restore_scheduler, short_r
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest
 from difflm.training.profiling import Profiler
+from difflm.training.run_config import record_run_config
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 from difflm.training.watchdog import StepWatchdog
 from difflm.errors import DifflmError
@@ -124,8 +125,8 @@ class Trainer:
                              if device.type == "cuda" else None)
         self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
         self._resume()
-        if self.is_rank0:
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if self.is_rank0:  # a resume with other settings names them and keeps the earlier config.yaml
+            record_run_config(self.run_dir, cfg, self.resumed_from, report=self._report)
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
