@@ -379,3 +379,35 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path, tok):
                         ("utf-16", "data.encoding='utf-16' is not ASCII-compatible")):
         with pytest.raises(DifflmError, match=needle):
             tokenize_corpus(cfg_for(path, encoding=bad), tok, str(tmp_path / "c"))
+
+
+def test_builder_removes_the_temporaries_of_a_killed_builder_only(tmp_path):
+    """``kill -9`` during tokenization leaves ``<prefix>.bin.tmp-<host>-<pid>``; the next builder of that prefix on
+    this host removes it when that process is gone and the file is old, and leaves every file it cannot prove dead:
+    a live process's, another host's, a fresh one (another PID namespace may own it), other prefixes'."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from difflm.data.indexed_dataset import STALE_AFTER_S
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    host, old = socket.gethostname(), time.time() - 2 * STALE_AFTER_S
+    prefix = tmp_path / "key"
+    names = {"stale_bin": f"key.bin.tmp-{host}-{dead}", "stale_idx": f"key.idx.tmp-{host}-{dead}",
+             "alive": f"key.bin.tmp-{host}-{os.getppid()}", "other_host": f"key.bin.tmp-elsewhere-{dead}",
+             "fresh": f"key.bin.tmp-{host}-{dead}".replace("key.bin", "key.idx") + "0",
+             "other_prefix": f"key2.bin.tmp-{host}-{dead}", "legacy": f"key.bin.tmp{dead}"}
+    for label, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        if label != "fresh":
+            os.utime(tmp_path / name, (old, old))
+    b = IndexedDatasetBuilder(str(prefix), np.uint16)
+    b.add_document([1, 2])
+    b.finalize()
+    left = set(os.listdir(tmp_path))
+    assert names["stale_bin"] not in left and names["stale_idx"] not in left
+    assert {names[k] for k in ("alive", "other_host", "fresh", "other_prefix", "legacy")} <= left
+    assert {"key.bin", "key.idx"} <= left

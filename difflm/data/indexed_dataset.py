@@ -8,8 +8,11 @@ int64 document_indices[doc + 1]. .bin holds the raw tokens. Here one sequence = 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import socket
 import struct
+import time
 from typing import Sequence
 
 import numpy as np
@@ -30,11 +33,45 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.int32)
 
 
+STALE_AFTER_S = 600.0  # a temporary file untouched this long, of a dead process on this host, is removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(prefix: str, now: float | None = None) -> list[str]:
+    """Delete ``<prefix>.bin|.idx.tmp-<host>-<pid>`` files left by a builder that was killed (``kill -9``, OOM, power
+    loss) and returns their paths. Only files written from this host by a process that no longer runs and untouched
+    for :data:`STALE_AFTER_S` seconds go: a cache directory on a shared filesystem may hold another host's (or another
+    PID namespace's) builder in progress, and a pid alone cannot tell."""
+    host, now = socket.gethostname(), time.time() if now is None else now
+    removed = []
+    for path in glob.glob(glob.escape(prefix) + ".*.tmp-*"):
+        owner = path.rsplit(".tmp-", 1)[1]
+        name, _, pid = owner.rpartition("-")
+        if name != host or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if now - os.path.getmtime(path) >= STALE_AFTER_S:
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
 class IndexedDatasetBuilder:
     """Streams documents into ``<prefix>.bin``/``.idx``.
 
-    Writes to temporary names, fsyncs them and ``os.replace``s them in :meth:`finalize` (.idx last), so a
-    crash (or power loss) never leaves a half-written dataset under the final name.
+    Writes to temporary names (``.tmp-<host>-<pid>`` appended), fsyncs them and ``os.replace``s them in
+    :meth:`finalize` (.idx last), so a crash (or power loss) never leaves a half-written dataset under the final
+    name; the temporaries a killed builder leaves are removed by the next builder of the same prefix on that host
+    (:func:`remove_stale_temporaries`).
     """
 
     def __init__(self, prefix: str, dtype: np.dtype | type = np.uint16):
@@ -42,8 +79,9 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise ValueError(f"unsupported dtype {self.dtype}")
-        self._tmp = f".tmp{os.getpid()}"
+        self._tmp = f".tmp-{socket.gethostname()}-{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        remove_stale_temporaries(prefix)
         self._bin = open(prefix + ".bin" + self._tmp, "wb")
         self._sizes: list[int] = []
 
