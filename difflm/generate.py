@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import find_checkpoint, load_checkpoint
+from difflm.checkpoint.store import checkpoint_config_path, find_checkpoint, load_checkpoint
 from difflm.cli import exits_cleanly, quote_free_text
 from difflm.config import CONF_DIR, RunConfig
 from difflm.config.validate import check_choices, resolve_device
@@ -100,11 +100,12 @@ def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None)
     path = Path(run_dir)
     if not (path / "config.yaml").exists():
         raise DifflmError(f"run.dir={run_dir!r} has no config.yaml: point run.dir at a difflm-train output directory")
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
+    _, ckpt = find_checkpoint(path, step)
+    # the settings that checkpoint was trained with (a later resume may have changed the run's config.yaml)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt)))
     # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
     use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)
-    _, ckpt = find_checkpoint(path, step)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=device, seed=0)
     load_checkpoint(ckpt, model)

@@ -26,8 +26,10 @@ LABELS = {"loss": "training loss (nats/token)", "val_nelbo": "validation NELBO (
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of ``<run_dir>/metrics.jsonl`` in step order, the last record of each step (a resumed run
-    logs the steps after its checkpoint again).
+    """The rows of ``<run_dir>/metrics.jsonl`` in step order, the records of each step merged (training and
+    evaluation are logged as separate lines). A resumed run logs the steps after its checkpoint again: when the
+    steps go backwards, the earlier records of those steps and every later one (the abandoned branch's) are
+    dropped, so no row mixes values of two branches.
 
     Raises:
         DifflmError: the file is missing or a line is not JSON.
@@ -37,6 +39,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
         raise DifflmError(f"run.dir={str(run_dir)!r} has no metrics.jsonl: point run.dir at a difflm-train output "
                           "directory (or a multirun directory holding several)")
     rows: dict[int, dict] = {}
+    last = None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -44,7 +47,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise DifflmError(f"{path}:{number} is not JSON ({err})") from err
-        rows[int(row["step"])] = {**rows.get(int(row["step"]), {}), **row}
+        step = int(row["step"])
+        if last is not None and step < last:  # a resume from an earlier checkpoint: its later steps are superseded
+            rows = {s: r for s, r in rows.items() if s < step}
+        rows[step] = {**rows.get(step, {}), **row}  # a step's training and evaluation records are separate lines
+        last = step
     return [rows[step] for step in sorted(rows)]
 
 

@@ -50,7 +50,9 @@ def test_checkpoint_is_atomic_and_listed(fast_cfg, tmp_path):
     trainer.fit()
     root = Path(cfg.run.dir) / "checkpoints"
     assert [s for s, _ in list_checkpoints(cfg.run.dir)] == [1, 2]
-    assert sorted(os.listdir(root / "step_2")) == sorted(["trainer_state.pt", ".metadata", "__0_0.distcp", "manifest.json"])
+    assert sorted(os.listdir(root / "step_2")) == sorted(["trainer_state.pt", ".metadata", "__0_0.distcp", "config.yaml",
+                                                          "manifest.json"])
+    assert (root / "step_2" / "config.yaml").read_text() == (Path(cfg.run.dir) / "config.yaml").read_text()
     # an interrupted save (temporary directory) is never taken for a checkpoint
     (root / ".step_3.tmp").mkdir()
     assert latest_checkpoint(cfg.run.dir)[0] == 2
@@ -113,8 +115,11 @@ def test_scheduler_resumes_with_another_number_of_parameter_groups():
 
 def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast_cfg, capsys):
     """Changed settings are allowed on a resume (a lower lr, another objective: AR-to-diffusion adaptation), but named
-    in one line, and the settings the earlier steps ran with stay next to the run as config.step_<N>[.<k>].yaml."""
+    in one line against the settings the checkpoint was trained with (its own config.yaml), which stay next to the
+    run as config.step_<N>.yaml; a later step=N reads those, not the newest config.yaml."""
     from omegaconf import OmegaConf
+
+    from difflm.checkpoint.store import checkpoint_config_path
 
     common = ("train.save_every=1", "train.eval_every=0")
     cfg = fast_cfg("train.max_steps=1", *common)
@@ -124,19 +129,83 @@ def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast
     capsys.readouterr()
     Trainer(fast_cfg("train.max_steps=2", *common), run, CPU)  # the same settings but the length
     line = next(x for x in capsys.readouterr().out.splitlines() if "changed settings" in x)
-    assert line == (f"difflm: resuming at step 1 with changed settings: train.max_steps: 1 -> 2 (the earlier settings "
-                    f"are kept in {run / 'config.step_1.yaml'})")
+    assert line == ("difflm: resuming at step 1 with changed settings: train.max_steps: 1 -> 2 (the settings step 1 "
+                    f"was trained with are kept in {run / 'config.step_1.yaml'})")
     assert (run / "config.step_1.yaml").read_text() == first
-    second = (run / "config.yaml").read_text()
+    # a second resume from step 1 compares against step 1's settings, not against the abandoned attempt's
     resumed = Trainer(fast_cfg("train.max_steps=2", *common, "optim.lr=1e-4", "objective=ar"), run, CPU)
     line = next(x for x in capsys.readouterr().out.splitlines() if "changed settings" in x)
-    assert "objective.name: 'mdlm' -> 'ar'" in line and "optim.lr: 0.0003 -> 0.0001" in line
-    assert line.endswith(f"(the earlier settings are kept in {run / 'config.step_1.2.yaml'})")
-    assert (run / "config.step_1.yaml").read_text() == first  # no record is replaced
-    assert (run / "config.step_1.2.yaml").read_text() == second
+    assert line.startswith("difflm: resuming at step 1 with changed settings: objective.name: 'mdlm' -> 'ar', ")
+    assert "optim.lr: 0.0003 -> 0.0001" in line and "train.max_steps: 1 -> 2" in line
+    assert line.endswith(f"(the settings step 1 was trained with are kept in {run / 'config.step_1.yaml'})")
+    assert sorted(p.name for p in run.glob("config.step_*")) == ["config.step_1.yaml"]
     assert OmegaConf.load(run / "config.yaml").objective.name == "ar" and resumed.resumed_from == 1
-    Trainer(fast_cfg("train.max_steps=2", *common, "optim.lr=1e-4", "objective=ar"), run, CPU)
-    assert "changed settings" not in capsys.readouterr().out  # the same settings again: nothing to report
+    resumed.fit()  # trains step 2 as ar; step 1 still names mdlm, step 2 ar
+    ckpts = run / "checkpoints"
+    assert OmegaConf.load(checkpoint_config_path(run, ckpts / "step_1")).objective.name == "mdlm"
+    assert OmegaConf.load(checkpoint_config_path(run, ckpts / "step_2")).objective.name == "ar"
+    capsys.readouterr()
+    Trainer(fast_cfg("train.max_steps=3", *common, "optim.lr=1e-4", "objective=ar"), run, CPU)
+    assert "changed settings: train.max_steps: 2 -> 3 (" in capsys.readouterr().out
+
+
+def test_step_n_is_read_with_the_settings_it_was_trained_with(fast_cfg, tmp_path):
+    """difflm-evaluate / -generate / -export with step=N build the model step N was trained with (bidirectional for
+    an mdlm step), though a resume switched the run to objective=ar since."""
+    from difflm.generate import load_run
+    from difflm.interop.export import load_run_for_export
+
+    common = ("train.save_every=1", "train.eval_every=0")
+    cfg = fast_cfg("train.max_steps=1", *common)
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    Trainer(fast_cfg("train.max_steps=2", *common, "objective=ar"), cfg.run.dir, CPU).fit()
+    for step, name, causal in ((1, "mdlm", False), (2, "ar", True), (None, "ar", True)):
+        run_cfg, model, _ = load_run(cfg.run.dir, step, CPU)
+        assert (run_cfg.objective.name, model.causal) == (name, causal), step
+        run_cfg, model, _, _ = load_run_for_export(cfg.run.dir, step)
+        assert (run_cfg.objective.name, model.causal) == (name, causal), step
+
+
+def test_resume_with_max_steps_below_the_checkpoint_is_refused(fast_cfg):
+    cfg = fast_cfg("train.max_steps=2", "train.save_every=1", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    saved = (Path(cfg.run.dir) / "config.yaml").read_text()
+    with pytest.raises(DifflmError, match=r"^train.max_steps=1 is below the step of the checkpoint this run resumes "
+                                          r"from \(.*step_2\): nothing would train; raise train.max_steps, or read "
+                                          r"that step with difflm-evaluate / difflm-generate step=2$"):
+        Trainer(fast_cfg("train.max_steps=1", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert (Path(cfg.run.dir) / "config.yaml").read_text() == saved
+
+
+def test_unfinished_saves_are_removed_and_a_stopped_save_cleans_up(fast_cfg, monkeypatch, capsys):
+    """A save stopped part-way (a second Ctrl-C inside DCP, which wraps the KeyboardInterrupt) leaves no temporary
+    directory and raises KeyboardInterrupt (the entry point's 'difflm: interrupted', exit 130); one left by kill -9
+    is removed when the next run starts."""
+    import torch.distributed.checkpoint as dcp
+
+    from difflm.checkpoint import store
+
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.fit()
+    root = Path(cfg.run.dir) / "checkpoints"
+
+    def interrupted_save(state, checkpoint_id):
+        Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise RuntimeError("rank 0 failed: Traceback ... KeyboardInterrupt")  # DCP's CheckpointException text
+
+    monkeypatch.setattr(dcp, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]
+    monkeypatch.undo()
+    (root / ".step_7.tmp").mkdir()  # what kill -9 mid-save leaves
+    capsys.readouterr()
+    Trainer(fast_cfg("train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert "removed .step_7.tmp: a checkpoint save that never finished" in capsys.readouterr().out
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]
+    assert store._interrupted(RuntimeError("x")) is False
 
 
 def test_changed_settings_lists_every_differing_leaf():

@@ -117,3 +117,20 @@ def test_cli_typo_is_one_line_without_traceback():
     out = run_cli("difflm.train", "model.num_layer=3", timeout=120)
     assert out.returncode != 0
     assert "num_layer" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["gen.length=16"], "gen.length=16 must be a multiple of gen.block_length=64; e.g. gen.length=16 "
+                        "gen.block_length=16 gen.steps=16"),
+    (["gen.steps=2"], "gen.steps=2 must be >= the number of blocks gen.length/gen.block_length=4"),
+    (["gen.length=0"], "gen.length=0 must be >= 1"),
+])
+def test_end_of_training_sampler_settings_are_checked_before_training(overrides, message):
+    """A run that samples at the end (logger.num_samples > 0) used to train to the end, then fail on gen.*."""
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(["logger.num_samples=2", "gen.block_length=64", "gen.length=256", *overrides]))
+    assert str(err.value).startswith(message)
+    assert str(err.value).endswith("(this run samples with gen.* after training, logger.num_samples=2: fix gen.* or "
+                                   "set logger.num_samples=0)")
+    check_run(compose_run(["logger.num_samples=0", *overrides]))  # no samples drawn: not this run's concern
+    check_run(compose_run(["logger.num_samples=2", "objective=bd3lm", "gen.length=48", "gen.steps=48"]))  # per block

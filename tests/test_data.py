@@ -411,3 +411,25 @@ def test_builder_removes_the_temporaries_of_a_killed_builder_only(tmp_path):
     assert names["stale_bin"] not in left and names["stale_idx"] not in left
     assert {names[k] for k in ("alive", "other_host", "fresh", "other_prefix", "legacy")} <= left
     assert {"key.bin", "key.idx"} <= left
+
+
+def test_a_complete_cache_still_removes_a_killed_builds_temporaries(tmp_path, tok):
+    """kill -9 mid-tokenization, then a rerun that built the cache: the partial copy goes at a later start too."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from difflm.data.indexed_dataset import STALE_AFTER_S
+
+    src = tmp_path / "a.txt"
+    write_sep_txt(src, DOCS_A)
+    ds = tokenize_corpus(cfg_for(src), tok, str(tmp_path / "cache"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = Path(ds.prefix + f".bin.tmp-{socket.gethostname()}-{dead}")
+    stale.write_bytes(b"partial")
+    old = time.time() - 2 * STALE_AFTER_S
+    os.utime(stale, (old, old))
+    assert tokenize_corpus(cfg_for(src), tok, str(tmp_path / "cache")).prefix == ds.prefix
+    assert not stale.exists()

@@ -36,6 +36,14 @@ def last_losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` of long-running children: killed with the test process (Linux ``PR_SET_PDEATHSIG``), so an
+    interrupted test run leaves no training process behind writing checkpoints."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def train_cmd(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "difflm.train", *FAST, "train.max_steps=10", "train.save_every=2",
             "train.eval_every=0", "logger.log_every=1", "objective.random_length_prob=0.2",
@@ -83,8 +91,8 @@ def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock
     """Issue 13 item 10: two runs with one run.dir interleaved their metrics and one crashed. The second now stops at
     start with one line (exit 2) and changes nothing; after kill -9 of the first, a resume is not blocked."""
     run_dir, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1")
-    first = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    first = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000", "train.keep_last=2"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints" / "step_2").is_dir() and time.monotonic() < deadline:
@@ -209,7 +217,7 @@ def _started_run(run_dir: Path, cache: Path) -> subprocess.Popen:
     """A long difflm-train process, returned once it has logged two steps."""
     proc = subprocess.Popen(train_cmd(run_dir, cache, "train.max_steps=100000", "train.save_every=0"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=die_with_parent)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:

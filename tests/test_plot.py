@@ -89,3 +89,18 @@ def test_default_out_and_refused_outs(tmp_path):
     (tmp_path / "d.png").mkdir()
     with pytest.raises(DifflmError, match=r"^out='.*d.png' is a directory: give a file path"):
         plot_runs(dirs, tmp_path / "d.png")
+
+
+def test_resumed_branch_replaces_the_abandoned_one_without_mixing(tmp_path):
+    """Resumed from step 10 after the first branch logged to step 20 (with an evaluation at step 15): steps 11-20
+    come from the resumed branch only, and no value of the abandoned branch (its val_nelbo at 15) is kept."""
+    from difflm.plot import read_metrics
+
+    rows = [{"step": s, "loss": 10.0 - s / 10, "lr": 3e-4} for s in range(1, 21)]
+    rows.insert(15, {"step": 15, "val_nelbo": 9.0})
+    rows += [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-5} for s in range(11, 18)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert sorted(got) == list(range(1, 18))
+    assert got[10] == {"step": 10, "loss": 9.0, "lr": 3e-4}
+    assert got[15] == {"step": 15, "loss": 5.0 - 1.5, "lr": 1e-5}  # no val_nelbo of the abandoned branch

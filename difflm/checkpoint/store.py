@@ -38,6 +38,7 @@ from difflm.parallel.distributed import barrier, is_distributed, is_rank0
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
+CONFIG = "config.yaml"
 
 
 def checkpoints_root(run_dir: Path) -> Path:
@@ -179,7 +180,8 @@ class PendingCheckpoint:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.optim.Optimizer],
-                    trainer_state: dict[str, Any], *, async_save: bool = False, checksums: bool = False):
+                    trainer_state: dict[str, Any], *, async_save: bool = False, checksums: bool = False,
+                    config: Optional[str] = None):
     """Write ``checkpoints/step_<step>`` atomically (temporary directory, fsync, rename). Returns its path, or a
     :class:`PendingCheckpoint` with ``async_save``.
 
@@ -195,6 +197,11 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         async_save: ``dcp.async_save`` (state staged to CPU, files written in the background); call
             ``.wait()`` on the result before the next save and before exiting.
         checksums: record each file's SHA-256 in the manifest (sizes are always recorded).
+        config: the run's resolved settings (YAML), written as ``config.yaml`` inside the checkpoint, so a later
+            resume, evaluation or export of this step reads the settings it was trained with
+            (:func:`checkpoint_config_path`), whatever a resume with other settings wrote to ``run.dir`` since.
+    A save stopped part-way (an error, a second Ctrl-C) removes its temporary directory; a stopped KeyboardInterrupt
+    inside DCP's wrapper is raised as KeyboardInterrupt again.
     """
     from difflm.parallel.tensor_parallel import canonical_state_dict, canonical_layouts
 
@@ -213,6 +220,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         barrier()  # every rank's shard files are written
         if is_rank0():
             torch.save(trainer_state, tmp / TRAINER_STATE)
+            if config is not None:
+                (tmp / CONFIG).write_text(config)
             _fsync_tree(tmp)
             write_manifest(tmp, checksums)  # last: its presence marks the files above as complete
             _fsync_tree(tmp)
@@ -227,13 +236,50 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         barrier()
         return final
 
-    with warnings.catch_warnings():  # single-process DCP warns that no process group exists
-        warnings.simplefilter("ignore")
-        if async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group())
-            return PendingCheckpoint(final, future, finish)
-        dcp.save(state, checkpoint_id=str(tmp))
-    return finish()
+    try:
+        with warnings.catch_warnings():  # single-process DCP warns that no process group exists
+            warnings.simplefilter("ignore")
+            if async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group())
+                return PendingCheckpoint(final, future, finish)
+            dcp.save(state, checkpoint_id=str(tmp))
+        return finish()
+    except BaseException as exc:
+        if is_rank0():  # never leave a half-written directory behind (only a complete one is ever renamed)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _interrupted(exc) and not isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt from exc  # DCP wraps it in a CheckpointException
+        raise
+
+
+def _interrupted(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` is, or was caused by, a KeyboardInterrupt (DCP re-raises each rank's failure wrapped)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt) or "KeyboardInterrupt" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def remove_incomplete_saves(run_dir: Path) -> list[str]:
+    """Delete the ``checkpoints/.step_<N>.tmp`` directories saves that never finished left (a ``kill -9`` or power
+    loss mid-save). Call it only while holding the run directory (one run per ``run.dir``): then no save is in
+    flight. Returns the names removed."""
+    root = checkpoints_root(run_dir)
+    removed = []
+    for tmp in sorted(root.glob(".step_*.tmp")) if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp.name)
+    return removed
+
+
+def checkpoint_config_path(run_dir: Path, checkpoint: Path) -> Path:
+    """The settings ``checkpoint`` was trained with: its own ``config.yaml``, or, for checkpoints written before
+    checkpoints carried one, the run's."""
+    own = Path(checkpoint) / CONFIG
+    return own if own.is_file() else Path(run_dir) / CONFIG
 
 
 def _first_cause(exc: BaseException) -> str:

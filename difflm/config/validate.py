@@ -322,7 +322,28 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and cfg.logger.num_samples > 0),
              "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
              f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
+    check_end_samples(cfg)
     return device
+
+
+def check_end_samples(cfg) -> None:
+    """The ``gen.*`` settings a run draws its end-of-training samples with (``logger.num_samples > 0``), checked
+    before training rather than after it: the sampler's value ranges and, for the LLaDA sampler (every diffusion
+    objective but ``bd3lm``, which samples block by block), the block and step counts.
+
+    Raises: DifflmError with the sampler's message (naming the key and a consistent setting) and the way out."""
+    if cfg.logger.num_samples <= 0:
+        return
+    from difflm.sampling.diffusion import _validate
+    from difflm.sampling.options import GenerationConfigError, GenerationOptions
+
+    try:
+        opts = GenerationOptions.from_config(cfg.gen, mask_id=0)
+        if cfg.objective.name not in ("ar", "bd3lm"):
+            _validate(opts)
+    except GenerationConfigError as err:
+        raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="
+                          f"{cfg.logger.num_samples}: fix gen.* or set logger.num_samples=0)") from None
 
 
 def check_schedule(s) -> None:

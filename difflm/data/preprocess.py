@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from difflm.checkpoint.manifest import file_sha256
 from difflm.data.documents import DocFormat, Piece, iter_documents, kind_of, load_hf, read_jsonl, resolve_sources
-from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
+from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, remove_stale_temporaries, token_dtype
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
@@ -92,6 +92,7 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
         source = f"data.path={cfg.path!r}"
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:32]
     prefix = os.path.join(cache_dir, key)
+    remove_stale_temporaries(prefix)  # a killed earlier build's partial copy, also when the cache is complete now
     if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
         if cfg.num_proc and cfg.num_proc > 0:
             # only effective before the Rust thread pool first starts; harmless otherwise

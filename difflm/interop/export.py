@@ -31,7 +31,7 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import find_checkpoint, load_checkpoint
+from difflm.checkpoint.store import checkpoint_config_path, find_checkpoint, load_checkpoint
 from difflm.cli import exits_cleanly, writable_output
 from difflm.config import CONF_DIR, RunConfig
 from difflm.data import TokenizerInfo, build_tokenizer
@@ -75,8 +75,9 @@ def load_run_for_export(run_dir: str | Path, step: Optional[int] = None):
     if not (path / "config.yaml").exists():
         raise DifflmError(f"run.dir={str(run_dir)!r} has no config.yaml: point run.dir at a difflm-train output "
                           "directory (or a difflm-import one)")
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path / "config.yaml"))
     step, ckpt = find_checkpoint(path, step)
+    # the settings that checkpoint was trained with (a later resume may have changed the run's config.yaml)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt)))
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     cfg.model.backend, cfg.model.compile, cfg.model.attention_backend = "torch", False, "sdpa"
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=0)

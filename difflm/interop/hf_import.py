@@ -333,8 +333,9 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
         "torch_rng": torch.get_rng_state(),  # that of a fresh run with train.seed
         "imported_from": str(hf),
     }
-    save_checkpoint(run_dir, 0, model, None, trainer_state)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    save_checkpoint(run_dir, 0, model, None, trainer_state, config=text)
+    (run_dir / "config.yaml").write_text(text)
     return cfg
 
 

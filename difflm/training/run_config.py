@@ -1,5 +1,9 @@
 """The run's ``config.yaml``: written at every start, and on a resume with other settings the earlier one is kept.
 
+Every checkpoint also carries the settings it was trained with (``checkpoints/step_<N>/config.yaml``,
+:func:`difflm.checkpoint.store.checkpoint_config_path`), which is what ``step=N`` reads in difflm-evaluate,
+difflm-generate and difflm-export, and what a resume compares against.
+
 A resumed run may change settings on purpose (a lower ``optim.lr`` after a spike, more ``train.max_steps``, an
 autoregressive checkpoint continued with ``objective=mdlm`` as in AR-to-diffusion adaptation), or by mistake (a
 forgotten override, another experiment preset). The model's shape and the batch are checked by the checkpoint load;
@@ -56,25 +60,29 @@ def _keep(run_dir: Path, step: int, text: str) -> Path:
         k += 1
 
 
-def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int],
-                      report: Callable[[str], None] = print) -> Optional[Path]:
-    """Write ``cfg`` (resolved) as ``run_dir/config.yaml``. On a resume (``resumed_from``: the step) whose settings
-    differ from the ``config.yaml`` there, first report the changed keys in one line and keep the earlier file as
-    ``config.step_<resumed_from>.yaml`` (``config.step_<N>.<k>.yaml`` when several resumes from the same step ran
-    with different settings; none is ever replaced). Returns the path of the kept file, or None."""
+def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int] = None,
+                      checkpoint: Optional[Path] = None, report: Callable[[str], None] = print) -> Optional[Path]:
+    """Write ``cfg`` (resolved) as ``run_dir/config.yaml``. On a resume (``resumed_from``: the step, ``checkpoint``:
+    its directory) whose settings differ from the ones that checkpoint was trained with (its own ``config.yaml``, or
+    the run's for checkpoints that carry none), first report the changed keys in one line and keep those settings as
+    ``config.step_<resumed_from>.yaml`` (``config.step_<N>.<k>.yaml`` when resumes from the same step found
+    different ones; none is ever replaced). Returns the path of the kept file, or None."""
+    from difflm.checkpoint.store import checkpoint_config_path
+
     run_dir = Path(run_dir)
     path = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(cfg, resolve=True)
     kept = None
-    if resumed_from is not None and path.exists():
-        earlier = path.read_text()
+    source = None if resumed_from is None else (checkpoint_config_path(run_dir, checkpoint) if checkpoint else path)
+    if source is not None and source.exists():
+        earlier = source.read_text()
         changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier)) or {},
                                    OmegaConf.to_container(OmegaConf.create(text)) or {})
         if changes:
             kept = _keep(run_dir, resumed_from, earlier)
             shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
             more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
-            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the earlier "
-                   f"settings are kept in {kept})")
+            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings "
+                   f"step {resumed_from} was trained with are kept in {kept})")
     _write_atomic(path, text)
     return kept

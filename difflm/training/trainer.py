@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, resume_checkpoint, \
-    save_checkpoint
+from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, remove_incomplete_saves, \
+    resume_checkpoint, save_checkpoint
 from difflm.config.validate import check_batch, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
@@ -114,6 +114,7 @@ class Trainer:
         self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
         self.skipped_steps = 0  # non-finite steps skipped so far (all time)
         self.resumed_from: Optional[int] = None
+        self.resumed_checkpoint: Optional[Path] = None
         self.stop_reason: Optional[str] = None
         self._pending_save = None
         # (data step, Future of its host batches): on a GPU the next step's data and noise are prepared on a thread
@@ -125,8 +126,8 @@ class Trainer:
                              if device.type == "cuda" else None)
         self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
         self._resume()
-        if self.is_rank0:  # a resume with other settings names them and keeps the earlier config.yaml
-            record_run_config(self.run_dir, cfg, self.resumed_from, report=self._report)
+        if self.is_rank0:  # a resume with other settings than its checkpoint's names them and keeps those
+            record_run_config(self.run_dir, cfg, self.resumed_from, self.resumed_checkpoint, report=self._report)
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
@@ -162,10 +163,18 @@ class Trainer:
         return self.step + self.data_offset
 
     def _resume(self) -> None:
+        if self.is_rank0:  # this run holds run.dir (difflm.training.run_dir): no save of another one is in flight
+            for name in remove_incomplete_saves(self.run_dir):
+                self._report(f"removed {name}: a checkpoint save that never finished")
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is None:
             return
+        if found[0] > self.cfg.train.max_steps:
+            raise DifflmError(f"train.max_steps={self.cfg.train.max_steps} is below the step of the checkpoint this "
+                              f"run resumes from ({found[1]}): nothing would train; raise train.max_steps, or read "
+                              f"that step with difflm-evaluate / difflm-generate step={found[0]}")
         self._load(found[1])
+        self.resumed_checkpoint = found[1]
 
     def _load(self, path: Path) -> None:
         pending, self._prefetched = self._prefetched, None
@@ -187,7 +196,8 @@ class Trainer:
         self.finish_saves()
         t = self.cfg.train
         out = save_checkpoint(self.run_dir, self.step, self.model_parts, self.optimizer, self.trainer_state(),
-                              async_save=t.async_save, checksums=t.checkpoint_checksums)
+                              async_save=t.async_save, checksums=t.checkpoint_checksums,
+                              config=OmegaConf.to_yaml(self.cfg, resolve=True))
         if isinstance(out, Path):
             prune_checkpoints(self.run_dir, t.keep_last, t.keep_every)
             return out
