@@ -78,3 +78,19 @@ def spawn_ranks(worker, world: int, out) -> list:
         port = s.getsockname()[1]
     mp.spawn(worker, args=(world, port, str(out)), nprocs=world, join=True)
     return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def rewrite_run_settings(run_dir, old: str, new: str) -> None:
+    """Fake a run trained with other settings: replace ``old`` by ``new`` in its ``config.yaml`` and in the one each
+    checkpoint carries (the settings ``step=N`` reads), rewriting those checkpoints' manifests to match."""
+    from pathlib import Path
+
+    from difflm.checkpoint.manifest import write_manifest
+
+    run_dir = Path(run_dir)
+    for path in [run_dir / "config.yaml", *sorted(run_dir.glob("checkpoints/step_*/config.yaml"))]:
+        text = path.read_text()
+        assert old in text, (path, old)
+        path.write_text(text.replace(old, new))
+        if path.parent.name.startswith("step_"):
+            write_manifest(path.parent)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import rewrite_run_settings, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,7 @@ def test_generate_from_a_te_run_on_cpu_with_torch_kernels(trained_run, tmp_path)
     run_dir, _ = trained_run
     te_run = tmp_path / "te_run"
     shutil.copytree(run_dir, te_run, ignore=shutil.ignore_patterns("data_cache"))
-    cfg = (te_run / "config.yaml").read_text().replace("backend: torch", "backend: te")
-    (te_run / "config.yaml").write_text(cfg)
+    rewrite_run_settings(te_run, "backend: torch", "backend: te")
     args = ("difflm.generate", f"run.dir={te_run}", "prompt=ROMEO:", "gen.length=16", "gen.steps=8",
             "gen.block_length=16", "device=cpu")
     refused = run_cli(*args, timeout=300)

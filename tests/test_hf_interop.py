@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import FAST, compose_run, run_cli
+from conftest import FAST, compose_run, rewrite_run_settings, run_cli
 from difflm.checkpoint.store import list_checkpoints
 from difflm.config import ASSETS
 from difflm.data import build_tokenizer
@@ -206,8 +206,7 @@ def test_export_bf16_and_errors(trained_run, tmp_path):
     import shutil
 
     shutil.copytree(root / "run", bd3lm, ignore=shutil.ignore_patterns("data_cache", ".difflm.lock"))
-    cfg_text = (bd3lm / "config.yaml").read_text().replace("name: mdlm", "name: bd3lm")
-    (bd3lm / "config.yaml").write_text(cfg_text)
+    rewrite_run_settings(bd3lm, "name: mdlm", "name: bd3lm")
     with pytest.raises(DifflmError, match="objective=bd3lm run: the exported modeling file"):
         export_run(bd3lm, tmp_path / "bd3lm_out")
 
