@@ -312,6 +312,23 @@ def micro_batches(batches, step: int, accum: int) -> list:
     return [batches[(step * accum + j) % len(batches)] for j in range(accum)]
 
 
+def median_cuda_ms(fn, steps: int, warmup: int = 1) -> float:
+    """Median ms of ``steps`` calls of ``fn`` after ``warmup`` untimed ones, each timed with CUDA events (the small
+    benchmarks of one kernel or one optimizer step: scripts/qkv_speed.py, scripts/optimizer_speed.py)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def time_steps(step, batches, warmup: int, steps: int, device: torch.device, accum: int = 1) -> tuple[float, float]:
     """Seconds per optimizer step over ``steps`` timed steps after ``warmup`` untimed ones, and the last loss.
     Each step runs ``accum`` micro-batches (gradient accumulation) before the optimizer."""

@@ -22,27 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def timed(fn, steps: int) -> float:
-    """Median ms of ``steps`` calls of ``fn`` (one warm-up call first), timed with CUDA events."""
-    fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config (model=1.7b ...)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from benchmark import compose
+    from benchmark import compose, median_cuda_ms
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config
     from difflm.parallel.parallelize import grad_norm_and_clip
@@ -61,10 +47,10 @@ def main(argv=None) -> None:
     optimizer = build_optimizer(holder, cfg.optim, device)
     results = {
         # param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written (FP32)
-        "adamw": (timed(optimizer.step, args.steps), 28 * n),
+        "adamw": (median_cuda_ms(optimizer.step, args.steps), 28 * n),
         # every gradient read once for the norm, read and written once by the clip
-        "norm_and_clip": (timed(lambda: grad_norm_and_clip(params, 1e-9), args.steps), 12 * n),
-        "zero_grads": (timed(lambda: torch._foreach_zero_([p.grad for p in params]), args.steps), 4 * n),
+        "norm_and_clip": (median_cuda_ms(lambda: grad_norm_and_clip(params, 1e-9), args.steps), 12 * n),
+        "zero_grads": (median_cuda_ms(lambda: torch._foreach_zero_([p.grad for p in params]), args.steps), 4 * n),
     }
     print(f"{torch.cuda.get_device_name()} | {n / 1e9:.3f} B FP32 parameters in {len(params)} tensors")
     for name, (ms, nbytes) in results.items():

@@ -17,22 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def timed(fn, steps: int = 20) -> float:
-    """Median ms of ``steps`` calls of ``fn`` after three warm-up calls, timed with CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv=None) -> None:
@@ -42,6 +27,8 @@ def main(argv=None) -> None:
                     help="Triton BLOCK_TxWARPS settings, each used forward and backward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    from benchmark import median_cuda_ms
+
     from difflm.model import qkv_triton
     from difflm.model.qkv import _qkv_heads, qkv_heads_triton
     from difflm.model.rope import rope_angles, rope_tables
@@ -67,8 +54,8 @@ def main(argv=None) -> None:
                 torch.autograd.backward(fwd(), grads)
 
             with torch.no_grad():
-                f = timed(fwd)
-            return f, timed(fwd_bwd) - f
+                f = median_cuda_ms(fwd, 20, warmup=3)
+            return f, median_cuda_ms(fwd_bwd, 20, warmup=3) - f
 
         rows = [("eager", *run(_qkv_heads)), ("torch.compile", *run(compiled))]
         for tile in args.tiles.split(","):

@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -127,6 +128,19 @@ class IndexedDatasetBuilder:
         os.replace(self.prefix + ".bin" + self._tmp, self.prefix + ".bin")
         os.replace(idx_tmp, self.prefix + ".idx")  # last: .idx present <=> dataset complete
         fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory, fsynced and renamed over it (the
+    directory fsynced too): a reader sees the old file or the new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
 
 
 def fsync_dir(path: str) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
-from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, fsync_dir, token_dtype
+from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype, write_text_atomic
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
@@ -192,13 +192,7 @@ def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split:
 
 # ---------------------------------------------------------------- difflm-preprocess
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(str(path.parent))
+    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def _shard_files(out: Path) -> list[Path]:

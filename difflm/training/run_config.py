@@ -13,11 +13,12 @@ resumed from) rather than being overwritten.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from difflm.data.indexed_dataset import write_text_atomic
 
 SHOWN = 8  # changed keys named in the report line; the rest are counted
 
@@ -40,12 +41,6 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
             if a.get(k, missing) != b.get(k, missing)]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _keep(run_dir: Path, step: int, text: str) -> Path:
     """The file holding ``text`` among ``config.step_<step>[.<k>].yaml``, written under the first free name if none
     does."""
@@ -53,7 +48,7 @@ def _keep(run_dir: Path, step: int, text: str) -> Path:
     while True:
         path = run_dir / (f"config.step_{step}.yaml" if k == 1 else f"config.step_{step}.{k}.yaml")
         if not path.exists():
-            _write_atomic(path, text)
+            write_text_atomic(path, text)
             return path
         if path.read_text() == text:
             return path
@@ -84,5 +79,5 @@ def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int
             more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
             report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings "
                    f"step {resumed_from} was trained with are kept in {kept})")
-    _write_atomic(path, text)
+    write_text_atomic(path, text)
     return kept
