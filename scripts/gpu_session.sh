@@ -31,6 +31,9 @@
 #   bash scripts/gpu_session.sh qkvtriton2|speed11
 #                                        # 1 GPU: the backward kernel on (row tile, KV group) programs tested and timed,
 #                                        #        the trainer beside its benchmark row; the comparison against MegaDLMs
+#   bash scripts/gpu_session.sh fusedmlp|speed12|trainfused
+#                                        # 1 GPU: the fused MLP half block (quack) tested, timed alone and in the
+#                                        #        1.7B BF16 rows; the comparison with it; the trainer with it
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -38,10 +41,11 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD:/root/site:/root/site/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
+SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
+export PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 UB_SKIPMC=1
 CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && \
   export CUDNN_HOME LD_LIBRARY_PATH=$CUDNN_HOME/lib:${LD_LIBRARY_PATH:-}  # TE must load PyTorch's cuDNN
@@ -93,7 +97,7 @@ report_two_gpus() {
 # (LOG_EVERY=N logs every N steps, default 1: then each step also waits for its metrics)
 train_rate() {
   local name=$1 steps=$2; shift 2
-  rm -rf "/tmp/$name" && timeout 200 python3 -m difflm.train "$@" device=cuda train.max_steps="$steps" \
+  rm -rf "/tmp/$name" && timeout "${TRAIN_TIMEOUT:-200}" python3 -m difflm.train "$@" device=cuda train.max_steps="$steps" \
     train.eval_every=0 train.save_every=0 logger.log_every="${LOG_EVERY:-1}" logger.progress_bar=false logger.num_samples=0 \
     data.cache_dir="/tmp/$name-cache" objective.random_length_prob=0 run.dir="/tmp/$name" > "$OUT/$name.log" 2>&1
   tail -2 "$OUT/$name.log"
@@ -496,6 +500,39 @@ speed11)
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" "te-bf16-flash-mb8: $F $MB8" \
     "te-bf16-flash-s2048-mb8: $F $S2 $MB8" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
   tail -22 "$OUT/bench.log"
+  ;;
+fusedmlp)
+  # issue 17, session 27, one GPU: the MLP half block on quack's fused GEMMs (model.fused_mlp) tested, timed alone
+  # against TE's LayerNormMLP + residual adds (quack's default tiles, then autotuned), then in the BF16 + FA4 rows
+  # with and without it. Needs SITE=<a directory named site-packages> (the staged wheels' directory linked there):
+  # quack keys its compiled kernels by the code they call and treats only code under site-packages as library code
+  timeout 300 python3 -m pytest tests/test_quack_mlp.py -q -p no:cacheprovider -rs -x 2>&1 | tail -6
+  timeout 200 python3 scripts/mlp_speed.py --shape 1.7b-mb8=32768,2048,6144 --shape 350m-mb16=32768,1024,2816 \
+    --json "$OUT/mlp.json" 2>&1 | tail -2
+  timeout 330 python3 scripts/mlp_speed.py --shape 1.7b-mb8=32768,2048,6144 --autotune --json "$OUT/mlp_tuned.json" \
+    2>&1 | tail -1
+  timeout ${BENCH_BUDGET:-300} python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=8 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 \
+    --row-timeout 180 --time-budget "${BENCH_BUDGET:-300}" --json "$OUT/bench.json" \
+    --variant "te-bf16-flash-mb8: $F" \
+    --variant "te-bf16-flash-mb8-fusedmlp: $F model.fused_mlp=true model.fused_mlp_autotune=true" \
+    > "$OUT/bench.log" 2>&1
+  tail -22 "$OUT/bench.log"
+  ;;
+speed12)
+  # issue 17, session 27, one GPU: the comparison against MegaDLMs with the fused MLP in the BF16 rows (run after
+  # fusedmlp on the same machine, so quack's autotuning cache holds the S=4096 shapes)
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
+    "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" \
+    "te-bf16-flash-s2048-mb8-fusedmlp: $F $S2 $MB8 $FM" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
+  tail -22 "$OUT/bench.log"
+  ;;
+trainfused)
+  # issue 17, session 27, one GPU: the fused MLP's tests and difflm-train with it (BF16 + FA4, micro-batch 8, S=4096)
+  timeout 200 python3 -m pytest tests/test_quack_mlp.py -q -p no:cacheprovider -rs -x 2>&1 | tail -3
+  TRAIN_TIMEOUT=330 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 \
+    train.micro_batch_size=8 train.global_batch_size=16 model.fused_mlp=true model.fused_mlp_autotune=true
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -130,6 +130,10 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
                  "precision.fp8_weights=true keeps TE weights only in FP8 and needs an optimizer with FP32 master "
                  "weights, which the trainer does not build yet: set precision.fp8_weights=false "
                  "(scripts/benchmark.py measures it)")
+    _require(m.get("fused_mlp", False) or not m.get("fused_mlp_autotune", False),
+             "model.fused_mlp_autotune=true tunes the fused MLP's GEMMs: set model.fused_mlp=true too")
+    if m.get("fused_mlp", False):
+        check_fused_mlp(cfg, device, training)
     if name == "fp16":
         _require(device.type == "cuda",
                  "precision=fp16 (with loss scaling) needs a CUDA device: use precision=bf16 or precision=fp32 on CPU")
@@ -139,6 +143,30 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
         _require(cfg.model.backend == "te", "precision=fp8 runs through Transformer Engine: set model.backend=te")
     if name == "bf16" and device.type == "cuda":
         _require(torch.cuda.is_bf16_supported(), "precision=bf16 is not supported by this GPU: use precision=fp16")
+
+
+def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
+    """What ``model.fused_mlp=true`` (:mod:`difflm.model.quack_mlp`) needs: the TE kernel set, BF16, a dense MLP, and
+    quack on a Hopper/Blackwell GPU (tensor parallelism is checked in :func:`check_parallel`); with
+    ``model.fused_mlp_autotune``, training steps of one shape (``training=False``: scripts/benchmark.py, whose steps
+    have one length)."""
+    from difflm.model.quack_mlp import quack_unavailable_reason
+
+    m, name = cfg.model, cfg.precision.name
+    _require(m.backend == "te", f"model.fused_mlp=true is a slot of the TE kernel set and this run has model.backend="
+             f"{m.backend}: set model.backend=te, or model.fused_mlp=false")
+    _require(name == "bf16", f"model.fused_mlp=true runs BF16 GEMMs (quack) and this run is precision={name}: "
+             "set model.fused_mlp=false (TE's LayerNormMLP runs FP8), or precision=bf16")
+    moe = m.get("moe")
+    _require(moe is None or not moe.num_experts, f"model.fused_mlp=true fuses the dense SwiGLU MLP and this model has "
+             f"model.moe.num_experts={moe.num_experts if moe else 0}: set model.fused_mlp=false")
+    reason = quack_unavailable_reason(device)
+    _require(reason is None, reason or "")
+    if m.get("fused_mlp_autotune", False) and training:
+        prob = cfg.objective.get("random_length_prob", 0)
+        _require(not prob, f"model.fused_mlp_autotune=true tunes every new GEMM shape (minutes each) and "
+                 f"objective.random_length_prob={prob} gives steps of random lengths: set objective.random_length_prob=0, "
+                 "or model.fused_mlp_autotune=false")
 
 
 def check_batch(cfg, world_size: int = 1) -> int:
@@ -196,6 +224,8 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  f"parallel.tp={tp} with model.backend=te and model.moe.num_experts={moe.num_experts if moe else 0}: "
                  "the TE kernels run MoE layers without tensor parallelism; use model.backend=torch (MoE layers "
                  "replicated over TP) or parallel.tp=1 with parallel.ep")
+        _require(not m.get("fused_mlp", False), f"parallel.tp={tp} with model.fused_mlp=true: the fused MLP runs whole "
+                 "on each rank; set model.fused_mlp=false (TE's LayerNormMLP splits it over TP) or parallel.tp=1")
         _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: under TP the LM head is "
                  "vocab-parallel with its own weight (output.weight); set model.tie_embeddings=false or parallel.tp=1")
     if dims.pp_enabled:

@@ -10,6 +10,7 @@ Module for module (parameter names and shapes are those of the torch kernels, se
     layers.{i}.attention.core     te.DotProductAttention                       no parameters (runs for attention_backend=te)
     layers.{i}.attention.proj     te.Linear                                    weight [d, h hd]
     layers.{i}.mlp                te.LayerNormMLP(activation="swiglu")         layer_norm_weight, fc1_weight [2f, d], fc2_weight [d, f]
+                                  (model.fused_mlp: difflm.model.quack_mlp.ResidualNormMLP, same parameters, on quack's GEMMs)
     final_norm                    te.RMSNorm(d)                                weight [d]
     embedding, output             torch nn.Embedding / nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head);
                                   under TP ``output`` is vocab-parallel (difflm.parallel.vocab_parallel)
@@ -208,6 +209,12 @@ class TEKernels(TorchKernels):
             **self._tp("row"), **self.ub.get("proj", {})), "weight")
 
     def norm_mlp(self, hidden, ffn, *, eps):
+        if getattr(self.cfg, "fused_mlp", False):  # checked by difflm.config.validate.check_fused_mlp
+            from difflm.model.quack_mlp import ResidualNormMLP
+
+            mlp = ResidualNormMLP(hidden, ffn, eps, autotune=getattr(self.cfg, "fused_mlp_autotune", False),
+                                  device=self.device)
+            return self._wgrad(mlp, "fc1_weight", "fc2_weight")
         return self._wgrad(self.te.LayerNormMLP(
             hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu", tp_group=self.tp_group,
             tp_size=self.tp_size, set_parallel_mode=self.tp_group is not None, sequence_parallel=self.sequence_parallel,

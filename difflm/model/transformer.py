@@ -94,7 +94,10 @@ class Block(nn.Module):
             self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        x = x + self.attention(x, rope, attn_mask, kv_cache)
+        branch = self.attention(x, rope, attn_mask, kv_cache)
+        if getattr(self.mlp, "adds_residual", False):  # both residual adds inside its kernels (model.fused_mlp)
+            return self.mlp(branch, x)
+        x = x + branch
         return x + self.mlp(x)
 
 

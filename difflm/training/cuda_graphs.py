@@ -60,6 +60,9 @@ def cuda_graphs_unavailable_reason(cfg, world_size: int, device: torch.device) -
         what = "objective=bd3lm" if o.name == "bd3lm" else "data.intra_document_attention=true"
         return (f"train.cuda_graphs=true graphs unmasked full-sequence blocks; {what} gives every step an attention "
                 "mask: set train.cuda_graphs=false")
+    if m.get("fused_mlp", False):
+        return ("train.cuda_graphs=true graphs TE's own modules and model.fused_mlp=true puts quack's kernels in the "
+                "blocks: set one of them to false")
     if m.compile:
         return "train.cuda_graphs=true with model.compile=true: TE blocks are not compiled; set model.compile=false"
     tokens = cfg.train.micro_batch_size * d.seq_len

@@ -1,0 +1,220 @@
+"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.model.quack_mlp).
+
+On the CPU: what the setting refuses, with the key and the fix. On a Hopper/Blackwell GPU with quack and Transformer
+Engine: the fused half block against TE's ``LayerNormMLP`` plus the two residual adds, from the same weights (output
+and every gradient within BF16 rounding), weight gradients accumulated into FP32 ``main_grad`` over micro-batches,
+the state-dict layout, and a whole model's loss and gradients against the unfused model.
+"""
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
+from hydra import compose, initialize_config_dir
+
+from difflm.config import CONF_DIR
+from difflm.config.validate import check_parallel, check_precision
+from difflm.errors import DifflmError
+from difflm.model.quack_mlp import quack_unavailable_reason
+
+
+def run_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def _pretend_hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+
+
+# ------------------------------------------------------------------ refusals (CPU)
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.fused_mlp=true"], "model.fused_mlp=true is a slot of the TE kernel set and this run has "
+                               "model.backend=torch: set model.backend=te"),
+    (["model.backend=te", "model.fused_mlp=true", "precision=fp8"],
+     "model.fused_mlp=true runs BF16 GEMMs (quack) and this run is precision=fp8"),
+    (["model.backend=te", "model.fused_mlp=true", "precision=fp32"], "this run is precision=fp32"),
+    (["model=moe-tiny", "model.backend=te", "model.fused_mlp=true"], "model.moe.num_experts=8"),
+])
+def test_fused_mlp_refusals_name_the_key(fake_te, monkeypatch, overrides, needle):
+    _pretend_hopper(monkeypatch)
+    cfg = run_cfg("precision=bf16", *overrides)
+    with pytest.raises(DifflmError, match=needle.replace("(", "\\(").replace(")", "\\)")):
+        check_precision(cfg, torch.device("cuda"))
+
+
+def test_fused_mlp_refused_on_cpu_and_old_gpus(fake_te, monkeypatch):
+    cfg = run_cfg("model.backend=te", "model.fused_mlp=true", "precision=bf16")
+    assert quack_unavailable_reason(torch.device("cpu")) == (
+        "model.fused_mlp=true runs quack's CUDA kernels and this run is on cpu: set model.fused_mlp=false")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    with pytest.raises(DifflmError, match="compute capability 9.x or 10.x\\) and this GPU is 8.x"):
+        check_precision(cfg, torch.device("cuda"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is not None, reason="quack is installed here")
+def test_fused_mlp_without_quack_says_how_to_install(fake_te, monkeypatch):
+    _pretend_hopper(monkeypatch)
+    cfg = run_cfg("model.backend=te", "model.fused_mlp=true", "precision=bf16")
+    with pytest.raises(DifflmError, match="pip install quack-kernels"):
+        check_precision(cfg, torch.device("cuda"))
+
+
+def test_fused_mlp_refused_under_tensor_parallelism():
+    cfg = run_cfg("model.backend=te", "model.fused_mlp=true", "parallel.tp=2")
+    with pytest.raises(DifflmError, match="parallel.tp=2 with model.fused_mlp=true"):
+        check_parallel(cfg, 2, torch.device("cpu"))
+
+
+def test_fused_mlp_refused_with_cuda_graphs():
+    from difflm.training.cuda_graphs import cuda_graphs_unavailable_reason
+
+    cfg = run_cfg("model.backend=te", "model.fused_mlp=true", "train.cuda_graphs=true")
+    assert "model.fused_mlp=true" in cuda_graphs_unavailable_reason(cfg, 1, torch.device("cuda"))
+
+
+# ------------------------------------------------------------------ the kernels (GPU)
+def _gpu_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "needs Transformer Engine"
+    return quack_unavailable_reason()
+
+
+gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+
+
+def _half_blocks(d, f):
+    """(TE LayerNormMLP, fused ResidualNormMLP) from the same weights, both with FP32 main_grad accumulation."""
+    from difflm.model.te_kernels import TEKernels
+
+    mods = []
+    for fused in (False, True):
+        cfg = SimpleNamespace(fused_mlp=fused, fuse_wgrad_accumulation=True, attention_backend="sdpa")
+        mods.append(TEKernels(cfg, device="cuda").norm_mlp(d, f, eps=1e-5))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        mods[0].layer_norm_weight.copy_(1 + 0.1 * torch.randn(d, device="cuda", generator=g))
+        mods[0].fc1_weight.copy_(0.05 * torch.randn(2 * f, d, device="cuda", generator=g))
+        mods[0].fc2_weight.copy_(0.05 * torch.randn(d, f, device="cuda", generator=g))
+    mods[1].load_state_dict(mods[0].state_dict())
+    return mods
+
+
+def _run(mlp, fused, a, x, dy):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        if fused:
+            y = mlp(a, x)
+        else:
+            s = x + a
+            y = s + mlp(s)
+    torch.autograd.backward(y, dy)
+    return y
+
+
+def _rel(u, v):
+    return float((u.float() - v.float()).abs().max() / v.float().abs().max())
+
+
+@gpu
+def test_fused_half_block_matches_te():
+    d, f, n = 256, 768, 1000  # a token count that is not a multiple of the GEMM tiles
+    te_mlp, quack_mlp = _half_blocks(d, f)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a0 = torch.randn(2, n // 2, d, device="cuda", generator=g).bfloat16()
+    x0 = torch.randn(2, n // 2, d, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(2, n // 2, d, device="cuda", generator=g).bfloat16()
+    results = []
+    for mlp, fused in ((te_mlp, False), (quack_mlp, True)):
+        a, x = a0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+        y = _run(mlp, fused, a, x, dy)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, n // 2, d)
+        results.append((y, a.grad, x.grad, mlp.layer_norm_weight.grad, mlp.fc1_weight.main_grad,
+                        mlp.fc2_weight.main_grad))
+        assert mlp.fc1_weight.grad is mlp.fc1_weight.main_grad  # the optimizer sees the FP32 accumulator
+    names = ("out", "d_branch", "d_residual", "d_norm", "d_fc1", "d_fc2")
+    for name, ref, got in zip(names, *results):
+        assert got.shape == ref.shape, name
+        assert _rel(got, ref) < 2e-2, (name, _rel(got, ref))
+    assert torch.equal(results[1][1], results[1][2])  # both residual inputs get d(x + a)
+
+
+@gpu
+def test_fused_weight_grads_accumulate_over_micro_batches():
+    d, f, n = 128, 384, 512
+    _, mlp = _half_blocks(d, f)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = [[torch.randn(n, d, device="cuda", generator=g).bfloat16() for _ in range(3)] for _ in range(2)]
+    singles = []
+    for a, x, dy in batches:
+        for p in mlp.parameters():
+            p.grad = None
+        _run(mlp, True, a.requires_grad_(True), x.requires_grad_(True), dy)
+        singles.append((mlp.fc1_weight.main_grad.clone(), mlp.fc2_weight.main_grad.clone()))
+    for p in mlp.parameters():
+        p.grad = None
+    for a, x, dy in batches:
+        _run(mlp, True, a.detach().requires_grad_(True), x.detach().requires_grad_(True), dy)
+    for i, w in enumerate((mlp.fc1_weight, mlp.fc2_weight)):
+        assert w.main_grad.dtype == torch.float32
+        torch.testing.assert_close(w.main_grad, singles[0][i] + singles[1][i], rtol=1e-5, atol=1e-6)
+
+
+@gpu
+def test_fused_state_dict_has_te_layout():
+    te_mlp, quack_mlp = _half_blocks(64, 128)
+    assert list(te_mlp.state_dict()) == list(quack_mlp.state_dict())
+    for k, v in te_mlp.state_dict().items():
+        if not k.endswith("_extra_state"):
+            assert torch.equal(v, quack_mlp.state_dict()[k]), k
+
+
+@gpu
+def test_fused_model_loss_and_grads_match_unfused():
+    from difflm.model.kernels import build_kernels
+    from difflm.model.transformer import Transformer
+
+    cfg = run_cfg("model.backend=te", "precision=bf16").model
+    cfg.vocab_size, cfg.head_dim = 256, cfg.hidden_size // cfg.num_heads
+    models = []
+    for fused in (False, True):
+        cfg.fused_mlp = fused
+        torch.manual_seed(0)
+        models.append(Transformer(cfg, causal=False, kernels=build_kernels(cfg, "cuda")).cuda())
+    models[1].load_state_dict(models[0].state_dict())
+    assert type(models[1].layers[0].mlp).__name__ == "ResidualNormMLP"
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    losses, grads = [], []
+    for m in models:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(m(ids).float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        losses.append(float(loss))
+        grads.append({n: p.grad.float() for n, p in m.named_parameters()})
+    assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[0])
+    for name, ref in grads[0].items():
+        assert _rel(grads[1][name], ref) < 5e-2, name
+
+
+def test_fused_mlp_autotune_needs_fixed_shapes(fake_te, monkeypatch):
+    _pretend_hopper(monkeypatch)
+    import difflm.model.quack_mlp as qm
+
+    monkeypatch.setattr(qm, "quack_unavailable_reason", lambda device=None, key="model.fused_mlp": None)
+    base = ("model.backend=te", "precision=bf16", "model.fused_mlp=true", "model.fused_mlp_autotune=true")
+    with pytest.raises(DifflmError, match="objective.random_length_prob=0.01 gives steps of random lengths: set "
+                                          "objective.random_length_prob=0"):
+        check_precision(run_cfg(*base), torch.device("cuda"))
+    check_precision(run_cfg(*base, "objective.random_length_prob=0"), torch.device("cuda"))
+    check_precision(run_cfg(*base), torch.device("cuda"), training=False)  # scripts/benchmark.py: one length
+    with pytest.raises(DifflmError, match="set model.fused_mlp=true too"):
+        check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp_autotune=true"),
+                        torch.device("cuda"))
