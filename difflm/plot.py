@@ -15,6 +15,7 @@ import glob
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from difflm.cli import exits_cleanly, writable_output
 from difflm.errors import DifflmError
@@ -91,10 +92,28 @@ def _labels(dirs: list[Path]) -> list[str]:
     return [str(d) for d in dirs]
 
 
+def _stretches(rows: list[dict], key: str, label: str) -> list[tuple[str, list[tuple[int, float]]]]:
+    """(line label, [(step, value)]) of ``key`` in one run: one stretch, named ``label``, unless the run was resumed
+    with another objective (records carry ``objective``), which changes what its metrics measure (``val_nelbo``:
+    the NELBO bound for diffusion, the exact NLL for ``ar``); then one stretch per objective, ``label (objective)``."""
+    stretches: list[tuple[Optional[str], list]] = []
+    for r in rows:
+        if r.get(key) is None:
+            continue
+        objective = r.get("objective")
+        if not stretches or stretches[-1][0] != objective:
+            stretches.append((objective, []))
+        stretches[-1][1].append((r["step"], r[key]))
+    if len({objective for objective, _ in stretches}) <= 1:
+        return [(label, [p for _, points in stretches for p in points])] if stretches else []
+    return [(f"{label} ({objective})", points) for objective, points in stretches]
+
+
 def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
     """Draw one panel per metric in ``keys`` (against the step), one line per run, and save a PNG at ``out``.
 
-    Returns the matplotlib Figure (``fig.axes[i].get_lines()``: one line per run that logged ``keys[i]``).
+    Returns the matplotlib Figure (``fig.axes[i].get_lines()``: one line per run that logged ``keys[i]``; a run
+    resumed with another objective gets one line per objective, labelled ``run (objective)``).
 
     Raises:
         DifflmError: matplotlib is missing, or no run logged any of ``keys``.
@@ -122,10 +141,9 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.0 * rows_n), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         for label, rows in runs:
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
+            for name, points in _stretches(rows, key, label):
                 steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=name)
         ax.set_title(LABELS.get(key, key))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

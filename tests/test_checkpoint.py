@@ -141,6 +141,12 @@ def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast
     assert sorted(p.name for p in run.glob("config.step_*")) == ["config.step_1.yaml"]
     assert OmegaConf.load(run / "config.yaml").objective.name == "ar" and resumed.resumed_from == 1
     resumed.fit()  # trains step 2 as ar; step 1 still names mdlm, step 2 ar
+    from difflm.plot import _stretches, read_metrics
+
+    rows = read_metrics(run)  # each record names its objective, so a plot can tell the two stretches apart
+    assert [(r["step"], r["objective"]) for r in rows] == [(1, "mdlm"), (2, "ar")]
+    assert [(name, [s for s, _ in points]) for name, points in _stretches(rows, "loss", "run")] == [
+        ("run (mdlm)", [1]), ("run (ar)", [2])]
     ckpts = run / "checkpoints"
     assert OmegaConf.load(checkpoint_config_path(run, ckpts / "step_1")).objective.name == "mdlm"
     assert OmegaConf.load(checkpoint_config_path(run, ckpts / "step_2")).objective.name == "ar"

@@ -104,3 +104,18 @@ def test_resumed_branch_replaces_the_abandoned_one_without_mixing(tmp_path):
     assert sorted(got) == list(range(1, 18))
     assert got[10] == {"step": 10, "loss": 9.0, "lr": 3e-4}
     assert got[15] == {"step": 15, "loss": 5.0 - 1.5, "lr": 1e-5}  # no val_nelbo of the abandoned branch
+
+
+def test_a_run_resumed_with_another_objective_gets_one_line_per_objective(tmp_path):
+    """val_nelbo is the NELBO bound under mdlm and the exact NLL under ar: a run resumed as ar after step 10 is drawn
+    as two lines, not one line across the switch; a run of one objective keeps its plain label."""
+    rows = [{"step": s, "loss": 10.0 - s / 10, "val_nelbo": 9.0 - s / 10, "objective": "mdlm"} for s in range(0, 12, 2)]
+    rows += [{"step": s, "loss": 5.0 - s / 10, "val_nelbo": 4.0 - s / 10, "objective": "ar"} for s in range(10, 20, 2)]
+    (tmp_path / "switched").mkdir()
+    (tmp_path / "switched" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_run(tmp_path / "plain", 0.2)
+    fig = plot_runs([tmp_path / "switched", tmp_path / "plain"], tmp_path / "c.png", keys=("val_nelbo",))
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["switched (mdlm)", "switched (ar)", "plain"]
+    assert list(lines[0].get_xdata()) == [0, 2, 4, 6, 8] and list(lines[1].get_xdata()) == [10, 12, 14, 16, 18]
+    assert list(lines[1].get_ydata()) == [4.0 - s / 10 for s in range(10, 20, 2)]  # step 10 from the resumed branch

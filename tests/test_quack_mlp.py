@@ -218,3 +218,16 @@ def test_fused_mlp_autotune_needs_fixed_shapes(fake_te, monkeypatch):
     with pytest.raises(DifflmError, match="set model.fused_mlp=true too"):
         check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp_autotune=true"),
                         torch.device("cuda"))
+
+
+def test_quack_refused_outside_site_packages():
+    from difflm.model.quack_mlp import outside_site_packages_reason
+
+    assert outside_site_packages_reason("/usr/lib/python3/dist-packages/cutlass/__init__.py") is None
+    assert outside_site_packages_reason("/venv/lib/python3.12/site-packages/cutlass/__init__.py") is None
+    reason = outside_site_packages_reason("/root/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py")
+    assert reason == ("model.fused_mlp=true runs quack's GEMMs, which compile only when the CuTe DSL is installed "
+                      "under a directory named site-packages, and it is imported from "
+                      "/root/site/nvidia_cutlass_dsl/dsl_packages: install quack-kernels and nvidia-cutlass-dsl with "
+                      "pip into the environment, or put a link named site-packages to "
+                      "/root/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH instead; or set model.fused_mlp=false")

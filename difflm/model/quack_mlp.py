@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -59,10 +60,39 @@ def quack_unavailable_reason(device: Optional[torch.device] = None, key: str = "
                 f"{major}.x: set {key}=false")
     try:
         importlib.import_module("quack.gemm_interface")
+        cutlass = importlib.import_module("cutlass")
     except Exception as err:  # ImportError, or the CuTe DSL failing to load its libraries
         return (f"{key}=true needs quack-kernels (pip install quack-kernels; flash-attn 4 installs it), which could "
                 f"not be imported ({type(err).__name__}: {err}): set {key}=false")
-    return None
+    return outside_site_packages_reason(cutlass.__file__, key)
+
+
+def outside_site_packages_reason(cutlass_file: str, key: str = "model.fused_mlp") -> Optional[str]:
+    """Why quack cannot compile its GEMMs with the CuTe DSL installed at ``cutlass_file``, or None.
+
+    quack keys its compiled kernels by the code they call (``quack.gemm_runtime.identity``) and takes only code under
+    a ``site-packages`` / ``dist-packages`` directory (or the standard library) as fixed library code; from anywhere
+    else (``pip install --target DIR`` on PYTHONPATH) it walks into the DSL's internals and fails with "has no
+    fail-closed semantic key" at the first GEMM."""
+    path = os.path.abspath(cutlass_file)
+    if any(f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages")):
+        return None
+    root = os.path.dirname(os.path.dirname(path))
+    return (f"{key}=true runs quack's GEMMs, which compile only when the CuTe DSL is installed under a directory named "
+            f"site-packages, and it is imported from {root}: install quack-kernels and nvidia-cutlass-dsl with pip into "
+            f"the environment, or put a link named site-packages to {root} on PYTHONPATH instead; or set {key}=false")
+
+
+_TUNING_NOTICE = [False]
+
+
+def _notice_tuning() -> None:
+    """Say once per process that the first training step waits for quack's autotuning."""
+    if not _TUNING_NOTICE[0]:
+        _TUNING_NOTICE[0] = True
+        print("difflm: model.fused_mlp_autotune=true: quack tunes the MLP GEMMs at the first training step of each "
+              "shape (about 2.5 min at model=1.7b, micro-batch 8 x 4096 on an H200; kept in quack's disk cache, "
+              "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -155,8 +185,11 @@ class ResidualNormMLP(nn.Module):
 
             raise DifflmError(f"model.fused_mlp=true runs BF16/FP16 CUDA kernels and got {branch.dtype} on "
                               f"{branch.device.type}: use precision=bf16 on a GPU, or model.fused_mlp=false")
+        tuned = self.autotune and torch.is_grad_enabled()
+        if tuned:
+            _notice_tuning()
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
-                                              self.fc2_weight, self.eps, self.autotune and torch.is_grad_enabled())
+                                              self.fc2_weight, self.eps, tuned)
 
     # TE modules carry FP8 metadata as ``_extra_state``; this module has none but keeps the entry, so state dicts
     # keep one layout with and without ``model.fused_mlp``.
@@ -167,4 +200,4 @@ class ResidualNormMLP(nn.Module):
         return None
 
 
-__all__ = ["ResidualNormMLP", "quack_unavailable_reason"]
+__all__ = ["ResidualNormMLP", "outside_site_packages_reason", "quack_unavailable_reason"]

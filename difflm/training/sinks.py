@@ -11,13 +11,18 @@ from tqdm.auto import tqdm
 
 
 class JsonlSink:
-    """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line)."""
+    """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line), with the run's
+    ``objective`` name in each record: a run resumed with another objective (AR-to-diffusion adaptation) changes
+    what ``val_nelbo`` measures (the NELBO bound, or AR's exact NLL), and difflm-plot draws each objective's stretch
+    as its own line."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, objective: Optional[str] = None):
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.objective = objective
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
+        record = metrics if self.objective is None else {**metrics, "objective": self.objective}
+        self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
     def log_samples(self, step: int, samples: list[str]) -> None:

@@ -441,7 +441,8 @@ class Trainer:
         after ``train.max_skipped_steps`` non-finite steps in a row.
         """
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
-        sinks = [JsonlSink(self.run_dir), ConsoleSink(t.max_steps, self.step, lg.progress_bar)] if self.is_rank0 else []
+        sinks = [JsonlSink(self.run_dir, objective=cfg.objective.name),
+                 ConsoleSink(t.max_steps, self.step, lg.progress_bar)] if self.is_rank0 else []
         if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
             wandb_id = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(cfg, resolve=True),
