@@ -17,11 +17,10 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import checkpoint_config_path, find_checkpoint, load_checkpoint
+from difflm.checkpoint.store import load_checkpoint, trained_settings
 from difflm.cli import exits_cleanly, quote_free_text
-from difflm.config import CONF_DIR, RunConfig
+from difflm.config import CONF_DIR
 from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
@@ -97,12 +96,7 @@ def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None)
     ``model.attention_backend`` where set; the checkpoint loads into either kernel set.
     Raises: DifflmError without config.yaml or checkpoint, or when the kernels cannot run on ``device``.
     """
-    path = Path(run_dir)
-    if not (path / "config.yaml").exists():
-        raise DifflmError(f"run.dir={run_dir!r} has no config.yaml: point run.dir at a difflm-train output directory")
-    _, ckpt = find_checkpoint(path, step)
-    # the settings that checkpoint was trained with (a later resume may have changed the run's config.yaml)
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt)))
+    cfg, ckpt, _ = trained_settings(run_dir, step)
     # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
     use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)
@@ -124,7 +118,9 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
             if value not in CHOICES[f"model.{key}"]:
                 raise DifflmError(f"kernels.{key}={value!r} is not one of: {', '.join(CHOICES[f'model.{key}'])}")
             cfg.model[key] = value
-    cfg.model.compile = False
+    # forward-only reads run the kernels every host has: no compiled blocks, TE's own MLP for a run trained with the
+    # fused one (model.fused_mlp: same parameters, BF16-rounding-level agreement, quack's gains are in training)
+    cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune = False, False, False
     if cfg.model.backend == "te" and device.type != "cuda":
         if kernels is not None and kernels.get("backend") == "te":  # the override asked for it, not the run
             raise DifflmError(f"kernels.backend=te needs CUDA and the device is {device.type}: drop it or set "

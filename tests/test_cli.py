@@ -88,3 +88,16 @@ def test_kernel_override_errors_blame_the_override_not_the_run():
     te_run = compose_run(["model=tiny", "model.backend=te"])
     with pytest.raises(DifflmError, match=r"^the run's model.backend=te needs CUDA .* add kernels.backend=torch"):
         apply_kernel_overrides(te_run, None, torch.device("cpu"))
+
+
+def test_forward_only_reads_leave_the_training_kernels_out():
+    """A run trained with compiled blocks or the fused (quack) MLP is read back with the kernels every host has: the
+    parameters are the same, and quack's gains are in training."""
+    import torch
+
+    from conftest import compose_run
+    from difflm.generate import apply_kernel_overrides
+
+    cfg = compose_run(["model=tiny", "model.compile=true", "model.fused_mlp=true", "model.fused_mlp_autotune=true"])
+    apply_kernel_overrides(cfg, None, torch.device("cpu"))
+    assert (cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune) == (False, False, False)

@@ -282,6 +282,26 @@ def checkpoint_config_path(run_dir: Path, checkpoint: Path) -> Path:
     return own if own.is_file() else Path(run_dir) / CONFIG
 
 
+def trained_settings(run_dir, step: Optional[int] = None):
+    """(settings, checkpoint directory, step) of checkpoint ``step`` of a trained run (None: the newest): the run
+    config that checkpoint was trained with (:func:`checkpoint_config_path`: a later resume may have changed the
+    run's own config.yaml, e.g. to another objective) over the schema's defaults. What difflm-generate, -eval and
+    -export read a run through.
+
+    Raises: DifflmError when ``run_dir`` has no config.yaml or no (matching) checkpoint.
+    """
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import RunConfig
+
+    path = Path(run_dir)
+    if not (path / CONFIG).exists():
+        raise DifflmError(f"run.dir={str(run_dir)!r} has no config.yaml: point run.dir at a difflm-train output "
+                          "directory (or a difflm-import one)")
+    step, ckpt = find_checkpoint(path, step)
+    return OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt))), ckpt, step
+
+
 def _first_cause(exc: BaseException) -> str:
     """The informative line of a DCP error (it wraps each rank's traceback into one message)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]

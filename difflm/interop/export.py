@@ -29,11 +29,10 @@ from typing import Optional
 
 import hydra
 import torch
-from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import checkpoint_config_path, find_checkpoint, load_checkpoint
+from difflm.checkpoint.store import load_checkpoint, trained_settings
 from difflm.cli import exits_cleanly, writable_output
-from difflm.config import CONF_DIR, RunConfig
+from difflm.config import CONF_DIR
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
 from difflm.model import build_model
@@ -71,13 +70,7 @@ def load_run_for_export(run_dir: str | Path, step: Optional[int] = None):
     TE's ``_extra_state`` is simply not requested from the checkpoint), without ``torch.compile``.
     Raises: DifflmError when ``run.dir`` has no config.yaml or no (matching) checkpoint.
     """
-    path = Path(run_dir)
-    if not (path / "config.yaml").exists():
-        raise DifflmError(f"run.dir={str(run_dir)!r} has no config.yaml: point run.dir at a difflm-train output "
-                          "directory (or a difflm-import one)")
-    step, ckpt = find_checkpoint(path, step)
-    # the settings that checkpoint was trained with (a later resume may have changed the run's config.yaml)
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt)))
+    cfg, ckpt, step = trained_settings(run_dir, step)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     cfg.model.backend, cfg.model.compile, cfg.model.attention_backend = "torch", False, "sdpa"
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=0)
