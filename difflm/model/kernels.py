@@ -15,6 +15,10 @@ slot                   ``torch`` (:class:`TorchKernels`)           ``te`` (:clas
 ``attention_core``     None (:func:`~difflm.model.attention.attend`)  ``te.DotProductAttention`` (attention_backend=te)
 =====================  ==========================================  ==========================================
 
+With ``model.fused_mlp`` the TE set's ``norm_mlp`` is :class:`~difflm.model.quack_mlp.ResidualNormMLP` (quack's fused
+GEMMs), which also adds both residuals of the block's MLP half: it says so with ``adds_residual = True`` and
+:class:`~difflm.model.transformer.Block` then calls it with the attention output and the block input.
+
 Between the QKV projection and the attention kernel both sets run :func:`difflm.model.qkv.qkv_heads` (split into
 heads, QK-norm, RoPE: two Triton kernels on CUDA, from the (cos, sin) tables of :meth:`TorchKernels.rope`), plus
 the few places where a kernel set shapes the residual stream: its layout (``bshd``, or ``sbhd`` under TE's
