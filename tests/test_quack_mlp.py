@@ -12,18 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import compose_run
 from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
-from hydra import compose, initialize_config_dir
 
-from difflm.config import CONF_DIR
 from difflm.config.validate import check_parallel, check_precision
 from difflm.errors import DifflmError
 from difflm.model.quack_mlp import quack_unavailable_reason
 
 
 def run_cfg(*overrides):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose_run(overrides)
 
 
 def _pretend_hopper(monkeypatch):

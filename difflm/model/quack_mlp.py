@@ -27,6 +27,7 @@ Weight gradients accumulate in place into FP32 ``main_grad`` when the kernel set
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -83,16 +84,12 @@ def outside_site_packages_reason(cutlass_file: str, key: str = "model.fused_mlp"
             f"the environment, or put a link named site-packages to {root} on PYTHONPATH instead; or set {key}=false")
 
 
-_TUNING_NOTICE = [False]
-
-
+@functools.lru_cache(maxsize=None)
 def _notice_tuning() -> None:
-    """Say once per process that the first training step waits for quack's autotuning."""
-    if not _TUNING_NOTICE[0]:
-        _TUNING_NOTICE[0] = True
-        print("difflm: model.fused_mlp_autotune=true: quack tunes the MLP GEMMs at the first training step of each "
-              "shape (about 2.5 min at model=1.7b, micro-batch 8 x 4096 on an H200; kept in quack's disk cache, "
-              "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
+    """Say once per process (the cache) that the first training step waits for quack's autotuning."""
+    print("difflm: model.fused_mlp_autotune=true: quack tunes the MLP GEMMs at the first training step of each "
+          "shape (about 2.5 min at model=1.7b, micro-batch 8 x 4096 on an H200; kept in quack's disk cache, "
+          "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
