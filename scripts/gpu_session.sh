@@ -34,6 +34,10 @@
 #   bash scripts/gpu_session.sh fusedmlp|speed12|trainfused
 #                                        # 1 GPU: the fused MLP half block (quack) tested, timed alone and in the
 #                                        #        1.7B BF16 rows; the comparison with it; the trainer with it
+#   bash scripts/gpu_session.sh settle   # 1 GPU: the trainer reading each step's outcome a step late, beside its
+#                                        #        benchmark row (profiled) and the trainer of an earlier commit;
+#   bash scripts/gpu_session.sh speed13|speed14  # speed13: the BF16 comparison again, S=2048 also at micro-batch 16;
+#                                        #        speed14: every 1.7B target against MegaDLMs in one call
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -41,7 +45,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -62,7 +66,8 @@ bench_vs_megadlms() {
   CUDA_VISIBLE_DEVICES=0 timeout $((budget + 10)) python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
     train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
     --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget "$budget" --json "$OUT/bench.json" \
-    --megadlms .megadlms --megadlms-shapes "$shapes" --megadlms-timeout 150 "${variants[@]}" > "$OUT/bench.log" 2>&1
+    --megadlms .megadlms --megadlms-shapes "$shapes" --megadlms-precisions "${MEGADLMS_PRECISIONS:-bf16,fp8}" \
+    --megadlms-timeout 150 "${variants[@]}" > "$OUT/bench.log" 2>&1
 }
 # rows of model=125m (S=1024, micro-batch 32 x 2) on the current GPU within BUDGET s: bench_small BUDGET JSON VARIANT...
 # (PROFILE=NAME[,NAME] profiles those rows)
@@ -533,6 +538,47 @@ trainfused)
   timeout 200 python3 -m pytest tests/test_quack_mlp.py -q -p no:cacheprovider -rs -x 2>&1 | tail -3
   TRAIN_TIMEOUT=330 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 \
     train.micro_batch_size=8 train.global_batch_size=16 model.fused_mlp=true model.fused_mlp_autotune=true
+  ;;
+settle)
+  # issue 17, session 28, one GPU: difflm-train reading each step's outcome after launching the next (no drain of the
+  # device queue per step) beside its benchmark row (profiled) and beside the trainer of the commit before (exported
+  # with `git archive <rev> difflm conf pyproject.toml` into .device-stage/old, carried), at the BF16 + FA4 + fused MLP
+  # (autotuned) micro-batch 8 shape; quack's cache (tuned tiles, compiled kernels) comes back as quack_cache.tgz
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 100 python3 -m pytest tests/test_step_syncs.py -q -p no:cacheprovider -rs 2>&1 | tail -3
+  timeout 330 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 320 \
+    --json "$OUT/bench.json" --profile te-bf16-flash-mb8-fusedmlp --variant "te-bf16-flash-mb8-fusedmlp: $F $FM" \
+    > "$OUT/bench.log" 2>&1
+  grep -A3 "^row " "$OUT/bench.log" | tail -2; grep -i "busy\|share" "$OUT/bench.log" | tail -3
+  TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
+    train.global_batch_size=16 $FM
+  [ -d .device-stage/old ] && PYTHONPATH=$PWD/.device-stage/old:$PYTHONPATH TRAIN_TIMEOUT=150 train_rate \
+    trainer-bf16-fused-before 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 train.global_batch_size=16 $FM
+  tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . && ls -la "$OUT/quack_cache.tgz"
+  ;;
+speed13)
+  # issue 17, session 28, one GPU: the BF16 comparison against MegaDLMs again, with S=2048 also at micro-batch 16
+  # (32 k tokens a micro-batch, as S=4096 at 8); quack's cache of `settle` unpacked first when carried
+  # (.device-stage/quack_cache.tgz), so the 32 k-token shapes are not tuned again
+  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms 4096x16,2048x32 \
+    "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" \
+    "te-bf16-flash-s2048-mb8-fusedmlp: $F $S2 $MB8 $FM"
+  tail -12 "$OUT/bench.log"
+  ;;
+speed14)
+  # issue 17, session 28, one GPU: every 1.7B target against MegaDLMs (BF16 and FP8) in one call, run after speed13
+  # on the same machine (quack's cache holds the 32 k-token shapes); S=2048 BF16 at micro-batch 16
+  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
+    "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" \
+    "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
+  tail -14 "$OUT/bench.log"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

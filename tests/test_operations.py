@@ -19,6 +19,7 @@ import torch
 from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
 from difflm.errors import DifflmError
 from difflm.training.preemption import EXIT_INTERRUPTED, EXIT_REQUEUE
+from difflm.training.optimizer import skips_on_device
 from difflm.training.trainer import Trainer
 
 from conftest import FAST
@@ -284,9 +285,16 @@ def poison(trainer: Trainer, steps: set[int], value: float):
     trainer.model.forward = patched
 
 
-def test_non_finite_step_is_skipped(fast_cfg):
-    cfg = fast_cfg("train.max_steps=4", "train.save_every=0", "train.eval_every=0", "logger.log_every=1")
+@pytest.mark.parametrize("fused, lag", [(False, 0), (True, 0), (True, 1)], ids=["host-check", "device-skip",
+                                                                              "device-skip-settled-late"])
+def test_non_finite_step_is_skipped(fast_cfg, fused, lag):
+    """The foreach AdamW skips after the host reads the finite check; the fused one (the GPU default, also on the
+    CPU) skips on the device, and with ``settle_lag`` 1 (the GPU's) the host reads the outcome a step later."""
+    cfg = fast_cfg("train.max_steps=4", "train.save_every=0", "train.eval_every=0", "logger.log_every=1",
+                   f"optim.fused={str(fused).lower()}")
     trainer = Trainer(cfg, cfg.run.dir, CPU)
+    assert skips_on_device(trainer.optimizer) == fused
+    trainer.settle_lag = lag
     poison(trainer, {2}, float("nan"))
     before = {}
     real_step = trainer._finish_step
@@ -306,13 +314,48 @@ def test_non_finite_step_is_skipped(fast_cfg):
     assert math.isnan(rows[2]["loss"]) and rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
 
 
-def test_too_many_non_finite_steps_stop_the_run(fast_cfg):
-    cfg = fast_cfg("train.max_steps=10", "train.save_every=0", "train.eval_every=0", "train.max_skipped_steps=3")
+@pytest.mark.parametrize("lag", [0, 1])
+def test_too_many_non_finite_steps_stop_the_run(fast_cfg, lag):
+    """Steps 3-5 train on poisoned data; settled a step late (the GPU's way), the run has launched step 6 (also
+    poisoned) when it sees the third, and counts it before saving."""
+    cfg = fast_cfg("train.max_steps=10", "train.save_every=0", "train.eval_every=0", "train.max_skipped_steps=3",
+                   "optim.fused=true")
     trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.settle_lag = lag
     poison(trainer, set(range(2, 10)), float("inf"))
     with pytest.raises(DifflmError, match="train.max_skipped_steps=3"):
         trainer.fit()
-    assert trainer.step == 5 and latest_checkpoint(cfg.run.dir)[0] == 5
+    assert trainer.step == 5 + lag and latest_checkpoint(cfg.run.dir)[0] == 5 + lag
+    assert trainer.skipped_steps == 3 + lag
+
+
+def test_settling_a_step_late_logs_the_same_rows(fast_cfg, tmp_path):
+    """The GPU's way of reading each step's outcome after launching the next (``settle_lag`` 1) writes the same
+    metrics rows as reading it at once: same steps, losses, gradient norms, skips, evaluations and checkpoints."""
+    rows, checkpoints = {}, {}
+    for lag in (0, 1):
+        cfg = fast_cfg("train.max_steps=7", "train.save_every=3", "train.eval_every=3", "logger.log_every=2",
+                       "optim.fused=true", "logger.num_samples=0", f"run.dir={tmp_path / f'lag{lag}'}")
+        trainer = Trainer(cfg, cfg.run.dir, CPU)
+        trainer.settle_lag = lag
+        poison(trainer, {3}, float("nan"))
+        order, launch, settle = [], trainer.train_step, trainer._settle
+        trainer.train_step = lambda: (out := launch(), order.append(("launch", trainer.step)))[0]
+        trainer._settle = lambda record, pending: (order.append(("settle", record.step)), settle(record, pending))[1]
+        trainer.fit()
+        if lag:  # step 1 is read after step 2 is launched; step 3 (evaluated, saved) before step 4 is
+            assert order[:6] == [("launch", 1), ("launch", 2), ("settle", 1), ("launch", 3), ("settle", 2),
+                                 ("settle", 3)] and order[6] == ("launch", 4)
+        else:
+            assert order[:4] == [("launch", 1), ("settle", 1), ("launch", 2), ("settle", 2)]
+        keep = ("step", "loss", "grad_norm", "lr", "skipped_steps", "val_nelbo", "data_epochs")
+        rows[lag] = [{k: r.get(k) for k in keep} for r in map(json.loads, (Path(cfg.run.dir) / "metrics.jsonl")
+                                                              .read_text().splitlines())]
+        checkpoints[lag] = [step for step, _ in list_checkpoints(cfg.run.dir)]
+    assert [r["step"] for r in rows[1]] == [0, 2, 3, 4, 6, 7]  # every 2nd step, evaluations at 3 and 6, the last
+    assert rows[1][3]["step"] == 4 and rows[1][3]["skipped_steps"] == 1 and math.isnan(rows[1][3]["loss"])
+    assert str(rows[0]) == str(rows[1])  # NaN-aware equality of every value
+    assert checkpoints[0] == checkpoints[1] == [3, 6, 7]
 
 
 def test_loss_spike_reloads_and_skips_the_data(fast_cfg, capsys):

@@ -151,14 +151,20 @@ def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None
 
     params = [p for p in parameters if p.grad is not None]
     squares, sharded_squares = [], []
+    plain = {True: [], False: []}  # plain-tensor gradients by "TP-sharded": one multi-tensor norm per list
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        if not isinstance(g, DTensor):
+            plain[id(p) in tp_sharded].append(g.float())
+            continue
+        if isinstance(p, DTensor) and g.placements != p.placements:
             p.grad = g = g.redistribute(p.device_mesh, p.placements)
-        n = torch.linalg.vector_norm(g.float() if not isinstance(g, DTensor) else g, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        (sharded_squares if id(p) in tp_sharded else squares).append(n.float() ** 2)
+        (sharded_squares if id(p) in tp_sharded else squares).append(
+            torch.linalg.vector_norm(g, 2.0).full_tensor().float() ** 2)
+    for sharded, grads in plain.items():
+        if grads:  # torch._foreach_norm: a few kernels for all of them, where one norm per tensor launches hundreds
+            (sharded_squares if sharded else squares).append(torch.stack(torch._foreach_norm(grads, 2.0)).float()
+                                                             .square().sum())
     device = params[0].grad.device if params else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if tp_group is not None and tp_sharded:

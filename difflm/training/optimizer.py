@@ -23,3 +23,29 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
               for (decay, _), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1] is not None))]
     fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip a step on the device, so the host need not read the step's finite check
+    first: torch's fused Adam / AdamW kernels take a ``found_inf`` tensor (the one ``torch.amp.GradScaler`` hands
+    them; ``torch/optim/adam.py``, ``_fused_adam``), on CUDA and CPU, plain tensors and DTensors alike."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """One step of a fused Adam / AdamW (:func:`skips_on_device`) that leaves every parameter, moment and step
+    count as it was when ``finite`` (a bool scalar tensor on the parameters' device) is False, without a host sync.
+
+    Raises:
+        ValueError: ``optimizer`` is not fused, or already carries a ``found_inf`` (a GradScaler's).
+    """
+    if not skips_on_device(optimizer):
+        raise ValueError("step_unless_nonfinite needs a fused Adam/AdamW (optim.fused=true); others take the host check")
+    if getattr(optimizer, "found_inf", None) is not None:
+        raise ValueError("the optimizer already carries a found_inf (torch.amp.GradScaler's): use scaler.step")
+    optimizer.found_inf = (~finite).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf

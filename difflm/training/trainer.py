@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import resource
 import threading
@@ -19,11 +20,11 @@ from difflm.config.validate import check_batch, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.masks import to_device
-from difflm.model.moe import moe_inactive_params, moe_metrics, moe_step, set_moe_loss_scale
+from difflm.model.moe import moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
-from difflm.training.optimizer import build_optimizer
+from difflm.training.optimizer import build_optimizer, skips_on_device, step_unless_nonfinite
 from difflm.training.precision import autocast_context
 from difflm.training.schedule import build_scheduler, restore_scheduler, short_run_warning
 from difflm.parallel import distributed as pdist
@@ -125,6 +126,8 @@ class Trainer:
         self._data_thread = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="difflm-data")
                              if device.type == "cuda" else None)
         self._data_lock = threading.Lock()  # one _host_batches at a time (the samplers cache epoch orders)
+        if device.type != "cuda":
+            self.settle_lag = 0  # the host is the device: reading a step's outcome costs nothing
         self._resume()
         if self.is_rank0:  # a resume with other settings than its checkpoint's names them and keeps those
             record_run_config(self.run_dir, cfg, self.resumed_from, self.resumed_checkpoint, report=self._report)
@@ -219,19 +222,26 @@ class Trainer:
         return autocast_context(self.cfg.precision, self.device, amax_reduction_group=group)
 
     def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> dict:
-        """Optimizer and schedule step, unless the loss or gradient norm is not finite: then the update is
-        skipped (the step and its data still count) and ``skipped`` is set in the returned metrics."""
+        """Optimizer and schedule step, which changes no weight when the loss or gradient norm is not finite (the
+        step and its data still count). A fused AdamW (the default on GPUs) skips on the device: the host does not
+        wait for the step's outcome (:func:`difflm.training.optimizer.step_unless_nonfinite`); fp16's GradScaler
+        skips non-finite gradients itself (and rescales); other optimizers read the finite check first. The
+        returned ``finite`` (a bool scalar tensor, or a bool) is read when the step is settled (:meth:`fit`)."""
         lr = self.scheduler.get_last_lr()[0]
-        finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync of a step
-        if finite or self.scaler.is_enabled():  # GradScaler skips non-finite fp16 steps itself (and rescales)
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        elif skips_on_device(self.optimizer):
+            step_unless_nonfinite(self.optimizer, finite)
+        else:
+            finite = bool(finite)  # a host sync: only optimizers without a device-side skip take it
+            if finite:
+                self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        if not finite:
-            self.skipped_steps += 1
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "skipped": not finite}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "finite": finite}
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch of step ``self.step``; returns its scalar metrics.
@@ -439,6 +449,13 @@ class Trainer:
         Stops early, after saving a checkpoint, on SIGTERM/SIGUSR1 or ``train.time_limit``
         (``self.stop_reason`` says why; ``difflm-train`` then exits with status 75), and with a DifflmError
         after ``train.max_skipped_steps`` non-finite steps in a row.
+
+        On a GPU the host reads a step's outcome (loss, gradient norm, finite check) only after it has launched the
+        next step (``self.settle_lag`` = 1), so that read never leaves the device idle; a step whose outcome the
+        host needs at once (evaluation, a checkpoint, the last step, a stop, ``train.spike_threshold``, MoE
+        statistics on a logging step) is settled before anything else is launched. So a run of non-finite steps
+        stops at most one step after the ``train.max_skipped_steps``-th, and ``tokens_per_s`` is timed by the
+        device's end of each step.
         """
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
         sinks = [JsonlSink(self.run_dir, objective=cfg.objective.name),
@@ -450,72 +467,58 @@ class Trainer:
         stop = StopRequest(t.time_limit)
         watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
         profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
+        has_moe = bool(moe_layers(self.model_parts))
+        self._progress = _Progress(window_start=time.perf_counter())
+        pending: list[_StepRecord] = []
         metrics: dict = {}
-        skipped_in_a_row, loss_mean, slowest_step = 0, None, 0.0
+        slowest_step = 0.0
         try:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
                 self._emit(sinks, metrics)
-            window_tokens, window_start = 0, time.perf_counter()
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 watchdog.arm()
                 out = self.train_step()
-                watchdog.disarm_step()
                 profiler.step(self.step)
-                window_tokens += out["tokens"]
-                skipped_in_a_row = skipped_in_a_row + 1 if out["skipped"] else 0
-                if skipped_in_a_row:
-                    self._report(f"step {self.step}: non-finite loss or gradient norm, update skipped "
-                                 f"({skipped_in_a_row} in a row, {self.skipped_steps} in all)")
-                    if skipped_in_a_row >= t.max_skipped_steps:
-                        self.save()
-                        self.finish_saves()
-                        raise DifflmError(f"{skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
-                                          f"{t.max_skipped_steps}) at step {self.step}; saved the last weights: "
-                                          "lower optim.lr, raise optim.grad_clip, or inspect the data at this step")
-                elif t.spike_threshold > 0:
-                    loss_value = float(out["loss"])
-                    if loss_mean is not None and loss_value > t.spike_threshold * loss_mean and self._roll_back():
-                        loss_mean = None
-                        continue
-                    loss_mean = loss_value if loss_mean is None else 0.9 * loss_mean + 0.1 * loss_value
                 last = self.step == t.max_steps
                 do_eval = t.eval_every > 0 and (self.step % t.eval_every == 0 or last)
-                if self.step % lg.log_every == 0 or do_eval or last:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    elapsed = time.perf_counter() - window_start
-                    tokens_per_s = window_tokens / elapsed
-                    per_gpu = tokens_per_s / self.dims.world_size
-                    metrics = {
-                        "step": self.step,
-                        "loss": float(out["loss"]),
-                        "grad_norm": float(out["grad_norm"]),
-                        "lr": out["lr"],
-                        "tokens_per_s": tokens_per_s,  # all ranks together
-                        "tokens_per_s_per_gpu": per_gpu,
-                        "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
-                        "mem_gib": memory_gib(self.device),
-                        **({"cuda_graph_replays": self.block_graphs.replays} if self.block_graphs else {}),
-                        "skipped_steps": self.skipped_steps,
-                        **moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None),
-                        **self.sampler.report(self.data_step),  # epochs (and each blend source's share)
-                    }
-                    if do_eval:
-                        metrics = self._eval_metrics(metrics)
-                        if lg.num_samples > 0 and lg.name == "wandb":
-                            self._emit_samples(sinks, lg.num_samples)
-                    self._emit(sinks, metrics)
-                    window_tokens, window_start = 0, time.perf_counter()
-                if t.save_every > 0 and (self.step % t.save_every == 0 or last):
+                do_save = t.save_every > 0 and (self.step % t.save_every == 0 or last)
+                log = self.step % lg.log_every == 0 or do_eval or last
+                pending.append(self._record(out, log))
+                now = last or do_eval or do_save or t.spike_threshold > 0 or (has_moe and log)
+                rolled_back = False
+                while len(pending) > (0 if now else self.settle_lag):
+                    record = pending.pop(0)
+                    self._settle(record, pending)
+                    if not self._progress.skipped_in_a_row and t.spike_threshold > 0 and self._spiked(record):
+                        rolled_back = True  # only the newest record is settled with a spike threshold
+                        break
+                    if record.log:
+                        metrics = self._log_metrics(record, has_moe)
+                        # the next window starts where the device finished this step (the launched steps kept it
+                        # busy while the host logged), or after an evaluation, which is not training time
+                        window_start = record.end_time
+                        if do_eval and not pending:
+                            metrics = self._eval_metrics(metrics)
+                            if lg.num_samples > 0 and lg.name == "wandb":
+                                self._emit_samples(sinks, lg.num_samples)
+                            window_start = time.perf_counter()
+                        self._emit(sinks, metrics)
+                        self._progress.window_tokens, self._progress.window_start = 0, window_start
+                watchdog.disarm_step()
+                if rolled_back:
+                    continue
+                if do_save:
                     self.save()
                 slowest_step = max(slowest_step, time.perf_counter() - step_start)
                 stop.margin_s = 2 * slowest_step  # leave time for one more step and the save
                 if not last and stop.should_stop():
                     self.stop_reason = stop.reason
+                    while pending:  # the checkpoint counts every launched step's outcome
+                        self._settle(pending.pop(0), pending)
                     self._report(f"stop requested ({stop.reason}): saving step {self.step} and exiting")
-                    if not (t.save_every > 0 and self.step % t.save_every == 0):
+                    if not do_save:
                         self.save()
                     break
             self.finish_saves()
@@ -528,6 +531,85 @@ class Trainer:
             for sink in sinks:
                 sink.close()
         return metrics
+
+    settle_lag = 1  # steps launched before the host reads a step's outcome; 0 on the CPU (__init__), where it is free
+
+    def _record(self, out: dict, log: bool) -> "_StepRecord":
+        """The launched step's outcome as a pending record: its loss, gradient norm and finite check copied to the
+        host asynchronously behind a CUDA event (on the CPU: copied at once), with what the host knows now."""
+        finite = out["finite"]
+        values = torch.stack([out["loss"].double(), out["grad_norm"].double(),
+                              finite.double() if torch.is_tensor(finite) else
+                              torch.tensor(float(finite), dtype=torch.float64, device=out["loss"].device)])
+        event = None
+        if values.device.type == "cuda":
+            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = values
+        return _StepRecord(step=self.step, data_step=self.data_step, lr=out["lr"], tokens=out["tokens"], log=log,
+                           values=host, event=event,
+                           graph_replays=self.block_graphs.replays if self.block_graphs else None)
+
+    def _settle(self, record: "_StepRecord", pending: list) -> None:
+        """Wait for ``record``'s step to finish on the device and account for it: a skipped update is reported and
+        counted; ``train.max_skipped_steps`` in a row settle the rest of ``pending``, save and raise DifflmError."""
+        t, progress = self.cfg.train, self._progress
+        if record.event is not None:
+            record.event.synchronize()  # this step only: the steps launched after it keep the device busy
+        record.end_time = time.perf_counter()
+        record.loss, record.grad_norm, finite = (float(v) for v in record.values.tolist())
+        progress.window_tokens += record.tokens
+        if finite:
+            progress.skipped_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        progress.skipped_in_a_row += 1
+        self._report(f"step {record.step}: non-finite loss or gradient norm, update skipped "
+                     f"({progress.skipped_in_a_row} in a row, {self.skipped_steps} in all)")
+        if progress.skipped_in_a_row >= t.max_skipped_steps:
+            while pending:
+                self._settle(pending.pop(0), pending)
+            self.save()
+            self.finish_saves()
+            raise DifflmError(f"{progress.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
+                              f"{t.max_skipped_steps}) at step {self.step}; saved the last weights: "
+                              "lower optim.lr, raise optim.grad_clip, or inspect the data at this step")
+
+    def _spiked(self, record: "_StepRecord") -> bool:
+        """``train.spike_threshold``: the settled step's loss above threshold x its running mean rolls the run back
+        (:meth:`_roll_back`); True when it did."""
+        progress, loss = self._progress, record.loss
+        if progress.loss_mean is not None and loss > self.cfg.train.spike_threshold * progress.loss_mean \
+                and self._roll_back():
+            progress.loss_mean = None
+            return True
+        progress.loss_mean = loss if progress.loss_mean is None else 0.9 * progress.loss_mean + 0.1 * loss
+        return False
+
+    def _log_metrics(self, record: "_StepRecord", has_moe: bool) -> dict:
+        """The metrics row of a settled step; tokens/s over the steps settled since the last row."""
+        progress = self._progress
+        tokens_per_s = progress.window_tokens / max(record.end_time - progress.window_start, 1e-9)
+        per_gpu = tokens_per_s / self.dims.world_size
+        return {
+            "step": record.step,
+            "loss": record.loss,
+            "grad_norm": record.grad_norm,
+            "lr": record.lr,
+            "tokens_per_s": tokens_per_s,  # all ranks together
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu(per_gpu, self.flops_per_token, self.peak),  # per device = of the whole job
+            "mem_gib": memory_gib(self.device),
+            **({"cuda_graph_replays": record.graph_replays} if record.graph_replays is not None else {}),
+            "skipped_steps": self.skipped_steps,
+            # MoE statistics live in the layers: a MoE logging step is settled before the next one is launched
+            **(moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None)
+               if has_moe else {}),
+            **self.sampler.report(record.data_step),  # epochs (and each blend source's share)
+        }
 
     def _roll_back(self) -> bool:
         """Loss spike (``train.spike_threshold``): reload the latest checkpoint and skip the data window from
@@ -571,3 +653,30 @@ class Trainer:
             sink.log_samples(self.step, samples)
         (self.run_dir / "samples.txt").write_text(
             "".join(f"--- step {self.step} sample {i} ---\n{s}\n" for i, s in enumerate(samples)), encoding="utf-8")
+
+
+@dataclasses.dataclass
+class _StepRecord:
+    """A launched optimizer step whose outcome the host has not read yet (:meth:`Trainer.fit`)."""
+
+    step: int
+    data_step: int
+    lr: float
+    tokens: int
+    log: bool
+    values: torch.Tensor  # float64 [3] on the host once ``event`` has passed: loss, gradient norm, finite (1/0)
+    event: Optional[torch.cuda.Event]
+    graph_replays: Optional[int]
+    end_time: float = 0.0  # perf_counter when the host saw the step finish
+    loss: float = math.nan
+    grad_norm: float = math.nan
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What :meth:`Trainer.fit` carries from one settled step to the next."""
+
+    window_start: float
+    window_tokens: int = 0
+    skipped_in_a_row: int = 0
+    loss_mean: Optional[float] = None
