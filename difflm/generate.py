@@ -41,15 +41,19 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
     (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size``.
 
-    Raises: DifflmError for settings a ``bd3lm`` run cannot sample with; GenerationConfigError for a bad ``gen.*``.
+    Raises: DifflmError for settings a ``bd3lm`` run cannot sample with; GenerationConfigError for a bad ``gen.*``
+    and, for an ``ar`` (``causal``) run, for a diffusion-only ``gen.*`` setting it would ignore.
     """
     bd3lm = not causal and objective is not None and objective.name == "bd3lm"
     if bd3lm and gen.get("cfg_scale", 0.0) > 0:
         raise DifflmError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
-    return GenerationOptions.from_config(
+    opts = GenerationOptions.from_config(
         gen, mask_id=tok.mask_id, forbid_ids=forbidden_ids(tok, model.cfg.vocab_size),
         shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
         block_size=objective.block_size if bd3lm else None)
+    if causal:
+        opts.check_autoregressive()
+    return opts
 
 
 @torch.no_grad()

@@ -68,6 +68,9 @@ def test_wrong_type_fails_at_compose_time():
     (["objective=ar", "model.shift_logits=true"], "model.shift_logits=true is for masked diffusion"),
     (["objective=bd3lm", "model.shift_logits=true"], "model.shift_logits=true with objective=bd3lm"),
     (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"], "gen.cfg_scale is not implemented"),
+    (["objective=ar", "gen.threshold=0.9", "gen.cache=prefix", "logger.num_samples=2"],
+     "gen.threshold=0.9, gen.cache=prefix: objective=ar runs decode left to right and read only gen.length, "
+     "gen.temperature, gen.top_k, gen.top_p and gen.seed: drop gen.threshold gen.cache"),
     (["profile.enabled=true", "profile.active=0"], "profile.active=0"),
     (["profile.enabled=true", "train.max_steps=3"], "profile.wait + profile.warmup + profile.active = 10 steps, "
      "more than train.max_steps=3"),

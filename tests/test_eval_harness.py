@@ -182,6 +182,17 @@ def test_generate_until_stops(runs, objective):
         assert c == (f[:f.index(stop)] if stop in f else f)
 
 
+def test_ar_run_refuses_diffusion_only_model_args(runs):
+    """The ar run was trained with gen.steps=8, gen.block_length=8 (never read by its decoding: generate_until above
+    runs with them reset); a diffusion-only setting given to the harness for it is refused at construction."""
+    from difflm.sampling.options import GenerationConfigError
+
+    assert DifflmHarnessLM(run_dir=runs["ar"], device="cpu", length=8).gen.steps == 64
+    with pytest.raises(GenerationConfigError, match=r"^gen.steps=4: objective=ar runs decode left to right"):
+        DifflmHarnessLM(run_dir=runs["ar"], device="cpu", steps=4)
+    assert DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", steps=4).gen.steps == 4
+
+
 def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
     import lm_eval
 

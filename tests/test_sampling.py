@@ -293,3 +293,27 @@ def test_block_sampler_confidences_do_not_tie(remasking):
     o = GenerationOptions(mask_id=TIE_MASK, length=2, steps=2, block_size=3, remasking=remasking)
     out = block_diffusion_generate(peaked_leads, torch.tensor([[0]]), o)
     assert out.tolist() == [[0, 0, 2]]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_diffusion_only_settings_are_refused_for_ar_runs(causal):
+    """Left-to-right decoding reads gen.length / temperature / top_k / top_p / seed only: a diffusion-only key set on
+    an ar run (difflm-generate, the harness, end-of-training samples) is refused, naming it, instead of ignored."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig
+    from difflm.generate import generation_options
+
+    model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=16))
+    tok = SimpleNamespace(mask_id=15, tokenizer=list(range(15)))
+    plain = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 12, "temperature": 0.7, "top_k": 3})
+    assert generation_options(model, tok, plain, causal).length == 12
+    steps = OmegaConf.merge(plain, {"steps": 12, "remasking": "random"})
+    if causal:
+        with pytest.raises(GenerationConfigError, match=r"^gen.steps=12, gen.remasking=random: objective=ar runs "
+                                                        r"decode left to right .* drop gen.steps gen.remasking$"):
+            generation_options(model, tok, steps, causal)
+    else:
+        assert generation_options(model, tok, steps, causal).remasking == "random"

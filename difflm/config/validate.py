@@ -358,8 +358,9 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
 def check_end_samples(cfg) -> None:
     """The ``gen.*`` settings a run draws its end-of-training samples with (``logger.num_samples > 0``), checked
-    before training rather than after it: the sampler's value ranges and, for the LLaDA sampler (every diffusion
-    objective but ``bd3lm``, which samples block by block), the block and step counts.
+    before training rather than after it: the sampler's value ranges, for the LLaDA sampler (every diffusion
+    objective but ``bd3lm``, which samples block by block) the block and step counts, and for ``ar`` runs that no
+    diffusion-only key is set (left-to-right decoding would ignore it).
 
     Raises: DifflmError with the sampler's message (naming the key and a consistent setting) and the way out."""
     if cfg.logger.num_samples <= 0:
@@ -369,7 +370,9 @@ def check_end_samples(cfg) -> None:
 
     try:
         opts = GenerationOptions.from_config(cfg.gen, mask_id=0)
-        if cfg.objective.name not in ("ar", "bd3lm"):
+        if cfg.objective.name == "ar":
+            opts.check_autoregressive()
+        elif cfg.objective.name != "bd3lm":
             _validate(opts)
     except GenerationConfigError as err:
         raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="

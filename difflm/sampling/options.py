@@ -14,6 +14,8 @@ from difflm.errors import DifflmError
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
 CACHES = ("none", "prefix", "dual")
+# GenerationOptions fields that only the diffusion samplers read (the autoregressive one ignores them)
+DIFFUSION_ONLY = ("steps", "block_length", "remasking", "cfg_scale", "threshold", "cache")
 
 
 class GenerationConfigError(DifflmError, ValueError):
@@ -100,9 +102,26 @@ class GenerationOptions:
         return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
                    block_size=block_size, **values)
 
+    def diffusion_settings(self) -> list[str]:
+        """``gen.<key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that is
+        not at its default: what left-to-right decoding (``objective=ar``) would silently ignore."""
+        return [f"gen.{k}={getattr(self, k)}" for k in DIFFUSION_ONLY
+                if getattr(self, k) != GenerationOptions.__dataclass_fields__[k].default]
+
+    def check_autoregressive(self) -> None:
+        """Raises GenerationConfigError when a diffusion-only setting is set for an ``ar`` run's decoding, which
+        reads only ``gen.length``, ``gen.temperature``, ``gen.top_k``, ``gen.top_p`` and ``gen.seed``."""
+        if changed := self.diffusion_settings():
+            keys = " ".join(c.split("=")[0] for c in changed)
+            raise GenerationConfigError(f"{', '.join(changed)}: objective=ar runs decode left to right and read only "
+                                        f"gen.length, gen.temperature, gen.top_k, gen.top_p and gen.seed: drop {keys}")
+
     def replace(self, **changes: Any) -> "GenerationOptions":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["CACHES", "GenerationConfigError", "GenerationOptions", "REMASKING"]
+# their defaults: a run's stored gen.* reset to these is what an ``ar`` run's decoding reads
+DIFFUSION_DEFAULTS = {k: GenerationOptions.__dataclass_fields__[k].default for k in DIFFUSION_ONLY}
+
+__all__ = ["CACHES", "DIFFUSION_DEFAULTS", "DIFFUSION_ONLY", "GenerationConfigError", "GenerationOptions", "REMASKING"]
