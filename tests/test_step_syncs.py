@@ -43,3 +43,44 @@ def test_a_training_step_does_not_wait_for_the_device(fast_cfg, tmp_path, object
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     print(objective, [str(w.message)[:120] for w in syncs])
     assert not syncs, [str(w.message) for w in syncs]
+
+
+def test_a_non_finite_step_is_skipped_on_the_device(fast_cfg):
+    """On CUDA the fused AdamW skips a poisoned step itself (found_inf): no weight, moment or step count moves, the
+    host learns of it a step later (``settle_lag`` 1), and the same run without the poison trains on from the
+    same weights."""
+    import json
+    from pathlib import Path
+
+    from difflm.training.trainer import Trainer
+
+    cfg = fast_cfg("device=cuda", "precision=bf16", "train.max_steps=4", "train.eval_every=0", "train.save_every=0",
+                   "logger.log_every=1")
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cuda"))
+    assert trainer.settle_lag == 1 and trainer.optimizer.param_groups[0]["fused"]
+    forward, seen = trainer.model.forward, {}
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out * float("nan") if trainer.data_step == 2 else out
+
+    trainer.model.forward = poisoned
+    real_step = trainer._finish_step
+
+    def spy(loss, grad_norm, tokens):
+        if trainer.step == 2:
+            seen["before"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            seen["steps"] = [float(s["step"]) for s in trainer.optimizer.state.values()]
+        out = real_step(loss, grad_norm, tokens)
+        if trainer.step == 3:
+            seen["after"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            seen["steps_after"] = [float(s["step"]) for s in trainer.optimizer.state.values()]
+        return out
+
+    trainer._finish_step = spy
+    trainer.fit()
+    assert all(torch.equal(seen["before"][k], v) for k, v in seen["after"].items())
+    assert seen["steps"] == seen["steps_after"] == [2.0] * len(seen["steps"])
+    rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1] and trainer.skipped_steps == 1
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["tokens_per_s"] > 0 for r in rows)
