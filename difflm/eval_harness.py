@@ -46,7 +46,7 @@ from omegaconf import OmegaConf
 
 from difflm.errors import DifflmError
 from difflm.generate import forbidden_ids, generate_ids, load_run
-from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationOptions
+from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationConfigError, GenerationOptions
 from difflm.training.precision import autocast_context
 
 eval_logger = logging.getLogger(__name__)
@@ -147,7 +147,10 @@ class DifflmHarnessLM(LM):
             run_gen = OmegaConf.merge(run_gen, DIFFUSION_DEFAULTS)  # count (and are refused: generation_options)
         self.gen = OmegaConf.merge(run_gen, gen_kwargs)
         if self.causal:  # a diffusion-only model_arg on an ar run: refused now, not at the first generate_until
-            GenerationOptions.from_config(self.gen, mask_id=self.tok.mask_id).check_autoregressive()
+            try:
+                GenerationOptions.from_config(self.gen, mask_id=self.tok.mask_id).check_autoregressive(prefix="")
+            except GenerationConfigError as err:
+                raise GenerationConfigError(f"model_args {err}") from None
         self.precision = ("bf16" if self.cfg.precision.name in ("bf16", "fp8") and self._device.type == "cuda"
                           else "fp32")
         self.forbid = forbidden_ids(self.tok, self.model.cfg.vocab_size)

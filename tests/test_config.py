@@ -137,3 +137,20 @@ def test_end_of_training_sampler_settings_are_checked_before_training(overrides,
                                    "set logger.num_samples=0)")
     check_run(compose_run(["logger.num_samples=0", *overrides]))  # no samples drawn: not this run's concern
     check_run(compose_run(["logger.num_samples=2", "objective=bd3lm", "gen.length=48", "gen.steps=48"]))  # per block
+
+
+def test_sampler_settings_are_checked_only_for_runs_that_sample():
+    """An ar run that draws no samples (train.sample_at_end=false, no W&B) is not refused for diffusion-only gen.*;
+    one that samples at the end, or at each evaluation for W&B, is."""
+    ar = ["objective=ar", "gen.steps=8", "logger.num_samples=2"]
+    check_run(compose_run([*ar, "train.sample_at_end=false"]))
+    for extra in ([], ["train.sample_at_end=false", "logger=wandb", "logger.mode=offline", "train.eval_every=5"]):
+        with pytest.raises(DifflmError, match=r"^gen.steps=8: objective=ar runs decode left to right"):
+            check_run(compose_run([*ar, *extra]))
+    check_run(compose_run(["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2", "train.sample_at_end=false"]))
+
+
+@pytest.mark.parametrize("key, value", [("logger.log_every", 0), ("train.max_skipped_steps", 0)])
+def test_step_counts_below_one_are_refused(key, value):
+    with pytest.raises(DifflmError, match=rf"^{key}={value} must be >= 1"):
+        check_run(compose_run([f"{key}={value}"]))

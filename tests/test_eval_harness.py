@@ -188,7 +188,8 @@ def test_ar_run_refuses_diffusion_only_model_args(runs):
     from difflm.sampling.options import GenerationConfigError
 
     assert DifflmHarnessLM(run_dir=runs["ar"], device="cpu", length=8).gen.steps == 64
-    with pytest.raises(GenerationConfigError, match=r"^gen.steps=4: objective=ar runs decode left to right"):
+    with pytest.raises(GenerationConfigError, match=r"^model_args steps=4: objective=ar runs decode left to right and "
+                                                    r"read only length, temperature, top_k, top_p and seed: drop steps$"):
         DifflmHarnessLM(run_dir=runs["ar"], device="cpu", steps=4)
     assert DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", steps=4).gen.steps == 4
 

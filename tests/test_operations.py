@@ -341,7 +341,7 @@ def test_settling_a_step_late_logs_the_same_rows(fast_cfg, tmp_path):
         poison(trainer, {3}, float("nan"))
         order, launch, settle = [], trainer.train_step, trainer._settle
         trainer.train_step = lambda: (out := launch(), order.append(("launch", trainer.step)))[0]
-        trainer._settle = lambda record, pending: (order.append(("settle", record.step)), settle(record, pending))[1]
+        trainer._settle = lambda record: (order.append(("settle", record.step)), settle(record))[1]
         trainer.fit()
         if lag:  # step 1 is read after step 2 is launched; step 3 (evaluated, saved) before step 4 is
             assert order[:6] == [("launch", 1), ("launch", 2), ("settle", 1), ("launch", 3), ("settle", 2),
@@ -356,6 +356,79 @@ def test_settling_a_step_late_logs_the_same_rows(fast_cfg, tmp_path):
     assert rows[1][3]["step"] == 4 and rows[1][3]["skipped_steps"] == 1 and math.isnan(rows[1][3]["loss"])
     assert str(rows[0]) == str(rows[1])  # NaN-aware equality of every value
     assert checkpoints[0] == checkpoints[1] == [3, 6, 7]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_stop_on_a_logging_step_keeps_its_row(fast_cfg, monkeypatch, lag):
+    """A stop request (signal or train.time_limit) at a logging step: that step's row is written before the
+    checkpoint, also when its outcome was still unread (settled a step late, the GPU's way)."""
+    import difflm.training.trainer as trainer_module
+
+    class StopAtStep4(trainer_module.StopRequest):
+        def should_stop(self):
+            if trainer.step >= 4:
+                self.reason = "SIGTERM"
+            return self.reason is not None
+
+    monkeypatch.setattr(trainer_module, "StopRequest", StopAtStep4)
+    cfg = fast_cfg("train.max_steps=10", "logger.log_every=2", "train.save_every=0", "train.eval_every=0",
+                   "optim.fused=true")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.settle_lag = lag
+    trainer.fit()
+    rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert trainer.stop_reason == "SIGTERM" and [r["step"] for r in rows] == [2, 4]
+    assert latest_checkpoint(cfg.run.dir)[0] == 4
+
+
+class RecordingWatchdog:
+    """Stands in for StepWatchdog: the test records whether it is armed when the trainer evaluates or saves."""
+
+    def __init__(self):
+        self.armed, self.seen = False, []
+
+    def arm(self):
+        self.armed = True
+
+    def disarm_step(self):
+        self.armed = False
+
+    def close(self):
+        self.armed = False
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_step_timeout_and_tokens_per_s_leave_evaluation_out(fast_cfg, monkeypatch, lag):
+    """train.step_timeout arms around a step and the wait for its outcome, never around evaluation, a checkpoint or
+    a roll-back; the first tokens/s window starts after the step-0 evaluation (here 3 s long), not before it."""
+    import difflm.training.trainer as trainer_module
+
+    cfg = fast_cfg("train.max_steps=4", "logger.log_every=2", "train.save_every=2", "train.eval_every=4",
+                   "train.step_timeout=60", "optim.fused=true")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.settle_lag = lag
+    watchdogs = []
+    monkeypatch.setattr(trainer_module, "StepWatchdog", lambda *a, **k: watchdogs.append(RecordingWatchdog()) or
+                        watchdogs[-1])
+    evaluate, save = trainer._eval_metrics, trainer.save
+
+    def slow_evaluation(metrics):
+        watchdogs[0].seen.append(("eval", metrics["step"], watchdogs[0].armed))
+        if metrics["step"] == 0:
+            time.sleep(3.0)
+        return evaluate(metrics)
+
+    def recorded_save():
+        watchdogs[0].seen.append(("save", trainer.step, watchdogs[0].armed))
+        return save()
+
+    trainer._eval_metrics, trainer.save = slow_evaluation, recorded_save
+    trainer.fit()
+    assert watchdogs[0].seen == [("eval", 0, False), ("save", 2, False), ("eval", 4, False), ("save", 4, False)]
+    rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    tokens = 2 * cfg.train.global_batch_size * cfg.data.seq_len  # two steps in the step-2 window
+    assert rows[1]["tokens_per_s"] > tokens / 2.5  # the 3 s evaluation is not in it
 
 
 def test_loss_spike_reloads_and_skips_the_data(fast_cfg, capsys):

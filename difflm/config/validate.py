@@ -321,6 +321,10 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(o.length_multiple >= 1 and d.seq_len % o.length_multiple == 0,
              f"objective.length_multiple={o.length_multiple} must be >= 1 and divide data.seq_len={d.seq_len}")
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
+    _require(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1 (steps between "
+             "metrics rows; evaluation steps and the last step always write one)")
+    _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (non-finite steps "
+             "in a row before the run saves and stops)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
     _require(t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
              "evaluation off)")
@@ -349,21 +353,28 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
     check_cuda_graphs(cfg, world_size, device)
-    _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and cfg.logger.num_samples > 0),
+    _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and draws_samples(cfg)),
              "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
              f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     check_end_samples(cfg)
     return device
 
 
+def draws_samples(cfg) -> bool:
+    """Whether the trainer samples with ``gen.*``: ``logger.num_samples > 0`` and ``train.sample_at_end``, or W&B's
+    samples at each evaluation (``logger.name=wandb``, ``train.eval_every > 0``)."""
+    t, lg = cfg.train, cfg.logger
+    return lg.num_samples > 0 and bool(t.sample_at_end or (lg.name == "wandb" and t.eval_every > 0))
+
+
 def check_end_samples(cfg) -> None:
-    """The ``gen.*`` settings a run draws its end-of-training samples with (``logger.num_samples > 0``), checked
-    before training rather than after it: the sampler's value ranges, for the LLaDA sampler (every diffusion
-    objective but ``bd3lm``, which samples block by block) the block and step counts, and for ``ar`` runs that no
-    diffusion-only key is set (left-to-right decoding would ignore it).
+    """The ``gen.*`` settings a run samples with (:func:`draws_samples`), checked before training rather than after
+    it: the sampler's value ranges, for the LLaDA sampler (every diffusion objective but ``bd3lm``, which samples
+    block by block) the block and step counts, and for ``ar`` runs that no diffusion-only key is set (left-to-right
+    decoding would ignore it).
 
     Raises: DifflmError with the sampler's message (naming the key and a consistent setting) and the way out."""
-    if cfg.logger.num_samples <= 0:
+    if not draws_samples(cfg):
         return
     from difflm.sampling.diffusion import _validate
     from difflm.sampling.options import GenerationConfigError, GenerationOptions

@@ -102,19 +102,21 @@ class GenerationOptions:
         return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
                    block_size=block_size, **values)
 
-    def diffusion_settings(self) -> list[str]:
-        """``gen.<key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that is
-        not at its default: what left-to-right decoding (``objective=ar``) would silently ignore."""
-        return [f"gen.{k}={getattr(self, k)}" for k in DIFFUSION_ONLY
+    def diffusion_settings(self, prefix: str = "gen.") -> list[str]:
+        """``<prefix><key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that
+        is not at its default: what left-to-right decoding (``objective=ar``) would silently ignore."""
+        return [f"{prefix}{k}={getattr(self, k)}" for k in DIFFUSION_ONLY
                 if getattr(self, k) != GenerationOptions.__dataclass_fields__[k].default]
 
-    def check_autoregressive(self) -> None:
+    def check_autoregressive(self, prefix: str = "gen.") -> None:
         """Raises GenerationConfigError when a diffusion-only setting is set for an ``ar`` run's decoding, which
-        reads only ``gen.length``, ``gen.temperature``, ``gen.top_k``, ``gen.top_p`` and ``gen.seed``."""
-        if changed := self.diffusion_settings():
+        reads only ``gen.length``, ``gen.temperature``, ``gen.top_k``, ``gen.top_p`` and ``gen.seed``. ``prefix``:
+        how the caller spells the keys (``gen.`` on the command line, none in the lm-eval harness's model_args)."""
+        if changed := self.diffusion_settings(prefix):
             keys = " ".join(c.split("=")[0] for c in changed)
+            read = ", ".join(f"{prefix}{k}" for k in ("length", "temperature", "top_k", "top_p"))
             raise GenerationConfigError(f"{', '.join(changed)}: objective=ar runs decode left to right and read only "
-                                        f"gen.length, gen.temperature, gen.top_k, gen.top_p and gen.seed: drop {keys}")
+                                        f"{read} and {prefix}seed: drop {keys}")
 
     def replace(self, **changes: Any) -> "GenerationOptions":
         """A copy with ``changes`` applied (validated again)."""

@@ -468,7 +468,6 @@ class Trainer:
         watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
         profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
         has_moe = bool(moe_layers(self.model_parts))
-        self._progress = _Progress(window_start=time.perf_counter())
         pending: list[_StepRecord] = []
         metrics: dict = {}
         slowest_step = 0.0
@@ -476,9 +475,10 @@ class Trainer:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
                 self._emit(sinks, metrics)
+            self._progress = _Progress(window_start=time.perf_counter())  # after the evaluation: not training time
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
-                watchdog.arm()
+                watchdog.arm()  # train.step_timeout: the step and the wait for its outcome, not evaluation or saving
                 out = self.train_step()
                 profiler.step(self.step)
                 last = self.step == t.max_steps
@@ -490,22 +490,20 @@ class Trainer:
                 rolled_back = False
                 while len(pending) > (0 if now else self.settle_lag):
                     record = pending.pop(0)
-                    self._settle(record, pending)
-                    if not self._progress.skipped_in_a_row and t.spike_threshold > 0 and self._spiked(record):
-                        rolled_back = True  # only the newest record is settled with a spike threshold
-                        break
+                    self._settle(record)
+                    if self._progress.skipped_in_a_row >= t.max_skipped_steps:
+                        watchdog.disarm_step()
+                        self._stop_after_skips(pending)
+                    if t.spike_threshold > 0 and not self._progress.skipped_in_a_row:
+                        watchdog.disarm_step()  # a roll-back loads a checkpoint
+                        if self._spiked(record):  # only the newest record is settled with a spike threshold
+                            rolled_back = True
+                            break
                     if record.log:
-                        metrics = self._log_metrics(record, has_moe)
-                        # the next window starts where the device finished this step (the launched steps kept it
-                        # busy while the host logged), or after an evaluation, which is not training time
-                        window_start = record.end_time
-                        if do_eval and not pending:
-                            metrics = self._eval_metrics(metrics)
-                            if lg.num_samples > 0 and lg.name == "wandb":
-                                self._emit_samples(sinks, lg.num_samples)
-                            window_start = time.perf_counter()
-                        self._emit(sinks, metrics)
-                        self._progress.window_tokens, self._progress.window_start = 0, window_start
+                        evaluate = do_eval and not pending
+                        if evaluate:
+                            watchdog.disarm_step()
+                        metrics = self._log_row(record, sinks, has_moe, evaluate)
                 watchdog.disarm_step()
                 if rolled_back:
                     continue
@@ -515,8 +513,11 @@ class Trainer:
                 stop.margin_s = 2 * slowest_step  # leave time for one more step and the save
                 if not last and stop.should_stop():
                     self.stop_reason = stop.reason
-                    while pending:  # the checkpoint counts every launched step's outcome
-                        self._settle(pending.pop(0), pending)
+                    while pending:  # every launched step's outcome is counted (and logged) before the checkpoint
+                        record = pending.pop(0)
+                        self._settle(record)
+                        if record.log:
+                            metrics = self._log_row(record, sinks, has_moe, evaluate=False)
                     self._report(f"stop requested ({stop.reason}): saving step {self.step} and exiting")
                     if not do_save:
                         self.save()
@@ -553,10 +554,10 @@ class Trainer:
                            values=host, event=event,
                            graph_replays=self.block_graphs.replays if self.block_graphs else None)
 
-    def _settle(self, record: "_StepRecord", pending: list) -> None:
+    def _settle(self, record: "_StepRecord") -> None:
         """Wait for ``record``'s step to finish on the device and account for it: a skipped update is reported and
-        counted; ``train.max_skipped_steps`` in a row settle the rest of ``pending``, save and raise DifflmError."""
-        t, progress = self.cfg.train, self._progress
+        counted (``skipped_steps``, and the run of them in ``self._progress``)."""
+        progress = self._progress
         if record.event is not None:
             record.event.synchronize()  # this step only: the steps launched after it keep the device busy
         record.end_time = time.perf_counter()
@@ -569,14 +570,34 @@ class Trainer:
         progress.skipped_in_a_row += 1
         self._report(f"step {record.step}: non-finite loss or gradient norm, update skipped "
                      f"({progress.skipped_in_a_row} in a row, {self.skipped_steps} in all)")
-        if progress.skipped_in_a_row >= t.max_skipped_steps:
-            while pending:
-                self._settle(pending.pop(0), pending)
-            self.save()
-            self.finish_saves()
-            raise DifflmError(f"{progress.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
-                              f"{t.max_skipped_steps}) at step {self.step}; saved the last weights: "
-                              "lower optim.lr, raise optim.grad_clip, or inspect the data at this step")
+
+    def _stop_after_skips(self, pending: list) -> None:
+        """``train.max_skipped_steps`` non-finite steps in a row: count the steps launched since (``pending``), save
+        the last weights and raise DifflmError."""
+        t = self.cfg.train
+        while pending:
+            self._settle(pending.pop(0))
+        self.save()
+        self.finish_saves()
+        raise DifflmError(f"{self._progress.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
+                          f"{t.max_skipped_steps}) at step {self.step}; saved the last weights: "
+                          "lower optim.lr, raise optim.grad_clip, or inspect the data at this step")
+
+    def _log_row(self, record: "_StepRecord", sinks, has_moe: bool, evaluate: bool) -> dict:
+        """Emit the metrics row of a settled step (with the evaluation, and W&B samples, when ``evaluate``) and start
+        the next tokens/s window: where the device finished this step (the steps launched after it kept the device
+        busy while the host logged), or after the evaluation, which is not training time. Returns the row."""
+        lg = self.cfg.logger
+        metrics = self._log_metrics(record, has_moe)
+        window_start = record.end_time
+        if evaluate:
+            metrics = self._eval_metrics(metrics)
+            if lg.num_samples > 0 and lg.name == "wandb":
+                self._emit_samples(sinks, lg.num_samples)
+            window_start = time.perf_counter()
+        self._emit(sinks, metrics)
+        self._progress.window_tokens, self._progress.window_start = 0, window_start
+        return metrics
 
     def _spiked(self, record: "_StepRecord") -> bool:
         """``train.spike_threshold``: the settled step's loss above threshold x its running mean rolls the run back
