@@ -142,11 +142,10 @@ class DifflmHarnessLM(LM):
         unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
         if unknown:
             raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")
-        run_gen = self.cfg.gen
-        if self.causal:  # the run's diffusion-only gen.* never reached its left-to-right decoding; only the caller's
-            run_gen = OmegaConf.merge(run_gen, DIFFUSION_DEFAULTS)  # count (and are refused: generation_options)
-        self.gen = OmegaConf.merge(run_gen, gen_kwargs)
-        if self.causal:  # a diffusion-only model_arg on an ar run: refused now, not at the first generate_until
+        # an ar run's own diffusion-only gen.* never reached its left-to-right decoding: only the caller's count,
+        # and those are refused now, not at the first generate_until
+        self.gen = OmegaConf.merge(self.cfg.gen, *([DIFFUSION_DEFAULTS] if self.causal else []), gen_kwargs)
+        if self.causal:
             try:
                 GenerationOptions.from_config(self.gen, mask_id=self.tok.mask_id).check_autoregressive(prefix="")
             except GenerationConfigError as err:

@@ -105,8 +105,8 @@ class GenerationOptions:
     def diffusion_settings(self, prefix: str = "gen.") -> list[str]:
         """``<prefix><key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that
         is not at its default: what left-to-right decoding (``objective=ar``) would silently ignore."""
-        return [f"{prefix}{k}={getattr(self, k)}" for k in DIFFUSION_ONLY
-                if getattr(self, k) != GenerationOptions.__dataclass_fields__[k].default]
+        return [f"{prefix}{k}={getattr(self, k)}" for k, default in DIFFUSION_DEFAULTS.items()
+                if getattr(self, k) != default]
 
     def check_autoregressive(self, prefix: str = "gen.") -> None:
         """Raises GenerationConfigError when a diffusion-only setting is set for an ``ar`` run's decoding, which
