@@ -1,9 +1,12 @@
 """Time the optimizer step of a model preset alone: fused AdamW, the gradient norm and clipping, and zeroing the
-gradient buffers, each against the bytes it must move (HBM traffic / time = achieved bandwidth).
+gradient buffers, each against the bytes it must move (HBM traffic / time = achieved bandwidth). The trainer's step
+with a fused AdamW is ``norm`` + ``adamw_clipped`` (the clipping coefficient applied inside the fused kernel); other
+optimizers run ``norm_and_clip`` + ``adamw``.
 
 The parameters are FP32 tensors of the preset's shapes (``difflm.model.build_model`` on the meta device, then
 materialised empty on the GPU); the step is the trainer's (``difflm.training.optimizer.build_optimizer``,
-``difflm.parallel.parallelize.grad_norm_and_clip``), so a lever tried here is the one the trainer runs.
+``difflm.parallel.parallelize``, ``difflm.training.optimizer.step_unless_nonfinite``), so a lever tried here is the
+one the trainer runs.
 
     python scripts/optimizer_speed.py model=1.7b --steps 10
 
@@ -31,8 +34,8 @@ def main(argv=None) -> None:
     from benchmark import compose, median_cuda_ms
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config
-    from difflm.parallel.parallelize import grad_norm_and_clip
-    from difflm.training.optimizer import build_optimizer
+    from difflm.parallel.parallelize import clip_coefficient, global_grad_norm, grad_norm_and_clip
+    from difflm.training.optimizer import build_optimizer, step_unless_nonfinite
 
     cfg = compose(args.overrides)
     resolve_model_config(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple).padded_vocab_size)
@@ -45,9 +48,12 @@ def main(argv=None) -> None:
     holder = torch.nn.Module()
     holder.params = torch.nn.ParameterList(params)
     optimizer = build_optimizer(holder, cfg.optim, device)
+    finite, coef = torch.ones((), dtype=torch.bool, device=device), clip_coefficient(torch.tensor(2.0, device=device), 1.0)
     results = {
         # param, grad, exp_avg, exp_avg_sq read; param, exp_avg, exp_avg_sq written (FP32)
         "adamw": (median_cuda_ms(optimizer.step, args.steps), 28 * n),
+        "adamw_clipped": (median_cuda_ms(lambda: step_unless_nonfinite(optimizer, finite, coef), args.steps), 28 * n),
+        "norm": (median_cuda_ms(lambda: global_grad_norm(params), args.steps), 4 * n),
         # every gradient read once for the norm, read and written once by the clip
         "norm_and_clip": (median_cuda_ms(lambda: grad_norm_and_clip(params, 1e-9), args.steps), 12 * n),
         "zero_grads": (median_cuda_ms(lambda: torch._foreach_zero_([p.grad for p in params]), args.steps), 4 * n),

@@ -299,10 +299,10 @@ def test_non_finite_step_is_skipped(fast_cfg, fused, lag):
     before = {}
     real_step = trainer._finish_step
 
-    def spy(loss, grad_norm, tokens):
+    def spy(*args, **kwargs):
         if trainer.step == 2:
             before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
-        out = real_step(loss, grad_norm, tokens)
+        out = real_step(*args, **kwargs)
         if trainer.step == 3:  # the poisoned step changed no weight
             assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
         return out

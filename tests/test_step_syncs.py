@@ -67,11 +67,11 @@ def test_a_non_finite_step_is_skipped_on_the_device(fast_cfg):
     trainer.model.forward = poisoned
     real_step = trainer._finish_step
 
-    def spy(loss, grad_norm, tokens):
+    def spy(*args, **kwargs):
         if trainer.step == 2:
             seen["before"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
             seen["steps"] = [float(s["step"]) for s in trainer.optimizer.state.values()]
-        out = real_step(loss, grad_norm, tokens)
+        out = real_step(*args, **kwargs)
         if trainer.step == 3:
             seen["after"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
             seen["steps_after"] = [float(s["step"]) for s in trainer.optimizer.state.values()]

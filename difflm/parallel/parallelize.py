@@ -136,15 +136,26 @@ def enable_async_tensor_parallel() -> None:
 
 def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None,
                        tp_sharded: frozenset = frozenset()) -> torch.Tensor:
-    """Global L2 norm of the gradients of a sharded model, then clip to ``max_norm`` (inf: no clipping).
+    """Global L2 norm of the gradients of a sharded model (:func:`global_grad_norm`), then clip them to ``max_norm``
+    (inf: no clipping) in place (:func:`scale_grads_`). Returns the norm before clipping (a plain scalar tensor)."""
+    params = [p for p in parameters if p.grad is not None]
+    total = global_grad_norm(params, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
+    coef = clip_coefficient(total, max_norm)
+    if coef is not None:
+        scale_grads_(params, coef)
+    return total
+
+
+def global_grad_norm(parameters, pp_group=None, tp_group=None, tp_sharded: frozenset = frozenset()) -> torch.Tensor:
+    """Global L2 norm of the gradients of a sharded model: an FP32 scalar tensor on the gradients' device, the same on
+    every rank (no host sync).
 
     Per-gradient norms are DTensor reductions (sharded grads sum their squares over the shard group,
     replicated ones count once), as torchtitan's ``clip_grad_norm_``; stages of a pipeline hold disjoint
     parameters, so their squared norms are summed over ``pp_group``. Gradients whose placement differs from
     their parameter's (partial sums of replicated parameters under sequence parallelism) are first
-    redistributed to it. Plain tensors that are tensor-parallel shards (the TE backend's, ``id`` in
-    ``tp_sharded``) have their squares summed over ``tp_group``. Returns the norm before clipping (a plain
-    scalar tensor).
+    redistributed to it (in place: ``p.grad`` is replaced). Plain tensors that are tensor-parallel shards (the TE
+    backend's, ``id`` in ``tp_sharded``) have their squares summed over ``tp_group``.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -173,11 +184,25 @@ def grad_norm_and_clip(parameters, max_norm: float, pp_group=None, tp_group=None
         total_sq = total_sq + sharded_sq
     if pp_group is not None:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
-    total = total_sq.sqrt()
-    if math.isfinite(max_norm):  # the coefficient of torch.nn.utils.clip_grads_with_norm_, as a tensor: no host sync
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for kind in (True, False):  # foreach ops take DTensors and plain tensors only in separate lists
-            grads = [p.grad.to_local() if kind else p.grad for p in params if isinstance(p.grad, DTensor) == kind]
-            if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return total
+    return total_sq.sqrt()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:
+    """The factor that clips gradients of global norm ``total_norm`` to ``max_norm``: ``min(1, max_norm / (norm +
+    1e-6))``, torch's ``clip_grad_norm_`` (``torch.nn.utils.clip_grads_with_norm_``), as a scalar tensor (no host
+    sync); None when ``max_norm`` is inf (no clipping)."""
+    if not math.isfinite(max_norm):
+        return None
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def scale_grads_(parameters, coef: torch.Tensor) -> None:
+    """Multiply every gradient of ``parameters`` by the scalar tensor ``coef`` in place (multi-tensor kernels; plain
+    tensors and DTensors in separate calls, as the foreach ops take them)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    for kind in (True, False):
+        grads = [p.grad.to_local() if kind else p.grad for p in params if isinstance(p.grad, DTensor) == kind]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))

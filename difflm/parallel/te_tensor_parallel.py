@@ -12,7 +12,7 @@ Korthikanti et al. 2022, sec. 4.2.2):
   (``layer_norm_weight``, ``final_norm.weight`` with sequence parallelism) and the QK-norm scales, which each
   rank applies to its own heads only; :func:`all_reduce_partial_grads` sums them, like Megatron-LM's
   ``finalize_model_grads`` for parameters marked ``sequence_parallel``;
-* the global gradient norm (sharded parameters' squares summed over TP): :func:`grad_norm_and_clip`
+* the global gradient norm (sharded parameters' squares summed over TP): :func:`difflm.parallel.parallelize.global_grad_norm`
   takes :func:`sharded_param_ids`;
 * the same initial weights as one process (:class:`TensorParallelShards` draws the full tensor and keeps
   this rank's slice) and layout-independent checkpoints (:func:`full_tensor` / :func:`local_shard`).
@@ -197,7 +197,7 @@ def all_reduce_partial_grads(parts: Iterable[nn.Module], group, sequence_paralle
 
 
 def sharded_param_ids(parts: Iterable[nn.Module]) -> set[int]:
-    """``id`` of every parameter that holds a TP shard (for :func:`grad_norm_and_clip`)."""
+    """``id`` of every parameter that holds a TP shard (for :func:`difflm.parallel.parallelize.global_grad_norm`)."""
     return {id(p) for name, p in _named(parts) if shard_dim(name) is not None}
 
 

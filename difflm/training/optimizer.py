@@ -1,6 +1,8 @@
 """AdamW with the usual no-decay split (norm scales and other 1-D tensors are not decayed)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -33,19 +35,31 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
         g.get("fused") for g in optimizer.param_groups)
 
 
-def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, finite: torch.Tensor,
+                          grad_factor: Optional[torch.Tensor] = None) -> None:
     """One step of a fused Adam / AdamW (:func:`skips_on_device`) that leaves every parameter, moment and step
     count as it was when ``finite`` (a bool scalar tensor on the parameters' device) is False, without a host sync.
 
+    ``grad_factor`` (an FP32 scalar tensor, e.g. the clipping coefficient of
+    :func:`difflm.parallel.parallelize.clip_coefficient`) multiplies every gradient inside the fused kernel, which
+    divides them by its ``grad_scale`` (the GradScaler's unscaling) before the update: the clipped step without a
+    separate pass over the gradients. The gradients are left unscaled or scaled as the kernel leaves them; read them
+    before the step.
+
     Raises:
-        ValueError: ``optimizer`` is not fused, or already carries a ``found_inf`` (a GradScaler's).
+        ValueError: ``optimizer`` is not fused, or already carries a ``found_inf`` / ``grad_scale`` (a GradScaler's).
     """
     if not skips_on_device(optimizer):
         raise ValueError("step_unless_nonfinite needs a fused Adam/AdamW (optim.fused=true); others take the host check")
-    if getattr(optimizer, "found_inf", None) is not None:
-        raise ValueError("the optimizer already carries a found_inf (torch.amp.GradScaler's): use scaler.step")
+    if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
+        raise ValueError("the optimizer already carries a found_inf / grad_scale (torch.amp.GradScaler's): use "
+                         "scaler.step")
     optimizer.found_inf = (~finite).to(torch.float32)
+    if grad_factor is not None:
+        optimizer.grad_scale = grad_factor.to(torch.float32).reciprocal()
     try:
         optimizer.step()
     finally:
         del optimizer.found_inf
+        if grad_factor is not None:
+            del optimizer.grad_scale

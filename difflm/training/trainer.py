@@ -221,19 +221,26 @@ class Trainer:
         group = self.mesh["stage"].get_group() if self.dims.distributed else None
         return autocast_context(self.cfg.precision, self.device, amax_reduction_group=group)
 
-    def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> dict:
+    def _finish_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, clip=None) -> dict:
         """Optimizer and schedule step, which changes no weight when the loss or gradient norm is not finite (the
         step and its data still count). A fused AdamW (the default on GPUs) skips on the device: the host does not
-        wait for the step's outcome (:func:`difflm.training.optimizer.step_unless_nonfinite`); fp16's GradScaler
-        skips non-finite gradients itself (and rescales); other optimizers read the finite check first. The
-        returned ``finite`` (a bool scalar tensor, or a bool) is read when the step is settled (:meth:`fit`)."""
+        wait for the step's outcome (:func:`difflm.training.optimizer.step_unless_nonfinite`), and applies the
+        gradient clipping ``clip`` = (parameters, coefficient), or None, inside its kernel; fp16's GradScaler
+        skips non-finite gradients itself (and rescales); other optimizers read the finite check first. Those
+        paths clip the gradients in place first. The returned ``finite`` (a bool scalar tensor, or a bool) is read
+        when the step is settled (:meth:`fit`)."""
+        from difflm.parallel.parallelize import scale_grads_
+
         lr = self.scheduler.get_last_lr()[0]
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        fused = skips_on_device(self.optimizer) and not self.scaler.is_enabled()
+        if clip is not None and not fused:
+            scale_grads_(*clip)
         if self.scaler.is_enabled():
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif skips_on_device(self.optimizer):
-            step_unless_nonfinite(self.optimizer, finite)
+        elif fused:  # the clipping coefficient multiplies the gradients inside the fused kernel: no pass of its own
+            step_unless_nonfinite(self.optimizer, finite, grad_factor=None if clip is None else clip[1])
         else:
             finite = bool(finite)  # a host sync: only optimizers without a device-side skip take it
             if finite:
@@ -255,7 +262,7 @@ class Trainer:
         rescale them.
         """
         from difflm.parallel.fsdp import FSDPModule
-        from difflm.parallel.parallelize import grad_norm_and_clip
+        from difflm.parallel.parallelize import clip_coefficient, global_grad_norm
         from difflm.parallel.te_tensor_parallel import all_reduce_partial_grads
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
@@ -290,9 +297,11 @@ class Trainer:
         tp_group, sp, tp_sharded = self.te_tp or (None, False, frozenset())
         if tp_group is not None:  # TE's TP shards are plain tensors: partial gradients need the TP group
             all_reduce_partial_grads(self.model_parts, tp_group, sp)
-        grad_norm = grad_norm_and_clip(params, max_norm, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
+        grad_norm = global_grad_norm(params, pp_group, tp_group=tp_group, tp_sharded=tp_sharded)
+        coef = clip_coefficient(grad_norm, max_norm)
         loss = pdist.all_reduce_sum(loss) / dims.tp  # tp ranks hold the same loss; pp: only the last stage's
-        return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len)
+        return self._finish_step(loss, grad_norm, t.global_batch_size * seq_len,
+                                 clip=None if coef is None else (params, coef))
 
     def _capture_block_graphs(self) -> None:
         """``train.cuda_graphs``: capture the blocks at the run's micro-batch shape (one process; checked by
