@@ -38,6 +38,8 @@
 #                                        #        benchmark row (profiled) and the trainer of an earlier commit;
 #   bash scripts/gpu_session.sh speed13|speed14  # speed13: the BF16 comparison again, S=2048 also at micro-batch 16;
 #                                        #        speed14: every 1.7B target against MegaDLMs in one call
+#   bash scripts/gpu_session.sh quackqkv|speed15  # the attention half's norm + QKV on quack and the clip inside
+#                                        #        the fused AdamW: tests, the row before/after; then against MegaDLMs
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -45,7 +47,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -579,6 +581,41 @@ speed14)
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" \
     "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
   tail -14 "$OUT/bench.log"
+  ;;
+quackqkv)
+  # issue 17, session 29, one GPU: the attention half's norm + QKV projection on quack (model.fused_mlp also builds
+  # difflm.model.quack_norm_linear.ResidualNormLinear: the residual's gradient added in the norm kernel) and the
+  # clipping inside the fused AdamW, tested; the optimizer alone; the BF16 + FA4 + fused micro-batch 8 row (its new
+  # QKV shapes autotuned, profiled) beside the same row of the commit before (exported with `git archive <rev> difflm
+  # conf scripts pyproject.toml` into .device-stage/old, carried); quack's cache comes back as quack_cache.tgz
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 150 python3 -m pytest tests/test_quack_mlp.py tests/test_step_syncs.py tests/test_optimizer.py -q \
+    -p no:cacheprovider -rs 2>&1 | tail -4
+  timeout 60 python3 scripts/optimizer_speed.py model=1.7b 2>&1 | tail -6
+  ROW="--no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 300"
+  timeout 310 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda $ROW --json "$OUT/bench.json" --profile te-bf16-flash-mb8-fusedmlp \
+    --variant "te-bf16-flash-mb8-fusedmlp: $F $FM" > "$OUT/bench.log" 2>&1
+  grep -A3 "^row " "$OUT/bench.log" | tail -2; grep -i "busy\|share\|LayerNormLinear\|NormLinear" "$OUT/bench.log" | tail -6
+  tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . && ls -la "$OUT/quack_cache.tgz"
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 150 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda $ROW --json "$OUT/bench_before.json" \
+    --variant "before-te-bf16-flash-mb8-fusedmlp: $F $FM" > "$OUT/bench_before.log" 2>&1; \
+    grep -A3 "^row " "$OUT/bench_before.log" | tail -2)
+  ;;
+speed15)
+  # issue 17, session 29, one GPU: the BF16 comparison against MegaDLMs with the quack QKV input and the clipping
+  # inside the fused AdamW (run after quackqkv on the same machine, or with its quack_cache.tgz carried)
+  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  MEGADLMS_PRECISIONS=${MEGADLMS_PRECISIONS:-bf16} BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms \
+    ${SHAPES:-4096x16,2048x32} "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
+    "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" ${EXTRA_ROWS:+"$EXTRA_ROWS"}
+  tail -12 "$OUT/bench.log"
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

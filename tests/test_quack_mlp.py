@@ -1,8 +1,10 @@
-"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.model.quack_mlp).
+"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.model.quack_mlp), and the attention
+half's norm + QKV projection that hands the residual on (difflm.model.quack_norm_linear).
 
 On the CPU: what the setting refuses, with the key and the fix. On a Hopper/Blackwell GPU with quack and Transformer
-Engine: the fused half block against TE's ``LayerNormMLP`` plus the two residual adds, from the same weights (output
-and every gradient within BF16 rounding), weight gradients accumulated into FP32 ``main_grad`` over micro-batches,
+Engine: the fused half block against TE's ``LayerNormMLP`` plus the two residual adds, and the fused QKV input against
+TE's ``LayerNormLinear`` plus the residual's autograd sum, from the same weights (output and every gradient within BF16
+rounding), weight gradients accumulated into FP32 ``main_grad`` over micro-batches,
 the state-dict layout, and a whole model's loss and gradients against the unfused model.
 """
 from __future__ import annotations
@@ -175,6 +177,49 @@ def test_fused_state_dict_has_te_layout():
             assert torch.equal(v, quack_mlp.state_dict()[k]), k
 
 
+def _norm_linears(d, out):
+    """(TE LayerNormLinear, fused ResidualNormLinear) from the same weights, both with FP32 main_grad accumulation."""
+    from difflm.model.te_kernels import TEKernels
+
+    mods = [TEKernels(SimpleNamespace(fused_mlp=fused, fuse_wgrad_accumulation=True, attention_backend="sdpa"),
+                      device="cuda").norm_linear(d, out, eps=1e-5) for fused in (False, True)]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        mods[0].layer_norm_weight.copy_(1 + 0.1 * torch.randn(d, device="cuda", generator=g))
+        mods[0].weight.copy_(0.05 * torch.randn(out, d, device="cuda", generator=g))
+    mods[1].load_state_dict(mods[0].state_dict())
+    return mods
+
+
+@gpu
+def test_fused_qkv_input_matches_te():
+    """``y = W rmsnorm(x)`` and the residual ``x`` handed on: output, the input's gradient (the norm's and the
+    residual's, summed in the norm kernel), the norm scale's and the weight's, against TE plus autograd's sum."""
+    d, out, n = 256, 768, 1000
+    te_qkv, quack_qkv = _norm_linears(d, out)
+    assert list(te_qkv.state_dict()) == list(quack_qkv.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x0 = torch.randn(2, n // 2, d, device="cuda", generator=g)  # FP32, as the embedding hands the first block
+    dy = torch.randn(2, n // 2, out, device="cuda", generator=g).bfloat16()
+    dres = torch.randn(2, n // 2, d, device="cuda", generator=g).bfloat16()
+    results = []
+    for mod, fused in ((te_qkv, False), (quack_qkv, True)):
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, res = mod.with_residual(x) if fused else (mod(x), x.to(torch.bfloat16))
+        assert y.dtype == res.dtype == torch.bfloat16 and y.shape == (2, n // 2, out)
+        torch.autograd.backward((y, res), (dy, dres))
+        results.append((y, x.grad, mod.layer_norm_weight.grad, mod.weight.main_grad))
+        assert mod.weight.grad is mod.weight.main_grad
+    for name, ref, got in zip(("out", "d_input", "d_norm", "d_weight"), *results):
+        assert got.shape == ref.shape, name
+        assert _rel(got, ref) < 2e-2, (name, _rel(got, ref))
+    without = x0.clone().requires_grad_(True)  # the residual unused: its gradient is None, only the norm's flows
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        quack_qkv.with_residual(without)[0].backward(dy)
+    assert _rel(without.grad, results[1][1]) > 1e-1  # the residual's gradient was part of d_input above
+
+
 @gpu
 def test_fused_model_loss_and_grads_match_unfused():
     from difflm.model.kernels import build_kernels
@@ -189,6 +234,7 @@ def test_fused_model_loss_and_grads_match_unfused():
         models.append(Transformer(cfg, causal=False, kernels=build_kernels(cfg, "cuda")).cuda())
     models[1].load_state_dict(models[0].state_dict())
     assert type(models[1].layers[0].mlp).__name__ == "ResidualNormMLP"
+    assert type(models[1].layers[0].attention.qkv).__name__ == "ResidualNormLinear"
     ids = torch.randint(0, 256, (2, 64), device="cuda")
     losses, grads = [], []
     for m in models:

@@ -5,6 +5,7 @@ matrix products can run in FP8 and its norms/activations fused. Not a second net
 Module for module (parameter names and shapes are those of the torch kernels, see :mod:`difflm.model.layers`)::
 
     layers.{i}.attention.qkv      te.LayerNormLinear(normalization="RMSNorm")  layer_norm_weight [d], weight [(h+2h_kv) hd, d]
+                                  (model.fused_mlp: difflm.model.quack_norm_linear.ResidualNormLinear, same parameters)
     layers.{i}.attention.q_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
     layers.{i}.attention.k_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
     layers.{i}.attention.core     te.DotProductAttention                       no parameters (runs for attention_backend=te)
@@ -199,6 +200,12 @@ class TEKernels(TorchKernels):
 
     # ------------------------------------------------------------------ slots
     def norm_linear(self, in_features, out_features, *, eps, bias=False):
+        if getattr(self.cfg, "fused_mlp", False) and not bias:  # the attention half's input on quack's kernels
+            from difflm.model.quack_norm_linear import ResidualNormLinear
+
+            module = ResidualNormLinear(in_features, out_features, eps,
+                                        autotune=getattr(self.cfg, "fused_mlp_autotune", False), device=self.device)
+            return self._wgrad(module, "weight")
         return self._wgrad(self.te.LayerNormLinear(
             in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm", device=self.device,
             fuse_wgrad_accumulation=self.fuse_wgrad, **self._tp("column"), **self.ub.get("qkv", {})), "weight")

@@ -70,7 +70,10 @@ class Attention(nn.Module):
         self.proj = kernels.linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        qkv = self.qkv(x)
+        return self.from_qkv(self.qkv(x), rope, attn_mask, kv_cache)
+
+    def from_qkv(self, qkv: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
+        """The attention output from the fused QKV projection ``qkv`` [B, S, (H + 2 H_kv) D] (or sequence-first)."""
         lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
         q, k, v = qkv_heads(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
                             fused=self.fused_qkv)
@@ -94,7 +97,11 @@ class Block(nn.Module):
             self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        branch = self.attention(x, rope, attn_mask, kv_cache)
+        if getattr(self.attention.qkv, "passes_residual", False):  # model.fused_mlp: the residual's gradient is added
+            qkv, x = self.attention.qkv.with_residual(x)            # inside the QKV norm's backward kernel
+            branch = self.attention.from_qkv(qkv, rope, attn_mask, kv_cache)
+        else:
+            branch = self.attention(x, rope, attn_mask, kv_cache)
         if getattr(self.mlp, "adds_residual", False):  # both residual adds inside its kernels (model.fused_mlp)
             return self.mlp(branch, x)
         x = x + branch
