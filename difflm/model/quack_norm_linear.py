@@ -60,8 +60,9 @@ class ResidualNormLinear(nn.Module):
     :class:`difflm.model.transformer.Attention` under ``model.fused_mlp=true``, built by
     :meth:`difflm.model.te_kernels.TEKernels.norm_linear`.
 
-    ``forward(x)`` returns ``W RMSNorm(x)`` like TE's ``LayerNormLinear``; :meth:`with_residual` returns it together
-    with ``x`` as a tensor whose gradient flows back through this module's norm kernel (the block uses that one).
+    ``forward(x)`` returns ``W RMSNorm(x)`` like TE's ``LayerNormLinear``; ``forward(x, pass_residual=True)`` returns it
+    together with ``x`` as a tensor whose gradient flows back through this module's norm kernel (the block calls that,
+    through ``__call__``, so the forward pre-hook that attaches ``main_grad`` runs).
 
     Args:
         in_features, out_features: d and the output width (``weight`` [out, d]).
@@ -80,7 +81,7 @@ class ResidualNormLinear(nn.Module):
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features, device=device))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
 
-    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, pass_residual: bool = False):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
         if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
@@ -91,10 +92,8 @@ class ResidualNormLinear(nn.Module):
         tuned = self.autotune and torch.is_grad_enabled()
         if tuned:
             _notice_tuning()
-        return _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, self.eps, tuned)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_residual(x)[0]
+        y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, self.eps, tuned)
+        return (y, residual) if pass_residual else y
 
     def get_extra_state(self) -> torch.Tensor:  # TE modules' FP8 metadata slot, kept for one state-dict layout
         return torch.empty(0, dtype=torch.uint8)

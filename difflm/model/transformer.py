@@ -98,7 +98,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
         if getattr(self.attention.qkv, "passes_residual", False):  # model.fused_mlp: the residual's gradient is added
-            qkv, x = self.attention.qkv.with_residual(x)            # inside the QKV norm's backward kernel
+            qkv, x = self.attention.qkv(x, pass_residual=True)      # inside the QKV norm's backward kernel
             branch = self.attention.from_qkv(qkv, rope, attn_mask, kv_cache)
         else:
             branch = self.attention(x, rope, attn_mask, kv_cache)
