@@ -15,8 +15,9 @@ Every row runs real training steps of the same model code (:func:`difflm.model.b
 tokens: the row's objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed; BD3-LM: the ``2 L``
 tokens ``[x_t ; x_0]`` with the block-causal mask and positions, passed as the trainer passes them) on
 ``--batches`` batches drawn once and kept on the device, so the timed loop does no host work; the model's
-logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping; the
-run's AdamW (fused on CUDA). One timed step is one optimizer step over ``train.global_batch_size`` sequences,
+logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping (with a fused AdamW inside
+its kernel, as the trainer does); the run's AdamW (fused on CUDA). One timed step is one optimizer step over
+``train.global_batch_size`` sequences,
 accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. Weights are drawn on the
 device (Megatron-style, :func:`fast_init`), not by the trainer's keyed CPU init, which would take longer
 than the measurement at 1.7B; each row's draw is seeded with ``--seed`` (as are the batches), so the same
@@ -116,7 +117,8 @@ from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum 
 from difflm.training.allocator import use_expandable_segments  # noqa: E402
 from difflm.training.cuda_graphs import capture_block_graphs  # noqa: E402
 from difflm.training.flops import flops_per_token, mfu, objective_flops_per_token, peak_flops  # noqa: E402
-from difflm.training.optimizer import build_optimizer  # noqa: E402
+from difflm.parallel.parallelize import clip_coefficient, global_grad_norm  # noqa: E402
+from difflm.training.optimizer import build_optimizer, skips_on_device, step_unless_nonfinite  # noqa: E402
 from difflm.training.precision import autocast_context  # noqa: E402
 
 # ------------------------------------------------------------------ the eager reference
@@ -419,6 +421,7 @@ def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
     params = [p for p in model.parameters() if p.requires_grad]
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    on_device = skips_on_device(optimizer) and not scaler.is_enabled()  # as Trainer._finish_step decides
     precision = cfg.precision
     set_moe_loss_scale([model], cfg.train.micro_batch_size / cfg.train.global_batch_size)
     if cfg.train.cuda_graphs:  # the trainer captures at its first step; here before the timed ones
@@ -435,10 +438,15 @@ def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
         moe_step([model])  # MoE: reset the step's routing statistics (and move an aux-loss-free bias)
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, clip, foreach=device.type == "cuda")
-        scaler.step(optimizer)
-        scaler.update()
+        if on_device:  # the trainer's step with a fused AdamW: the clip coefficient applied inside its kernel
+            grad_norm = global_grad_norm(params)
+            finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+            step_unless_nonfinite(optimizer, finite, grad_factor=clip_coefficient(grad_norm, clip))
+        else:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=device.type == "cuda")
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
