@@ -92,6 +92,33 @@ def _notice_tuning() -> None:
           "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
 
 
+def _tuned_call(x: torch.Tensor, autotune: bool) -> bool:
+    """Whether quack autotunes this call (``autotune`` and a forward that records gradients; says so once).
+
+    Raises: DifflmError (one line) when ``x`` is on the CPU or not BF16/FP16 (quack's GEMMs take BF16/FP16 operands).
+    """
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        from difflm.errors import DifflmError
+
+        raise DifflmError(f"model.fused_mlp=true runs BF16/FP16 CUDA kernels and got {x.dtype} on "
+                          f"{x.device.type}: use precision=bf16 on a GPU, or model.fused_mlp=false")
+    tuned = autotune and torch.is_grad_enabled()
+    if tuned:
+        _notice_tuning()
+    return tuned
+
+
+class TEStateLayout:
+    """TE modules carry FP8 metadata as ``_extra_state``; the quack modules have none but keep the entry (empty), so
+    state dicts keep one layout with and without ``model.fused_mlp``."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        return None
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -150,7 +177,7 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
         return ds, ds, dnorm, dw1, dw2, None, None
 
 
-class ResidualNormMLP(nn.Module):
+class ResidualNormMLP(TEStateLayout, nn.Module):
     """``residual + branch + MLP(RMSNorm(residual + branch))``: a block's MLP half with both residual adds, on quack's
     fused kernels (module docstring). Built by :meth:`difflm.model.te_kernels.TEKernels.norm_mlp` for
     ``model.fused_mlp=true``; :class:`difflm.model.transformer.Block` calls it with the attention output and the
@@ -177,24 +204,9 @@ class ResidualNormMLP(nn.Module):
         self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn, device=device))
 
     def forward(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if not branch.is_cuda or branch.dtype not in (torch.bfloat16, torch.float16):
-            from difflm.errors import DifflmError
-
-            raise DifflmError(f"model.fused_mlp=true runs BF16/FP16 CUDA kernels and got {branch.dtype} on "
-                              f"{branch.device.type}: use precision=bf16 on a GPU, or model.fused_mlp=false")
-        tuned = self.autotune and torch.is_grad_enabled()
-        if tuned:
-            _notice_tuning()
+        tuned = _tuned_call(branch, self.autotune)
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
                                               self.fc2_weight, self.eps, tuned)
-
-    # TE modules carry FP8 metadata as ``_extra_state``; this module has none but keeps the entry, so state dicts
-    # keep one layout with and without ``model.fused_mlp``.
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        return None
 
 
 __all__ = ["ResidualNormMLP", "outside_site_packages_reason", "quack_unavailable_reason"]

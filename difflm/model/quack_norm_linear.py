@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difflm.model.quack_mlp import _flat, _notice_tuning, _weight_grad
+from difflm.model.quack_mlp import TEStateLayout, _flat, _tuned_call, _weight_grad
 
 
 class _NormLinearFunction(torch.autograd.Function):
@@ -55,7 +55,7 @@ class _NormLinearFunction(torch.autograd.Function):
         return dx.view(ctx.shape), dnorm, dw, None, None
 
 
-class ResidualNormLinear(nn.Module):
+class ResidualNormLinear(TEStateLayout, nn.Module):
     """``W RMSNorm(x)`` with ``x`` handed on as the residual (module docstring): the QKV projection of
     :class:`difflm.model.transformer.Attention` under ``model.fused_mlp=true``, built by
     :meth:`difflm.model.te_kernels.TEKernels.norm_linear`.
@@ -84,22 +84,9 @@ class ResidualNormLinear(nn.Module):
     def forward(self, x: torch.Tensor, pass_residual: bool = False):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
-        if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-            from difflm.errors import DifflmError
-
-            raise DifflmError(f"model.fused_mlp=true runs BF16/FP16 CUDA kernels and got {x.dtype} on "
-                              f"{x.device.type}: use precision=bf16 on a GPU, or model.fused_mlp=false")
-        tuned = self.autotune and torch.is_grad_enabled()
-        if tuned:
-            _notice_tuning()
+        tuned = _tuned_call(x, self.autotune)
         y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, self.eps, tuned)
         return (y, residual) if pass_residual else y
-
-    def get_extra_state(self) -> torch.Tensor:  # TE modules' FP8 metadata slot, kept for one state-dict layout
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        return None
 
 
 __all__ = ["ResidualNormLinear"]
