@@ -277,3 +277,23 @@ def test_quack_refused_outside_site_packages():
                       "/root/site/nvidia_cutlass_dsl/dsl_packages: install quack-kernels and nvidia-cutlass-dsl with "
                       "pip into the environment, or put a link named site-packages to "
                       "/root/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH instead; or set model.fused_mlp=false")
+
+
+def test_quack_modules_have_the_recorded_te_layout():
+    """On the CPU (no kernels run): the two quack modules' state dicts have the names, shapes and dtypes a real TE
+    model recorded for ``LayerNormLinear`` (QKV) and ``LayerNormMLP`` (``fixtures/te_tiny_state_dict.json``), so a
+    checkpoint moves between ``model.fused_mlp=true`` and ``false``."""
+    import json
+    from pathlib import Path
+
+    from difflm.model.quack_mlp import ResidualNormMLP
+    from difflm.model.quack_norm_linear import ResidualNormLinear
+
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "te_tiny_state_dict.json").read_text())
+    m = recorded["model"]
+    te = {t["name"]: (t["shape"], t["dtype"]) for t in recorded["tensors"]}
+    qkv_out = (m["num_heads"] + 2 * m["num_kv_heads"]) * m["head_dim"]
+    for prefix, module in (("layers.0.attention.qkv.", ResidualNormLinear(m["hidden_size"], qkv_out, 1e-5)),
+                           ("layers.0.mlp.", ResidualNormMLP(m["hidden_size"], m["ffn_hidden_size"], 1e-5))):
+        ours = {prefix + k: (list(v.shape), str(v.dtype)) for k, v in module.state_dict().items()}
+        assert ours == {k: v for k, v in te.items() if k.startswith(prefix)}
