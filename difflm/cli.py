@@ -62,7 +62,7 @@ def exits_cleanly(fn):
     A config passed as the first argument is checked first by :func:`check_required`; a mandatory value read
     later (a ``???`` that only an interpolation reaches) ends the same way, naming its key.
     """
-    from omegaconf.errors import MissingMandatoryValue
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -75,6 +75,11 @@ def exits_cleanly(fn):
             message, status = f"difflm: error: {key} is required: pass {key}=... on the command line", 2
         except DifflmError as err:
             message, status = f"difflm: error: {err}", 2
+        except InterpolationResolutionError as err:  # ${key} on the command line naming no key, or a failing resolver
+            first = str(err).splitlines()[0]
+            message = (f"difflm: error: {first}: fix the ${{...}} interpolation in the overrides (a prompt's text is "
+                       "taken as typed unless it is one ${...} as a whole)")
+            status = 2
         except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
             message, status = "\ndifflm: interrupted", EXIT_INTERRUPTED
         print(message, file=sys.stderr, flush=True)
@@ -99,10 +104,13 @@ def hydra_quoted(text: str) -> str:
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
     """Command-line overrides ``key=value`` of free-text ``keys`` made safe for Hydra.
 
-    Hydra reads ``prompt=a, b`` as a sweep over ``a`` and ``b`` and refuses ``prompt=a: b (c)``; a prompt is
-    always one string, so such values are quoted with :func:`hydra_quoted`. Values Hydra already takes as one
-    string (plain text, ``'quoted'``, ``${interpolations}``) and every argument under ``-m``/``--multirun``
-    (where a comma list is a sweep on purpose) are left as they are.
+    Hydra reads ``prompt=a, b`` as a sweep over ``a`` and ``b`` and refuses ``prompt=a: b (c)``; it reads
+    ``prompt=true`` as a bool, ``prompt=1e3`` as a float, ``prompt=null`` as None, and OmegaConf resolves
+    ``Pay ${name}`` as an interpolation. A prompt is always the text as typed, so such values are quoted with
+    :func:`hydra_quoted` (which also escapes ``${``). Left as they are: values Hydra already reads as exactly the
+    typed string, a value quoted in Hydra's syntax (``'...'`` or ``"..."``), a value that is one interpolation as a
+    whole (``${oc.env:PROMPT}``, on purpose), and every argument under ``-m``/``--multirun`` (where a comma list is a
+    sweep on purpose).
     """
     if "-m" in argv or "--multirun" in argv:
         return list(argv)
@@ -116,10 +124,14 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
         if sep and key.lstrip("+~") in keys:
             try:
                 override = parser.parse_override(arg)
-                one_string = not override.is_sweep_override() and not isinstance(override.value(), (list, dict))
+                parsed = None if override.is_sweep_override() else override.value()
             except HydraException:
-                one_string = False
-            if not one_string:
+                parsed = None
+            quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
+            whole_interpolation = re.fullmatch(r"\$\{[^{}]*\}", value) is not None
+            as_typed = isinstance(parsed, str) and (
+                quoted or whole_interpolation or (parsed == value and "${" not in value))
+            if not as_typed:
                 arg = f"{key}={hydra_quoted(value)}"
         out.append(arg)
     return out

@@ -50,6 +50,22 @@ from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationConfigError, G
 from difflm.training.precision import autocast_context
 
 eval_logger = logging.getLogger(__name__)
+
+
+def truncated_prompts_warning(cut: list[tuple[int, int, int]], total: int, max_length: int) -> str:
+    """The warning for ``generate_until`` prompts cut from the left to fit ``max_length`` beside their new tokens.
+
+    Args:
+        cut: (tokens dropped, prompt tokens, gen.length) of each cut request.
+        total: the number of requests.
+        max_length: positions the prompt and the generated tokens share (the run's ``data.seq_len`` by default).
+    """
+    dropped, prompt, length = max(cut)
+    share = sum(d for d, _, _ in cut) / sum(p for _, p, _ in cut)
+    return (f"generate_until: {len(cut)} of {total} prompts were cut from the left to fit max_length={max_length} "
+            f"beside their gen.length new tokens ({share:.0%} of their tokens dropped; the worst lost {dropped} of "
+            f"{prompt} tokens beside gen.length={length}): pass a smaller max_gen_toks (the task's generation_kwargs) "
+            f"or a larger max_length in model_args")
 GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
             "threshold", "cache")
 
@@ -276,13 +292,17 @@ class DifflmHarnessLM(LM):
         """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string."""
         out = []
         # group requests with equal gen settings into left-padded batches (bd3lm: one prompt at a time)
-        todo = []
+        todo, cut = [], []
         for req in requests:
             context, kwargs = req.args
             gen, until = self._request_gen(kwargs)
             ids = self.tok_encode(context) or [self.tok.eos_id]
-            keep = max(1, self.max_length - gen.length)
+            keep = max(1, self.max_length - gen.length)  # the prompt and the new tokens share max_length positions
+            if len(ids) > keep:
+                cut.append((len(ids) - keep, len(ids), gen.length))
             todo.append((ids[-keep:], gen, until, context, kwargs))
+        if cut:
+            eval_logger.warning(truncated_prompts_warning(cut, len(todo), self.max_length))
         bs = 1 if self.objective == "bd3lm" else self.batch_size
         i = 0
         while i < len(todo):

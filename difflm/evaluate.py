@@ -19,8 +19,8 @@ antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo
   carries no loss, the response is padded with EOS to ``data.seq_len`` as in training.
 
 Reports nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
-``ar``, the response lengths for ``sft``), its standard error over windows, the perplexity bound ``exp(nelbo)``,
-and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The Pile): the loss of every scored
+``ar``, the response lengths for ``sft``), its standard error over windows (``null`` for one window), the
+perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The Pile): the loss of every scored
 token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the document text only (no EOS or
 other special-token text; for ``sft`` the responses), as the lm-evaluation-harness counts them.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 
 import hydra
@@ -110,11 +111,49 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
             "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
             "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
             "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template}), tok)
+    check_shard_tokenizer(args.data.path, cfg, tok)
     data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
                                  "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
                                  "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
     ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
     return build_windows(ds, tok.eos_id, seq_len, 0.0)[0]
+
+
+def check_shard_tokenizer(path: str, cfg, tok) -> None:
+    """Refuse ``difflm-preprocess`` shards made with another tokenizer than the run's, naming the fix for
+    ``difflm-eval``: it always reads with the run's tokenizer (it has no ``data.tokenizer`` key), so the corpus must
+    be preprocessed again with the run's ``data.tokenizer``. (The shared check in
+    :func:`difflm.data.shards.find_shards` words its fix for ``difflm-train``.)"""
+    from difflm.data.preprocess import tokenizer_fingerprint
+    from difflm.data.shards import read_manifest
+
+    p = os.path.expanduser(str(path))
+    m = read_manifest(p) if os.path.isdir(p) else None
+    if m is None or not m.get("complete"):  # text, other shards, or unfinished output: find_shards words those
+        return
+    made_with = m.get("tokenizer", {})
+    if made_with.get("fingerprint") == tokenizer_fingerprint(tok):
+        return
+    sources = m.get("sources") or []
+    corpus = "input=<the corpus>"
+    if len(sources) == 1 and sources[0].get("path"):
+        corpus = f"input={sources[0]['path']}"
+    elif len(sources) == 1 and sources[0].get("hf_dataset"):
+        corpus = f"hf_dataset={sources[0]['hf_dataset']}"
+    raise DifflmError(f"data.path={path!r} was tokenized with another tokenizer ({made_with.get('name')}) than the "
+                      f"run's data.tokenizer={cfg.data.tokenizer}, and difflm-eval always uses the run's tokenizer: "
+                      f"rerun difflm-preprocess {corpus} output=<a new folder> tokenizer={cfg.data.tokenizer} and "
+                      "pass that folder as data.path (or pass the text itself)")
+
+
+def min_seq_len(name: str) -> int:
+    """The shortest window with a loss token: ``ar`` predicts each token from the previous ones (L - 1 of them)."""
+    return 2 if name == "ar" else 1
+
+
+def json_safe(result: dict) -> dict:
+    """``result`` with non-finite floats (the standard error of one window, NaN) as None: JSON has no NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
 
 
 def bound_kind(objective_cfg) -> str:
@@ -139,7 +178,12 @@ def evaluate_file(args, device: torch.device) -> dict:
         if name != "sft" and args.data.get(key) is not None:
             raise DifflmError(f"data.{key} applies to objective=sft runs and this run is objective={name}: drop it")
     objective = build_objective(cfg.objective, tok.mask_id)
-    seq_len = args.data.seq_len or cfg.data.seq_len
+    seq_len = cfg.data.seq_len if args.data.seq_len is None else args.data.seq_len
+    if seq_len < min_seq_len(name):
+        raise DifflmError(f"data.seq_len={seq_len} leaves no loss token for objective={name}: give data.seq_len >= "
+                          f"{min_seq_len(name)}" + (" (ar predicts each token from the ones before it)"
+                                                    if name == "ar" else "")
+                          + f", or drop it for the run's {cfg.data.seq_len}")
     if name == "bd3lm" and seq_len % cfg.objective.block_size:
         raise DifflmError(f"data.seq_len={seq_len} must be a multiple of the run's objective.block_size="
                           f"{cfg.objective.block_size}")
@@ -179,7 +223,7 @@ def main(args) -> None:
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
     result = evaluate_file(args, device)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(json_safe(result), indent=2, allow_nan=False)  # one window: nelbo_stderr null, not NaN
     print(text)
     if output is not None:
         output.write_text(text + "\n")

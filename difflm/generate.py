@@ -8,7 +8,9 @@
 Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`;
 ``gen.remasking``, ``gen.cfg_scale``, ``gen.top_k``/``gen.top_p``, Fast-dLLM's ``gen.threshold`` and
 ``gen.cache``); ``bd3lm`` runs block by block (:func:`difflm.sampling.block_diffusion_generate`);
-``ar`` runs decode left to right. See docs/objectives_and_sampling.md.
+``ar`` runs decode left to right. The defaults of ``gen.*`` are the run's own (its ``config.yaml``, which the HF
+export and the lm-eval harness also read); keys typed on the command line replace them. See
+docs/objectives_and_sampling.md.
 """
 from __future__ import annotations
 
@@ -41,18 +43,19 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
     (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size``.
 
-    Raises: DifflmError for settings a ``bd3lm`` run cannot sample with; GenerationConfigError for a bad ``gen.*``
-    and, for an ``ar`` (``causal``) run, for a diffusion-only ``gen.*`` setting it would ignore.
+    Raises: GenerationConfigError for a bad ``gen.*``, for settings a ``bd3lm`` run cannot sample with
+    (:meth:`GenerationOptions.check_block_diffusion`) and, for an ``ar`` (``causal``) run, for a diffusion-only
+    ``gen.*`` setting it would ignore.
     """
     bd3lm = not causal and objective is not None and objective.name == "bd3lm"
-    if bd3lm and gen.get("cfg_scale", 0.0) > 0:
-        raise DifflmError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
     opts = GenerationOptions.from_config(
         gen, mask_id=tok.mask_id, forbid_ids=forbidden_ids(tok, model.cfg.vocab_size),
         shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
         block_size=objective.block_size if bd3lm else None)
     if causal:
         opts.check_autoregressive()
+    elif bd3lm:
+        opts.check_block_diffusion()
     return opts
 
 
@@ -150,6 +153,29 @@ def beyond_trained_length(prompt_tokens: int, length: int, seq_len: int) -> str 
             "gen.length")
 
 
+def typed_keys(overrides: list[str], group: str) -> set[str]:
+    """The keys of ``group`` given on the command line: ``length`` for ``gen.length=32`` (Hydra's ``+``/``++``/``~``
+    prefixes allowed) among ``overrides`` (``HydraConfig.get().overrides.task``)."""
+    prefix = group + "."
+    keys = (o.split("=", 1)[0].lstrip("+~") for o in overrides)
+    return {k[len(prefix):] for k in keys if k.startswith(prefix)}
+
+
+def run_generation_config(run_gen, cli_gen, typed: set[str], causal: bool):
+    """The ``gen.*`` a command samples a run with: the run's own settings (its ``config.yaml``, as the HF export and
+    the lm-eval harness read them), the keys typed on the command line (``typed``, values in ``cli_gen``) over them.
+    For an ``ar`` run (``causal``) the run's diffusion-only keys are left at their defaults: its left-to-right
+    decoding never read them (typed ones are kept, for :meth:`GenerationOptions.check_autoregressive` to refuse)."""
+    from omegaconf import OmegaConf
+
+    from difflm.sampling.options import DIFFUSION_DEFAULTS
+
+    stored = {k: v for k, v in (run_gen or {}).items() if k in cli_gen and k not in typed}
+    if causal:
+        stored = {k: (DIFFUSION_DEFAULTS[k] if k in DIFFUSION_DEFAULTS else v) for k, v in stored.items()}
+    return OmegaConf.merge(cli_gen, stored)
+
+
 def read_prompt(args) -> str:
     """The prompt text: ``prompt=`` or the UTF-8 contents of ``prompt_file=`` (one trailing newline dropped).
 
@@ -174,10 +200,15 @@ def _main(args) -> None:
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
+    from hydra.core.hydra_config import HydraConfig
+
+    causal = cfg.objective.name == "ar"
+    gen = run_generation_config(cfg.get("gen"), args.gen, typed_keys(list(HydraConfig.get().overrides.task), "gen"),
+                                causal)
     ids = tok.encode(prompt) or [tok.eos_id]  # special-token text in the prompt stays text
-    if (warning := beyond_trained_length(len(ids), args.gen.length, cfg.data.seq_len)) is not None:
+    if (warning := beyond_trained_length(len(ids), gen.length, cfg.data.seq_len)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    out = generate_ids(model, tok, torch.tensor([ids], device=device), args.gen, cfg.objective.name == "ar",
+    out = generate_ids(model, tok, torch.tensor([ids], device=device), gen, causal,
                        objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
     print(prompt + tok.decode(out[0].tolist()))

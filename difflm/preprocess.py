@@ -9,6 +9,8 @@ Parallel workers, a progress bar, atomic shards, resume after a crash and a mani
 """
 from __future__ import annotations
 
+import shlex
+
 import hydra
 
 from difflm.cli import exits_cleanly
@@ -23,7 +25,8 @@ def main(cfg) -> None:
     print(f"difflm-preprocess: {s['shards']} shard(s) ({s['skipped']} already done), {s['documents']:,} documents, "
           f"{s['tokens']:,} tokens; tokenized {s['new_tokens']:,} tokens in {s['tokenize_seconds']:.1f} s "
           f"({s['tokens_per_s']:,.0f} tokens/s, {s['workers']} worker(s)) -> {s['output']}\n"
-          f"train on it with: difflm-train data.path={s['output']} data.tokenizer=<the same tokenizer>", flush=True)
+          f"train on it with: difflm-train {shlex.quote('data.path=' + s['output'])} "
+          f"{shlex.quote('data.tokenizer=' + s['tokenizer'])}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,21 @@ def test_only_values_hydra_cannot_take_are_quoted():
     assert quote_free_text(["gen.cache=a,b"], ("prompt",)) == ["gen.cache=a,b"]  # other keys: Hydra's rules
 
 
+@pytest.mark.parametrize("typed", ["true", "1e3", "null", "42", "Pay ${name} now", "[1, 2]", "a ${x} b ${y}"])
+def test_prompt_is_the_text_as_typed(typed):
+    """What Hydra would read as a bool, a number, None or a list, and text with an interpolation inside it, reach the
+    prompt as the typed text (a fault report: ``prompt=true`` prompted with "True", ``Pay ${name}`` failed)."""
+    (arg,) = quote_free_text([f"prompt={typed}"], ("prompt",))
+    value = OverridesParser.create().parse_override(arg).value()
+    assert OmegaConf.create({"p": value}).p == typed
+
+
+def test_a_bad_interpolation_is_one_line():
+    out = run_cli("difflm.generate", "run.dir=nowhere", "prompt=${nokey}", timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("difflm: error: Interpolation key 'nokey' not found")
+
+
 def test_prompt_file(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("First line, with a comma\nsecond: (line)\n", encoding="utf-8")

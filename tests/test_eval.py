@@ -120,6 +120,20 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
                   "eval.max_windows=4", f"eval.output={tmp_path / 'eval_shards.json'}", "device=cpu", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads((tmp_path / "eval_shards.json").read_text())["nelbo"] == got["nelbo"]
+    one = tmp_path / "one_window.json"  # one window: no standard error, written as null (NaN is not JSON)
+    res = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=1",
+                  f"eval.output={one}", "device=cpu", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "NaN" not in one.read_text() and "NaN" not in res.stdout
+    got_one = json.loads(one.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in eval.output"))
+    assert got_one["windows"] == 1 and got_one["nelbo_stderr"] is None and 5 < got_one["nelbo"] < 15
+    assert json.loads(res.stdout) == got_one
+    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "data.seq_len=0", "device=cpu",
+                  timeout=300)  # 0 was replaced by the run's 32
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout
+    assert bad.stderr.strip().splitlines() == [
+        "difflm: error: data.seq_len=0 leaves no loss token for objective=bd3lm: give data.seq_len >= 1, or drop it "
+        "for the run's 32"]
     bad = run_cli("difflm.evaluate", f"run.dir={tmp_path / 'nope'}", f"data.path={text}", timeout=120)
     assert bad.returncode == 2 and "run.dir=" in bad.stderr
     bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", f"eval.output={plain_file(tmp_path)}/x.json",
@@ -215,3 +229,61 @@ def test_validation_nelbo_does_not_depend_on_the_micro_batch_size(fast_cfg, tmp_
     assert got[0] > 5 and got == pytest.approx([got[0]] * 3, rel=1e-6)
     with pytest.raises(DifflmError, match=r"train.eval_batches was removed .* set train.eval_windows=6 instead"):
         check_run(fast_cfg("train.eval_batches=3", "train.micro_batch_size=2", "device=cpu"))
+
+
+def test_eval_data_seq_len_must_leave_a_loss_token(fast_cfg, tmp_path):
+    """data.seq_len=1 on an ar run divided by its 0 loss tokens (ZeroDivisionError); data.seq_len=0 was silently
+    replaced by the run's seq_len. Both are refused naming data.seq_len; the shortest windows with a loss token work."""
+    data = tmp_path / "to_be.jsonl"
+    data.write_text('{"text": "To be or not"}\n' * 20)
+    ar = _train(fast_cfg, "objective=ar", f"run.dir={tmp_path / 'ar'}")
+    for bad in (1, 0, -4):
+        with pytest.raises(DifflmError) as err:
+            _evaluate(f"run.dir={ar.run_dir}", f"data.path={data}", f"data.seq_len={bad}")
+        assert str(err.value) == (f"data.seq_len={bad} leaves no loss token for objective=ar: give data.seq_len >= 2 "
+                                  "(ar predicts each token from the ones before it), or drop it for the run's 32")
+    got = _evaluate(f"run.dir={ar.run_dir}", f"data.path={data}", "data.seq_len=2", "eval.max_windows=5")
+    assert (got["seq_len"], got["windows"], got["tokens"]) == (2, 5, 5)  # one predicted token per window
+    assert 1 < got["nelbo"] < 20 and math.isfinite(got["nelbo_stderr"])
+    mdlm = _train(fast_cfg, f"run.dir={tmp_path / 'mdlm'}")
+    with pytest.raises(DifflmError, match=r"^data.seq_len=0 leaves no loss token for objective=mdlm: give "
+                                          r"data.seq_len >= 1, or drop it for the run's 32$"):
+        _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={data}", "data.seq_len=0")
+    got = _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={data}", "data.seq_len=1", "eval.max_windows=3",
+                    "eval.mc_samples=2")
+    assert (got["seq_len"], got["windows"], got["tokens"]) == (1, 3, 3) and got["nelbo"] > 0
+    assert _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={data}", "eval.max_windows=1")["seq_len"] == 32
+
+
+def test_eval_of_shards_made_with_another_tokenizer_names_the_runs_tokenizer(fast_cfg, tmp_path):
+    """difflm-eval has no data.tokenizer key, so the shared shard check's "set data.tokenizer to that tokenizer" led
+    to Hydra's "Key 'tokenizer' not in 'EvalDataConfig'". difflm-eval names the run's tokenizer and the
+    difflm-preprocess command that re-tokenizes the corpus with it; the trainer keeps its own wording."""
+    from difflm.data.shards import find_shards, run_preprocess
+    from difflm.evaluate import json_safe
+    from tests.conftest import compose_run
+
+    trainer = _train(fast_cfg)
+    text = tmp_path / "held_out.txt"
+    text.write_text("To be, or not to be, that is the question:\n" * 40)
+    shards = tmp_path / "shards"
+    run_preprocess(compose_run([f"input={text}", f"output={shards}", "workers=1", "progress_bar=false"],
+                               config_name="preprocess"))
+    same = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={shards}", "eval.max_windows=2", "eval.mc_samples=2")
+    assert same["windows"] == 2 and same["nelbo"] > 0
+    manifest = shards / "manifest.json"  # as if made with gpt2: another name and definition
+    m = json.loads(manifest.read_text())
+    m["tokenizer"].update(name="gpt2", fingerprint="0" * 64)
+    manifest.write_text(json.dumps(m))
+    run_tok = trainer.cfg.data.tokenizer
+    with pytest.raises(DifflmError) as err:
+        _evaluate(f"run.dir={trainer.run_dir}", f"data.path={shards}")
+    assert str(err.value) == (
+        f"data.path={str(shards)!r} was tokenized with another tokenizer (gpt2) than the run's "
+        f"data.tokenizer={run_tok}, and difflm-eval always uses the run's tokenizer: rerun difflm-preprocess "
+        f"input={m['sources'][0]['path']} output=<a new folder> tokenizer={run_tok} and pass that folder as data.path "
+        "(or pass the text itself)")
+    assert m["sources"][0]["path"] == str(text) and "tokenizers" in run_tok
+    with pytest.raises(DifflmError, match="another tokenizer"):  # the shared check (the trainer) still refuses them
+        find_shards(str(shards), trainer.tok)
+    assert json_safe({"a": float("nan"), "b": float("inf"), "c": 1.5, "d": 2}) == {"a": None, "b": None, "c": 1.5, "d": 2}

@@ -214,3 +214,35 @@ def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
     acc = out["results"]["difflm_tiny_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+
+
+def test_generate_until_warns_when_prompts_are_cut(runs, caplog, monkeypatch):
+    """max_gen_toks as large as max_length (lm-eval's default 256 against a short run) leaves one prompt position:
+    the prompt reaching the sampler is its last token, and the harness says so, naming the fix."""
+    import logging
+
+    import difflm.eval_harness as harness
+
+    seen = []
+    real = harness.generate_ids
+
+    def spy(model, tok, prompt_ids, gen, *args, **kwargs):
+        seen.append(prompt_ids.shape[1])
+        return real(model, tok, prompt_ids, gen, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "generate_ids", spy)
+    lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", batch_size=2, max_length=16)
+    with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
+        _gen(lm, [], max_gen_toks=4)
+    assert not [r for r in caplog.records if "were cut" in r.message] and seen[-1] > 1  # both prompts fit in 12
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
+        _gen(lm, [], max_gen_toks=16)
+    assert seen[-1] == 1
+    prompt, other = len(lm.tok_encode("JULIET: Good night")), len(lm.tok_encode("ROMEO:"))
+    share = (prompt + other - 2) / (prompt + other)
+    msg = [r.message for r in caplog.records if "were cut" in r.message]
+    assert msg == [f"generate_until: 2 of 2 prompts were cut from the left to fit max_length=16 beside their "
+                   f"gen.length new tokens ({share:.0%} of their tokens dropped; the worst "
+                   f"lost {prompt - 1} of {prompt} tokens beside gen.length=16): pass a smaller max_gen_toks (the "
+                   f"task's generation_kwargs) or a larger max_length in model_args"]

@@ -187,6 +187,57 @@ def test_export_import_round_trip_is_identical(trained_run, tmp_path):
         assert torch.equal(p, original[name]), name
 
 
+# a run's training window and sampler settings, none at the schema's default (data.seq_len 128, gen.* of GenerateConfig)
+RUN_SETTINGS = {"data.seq_len": 48, "gen.length": 32, "gen.steps": 16, "gen.block_length": 8,
+                "gen.remasking": "margin", "gen.temperature": 0.3, "gen.seed": 5, "gen.top_k": 7, "gen.top_p": 0.9,
+                "gen.cfg_scale": 0.5, "gen.threshold": 0.8, "gen.cache": "prefix"}
+
+
+def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
+    from difflm.checkpoint.store import trained_settings
+    from difflm.config.schema import GenerateConfig
+    from difflm.training.trainer import Trainer
+
+    settings = [f"{k}={v}" for k, v in RUN_SETTINGS.items()]
+    cfg = compose_run([*FAST, *small_data, f"run.dir={tmp_path / 'run'}", "train.max_steps=1", "train.save_every=1",
+                       "train.eval_every=0", *settings])
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    original, _, _ = trained_settings(tmp_path / "run")
+    assert original.data.seq_len == 48 and original.data.seq_len != compose_run([]).data.seq_len
+    assert all(original.gen[k] != v for k, v in vars(GenerateConfig()).items())  # every gen.* key is non-default
+
+    out = export_run(tmp_path / "run", tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["train_seq_len"] == 48 and config["gen_cache"] == "prefix" and config["gen_seed"] == 5
+    assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 32
+    imported = import_hf(str(out), tmp_path / "back")
+    on_disk = OmegaConf.load(tmp_path / "back" / "config.yaml")
+    back, _, _ = trained_settings(tmp_path / "back")  # what difflm-eval / -generate read
+    for c in (imported, on_disk, back):
+        assert c.data.seq_len == 48
+        assert OmegaConf.to_container(c.gen) == OmegaConf.to_container(original.gen)
+    overrides = train_overrides(imported)  # the continue command keeps them too
+    assert "data.seq_len=48" in overrides
+    assert {"gen.length=32", "gen.steps=16", "gen.remasking=margin", "gen.threshold=0.8", "gen.cache=prefix",
+            "gen.seed=5"} <= set(overrides)
+    continued = compose_run([*FAST, *small_data, *overrides])
+    assert continued.data.seq_len == 48 and continued.gen == original.gen
+
+    # an export without the records (older difflm): the defaults, as for other HF models; bad records are refused
+    for key in [k for k in config if k.startswith("gen_")] + ["train_seq_len"]:
+        del config[key]
+    (out / "config.json").write_text(json.dumps(config))
+    plain = import_hf(str(out), tmp_path / "plain")
+    assert plain.data.seq_len == 128 and plain.gen == compose_run([]).gen
+    assert "data.seq_len=128" in train_overrides(plain) and not any(o.startswith("gen.") for o in train_overrides(plain))
+    for bad, match in [({"train_seq_len": 0}, "train_seq_len=0"), ({"gen_temperature": -1.0}, "gen.temperature=-1"),
+                       ({"gen_cache": "all"}, "gen.cache='all'")]:
+        (out / "config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(DifflmError, match=f"^hf=.*{match}"):
+            import_hf(str(out), tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+
 def test_export_bf16_and_errors(trained_run, tmp_path):
     from safetensors import safe_open
 
@@ -289,6 +340,7 @@ def test_cli_import_prints_train_command(tmp_path):
     res = run_cli("difflm.interop.hf_import", f"hf={src}", f"run.dir={tmp_path / 'run'}", "objective=ar", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "difflm-train objective=ar" in res.stdout and "model.qkv_bias=true" in res.stdout
+    assert " data.seq_len=128 " in res.stdout  # the training window to set for the model's context
     with pytest.raises(DifflmError, match="already holds checkpoints"):
         import_hf(str(src), tmp_path / "run")
 
@@ -385,3 +437,59 @@ def test_export_confidences_of_very_peaked_logits_do_not_tie(rule):
     hf._forbidden_ids = lambda: []
     out = hf.generate(torch.tensor([[0]]), gen_length=2, steps=2, block_length=2, mask_id=3, **rule)
     assert out.tolist() == [[0, 0, 2]]
+
+
+def test_export_generate_validates_like_difflm():
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7]])
+    gen = dict(gen_length=8, steps=4, block_length=4)
+    for bad, match in [(dict(temperature=-1.0), "temperature=-1.0 must be >= 0"), (dict(top_k=-1), "top_k=-1"),
+                       (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"),
+                       (dict(cfg_scale=-0.5), "cfg_scale=-0.5"), (dict(threshold=0.0), "threshold=0.0"),
+                       (dict(threshold=1.5), "threshold=1.5"), (dict(remasking="best"), "remasking='best'"),
+                       (dict(steps=0), "steps=0"), (dict(gen_length=0), "gen_length .*=0"),
+                       (dict(block_length=3), "gen_length=8 must be a multiple of block_length=3; e.g. gen_length=8, "
+                                              "block_length=8, steps=4"),
+                       (dict(steps=3), "steps=3 must be a multiple of the number of blocks")]:
+        with pytest.raises(ValueError, match=match):
+            hf.generate(ids, **{**gen, **bad})
+    # a positive temperature is accepted (as by difflm)
+    assert hf.generate(ids, temperature=0.5, generator=torch.Generator().manual_seed(0), **gen).shape == (1, 11)
+
+
+def test_export_generate_takes_max_new_tokens_as_gen_length():
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    ref = hf.generate(ids, gen_length=8, steps=4, block_length=4)
+    assert ref.shape == (2, 11)
+    assert torch.equal(hf.generate(ids, max_new_tokens=8, steps=4, block_length=4), ref)
+    assert torch.equal(hf.generate(ids, max_new_tokens=8, gen_length=8, steps=4, block_length=4), ref)
+    with pytest.raises(ValueError, match="max_new_tokens=4 and gen_length=8"):
+        hf.generate(ids, max_new_tokens=4, gen_length=8, steps=4, block_length=4)
+    _, ar = _hf_twin(causal=True)
+    ref = ar.generate(ids, gen_length=5)
+    assert ref.shape == (2, 8) and torch.equal(ar.generate(ids, max_new_tokens=5), ref)
+    with pytest.raises(ValueError, match="max_new_tokens=6 and gen_length=5"):
+        ar.generate(ids, max_new_tokens=6, gen_length=5)
+
+
+def test_export_causal_generate_refuses_diffusion_settings():
+    from difflm.sampling import GenerationConfigError, GenerationOptions
+
+    _, ar = _hf_twin(causal=True)
+    ids = torch.tensor([[5, 6, 7]])
+    for bad in [dict(steps=16), dict(block_length=8), dict(remasking="margin"), dict(cfg_scale=1.5),
+                dict(threshold=0.9)]:
+        (key, value), = bad.items()
+        with pytest.raises(GenerationConfigError, match=f"drop gen.{key}$"):  # difflm refuses it ...
+            GenerationOptions(mask_id=47, **bad).check_autoregressive()
+        with pytest.raises(ValueError, match=f"^{key}={value!r}: .*left to right.*drop {key}$"):  # ... so does the export
+            ar.generate(ids, max_new_tokens=4, **bad)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        ar.generate(ids, max_new_tokens=4, temperature=-1)
+    with pytest.raises(ValueError, match="at least one token"):
+        ar.generate(ids[:, :0], max_new_tokens=4)
+    # difflm's defaults of those settings, and the settings left-to-right decoding reads, are accepted
+    out = ar.generate(ids, max_new_tokens=4, steps=64, remasking="low_confidence", cfg_scale=0.0, temperature=0.7,
+                      top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 7) and torch.equal(out[:, :3], ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -201,3 +202,125 @@ def test_hf_dataset_input_matches_the_in_trainer_path(tmp_path, tok):
     assert summary["shards"] >= 3 and summary["documents"] == 40  # the empty row is dropped
     cache = tokenize_corpus(DataConfig(hf_dataset=str(tmp_path / "hf"), text_field="body"), tok, str(tmp_path / "c"))
     assert all_tokens(open_all(out)) == all_tokens([cache])
+
+
+def test_unwritable_output_is_one_line_naming_output(tmp_path):
+    """An output that cannot be written ends, before the tokenizer loads, in one line naming output= and the fix."""
+    corpus = make_corpus(tmp_path / "corpus", copies=1)
+    res = run_cli("difflm.preprocess", f"input={corpus}", "output=/proc/foo", "workers=1", timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stdout == ""
+    line = res.stderr.strip()
+    assert "\n" not in line, line
+    assert re.fullmatch(r"difflm: error: output='/proc/foo' cannot be written \(No such file or directory: "
+                        r"/proc/\.foo\.probe\d+\): choose a folder you can write in", line), line
+    (tmp_path / "afile").write_text("not a directory")
+    sub = tmp_path / "afile" / "sub"
+    with pytest.raises(DifflmError) as err:  # checked up front: the bad tokenizer is never reached
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={sub}", "workers=1", "tokenizer=/nonexist/tok"))
+    assert str(err.value) == (f"output={str(sub)!r} cannot be written (File exists: {tmp_path / 'afile'}): "
+                              "choose a folder you can write in")
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'afile'}", "workers=1"))
+    assert str(err.value) == f"output={str(tmp_path / 'afile')!r} is a file: give a directory path"
+
+
+def test_unwritable_existing_output_directory_is_one_line(tmp_path, monkeypatch):
+    """An existing output directory that refuses the manifest (no write permission; root ignores modes, hence the
+    patched write) ends in the same line, not an OSError traceback."""
+    import difflm.data.shards as shards
+
+    corpus = make_corpus(tmp_path / "corpus", copies=1)
+    out = tmp_path / "readonly"
+    out.mkdir()
+
+    def refuse(path, obj):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shards, "_write_json", refuse)
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", "workers=1"))
+    assert str(err.value) == (f"output={str(out)!r} cannot be written (Permission denied: {out / 'manifest.json'}): "
+                              "choose a folder you can write in")
+
+
+EMPTY_MESSAGE = "{}={!r} gives an empty corpus after tokenization: point it at non-empty text"
+
+
+def test_input_without_text_is_refused_before_a_manifest(tmp_path, tok):
+    """An empty file, or files whose documents are all empty, are refused with the in-trainer path's line (naming
+    input=), and nothing is written: no manifest marked complete that training would only refuse later."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    # the trainer refuses the same file with the same words, naming its own key
+    with pytest.raises(DifflmError) as err:
+        tokenize_corpus(DataConfig(path=str(empty)), tok, str(tmp_path / "cache"))
+    assert str(err.value) == EMPTY_MESSAGE.format("data.path", str(empty))
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    (blank / "space.txt").write_text("  \n\n<|endoftext|>\n\t\n<|endoftext|>\n")  # separators and whitespace
+    (blank / "rows.jsonl").write_text(json.dumps({"text": ""}) + "\n\n" + json.dumps({"text": "   "}) + "\n")
+    for source, workers in ((empty, "workers=1"), (blank, "workers=2")):
+        out = tmp_path / f"out_{source.name}"
+        with pytest.raises(DifflmError) as err:
+            run_preprocess(preprocess_cfg(f"input={source}", f"output={out}", workers))
+        assert str(err.value) == EMPTY_MESSAGE.format("input", str(source))
+        assert not out.exists()  # no manifest, no shards, not even the directory
+    # text after the empty documents is found: the input is not refused
+    (blank / "rows.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "late text"}) + "\n")
+    summary = run_preprocess(preprocess_cfg(f"input={blank}", f"output={tmp_path / 'late'}", "workers=1"))
+    assert summary["documents"] == 1 and summary["tokens"] == len(tok.encode("late text")) > 0
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["", " "]}).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"hf_dataset={tmp_path / 'hf'}", f"output={tmp_path / 'out_hf'}", "workers=1"))
+    assert str(err.value) == EMPTY_MESSAGE.format("hf_dataset", str(tmp_path / "hf"))
+    assert not (tmp_path / "out_hf").exists()
+
+
+def test_messages_name_the_preprocess_keys(tmp_path):
+    """tokenizer= and text_field= (difflm-preprocess's keys), not the trainer's data.tokenizer / data.text_field,
+    also for an error raised in a worker process; the trainer keeps its own names."""
+    corpus = make_corpus(tmp_path / "corpus", copies=1)
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'o'}", "tokenizer=/nonexist/tok"))
+    assert str(err.value) == ("tokenizer='/nonexist/tok' is not a directory: give a local directory with "
+                              "tokenizer.json or a hub name")
+    with pytest.raises(DifflmError) as err:
+        build_tokenizer("/nonexist/tok")
+    assert str(err.value).startswith("data.tokenizer='/nonexist/tok' is not a directory")
+    no_files = tmp_path / "data.tokenizer"  # a path holding the trainer's key name is named as it is
+    no_files.mkdir()
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'o'}", f"tokenizer={no_files}"))
+    assert str(err.value).startswith(f"tokenizer={str(no_files)!r} cannot be loaded: {no_files} has none of the "
+                                     "tokenizer files")
+    jsonl = corpus / "b.jsonl"
+    with pytest.raises(DifflmError) as err:  # the first record, read in this process
+        run_preprocess(preprocess_cfg(f"input={jsonl}", f"output={tmp_path / 'o'}", "workers=1", "text_field=body"))
+    assert str(err.value) == (f"text_field='body' not found in {jsonl}:1 (keys: ['text']): "
+                              "set text_field to one of them")
+    later = tmp_path / "later.jsonl"
+    later.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text field"}) + "\n")
+    with pytest.raises(DifflmError) as err:  # the second record, read by a worker process
+        run_preprocess(preprocess_cfg(f"input={later}", f"output={tmp_path / 'o2'}", "workers=2"))
+    assert str(err.value) == (f"text_field='text' not found in {later}:2 (keys: ['body']): "
+                              "set text_field to one of them")
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={corpus / 'c.parquet'}", f"output={tmp_path / 'o3'}", "text_field=body"))
+    assert str(err.value) == (f"text_field='body' is not a column of {corpus / 'c.parquet'} (columns: ['text']): "
+                              "set text_field to one of them")
+
+
+def test_final_hint_names_the_real_tokenizer(tmp_path):
+    """The last line is a command to copy: data.path=<output> data.tokenizer=<the tokenizer the shards were made
+    with>, the default tokenizer's resolved path when none was given."""
+    corpus = make_corpus(tmp_path / "corpus", copies=1)
+    out = tmp_path / "shards"
+    res = run_cli("difflm.preprocess", f"input={corpus / 'a.txt'}", f"output={out}", "workers=1",
+                  "progress_bar=false", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == f"train on it with: difflm-train data.path={out} data.tokenizer={NEOX}"
+    assert json.loads((out / "manifest.json").read_text())["tokenizer"]["name"] == str(NEOX)
+    summary = run_preprocess(preprocess_cfg(f"input={corpus / 'a.txt'}", f"output={tmp_path / 'two'}", "workers=1",
+                                            f"tokenizer={NEOX}/"))
+    assert summary["tokenizer"] == f"{NEOX}/"  # as given (the manifest's name)

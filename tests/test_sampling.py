@@ -317,3 +317,55 @@ def test_diffusion_only_settings_are_refused_for_ar_runs(causal):
             generation_options(model, tok, steps, causal)
     else:
         assert generation_options(model, tok, steps, causal).remasking == "random"
+
+
+def test_bd3lm_refuses_settings_it_would_ignore():
+    """A bd3lm run samples in its model's blocks (objective.block_size) and takes at least one token a step: a
+    gen.block_length of another size and more steps than tokens are refused, naming the key (a fault report: both
+    ran, the block length silently ignored); the default block length and the model's own are accepted."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig
+    from difflm.generate import generation_options
+
+    model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=16))
+    tok = SimpleNamespace(mask_id=15, tokenizer=list(range(15)))
+    objective = SimpleNamespace(name="bd3lm", block_size=16)
+    gen = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 32, "steps": 32})
+    assert generation_options(model, tok, gen, objective=objective).block_size == 16
+    assert generation_options(model, tok, OmegaConf.merge(gen, {"block_length": 16}), objective=objective).steps == 32
+    with pytest.raises(GenerationConfigError, match=r"^gen.block_length=7 is not read by objective=bd3lm runs, which "
+                                                    r"sample in the model's blocks of objective.block_size=16: drop "
+                                                    r"gen.block_length$"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"block_length": 7}), objective=objective)
+    with pytest.raises(GenerationConfigError, match=r"^gen.steps=100 must be <= gen.length=32 \(at least one token per "
+                                                    r"step\): set gen.steps=32$"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"steps": 100}), objective=objective)
+    with pytest.raises(GenerationConfigError, match=r"^gen.cfg_scale is not implemented for objective=bd3lm"):
+        generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.5}), objective=objective)
+
+
+def test_generate_starts_from_the_run_s_own_gen_settings():
+    """difflm-generate samples with the run's gen.* (as its HF export and the lm-eval harness do), the keys typed on
+    the command line over them; an ar run's stored diffusion-only keys stay at their defaults (never read)."""
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig
+    from difflm.generate import run_generation_config, typed_keys
+    from difflm.sampling.options import DIFFUSION_DEFAULTS
+
+    assert typed_keys(["run.dir=x", "gen.length=32", "+gen.seed=3", "prompt=a=b", "gen=foo", "gen.top_k=2"],
+                      "gen") == {"length", "seed", "top_k"}
+    run_gen = {"length": 16, "steps": 16, "block_length": 16, "temperature": 0.5, "seed": 7}
+    cli = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 32})  # the CLI's defaults + gen.length=32
+    gen = run_generation_config(run_gen, cli, {"length"}, causal=False)
+    assert (gen.length, gen.steps, gen.block_length, gen.temperature, gen.seed) == (32, 16, 16, 0.5, 7)
+    assert run_generation_config(run_gen, cli, set(), causal=False).length == 16  # nothing typed: the run's
+    ar = run_generation_config(run_gen, cli, {"length"}, causal=True)
+    assert (ar.length, ar.temperature, ar.seed) == (32, 0.5, 7)
+    assert (ar.steps, ar.block_length) == (DIFFUSION_DEFAULTS["steps"], DIFFUSION_DEFAULTS["block_length"])
+    typed_steps = OmegaConf.merge(cli, {"steps": 8})
+    assert run_generation_config(run_gen, typed_steps, {"length", "steps"}, causal=True).steps == 8  # refused later
+    assert run_generation_config(None, cli, {"length"}, causal=False).steps == GenerateConfig().steps

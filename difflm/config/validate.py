@@ -353,9 +353,6 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
     check_cuda_graphs(cfg, world_size, device)
-    _require(not (o.name == "bd3lm" and cfg.gen.get("cfg_scale", 0.0) > 0 and draws_samples(cfg)),
-             "gen.cfg_scale is not implemented for objective=bd3lm, and this run draws samples "
-             f"(logger.num_samples={cfg.logger.num_samples}): set gen.cfg_scale=0 or logger.num_samples=0")
     check_end_samples(cfg)
     return device
 
@@ -380,10 +377,13 @@ def check_end_samples(cfg) -> None:
     from difflm.sampling.options import GenerationConfigError, GenerationOptions
 
     try:
-        opts = GenerationOptions.from_config(cfg.gen, mask_id=0)
+        bd3lm = cfg.objective.name == "bd3lm"
+        opts = GenerationOptions.from_config(cfg.gen, mask_id=0, block_size=cfg.objective.block_size if bd3lm else None)
         if cfg.objective.name == "ar":
             opts.check_autoregressive()
-        elif cfg.objective.name != "bd3lm":
+        elif bd3lm:
+            opts.check_block_diffusion()
+        else:
             _validate(opts)
     except GenerationConfigError as err:
         raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="

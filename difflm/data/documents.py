@@ -37,11 +37,16 @@ class DocFormat:
     encoding: str = "utf-8"
     key: str = "data.path"
 
+    def name(self, option: str) -> str:
+        """How the command spells option ``option`` in messages: ``data.text_field`` beside ``data.path``, the bare
+        ``text_field`` beside difflm-preprocess's ``input``."""
+        return self.key.rsplit(".", 1)[0] + "." + option if "." in self.key else option
+
     @classmethod
     def of(cls, cfg, key: str = "data.path") -> "DocFormat":
         """The format of a DataConfig-like node (keys it lacks take the defaults; checks the encoding)."""
         enc = getattr(cfg, "encoding", None) or "utf-8"
-        check_encoding(enc, key.rsplit(".", 1)[0] + ".encoding" if "." in key else "encoding")
+        check_encoding(enc, cls(key=key).name("encoding"))
         return cls(getattr(cfg, "text_field", cls.text_field), getattr(cfg, "doc_separator", cls.doc_separator),
                    enc, key)
 
@@ -187,8 +192,8 @@ def read_jsonl(path: str, fmt: DocFormat = DocFormat(), start: int = 0, end: Opt
 
 def field_error(fmt: DocFormat, where: str, rec) -> DifflmError:
     keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-    return DifflmError(f"data.text_field={fmt.text_field!r} not found in {where} (keys: {keys}): "
-                       "set data.text_field to one of them")
+    field = fmt.name("text_field")
+    return DifflmError(f"{field}={fmt.text_field!r} not found in {where} (keys: {keys}): set {field} to one of them")
 
 
 def _jsonl_documents(piece: Piece, fmt: DocFormat) -> Iterator[str]:
@@ -207,8 +212,9 @@ def _parquet_file(path: str, fmt: DocFormat):
         raise DifflmError(f"{fmt.key}: {path} is not a readable parquet file ({type(e).__name__}: {e})") from None
     names = pf.schema_arrow.names
     if fmt.text_field not in names:
-        raise DifflmError(f"data.text_field={fmt.text_field!r} is not a column of {path} (columns: {names}): "
-                          "set data.text_field to one of them")
+        field = fmt.name("text_field")
+        raise DifflmError(f"{field}={fmt.text_field!r} is not a column of {path} (columns: {names}): set {field} to "
+                          "one of them")
     return pf
 
 
@@ -236,11 +242,12 @@ def load_hf(name: str, split: str, fmt: DocFormat):
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise DifflmError(f"data.hf_dataset={name!r} (split data.hf_split={split!r}) could not be loaded ({reason}): "
-                          "give a save_to_disk directory or a datasets hub name") from None
+        raise DifflmError(f"{fmt.name('hf_dataset')}={name!r} (split {fmt.name('hf_split')}={split!r}) could not be "
+                          f"loaded ({reason}): give a save_to_disk directory or a datasets hub name") from None
     if fmt.text_field not in ds.column_names:
-        raise DifflmError(f"data.text_field={fmt.text_field!r} is not a column of data.hf_dataset={name!r} "
-                          f"(columns: {ds.column_names}): set data.text_field to one of them")
+        field = fmt.name("text_field")
+        raise DifflmError(f"{field}={fmt.text_field!r} is not a column of {fmt.name('hf_dataset')}={name!r} "
+                          f"(columns: {ds.column_names}): set {field} to one of them")
     return ds
 
 

@@ -29,6 +29,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable, Optional
 
+from difflm.cli import writable_output
 from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype, write_text_atomic
 from difflm.data.tokenizer import TokenizerInfo
@@ -222,16 +223,31 @@ class _Progress:
         self.bar.close()
 
 
+def empty_input_error(cfg) -> DifflmError:
+    """The in-trainer path's empty-corpus line (:func:`difflm.data.preprocess.tokenize_corpus`), naming ``input=``
+    or ``hf_dataset=``."""
+    source = f"input={cfg.input!r}" if cfg.input is not None else f"hf_dataset={cfg.hf_dataset!r}"
+    return DifflmError(f"{source} gives an empty corpus after tokenization: point it at non-empty text")
+
+
+def holds_text(pieces: list[Piece], fmt: DocFormat, hf=None) -> bool:
+    """True when ``pieces`` hold a non-empty document (the scan ends at the first one, so a corpus is read only up
+    to it). Nothing is tokenized here: the parent must not start the tokenizer's thread pool before it forks."""
+    return any(doc for piece in pieces for doc in iter_documents(piece, fmt, hf))
+
+
 def run_preprocess(cfg) -> dict:
     """``difflm-preprocess``: tokenize ``cfg.input`` / ``cfg.hf_dataset`` into shards under ``cfg.output``.
 
     Args:
         cfg: a :class:`difflm.config.schema.PreprocessConfig` node.
 
-    Returns: a summary dict (shards, skipped, documents, tokens, seconds, tokens_per_s, output).
+    Returns: a summary dict (shards, skipped, documents, tokens, seconds, tokens_per_s, output, tokenizer).
 
     Raises:
-        DifflmError: bad input/output/tokenizer/encoding, an output holding other data, a worker that died.
+        DifflmError: bad input/output/tokenizer/encoding/text_field, an output that cannot be written or holds
+            other data, an input that holds no text (refused before a manifest is written), a worker that died.
+            Messages name the keys of difflm-preprocess (``tokenizer=``, ``text_field=``), not ``data.*``.
     """
     from difflm.data.preprocess import FORMAT_VERSION, tokenizer_fingerprint
     from difflm.data.tokenizer import build_tokenizer
@@ -244,11 +260,9 @@ def run_preprocess(cfg) -> dict:
         raise DifflmError(f"shard_mb={cfg.shard_mb} must be > 0 (input megabytes per shard, e.g. 256)")
     if cfg.workers < 0:
         raise DifflmError(f"workers={cfg.workers} must be >= 0 (0 = one per CPU core)")
+    out = writable_output("output", cfg.output, directory=True)  # before the tokenizer loads and the input is read
     fmt = DocFormat.of(cfg, key="input")
-    tok = build_tokenizer(cfg.tokenizer)
-    out = Path(os.path.expanduser(cfg.output))
-    if out.exists() and not out.is_dir():
-        raise DifflmError(f"output={cfg.output!r} is a file: give a directory for the shards")
+    tok = build_tokenizer(cfg.tokenizer, key="tokenizer")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = cfg.workers or cores
     target = int(cfg.shard_mb * 1e6)
@@ -279,6 +293,8 @@ def run_preprocess(cfg) -> dict:
             hashes = list(pool.map(file_sha256, files)) if pool else [file_sha256(f) for f in files]
             sources = [{"path": f, "size": os.path.getsize(f), "sha256": h} for f, h in zip(files, hashes)]
             pieces = [p for f in files for p in file_pieces(f, fmt, target)]
+        if not holds_text(pieces, fmt, hf):  # before a manifest: data.path would refuse it only at training
+            raise empty_input_error(cfg)
         dtype = token_dtype(tok.padded_vocab_size)
         plan = {
             "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
@@ -292,8 +308,12 @@ def run_preprocess(cfg) -> dict:
                        for i, p in enumerate(pieces)],
         }
         plan_key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-        _prepare_output(out, plan, plan_key, cfg)
-        _write_json(out / MANIFEST, {**plan, "plan_key": plan_key, "complete": False})
+        try:
+            _prepare_output(out, plan, plan_key, cfg)
+            _write_json(out / MANIFEST, {**plan, "plan_key": plan_key, "complete": False})
+        except OSError as err:  # e.g. an existing directory without write permission
+            raise DifflmError(f"output={cfg.output!r} cannot be written ({err.strerror or type(err).__name__}: "
+                              f"{err.filename or out}): choose a folder you can write in") from None
         for f in _shard_files(out):  # temporary files of an interrupted run
             if ".tmp" in f.name:
                 f.unlink()
@@ -323,12 +343,17 @@ def run_preprocess(cfg) -> dict:
         ds = IndexedDataset(prefix)
         shards.append({**s, "documents": len(ds), "tokens": ds.num_tokens})
     documents, tokens = sum(s["documents"] for s in shards), sum(s["tokens"] for s in shards)
+    if tokens == 0:  # text the tokenizer maps to nothing: remove the shards and manifest (all this plan's files)
+        for f in _shard_files(out):
+            f.unlink()
+        (out / MANIFEST).unlink()
+        raise empty_input_error(cfg)
     _write_json(out / MANIFEST, {**plan, "shards": shards, "plan_key": plan_key, "complete": True,
                                  "documents": documents, "tokens": tokens})
     seconds = time.perf_counter() - started
     return {"output": str(out), "shards": len(shards), "skipped": len(shards) - len(todo), "documents": documents,
             "tokens": tokens, "new_tokens": new_tokens, "seconds": seconds, "tokenize_seconds": tokenize_s,
-            "tokens_per_s": new_tokens / max(tokenize_s, 1e-9), "workers": workers}
+            "tokens_per_s": new_tokens / max(tokenize_s, 1e-9), "workers": workers, "tokenizer": cfg.tokenizer}
 
 
 def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:

@@ -84,7 +84,7 @@ def special_roles_of(tok, token_id: int) -> list[str]:
     return roles
 
 
-def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerInfo:
+def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "data.tokenizer") -> TokenizerInfo:
     """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
 
     Local directories and ``HF_HUB_OFFLINE=1`` load with ``local_files_only=True`` (nothing is downloaded);
@@ -101,12 +101,12 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
     path = os.path.expanduser(name_or_path)
     if _looks_like_path(name_or_path) and not os.path.isdir(path):
         raise DifflmError(
-            f"data.tokenizer={name_or_path!r} is not a directory: give a local directory with tokenizer.json or a hub name"
+            f"{key}={name_or_path!r} is not a directory: give a local directory with tokenizer.json or a hub name"
         )
     offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
     local = os.path.isdir(path)
     if local and (missing := missing_tokenizer_files(path)) is not None:
-        raise DifflmError(f"data.tokenizer={name_or_path!r} cannot be loaded: {missing}; save one there with "
+        raise DifflmError(f"{key}={name_or_path!r} cannot be loaded: {missing}; save one there with "
                           "tokenizer.save_pretrained(dir) or give a hub name")
     try:
         # trust_remote_code=False: never run a repository's code, and never prompt for it (a difflm export's
@@ -117,12 +117,12 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         hint = "set HF_HUB_OFFLINE=0 or download it to a local directory" if offline and not local else "check the name/files"
         raise DifflmError(
-            f"data.tokenizer={name_or_path!r} could not be loaded ({reason}): give a local directory with "
+            f"{key}={name_or_path!r} could not be loaded ({reason}): give a local directory with "
             f"tokenizer.json or a hub name; {'offline: ' if offline else ''}{hint}"
         ) from None
     if tok.eos_token_id is None:
         raise DifflmError(
-            f"data.tokenizer={name_or_path!r} has no eos token: use a tokenizer that defines eos_token "
+            f"{key}={name_or_path!r} has no eos token: use a tokenizer that defines eos_token "
             "(documents are separated by EOS)"
         )
     n = len(tok)
@@ -130,7 +130,7 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128) -> TokenizerIn
     clash = special_roles_of(tok, mask_id)
     if clash:
         raise DifflmError(
-            f"data.tokenizer={name_or_path!r} sets mask_token {tok.mask_token!r} (id {mask_id}), which is also its "
+            f"{key}={name_or_path!r} sets mask_token {tok.mask_token!r} (id {mask_id}), which is also its "
             f"{' and '.join(clash)}: the mask must be a token of its own (the sampler never emits the mask id, so a "
             f"mask equal to eos could never end a text); remove mask_token from its tokenizer_config.json (difflm then "
             f"uses the first free id, {n}) or set it to an unused token"

@@ -6,7 +6,9 @@ Writes into ``out``:
     model.safetensors                      difflm's state dict, unchanged names (or shards
                                            ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``
                                            when larger than ``max_shard_size``)
-    config.json                            :class:`DiffLMConfig` fields + ``auto_map`` to the two files below
+    config.json                            :class:`DiffLMConfig` fields + ``auto_map`` to the two files below;
+                                           also the run's whole ``gen.*`` (``gen_*``) and ``data.seq_len``
+                                           (``train_seq_len``), which ``difflm-import`` restores
     configuration_difflm.py, modeling_difflm.py
                                            self-contained (torch + transformers) copies of ``difflm/interop/hf_modeling``
     generation_config.json                 the run's ``gen.*`` sampler settings and the special ids
@@ -165,6 +167,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str):
         gen_length=g.length, gen_steps=g.steps, gen_block_length=g.block_length, gen_remasking=g.remasking,
         gen_temperature=float(g.temperature), gen_cfg_scale=float(g.get("cfg_scale", 0.0)),
         gen_top_k=int(g.get("top_k", 0)), gen_top_p=float(g.get("top_p", 1.0)), gen_threshold=g.get("threshold"),
+        gen_seed=int(g.get("seed", 0)), gen_cache=str(g.get("cache", "none")), train_seq_len=int(cfg.data.seq_len),
         bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
         pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],

@@ -9,7 +9,8 @@ as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from th
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
 never set).
 
-Writes ``DIR/config.yaml`` (composed from difflm's conf tree, ``model.*`` set from the HF config),
+Writes ``DIR/config.yaml`` (composed from difflm's conf tree, ``model.*`` set from the HF config; from a difflm
+export also the run's ``data.seq_len`` and ``gen.*``, recorded in its config.json as ``train_seq_len`` and ``gen_*``),
 ``DIR/tokenizer/`` (the HF tokenizer with a mask token added when it has none) and
 ``DIR/checkpoints/step_0`` (model only, :func:`difflm.checkpoint.store.save_checkpoint` with
 ``optimizer=None``: ``difflm-train`` resumes from it with a fresh optimizer and LR schedule), then prints
@@ -232,16 +233,63 @@ def compose_train(overrides: list[str]):
         return compose("train", overrides=overrides)
 
 
+# a difflm export's config.json key -> the ``gen.*`` key it records (difflm.interop.export.hf_config)
+EXPORTED_GEN = {"gen_length": "length", "gen_steps": "steps", "gen_block_length": "block_length",
+                "gen_remasking": "remasking", "gen_temperature": "temperature", "gen_seed": "seed",
+                "gen_top_k": "top_k", "gen_top_p": "top_p", "gen_cfg_scale": "cfg_scale", "gen_threshold": "threshold",
+                "gen_cache": "cache"}
+
+
+def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
+    """``{"data.seq_len": n, "gen.<key>": value, ...}`` recorded in a difflm export's ``config.json`` (``train_seq_len``
+    and ``gen_*``), those present only; empty for other models (they keep the conf tree's defaults).
+
+    Raises: DifflmError naming ``hf`` and the config.json key for a value difflm's run config refuses.
+    """
+    if hf_cfg.get("model_type") != "difflm":
+        return {}
+    from difflm.sampling import GenerationOptions
+
+    out = {}
+    seq_len = hf_cfg.get("train_seq_len")
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise DifflmError(f"hf={hf!r}: config.json has train_seq_len={seq_len!r}, not a positive integer: set it "
+                              "to the run's data.seq_len or remove it")
+        out["data.seq_len"] = seq_len
+    gen = {key: hf_cfg[name] for name, key in EXPORTED_GEN.items() if name in hf_cfg}
+    try:  # the sampler's own checks (ranges, remasking and cache names)
+        GenerationOptions(mask_id=0, **{k: v for k, v in gen.items() if k != "seed" and v is not None})
+    except (ValueError, TypeError) as e:
+        raise DifflmError(f"hf={hf!r}: config.json's gen_* settings are not valid difflm gen.* settings ({e}): "
+                          "fix or remove them") from None
+    if "seed" in gen and (isinstance(gen["seed"], bool) or not isinstance(gen["seed"], int)):
+        raise DifflmError(f"hf={hf!r}: config.json has gen_seed={gen['seed']!r}, not an integer: fix or remove it")
+    out.update({f"gen.{k}": v for k, v in gen.items()})
+    return out
+
+
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
               "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits", "vocab_multiple")
 
 
+def _override_value(value) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def train_overrides(cfg) -> list[str]:
-    """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``model.*``, run.dir."""
-    m = cfg.model
-    return ([f"objective={cfg.objective.name}", f"data.tokenizer={cfg.data.tokenizer}", "model.name=imported"]
-            + [f"model.{k}={str(m[k]).lower() if isinstance(m[k], bool) else m[k]}" for k in MODEL_KEYS]
-            + [f"run.dir={cfg.run.dir}"])
+    """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``data.seq_len`` (the
+    training window: restored from a difflm export, else the default, to set for the model's context), ``model.*``,
+    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export), run.dir."""
+    from difflm.config.schema import GenerateConfig
+
+    m, defaults = cfg.model, GenerateConfig()
+    gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items() if v != getattr(defaults, k, v)]
+    return ([f"objective={cfg.objective.name}", f"data.tokenizer={cfg.data.tokenizer}",
+             f"data.seq_len={cfg.data.seq_len}", "model.name=imported"]
+            + [f"model.{k}={_override_value(m[k])}" for k in MODEL_KEYS] + gen + [f"run.dir={cfg.run.dir}"])
 
 
 REPLACED_RUN_RECORDS = ("metrics.jsonl", "samples.txt")  # removed with the checkpoints by overwrite=true
@@ -262,6 +310,7 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     src = resolve_source(hf, revision)
     hf_cfg = read_hf_config(src, hf)
     dims = model_dims(hf_cfg, hf)
+    run_settings = exported_run_settings(hf_cfg, hf)  # before anything is written: a bad value fails first
     if objective is None:
         objective = "ar" if hf_cfg.get("model_type") == "difflm" and hf_cfg.get("causal") else "mdlm"
     if objective not in ("mdlm", "ar"):
@@ -308,6 +357,8 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     for key, value in dims.items():
         cfg.model[key] = value
     cfg.model.name, cfg.model.vocab_multiple, cfg.model.vocab_size = "imported", vocab_multiple, tok.padded_vocab_size
+    for key, value in run_settings.items():  # a difflm export's training window and sampler settings
+        OmegaConf.update(cfg, key, value, merge=False)
     check_model(cfg.model)
 
     if hf_cfg.get("model_type") == "difflm":

@@ -118,6 +118,22 @@ class GenerationOptions:
             raise GenerationConfigError(f"{', '.join(changed)}: objective=ar runs decode left to right and read only "
                                         f"{read} and {prefix}seed: drop {keys}")
 
+    def check_block_diffusion(self, prefix: str = "gen.") -> None:
+        """Raises GenerationConfigError for settings a ``bd3lm`` run (block size :attr:`block_size`, its
+        ``objective.block_size``) cannot sample with: ``cfg_scale`` (not implemented there), a ``block_length`` other
+        than the default or the model's block size (the blocks are the model's, so it would be ignored), and more
+        ``steps`` than tokens (as for the LLaDA sampler: at least one token a step)."""
+        if self.cfg_scale > 0:
+            raise GenerationConfigError(f"{prefix}cfg_scale is not implemented for objective=bd3lm runs: set "
+                                        f"{prefix}cfg_scale=0")
+        if self.block_length not in (DIFFUSION_DEFAULTS["block_length"], self.block_size):
+            raise GenerationConfigError(
+                f"{prefix}block_length={self.block_length} is not read by objective=bd3lm runs, which sample in the "
+                f"model's blocks of objective.block_size={self.block_size}: drop {prefix}block_length")
+        if self.steps > self.length:
+            raise GenerationConfigError(f"{prefix}steps={self.steps} must be <= {prefix}length={self.length} (at least "
+                                        f"one token per step): set {prefix}steps={self.length}")
+
     def replace(self, **changes: Any) -> "GenerationOptions":
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

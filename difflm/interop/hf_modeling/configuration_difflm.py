@@ -24,6 +24,10 @@ class DiffLMConfig(PretrainedConfig):
         tokenizer_vocab_size: ids >= this (and ``mask_token_id``) are never sampled (embedding padding).
         gen_length, gen_steps, gen_block_length, gen_remasking, gen_temperature, gen_cfg_scale, gen_top_k,
         gen_top_p, gen_threshold: default sampler settings (difflm's ``gen.*``).
+        gen_seed, gen_cache: the run's ``gen.seed`` and ``gen.cache``, kept so that ``difflm-import`` restores the
+        run's ``gen.*`` (``generate`` takes a ``generator`` instead of a seed and has no KV cache).
+        train_seq_len: the run's training window ``data.seq_len`` (None: unknown, e.g. an older export), restored
+        by ``difflm-import``.
         moe_num_experts, moe_top_k, moe_intermediate_size, moe_num_shared_experts, moe_score_func,
         moe_norm_topk_prob: mixture of experts [model.moe.num_experts, top_k, ffn_hidden_size (resolved),
         num_shared_experts, score_func, norm_topk_prob]; ``moe_num_experts=0`` is the dense MLP.
@@ -39,7 +43,8 @@ class DiffLMConfig(PretrainedConfig):
                  tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int = 64,
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
-                 gen_threshold: float | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
+                 gen_threshold: float | None = None, gen_seed: int = 0, gen_cache: str = "none",
+                 train_seq_len: int | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
                  moe_top_k: int = 2, moe_intermediate_size: int | None = None, moe_num_shared_experts: int = 0,
                  moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False, **kwargs):
         self.vocab_size = vocab_size
@@ -66,6 +71,9 @@ class DiffLMConfig(PretrainedConfig):
         self.gen_top_k = gen_top_k
         self.gen_top_p = gen_top_p
         self.gen_threshold = gen_threshold
+        self.gen_seed = gen_seed
+        self.gen_cache = gen_cache
+        self.train_seq_len = train_seq_len
         self.initializer_range = initializer_range
         self.moe_num_experts = moe_num_experts
         self.moe_top_k = moe_top_k

@@ -35,6 +35,7 @@ semi-autoregressive blocks, and classifier-free guidance as in ML-GSAI/LLaDA ``g
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -343,8 +344,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  block_length: Optional[int] = None, temperature: Optional[float] = None,
                  cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
                  top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
-                 generator: Optional[torch.Generator] = None,
-                 attention_mask: Optional[torch.Tensor] = None) -> torch.LongTensor:
+                 generator: Optional[torch.Generator] = None, attention_mask: Optional[torch.Tensor] = None,
+                 max_new_tokens: Optional[int] = None) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
@@ -359,10 +360,29 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         ``attention_mask`` [B, P] (1 = real, 0 = padding, left or right): each row is generated as if alone
         (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``. The
         mask id and the embedding's padding ids are never emitted. The same ``generator`` seed gives difflm's
-        output token for token. Unknown keyword arguments raise TypeError.
-        Raises ValueError for inconsistent lengths/steps, an unknown ``remasking`` or a bad ``attention_mask``.
+        output token for token. ``max_new_tokens`` (transformers' name, also in ``generation_config.json``) is
+        ``gen_length``; give either, or both with the same value. Unknown keyword arguments raise TypeError.
+        Raises ValueError, as difflm's sampler refuses them: ``max_new_tokens`` != ``gen_length``; a length, step or
+        block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
+        ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; for a causal export, a diffusion-only argument
+        (``steps``, ``block_length``, ``remasking``, ``cfg_scale``, ``threshold``) away from difflm's default, or an
+        empty prompt; a bad ``attention_mask``.
         """
         cfg = self.config
+        if max_new_tokens is not None:
+            if gen_length is not None and gen_length != max_new_tokens:
+                raise ValueError(f"max_new_tokens={max_new_tokens} and gen_length={gen_length} both set the number of "
+                                 "generated tokens: give one of them")
+            gen_length = max_new_tokens
+        if cfg.causal:  # difflm's GenerationOptions.check_autoregressive, on the arguments given
+            given = dict(steps=steps, block_length=block_length, remasking=remasking, cfg_scale=cfg_scale,
+                         threshold=threshold)
+            changed = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != AR_IGNORED[k]]
+            if changed:
+                keys = ", ".join(c.split("=")[0] for c in changed)
+                raise ValueError(f"{', '.join(changed)}: this causal (objective=ar) export decodes left to right and "
+                                 "reads only max_new_tokens (gen_length), temperature, top_k, top_p and generator: "
+                                 f"drop {keys}")
         pick = lambda value, key, default: getattr(cfg, key, default) if value is None else value  # noqa: E731
         gen_length = pick(gen_length, "gen_length", 64)
         steps = pick(steps, "gen_steps", gen_length)
@@ -380,7 +400,10 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         if valid is not None and not bool(valid.any(dim=1).all()):
             raise ValueError("attention_mask has a row without any real token: give each prompt a token")
         forbid = self._forbidden_ids()
+        _check_sampling(gen_length, temperature, top_k, top_p)
         if cfg.causal:
+            if input_ids.shape[1] < 1:
+                raise ValueError("input_ids must hold at least one token (e.g. BOS) for left-to-right decoding")
             return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
         if mask_id is None:
             raise ValueError("config.mask_token_id is not set: pass mask_id=")
@@ -409,14 +432,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
 
     def _generate_diffusion(self, prompt, valid, steps, length, block_length, temperature, cfg_scale, remasking,
                             mask_id, generator, forbid, top_k, top_p, threshold):
-        if length < 1 or block_length < 1 or length % block_length:
-            raise ValueError(f"gen_length={length} must be a positive multiple of block_length={block_length}")
-        num_blocks = length // block_length
-        if steps < num_blocks or steps % num_blocks or steps > length:
-            raise ValueError(f"steps={steps} must be a multiple of gen_length/block_length={num_blocks} "
-                             f"and <= gen_length={length}")
-        if remasking not in REMASKING:
-            raise ValueError(f"remasking={remasking!r} must be one of {REMASKING}")
+        num_blocks = _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshold)
         steps_per_block = steps // num_blocks
         batch, prompt_len = prompt.shape
         x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)], 1)
@@ -448,6 +464,63 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
 
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+# difflm's defaults of the diffusion-only settings (GenerationOptions): a causal export's generate refuses others
+AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_sampling(length, temperature, top_k, top_p) -> None:
+    """difflm's ``GenerationOptions`` checks of the settings every sampler reads. Raises ValueError naming the
+    argument."""
+    if not _is_int(length) or length < 1:
+        raise ValueError(f"gen_length (max_new_tokens)={length!r} must be an integer >= 1")
+    if not _is_real(temperature) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
+    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+
+
+def _consistent_setting(length: int, steps: int, block_length: int) -> str:
+    """The nearest accepted ``gen_length``/``block_length``/``steps``, keeping ``gen_length`` (difflm's
+    ``consistent_setting``)."""
+    block = block_length if 0 < block_length <= length and length % block_length == 0 else length
+    blocks = length // block
+    fitted = max(blocks, min(steps, length) // blocks * blocks)
+    return f"gen_length={length}, block_length={block}, steps={fitted}"
+
+
+def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshold) -> int:
+    """difflm's checks of the masked-diffusion settings (``GenerationOptions`` and the LLaDA sampler's block and
+    step rules); returns the number of blocks. Raises ValueError naming the argument (with a consistent setting)."""
+    if not _is_int(steps) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an integer >= 1")
+    if not _is_int(block_length) or block_length < 1:
+        raise ValueError(f"block_length={block_length!r} must be an integer >= 1")
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking={remasking!r} must be one of {REMASKING}")
+    if not _is_real(cfg_scale) or not cfg_scale >= 0:
+        raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 (0 = off)")
+    if threshold is not None and (not _is_real(threshold) or not 0.0 < threshold <= 1.0):
+        raise ValueError(f"threshold={threshold!r} must be in (0, 1] or None (None = fixed schedule)")
+    fix = f"; e.g. {_consistent_setting(length, steps, block_length)}"
+    if length % block_length:
+        raise ValueError(f"gen_length={length} must be a multiple of block_length={block_length}{fix}")
+    num_blocks = length // block_length
+    if steps < num_blocks or steps % num_blocks:
+        raise ValueError(f"steps={steps} must be a multiple of the number of blocks gen_length/block_length="
+                         f"{num_blocks}{fix}")
+    if steps > length:
+        raise ValueError(f"steps={steps} must be <= gen_length={length} (at least one token per step){fix}")
+    return num_blocks
 
 
 def _valid_positions(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
