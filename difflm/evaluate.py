@@ -20,9 +20,10 @@ antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo
 
 Reports nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
 ``ar``, the response lengths for ``sft``), its standard error over windows (``null`` for one window), the
-perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The Pile): the loss of every scored
-token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the document text only (no EOS or
-other special-token text; for ``sft`` the responses), as the lm-evaluation-harness counts them.
+perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The
+Pile): the loss of every scored token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the
+document text only (no EOS or other special-token text; for ``sft`` the responses), as the lm-evaluation-harness
+counts them.
 """
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ Every row runs real training steps of the same model code (:func:`difflm.model.b
 tokens: the row's objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed; BD3-LM: the ``2 L``
 tokens ``[x_t ; x_0]`` with the block-causal mask and positions, passed as the trainer passes them) on
 ``--batches`` batches drawn once and kept on the device, so the timed loop does no host work; the model's
-logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping (with a fused AdamW inside
-its kernel, as the trainer does); the run's AdamW (fused on CUDA). One timed step is one optimizer step over
-``train.global_batch_size`` sequences,
-accumulated in micro-batches of ``train.micro_batch_size`` as the trainer does. Weights are drawn on the
+logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping (with a fused
+AdamW inside its kernel, as the trainer does); the run's AdamW (fused on CUDA). One timed step is one optimizer step
+over ``train.global_batch_size`` sequences, accumulated in micro-batches of ``train.micro_batch_size`` as the
+trainer does. Weights are drawn on the
 device (Megatron-style, :func:`fast_init`), not by the trainer's keyed CPU init, which would take longer
 than the measurement at 1.7B; each row's draw is seeded with ``--seed`` (as are the batches), so the same
 command gives the same losses and rows of the same model start from the same weights. ``reference`` is the
