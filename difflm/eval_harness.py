@@ -29,7 +29,9 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
 * ``generate_until``: :func:`difflm.generate.generate_ids` with the run's ``gen`` settings, overridden by the
   constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
   rounded up to a multiple of ``gen.block_length``; ``gen.steps`` keeps the run's steps per token; ``until``
-  strings, and the EOS text, cut the decoded text).
+  strings, and the EOS text, cut the decoded text). Greedy decoding (temperature 0) does not depend on the
+  batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
+  for per-request samples).
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
 """
 from __future__ import annotations
