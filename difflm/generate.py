@@ -170,10 +170,10 @@ def run_generation_config(run_gen, cli_gen, typed: set[str], causal: bool):
 
     from difflm.sampling.options import DIFFUSION_DEFAULTS
 
-    stored = {k: v for k, v in (run_gen or {}).items() if k in cli_gen and k not in typed}
-    if causal:
-        stored = {k: (DIFFUSION_DEFAULTS[k] if k in DIFFUSION_DEFAULTS else v) for k, v in stored.items()}
-    return OmegaConf.merge(cli_gen, stored)
+    stored = {k: v for k, v in (run_gen or {}).items() if k in cli_gen}  # keys this schema still has
+    # the lm-eval harness's order too: the run's, an ar run's diffusion-only keys reset, then the caller's
+    return OmegaConf.merge(cli_gen, stored, *([DIFFUSION_DEFAULTS] if causal else []),
+                           {k: cli_gen[k] for k in typed})
 
 
 def read_prompt(args) -> str:
