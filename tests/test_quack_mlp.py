@@ -221,18 +221,28 @@ def test_fused_qkv_input_matches_te():
 
 
 @gpu
-def test_fused_model_loss_and_grads_match_unfused():
-    from difflm.model.kernels import build_kernels
-    from difflm.model.transformer import Transformer
+def test_fused_model_loss_and_grads_match_unfused(monkeypatch):
+    """Built as the trainer builds it (on the meta device, then ``to_empty``, which replaces the parameter objects):
+    loss and gradients against the unfused model, and every quack weight gradient added in place into ``main_grad``
+    (three GEMMs per layer: QKV, fc1, fc2), none handed to autograd to add in a pass of its own."""
+    import quack.gemm_interface as qgi
+
+    from difflm.model import build_model
 
     cfg = run_cfg("model.backend=te", "precision=bf16").model
     cfg.vocab_size, cfg.head_dim = 256, cfg.hidden_size // cfg.num_heads
     models = []
     for fused in (False, True):
         cfg.fused_mlp = fused
-        torch.manual_seed(0)
-        models.append(Transformer(cfg, causal=False, kernels=build_kernels(cfg, "cuda")).cuda())
+        models.append(build_model(cfg, causal=False, device=torch.device("cuda"), seed=0))
     models[1].load_state_dict(models[0].state_dict())
+    in_place, real = [], qgi.gemm_add_inplace
+
+    def counted(a, b, out, **kw):
+        in_place.append(out.shape)
+        return real(a, b, out, **kw)
+
+    monkeypatch.setattr(qgi, "gemm_add_inplace", counted)
     assert type(models[1].layers[0].mlp).__name__ == "ResidualNormMLP"
     assert type(models[1].layers[0].attention.qkv).__name__ == "ResidualNormLinear"
     ids = torch.randint(0, 256, (2, 64), device="cuda")
@@ -245,6 +255,7 @@ def test_fused_model_loss_and_grads_match_unfused():
         assert qkv.grad is not None and qkv.grad is getattr(qkv, "main_grad", None)
         losses.append(float(loss))
         grads.append({n: p.grad.float() for n, p in m.named_parameters()})
+    assert len(in_place) == 3 * cfg.num_layers
     assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[0])
     for name, ref in grads[0].items():
         assert _rel(grads[1][name], ref) < 5e-2, name

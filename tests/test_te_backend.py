@@ -23,7 +23,13 @@ from difflm.errors import DifflmError
 from difflm.model import build_model
 from difflm.model.attention import attend, attention_unavailable_reason
 from difflm.model.rope import rope_cos_sin
-from difflm.model.te_kernels import EXTRA_STATE, te_module_names, te_to_torch_state_dict, torch_to_te_state_dict
+from difflm.model.te_kernels import (
+    EXTRA_STATE,
+    main_grad_weights,
+    te_module_names,
+    te_to_torch_state_dict,
+    torch_to_te_state_dict,
+)
 from difflm.model.transformer import Transformer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "te_tiny_state_dict.json"
@@ -225,6 +231,9 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
         assert model.layers[0].attention.qkv.seen_first_microbatch is None  # BF16: no micro-batch contract
         for p in fused:
             assert p.grad is p.main_grad  # one FP32 buffer, no second copy
+            # marked on the live parameter (to_empty replaced the ones the kernels built): the quack modules read it
+            assert p.accumulates_in_main_grad is True
+        assert [id(p) for p in main_grad_weights(model)] == [id(p) for p in fused]
         grads = dict(model.named_parameters())
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
@@ -262,6 +271,31 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
     plain = te_model(cfg, fuse_wgrad_accumulation=False)
     plain(steps[0][0]).float().square().mean().backward()
     assert all(not hasattr(p, "main_grad") and p.grad is not None for p in plain.parameters())
+
+
+def test_weights_cast_once_per_step():
+    """The quack modules' BF16 weight copies: one cast per optimizer step shared by the step's micro-batches
+    (forwards that record gradients), a new one after any optimizer step (fused AdamW bumps no version counter) or
+    in-place write (a checkpoint load), and forwards without gradients cast afresh and leave the cache alone."""
+    from difflm.model.te_kernels import weights_cast_once_per_step
+
+    owner, w = torch.nn.Module(), torch.nn.Parameter(torch.randn(8, 4))
+    first = weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0]
+    assert first.dtype == torch.bfloat16 and torch.equal(first, w.detach().bfloat16())
+    assert weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0] is first  # the next micro-batch
+    with torch.no_grad():
+        fresh = weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0]
+    assert fresh is not first and torch.equal(fresh, first) and owner._cast_weights[1][0] is first
+    w.data.add_(1.0)  # a write no version counter sees, as fused AdamW's: the cast stays until a step is counted
+    assert weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0] is first
+    torch.optim.SGD([w], lr=0.5).step()  # no gradient, so no change; what matters is that a step was taken
+    after_step = weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0]
+    assert after_step is not first and torch.equal(after_step, w.detach().bfloat16())
+    with torch.no_grad():
+        w.copy_(torch.zeros_like(w))  # a checkpoint load
+    assert not weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0].any()
+    assert weights_cast_once_per_step(owner, (w,), torch.float16)[0].dtype == torch.float16
+    assert weights_cast_once_per_step(owner, (w,), torch.float32)[0].data_ptr() == w.data_ptr()  # no copy needed
 
 
 def test_te_kernels_take_masks_positions_and_caches(fake_te):

@@ -20,7 +20,8 @@ the activation is computed from the FP32 accumulator (TE computes it from the BF
 two paths agree to BF16 rounding, not bitwise.
 
 Parameters have TE's names and shapes (``layer_norm_weight`` [d], ``fc1_weight`` [2f, d] with the gate half first,
-``fc2_weight`` [d, f]; FP32 masters cast to BF16 per forward, as TE does) and the module carries an empty
+``fc2_weight`` [d, f]; FP32 masters cast to BF16 once per optimizer step and reused by every micro-batch,
+:func:`difflm.model.te_kernels.weights_cast_once_per_step`) and the module carries an empty
 ``_extra_state`` like every TE module, so a checkpoint moves between ``model.fused_mlp=true`` and ``false`` unchanged.
 Weight gradients accumulate in place into FP32 ``main_grad`` when the kernel set gave the weights one
 (:func:`difflm.model.te_kernels.accumulate_into_grad`), otherwise they are returned to autograd in FP32.
@@ -35,6 +36,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from difflm.model.te_kernels import weights_cast_once_per_step
 
 # The fc1 weight [2f, d] holds [gate; up] halves (TE's swiglu split). quack's gated epilogue pairs neighbouring
 # columns, so it reads this "concat" layout through its concat_layout option and keeps the pre-activation and its
@@ -139,7 +142,7 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
     """Forward / backward of :class:`ResidualNormMLP` (see the module docstring for what each kernel fuses)."""
 
     @staticmethod
-    def forward(ctx, branch, residual, norm_weight, fc1_weight, fc2_weight, eps, tuned):
+    def forward(ctx, branch, residual, norm_weight, fc1_weight, fc2_weight, w1, w2, eps, tuned):
         from quack.gemm_interface import gemm_add, gemm_gated
         from quack.rmsnorm import rmsnorm_fwd
 
@@ -147,7 +150,6 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad[:5])
         h, s, rstd = rmsnorm_fwd(_flat(branch), norm_weight, residual=_flat(residual.to(dtype)), eps=eps,
                                  store_rstd=need_grad)
-        w1, w2 = fc1_weight.to(dtype), fc2_weight.to(dtype)
         preact, postact = gemm_gated(h, w1.T, activation="swiglu", store_preact=need_grad, tuned=tuned,
                                      concat_layout=_FC1_FWD)
         out = gemm_add(postact, w2.T, s, tuned=tuned)
@@ -174,7 +176,7 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
         # ds = dy (the residual path) + the norm's input gradient, in one kernel
         ds, dnorm, _, _ = rmsnorm_bwd(s, norm_weight, dh, rstd, dresidual_out=dy, has_residual=True)
         ds = ds.view(ctx.shape)
-        return ds, ds, dnorm, dw1, dw2, None, None
+        return ds, ds, dnorm, dw1, dw2, None, None, None, None
 
 
 class ResidualNormMLP(TEStateLayout, nn.Module):
@@ -205,8 +207,9 @@ class ResidualNormMLP(TEStateLayout, nn.Module):
 
     def forward(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         tuned = _tuned_call(branch, self.autotune)
+        w1, w2 = weights_cast_once_per_step(self, (self.fc1_weight, self.fc2_weight), branch.dtype)
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
-                                              self.fc2_weight, self.eps, tuned)
+                                              self.fc2_weight, w1, w2, self.eps, tuned)
 
 
 __all__ = ["ResidualNormMLP", "outside_site_packages_reason", "quack_unavailable_reason"]

@@ -10,8 +10,9 @@ input gradient and the residual's in one kernel. The projection is quack's GEMM 
 MLP's), its weight gradient accumulated in place into FP32 ``main_grad`` as TE's modules do.
 
 Parameters have TE ``LayerNormLinear``'s names and shapes (``layer_norm_weight`` [d], ``weight`` [out, d]; FP32
-masters cast to BF16 per forward) and an empty ``_extra_state``, so checkpoints move between the fused and TE modules
-unchanged. Arithmetic: BF16 operands, FP32 accumulation and norm statistics, as TE's.
+masters cast to BF16 once per optimizer step, :func:`difflm.model.te_kernels.weights_cast_once_per_step`) and an empty
+``_extra_state``, so checkpoints move between the fused and TE modules unchanged. Arithmetic: BF16 operands, FP32
+accumulation and norm statistics, as TE's.
 """
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ import torch
 from torch import nn
 
 from difflm.model.quack_mlp import TEStateLayout, _flat, _tuned_call, _weight_grad
+from difflm.model.te_kernels import weights_cast_once_per_step
 
 
 class _NormLinearFunction(torch.autograd.Function):
     """Forward / backward of :class:`ResidualNormLinear` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, weight, eps, tuned):
+    def forward(ctx, x, norm_weight, weight, w, eps, tuned):
         from quack.gemm_interface import gemm
         from quack.rmsnorm import rmsnorm_fwd
 
@@ -33,7 +35,6 @@ class _NormLinearFunction(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad[:3])
         ctx.set_materialize_grads(False)  # an unused residual output's gradient stays None, not a tensor of zeros
         h, _, rstd = rmsnorm_fwd(_flat(x), norm_weight, eps=eps, store_rstd=need_grad)
-        w = weight.to(dtype)
         y = gemm(h, w.T, tuned=tuned)
         if need_grad:
             ctx.save_for_backward(x, norm_weight, rstd, h, w)
@@ -52,7 +53,7 @@ class _NormLinearFunction(torch.autograd.Function):
         # dx = the norm's input gradient + the residual path's, in one kernel
         dres = None if dresidual is None else _flat(dresidual.to(x.dtype))
         dx, dnorm, _, _ = rmsnorm_bwd(_flat(x), norm_weight, dh, rstd, dresidual_out=dres)
-        return dx.view(ctx.shape), dnorm, dw, None, None
+        return dx.view(ctx.shape), dnorm, dw, None, None, None
 
 
 class ResidualNormLinear(TEStateLayout, nn.Module):
@@ -85,7 +86,8 @@ class ResidualNormLinear(TEStateLayout, nn.Module):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
         tuned = _tuned_call(x, self.autotune)
-        y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, self.eps, tuned)
+        (w,) = weights_cast_once_per_step(self, (self.weight,), x.dtype)
+        y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, w, self.eps, tuned)
         return (y, residual) if pass_residual else y
 
 

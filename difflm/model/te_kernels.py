@@ -48,6 +48,7 @@ from difflm.training.precision import (
 )
 
 EXTRA_STATE = "_extra_state"
+MAIN_GRAD_NAMES = "main_grad_weight_names"  # module attribute: its weights whose gradients live in main_grad
 FP8_ROWS_MULTIPLE = 32  # FP8 GEMMs need the token count divisible by 16 (32 for block/MX scaling)
 
 
@@ -336,8 +337,10 @@ def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     micro-batch (the first one's weight gradient overwrites the buffer), which difflm's training step keeps.
     Forwards without gradients (evaluation, sampling) leave everything as it is and cache nothing.
     """
-    for name in names:  # what difflm.training.cuda_graphs looks for: these weights' gradients live in main_grad
-        getattr(module, name).accumulates_in_main_grad = True
+    # kept on the module: materialising the model (``to_empty``, sharding) replaces its parameter objects, and with
+    # them any attribute set on them here. The hook marks the live weights (attach_main_grads); main_grad_weights
+    # finds them for difflm.training.cuda_graphs.
+    setattr(module, MAIN_GRAD_NAMES, tuple(names))
 
     def before_forward(mod, args, kwargs):
         weights = [getattr(mod, name) for name in names]
@@ -351,11 +354,20 @@ def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     module.register_forward_pre_hook(before_forward, with_kwargs=True)
 
 
+def main_grad_weights(module: torch.nn.Module) -> list:
+    """The weights of ``module`` and its submodules whose gradients accumulate in ``main_grad``
+    (:func:`accumulate_into_grad`), as the parameter objects the modules hold now."""
+    return [getattr(m, name) for m in module.modules() for name in getattr(m, MAIN_GRAD_NAMES, ())]
+
+
 def attach_main_grads(weights) -> None:
     """The start of a step for weights whose gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`):
     those whose ``.grad`` is None (``zero_grad(set_to_none=True)`` cleared it) get their FP32 buffer zeroed (created
-    on first use, or after the weights moved device) and set as ``.grad``; the others are left to accumulate."""
+    on first use, or after the weights moved device) and set as ``.grad``; the others are left to accumulate. Each
+    weight is marked ``accumulates_in_main_grad``, which the quack modules' backward reads (weight-gradient GEMMs
+    that add in place) where TE reads ``main_grad`` itself."""
     for p in weights:
+        p.accumulates_in_main_grad = True
         if p.requires_grad and p.grad is None:
             main_grad = getattr(p, "main_grad", None)
             if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
@@ -374,6 +386,26 @@ def weights_changed_since_cast(owner, weights) -> bool:
     first = state != getattr(owner, "_fp8_cast_state", None)
     owner._fp8_cast_state = state
     return first
+
+
+def weights_cast_once_per_step(owner, weights, dtype: torch.dtype) -> tuple:
+    """``weights`` (FP32 masters) in ``dtype`` for a forward of ``owner`` (a module): in forwards that record gradients
+    (training micro-batches) cast once and reused until the weights may have changed, i.e. once per optimizer step at
+    any number of micro-batches (the key of :func:`weights_changed_since_cast`: optimizer steps, version counters,
+    plus the storages and the dtype); other forwards (evaluation, sampling) cast afresh and cache nothing.
+
+    Returns: a tuple of tensors, ``dtype`` each, the weights themselves where they already have it. The cache holds
+    one copy per weight (half the FP32 size in BF16) between steps."""
+    if not torch.is_grad_enabled():
+        return tuple(w.to(dtype) for w in weights)
+    key = (_optimizer_steps(), tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype)
+    cached = getattr(owner, "_cast_weights", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    owner._cast_weights = None  # release the stale copies before casting the new ones
+    cast = tuple(w.detach().to(dtype) for w in weights)
+    owner._cast_weights = (key, cast)
+    return cast
 
 
 _UB_SHAPE: Optional[tuple] = None  # (tokens, hidden, tp, fp8) of this process's userbuffers

@@ -37,7 +37,13 @@ import torch
 from difflm.errors import DifflmError
 from difflm.model.moe import moe_config
 from difflm.model.rope import rope_angles
-from difflm.model.te_kernels import FP8_ROWS_MULTIPLE, attach_main_grads, fp8_fits, weights_changed_since_cast
+from difflm.model.te_kernels import (
+    FP8_ROWS_MULTIPLE,
+    attach_main_grads,
+    fp8_fits,
+    main_grad_weights,
+    weights_changed_since_cast,
+)
 from difflm.training.precision import build_fp8_recipe, compute_dtype, fp8_is_active, import_te, precision_name
 
 
@@ -92,7 +98,7 @@ class GraphedBlock:
         self.shape, self.dtype, self.rope_shapes = tuple(shape), dtype, tuple(rope_shapes)
         self.fp8, self.cache_fp8_weights = fp8, cache_fp8_weights
         self.weights = [p for p in block.parameters() if p.requires_grad]
-        self.main_grad_weights = [p for p in self.weights if getattr(p, "accumulates_in_main_grad", False)]
+        self.main_grad_weights = [p for p in main_grad_weights(block) if p.requires_grad]
         self.pointers = self._storage()
         self.pending = False  # a graphed forward whose backward has not replayed yet
         self.replays = self.eager_calls = 0
@@ -187,7 +193,7 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
         block.train()
     for _, block in blocks:  # the FP32 accumulators exist before capture, so no graph allocates or zeroes them
         block.zero_grad(set_to_none=True)
-        attach_main_grads([p for p in block.parameters() if getattr(p, "accumulates_in_main_grad", False)])
+        attach_main_grads(main_grad_weights(block))
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
         _make_graphed_callables(te, tuple(b for _, b in blocks), sample_args, enabled,
                                 build_fp8_recipe(precision) if fp8 else None, cache)
