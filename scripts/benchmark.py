@@ -362,13 +362,14 @@ KERNEL_CLASSES = (
 
 
 def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int = 1) -> tuple[str, dict]:
-    """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, share per class, plus
-    ``device_ms_per_step`` (kernel time) and ``gpu_busy``: kernel time / wall time of the profiled steps)."""
+    """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, then the top ``rows`` operators
+    by input shapes; share per class, plus ``device_ms_per_step`` (kernel time) and ``gpu_busy``: kernel time / wall
+    time of the profiled steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
-    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         t0 = time.perf_counter()
         for i in range(2):
             step(micro_batches(batches, i, accum))
@@ -377,9 +378,10 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     table = averages.table(sort_by=sort, row_limit=rows, max_name_column_width=90)
-    # the same time by operator, input shapes and call site (5 frames): which tensors the small kernels move, and where
-    by_site = prof.key_averages(group_by_input_shape=True, group_by_stack_n=5)
-    table += "\n\nBy operator, input shapes and call site:\n" + by_site.table(
+    # the same time by operator and input shapes: which tensors the small kernels move (how session 30 found the
+    # weight-sized FP32 adds of gradients that should have been accumulated inside the GEMMs)
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    table += "\n\nBy operator and input shapes:\n" + by_shape.table(
         sort_by=sort, row_limit=rows, max_name_column_width=90, max_shapes_column_width=60, top_level_events_only=False)
     shares: dict = {}
     if device.type == "cuda":

@@ -212,7 +212,7 @@ SMALL = ["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_
          "device=cpu", "--steps", "1", "--warmup", "0", "--batches", "1"]
 
 
-def test_weights_are_seeded_so_rows_and_calls_compare(capsys):
+def test_weights_are_seeded_so_rows_and_calls_compare(capsys, tmp_path):
     """Same seed: rows of the same model start from the same weights (fused and unfused cross-entropy are one
     F.cross_entropy on CPU, so their first-step losses are equal) and the same command repeats its losses."""
     bench = load_script("benchmark")
@@ -227,6 +227,9 @@ def test_weights_are_seeded_so_rows_and_calls_compare(capsys):
     printed = capsys.readouterr().out
     assert "--- profile: fused (CPU ops; kernel time shares and gpu_busy need CUDA) ---" in printed
     assert "aten::mm" in printed and "kernel time shares {}" not in printed
+    bench.main([*args, "--json", str(tmp_path / "b.json")])
+    by_shape = (tmp_path / "b_profile_fused.txt").read_text().split("By operator and input shapes:")[1]
+    assert "aten::mm" in by_shape and "[[" in by_shape  # operators listed with their input shapes
 
 
 def test_cpu_memory_is_per_row_only_in_its_own_process():
