@@ -275,11 +275,16 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
 
 def test_weights_cast_once_per_step():
     """The quack modules' BF16 weight copies: one cast per optimizer step shared by the step's micro-batches
-    (forwards that record gradients), a new one after any optimizer step (fused AdamW bumps no version counter) or
-    in-place write (a checkpoint load), and forwards without gradients cast afresh and leave the cache alone."""
+    (forwards that record gradients, of weights accumulating in main_grad), a new one after any optimizer step (fused
+    AdamW bumps no version counter) or in-place write (a checkpoint load); forwards without gradients, and weights
+    that do not accumulate in main_grad (FSDP2's gathered shards), cast afresh and leave the cache alone."""
     from difflm.model.te_kernels import weights_cast_once_per_step
 
     owner, w = torch.nn.Module(), torch.nn.Parameter(torch.randn(8, 4))
+    unmarked = weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0]  # not accumulating in main_grad (FSDP2)
+    assert weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0] is not unmarked
+    assert getattr(owner, "_cast_weights", None) is None
+    w.accumulates_in_main_grad = True  # what attach_main_grads marks
     first = weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0]
     assert first.dtype == torch.bfloat16 and torch.equal(first, w.detach().bfloat16())
     assert weights_cast_once_per_step(owner, (w,), torch.bfloat16)[0] is first  # the next micro-batch

@@ -390,13 +390,16 @@ def weights_changed_since_cast(owner, weights) -> bool:
 
 def weights_cast_once_per_step(owner, weights, dtype: torch.dtype) -> tuple:
     """``weights`` (FP32 masters) in ``dtype`` for a forward of ``owner`` (a module): in forwards that record gradients
-    (training micro-batches) cast once and reused until the weights may have changed, i.e. once per optimizer step at
-    any number of micro-batches (the key of :func:`weights_changed_since_cast`: optimizer steps, version counters,
-    plus the storages and the dtype); other forwards (evaluation, sampling) cast afresh and cache nothing.
+    (training micro-batches) of weights whose gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`:
+    whole weights on this rank, one forward per module and micro-batch), cast once and reused until the weights may
+    have changed, i.e. once per optimizer step at any number of micro-batches (the key of
+    :func:`weights_changed_since_cast`: optimizer steps, version counters, plus the storages and the dtype). Other
+    forwards (evaluation, sampling) and other weights (FSDP2's gathered shards, pipeline stages) cast afresh and
+    cache nothing, so no gathered copy outlives its forward.
 
     Returns: a tuple of tensors, ``dtype`` each, the weights themselves where they already have it. The cache holds
     one copy per weight (half the FP32 size in BF16) between steps."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or not all(getattr(w, "accumulates_in_main_grad", False) for w in weights):
         return tuple(w.to(dtype) for w in weights)
     key = (_optimizer_steps(), tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype)
     cached = getattr(owner, "_cast_weights", None)
