@@ -59,15 +59,19 @@ def exits_cleanly(fn):
     """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2, Ctrl-C
     (KeyboardInterrupt) prints ``difflm: interrupted`` and exits 130, as a shell reports it.
 
-    A config passed as the first argument is checked first by :func:`check_required`; a mandatory value read
-    later (a ``???`` that only an interpolation reaches) ends the same way, naming its key.
+    A config passed as the first argument is checked first by :func:`difflm.config.schema.check_known_keys` (a key
+    added with ``+`` that its schema lacks) and :func:`check_required`; a mandatory value read later (a ``???`` that
+    only an interpolation reaches) ends the same way, naming its key.
     """
     from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+    from difflm.config.schema import check_known_keys
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             if args:
+                check_known_keys(args[0])
                 check_required(args[0])
             return fn(*args, **kwargs)
         except MissingMandatoryValue as err:

@@ -108,6 +108,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
 from difflm.config import CONF_DIR  # noqa: E402
+from difflm.config.schema import check_known_keys  # noqa: E402
 from difflm.config.validate import (  # noqa: E402
     check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
 from difflm.errors import DifflmError  # noqa: E402
@@ -190,7 +191,8 @@ class ReferenceTransformer(nn.Module):
 
 def compose(overrides: list[str]):
     """``conf/train.yaml`` composed with ``overrides``; a Hydra error (unknown key or group option, bad
-    syntax or value) raises DifflmError with its message on one line."""
+    syntax or value) raises DifflmError with its message on one line; so does a key added with ``+`` that the
+    schema lacks, as in every entry point (:func:`difflm.config.schema.check_known_keys`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -198,9 +200,11 @@ def compose(overrides: list[str]):
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name="train", overrides=list(overrides))
+            cfg = hydra_compose(config_name="train", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise DifflmError(hydra_message(e)) from None  # names the key or option at fault
+    check_known_keys(cfg)
+    return cfg
 
 
 def hydra_message(err: BaseException) -> str:

@@ -254,6 +254,8 @@ def test_bad_base_override_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err
     assert err.startswith("difflm: error: In 'train': Could not find 'model/nosuch'. Available options in 'model': ")
     assert ", tiny" in err and err.count("\n") == 1
+    assert bench.cli(["+model.nosuchkey=1"]) == 2  # + lets Hydra add any key; the schema check refuses it
+    assert capsys.readouterr().err.startswith("difflm: error: +model.nosuchkey: model has no key nosuchkey")
     # the script itself: no Hydra traceback
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "model=tiny", "model.nosuchkey=1"],
                           capture_output=True, text=True, timeout=120)

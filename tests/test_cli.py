@@ -81,6 +81,22 @@ def test_entry_points_name_their_missing_keys(module, args, message, tmp_path):
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+UNKNOWN = [("difflm.train", ["+train.max_stepz=5"], "+train.max_stepz: train has no key max_stepz (did you mean "
+                                                      "max_steps?); the keys of train are listed in "
+                                                      "difflm/config/schema.py (TrainConfig)"),
+           ("difflm.generate", ["+gen.sed=1"],
+            "+gen.sed: gen has no key sed (did you mean seed?); the keys of gen are listed in difflm/config/schema.py "
+            "(GenerateConfig)")]
+
+
+@pytest.mark.parametrize("module,args,message", UNKNOWN, ids=[m for m, _, _ in UNKNOWN])
+def test_entry_points_refuse_a_key_added_with_plus_that_the_schema_lacks(module, args, message, tmp_path):
+    out = run_cli(module, f"run.dir={tmp_path / 'run'}", *args, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr == f"difflm: error: {message}\n"
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_generation_past_the_trained_length_is_reported():
     from difflm.generate import beyond_trained_length
 

@@ -48,6 +48,43 @@ def test_typo_in_key_fails_at_compose_time():
         compose_run(["model.num_layer=3"])
 
 
+@pytest.mark.parametrize("override,message", [
+    ("+train.max_stepz=5", "+train.max_stepz: train has no key max_stepz (did you mean max_steps?); the keys of "
+                           "train are listed in difflm/config/schema.py (TrainConfig)"),
+    ("+optim.lrr=1e-3", "+optim.lrr: optim has no key lrr (did you mean lr?); the keys of optim are listed in "
+                        "difflm/config/schema.py (OptimConfig)"),
+    ("++model.moe.topk=1", "+model.moe.topk: model.moe has no key topk (did you mean top_k?); the keys of model.moe "
+                           "are listed in difflm/config/schema.py (MoEConfig)"),
+    ("+foo=1", "+foo: the config has no key foo; the keys of the config are listed in difflm/config/schema.py "
+               "(RunConfig)"),
+])
+def test_key_added_with_plus_must_be_in_the_schema(override, message):
+    """Hydra's + and ++ add a key whatever the schema (struct mode is lifted for them), so it is checked after."""
+    from difflm.config.schema import check_known_keys
+
+    with pytest.raises(DifflmError) as err:
+        check_known_keys(compose_run([override]))
+    assert str(err.value) == message
+
+
+def test_known_key_added_with_plus_and_free_form_dicts_are_kept():
+    from dataclasses import dataclass, field
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import check_known_keys, unknown_keys
+
+    cfg = compose_run(["+train.epochs=2", "++model.head_dim=32", "+data.hf_dataset=x"])  # null by default: + sets it
+    check_known_keys(cfg)
+    assert (cfg.train.epochs, cfg.model.head_dim, cfg.data.hf_dataset) == (2, 32, "x")
+
+    @dataclass
+    class WithOptions:
+        options: dict = field(default_factory=dict)  # free-form: any key
+
+    assert list(unknown_keys(OmegaConf.merge(OmegaConf.structured(WithOptions), {"options": {"any": 1}}))) == []
+
+
 def test_wrong_type_fails_at_compose_time():
     with pytest.raises(HydraCompositionError, match="max_steps"):
         compose_run(["train.max_steps=abc"])

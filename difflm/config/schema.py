@@ -3,15 +3,20 @@
 Every YAML file under ``conf/`` (shipped in the wheel as ``difflm/conf``) is composed by Hydra into one :class:`RunConfig`. The schema is
 registered in Hydra's ConfigStore (see :func:`register_schema`) and named first in the primary config's
 defaults list, so a misspelt key or a value of the wrong type fails at compose time with OmegaConf's
-message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema").
+message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema"). A key added with
+``+`` or ``++`` is let through by Hydra; :func:`check_known_keys` refuses it in every entry point.
 Cross-key checks that a schema cannot express live in :mod:`difflm.config.validate`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from difflm.errors import DifflmError
 
 
 @dataclass
@@ -395,3 +400,43 @@ def register_schema() -> None:
     cs.store(name="export_schema", node=ExportRunConfig)
     cs.store(name="import_schema", node=ImportRunConfig)
     cs.store(name="preprocess_schema", node=PreprocessConfig)
+
+
+def unknown_keys(node, path: str = ""):
+    """Yield ``(dotted key, schema class)`` for every key under ``node`` that the dataclass typing its node lacks.
+
+    A node typed ``dict`` (a free-form mapping in a schema) takes any key; only the nodes below it are checked.
+    """
+    schema = OmegaConf.get_type(node)
+    if schema is None:  # null or ???
+        return
+    names = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    for key in range(len(node)) if schema is list else node.keys():
+        dotted = f"{path}.{key}" if path else str(key)
+        if names is not None and key not in names:
+            yield dotted, schema
+            continue
+        child = node._get_node(key)  # not node[key]: that would resolve interpolations and raise on ???
+        if OmegaConf.is_config(child):
+            yield from unknown_keys(child, dotted)
+
+
+def check_known_keys(cfg) -> None:
+    """Refuse a composed config holding a key its schema does not have.
+
+    Hydra's ``+key=value`` and ``++key=value`` add a key even to a struct structured config (``OmegaConf.update``
+    with ``force_add=True`` lifts the struct flag), so ``+train.max_stepz=5`` would compose, be saved with the run
+    and never be read. Every entry point calls this on its composed config (:func:`difflm.cli.exits_cleanly`,
+    scripts/benchmark.py's ``compose``).
+
+    Raises: DifflmError naming the first unknown key, a close match among its group's keys when there is one, and
+    where the keys are listed.
+    """
+    if not isinstance(cfg, DictConfig):
+        return
+    for dotted, schema in unknown_keys(cfg):
+        group, _, name = dotted.rpartition(".")
+        close = difflib.get_close_matches(name, [f.name for f in fields(schema)], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise DifflmError(f"+{dotted}: {group or 'the config'} has no key {name}{hint}; the keys of "
+                          f"{group or 'the config'} are listed in difflm/config/schema.py ({schema.__name__})")

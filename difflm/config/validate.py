@@ -1,8 +1,9 @@
 """Cross-key checks of a composed run, done once before any model, data or process-group work.
 
-Types and key names are checked by the schema at compose time; this module checks what a schema
-cannot: choices, divisibility and what the hardware can do. Each failure is a :class:`DifflmError`
-whose one line names the keys and the fix.
+Types and key names are checked by the schema at compose time (keys added with ``+`` by
+:func:`difflm.config.schema.check_known_keys`); this module checks what a schema cannot: choices,
+divisibility and what the hardware can do. Each failure is a :class:`DifflmError` whose one line names
+the keys and the fix.
 """
 from __future__ import annotations
 
