@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 
 import hydra
@@ -41,6 +40,7 @@ from difflm.config import CONF_DIR
 from difflm.config.validate import resolve_device
 from difflm.data.batch import split_batch
 from difflm.data.sft import load_pairs
+from difflm.data.shards import OtherTokenizerShards
 from difflm.data.windows import build_windows, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
@@ -112,39 +112,31 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
             "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
             "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
             "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template}), tok)
-    check_shard_tokenizer(args.data.path, cfg, tok)
     data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
                                  "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
                                  "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
-    ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
+    try:
+        ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
+    except OtherTokenizerShards as err:
+        raise shard_tokenizer_error(err, cfg) from None
     return build_windows(ds, tok.eos_id, seq_len, 0.0)[0]
 
 
-def check_shard_tokenizer(path: str, cfg, tok) -> None:
-    """Refuse ``difflm-preprocess`` shards made with another tokenizer than the run's, naming the fix for
+def shard_tokenizer_error(err: OtherTokenizerShards, cfg) -> DifflmError:
+    """:func:`difflm.data.shards.find_shards`' refusal of shards made with another tokenizer, with the fix for
     ``difflm-eval``: it always reads with the run's tokenizer (it has no ``data.tokenizer`` key), so the corpus must
-    be preprocessed again with the run's ``data.tokenizer``. (The shared check in
-    :func:`difflm.data.shards.find_shards` words its fix for ``difflm-train``.)"""
-    from difflm.data.preprocess import tokenizer_fingerprint
-    from difflm.data.shards import read_manifest
-
-    p = os.path.expanduser(str(path))
-    m = read_manifest(p) if os.path.isdir(p) else None
-    if m is None or not m.get("complete"):  # text, other shards, or unfinished output: find_shards words those
-        return
-    made_with = m.get("tokenizer", {})
-    if made_with.get("fingerprint") == tokenizer_fingerprint(tok):
-        return
-    sources = m.get("sources") or []
+    be preprocessed again with the run's ``data.tokenizer``."""
+    sources = err.manifest.get("sources") or []
     corpus = "input=<the corpus>"
     if len(sources) == 1 and sources[0].get("path"):
         corpus = f"input={sources[0]['path']}"
     elif len(sources) == 1 and sources[0].get("hf_dataset"):
         corpus = f"hf_dataset={sources[0]['hf_dataset']}"
-    raise DifflmError(f"data.path={path!r} was tokenized with another tokenizer ({made_with.get('name')}) than the "
-                      f"run's data.tokenizer={cfg.data.tokenizer}, and difflm-eval always uses the run's tokenizer: "
-                      f"rerun difflm-preprocess {corpus} output=<a new folder> tokenizer={cfg.data.tokenizer} and "
-                      "pass that folder as data.path (or pass the text itself)")
+    made_with = err.manifest.get("tokenizer", {}).get("name")
+    return DifflmError(f"data.path={err.path!r} was tokenized with another tokenizer ({made_with}) than the run's "
+                       f"data.tokenizer={cfg.data.tokenizer}, and difflm-eval always uses the run's tokenizer: rerun "
+                       f"difflm-preprocess {corpus} output=<a new folder> tokenizer={cfg.data.tokenizer} and pass "
+                       "that folder as data.path (or pass the text itself)")
 
 
 def min_seq_len(name: str) -> int:

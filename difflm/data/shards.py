@@ -53,6 +53,16 @@ def read_manifest(path: str) -> Optional[dict]:
     return m if isinstance(m, dict) and m.get("format") == FORMAT else None
 
 
+class OtherTokenizerShards(DifflmError):
+    """``difflm-preprocess`` output made with another tokenizer than the run's. Carries ``path`` and the output's
+    ``manifest``, so a command whose fix differs (``difflm-eval``, which has no ``data.tokenizer`` key) can word its
+    own message from the same check."""
+
+    def __init__(self, message: str, path: str, manifest: dict):
+        super().__init__(message)
+        self.path, self.manifest = path, manifest
+
+
 def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data.path") -> Optional[list[str]]:
     """The .bin/.idx prefixes that ``path`` names, in order, or None when it names text files.
 
@@ -60,7 +70,8 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
     when made with another tokenizer than ``tok``), a directory of Megatron ``*.idx``/``*.bin`` pairs (sorted), a
     glob of them, one ``.idx``/``.bin`` file, or a prefix with both files.
 
-    Raises: DifflmError for an incomplete output, another tokenizer, or a path that mixes shards and text files.
+    Raises: DifflmError for an incomplete output or a path that mixes shards and text files;
+        :class:`OtherTokenizerShards` (a DifflmError) for output made with another tokenizer than ``tok``.
     """
     from difflm.data.preprocess import tokenizer_fingerprint
 
@@ -72,9 +83,10 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
                 raise DifflmError(f"{key}={path!r}: difflm-preprocess has not finished writing it (manifest.json says "
                                   "incomplete): rerun the same difflm-preprocess command to resume")
             if tok is not None and m["tokenizer"]["fingerprint"] != tokenizer_fingerprint(tok):
-                raise DifflmError(f"{key}={path!r} was tokenized with another tokenizer ({m['tokenizer']['name']}) "
-                                  "than data.tokenizer: set data.tokenizer to that tokenizer, or rerun "
-                                  "difflm-preprocess with tokenizer=<data.tokenizer>")
+                raise OtherTokenizerShards(f"{key}={path!r} was tokenized with another tokenizer "
+                                           f"({m['tokenizer']['name']}) than data.tokenizer: set data.tokenizer to "
+                                           "that tokenizer, or rerun difflm-preprocess with tokenizer=<data.tokenizer>",
+                                           path, m)
             return [os.path.join(p, s["name"]) for s in m["shards"]]
         found = sorted(glob.glob(os.path.join(glob.escape(p), "*.idx")))
         if found:
