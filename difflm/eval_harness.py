@@ -68,6 +68,8 @@ def truncated_prompts_warning(cut: list[tuple[int, int, int]], total: int, max_l
             f"beside their gen.length new tokens ({share:.0%} of their tokens dropped; the worst lost {dropped} of "
             f"{prompt} tokens beside gen.length={length}): pass a smaller max_gen_toks (the task's generation_kwargs) "
             f"or a larger max_length in model_args")
+
+
 GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
             "threshold", "cache")
 

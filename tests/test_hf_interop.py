@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -493,3 +494,19 @@ def test_export_causal_generate_refuses_diffusion_settings():
     out = ar.generate(ids, max_new_tokens=4, steps=64, remasking="low_confidence", cfg_scale=0.0, temperature=0.7,
                       top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 7) and torch.equal(out[:, :3], ids)
+
+
+def test_self_contained_sampler_checks_follow_difflms():
+    """modeling_difflm.py ships without difflm (torch + transformers only), so it keeps copies of the sampler's
+    names, defaults and fix-it suggestion; they must stay those of difflm.sampling."""
+    from difflm.interop.hf_modeling import modeling_difflm as hf
+    from difflm.sampling.diffusion import consistent_setting
+    from difflm.sampling.options import DIFFUSION_DEFAULTS, REMASKING
+
+    # generate() has no KV cache argument, so gen.cache is the one diffusion-only setting it cannot be given
+    assert hf.AR_IGNORED == {k: v for k, v in DIFFUSION_DEFAULTS.items() if k != "cache"}
+    assert tuple(hf.REMASKING) == tuple(REMASKING)
+    numbers = lambda text: [int(n) for n in re.findall(r"=(\d+)", text)]  # noqa: E731  (length, block, steps)
+    for length, steps, block in [(64, 64, 64), (64, 10, 24), (48, 100, 16), (30, 7, 0), (8, 3, 8), (96, 12, 32)]:
+        ours = numbers(consistent_setting(length, steps, block))
+        assert len(ours) == 3 and numbers(hf._consistent_setting(length, steps, block)) == ours, (length, steps, block)
