@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from difflm.checkpoint.manifest import manifest_problem
 from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
 from difflm.errors import DifflmError
 from difflm.training.preemption import EXIT_INTERRUPTED, EXIT_REQUEUE
@@ -542,25 +543,31 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
 def test_sigkill_one_rank_of_tp2pp2_three_times_then_resume_matches(tmp_path):
     """tp2 x pp2 on 4 gloo ranks: three times in a row, SIGKILL one rank picked at random at a random moment (mid-step
     or mid-save); torchrun stops the others, the same command resumes from the last complete checkpoint, and every
-    step any of the launches logged has the uninterrupted run's loss, bit for bit."""
+    step any of the launches logged has the uninterrupted run's loss, bit for bit. The first kill waits for a complete
+    checkpoint (on a loaded machine every kill could otherwise land before the first save ends, leaving nothing to
+    resume from)."""
     from conftest import load_script
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
                 "difflm.train", *FAST, "parallel=tp2pp2", "device=cpu", "train.eval_every=0", "logger.log_every=1",
-                "objective.random_length_prob=0", "train.max_steps=8", "train.save_every=2",
+                "objective.random_length_prob=0", "train.max_steps=10", "train.save_every=2",
                 f"data.cache_dir={tmp_path / 'cache'}"]
     subprocess.run([*torchrun, f"run.dir={tmp_path / 'ref'}"], env=env, check=True, capture_output=True, timeout=900)
     reference = last_losses(tmp_path / "ref")
-    assert sorted(reference) == list(range(1, 9))
+    assert sorted(reference) == list(range(1, 11))
     run_dir, rng, kills = tmp_path / "run", random.Random(0), []
     metrics = run_dir / "metrics.jsonl"
     logged = lambda: metrics.read_text().count("\n") if metrics.exists() else 0  # noqa: E731
+    complete_steps = lambda: [s for s, path in list_checkpoints(run_dir) if manifest_problem(path) is None]  # noqa: E731
     for trial in range(3):
         with open(tmp_path / f"trial{trial}.log", "w") as log:
             proc = subprocess.Popen([*torchrun, f"run.dir={run_dir}"], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            target, deadline = logged() + rng.randint(1, 2), time.monotonic() + 600
+            deadline = time.monotonic() + 600
+            while trial == 0 and not complete_steps() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            target = logged() + rng.randint(0 if trial == 0 else 1, 2)
             while logged() < target and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.5))  # somewhere in the next step, or in the save after it
@@ -576,9 +583,10 @@ def test_sigkill_one_rank_of_tp2pp2_three_times_then_resume_matches(tmp_path):
         got = last_losses(run_dir)
         assert got == {s: reference[s] for s in got}, (trial, kills)  # this launch resumed where it should
     assert len(kills) == 3, kills
+    newest = max(complete_steps())  # trial 0 waited for one, and a checkpoint is never deleted for a damaged one
     done = subprocess.run([*torchrun, f"run.dir={run_dir}"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "from step" in done.stdout  # resumed, not restarted
+    assert f"from step {newest}" in done.stdout, (kills, done.stdout[-3000:])  # resumed, not restarted
     assert last_losses(run_dir) == reference
     print("SIGKILLed (rank, last logged step):", kills, "checkpoints:", [s for s, _ in list_checkpoints(run_dir)])
 
