@@ -44,6 +44,8 @@
 #                                        #        in-place weight gradients tested, MegaDLMs BF16 S=4096 beside the
 #                                        #        rows of this and the commit before, and the trainer;
 #                                        #        projab: this tree against .device-stage/old, row for row
+#   bash scripts/gpu_session.sh qkvflash|speed17  # QKV heads + FA4 as one function (v in place): tests, the row
+#                                        #        against .device-stage/old (profiled); then against MegaDLMs, trainer
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -51,7 +53,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -672,6 +674,36 @@ projab)
   (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages timeout 150 python3 \
     scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" > "$OUT/bench_old.log" 2>&1; \
     grep -A3 "^row " "$OUT/bench_old.log" | tail -1)
+  ;;
+qkvflash)
+  # issue 17, session 31, one GPU: the QKV heads and FA4 as one autograd function (difflm.model.qkv_flash: v read in
+  # place, FA4's gradients written into the QKV gradient's slots) tested against the two-call path, the model tests
+  # (quack's in-place weight gradients, TE parity with flash); the BF16 + FA4 + fused micro-batch 8 row of this tree
+  # (profiled) and of .device-stage/old (the commit before) in one call
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache} DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  timeout 150 python3 -m pytest tests/test_qkv.py tests/test_quack_mlp.py tests/test_te_backend.py -q -p no:cacheprovider \
+    -rs -k "not interpreter and (qkv or fused or parity or flash)" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -12
+  ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 140"
+  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 175 python3 scripts/benchmark.py $ROW --row-timeout 165 --json "$OUT/bench.json" --profile this --profile-rows 40 \
+    --variant "this: $F $FM" > "$OUT/bench.log" 2>&1; grep -A3 "^row " "$OUT/bench.log" | tail -1
+  grep -i "busy\|share" "$OUT/bench.log" | tail -4
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 150 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
+    > "$OUT/bench_old.log" 2>&1; grep -A3 "^row " "$OUT/bench_old.log" | tail -1)
+  ;;
+speed17)
+  # issue 17, session 31, one GPU (after qkvflash on the same machine): MegaDLMs BF16 at S=4096 beside the BF16 +
+  # FA4 + fused micro-batch 8 row with the value heads read in place, then difflm-train at that shape
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
+  tail -8 "$OUT/bench.log"
+  TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
+    train.global_batch_size=16 $FM
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

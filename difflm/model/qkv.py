@@ -34,6 +34,16 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
             v.reshape(*lead, num_kv_heads, head_dim))
 
 
+def head_slots(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Strided views (no copy) of the head slots of ``qkv`` [A0, A1, (H + 2 H_kv) D] (Megatron-LM's grouping, as
+    :func:`split_heads`): (q [A0, A1, H, D] or None, k [A0, A1, H_kv, D], v [A0, A1, H_kv, D]). The query heads of
+    a row are one strided run only without grouped-query attention (H = H_kv); with it q is None."""
+    lead = qkv.shape[:-1]
+    group = num_heads // num_kv_heads
+    grouped = qkv.view(*lead, num_kv_heads, group + 2, head_dim)
+    return (grouped[..., 0, :] if group == 1 else None), grouped[..., group, :], grouped[..., group + 1, :]
+
+
 def _qkv_heads(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
     q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
     if q_weight is not None:
@@ -112,4 +122,4 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
     return _qkv_heads(*args)
 
 
-__all__ = ["qkv_heads", "split_heads"]
+__all__ = ["head_slots", "qkv_heads", "split_heads"]

@@ -23,9 +23,13 @@ Runs on any device Triton runs on, including the CPU under ``TRITON_INTERPRET=1`
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from difflm.model.qkv import head_slots
 
 
 @triton.jit
@@ -51,11 +55,12 @@ def _load_scale(w_ptr, d, HALF: tl.constexpr):
 def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
                          n_rows, inner, cos_s0, cos_s1, cos_sd, eps,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
-                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr):
+                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr, WRITE_V: tl.constexpr):
     """One program per tile of ``BLOCK_T`` rows (tokens), every head of them: the RoPE tables and norm scales are
     read once per tile. Slot ``g * (group + 2) + j`` of a row is query head ``g * group + j`` for ``j < group``, key
     head ``g`` for ``j = group``, value head ``g`` for ``j = group + 1`` (Megatron-LM's grouping,
-    :func:`difflm.model.qkv.split_heads`)."""
+    :func:`difflm.model.qkv.split_heads`). Without ``WRITE_V`` the value heads are left where they are (the caller
+    reads them as a strided view of ``qkv``)."""
     GROUP: tl.constexpr = H // HKV
     HALF: tl.constexpr = D // 2
     C: tl.constexpr = (H + 2 * HKV) * D
@@ -69,7 +74,7 @@ def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr
         qw1, qw2 = _load_scale(qw_ptr, d, HALF)
         kw1, kw2 = _load_scale(kw_ptr, d, HALF)
     for g in range(HKV):
-        for j in tl.static_range(GROUP + 2):
+        for j in tl.static_range(GROUP + 2 if WRITE_V else GROUP + 1):
             src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
             x1 = tl.load(src, mask=mask, other=0.0)
             x2 = tl.load(src + HALF, mask=mask, other=0.0)
@@ -101,13 +106,15 @@ def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr
 
 @triton.jit
 def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, dqkv_ptr, dw_ptr,
-                         n_rows, inner, cos_s0, cos_s1, cos_sd, eps,
+                         n_rows, inner, cos_s0, cos_s1, cos_sd, eps, gq_rs, gq_hs, gk_rs, gk_hs, gv_rs, gv_hs,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
-                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr):
+                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr, COPY_V: tl.constexpr):
     """One program per tile of ``BLOCK_T`` rows and KV group (its query heads, key head and value head): the backward
     reads and writes twice what the forward does per head, so it takes more programs in flight than one per tile.
     Writes the QKV gradient and, with QK-norm, the program's partial sums of the query and key norm scales'
-    gradients to ``dw_ptr[tile, group, 0 | 1, :]`` (float32)."""
+    gradients to ``dw_ptr[tile, group, 0 | 1, :]`` (float32). The incoming gradients are read with row and head
+    strides (``g*_rs``, ``g*_hs``), so they may already sit in ``dqkv``'s slots: each element is read before the
+    value computed from it is written back, by the same program. ``COPY_V`` false: the value gradient is in place."""
     GROUP: tl.constexpr = H // HKV
     HALF: tl.constexpr = D // 2
     C: tl.constexpr = (H + 2 * HKV) * D
@@ -126,17 +133,17 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
     if QK_NORM:
         qw1, qw2 = _load_scale(qw_ptr, d, HALF)
         kw1, kw2 = _load_scale(kw_ptr, d, HALF)
-    for j in tl.static_range(GROUP + 2):
+    for j in tl.static_range(GROUP + 2 if COPY_V else GROUP + 1):
         dst = dqkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
         if j == GROUP + 1:
-            src = gv_ptr + (row64 * HKV + g) * D + d[None, :]
+            src = gv_ptr + row64 * gv_rs + g * gv_hs + d[None, :]
             tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
             tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
         else:
             if j < GROUP:
-                src = gq_ptr + (row64 * H + g * GROUP + j) * D + d[None, :]
+                src = gq_ptr + row64 * gq_rs + (g * GROUP + j) * gq_hs + d[None, :]
             else:
-                src = gk_ptr + (row64 * HKV + g) * D + d[None, :]
+                src = gk_ptr + row64 * gk_rs + g * gk_hs + d[None, :]
             g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
             # the gradient of the rotation's input, in the compute dtype (eager autograd rounds it there)
@@ -191,14 +198,17 @@ def _launch_args(qkv, cos, sin, head_dim):
     return cos, sin, n_rows, (n_rows, qkv.shape[1], s0, s1, sd)
 
 
-def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+            dense_v: bool = True):
     """q [A0, A1, H, D], k and v [A0, A1, H_kv, D] (contiguous, ``qkv``'s dtype) from ``qkv`` [A0, A1, (H + 2 H_kv) D]
     (contiguous; [B, S, ...] or [S, B, ...]), the RoPE tables ``cos`` / ``sin`` (float32, broadcasting against
-    [A0, A1, 1, D]) and the QK-norm scales ``q_weight`` / ``k_weight`` [D] (None: no QK-norm)."""
+    [A0, A1, 1, D]) and the QK-norm scales ``q_weight`` / ``k_weight`` [D] (None: no QK-norm). ``dense_v=False``: v
+    is the strided view of ``qkv``'s value heads (:func:`difflm.model.qkv.head_slots`), not a copy."""
     a0, a1 = qkv.shape[:2]
     q = qkv.new_empty(a0, a1, num_heads, head_dim)
     k = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
-    v = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
+    v = qkv.new_empty(a0, a1, num_kv_heads, head_dim) if dense_v else head_slots(qkv, num_heads, num_kv_heads,
+                                                                                   head_dim)[2]
     cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
     norm = q_weight is not None
     if n_rows == 0:  # no tokens: nothing to launch
@@ -206,32 +216,48 @@ def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_k
     weights = (q_weight, k_weight) if norm else (qkv, qkv)  # not read without QK-norm
     qkv_heads_fwd_kernel[(triton.cdiv(n_rows, FWD_BLOCK_T),)](
         qkv, cos, sin, *weights, q, k, v, *geometry, float(eps), H=num_heads, HKV=num_kv_heads, D=head_dim,
-        HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=FWD_BLOCK_T, QK_NORM=norm, num_warps=FWD_WARPS,
-        enable_fp_fusion=False)
+        HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=FWD_BLOCK_T, QK_NORM=norm, WRITE_V=dense_v,
+        num_warps=FWD_WARPS, enable_fp_fusion=False)
     return q, k, v
 
 
+def _row_head_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(row, head) strides of a gradient [A0, A1, heads, D] whose two leading dims merge into rows and whose head
+    dim is dense; a copy is made by the caller otherwise."""
+    return t.stride(1), t.stride(2)
+
+
+def _rows_mergeable(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
+
+
 def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int,
-             head_dim: int):
+             head_dim: int, dqkv: Optional[torch.Tensor] = None):
     """(d qkv [A0, A1, C] in ``qkv``'s dtype, d q_weight, d k_weight [D] in the weights' dtype, or None without
-    QK-norm) from the gradients of q, k, v (None: zero) and the forward's inputs."""
+    QK-norm) from the gradients of q, k, v (None: zero; any strides whose two leading dims merge into rows) and the
+    forward's inputs. ``dqkv``: the output buffer (like ``qkv``), which the incoming gradients may already be views
+    of, in their slots (:func:`difflm.model.qkv.head_slots`; the attention kernel wrote them there): those are then
+    transformed in place, and a value gradient in its slot is not copied."""
     a0, a1 = qkv.shape[:2]
     gq = torch.zeros(a0, a1, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gq is None else gq
     gk = torch.zeros(a0, a1, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gk is None else gk
     gv = torch.zeros(a0, a1, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gv is None else gv
-    gq, gk, gv = gq.contiguous(), gk.contiguous(), gv.contiguous()
+    gq, gk, gv = (t if _rows_mergeable(t) else t.contiguous() for t in (gq, gk, gv))
     cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
     norm = q_weight is not None
     tiles = triton.cdiv(n_rows, BWD_BLOCK_T)
-    dqkv = torch.empty_like(qkv)
+    dqkv = torch.empty_like(qkv) if dqkv is None else dqkv
+    v_slot = head_slots(dqkv, num_heads, num_kv_heads, head_dim)[2]
+    copy_v = not (gv.data_ptr() == v_slot.data_ptr() and gv.stride() == v_slot.stride())
     if n_rows == 0:
         return dqkv, *((torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if norm else (None, None))
     partial = torch.empty(tiles * num_kv_heads if norm else 1, 2, head_dim, device=qkv.device, dtype=torch.float32)
     weights = (q_weight, k_weight) if norm else (qkv, qkv)
+    strides = (*_row_head_strides(gq), *_row_head_strides(gk), *_row_head_strides(gv))
     qkv_heads_bwd_kernel[(tiles, num_kv_heads)](
-        gq, gk, gv, qkv, cos, sin, *weights, dqkv, partial, *geometry, float(eps), H=num_heads, HKV=num_kv_heads,
-        D=head_dim, HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=BWD_BLOCK_T, QK_NORM=norm,
-        num_warps=BWD_WARPS, enable_fp_fusion=False)
+        gq, gk, gv, qkv, cos, sin, *weights, dqkv, partial, *geometry, float(eps), *strides, H=num_heads,
+        HKV=num_kv_heads, D=head_dim, HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=BWD_BLOCK_T, QK_NORM=norm,
+        COPY_V=copy_v, num_warps=BWD_WARPS, enable_fp_fusion=False)
     if not norm:
         return dqkv, None, None
     dw = partial.sum(0)

@@ -1,0 +1,110 @@
+"""QKV heads and FlashAttention 4 as one autograd function, so the value heads are never copied.
+
+Between the QKV GEMM and the attention kernel :func:`difflm.model.qkv.qkv_heads` writes dense q, k and v, and in the
+backward copies the attention kernel's q, k and v gradients into the QKV gradient. The value heads pass through
+unchanged both ways, so those copies are pure traffic: a third of the forward kernel's and of the backward kernel's
+(at ``model=1.7b``, S = 4096, micro-batch 8, ~270 MB each way per layer and micro-batch). FlashAttention 4 reads
+q / k / v with any 16-byte-aligned strides and writes its gradients into buffers it is given
+(``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``, the functions its own ``FlashAttnFunc``
+calls), so here
+
+* forward: the Triton kernel writes q and k; v is the strided view of the QKV output's value slots
+  (:func:`difflm.model.qkv.head_slots`); FA4 attends over them and returns the output and the log-sum-exp;
+* backward: FA4 writes dk and dv (and dq without grouped-query attention) straight into the QKV gradient's slots;
+  the Triton kernel then turns dq / dk into the projection's gradient in place (QK-norm and RoPE backward) and
+  leaves the value slots as FA4 wrote them.
+
+The values are those of ``qkv_heads`` followed by ``attend(..., backend="flash")`` (the same kernels on the same
+inputs). Used by :class:`difflm.model.transformer.Attention` for ``model.attention_backend=flash`` with FA4, no mask
+and no KV cache, on CUDA (:func:`fused_qkv_flash_applies`); everything else takes the two-call path.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import torch
+
+from difflm.model.attention import flash_attn_module
+from difflm.model.qkv import head_slots
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_interface():
+    """``flash_attn.cute.interface`` when it is FlashAttention 4 with gradient buffers (``dq``/``dk``/``dv`` arguments
+    of ``_flash_attn_bwd``) and an LSE output; None otherwise (older or other FlashAttention: the two-call path)."""
+    found = flash_attn_module()
+    if found is None or found[1] != 4:
+        return None
+    try:
+        from flash_attn.cute import interface
+        fwd = inspect.signature(interface._flash_attn_fwd).parameters
+        bwd = inspect.signature(interface._flash_attn_bwd).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    if not {"return_lse", "causal"} <= set(fwd) or not {"dq", "dk", "dv", "causal"} <= set(bwd):
+        return None
+    return interface
+
+
+class _QKVFlashAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D)) v of the q, k, v that :func:`difflm.model.qkv.qkv_heads` makes from ``qkv``."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, causal):
+        from difflm.model import qkv_triton
+
+        q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
+                                     dense_v=False)
+        out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]
+        ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight, q, k, out, lse)
+        ctx.dims = (eps, num_heads, num_kv_heads, head_dim)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from difflm.model import qkv_triton
+
+        qkv, cos, sin, q_weight, k_weight, q, k, out, lse = ctx.saved_tensors
+        eps, num_heads, num_kv_heads, head_dim = ctx.dims
+        dqkv = torch.empty_like(qkv)
+        dq_slot, dk_slot, dv_slot = head_slots(dqkv, num_heads, num_kv_heads, head_dim)
+        v = head_slots(qkv, num_heads, num_kv_heads, head_dim)[2]
+        dq, dk, dv = fa4_interface()._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=ctx.causal,
+                                                      dq=dq_slot, dk=dk_slot, dv=dv_slot)[:3]
+        dqkv, dq_weight, dk_weight = qkv_triton.backward(dq, dk, dv, qkv, cos, sin, q_weight, k_weight, eps,
+                                                         num_heads, num_kv_heads, head_dim, dqkv=dqkv)
+        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None
+
+
+def fused_qkv_flash_applies(qkv: torch.Tensor, *, backend: str, layout: str, fused: bool, attn_mask, kv_cache,
+                            weights=()) -> bool:
+    """Whether :func:`qkv_flash_attention` serves this attention call: ``model.attention_backend=flash`` with FA4,
+    ``model.fused_qkv``, batch-first [B, S, C] CUDA activations (plain tensors, not DTensors), no mask, no KV
+    cache, and not inside ``torch.compile`` (which traces the eager composition instead)."""
+    plain = all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in (qkv, *weights))
+    return (backend == "flash" and fused and layout == "bshd" and attn_mask is None and kv_cache is None
+            and plain and qkv.is_cuda and qkv.dim() == 3 and qkv.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling() and fa4_interface() is not None)
+
+
+def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                        num_kv_heads: int, head_dim: int, q_weight: Optional[torch.Tensor],
+                        k_weight: Optional[torch.Tensor], eps: float, causal: bool) -> torch.Tensor:
+    """Attention output [B, S, H, D] (``qkv``'s dtype) from the fused QKV projection ``qkv`` [B, S, (H + 2 H_kv) D].
+
+    Args:
+        qkv: bf16/fp16 CUDA tensor, this rank's heads in Megatron-LM's grouping (:func:`difflm.model.qkv.split_heads`).
+        rope: (cos, sin) float32 tables broadcasting against [B, S, H, D].
+        q_weight, k_weight: QK-norm scales [D], or None without ``model.qk_norm``; ``eps`` their RMSNorm epsilon.
+        causal: the AR mask; False for diffusion.
+    Differentiable in ``qkv`` and the norm scales; the caller checks :func:`fused_qkv_flash_applies` first.
+    """
+    cos, sin = rope
+    return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, float(eps), num_heads,
+                                    num_kv_heads, head_dim, causal)
+
+
+__all__ = ["fa4_interface", "fused_qkv_flash_applies", "qkv_flash_attention"]
