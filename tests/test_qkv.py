@@ -222,3 +222,34 @@ def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_nor
            grads=rel)
     assert values == 0.0, values
     assert max(rel) < 2e-3, rel  # FA4's dQ accumulation order is not fixed from run to run
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")
+@pytest.mark.parametrize("backend", ["torch", "te"])
+def test_models_with_flash_attention_take_the_fused_path(backend, monkeypatch):
+    """``model=tiny`` with ``model.attention_backend=flash`` (FA4), built as the trainer builds it: every attention layer
+    goes through :func:`difflm.model.qkv_flash.qkv_flash_attention` (once per layer and forward), and its logits are
+    bitwise those of the two-call path (the Triton QKV kernels, then FA4 on dense q / k / v) on the same weights."""
+    from conftest import compose_run
+
+    from difflm.model import build_model, transformer
+    from difflm.model.qkv_flash import fa4_interface
+
+    if fa4_interface() is None:
+        pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
+    if backend == "te":
+        pytest.importorskip("transformer_engine.pytorch")
+    cfg = compose_run([f"model.backend={backend}", "model.attention_backend=flash", "precision=bf16"]).model
+    cfg.vocab_size, cfg.head_dim = 256, cfg.hidden_size // cfg.num_heads
+    calls, real = [], transformer.qkv_flash_attention
+    monkeypatch.setattr(transformer, "qkv_flash_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(0, 256, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    model = build_model(cfg, causal=False, device=torch.device("cuda"), seed=0)
+    logits = []
+    for one_function in (True, False):
+        if not one_function:
+            monkeypatch.setattr(transformer, "fused_qkv_flash_applies", lambda *a, **k: False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits.append(model(ids).float())
+        assert len(calls) == cfg.num_layers  # the two-call forward added none
+    assert torch.equal(logits[0], logits[1])
