@@ -234,10 +234,14 @@ def _rows_mergeable(t: torch.Tensor) -> bool:
 def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int,
              head_dim: int, dqkv: Optional[torch.Tensor] = None):
     """(d qkv [A0, A1, C] in ``qkv``'s dtype, d q_weight, d k_weight [D] in the weights' dtype, or None without
-    QK-norm) from the gradients of q, k, v (None: zero; any strides whose two leading dims merge into rows) and the
-    forward's inputs. ``dqkv``: the output buffer (like ``qkv``), which the incoming gradients may already be views
-    of, in their slots (:func:`difflm.model.qkv.head_slots`; the attention kernel wrote them there): those are then
-    transformed in place, and a value gradient in its slot is not copied."""
+    QK-norm) from the gradients of q, k, v and the forward's inputs.
+
+    The gradients gq [A0, A1, H, D], gk / gv [A0, A1, H_kv, D] may be None (zero) and have any strides: they are
+    read in place when their two leading dims merge into rows and the head dim is dense, copied first otherwise.
+    ``dqkv``: the output buffer (contiguous, ``qkv``'s shape and dtype; default: a new one). The only gradients that
+    may overlap it are exact views of its own slots (:func:`difflm.model.qkv.head_slots`, where the attention kernel
+    wrote them): those are transformed in place, and a value gradient in its slot is not copied.
+    Raises: ValueError when ``dqkv`` is not such a buffer."""
     a0, a1 = qkv.shape[:2]
     gq = torch.zeros(a0, a1, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gq is None else gq
     gk = torch.zeros(a0, a1, num_kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype) if gk is None else gk
@@ -247,6 +251,9 @@ def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_head
     norm = q_weight is not None
     tiles = triton.cdiv(n_rows, BWD_BLOCK_T)
     dqkv = torch.empty_like(qkv) if dqkv is None else dqkv
+    if dqkv.shape != qkv.shape or dqkv.dtype != qkv.dtype or not dqkv.is_contiguous():
+        raise ValueError(f"dqkv must be contiguous with qkv's shape {tuple(qkv.shape)} and dtype {qkv.dtype}; got "
+                         f"{tuple(dqkv.shape)}, {dqkv.dtype}, strides {dqkv.stride()}")
     v_slot = head_slots(dqkv, num_heads, num_kv_heads, head_dim)[2]
     copy_v = not (gv.data_ptr() == v_slot.data_ptr() and gv.stride() == v_slot.stride())
     if n_rows == 0:

@@ -47,6 +47,8 @@ from difflm.model.rope import rope_angles
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`; q, k
     and v come out of the fused QKV projection through :func:`difflm.model.qkv.qkv_heads` (Triton kernels on CUDA).
+    With FlashAttention 4 and no mask, both steps run as one function that never copies the value heads
+    (:func:`difflm.model.qkv_flash.qkv_flash_attention`).
 
     Shapes: x [B, S, d] (or [S, B, d] in a sequence-first kernel set) -> same. ``num_heads`` / ``num_kv_heads`` are
     this rank's counts (tensor parallelism divides them). ``causal`` selects the AR mask; diffusion attends both ways.
@@ -78,7 +80,8 @@ class Attention(nn.Module):
         lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
         weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         if fused_qkv_flash_applies(qkv, backend=self.attention_backend, layout=self.kernels.layout,
-                                   fused=self.fused_qkv, attn_mask=attn_mask, kv_cache=kv_cache, weights=weights):
+                                   fused=self.fused_qkv, attn_mask=attn_mask, kv_cache=kv_cache,
+                                   head_dim=self.head_dim, tensors=(*rope, *weights)):
             eps = 0.0 if self.q_norm is None else self.q_norm.eps  # value heads read in place (difflm.model.qkv_flash)
             out = qkv_flash_attention(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, *weights, eps,
                                       self.causal)
