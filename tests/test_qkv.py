@@ -220,7 +220,7 @@ def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_nor
     d = 128
     qkv, norms, tables = _inputs("bshd", heads, kv_heads, d, b=2, s=700, dtype=torch.bfloat16, device="cuda")
     weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
-    got = qkv_flash_attention(qkv, tables, heads, kv_heads, d, *weights, 1e-5, causal)
+    got = qkv_flash_attention(qkv, tables, heads, kv_heads, d, *(norms if qk_norm else (None, None)), causal)
     q, k, v = qkv_heads(qkv, tables, heads, kv_heads, d, *(norms if qk_norm else (None, None)))
     want = attend(q, k, v, causal=causal, backend="flash", layout="bshd")
     assert got.shape == want.shape == (2, 700, heads, d) and got.dtype == torch.bfloat16 and got.is_contiguous()

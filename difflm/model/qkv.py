@@ -79,8 +79,32 @@ def qkv_heads_triton(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: i
     return _QKVHeadsTriton.apply(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
 
 
-def _plain(*tensors) -> bool:
+def plain_tensors(*tensors) -> bool:
+    """Whether every tensor is None or a plain tensor / parameter (not a DTensor or another subclass)."""
     return all(t is None or type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+
+
+def qk_norm_scales(q_norm: Optional[nn.Module], k_norm: Optional[nn.Module]):
+    """(q_weight, k_weight, eps) the kernels read from the QK-norm modules: their ``weight`` [D] and the RMSNorm
+    epsilon, or (None, None, 0.0) without ``model.qk_norm``."""
+    if q_norm is None:
+        return None, None, 0.0
+    return q_norm.weight, k_norm.weight, float(q_norm.eps)
+
+
+def triton_runs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> bool:
+    """Whether the Triton kernels take this call: ``model.fused_qkv``, a plain 3-D CUDA ``qkv`` with plain RoPE
+    tables, outside ``torch.compile`` (which traces the eager composition instead).
+    Raises: DifflmError naming ``model.fused_qkv`` when they would and Triton is not installed."""
+    if not (fused and qkv.is_cuda and not torch.compiler.is_compiling() and plain_tensors(qkv, cos, sin)
+            and qkv.dim() == 3):
+        return False
+    try:
+        import triton  # noqa: F401 - shipped with PyTorch's CUDA builds
+    except ImportError as err:
+        raise DifflmError("model.fused_qkv=true runs the QKV split/QK-norm/RoPE as Triton kernels and Triton is "
+                          "not installed: pip install triton, or set model.fused_qkv=false") from err
+    return True
 
 
 def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
@@ -104,22 +128,15 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
         compute dtype first, as an unfused norm module returns it).
     """
     cos, sin = rope
-    q_weight = None if q_norm is None else q_norm.weight
-    k_weight = None if k_norm is None else k_norm.weight
-    if not _plain(q_weight, k_weight):  # DTensor TP: the norm modules carry the layout (SequenceParallel hooks)
+    q_weight, k_weight, eps = qk_norm_scales(q_norm, k_norm)
+    if not plain_tensors(q_weight, k_weight):  # DTensor TP: the norm modules carry the layout (SequenceParallel hooks)
         q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
         q, k = apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
         return q.contiguous(), k.contiguous(), v.contiguous()
-    eps = 0.0 if q_norm is None else float(q_norm.eps)
     args = (qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
-    if fused and qkv.is_cuda and not torch.compiler.is_compiling() and _plain(qkv, cos, sin) and qkv.dim() == 3:
-        try:
-            import triton  # noqa: F401 - shipped with PyTorch's CUDA builds
-        except ImportError as err:
-            raise DifflmError("model.fused_qkv=true runs the QKV split/QK-norm/RoPE as Triton kernels and Triton is "
-                              "not installed: pip install triton, or set model.fused_qkv=false") from err
+    if triton_runs(qkv, cos, sin, fused):
         return qkv_heads_triton(qkv.contiguous(), *args[1:])
     return _qkv_heads(*args)
 
 
-__all__ = ["head_slots", "qkv_heads", "split_heads"]
+__all__ = ["head_slots", "plain_tensors", "qk_norm_scales", "qkv_heads", "split_heads", "triton_runs"]

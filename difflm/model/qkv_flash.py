@@ -25,10 +25,11 @@ import inspect
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from difflm.model.attention import flash_attn_module
-from difflm.model.qkv import head_slots
+from difflm.model.qkv import head_slots, plain_tensors, qk_norm_scales, triton_runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,38 +82,31 @@ class _QKVFlashAttention(torch.autograd.Function):
         return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401 - shipped with PyTorch's CUDA builds
-    except ImportError:
-        return False
-    return True
-
-
-def fused_qkv_flash_applies(qkv: torch.Tensor, *, backend: str, layout: str, fused: bool, attn_mask, kv_cache,
-                            head_dim: int, tensors=()) -> bool:
+def fused_qkv_flash_applies(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], q_norm: Optional[nn.Module],
+                            k_norm: Optional[nn.Module], *, backend: str, layout: str, fused: bool, attn_mask,
+                            kv_cache, head_dim: int) -> bool:
     """Whether :func:`qkv_flash_attention` serves this attention call.
 
     Args:
-        qkv: the fused QKV projection's output; it must be a plain (not DTensor) bf16/fp16 CUDA tensor [B, S, C].
+        qkv: the fused QKV projection's output; a bf16/fp16 tensor [B, S, C] that the Triton kernels take
+            (:func:`difflm.model.qkv.triton_runs`: ``model.fused_qkv``, plain CUDA tensors, not in ``torch.compile``).
+        rope: the (cos, sin) tables; q_norm, k_norm: the QK-norm modules (None without ``model.qk_norm``), whose
+            weights must be plain tensors (DTensor tensor parallelism takes the two-call path).
         backend: ``model.attention_backend``; only ``flash`` with FlashAttention 4 (:func:`fa4_interface`).
         layout: the kernel set's activation layout; only batch-first ``bshd`` (not TE's sequence-parallel ``sbhd``).
-        fused: ``model.fused_qkv`` (the Triton kernels; Triton importable).
         attn_mask, kv_cache: both must be None (masks and KV-cached sampling take the two-call path).
         head_dim: D; a multiple of 8, so every head slot of the QKV output is 16-byte aligned for FA4.
-        tensors: the other tensors the function reads (RoPE tables, QK-norm scales, None allowed): plain tensors.
-    Not inside ``torch.compile``, which traces the eager composition instead."""
-    plain = all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in (qkv, *tensors))
-    return (backend == "flash" and fused and layout == "bshd" and attn_mask is None and kv_cache is None
-            and head_dim % 8 == 0 and plain and qkv.is_cuda and qkv.dim() == 3
-            and qkv.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-            and _triton_importable() and fa4_interface() is not None)
+    Raises: DifflmError naming ``model.fused_qkv`` when the Triton kernels would run and Triton is not installed."""
+    q_weight, k_weight, _ = qk_norm_scales(q_norm, k_norm)
+    return (backend == "flash" and layout == "bshd" and attn_mask is None and kv_cache is None
+            and head_dim % 8 == 0 and qkv.dtype in (torch.bfloat16, torch.float16)
+            and plain_tensors(q_weight, k_weight) and triton_runs(qkv, *rope, fused)
+            and fa4_interface() is not None)
 
 
 def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
-                        num_kv_heads: int, head_dim: int, q_weight: Optional[torch.Tensor],
-                        k_weight: Optional[torch.Tensor], eps: float, causal: bool) -> torch.Tensor:
+                        num_kv_heads: int, head_dim: int, q_norm: Optional[nn.Module], k_norm: Optional[nn.Module],
+                        causal: bool) -> torch.Tensor:
     """Attention output [B, S, H, D] (contiguous, ``qkv``'s dtype) from the fused QKV projection ``qkv``
     [B, S, (H + 2 H_kv) D]: softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, eq. 1) of the q, k, v that
     :func:`difflm.model.qkv.qkv_heads` makes (QK-norm, RoPE).
@@ -121,14 +115,16 @@ def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
         qkv: bf16/fp16 CUDA tensor, this rank's heads in Megatron-LM's grouping (:func:`difflm.model.qkv.split_heads`).
         rope: (cos, sin) float32 tables broadcasting against [B, S, H, D].
         num_heads, num_kv_heads, head_dim: H, H_kv (dividing H: grouped-query attention) and D (a multiple of 8).
-        q_weight, k_weight: QK-norm scales [D], or None without ``model.qk_norm``; ``eps`` their RMSNorm epsilon.
+        q_norm, k_norm: the QK-norm modules (``weight`` [D] and ``eps``, as :func:`difflm.model.qkv.qkv_heads` takes
+            them), or None without ``model.qk_norm``.
         causal: the AR mask; False for diffusion.
     Differentiable once in ``qkv`` and the norm scales. The caller checks :func:`fused_qkv_flash_applies` first;
     what FA4 itself cannot run (a GPU or head size it does not support) fails inside FA4, as ``attend`` does.
     """
     cos, sin = rope
-    return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, float(eps), num_heads,
-                                    num_kv_heads, head_dim, causal)
+    q_weight, k_weight, eps = qk_norm_scales(q_norm, k_norm)
+    return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads,
+                                    head_dim, causal)
 
 
 __all__ = ["fa4_interface", "fused_qkv_flash_applies", "qkv_flash_attention"]

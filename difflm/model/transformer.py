@@ -78,13 +78,11 @@ class Attention(nn.Module):
     def from_qkv(self, qkv: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
         """The attention output from the fused QKV projection ``qkv`` [B, S, (H + 2 H_kv) D] (or sequence-first)."""
         lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
-        weights = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        if fused_qkv_flash_applies(qkv, backend=self.attention_backend, layout=self.kernels.layout,
-                                   fused=self.fused_qkv, attn_mask=attn_mask, kv_cache=kv_cache,
-                                   head_dim=self.head_dim, tensors=(*rope, *weights)):
-            eps = 0.0 if self.q_norm is None else self.q_norm.eps  # value heads read in place (difflm.model.qkv_flash)
-            out = qkv_flash_attention(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, *weights, eps,
-                                      self.causal)
+        if fused_qkv_flash_applies(qkv, rope, self.q_norm, self.k_norm, backend=self.attention_backend,
+                                   layout=self.kernels.layout, fused=self.fused_qkv, attn_mask=attn_mask,
+                                   kv_cache=kv_cache, head_dim=self.head_dim):  # value heads read in place
+            out = qkv_flash_attention(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm,
+                                      self.k_norm, self.causal)
             return self.proj(out.reshape(*lead, -1))
         q, k, v = qkv_heads(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
                             fused=self.fused_qkv)
