@@ -705,5 +705,26 @@ speed17)
   TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
     train.global_batch_size=16 $FM
   ;;
+flashtiles)
+  # issue 17, session 32, one GPU: FA4's SM90 forward and backward tiles swept at the 1.7B micro-batch 8, S=4096
+  # attention shape, with the MLP-sized GEMMs between calls (scripts/flash_tiles.py)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout ${TILES_BUDGET:-540} python3 scripts/flash_tiles.py --shape 8,4096,16,128 --gemm-between 8 \
+    --json "$OUT/tiles.json" ${TILES_ONLY:-} 2>&1 | grep -v "^\s*$" | tail -40
+  ;;
+speed18)
+  # issue 17, session 32, one GPU: MegaDLMs BF16 at S=4096 beside the BF16 + FA4 + fused micro-batch 8 row of this
+  # tree, then the same row of .device-stage/old (the commit before) in the same call
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
+  tail -6 "$OUT/bench.log"
+  ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 140"
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 150 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
+    > "$OUT/bench_old.log" 2>&1; grep -A3 "^row " "$OUT/bench_old.log" | tail -1)
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
