@@ -55,6 +55,14 @@ def load_script(name: str):
     return module
 
 
+def script_usage_error(script, capsys, *argv) -> str:
+    """Run ``script.main(argv)``, require the usage-error exit (argparse's status 2) and return its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 def report(name: str, **values) -> None:
     """Print a GPU test's figures and append them to ``$DIFFLM_TEST_REPORT`` (JSON lines) when it is set: the
     numbers docs/performance.md quotes come from these lines."""

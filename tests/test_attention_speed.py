@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_script, script_usage_error
 
 
 def test_parse_shape():
@@ -16,12 +16,6 @@ def test_parse_shape():
             speed.parse_shape(bad)
 
 
-def run_main(speed, capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        speed.main(list(argv))
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
-
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_bad_shape_is_reported_before_the_cuda_check(monkeypatch, capsys, tmp_path, cuda):
@@ -30,7 +24,7 @@ def test_bad_shape_is_reported_before_the_cuda_check(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(speed, "time_row", lambda *a, **k: pytest.fail("timed a row before checking every shape"))
     out = tmp_path / "rows.json"
-    err = run_main(speed, capsys, "--shape", "ok=1,16,2,8", "--shape", "bad=1,16,2", "--backend", "sdpa",
+    err = script_usage_error(speed, capsys, "--shape", "ok=1,16,2,8", "--shape", "bad=1,16,2", "--backend", "sdpa",
                    "--json", str(out))
     assert "error: --shape 'bad=1,16,2': expected NAME=B,S,H,D" in err and "CUDA" not in err
     assert not out.exists()
@@ -39,8 +33,8 @@ def test_bad_shape_is_reported_before_the_cuda_check(monkeypatch, capsys, tmp_pa
 def test_without_cuda_exits_2_with_a_clear_message(monkeypatch, capsys):
     speed = load_script("attention_speed")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    err = run_main(speed, capsys, "--shape", "a=1,16,2,8", "--backend", "sdpa")
+    err = script_usage_error(speed, capsys, "--shape", "a=1,16,2,8", "--backend", "sdpa")
     assert err.splitlines()[-1].endswith(
         "error: attention_speed.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    err = run_main(speed, capsys, "--shape", "a=1,16,2,8", "--backend", "sdpa", "--iters", "0")
+    err = script_usage_error(speed, capsys, "--shape", "a=1,16,2,8", "--backend", "sdpa", "--iters", "0")
     assert err.splitlines()[-1].endswith("error: --iters must be >= 1, --warmup >= 0 and --gemm-between >= 0")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_script, script_usage_error
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,6 @@ def test_configurations_are_named_once_and_cover_both_directions():
     assert [name for name, _, fields in configs if fields is None] == ["bwd-default", "fwd-default"]
 
 
-def run_main(script, capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        script.main(list(argv))
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
-
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_usage_errors_come_before_the_cuda_check_and_any_timing(monkeypatch, capsys, tmp_path, cuda):
@@ -82,9 +76,9 @@ def test_usage_errors_come_before_the_cuda_check_and_any_timing(monkeypatch, cap
                           (["--shape", "8,0,16,128"], "expected four positive integers B,S,H,D"),
                           (["--iters", "0"], "--iters must be >= 1, --warmup >= 0 and --gemm-between >= 0"),
                           (["--only", "bwd-nonesuch"], "invalid choice: 'bwd-nonesuch'")):
-        err = run_main(script, capsys, *argv, "--json", str(out))
+        err = script_usage_error(script, capsys, *argv, "--json", str(out))
         assert message in err and "CUDA GPU" not in err, (argv, err)
     assert not out.exists()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    err = run_main(script, capsys)
+    err = script_usage_error(script, capsys)
     assert err.splitlines()[-1].endswith("error: flash_tiles.py needs a CUDA GPU (torch.cuda.is_available() is False)")
