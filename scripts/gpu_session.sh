@@ -726,5 +726,23 @@ speed18)
     timeout 150 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
     > "$OUT/bench_old.log" 2>&1; grep -A3 "^row " "$OUT/bench_old.log" | tail -1)
   ;;
+recheck)
+  # issue 17, session 32, one GPU: the targets last measured before sessions 29-31 changed the step, again with this
+  # tree: MegaDLMs FP8 at S=4096 beside difflm's FP8 + FP8 attention micro-batch 8 row (SMALL=1: instead, the
+  # 350m FP8 + FA4 and 125m BF16 + FA4 rows; SMALL=bf16: the 350m BF16 rows)
+  export CUDA_VISIBLE_DEVICES=0
+  MB8="train.micro_batch_size=8"
+  if [ "${SMALL:-}" = bf16 ]; then  # 350m in BF16 + FA4, without and with the fused MLP (its tiles tuned first)
+    bench_small 280 bench_small_bf16.json "350m-flash-bf16-mb16: $F $M350_16" \
+      "350m-flash-bf16-mb16-fusedmlp: $F $M350_16 model.fused_mlp=true model.fused_mlp_autotune=true"
+  elif [ -n "${SMALL:-}" ]; then
+    bench_small 200 bench_small.json "350m-flash-fp8-mb16: $F precision=fp8 $M350_16" \
+      "125m-flash-bf16-mb64: $F train.micro_batch_size=64"
+  else
+    MEGADLMS_PRECISIONS=fp8 BENCH_BUDGET=${BENCH_BUDGET:-300} bench_vs_megadlms 4096x16 \
+      "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8"
+    tail -6 "$OUT/bench.log"
+  fi
+  ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
