@@ -46,6 +46,9 @@
 #                                        #        projab: this tree against .device-stage/old, row for row
 #   bash scripts/gpu_session.sh qkvflash|speed17  # QKV heads + FA4 as one function (v in place): tests, the row
 #                                        #        against .device-stage/old (profiled); then against MegaDLMs, trainer
+#   bash scripts/gpu_session.sh flashtiles|speed18|recheck  # FA4's SM90 tiles swept (scripts/flash_tiles.py);
+#                                        #        MegaDLMs BF16 beside this tree and .device-stage/old; the FP8,
+#                                        #        350m and 125m targets again (SMALL=1 / SMALL=bf16)
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -53,7 +56,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
