@@ -103,18 +103,27 @@ def scored_ids(name: str, tokens) -> list:
     return list(ids)
 
 
+AS_THE_RUN = "<as the run>"  # data.doc_separator's default: the run's separator (null means none)
+
+
 def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
-    """The evaluation rows: packed ``seq_len`` windows of ``data.path``'s documents, or for an ``sft`` run the
-    prompt/response pairs of a JSONL file (fields and chat template from ``data.*`` or the run's config)."""
+    """The evaluation rows: packed ``seq_len`` windows of ``data.path``'s documents (read with the run's
+    ``data.text_field``, ``data.doc_separator`` and ``data.encoding`` unless ``data.*`` gives others), or for an
+    ``sft`` run the prompt/response pairs of a JSONL file (fields and chat template from ``data.*`` or the run's
+    config)."""
     if cfg.objective.name == "sft":
         d = args.data
         return load_pairs(OmegaConf.create({
             "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
             "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
             "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template}), tok)
-    data_cfg = OmegaConf.create({"path": args.data.path, "hf_dataset": None, "hf_split": "train",
-                                 "text_field": args.data.text_field, "doc_separator": args.data.doc_separator,
-                                 "encoding": args.data.get("encoding", "utf-8"), "num_proc": 0})
+    # the text is read as the run read its own unless data.* says otherwise (a separator or field of its own would
+    # change the windows, hence the NELBO, without a word)
+    d, run = args.data, cfg.data
+    separator = run.get("doc_separator", "<|endoftext|>") if d.doc_separator == AS_THE_RUN else d.doc_separator
+    data_cfg = OmegaConf.create({"path": d.path, "hf_dataset": None, "hf_split": "train",
+                                 "text_field": d.text_field or run.get("text_field", "text"), "doc_separator": separator,
+                                 "encoding": d.get("encoding") or run.get("encoding", "utf-8"), "num_proc": 0})
     try:
         ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
     except OtherTokenizerShards as err:

@@ -101,6 +101,10 @@ def test_blend_state_and_config_errors(corpora, tok, tmp_path):
         with pytest.raises(DifflmError, match=needle):
             blend_entries(bad)
     a, _ = corpora
+    missing = tmp_path / "nope"  # a source that is not there is named by its blend key, not data.path
+    with pytest.raises(DifflmError, match=r"data.blend source 'nope' .*data.blend\[1\].path=.* does not exist") as err:
+        build_datasets(DataConfig(blend=[{"path": str(a)}, {"path": str(missing)}]), tok, str(tmp_path))
+    assert "data.path" not in str(err.value)
     with pytest.raises(DifflmError, match="data.blend is not supported with objective=sft"):
         build_datasets(DataConfig(blend=[{"path": str(a)}], prompt_field="question"), tok, str(tmp_path))
 

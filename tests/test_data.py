@@ -143,6 +143,42 @@ def test_roundtrip_hf_saved_dataset(tmp_path, tok):
     assert decoded_docs(tokenize_corpus(cfg, tok, str(tmp_path / "c")), tok) == DOCS_B
     with pytest.raises(DifflmError, match="data.text_field='text'.*body"):
         tokenize_corpus(replace(cfg, text_field="text"), tok, str(tmp_path / "c"))
+    # a DatasetDict: its split is read; a split it lacks is named with the ones it has
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": DOCS_A}),
+                          "validation": datasets.Dataset.from_dict({"body": DOCS_B})}).save_to_disk(str(tmp_path / "dd"))
+    cfg = DataConfig(hf_dataset=str(tmp_path / "dd"), text_field="body", hf_split="validation")
+    assert decoded_docs(tokenize_corpus(cfg, tok, str(tmp_path / "c")), tok) == DOCS_B
+    with pytest.raises(DifflmError, match=r"data.hf_split='test' is not a split of data.hf_dataset=.*dd': set "
+                                          r"data.hf_split to one of \['train', 'validation'\]"):
+        tokenize_corpus(replace(cfg, hf_split="test"), tok, str(tmp_path / "c"))
+
+
+def test_null_and_non_text_values_read_alike_in_every_format(tmp_path, tok):
+    """A null text field is an empty document (no tokens) in JSONL, parquet and datasets alike; a number, list or
+    object is refused with the key, the record and the fix (``str()`` of it would train on its Python spelling)."""
+    js = tmp_path / "n.jsonl"
+    js.write_text("".join(json.dumps({"text": v}) + "\n" for v in ["first doc", None, "second doc"]))
+    assert decoded_docs(tokenize_corpus(cfg_for(js), tok, str(tmp_path / "c")), tok) == ["first doc", "second doc"]
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": ["first doc", None, "second doc"]}), tmp_path / "n.parquet")
+    assert decoded_docs(tokenize_corpus(cfg_for(tmp_path / "n.parquet"), tok, str(tmp_path / "c")), tok) == \
+        ["first doc", "second doc"]
+    for value, what in ((["a", "b"], r"a value of type list \(\"\['a', 'b'\]\"\)"), ({"x": 1}, "a value of type dict"),
+                        (7, "a value of type int")):
+        bad = tmp_path / f"bad_{type(value).__name__}.jsonl"
+        bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(DifflmError, match=rf"data.text_field='text' is {what} .*in .*{bad.name}:2, not text: "
+                                              "point data.text_field at a text field"):
+            tokenize_corpus(cfg_for(bad), tok, str(tmp_path / "c"))
+    pq.write_table(pa.table({"text": ["a", "b"], "n": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(DifflmError, match=r"data.text_field='n' is a value of type int .*ints.parquet row 0"):
+        tokenize_corpus(cfg_for(tmp_path / "ints.parquet", text_field="n"), tok, str(tmp_path / "c"))
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"body": ["first doc", None, "second doc"]}).save_to_disk(str(tmp_path / "hf"))
+    cfg = DataConfig(hf_dataset=str(tmp_path / "hf"), text_field="body")
+    assert decoded_docs(tokenize_corpus(cfg, tok, str(tmp_path / "c")), tok) == ["first doc", "second doc"]
 
 
 def test_real_corpora_snippets(tmp_path, tok):
@@ -184,6 +220,15 @@ def test_megatron_header_layout(tmp_path):
     assert len(ds) == 3 and ds.num_tokens == 6 and [ds[i].tolist() for i in range(3)] == docs
     with pytest.raises(ValueError):
         IndexedDatasetBuilder(str(tmp_path / "e"), np.uint16).add_document([70000])
+    # damaged pairs: the fix names both writers (difflm-preprocess re-run; a training cache deleted), not one
+    (tmp_path / "d.bin").write_bytes((tmp_path / "d.bin").read_bytes()[:4])
+    (tmp_path / "e.idx").write_bytes(b"not an index")
+    (tmp_path / "e.bin").write_bytes(b"")
+    for prefix, fault in (("d", "it is truncated or corrupt"), ("e", "is not a Megatron .idx file"),
+                          ("missing", "missing")):
+        with pytest.raises(DifflmError, match=rf"{fault}: shards of difflm-preprocess: re-run the same "
+                                              r"difflm-preprocess command .*delete that cache directory"):
+            IndexedDataset(str(tmp_path / prefix))
 
 
 def test_cache_reuse_and_rebuild(tmp_path, tok):

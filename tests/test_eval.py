@@ -192,6 +192,28 @@ def test_bits_per_byte_count_only_document_bytes(fast_cfg, tmp_path):
     assert document_bytes(tok, [tok.eos_id, *mixed, tok.eos_id]) == len("naïve café — 東京".encode("utf-8"))
 
 
+def test_eval_reads_text_as_the_run_did(fast_cfg, tmp_path):
+    """difflm-eval read every file with its own defaults (text_field "text", separator <|endoftext|>, UTF-8), so a
+    run trained with another separator was scored on windows where the separator lines were text: another NELBO,
+    no word. Now the run's data.text_field / doc_separator / encoding are the defaults; data.* still overrides."""
+    trainer = _train(fast_cfg, "data.doc_separator='==='", "data.text_field=body", "data.encoding=latin-1")
+    text = tmp_path / "sep.txt"
+    text.write_text("".join(f"Line {i} of the first café story.\n===\nAnd line {i} of the next.\n===\n"
+                            for i in range(20)), encoding="latin-1")
+    run = (f"run.dir={trainer.run_dir}", f"data.path={text}", "eval.max_windows=4", "eval.mc_samples=2")
+    as_run = _evaluate(*run)
+    assert as_run == _evaluate(*run, "data.doc_separator='==='", "data.encoding=latin-1")
+    other = _evaluate(*run, "data.doc_separator=null", "data.encoding=latin-1")  # "===" lines read as text
+    assert other["bytes"] != as_run["bytes"] and other["nelbo"] != as_run["nelbo"]
+    with pytest.raises(DifflmError, match="is not UTF-8 text"):  # the run's latin-1 was in use, not a default
+        _evaluate(*run, "data.encoding=utf-8")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "To be or not"}\n' * 20)
+    assert _evaluate(f"run.dir={trainer.run_dir}", f"data.path={rows}", "eval.max_windows=2")["windows"] == 2
+    with pytest.raises(DifflmError, match="data.text_field='text' not found"):
+        _evaluate(f"run.dir={trainer.run_dir}", f"data.path={rows}", "data.text_field=text")
+
+
 def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
     """Issue 13 item 16: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO: the
     same figure as the trainer's validation NELBO on the same pairs (same seed and draws), with tokens = the response

@@ -323,4 +323,16 @@ def test_final_hint_names_the_real_tokenizer(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["tokenizer"]["name"] == str(NEOX)
     summary = run_preprocess(preprocess_cfg(f"input={corpus / 'a.txt'}", f"output={tmp_path / 'two'}", "workers=1",
                                             f"tokenizer={NEOX}/"))
-    assert summary["tokenizer"] == f"{NEOX}/"  # as given (the manifest's name)
+    assert summary["tokenizer"] == str(NEOX)  # a local directory is named by its absolute path (the manifest's name)
+    # a relative directory too: from another directory the relative name would be taken for a hub name
+    import os
+
+    here = os.getcwd()
+    os.chdir(NEOX.parent)
+    try:
+        summary = run_preprocess(preprocess_cfg(f"input={corpus / 'a.txt'}", f"output={tmp_path / 'three'}",
+                                                "workers=1", f"tokenizer={NEOX.name}"))
+    finally:
+        os.chdir(here)
+    assert summary["tokenizer"] == str(NEOX)
+    assert json.loads((tmp_path / "three" / "manifest.json").read_text())["tokenizer"]["name"] == str(NEOX)

@@ -126,6 +126,18 @@ def test_missing_field_names_key(pairs_file):
         build_sft_datasets(data_cfg(pairs_file, prompt_field="prompt"), build_tokenizer(TOKENIZER))
 
 
+def test_null_or_non_text_pair_fields_are_refused(tmp_path):
+    """A null or non-text prompt / response is refused where it is, not trained on as the text "None" or "4"."""
+    import json
+
+    for rec, key in (({"question": None, "answer": "4"}, "prompt_field='question' is null"),
+                     ({"question": "2+2?", "answer": 4}, "response_field='answer' is a value of type int")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps(rec) + "\n")
+        with pytest.raises(DifflmError, match=rf"data.{key}.* in .*bad.jsonl:2, not text"):
+            build_sft_datasets(data_cfg(bad), build_tokenizer(TOKENIZER))
+
+
 def test_masking_never_touches_prompt_and_normalises_per_response():
     obj = SFTObjective(objective_cfg(name="sft", loss_norm="sequence"), 47)
     tokens = torch.randint(0, 40, (4, 24))
@@ -215,6 +227,15 @@ def test_sft_config_checks(fast_cfg):
         check_run(fast_cfg("objective=sft", "device=cpu"))
     with pytest.raises(DifflmError, match="objective=sft"):
         check_run(fast_cfg("data.prompt_field=question", "device=cpu"))
+    # a data budget would be ignored by the pair windows: refused, here and where the datasets are built
+    with pytest.raises(DifflmError, match=r"data.max_train_tokens is not supported with objective=sft"):
+        check_run(fast_cfg("objective=sft", "data.prompt_field=question", "data.max_train_tokens=4096",
+                           "device=cpu"))
+    from difflm.config.schema import DataConfig
+    from difflm.data.windows import build_datasets
+
+    with pytest.raises(DifflmError, match=r"data.max_train_tokens is not supported with objective=sft"):
+        build_datasets(DataConfig(path="pairs.jsonl", prompt_field="question", max_train_tokens=4096), None, "")
 
 
 @needs_gsm8k

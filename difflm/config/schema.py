@@ -350,11 +350,12 @@ class EvalDataConfig:
     """Text to evaluate on; the tokenizer, window length and objective come from the run."""
 
     path: str = "???"  # .txt/.jsonl file, directory or glob (sft runs: a JSONL file of prompt/response pairs)
-    text_field: str = "text"
-    doc_separator: Optional[str] = "<|endoftext|>"
+    text_field: Optional[str] = None  # JSONL / parquet column (default: the run's data.text_field)
+    # splits .txt files into documents (default "<as the run>": the run's data.doc_separator; null: one per file)
+    doc_separator: Optional[str] = "<as the run>"
     seq_len: Optional[int] = None  # default: the run's data.seq_len
     cache_dir: Optional[str] = None  # default: a temporary directory
-    encoding: str = "utf-8"  # text encoding of the files
+    encoding: Optional[str] = None  # text encoding of the files (default: the run's data.encoding)
     prompt_field: Optional[str] = None  # sft runs: JSONL prompt field (default: the run's data.prompt_field)
     response_field: Optional[str] = None  # sft runs: JSONL response field (default: the run's data.response_field)
     chat_template: Optional[bool] = None  # sft runs: wrap prompts in the chat template (default: as the run)

@@ -340,6 +340,9 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"{d.seq_len}) or null")
     _require(not (d.get("blend") and d.get("max_train_tokens") is not None),
              "data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
+    _require(not (d.get("prompt_field") is not None and d.get("max_train_tokens") is not None),
+             "data.max_train_tokens is not supported with objective=sft (data.prompt_field): every pair is a window "
+             "of its own, so cut the pairs file instead and set data.max_train_tokens=null")
     _require(not (d.get("blend") and d.get("prompt_field") is not None),
              "data.blend is not supported with objective=sft (data.prompt_field): give the pairs in data.path")
     if d.get("encoding"):

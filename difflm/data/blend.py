@@ -218,13 +218,14 @@ def build_blend(cfg, tok: TokenizerInfo, cache_dir: str) -> tuple[BlendedWindows
     if getattr(cfg, "max_train_tokens", None) is not None:
         raise DifflmError("data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
     names, weights, trains, valids = [], [], [], []
-    for name, path, weight in blend_entries(cfg.blend):
-        parts = token_datasets(_with(cfg, path=path, hf_dataset=None, blend=[]), tok, cache_dir)
+    for i, (name, path, weight) in enumerate(blend_entries(cfg.blend)):
         try:
+            parts = token_datasets(_with(cfg, path=path, hf_dataset=None, blend=[]), tok, cache_dir)
             train, valid = build_windows(parts, tok.eos_id, cfg.seq_len, cfg.valid_fraction,
                                          getattr(cfg, "intra_document_attention", False))
-        except DifflmError as err:
-            raise DifflmError(f"data.blend source {name!r} ({path}): {err}") from None
+        except DifflmError as err:  # the source is read as data.path would be: name the key the user set
+            raise DifflmError(f"data.blend source {name!r} ({path}): "
+                              f"{str(err).replace('data.path', f'data.blend[{i}].path')}") from None
         names.append(name)
         weights.append(weight)
         trains.append(train)

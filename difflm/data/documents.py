@@ -196,11 +196,29 @@ def field_error(fmt: DocFormat, where: str, rec) -> DifflmError:
     return DifflmError(f"{field}={fmt.text_field!r} not found in {where} (keys: {keys}): set {field} to one of them")
 
 
+def text_value(value, field: str, setting, where, null: str = "") -> str:
+    """The text of one record's field: a string as it is, null (JSON ``null``, a missing parquet / datasets value)
+    as ``null`` (an empty document, which yields no tokens, as every format reads it).
+
+    Args: ``field`` the config key (e.g. ``data.text_field``), ``setting`` its value, ``where`` the record's place
+    (a string, or a callable giving it: built only for the error).
+    Raises: DifflmError for any other value (a number, list or object is not text, and ``str()`` of it would train
+    on its Python spelling); with ``null=None``, also for null."""
+    if isinstance(value, str):
+        return value
+    if value is None and null is not None:
+        return null
+    where = where() if callable(where) else where
+    what = "null" if value is None else f"a value of type {type(value).__name__} ({str(value)[:40]!r})"
+    raise DifflmError(f"{field}={setting!r} is {what} in {where}, not text: point {field} at a text field or fix "
+                      "that record")
+
+
 def _jsonl_documents(piece: Piece, fmt: DocFormat) -> Iterator[str]:
     for where, rec in read_jsonl(piece.source, fmt, piece.start, piece.end):
         if not isinstance(rec, dict) or fmt.text_field not in rec:
             raise field_error(fmt, where, rec)
-        yield str(rec[fmt.text_field]).strip()
+        yield text_value(rec[fmt.text_field], fmt.name("text_field"), fmt.text_field, where).strip()
 
 
 def _parquet_file(path: str, fmt: DocFormat):
@@ -221,9 +239,12 @@ def _parquet_file(path: str, fmt: DocFormat):
 def _parquet_documents(piece: Piece, fmt: DocFormat) -> Iterator[str]:
     pf = _parquet_file(piece.source, fmt)
     end = pf.num_row_groups if piece.end is None else piece.end
+    row = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
     for batch in pf.iter_batches(row_groups=list(range(piece.start, end)), columns=[fmt.text_field]):
         for value in batch.column(0).to_pylist():
-            yield "" if value is None else str(value).strip()
+            yield text_value(value, fmt.name("text_field"), fmt.text_field,
+                             lambda: f"{piece.source} row {row}").strip()
+            row += 1
 
 
 def load_hf(name: str, split: str, fmt: DocFormat):
@@ -236,14 +257,17 @@ def load_hf(name: str, split: str, fmt: DocFormat):
     try:
         if os.path.isdir(os.path.expanduser(name)):
             ds = datasets.load_from_disk(os.path.expanduser(name))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[split]
         else:
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise DifflmError(f"{fmt.name('hf_dataset')}={name!r} (split {fmt.name('hf_split')}={split!r}) could not be "
                           f"loaded ({reason}): give a save_to_disk directory or a datasets hub name") from None
+    if isinstance(ds, datasets.DatasetDict):  # a save_to_disk DatasetDict: its split, or the ones it has
+        if split not in ds:
+            raise DifflmError(f"{fmt.name('hf_split')}={split!r} is not a split of {fmt.name('hf_dataset')}={name!r}: "
+                              f"set {fmt.name('hf_split')} to one of {sorted(ds)}")
+        ds = ds[split]
     if fmt.text_field not in ds.column_names:
         field = fmt.name("text_field")
         raise DifflmError(f"{field}={fmt.text_field!r} is not a column of {fmt.name('hf_dataset')}={name!r} "
@@ -254,8 +278,9 @@ def load_hf(name: str, split: str, fmt: DocFormat):
 def _hf_documents(ds, piece: Piece, fmt: DocFormat, rows: int = 1000) -> Iterator[str]:
     end = len(ds) if piece.end is None else piece.end
     for i in range(piece.start, end, rows):
-        for value in ds[i:min(end, i + rows)][fmt.text_field]:
-            yield "" if value is None else str(value).strip()
+        for j, value in enumerate(ds[i:min(end, i + rows)][fmt.text_field]):
+            yield text_value(value, fmt.name("text_field"), fmt.text_field,
+                             lambda: f"{fmt.name('hf_dataset')}={piece.source!r} row {i + j}").strip()
 
 
 def iter_documents(piece: Piece, fmt: DocFormat, hf=None) -> Iterator[str]:

@@ -21,6 +21,9 @@ import numpy as np
 from difflm.errors import DifflmError
 
 MAGIC = b"MMIDIDX\x00\x00"
+# what fixes a damaged .bin/.idx pair, whichever tool wrote it
+REBUILD = ("shards of difflm-preprocess: re-run the same difflm-preprocess command (it rewrites damaged shards); a "
+           "training run's token cache (under data.cache_dir): delete that cache directory and re-run the training")
 VERSION = 1
 DTYPE_CODES = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
@@ -172,11 +175,11 @@ class IndexedDataset:
         self.prefix = prefix
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         if not (os.path.exists(idx_path) and os.path.exists(bin_path)):
-            raise DifflmError(f"indexed dataset {prefix!r}: {idx_path} or {bin_path} missing: delete the cache and re-run")
+            raise DifflmError(f"indexed dataset {prefix!r}: {idx_path} or {bin_path} missing: {REBUILD}")
         with open(idx_path, "rb") as f:
             head = f.read(len(MAGIC) + 8 + 1 + 8 + 8)
         if len(head) < 34 or head[:9] != MAGIC:
-            raise DifflmError(f"indexed dataset {idx_path!r} is not a Megatron .idx file: delete it and re-run")
+            raise DifflmError(f"indexed dataset {idx_path!r} is not a Megatron .idx file: {REBUILD}")
         version, code, n_seq, n_doc_idx = struct.unpack("<QBQQ", head[9:])
         if version != VERSION or code not in DTYPE_CODES:
             raise DifflmError(f"indexed dataset {idx_path!r}: unsupported version {version} / dtype code {code}")
@@ -185,7 +188,7 @@ class IndexedDataset:
         expected = off + 12 * n_seq + 8 * n_doc_idx
         if os.path.getsize(idx_path) != expected:
             raise DifflmError(f"indexed dataset {idx_path!r} is truncated or corrupt ({os.path.getsize(idx_path)} bytes, "
-                              f"its header says {expected}): delete it and re-run")
+                              f"its header says {expected}): {REBUILD}")
         # one memory map of the whole index (one file descriptor per file, also with thousands of shards)
         idx = np.memmap(idx_path, np.uint8, "r") if n_seq else np.zeros(expected, np.uint8)
         self.sizes = np.frombuffer(idx, np.int32, n_seq, off)
@@ -197,7 +200,7 @@ class IndexedDataset:
         if nbytes != int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize:
             raise DifflmError(f"indexed dataset {bin_path!r} has {nbytes} bytes, its index says "
                               f"{int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize}: it is truncated or "
-                              "corrupt; delete it and re-run")
+                              f"corrupt: {REBUILD}")
         # np.memmap refuses empty files; an empty corpus is reported by the caller
         self.tokens = (np.memmap(bin_path, self.dtype, "r") if nbytes else np.zeros(0, self.dtype))
         seq_ends = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])

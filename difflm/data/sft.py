@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from difflm.data.batch import TokenBatch
-from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
+from difflm.data.documents import DocFormat, read_jsonl, resolve_sources, text_value
 from difflm.data.tokenizer import TokenizerInfo, encode_text
 from difflm.errors import DifflmError
 
@@ -72,7 +72,8 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
                     keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                     raise DifflmError(f"data.{key}={cfg[key]!r} not found in {where} (keys: {keys}): "
                                       f"set data.{key} to one of them")
-            pairs.append((str(rec[cfg.prompt_field]), str(rec[cfg.response_field])))
+            pairs.append(tuple(text_value(rec[cfg[key]], f"data.{key}", cfg[key], where, null=None)
+                               for key in ("prompt_field", "response_field")))
     return pairs
 
 

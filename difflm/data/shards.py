@@ -32,7 +32,7 @@ from typing import Callable, Optional
 from difflm.cli import writable_output
 from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype, write_text_atomic
-from difflm.data.tokenizer import TokenizerInfo
+from difflm.data.tokenizer import TokenizerInfo, tokenizer_reference
 from difflm.errors import DifflmError
 
 MANIFEST = "manifest.json"
@@ -310,7 +310,7 @@ def run_preprocess(cfg) -> dict:
         dtype = token_dtype(tok.padded_vocab_size)
         plan = {
             "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
-            "tokenizer": {"name": cfg.tokenizer, "fingerprint": tokenizer_fingerprint(tok), "eos_id": tok.eos_id,
+            "tokenizer": {"name": tokenizer_reference(cfg.tokenizer), "fingerprint": tokenizer_fingerprint(tok), "eos_id": tok.eos_id,
                           "vocab_size": len(tok.tokenizer), "dtype": dtype.name},
             "settings": {"text_field": cfg.text_field, "doc_separator": cfg.doc_separator, "encoding": fmt.encoding,
                          "split_special_tokens": True, "eos": "inserted after every document when read",
@@ -365,7 +365,8 @@ def run_preprocess(cfg) -> dict:
     seconds = time.perf_counter() - started
     return {"output": str(out), "shards": len(shards), "skipped": len(shards) - len(todo), "documents": documents,
             "tokens": tokens, "new_tokens": new_tokens, "seconds": seconds, "tokenize_seconds": tokenize_s,
-            "tokens_per_s": new_tokens / max(tokenize_s, 1e-9), "workers": workers, "tokenizer": cfg.tokenizer}
+            "tokens_per_s": new_tokens / max(tokenize_s, 1e-9), "workers": workers,
+            "tokenizer": tokenizer_reference(cfg.tokenizer)}
 
 
 def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:

@@ -56,6 +56,13 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
+def tokenizer_reference(name_or_path: str) -> str:
+    """How to name a tokenizer to a later command, from any directory: a local directory as its absolute path
+    (``tokenizers/gpt2`` from one directory is a hub name from another), a hub name as it is."""
+    path = os.path.expanduser(name_or_path)
+    return os.path.abspath(path) if os.path.isdir(path) else name_or_path
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
 
 

@@ -246,6 +246,10 @@ def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str):
         if blend:
             raise DifflmError("data.blend is not supported with objective=sft (data.prompt_field): "
                               "give the pairs in data.path and set data.blend=[]")
+        if getattr(cfg, "max_train_tokens", None) is not None:
+            raise DifflmError("data.max_train_tokens is not supported with objective=sft (data.prompt_field): every "
+                              "pair is a window of its own, so cut the pairs file instead and set "
+                              "data.max_train_tokens=null")
         from difflm.data.sft import build_sft_datasets
 
         return build_sft_datasets(cfg, tok)
