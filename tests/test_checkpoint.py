@@ -156,7 +156,7 @@ def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast
 
 
 def test_step_n_is_read_with_the_settings_it_was_trained_with(fast_cfg, tmp_path):
-    """difflm-evaluate / -generate / -export with step=N build the model step N was trained with (bidirectional for
+    """difflm-eval / -generate / -export with step=N build the model step N was trained with (bidirectional for
     an mdlm step), though a resume switched the run to objective=ar since."""
     from difflm.generate import load_run
     from difflm.interop.export import load_run_for_export
@@ -178,7 +178,7 @@ def test_resume_with_max_steps_below_the_checkpoint_is_refused(fast_cfg):
     saved = (Path(cfg.run.dir) / "config.yaml").read_text()
     with pytest.raises(DifflmError, match=r"^train.max_steps=1 is below the step of the checkpoint this run resumes "
                                           r"from \(.*step_2\): nothing would train; raise train.max_steps, or read "
-                                          r"that step with difflm-evaluate / difflm-generate step=2$"):
+                                          r"that step with difflm-eval / difflm-generate step=2$"):
         Trainer(fast_cfg("train.max_steps=1", "train.eval_every=0"), cfg.run.dir, CPU)
     assert (Path(cfg.run.dir) / "config.yaml").read_text() == saved
 

@@ -1,7 +1,7 @@
 """The run's ``config.yaml``: written at every start, and on a resume with other settings the earlier one is kept.
 
 Every checkpoint also carries the settings it was trained with (``checkpoints/step_<N>/config.yaml``,
-:func:`difflm.checkpoint.store.checkpoint_config_path`), which is what ``step=N`` reads in difflm-evaluate,
+:func:`difflm.checkpoint.store.checkpoint_config_path`), which is what ``step=N`` reads in difflm-eval,
 difflm-generate and difflm-export, and what a resume compares against.
 
 A resumed run may change settings on purpose (a lower ``optim.lr`` after a spike, more ``train.max_steps``, an

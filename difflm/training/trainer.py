@@ -175,7 +175,7 @@ class Trainer:
         if found[0] > self.cfg.train.max_steps:
             raise DifflmError(f"train.max_steps={self.cfg.train.max_steps} is below the step of the checkpoint this "
                               f"run resumes from ({found[1]}): nothing would train; raise train.max_steps, or read "
-                              f"that step with difflm-evaluate / difflm-generate step={found[0]}")
+                              f"that step with difflm-eval / difflm-generate step={found[0]}")
         self._load(found[1])
         self.resumed_checkpoint = found[1]
 
