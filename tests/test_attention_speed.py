@@ -16,7 +16,6 @@ def test_parse_shape():
             speed.parse_shape(bad)
 
 
-
 @pytest.mark.parametrize("cuda", [False, True])
 def test_bad_shape_is_reported_before_the_cuda_check(monkeypatch, capsys, tmp_path, cuda):
     """A bad second shape is a usage error before anything runs (also where CUDA is present: no row is timed)."""
@@ -25,7 +24,7 @@ def test_bad_shape_is_reported_before_the_cuda_check(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr(speed, "time_row", lambda *a, **k: pytest.fail("timed a row before checking every shape"))
     out = tmp_path / "rows.json"
     err = script_usage_error(speed, capsys, "--shape", "ok=1,16,2,8", "--shape", "bad=1,16,2", "--backend", "sdpa",
-                   "--json", str(out))
+                             "--json", str(out))
     assert "error: --shape 'bad=1,16,2': expected NAME=B,S,H,D" in err and "CUDA" not in err
     assert not out.exists()
 

@@ -65,7 +65,6 @@ def test_configurations_are_named_once_and_cover_both_directions():
     assert [name for name, _, fields in configs if fields is None] == ["bwd-default", "fwd-default"]
 
 
-
 @pytest.mark.parametrize("cuda", [False, True])
 def test_usage_errors_come_before_the_cuda_check_and_any_timing(monkeypatch, capsys, tmp_path, cuda):
     script = load_script("flash_tiles")
