@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 
 import torch
 
@@ -58,6 +57,7 @@ def time_row(backend: str, b: int, s: int, h: int, d: int, *, iters: int, warmup
 
     Raises whatever the backend raises when it cannot run this shape (the caller reports it as failed).
     """
+    from benchmark import median_ms_under_load
     from difflm.model.attention import attend
 
     kind, layout, context = BACKENDS[backend]
@@ -66,26 +66,18 @@ def time_row(backend: str, b: int, s: int, h: int, d: int, *, iters: int, warmup
                      for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    a = torch.randn(b * s, 2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, 6144, device="cuda", dtype=torch.bfloat16)
+
+    def call(backward: bool):
+        with context():
+            out = attend(q, k, v, causal=False, backend=kind, layout=layout)
+            if backward:
+                out.backward(grad)
+
+    def drop_grads():
+        q.grad = k.grad = v.grad = None
 
     def timed(backward: bool) -> float:
-        times = []
-        for i in range(warmup + iters):
-            for _ in range(gemm_between):
-                a @ w
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with context():
-                out = attend(q, k, v, causal=False, backend=kind, layout=layout)
-                if backward:
-                    out.backward(grad)
-            end.record()
-            if i >= warmup:
-                times.append((start, end))
-            q.grad = k.grad = v.grad = None
-        torch.cuda.synchronize()
-        return statistics.median(s_.elapsed_time(e) for s_, e in times)
+        return median_ms_under_load(lambda: call(backward), iters, warmup, gemm_between, rows=b * s, after=drop_grads)
 
     fwd_ms, step_ms = timed(False), timed(True)
     fwd_flops = 4 * b * s * s * h * d

@@ -95,11 +95,13 @@ import math
 import os
 import resource
 import shlex
+import statistics
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -333,6 +335,30 @@ def median_cuda_ms(fn, steps: int, warmup: int = 1) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def median_ms_under_load(fn, iters: int, warmup: int, gemm_between: int, rows: int, after=None) -> float:
+    """Median ms of ``iters`` calls of ``fn`` after ``warmup`` untimed ones, each preceded by ``gemm_between`` BF16
+    GEMMs of the 1.7B MLP's size (``[rows, 2048] x [2048, 6144]``, untimed) so the GPU runs at a training step's
+    power and clock state, not an isolated loop's; CUDA events around ``fn`` alone. ``after`` (untimed, optional)
+    runs after each call (e.g. dropping gradients). One device sync, at the end (scripts/attention_speed.py,
+    scripts/flash_tiles.py)."""
+    a = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 6144, device="cuda", dtype=torch.bfloat16)
+    events = []
+    for i in range(warmup + iters):
+        for _ in range(gemm_between):
+            a @ w
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if i >= warmup:
+            events.append((start, end))
+        if after is not None:
+            after()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def time_steps(step, batches, warmup: int, steps: int, device: torch.device, accum: int = 1) -> tuple[float, float]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 
 import torch
 
@@ -98,12 +97,11 @@ def tiles(kind: str, fields: dict | None):
 
 def time_config(kind, fields, b, s, h, d, *, iters, warmup, gemm_between) -> dict:
     """Median ms of FA4's forward or backward call under ``fields``; raises what FA4 raises when it cannot build."""
+    from benchmark import median_ms_under_load
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    a = torch.randn(b * s, 2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, 6144, device="cuda", dtype=torch.bfloat16)
     out, lse = _flash_attn_fwd(q, k, v, causal=False, return_lse=True)[:2]  # default tiles: the reference
     with tiles(kind, fields):
         if kind == "fwd":
@@ -112,18 +110,7 @@ def time_config(kind, fields, b, s, h, d, *, iters, warmup, gemm_between) -> dic
             call = lambda: _flash_attn_bwd(q, k, v, out, dout, lse, causal=False)  # noqa: E731
         result = call()
         torch.cuda.synchronize()
-        events = []
-        for i in range(warmup + iters):
-            for _ in range(gemm_between):
-                a @ w
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            if i >= warmup:
-                events.append((start, end))
-        torch.cuda.synchronize()
-    ms = statistics.median(s_.elapsed_time(e) for s_, e in events)
+        ms = median_ms_under_load(call, iters, warmup, gemm_between, rows=b * s)
     flops = 4 * b * s * s * h * d * (1 if kind == "fwd" else 2)
     # the row's answer against the default tiles' (same inputs): a wrong tile would show here, not only in speed
     if kind == "fwd":
