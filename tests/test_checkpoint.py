@@ -113,6 +113,40 @@ def test_scheduler_resumes_with_another_number_of_parameter_groups():
     assert resumed.get_last_lr() == source.get_last_lr()[:2]
 
 
+def test_resume_applies_changed_optimizer_and_schedule_settings(fast_cfg):
+    """A resume with other optim.weight_decay / beta1 / beta2 / eps runs with them (the resume line names them as
+    changed): the checkpoint gives the moments and step counts, the run's config the hyperparameters, per group
+    (decay on the matrices only). Changed schedule.* settings set the learning rate from the resumed step on."""
+    from difflm.training.schedule import lr_multiplier
+
+    common = ("train.save_every=2", "train.eval_every=0", "objective.random_length_prob=0")
+    cfg = fast_cfg("train.max_steps=2", *common)
+    first = Trainer(cfg, cfg.run.dir, CPU)
+    first.fit()
+    saved = {name: {k: v.clone() for k, v in first.optimizer.state[p].items()}
+             for name, p in first.model.named_parameters()}
+    changed = ("optim.weight_decay=0.02", "optim.beta1=0.8", "optim.beta2=0.9", "optim.eps=1e-6",
+               "schedule.warmup_steps=0", "schedule.name=wsd", "schedule.min_lr_ratio=0.5", "optim.lr=1e-3")
+    resumed = Trainer(fast_cfg("train.max_steps=4", *common, *changed), cfg.run.dir, CPU)
+    assert resumed.resumed_from == 2
+    groups = resumed.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.02, 0.0]  # matrices decay, norm scales do not
+    assert all(p.ndim >= 2 for p in groups[0]["params"]) and all(p.ndim < 2 for p in groups[1]["params"])
+    assert [(g["betas"], g["eps"], g["initial_lr"]) for g in groups] == [((0.8, 0.9), 1e-6, 1e-3)] * 2
+    expected_lr = 1e-3 * lr_multiplier(2, resumed.cfg.schedule, 4)
+    assert expected_lr != 3e-4 * lr_multiplier(2, cfg.schedule, 4)  # the new schedule gives another rate
+    assert [g["lr"] for g in groups] == pytest.approx([expected_lr] * 2)
+    for name, p in resumed.model.named_parameters():  # the moments and step counts came from the checkpoint
+        state = resumed.optimizer.state[p]
+        assert float(state["step"]) == 2.0, name
+        assert torch.equal(state["exp_avg"], saved[name]["exp_avg"]), name
+        assert torch.equal(state["exp_avg_sq"], saved[name]["exp_avg_sq"]), name
+    resumed.fit()  # and the next save records the settings the run trained with
+    again = Trainer(fast_cfg("train.max_steps=4", *common, *changed), cfg.run.dir, CPU)
+    assert [(g["weight_decay"], g["betas"], g["eps"]) for g in again.optimizer.param_groups] == [
+        (0.02, (0.8, 0.9), 1e-6), (0.0, (0.8, 0.9), 1e-6)]
+
+
 def test_resume_with_other_settings_names_them_and_keeps_the_earlier_config(fast_cfg, capsys):
     """Changed settings are allowed on a resume (a lower lr, another objective: AR-to-diffusion adaptation), but named
     in one line against the settings the checkpoint was trained with (its own config.yaml), which stay next to the

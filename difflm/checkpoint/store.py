@@ -364,10 +364,37 @@ def _refuse_unplaced_tensors(path: Path, model_sd: dict, keys: Optional[set[str]
                           "or use a new run.dir")
 
 
+# param_group entries a checkpoint does not set: the parameters themselves, and the learning rate, which the LR
+# schedule's position sets (difflm.training.schedule.restore_scheduler)
+_GROUP_KEYS_FROM_CHECKPOINT_OR_SCHEDULE = ("params", "lr")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param_group's hyperparameters (weight_decay, betas, eps, fused, initial_lr, ...), without its parameters
+    and learning rate: what :func:`restore_optimizer_settings` puts back after a state-dict load."""
+    return [{k: v for k, v in group.items() if k not in _GROUP_KEYS_FROM_CHECKPOINT_OR_SCHEDULE}
+            for group in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    """Put ``settings`` (:func:`optimizer_settings` of the same optimizer) back into its param_groups, group by group.
+
+    ``Optimizer.load_state_dict`` replaces every param_group entry with the saved one, so a resume with another
+    ``optim.weight_decay``, ``optim.beta1``/``beta2`` or ``optim.eps`` would run on with the checkpoint's values
+    while the resume line names the new ones. Group by group: the decay stays on the groups built with it
+    (:func:`difflm.training.optimizer.build_optimizer`: matrices decay, norm scales and biases do not)."""
+    if len(settings) != len(optimizer.param_groups):  # the load keeps the optimizer's own grouping
+        raise ValueError(f"{len(settings)} param_group settings for {len(optimizer.param_groups)} groups")
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
-    A model-only checkpoint (saved with ``optimizer=None``, e.g. by ``difflm-import``) loads into the model
+    The optimizer's state (moments, step counts) and learning rates are read from the checkpoint; its other
+    param_group hyperparameters stay those it was built with (:func:`restore_optimizer_settings`), so a resume runs
+    with the run's ``optim.*``. A model-only checkpoint (saved with ``optimizer=None``, e.g. by ``difflm-import``) loads into the model
     and leaves ``optimizer`` as it is (fresh). Checkpoints move between kernel sets (``model.backend``): parameter
     names are shared, TE's ``_extra_state`` is read when both sides have it and otherwise left alone. Raises
     DifflmError when the checkpoint does not match the model (e.g. another ``model`` preset).
@@ -377,6 +404,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     path = Path(path)
     if optimizer is not None and not has_optimizer_state(path):
         optimizer = None
+    settings = optimizer_settings(optimizer) if optimizer is not None else None  # before the load replaces them
     options = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
     target = _state_model(model)
     if optimizer is None:
@@ -400,6 +428,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     model_sd.update(fresh)
     set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=options)
+    if optimizer is not None:  # the run's optim.* win over the saved param_group values
+        restore_optimizer_settings(optimizer, settings)
     try:
         return torch.load(path / TRAINER_STATE, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file of a complete-looking checkpoint: one line
