@@ -191,3 +191,41 @@ def test_sampler_settings_are_checked_only_for_runs_that_sample():
 def test_step_counts_below_one_are_refused(key, value):
     with pytest.raises(DifflmError, match=rf"^{key}={value} must be >= 1"):
         check_run(compose_run([f"{key}={value}"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.epochs=2", "train.max_steps=50"], "train.epochs=2.0 and train.max_steps=50 both set the run's length (the "
+     "epochs would replace the steps): set train.max_steps=null to train 2.0 epochs, or train.epochs=null to train "
+     "50 steps"),
+    (["experiment=data_constrained", "data.path=/books", "train.max_steps=100"], "train.epochs=16.0 and "
+     "train.max_steps=100 both set the run's length"),
+    (["train.max_steps=null"], "train.max_steps=null needs train.epochs (passes over the training windows) to set the "
+     "run's length: set train.max_steps=<steps> or train.epochs=<passes>"),
+    (["train.epochs=0"], "train.epochs=0.0 must be > 0"),
+])
+def test_max_steps_and_epochs_together_are_refused(overrides, message):
+    """train.epochs used to replace an explicit train.max_steps without a word."""
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(["device=cpu", *overrides]))
+    assert str(err.value).startswith(message)
+
+
+def test_epochs_set_the_length_in_place_of_a_null_or_default_max_steps(fast_cfg, capsys):
+    """train.max_steps=null or its schema default (300, which cannot be told from an explicit 300) with train.epochs:
+    the epochs set the length, and the run says so."""
+    import math
+
+    import torch
+
+    from difflm.training.trainer import Trainer
+
+    for extra, note in ((["train.max_steps=null"], ")"), ([], ", in place of the default train.max_steps=300)")):
+        cfg = fast_cfg("train.epochs=1.5", "train.eval_every=0", "device=cpu", *extra)
+        assert check_run(cfg).type == "cpu"
+        trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+        windows = len(trainer.train_set)
+        assert trainer.cfg.train.max_steps == math.ceil(1.5 * windows / 4) > 1  # global batch 4 (conftest FAST)
+        assert (f"difflm: train.epochs=1.5 sets train.max_steps={trainer.cfg.train.max_steps} ({windows} training "
+                f"windows per epoch / train.global_batch_size=4{note}") in capsys.readouterr().out.splitlines()
+    with pytest.raises(DifflmError, match=r"^train.epochs=1.5 and train.max_steps=7 both set"):  # without check_run
+        Trainer(fast_cfg("train.epochs=1.5", "train.max_steps=7"), cfg.run.dir, torch.device("cpu"))

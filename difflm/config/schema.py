@@ -209,7 +209,8 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300
+    # the run's length in optimizer steps; null (or left at this default) when train.epochs sets it
+    max_steps: Optional[int] = 300
     epochs: Optional[float] = None  # passes over the training windows; sets max_steps = ceil(epochs * windows / batch)
     global_batch_size: int = 8
     micro_batch_size: int = 8

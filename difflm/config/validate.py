@@ -181,11 +181,35 @@ def check_batch(cfg, world_size: int = 1) -> int:
     t = cfg.train
     dp = ParallelDims.from_config(cfg.parallel, world_size).dp
     for key in ("global_batch_size", "micro_batch_size", "max_steps"):
-        _require(t[key] > 0, f"train.{key}={t[key]} must be positive")
+        _require((key == "max_steps" and t[key] is None) or t[key] > 0,  # null: train.epochs sets it (check_length)
+                 f"train.{key}={t[key]} must be positive")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
              f"{t.micro_batch_size} x data-parallel ranks={dp}: make it one (gradient accumulation fills the rest)")
     return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def check_length(t) -> None:
+    """The run's length: ``train.max_steps``, or ``train.epochs`` (passes over the training windows), which sets
+    ``train.max_steps`` once the data is read (:class:`difflm.training.trainer.Trainer`). Both set is refused: the
+    epochs would silently replace the steps. A ``train.max_steps`` left at its schema default (300) cannot be told
+    apart from one set to 300, so with ``train.epochs`` it counts as not set (the trainer prints the steps the
+    epochs give).
+
+    Raises: DifflmError naming both keys and the way out.
+    """
+    from difflm.config.schema import TrainConfig
+
+    epochs, steps = t.get("epochs"), t.max_steps
+    if epochs is None:
+        _require(steps is not None, "train.max_steps=null needs train.epochs (passes over the training windows) to "
+                 "set the run's length: set train.max_steps=<steps> or train.epochs=<passes>")
+        return
+    _require(epochs > 0, f"train.epochs={epochs} must be > 0 (or null: train.max_steps sets the length)")
+    _require(steps is None or steps == TrainConfig.max_steps,
+             f"train.epochs={epochs} and train.max_steps={steps} both set the run's length (the epochs would replace "
+             f"the steps): set train.max_steps=null to train {epochs} epochs, or train.epochs=null to train {steps} "
+             "steps")
 
 
 PARALLEL_CHOICES = {
@@ -309,6 +333,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     check_model(cfg.model)
     device = resolve_device(cfg.device)
     check_precision(cfg, device)
+    check_length(cfg.train)
     check_parallel(cfg, world_size, device)
     d, o, t = cfg.data, cfg.objective, cfg.train
     _require(bool(d.path or d.hf_dataset or d.get("blend")),
@@ -333,8 +358,6 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"train.eval_batches was removed (it counted micro-batches, so val_nelbo changed with "
              f"train.micro_batch_size): set train.eval_windows={(t.get('eval_batches') or 0) * t.micro_batch_size} "
              f"instead (the same windows at this micro-batch size)")
-    _require(t.get("epochs") is None or t.epochs > 0, f"train.epochs={t.get('epochs')} must be > 0 (or null: "
-             "train.max_steps sets the length)")
     _require(d.get("max_train_tokens") is None or d.max_train_tokens >= d.seq_len,
              f"data.max_train_tokens={d.get('max_train_tokens')} must be at least one window (data.seq_len="
              f"{d.seq_len}) or null")

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, remove_incomplete_saves, \
     resume_checkpoint, save_checkpoint
-from difflm.config.validate import check_batch, check_parallel
+from difflm.config.validate import check_batch, check_length, check_parallel
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.masks import to_device
@@ -57,6 +57,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, device: torch.device):
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         t = cfg.train
+        check_length(t)  # train.max_steps / train.epochs (also checked by check_run, which tests may skip)
         use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
@@ -82,7 +83,11 @@ class Trainer:
                 self.train_set, self.valid_set = build_datasets(cfg.data, self.tok, cache_dir)
             pdist.barrier()
         if t.epochs is not None:  # train.epochs: passes over the training windows set the length
-            t.max_steps = max(1, math.ceil(t.epochs * len(self.train_set) / t.global_batch_size))
+            steps = max(1, math.ceil(t.epochs * len(self.train_set) / t.global_batch_size))
+            replaced = "" if t.max_steps is None else f", in place of the default train.max_steps={t.max_steps}"
+            self._report(f"difflm: train.epochs={t.epochs} sets train.max_steps={steps} ({len(self.train_set)} "
+                         f"training windows per epoch / train.global_batch_size={t.global_batch_size}{replaced})")
+            t.max_steps = steps
         self.sampler = build_sampler(self.train_set, t.global_batch_size, t.seed)
         self.objective = build_objective(cfg.objective, self.tok.mask_id)
         torch.manual_seed(t.seed)
