@@ -229,3 +229,39 @@ def test_epochs_set_the_length_in_place_of_a_null_or_default_max_steps(fast_cfg,
                 f"windows per epoch / train.global_batch_size=4{note}") in capsys.readouterr().out.splitlines()
     with pytest.raises(DifflmError, match=r"^train.epochs=1.5 and train.max_steps=7 both set"):  # without check_run
         Trainer(fast_cfg("train.epochs=1.5", "train.max_steps=7"), cfg.run.dir, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("extra", [[], ["objective=sft", "data.prompt_field=q", "data.response_field=a"],
+                                   ["data.blend=[{path: a.txt, weight: 1}]"]], ids=["text", "sft", "blend"])
+def test_evaluation_without_validation_windows_is_refused(extra):
+    """data.valid_fraction=0 with train.eval_every > 0 used to train without a word and never evaluate (every data
+    kind takes its validation windows from data.valid_fraction: text, shards, blends and SFT pairs)."""
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(["device=cpu", "data.valid_fraction=0", "train.eval_every=25", *extra]))
+    assert str(err.value) == ("data.valid_fraction=0 holds out no validation windows and train.eval_every=25 evaluates "
+                              "on them: set train.eval_every=0 (no evaluation) or a positive data.valid_fraction "
+                              "(e.g. 0.05)")
+    check_run(compose_run(["device=cpu", "data.valid_fraction=0", "train.eval_every=0", *extra]))  # no evaluation
+
+
+def test_a_tiny_valid_fraction_still_evaluates_one_window_and_zero_is_refused_by_the_trainer(fast_cfg, tmp_path):
+    """A valid_fraction far below one window at this seq_len holds out one window (never an empty split that would
+    skip evaluation); a Trainer built without check_run refuses valid_fraction=0 before reading the data."""
+    import math
+
+    import torch
+
+    from difflm.training.trainer import Trainer
+
+    cfg = fast_cfg("data.valid_fraction=1e-9", "train.max_steps=1", "train.eval_every=1", "train.save_every=0",
+                   "device=cpu")
+    check_run(cfg)
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+    assert len(trainer.valid_set) == 1 and len(trainer.train_set) > 1000
+    metrics = trainer.fit()
+    assert metrics["step"] == 1 and math.isfinite(metrics["val_nelbo"]) and metrics["val_nelbo"] > 0
+    with pytest.raises(DifflmError, match=r"^data.valid_fraction=0 holds out no validation windows and "
+                                          r"train.eval_every=100 evaluates on them"):
+        Trainer(fast_cfg("data.valid_fraction=0", f"data.cache_dir={tmp_path / 'unread'}"), cfg.run.dir,
+                torch.device("cpu"))
+    assert not (tmp_path / "unread").exists()  # refused before any tokenization

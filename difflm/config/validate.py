@@ -212,6 +212,18 @@ def check_length(t) -> None:
              "steps")
 
 
+def check_validation_split(d, t) -> None:
+    """``train.eval_every > 0`` needs validation windows: ``data.valid_fraction`` holds them out (the last fraction
+    of the windows, of each ``data.blend`` source, or of the ``objective=sft`` pairs; at least one when > 0). There
+    is no other validation source, so ``data.valid_fraction=0`` would make every evaluation a silent no-op.
+
+    Raises: DifflmError naming both keys and the two ways out.
+    """
+    _require(not (d.valid_fraction == 0 and t.eval_every > 0),
+             f"data.valid_fraction=0 holds out no validation windows and train.eval_every={t.eval_every} evaluates on "
+             "them: set train.eval_every=0 (no evaluation) or a positive data.valid_fraction (e.g. 0.05)")
+
+
 PARALLEL_CHOICES = {
     "parallel.pp_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
     "parallel.activation_checkpointing": ("none", "selective", "full"),
@@ -342,11 +354,12 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              "data.blend=[...]")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
+    _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
+    check_validation_split(d, t)
     _require(0.0 < o.eps < 1.0, f"objective.eps={o.eps} must be in (0, 1)")
     _require(0.0 <= o.random_length_prob <= 1.0, f"objective.random_length_prob={o.random_length_prob} must be in [0, 1]")
     _require(o.length_multiple >= 1 and d.seq_len % o.length_multiple == 0,
              f"objective.length_multiple={o.length_multiple} must be >= 1 and divide data.seq_len={d.seq_len}")
-    _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
     _require(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1 (steps between "
              "metrics rows; evaluation steps and the last step always write one)")
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (non-finite steps "

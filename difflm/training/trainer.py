@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, remove_incomplete_saves, \
     resume_checkpoint, save_checkpoint
-from difflm.config.validate import check_batch, check_length, check_parallel
+from difflm.config.validate import check_batch, check_length, check_parallel, check_validation_split
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.masks import to_device
@@ -58,6 +58,7 @@ class Trainer:
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         t = cfg.train
         check_length(t)  # train.max_steps / train.epochs (also checked by check_run, which tests may skip)
+        check_validation_split(cfg.data, t)  # before a possibly long tokenization
         use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
