@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,50 @@ def test_logged_samples_differ_and_the_first_is_greedy(wandb_run):
     assert len(samples) == SAMPLES and all(s.startswith("ROMEO:") for s in samples)
     assert len(set(samples)) > 1, samples  # gen.temperature=0 alone would give SAMPLES copies
     assert trainer.generate_samples("ROMEO:", 1) == samples[:1]  # sample 0: what difflm-generate prints
+
+
+def test_console_without_progress_bar_prints_a_plain_line_per_logged_step(capsys):
+    """logger.progress_bar=false: one line per logged step with what the bar shows (and the grad norm, epochs),
+    eval steps with their NELBO on the same line; metrics that are None (MFU on a CPU) are left out."""
+    from difflm.training.sinks import ConsoleSink
+
+    sink = ConsoleSink(max_steps=20, start_step=0, progress_bar=False)
+    sink.log({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None, "val_nelbo": 7.25,
+              "val_ppl_bound": 1408.1})
+    sink.log({"step": 10, "loss": 5.4321, "grad_norm": 1.25, "lr": 3e-4, "tokens_per_s": 12345.6, "mfu": None,
+              "mem_gib": 1.5, "skipped_steps": 0, "data_epochs": 0.125})
+    sink.log({"step": 20, "loss": 4.5, "grad_norm": 0.5, "lr": 1e-4, "tokens_per_s": 1000.0, "mfu": 0.25,
+              "mem_gib": 1.5, "skipped_steps": 2, "data_epochs": 0.25, "val_nelbo": 4.75, "val_ppl_bound": 115.58})
+    sink.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 0/20: val_nelbo=7.2500 val_ppl_bound=1408.10",
+        "step 10/20: loss=5.4321 grad_norm=1.250 lr=3.00e-04 tokens_per_s=12,346 mem_gib=1.5 data_epochs=0.125",
+        "step 20/20: loss=4.5000 grad_norm=0.500 lr=1.00e-04 tokens_per_s=1,000 mfu=25.0% mem_gib=1.5 "
+        "data_epochs=0.250 val_nelbo=4.7500 val_ppl_bound=115.58 skipped_steps=2",
+    ]
+
+
+def test_console_with_progress_bar_prints_only_eval_lines(capsys):
+    """The bar mode is unchanged: training steps update the bar's postfix (stderr), only eval steps write a line."""
+    from difflm.training.sinks import ConsoleSink
+
+    sink = ConsoleSink(max_steps=20, start_step=0, progress_bar=True)
+    sink.log({"step": 10, "loss": 5.4321, "lr": 3e-4, "tokens_per_s": 12345.6})
+    sink.log({"step": 20, "loss": 4.5, "lr": 1e-4, "val_nelbo": 4.75, "val_ppl_bound": 115.58})
+    sink.close()
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["step 20: loss=4.5000 val_nelbo=4.7500 lr=1.00e-04 val_ppl_bound=115.58"]
+    assert "loss=5.4321" in out.err  # the bar's postfix
+
+
+def test_training_without_progress_bar_prints_a_line_every_log_every_steps(fast_cfg, capsys):
+    """The trainer hands the console every logged step: steps 2 and 4 of a 4-step run with logger.log_every=2."""
+    cfg = fast_cfg("train.max_steps=4", "logger.log_every=2", "train.eval_every=0", "train.save_every=0")
+    Trainer(cfg, Path(cfg.run.dir), torch.device("cpu")).fit()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 2/4", "step 4/4"]
+    for ln in lines:
+        fields = dict(f.split("=") for f in ln.split(": ", 1)[1].split())
+        assert {"loss", "grad_norm", "lr", "tokens_per_s", "mem_gib"} <= set(fields), ln
+        assert 0 < float(fields["loss"]) < 20

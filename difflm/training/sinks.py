@@ -32,23 +32,46 @@ class JsonlSink:
         self.file.close()
 
 
-def _fmt(metrics: dict[str, Any]) -> dict[str, str]:
+def _fmt(metrics: dict[str, Any], keys=None) -> dict[str, str]:
+    """The metrics of ``keys`` (default: the progress bar's) that are set, formatted for the console."""
     out = {}
-    for key, fmt in (("loss", "{:.4f}"), ("val_nelbo", "{:.4f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
-                     ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}")):
+    for key, fmt in keys or BAR_KEYS:
         if metrics.get(key) is not None:
             out[key.replace("moe/load_max_mean", "load")] = fmt.format(metrics[key])
     return out
 
 
+# what the progress bar's postfix shows
+BAR_KEYS = (("loss", "{:.4f}"), ("val_nelbo", "{:.4f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
+            ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}"))
+# the plain line without a bar: the bar's fields plus the ones a scrolling log is read for (the gradient norm,
+# skipped steps, data epochs), as metrics.jsonl holds them
+LINE_KEYS = (("loss", "{:.4f}"), ("grad_norm", "{:.3f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
+             ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}"), ("data_epochs", "{:.3f}"),
+             ("val_nelbo", "{:.4f}"), ("val_ppl_bound", "{:.2f}"))
+
+
 class ConsoleSink:
-    """A tqdm progress bar with loss, tokens/s, MFU and memory, plus a line per eval and per sample."""
+    """The console: with ``logger.progress_bar=true`` a tqdm bar with loss, tokens/s, MFU and memory plus a line per
+    eval; with ``progress_bar=false`` (logs of batch jobs, where a bar is one ever-rewritten line) a plain line per
+    logged step (every ``logger.log_every`` steps: step, loss, grad norm, lr, tokens/s, MFU, memory, epochs, and the
+    validation NELBO at eval steps). Samples are printed in both modes."""
 
     def __init__(self, max_steps: int, start_step: int, progress_bar: bool):
+        self.max_steps, self.progress_bar = max_steps, progress_bar
         self.bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not progress_bar)
 
     def log(self, metrics: dict[str, Any]) -> None:
+        """Show one metrics dict: update the bar (and a line at an eval step), or print the plain line."""
+        if not self.progress_bar:
+            fields = _fmt(metrics, LINE_KEYS)
+            skipped = metrics.get("skipped_steps")
+            if skipped:  # 0 on a healthy run: only worth a field once a step was skipped
+                fields["skipped_steps"] = str(skipped)
+            self.bar.write(f"step {metrics['step']}/{self.max_steps}: "
+                           + " ".join(f"{k}={v}" for k, v in fields.items()))
+            return
         self.bar.n = metrics["step"]
         self.bar.set_postfix(_fmt(metrics), refresh=True)
         if "val_nelbo" in metrics:
