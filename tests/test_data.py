@@ -478,3 +478,23 @@ def test_a_complete_cache_still_removes_a_killed_builds_temporaries(tmp_path, to
     os.utime(stale, (old, old))
     assert tokenize_corpus(cfg_for(src), tok, str(tmp_path / "cache")).prefix == ds.prefix
     assert not stale.exists()
+
+
+def test_a_dropped_tail_of_a_small_corpus_gets_a_notice(tmp_path, capsys):
+    """Packed windows drop the tokens after the last full window: said when that is >= 1% of the corpus."""
+    from difflm.data.windows import build_windows, tail_notice
+
+    assert tail_notice(100_000, 128) is None  # 32 tokens: 0.03%
+    assert tail_notice(1_024, 128) is None  # no tail
+    text = tail_notice(1_000, 128, "data.blend source 'a'")
+    assert text.startswith("data.seq_len=128 packs the 1,000 tokens of data.blend source 'a' into 7 windows and "
+                           "drops the last 104 tokens (10.4%)") and "lower data.seq_len" in text
+    b = IndexedDatasetBuilder(str(tmp_path / "d"), np.uint16)
+    b.add_document(list(range(1, 1000)))  # 999 tokens + the EOS build_windows appends: 1,000
+    b.finalize()
+    train, valid = build_windows(IndexedDataset(str(tmp_path / "d")), 0, 128, 0.2)
+    assert (len(train), len(valid)) == (6, 1)
+    err = capsys.readouterr().err
+    assert err.count("difflm: notice:") == 1 and "drops the last 104 tokens (10.4%)" in err
+    build_windows(IndexedDataset(str(tmp_path / "d")), 0, 100, 0.2)  # 10 full windows: no tail, no notice
+    assert "notice" not in capsys.readouterr().err

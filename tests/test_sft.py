@@ -326,3 +326,42 @@ def test_sft_refuses_a_hub_dataset_it_would_not_read(tmp_path):
     check_objective_data(compose_run(args))  # the JSONL file alone is fine
     with pytest.raises(DifflmError, match=r"objective=sft reads .* data.hf_dataset='org/pairs'\): set data.path"):
         check_objective_data(compose_run([*args, "data.hf_dataset=org/pairs"]))
+
+
+def test_truncation_notice_counts_cut_pairs_and_prompts_that_fill_the_window():
+    from difflm.data.sft import cut_pair, truncation_notice
+
+    # (prompt, response + EOS) lengths at seq_len 8: fits exactly, fits, cut by one (loses only its EOS),
+    # prompt fills the window (7 and 9 prompt tokens)
+    pairs = [([1] * 4, [2] * 4), ([1] * 2, [2] * 3), ([1] * 5, [2] * 4), ([1] * 7, [2] * 3), ([1] * 9, [2] * 2)]
+    assert truncation_notice(pairs[:2], 8) is None
+    text = truncation_notice(pairs, 8)
+    assert text.startswith("data.seq_len=8 cuts 3 of 5 prompt/response pairs (60.0%)")
+    assert "in 2 of them the prompt alone fills the window" in text
+    assert "The longest pair has 11 tokens: raise data.seq_len (data.seq_len=11 keeps every pair whole)" in text
+    for p, r in pairs[3:]:  # what the notice says they keep: the end of the prompt and one response token
+        kept_p, kept_r = cut_pair(p, r, 8)
+        assert len(kept_p) == 7 and len(kept_r) == 1
+
+
+@needs_gsm8k
+def test_sft_says_how_many_gsm8k_pairs_seq_len_128_cuts(capsys):
+    """The new-user case: 862 of GSM8K's 1,319 test pairs are longer than 128 tokens; the count is the one a direct
+    tokenization gives, and the notice names the fix."""
+    import json
+
+    from difflm.data.sft import load_pairs
+
+    tok = build_tokenizer(TOKENIZER)
+    recs = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
+    enc = lambda t: tok.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    lengths = [len(enc(r["question"])) + len(enc(r["answer"])) + 1 for r in recs]  # + the response's EOS
+    expected = sum(n > 128 for n in lengths)
+    assert (expected, len(recs)) == (862, 1319)
+    rows = load_pairs(data_cfg(GSM8K, seq_len=128), tok)
+    err = capsys.readouterr().err
+    assert len(rows) == 1319 and err.count("difflm: notice:") == 1
+    assert f"data.seq_len=128 cuts 862 of 1,319 prompt/response pairs (65.4%)" in err
+    assert f"raise data.seq_len (data.seq_len={max(lengths)} keeps every pair whole)" in err
+    load_pairs(data_cfg(GSM8K, seq_len=max(lengths)), tok)  # every pair fits: no notice
+    assert "notice" not in capsys.readouterr().err

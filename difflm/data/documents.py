@@ -27,6 +27,17 @@ from difflm.errors import DifflmError
 EXTS = (".txt", ".jsonl", ".parquet")
 
 
+def data_notice(message: str) -> None:
+    """Print a notice about what the data code did to the user's data (rank 0 only, on stderr: ``difflm-eval``'s
+    stdout is its JSON result)."""
+    import sys
+
+    from difflm.parallel.distributed import is_rank0
+
+    if is_rank0():
+        print(f"difflm: notice: {message}", file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class DocFormat:
     """How files split into documents (the ``data.*`` keys of the same names). ``key`` names the config key of

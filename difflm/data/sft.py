@@ -4,7 +4,8 @@ A JSONL file with ``data.prompt_field`` / ``data.response_field`` per line becom
 tokens ``[prompt, response, EOS, EOS, ...]``: the response gets one EOS and is padded with EOS to the window
 (LLaDA pads with |EOS| and trains on them, so the model learns to end its answer). With
 ``data.chat_template=true`` the prompt is the tokenizer's ``apply_chat_template`` of one user turn (with the
-generation prompt). Pairs longer than the window keep the end of the prompt and cut the response.
+generation prompt). Pairs longer than the window keep the end of the prompt and cut the response (one notice
+counts them: :func:`truncation_notice`).
 
 With ``data.sft_packing=true`` several pairs share a window (greedy, in file order; a pair never straddles two
 windows): each pair is ``[prompt, response, EOS]``, the last pair of a window is padded with EOS to the window, and
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from difflm.data.batch import TokenBatch
-from difflm.data.documents import DocFormat, read_jsonl, resolve_sources, text_value
+from difflm.data.documents import DocFormat, data_notice, read_jsonl, resolve_sources, text_value
 from difflm.data.tokenizer import TokenizerInfo, encode_text
 from difflm.errors import DifflmError
 
@@ -113,21 +114,54 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return out
 
 
-def pair_ids(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + EOS) of one pair, cut to ``seq_len`` tokens in all (the end of the prompt is kept,
-    at least one response token). Prompt and response text are encoded with :meth:`TokenizerInfo.encode`
-    (special-token text in them stays text)."""
+def full_pair_ids(tok: TokenizerInfo, prompt: str, response: str, chat_template: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + EOS) of one pair, uncut. Prompt and response text are encoded with
+    :meth:`TokenizerInfo.encode` (special-token text in them stays text)."""
     p = chat_prompt_ids(tok.tokenizer, prompt) if chat_template else tok.encode(prompt)
-    r = tok.encode(response) + [tok.eos_id]
+    return p, tok.encode(response) + [tok.eos_id]
+
+
+def cut_pair(p: list[int], r: list[int], seq_len: int) -> tuple[list[int], list[int]]:
+    """(prompt, response) cut to ``seq_len`` tokens in all: the end of the prompt is kept, and at least one response
+    token."""
     p = p[-(seq_len - 1):] if len(p) >= seq_len else p  # keep at least one response token
     return p, r[:seq_len - len(p)]
 
 
+def pair_ids(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids + EOS) of one pair, cut to ``seq_len`` tokens in all (:func:`cut_pair`)."""
+    return cut_pair(*full_pair_ids(tok, prompt, response, chat_template), seq_len)
+
+
+def truncation_notice(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> str | None:
+    """The notice for the uncut (prompt ids, response ids + EOS) ``pairs`` that :func:`cut_pair` cuts at ``seq_len``,
+    or None when every pair fits: how many are cut (their response loses its end and the EOS that teaches the model
+    to stop), how many have a prompt that fills the window (only one response token is left: a pair never loses its
+    whole response), the longest pair, and the fix (raise ``data.seq_len``)."""
+    lengths = [len(p) + len(r) for p, r in pairs]
+    cut = sum(n > seq_len for n in lengths)
+    if not cut:
+        return None
+    no_room = sum(len(p) >= seq_len - 1 and len(p) + len(r) > seq_len for p, r in pairs)
+    longest = max(lengths)
+    text = (f"data.seq_len={seq_len} cuts {cut:,} of {len(pairs):,} prompt/response pairs ({cut / len(pairs):.1%}): "
+            "their responses lose their end, the EOS that teaches the model to stop included")
+    if no_room:
+        text += (f"; in {no_room:,} of them the prompt alone fills the window, so they keep the end of the prompt and "
+                 "a single response token")
+    return text + (f". The longest pair has {longest:,} tokens: raise data.seq_len (data.seq_len={longest} keeps every "
+                   "pair whole) or remove the long pairs from the file")
+
+
 def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
     """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
-    p, r = pair_ids(tok, prompt, response, seq_len, chat_template)
+    return pad_pair(*pair_ids(tok, prompt, response, seq_len, chat_template), seq_len, tok.eos_id)
+
+
+def pad_pair(p: list[int], r: list[int], seq_len: int, eos_id: int) -> tuple[list[int], int]:
+    """(``seq_len`` token ids, prompt length) of a cut pair: prompt, response, EOS padding to the window."""
     ids = p + r
-    return ids + [tok.eos_id] * (seq_len - len(ids)), len(p)
+    return ids + [eos_id] * (seq_len - len(ids)), len(p)
 
 
 def pack_pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos_id: int) -> SFTPairs:
@@ -159,17 +193,21 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     """Every pair of ``data.path`` (``cfg``: ``path``, ``prompt_field``, ``response_field``, ``seq_len``,
     ``chat_template``, optional ``sft_packing`` / ``intra_document_attention``), tokenized into ``seq_len`` rows:
     one pair a row, or packed (:func:`pack_pairs`; document ids kept for intra-document attention).
+    Pairs longer than ``seq_len`` are cut (:func:`cut_pair`) and counted in one notice on stderr.
     Raises: DifflmError for a file without pairs."""
     pairs = read_pairs(cfg)
     if not pairs:
         raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
+    full = [full_pair_ids(tok, p, r, cfg.chat_template) for p, r in pairs]
+    if (notice := truncation_notice(full, cfg.seq_len)) is not None:  # a cut was silent before: say so once
+        data_notice(notice)
+    cut = [cut_pair(p, r, cfg.seq_len) for p, r in full]
     if cfg.get("sft_packing", False):
-        packed = pack_pairs([pair_ids(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs], cfg.seq_len,
-                            tok.eos_id)
+        packed = pack_pairs(cut, cfg.seq_len, tok.eos_id)
         if not cfg.get("intra_document_attention", False):
             packed.doc_ids = None
         return packed
-    rows = [tokenize_pair(tok, p, r, cfg.seq_len, cfg.chat_template) for p, r in pairs]
+    rows = [pad_pair(p, r, cfg.seq_len, tok.eos_id) for p, r in cut]
     return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
 
 

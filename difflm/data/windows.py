@@ -6,6 +6,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from difflm.data.documents import data_notice
 from difflm.data.indexed_dataset import IndexedDataset
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
@@ -107,13 +108,15 @@ class PackedWindows:
 
 
 def build_windows(ds: IndexedDataset | Sequence[IndexedDataset], eos_id: int, seq_len: int, valid_fraction: float,
-                  intra_document: bool = False, max_train_tokens: int | None = None
+                  intra_document: bool = False, max_train_tokens: int | None = None, corpus: str = "the corpus"
                   ) -> tuple[PackedWindows, PackedWindows]:
     """Split the packed stream of ``ds`` (one dataset or shards in order) into (train, valid) windows.
 
     Valid = the last ``round(valid_fraction * n)`` windows (at least 1 when valid_fraction > 0),
     train = the windows before them (the first ``max_train_tokens // seq_len`` of them when set: a budget of
-    unique training tokens); they are disjoint.
+    unique training tokens); they are disjoint. Documents longer than a window continue in the next one (nothing is
+    cut); the last partial window (under ``seq_len`` tokens) is dropped, with a notice when that is at least
+    :data:`TAIL_NOTICE_FRACTION` of the corpus (:func:`tail_notice`; ``corpus`` names it there).
 
     Raises:
         DifflmError: valid_fraction outside [0, 1) (names data.valid_fraction); seq_len < 1, fewer
@@ -132,6 +135,8 @@ def build_windows(ds: IndexedDataset | Sequence[IndexedDataset], eos_id: int, se
             f"data.seq_len={seq_len} leaves {n} window(s) from a corpus of {len(stream)} tokens "
             f"({n_valid} needed for validation): lower data.seq_len or use a larger corpus"
         )
+    if (notice := tail_notice(len(stream), seq_len, corpus)) is not None:
+        data_notice(notice)
     n_train = n - n_valid
     if max_train_tokens is not None:
         budget = int(max_train_tokens) // seq_len
@@ -142,6 +147,21 @@ def build_windows(ds: IndexedDataset | Sequence[IndexedDataset], eos_id: int, se
         n_train = budget
     doc = eos_id if intra_document else None
     return PackedWindows(stream, seq_len, doc, 0, n_train), PackedWindows(stream, seq_len, doc, n - n_valid, n_valid)
+
+
+# the dropped tail is under one window: worth a word only when it is a visible share of a small corpus
+TAIL_NOTICE_FRACTION = 0.01
+
+
+def tail_notice(num_tokens: int, seq_len: int, corpus: str = "the corpus") -> str | None:
+    """The notice for the tokens after the last full window of ``seq_len`` in a stream of ``num_tokens``, or None
+    when they are under :data:`TAIL_NOTICE_FRACTION` of it (a large corpus loses less than one window)."""
+    tail = num_tokens % seq_len
+    if num_tokens == 0 or tail / num_tokens < TAIL_NOTICE_FRACTION:
+        return None
+    return (f"data.seq_len={seq_len} packs the {num_tokens:,} tokens of {corpus} into {num_tokens // seq_len:,} windows "
+            f"and drops the last {tail:,} tokens ({tail / num_tokens:.1%}), too few for a window: lower data.seq_len "
+            "or add text to use them")
 
 
 class EpochOrder:
