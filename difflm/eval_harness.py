@@ -148,8 +148,11 @@ class DifflmHarnessLM(LM):
             eval_logger.warning("device=%s requested but CUDA is unavailable: using the CPU", device)
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.cfg, self.model, self.tok = load_run(str(run_dir), None if step in (None, "") else int(step),
-                                                  self._device)
+        self.cfg, self.model, self.tok, self.step = load_run(str(run_dir), None if step in (None, "") else int(step),
+                                                             self._device)
+        self.run_dir = str(run_dir)
+        # the step is not in model_args when the newest checkpoint was taken: log it and put it in the results
+        eval_logger.info("difflm: evaluating %s at checkpoint step %d", self.run_dir, self.step)
         self.objective = self.cfg.objective.name
         self.causal = self.objective == "ar"
         self.mc_samples = int(mc_samples)
@@ -173,6 +176,11 @@ class DifflmHarnessLM(LM):
         self.precision = ("bf16" if self.cfg.precision.name in ("bf16", "fp8") and self._device.type == "cuda"
                           else "fp32")
         self.forbid = forbidden_ids(self.tok, self.model.cfg.vocab_size)
+
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to its results' ``config`` (``simple_evaluate``): the run directory, the evaluated
+        checkpoint's training step (also when ``step`` was not given: the newest) and the objective."""
+        return {"difflm_run_dir": self.run_dir, "difflm_step": self.step, "difflm_objective": self.objective}
 
     # ---- helpers -------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo
   ``data.response_field``, or ``data.prompt_field=... data.response_field=...``): the prompt is never masked and
   carries no loss, the response is padded with EOS to ``data.seq_len`` as in training.
 
-Reports nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
+Reports the evaluated checkpoint's training ``step`` (``step=N``, or the newest checkpoint), nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
 ``ar``, the response lengths for ``sft``), its standard error over windows (``null`` for one window), the
 perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The
 Pile): the loss of every scored token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the
@@ -171,7 +171,7 @@ def evaluate_file(args, device: torch.device) -> dict:
     """The metrics dict of ``difflm-eval`` (see the module docstring)."""
     from difflm.generate import load_run
 
-    cfg, model, tok = load_run(args.run.dir, args.step, device, args.get("kernels"))
+    cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.get("kernels"))
     e = args.eval
     if e.mc_samples < 1 or e.batch_size < 1:
         raise DifflmError(f"eval.mc_samples={e.mc_samples} and eval.batch_size={e.batch_size} must be >= 1")
@@ -211,7 +211,8 @@ def evaluate_file(args, device: torch.device) -> dict:
     nelbo = total / num_tokens
     stderr = float(per_window_t.std() / (num_tokens / n) / math.sqrt(n)) if n > 1 else float("nan")
     return {
-        "run_dir": str(args.run.dir), "data_path": str(args.data.path), "objective": name,
+        "run_dir": str(args.run.dir), "step": step,  # the checkpoint's training step (the newest without step=)
+        "data_path": str(args.data.path), "objective": name,
         "bound": bound_kind(cfg.objective),
         "windows": n, "seq_len": seq_len, "mc_samples": draws, "tokens": int(num_tokens), "bytes": nbytes,
         "nelbo": nelbo, "nelbo_stderr": stderr, "ppl_bound": math.exp(min(nelbo, 50.0)),

@@ -97,20 +97,21 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
 
 
 def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
-    """(run config, model with checkpoint weights in eval mode, tokenizer info) of a trained run.
+    """(run config, model with checkpoint weights in eval mode, tokenizer info, checkpoint step) of a trained run:
+    checkpoint ``step``, or the newest when None (the step is returned so that results can say which one was read).
 
     ``kernels`` (:class:`difflm.config.schema.KernelOverrides`) replaces the run's ``model.backend`` /
     ``model.attention_backend`` where set; the checkpoint loads into either kernel set.
     Raises: DifflmError without config.yaml or checkpoint, or when the kernels cannot run on ``device``.
     """
-    cfg, ckpt, _ = trained_settings(run_dir, step)
+    cfg, ckpt, step = trained_settings(run_dir, step)
     # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
     use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=device, seed=0)
     load_checkpoint(ckpt, model)
-    return cfg, model.eval(), tok
+    return cfg, model.eval(), tok, step
 
 
 def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
@@ -199,7 +200,9 @@ def _main(args) -> None:
     check_choices(args, ["gen.remasking", "gen.cache", "device"])
     prompt = read_prompt(args)
     device = resolve_device(args.device)
-    cfg, model, tok = load_run(args.run.dir, args.step, device, args.kernels)
+    cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.kernels)
+    # which checkpoint wrote the text (the newest when step= is not given); stderr: stdout is the text alone
+    print(f"difflm-generate: {args.run.dir} at checkpoint step {step}", file=sys.stderr, flush=True)
     from hydra.core.hydra_config import HydraConfig
 
     causal = cfg.objective.name == "ar"

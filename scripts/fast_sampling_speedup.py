@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="ROMEO:|JULIET:|KING HENRY:|First Citizen:")
     a = ap.parse_args()
     device = torch.device("cpu")
-    cfg, model, tok = load_run(a.run_dir, None, device)
+    cfg, model, tok, _ = load_run(a.run_dir, None, device)
     texts = a.prompts.split("|")[: a.batch]
     ids = [tok.encode(t) for t in texts]
     width = max(map(len, ids))

@@ -200,10 +200,10 @@ def test_step_n_is_read_with_the_settings_it_was_trained_with(fast_cfg, tmp_path
     Trainer(cfg, cfg.run.dir, CPU).fit()
     Trainer(fast_cfg("train.max_steps=2", *common, "objective=ar"), cfg.run.dir, CPU).fit()
     for step, name, causal in ((1, "mdlm", False), (2, "ar", True), (None, "ar", True)):
-        run_cfg, model, _ = load_run(cfg.run.dir, step, CPU)
-        assert (run_cfg.objective.name, model.causal) == (name, causal), step
-        run_cfg, model, _, _ = load_run_for_export(cfg.run.dir, step)
-        assert (run_cfg.objective.name, model.causal) == (name, causal), step
+        run_cfg, model, _, loaded = load_run(cfg.run.dir, step, CPU)
+        assert (run_cfg.objective.name, model.causal, loaded) == (name, causal, step or 2), step  # None: the newest
+        run_cfg, model, _, loaded = load_run_for_export(cfg.run.dir, step)
+        assert (run_cfg.objective.name, model.causal, loaded) == (name, causal, step or 2), step
 
 
 def test_resume_with_max_steps_below_the_checkpoint_is_refused(fast_cfg):

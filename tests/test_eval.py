@@ -98,7 +98,7 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     train = run_cli("difflm.train", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
                     "model.num_kv_heads=2", "model.ffn_hidden_size=64", "data.seq_len=32", f"objective={objective}",
                     "objective.block_size=8", "train.max_steps=2", "train.global_batch_size=2",
-                    "train.micro_batch_size=2", "train.eval_every=0", "train.save_every=2", "logger.progress_bar=false",
+                    "train.micro_batch_size=2", "train.eval_every=0", "train.save_every=1", "logger.progress_bar=false",
                     "logger.num_samples=0", f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "device=cpu",
                     timeout=300)
     assert train.returncode == 0, train.stderr[-2000:]
@@ -108,6 +108,7 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["objective"] == objective and got["windows"] == 4 and got["mc_samples"] == 2
+    assert got["step"] == 2 and json.loads(res.stdout)["step"] == 2  # the newest checkpoint, in file and printout
     assert 5 < got["nelbo"] < 15 and got["ppl_bound"] > 1
     assert got["bits_per_byte"] == pytest.approx(got["nats_per_byte"] / 0.6931471805599453)
     # the same text as difflm-preprocess shards: the same windows, hence the same estimate
@@ -128,6 +129,15 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
     got_one = json.loads(one.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in eval.output"))
     assert got_one["windows"] == 1 and got_one["nelbo_stderr"] is None and 5 < got_one["nelbo"] < 15
     assert json.loads(res.stdout) == got_one
+    earlier = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2",
+                      "eval.max_windows=1", "step=1", "device=cpu", timeout=300)
+    assert earlier.returncode == 0, earlier.stderr[-2000:]
+    assert json.loads(earlier.stdout)["step"] == 1
+    gen = run_cli("difflm.generate", f"run.dir={run}", "prompt=To be", "gen.length=8", "gen.steps=8",
+                  "gen.block_length=8", "step=1", "device=cpu", timeout=300)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert f"difflm-generate: {run} at checkpoint step 1" in gen.stderr.splitlines()
+    assert "checkpoint step" not in gen.stdout and gen.stdout.startswith("To be")  # stdout: the text alone
     bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "data.seq_len=0", "device=cpu",
                   timeout=300)  # 0 was replaced by the run's 32
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout

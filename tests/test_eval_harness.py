@@ -213,6 +213,8 @@ def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
     out = lm_eval.simple_evaluate(model=lm, tasks=[task], bootstrap_iters=0, log_samples=False)
     acc = out["results"]["difflm_tiny_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
+    # which checkpoint was evaluated: the newest (step 3) though model_args named none
+    assert (out["config"]["difflm_step"], out["config"]["difflm_run_dir"]) == (3, runs["mdlm"])
     assert os.environ["HF_DATASETS_OFFLINE"] == "1"
 
 

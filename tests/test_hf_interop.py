@@ -239,6 +239,18 @@ def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
         assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
+def test_export_says_which_checkpoint_step_it_holds(trained_run, tmp_path):
+    """The export's config.json records the checkpoint's step, and difflm-export's message names it."""
+    from difflm.interop.export import export_checkpoint
+
+    root, _, _ = trained_run
+    out, step = export_checkpoint(root / "run", tmp_path / "hf")
+    assert step == 2 and json.loads((out / "config.json").read_text())["train_step"] == 2
+    res = run_cli("difflm.interop.export", f"run.dir={root / 'run'}", f"out={tmp_path / 'cli'}", "step=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"exported {root / 'run'} checkpoint step 2 -> {tmp_path / 'cli'}; load with ")
+
+
 def test_export_bf16_and_errors(trained_run, tmp_path):
     from safetensors import safe_open
 

@@ -153,8 +153,9 @@ def save_tokenizer_with_mask(tok: TokenizerInfo, out: Path, mask_token: str = DE
     tokenizer.save_pretrained(str(out))
 
 
-def hf_config(cfg, tok: TokenizerInfo, dtype: str):
-    """The :class:`DiffLMConfig` of a run (``cfg`` resolved: ``model.vocab_size`` and ``head_dim`` set)."""
+def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
+    """The :class:`DiffLMConfig` of a run (``cfg`` resolved: ``model.vocab_size`` and ``head_dim`` set) at checkpoint
+    ``step`` (``train_step``: an export says which checkpoint it holds)."""
     m, g = cfg.model, cfg.gen
     config_cls = _config_class()
     return config_cls(
@@ -168,6 +169,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str):
         gen_temperature=float(g.temperature), gen_cfg_scale=float(g.get("cfg_scale", 0.0)),
         gen_top_k=int(g.get("top_k", 0)), gen_top_p=float(g.get("top_p", 1.0)), gen_threshold=g.get("threshold"),
         gen_seed=int(g.get("seed", 0)), gen_cache=str(g.get("cache", "none")), train_seq_len=int(cfg.data.seq_len),
+        train_step=None if step is None else int(step),
         bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
         pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
@@ -209,18 +211,26 @@ def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:
 
 def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
                max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+    """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``; returns ``out``.
+    See :func:`export_checkpoint` (which also returns the step exported)."""
+    return export_checkpoint(run_dir, out, step, dtype, max_shard_size, overwrite)[0]
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
+                      max_shard_size: str | int = "5GB", overwrite: bool = False) -> tuple[Path, int]:
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
 
     The directory is written under ``<out>.tmp`` and renamed at the end, so ``out`` is complete or absent.
-    Returns ``out``. Raises DifflmError for a bad ``dtype``/``max_shard_size``, a non-empty ``out`` without
-    ``overwrite``, or a run without config/checkpoint.
+    ``config.json`` records the checkpoint's step as ``train_step``.
+    Returns (``out``, the step exported). Raises DifflmError for a bad ``dtype``/``max_shard_size``, a non-empty
+    ``out`` without ``overwrite``, a run without config/checkpoint, or an ``objective=bd3lm`` run.
     """
     if dtype not in DTYPES:
         raise DifflmError(f"dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     out = writable_output("out", out, directory=True)
     _refuse_unsafe_out(out, Path(run_dir).expanduser(), overwrite)
-    cfg, model, tok, _ = load_run_for_export(run_dir, step)
+    cfg, model, tok, step = load_run_for_export(run_dir, step)
     if cfg.objective.name == "bd3lm":  # the exported generate is LLaDA's sampler over bidirectional attention
         raise DifflmError(f"run.dir={str(run_dir)!r} is an objective=bd3lm run: the exported modeling file samples "
                           "masked diffusion with bidirectional attention, not BD3-LM's block-causal blocks, so its "
@@ -229,7 +239,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_sharded(export_state_dict(model, DTYPES[dtype]), tmp, max_bytes)
-    config = hf_config(cfg, tok, dtype)
+    config = hf_config(cfg, tok, dtype, step)
     config.save_pretrained(str(tmp))
     for name in MODELING_FILES:
         shutil.copyfile(TEMPLATES / name, tmp / name)
@@ -246,14 +256,14 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return out
+    return out, step
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="export")
 @exits_cleanly
 def main(args) -> None:
-    out = export_run(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite)
-    print(f"exported {args.run.dir} -> {out}; load with "
+    out, step = export_checkpoint(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite)
+    print(f"exported {args.run.dir} checkpoint step {step} -> {out}; load with "
           f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
 
 

@@ -28,6 +28,7 @@ class DiffLMConfig(PretrainedConfig):
         run's ``gen.*`` (``generate`` takes a ``generator`` instead of a seed and has no KV cache).
         train_seq_len: the run's training window ``data.seq_len`` (None: unknown, e.g. an older export), restored
         by ``difflm-import``.
+        train_step: the training step of the exported checkpoint (None: unknown, e.g. an older export).
         moe_num_experts, moe_top_k, moe_intermediate_size, moe_num_shared_experts, moe_score_func,
         moe_norm_topk_prob: mixture of experts [model.moe.num_experts, top_k, ffn_hidden_size (resolved),
         num_shared_experts, score_func, norm_topk_prob]; ``moe_num_experts=0`` is the dense MLP.
@@ -44,7 +45,7 @@ class DiffLMConfig(PretrainedConfig):
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
                  gen_threshold: float | None = None, gen_seed: int = 0, gen_cache: str = "none",
-                 train_seq_len: int | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
+                 train_seq_len: int | None = None, train_step: int | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
                  moe_top_k: int = 2, moe_intermediate_size: int | None = None, moe_num_shared_experts: int = 0,
                  moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False, **kwargs):
         self.vocab_size = vocab_size
@@ -74,6 +75,7 @@ class DiffLMConfig(PretrainedConfig):
         self.gen_seed = gen_seed
         self.gen_cache = gen_cache
         self.train_seq_len = train_seq_len
+        self.train_step = train_step
         self.initializer_range = initializer_range
         self.moe_num_experts = moe_num_experts
         self.moe_top_k = moe_top_k
