@@ -82,8 +82,36 @@ def test_tokenizer_errors(tmp_path, monkeypatch):
     d.mkdir()
     shutil.copy(NEOX / "tokenizer.json", d / "tokenizer.json")
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    with pytest.raises(DifflmError, match="data.tokenizer=.*no eos"):
+    with pytest.raises(DifflmError, match="data.tokenizer=.*no eos") as err:
         build_tokenizer(str(d))
+    assert f'{d / "tokenizer_config.json"} sets no eos_token; add "eos_token": "<|endoftext|>" to it' in str(err.value)
+
+
+def test_tokenizer_json_alone_names_the_tokenizer_config_to_add(tmp_path):
+    """A directory with only GPT-2's tokenizer.json: the error names the file to add and what to put in it, and
+    doing what it says loads the tokenizer with GPT-2's EOS."""
+    src = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
+    if not src.is_file():
+        pytest.skip(f"GPT-2 tokenizer not found at {src} (../shared beside the repo)")
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    shutil.copy(src, d / "tokenizer.json")
+    with pytest.raises(DifflmError) as err:
+        build_tokenizer(str(d), key="tokenizer")
+    config = d / "tokenizer_config.json"
+    assert str(err.value) == (
+        f"tokenizer={str(d)!r} has no eos token, which difflm puts after every document: {d} has a tokenizer but no "
+        f"tokenizer_config.json, which names the special tokens' roles; add {config} holding "
+        '{"eos_token": "<|endoftext|>"} (its special tokens: <|endoftext|>)')
+    from transformers import AutoTokenizer
+
+    from difflm.data.tokenizer import missing_eos_message
+
+    hub = missing_eos_message(AutoTokenizer.from_pretrained(str(d)), "some-org/some-tokenizer", None)
+    assert hub.endswith('add {"eos_token": "<|endoftext|>"} to dir/tokenizer_config.json (its special tokens: '
+                        '<|endoftext|>) and set data.tokenizer=dir')  # a hub tokenizer: save it, then the same fix
+    config.write_text('{"eos_token": "<|endoftext|>"}')  # the fix, as the message gives it
+    assert build_tokenizer(str(d)).eos_id == 50256
 
 
 @pytest.mark.parametrize("extra,roles", [

@@ -1,7 +1,9 @@
 """Tokenizer loading: a Hugging Face tokenizer plus the ids the model needs (EOS, MASK, padded vocab)."""
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -91,6 +93,29 @@ def special_roles_of(tok, token_id: int) -> list[str]:
     return roles
 
 
+# special-token texts that usually end a text, for the eos_token the fix suggests
+_EOS_LIKE = re.compile(r"endoftext|end_of_text|eos|^</s>$|<\|end\|>|im_end|eot", re.IGNORECASE)
+
+
+def missing_eos_message(tok, name_or_path: str, directory: str | None, key: str = "data.tokenizer") -> str:
+    """The error for a tokenizer without an EOS token, with the fix: the ``eos_token`` entry of
+    ``tokenizer_config.json`` (which a bare ``tokenizer.json`` lacks: it lists special tokens but not their roles),
+    naming the file to add or edit in the local ``directory`` and a token of the tokenizer to put there."""
+    specials = [t.content for _, t in sorted(getattr(tok, "added_tokens_decoder", {}).items()) if t.special]
+    guess = next((t for t in specials if _EOS_LIKE.search(t)), specials[0] if specials else None)
+    entry = json.dumps({"eos_token": guess if guess is not None else "<the token that ends a text>"})
+    known = f" (its special tokens: {', '.join(specials[:8])})" if specials else ""
+    head = f"{key}={name_or_path!r} has no eos token, which difflm puts after every document"
+    if directory is None:  # a hub tokenizer: its files are not the user's to edit
+        return (f"{head}: use a tokenizer that defines eos_token, or save this one to a directory "
+                f"(tokenizer.save_pretrained(dir)), add {entry} to dir/tokenizer_config.json{known} and set {key}=dir")
+    config = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(config):
+        return (f"{head}: {directory} has a tokenizer but no tokenizer_config.json, which names the special tokens' "
+                f"roles; add {config} holding {entry}{known}")
+    return f"{head}: {config} sets no eos_token; add \"eos_token\": {json.dumps(guess or '<the token that ends a text>')} to it{known}"
+
+
 def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "data.tokenizer") -> TokenizerInfo:
     """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
 
@@ -128,10 +153,7 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "da
             f"tokenizer.json or a hub name; {'offline: ' if offline else ''}{hint}"
         ) from None
     if tok.eos_token_id is None:
-        raise DifflmError(
-            f"{key}={name_or_path!r} has no eos token: use a tokenizer that defines eos_token "
-            "(documents are separated by EOS)"
-        )
+        raise DifflmError(missing_eos_message(tok, name_or_path, path if local else None, key))
     n = len(tok)
     mask_id = tok.mask_token_id if tok.mask_token_id is not None else n
     clash = special_roles_of(tok, mask_id)
