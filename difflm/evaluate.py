@@ -18,8 +18,9 @@ antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo
   ``data.response_field``, or ``data.prompt_field=... data.response_field=...``): the prompt is never masked and
   carries no loss, the response is padded with EOS to ``data.seq_len`` as in training.
 
-Reports the evaluated checkpoint's training ``step`` (``step=N``, or the newest checkpoint), nats per loss token (``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for
-``ar``, the response lengths for ``sft``), its standard error over windows (``null`` for one window), the
+Reports the evaluated checkpoint's training ``step`` (``step=N``, or the newest checkpoint), nats per loss token
+(``nelbo``: the sum over windows and draws / ``tokens``, the window length, L - 1 for ``ar``, the response lengths for
+``sft``), its standard error over windows (``null`` for one window), the
 perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The
 Pile): the loss of every scored token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the
 document text only (no EOS or other special-token text; for ``sft`` the responses), as the lm-evaluation-harness

@@ -113,7 +113,8 @@ def missing_eos_message(tok, name_or_path: str, directory: str | None, key: str 
     if not os.path.exists(config):
         return (f"{head}: {directory} has a tokenizer but no tokenizer_config.json, which names the special tokens' "
                 f"roles; add {config} holding {entry}{known}")
-    return f"{head}: {config} sets no eos_token; add \"eos_token\": {json.dumps(guess or '<the token that ends a text>')} to it{known}"
+    value = json.dumps(guess if guess is not None else "<the token that ends a text>")
+    return f"{head}: {config} sets no eos_token; add \"eos_token\": {value} to it{known}"
 
 
 def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "data.tokenizer") -> TokenizerInfo:

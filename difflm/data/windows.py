@@ -159,9 +159,9 @@ def tail_notice(num_tokens: int, seq_len: int, corpus: str = "the corpus") -> st
     tail = num_tokens % seq_len
     if num_tokens == 0 or tail / num_tokens < TAIL_NOTICE_FRACTION:
         return None
-    return (f"data.seq_len={seq_len} packs the {num_tokens:,} tokens of {corpus} into {num_tokens // seq_len:,} windows "
-            f"and drops the last {tail:,} tokens ({tail / num_tokens:.1%}), too few for a window: lower data.seq_len "
-            "or add text to use them")
+    return (f"data.seq_len={seq_len} packs the {num_tokens:,} tokens of {corpus} into {num_tokens // seq_len:,} "
+            f"windows and drops the last {tail:,} tokens ({tail / num_tokens:.1%}), too few for a window: lower "
+            "data.seq_len or add text to use them")
 
 
 class EpochOrder:

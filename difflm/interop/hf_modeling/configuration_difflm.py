@@ -45,9 +45,10 @@ class DiffLMConfig(PretrainedConfig):
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
                  gen_threshold: float | None = None, gen_seed: int = 0, gen_cache: str = "none",
-                 train_seq_len: int | None = None, train_step: int | None = None, initializer_range: float = 0.02, moe_num_experts: int = 0,
-                 moe_top_k: int = 2, moe_intermediate_size: int | None = None, moe_num_shared_experts: int = 0,
-                 moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False, **kwargs):
+                 train_seq_len: int | None = None, train_step: int | None = None, initializer_range: float = 0.02,
+                 moe_num_experts: int = 0, moe_top_k: int = 2, moe_intermediate_size: int | None = None,
+                 moe_num_shared_experts: int = 0, moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False,
+                 **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
