@@ -393,8 +393,8 @@ KERNEL_CLASSES = (
 
 def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int = 1) -> tuple[str, dict]:
     """torch.profiler over 2 steps: (table of the top ``rows`` kernels by device time, then the top ``rows`` operators
-    by input shapes; share per class, plus ``device_ms_per_step`` (kernel time) and ``gpu_busy``: kernel time / wall
-    time of the profiled steps)."""
+    by input shapes, then the ``rows`` largest kernels of each class but GEMM in ms per step; share per class, plus
+    ``device_ms_per_step`` (kernel time) and ``gpu_busy``: kernel time / wall time of the profiled steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -414,6 +414,7 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
     table += "\n\nBy operator and input shapes:\n" + by_shape.table(
         sort_by=sort, row_limit=rows, max_name_column_width=90, max_shapes_column_width=60, top_level_events_only=False)
     shares: dict = {}
+    by_class: dict = {}  # class -> {kernel name: device us over the profiled steps}
     if device.type == "cuda":
         total = 0.0
         for ev in averages:
@@ -425,11 +426,19 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
             name = ev.key.lower()
             cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
             shares[cls] = shares.get(cls, 0.0) + t
+            by_class.setdefault(cls, {})[ev.key] = by_class.get(cls, {}).get(ev.key, 0.0) + t
             total += t
         shares = {k: round(v / total, 4) for k, v in sorted(shares.items())} if total else {}
         shares["device_ms_per_step"] = round(total / 2 / 1000.0, 2)
         # kernel time over the profiled steps' wall time: well below 1 means the GPU waits for the host
         shares["gpu_busy"] = round(total / 2 / 1000.0 / wall_ms, 3)
+        # the largest kernels of every class but the GEMMs, ms per step: what the small classes are made of
+        for cls, kernels in sorted(by_class.items()):
+            if cls == "gemm":
+                continue
+            top = sorted(kernels.items(), key=lambda kv: -kv[1])[:rows]
+            table += f"\n\nClass {cls}, ms per step (top {len(top)} of {len(kernels)} kernels):\n" + "\n".join(
+                f"{t / 2 / 1000.0:9.2f}  {name[:110]}" for name, t in top)
     return table, shares
 
 

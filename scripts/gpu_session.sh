@@ -49,6 +49,7 @@
 #   bash scripts/gpu_session.sh flashtiles|speed18|recheck  # FA4's SM90 tiles swept (scripts/flash_tiles.py);
 #                                        #        MegaDLMs BF16 beside this tree and .device-stage/old; the FP8,
 #                                        #        350m and 125m targets again (SMALL=1 / SMALL=bf16)
+#   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
 #                                        #         beside the benchmark row; attn: attention in isolation
@@ -56,7 +57,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -746,6 +747,25 @@ recheck)
       "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8"
     tail -6 "$OUT/bench.log"
   fi
+  ;;
+checks)
+  # issue 17, session 33, one GPU: where the BF16 + FA4 + fused micro-batch 8 step's small classes go (the profile's
+  # per-class kernel lists), the two timing scripts on their shared loop (benchmark.median_ms_under_load), and the
+  # CUDA tests of the TE kernel set and the step's syncs
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 200 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=8 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
+    --batches 2 --row-timeout 190 --json "$OUT/bench_profile.json" --profile bf16-flash-mb8-fused --profile-rows 25 \
+    --variant "bf16-flash-mb8-fused: $F $FM" > "$OUT/bench_profile.log" 2>&1
+  grep -A200 "Class " "$OUT/bench_profile.log" | head -150; grep -A2 "^row " "$OUT/bench_profile.log" | tail -3
+  timeout 100 python3 scripts/flash_tiles.py --shape 8,4096,16,128 --gemm-between 8 --iters 10 \
+    --only bwd-default --only fwd-default 2>&1 | tail -4
+  timeout 60 python3 scripts/attention_speed.py --shape 1.7b-s4096=8,4096,16,128 --backend flash --gemm-between 8 \
+    2>&1 | tail -3
+  timeout 200 python3 -m pytest tests/test_te_backend.py tests/test_step_syncs.py -q -p no:cacheprovider -rs -x \
+    2>&1 | tail -6
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
