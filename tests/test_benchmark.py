@@ -275,3 +275,24 @@ def test_exit_status_1_when_every_difflm_row_fails(capsys):
     assert bench.exit_status({"rows": [{"name": "reference", "system": "reference", "tokens_per_s": 1.0},
                                        {"name": "te", "system": "difflm", "error": "x"}]}) == 1
     assert bench.exit_status({"plan": ["a"]}) == 0  # --plan runs nothing
+
+
+def test_kernel_classes_of_a_real_profile():
+    """Kernel names from the BF16 + FA4 + fused-MLP 1.7B profile of session 33 (H200): quack's RMSNorm backward is a
+    CuTe DSL kernel ("cutlass" in its name) but not a GEMM, FA4's kernels are attention, and the optimizer's
+    ``Optimizer.step#AdamW.step`` range is a user annotation that holds the fused AdamW kernel's time a second time,
+    so it is left out of every class."""
+    bench = load_script("benchmark")
+    rms = "kernel_cutlass_kernel_quackrmsnormRMSNormBackward_object_at__tensorptrbf16gmemalign16o2"
+    assert bench.kernel_class(rms) == "other"
+    assert bench.kernel_class("void transformer_engine::normalization::rmsnorm_bwd_tuned_kernel<x>") == "other"
+    assert bench.kernel_class("kernel_cutlass_kernel_quackgemm_default_epiGemmDefaultSm90_object_at__TiledMMA") == "gemm"
+    assert bench.kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert bench.kernel_class("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90") == \
+        "attention"
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "FusedOptimizerTensorListMetadata")
+    assert bench.kernel_class(adam) == "optimizer"
+    assert bench.kernel_class("qkv_heads_bwd_kernel") == "other"
+    assert bench.kernel_class("Optimizer.step#AdamW.step") is None
+    assert bench.kernel_class("some_range", user_annotation=True) is None
