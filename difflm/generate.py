@@ -60,9 +60,35 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
 
 
 @torch.no_grad()
+def pad_to_multiple(x: torch.Tensor, multiple: int, causal: bool, kw: dict) -> tuple[torch.Tensor, dict]:
+    """``x`` [B, S] int64 right-padded to a multiple of ``multiple`` tokens, and the model keywords that keep the
+    real positions' logits exact: a :class:`difflm.model.masks.DocumentMask` in which the real tokens are one
+    document and the pads another (every attention backend takes it; ``causal`` for ``ar`` models), so no real query
+    sees a pad. Under sequence parallelism a forward needs a length that ``parallel.tp`` divides, while a sampler's
+    length is the prompt's plus what it has generated so far.
+
+    Raises: DifflmError when the call already carries an attention mask, positions or a KV cache (the BD3-LM
+    sampler's), which the padding cannot extend: the message names the lengths to choose instead.
+    """
+    from difflm.model.masks import DocumentMask
+
+    s = x.shape[1]
+    pad = -s % multiple
+    if not pad:
+        return x, kw
+    if any(kw.get(k) is not None for k in ("attn_mask", "position_ids", "kv_cache")):
+        raise DifflmError(f"a sampler call of {s} tokens under sequence parallelism needs a length that "
+                          f"parallel.tp={multiple} divides, and this sampler's own attention mask cannot be padded: "
+                          f"choose logger.sample_prompt / gen.length so that prompt + gen.length tokens are a multiple "
+                          f"of {multiple}, or set parallel.sequence_parallel=false")
+    doc = torch.zeros(x.shape[0], s + pad, dtype=torch.long, device=x.device)
+    doc[:, s:] = 1
+    return torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1), {**kw, "attn_mask": DocumentMask(doc, causal=causal)}
+
+
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
-                 stats: dict | None = None) -> torch.Tensor:
+                 stats: dict | None = None, seq_multiple: int = 1) -> torch.Tensor:
     """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device.
 
     Args:
@@ -74,12 +100,16 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
             per block, exact KV cache unless ``gen.cache=none``).
         prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts.
         stats: receives ``nfe`` (model calls) when given (diffusion samplers).
+        seq_multiple: every model call's length is padded to a multiple of this (:func:`pad_to_multiple`): the
+            tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
     """
     device = prompt_ids.device
 
     def logits_fn(x: torch.Tensor, **kw) -> torch.Tensor:
+        s = x.shape[1]
+        x, kw = pad_to_multiple(x, seq_multiple, causal, kw)
         with autocast_context(precision, device):
-            return model(x, **kw).float()
+            return model(x, **kw).float()[:, :s]
 
     opts = generation_options(model, tok, gen, causal, objective)
     generator = torch.Generator(device=device).manual_seed(gen.seed)

@@ -101,6 +101,19 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
     assert list(cwd.iterdir()) == []
 
 
+def test_end_of_training_samples_under_sequence_parallelism(work, tmp_path):
+    """A fault report: objective=ar under parallel=tp2 (sequence parallel) trained, saved, then crashed in gloo at
+    the end-of-training samples, since left-to-right decoding calls the model at every length and the sequence
+    shards must be equal. The trainer pads each sampler call to a multiple of parallel.tp: the samples are the
+    one-process run's, token for token."""
+    ar = ["objective=ar", "train.max_steps=1", "train.save_every=0", "logger.num_samples=2", "gen.length=5"]
+    launch(1, tmp_path / "single", work / "cache", *ar)
+    launch(2, tmp_path / "tp2", work / "cache", *ar, "parallel=tp2")
+    single = (tmp_path / "single" / "samples.txt").read_text()
+    assert single.count("--- step 1 sample") == 2
+    assert (tmp_path / "tp2" / "samples.txt").read_text() == single
+
+
 def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
     """parallel.reduce_dtype=bf16 rounds the summed gradients to BF16 (8 bits of mantissa): the curve moves, a little."""
     run_dir = work / "ddp_bf16_reduce"

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from difflm.errors import DifflmError
+
 from difflm.sampling import (
     GenerationConfigError,
     GenerationOptions,
@@ -369,3 +371,38 @@ def test_generate_starts_from_the_run_s_own_gen_settings():
     typed_steps = OmegaConf.merge(cli, {"steps": 8})
     assert run_generation_config(run_gen, typed_steps, {"length", "steps"}, causal=True).steps == 8  # refused later
     assert run_generation_config(None, cli, {"length"}, causal=False).steps == GenerateConfig().steps
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["ar", "mdlm"])
+def test_padded_sampler_calls_give_the_unpadded_tokens(causal):
+    """Under sequence parallelism every forward needs a length that parallel.tp divides, while a sampler's length is
+    the prompt's plus what it has made so far (a fault report: objective=ar under parallel=tp2 crashed in gloo at
+    the end-of-training samples, and so did mdlm at an odd prompt + gen.length). generate_ids pads each call
+    (pad_to_multiple: the pads a document of their own): the same tokens as unpadded calls, and a padded forward
+    gives the real positions' logits of the plain one."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig, ModelConfig
+    from difflm.generate import generate_ids, pad_to_multiple
+    from difflm.model import build_model
+
+    cfg = OmegaConf.structured(ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                           ffn_hidden_size=64, vocab_size=40, head_dim=8))
+    model = build_model(cfg, causal=causal, device=torch.device("cpu"), seed=0).eval()
+    x = torch.randint(0, 38, (2, 7))
+    padded, kw = pad_to_multiple(x, 4, causal, {})
+    assert padded.shape == (2, 8) and kw["attn_mask"].doc_ids[:, 7:].eq(1).all()
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, **kw)[:, :7], model(x), rtol=1e-5, atol=1e-5)
+    tok = SimpleNamespace(mask_id=39, eos_id=0, tokenizer=list(range(38)))
+    gen = OmegaConf.merge(OmegaConf.structured(GenerateConfig),
+                          {"length": 6, "steps": 6, "block_length": 6, "temperature": 0.8, "seed": 3} if not causal
+                          else {"length": 6, "temperature": 0.8, "seed": 3})
+    prompt = torch.randint(0, 38, (2, 3))
+    plain = generate_ids(model, tok, prompt, gen, causal)
+    assert torch.equal(generate_ids(model, tok, prompt, gen, causal, seq_multiple=4), plain)
+    with pytest.raises(DifflmError, match=r"^a sampler call of 7 tokens under sequence parallelism needs a length "
+                                          r"that parallel.tp=4 divides"):
+        pad_to_multiple(x, 4, causal, {"position_ids": torch.arange(7)})

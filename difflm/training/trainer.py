@@ -434,6 +434,7 @@ class Trainer:
         instead, each row with its own Gumbel noise from the one generator seeded by ``gen.seed``.
         """
         from difflm.generate import generate_ids
+        from difflm.parallel.parallelize import layout_length_multiple
 
         if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
             return []
@@ -453,7 +454,8 @@ class Trainer:
             for count, settings in batches:
                 prompt_ids = torch.tensor([ids] * count, device=self.device)
                 rows += generate_ids(self.model, self.tok, prompt_ids, settings, self.objective.causal,
-                                     precision=self.cfg.precision, objective=self.cfg.objective)
+                                     precision=self.cfg.precision, objective=self.cfg.objective,
+                                     seq_multiple=layout_length_multiple(self.cfg.parallel, self.dims))
         self.model.train()
         return [prompt + self.tok.decode(row.tolist()) for row in rows]
 
