@@ -70,7 +70,15 @@ def main() -> None:
     rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``.
     ``logger.sample_prompt=`` takes any text (:func:`difflm.cli.quote_free_text`)."""
     sys.argv[1:] = quote_free_text(sys.argv[1:], ("logger.sample_prompt",))
-    if launch_env()["rank"] != 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+    multirun = "-m" in sys.argv or "--multirun" in sys.argv
+    env = launch_env()
+    if multirun and env["world_size"] > 1:  # every rank would run its own sweep: the jobs' collectives never meet
+        print(f"difflm: error: a multirun (-m) under torchrun/srun ({env['world_size']} processes) would start one "
+              "sweep per process, and their jobs wait on each other forever: sweep from one process with "
+              "hydra/launcher=slurm (each job its own torchrun-style launch), or run one torchrun per point "
+              "(docs/parallel.md)", file=sys.stderr)
+        sys.exit(2)
+    if env["rank"] != 0 and not multirun:
         sys.argv.extend(NON_ZERO_RANK_OVERRIDES)
     _main()
 

@@ -1,6 +1,10 @@
 """Free text on the command line: prompts reach Hydra as one string whatever they hold; prompt_file=."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -132,3 +136,17 @@ def test_forward_only_reads_leave_the_training_kernels_out():
     cfg = compose_run(["model=tiny", "model.compile=true", "model.fused_mlp=true", "model.fused_mlp_autotune=true"])
     apply_kernel_overrides(cfg, None, torch.device("cpu"))
     assert (cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune) == (False, False, False)
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}],
+                         ids=["torchrun", "srun"])
+def test_a_multirun_under_a_multi_process_launch_is_refused(env, tmp_path):
+    """A fault report: ``torchrun --nproc-per-node 2 -m difflm.train -m optim.lr=a,b`` started one sweep per rank;
+    the first job finished and the second hung in its collectives (30 minutes by default). It is refused at once,
+    before Hydra starts, naming the two ways that work."""
+    out = subprocess.run([sys.executable, "-m", "difflm.train", "-m", "optim.lr=1e-4,3e-4", f"run.dir={tmp_path}/s"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("difflm: error: a multirun (-m) under torchrun/srun (2 processes) would start one "
+                                 "sweep per process"), out.stderr
+    assert "hydra/launcher=slurm" in out.stderr and not (tmp_path / "s").exists()
