@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 from difflm.cli import exits_cleanly, writable_output
 from difflm.config import CONF_DIR
 from difflm.config.validate import resolve_device
-from difflm.data.batch import split_batch
+from difflm.data.batch import TokenBatch, split_batch
 from difflm.data.sft import load_pairs
 from difflm.data.shards import OtherTokenizerShards
 from difflm.data.windows import build_windows, token_datasets
@@ -91,6 +91,24 @@ def document_bytes(tok, ids) -> int:
                                               clean_up_tokenization_spaces=False).encode("utf-8"))
             run = []
     return total
+
+
+def pair_windows(batch: TokenBatch, eos_id: int) -> TokenBatch:
+    """``objective=sft`` evaluation rows ``[prompt, response, EOS, EOS...]`` (one pair a row, prompt lengths) as
+    windows of exactly ``prompt + response + EOS``: the padding EOS after the first one are marked prompt (never
+    masked, no loss) and made a document of their own (``doc_ids`` 1: no real token attends to them), so the NELBO
+    scores the response and its stop token as LLaDA's conditional likelihood does (Nie et al. 2025, sec. 2.4: the
+    sequence is the prompt and the answer, no padding) and does not change with ``data.seq_len``.
+    Training's loss also scores the padding (it teaches the model to fill the window); a cut pair has no padding.
+    """
+    tokens = batch.tokens
+    b, s = tokens.shape
+    pos = torch.arange(s)[None, :]
+    is_eos = (tokens == eos_id) & (pos >= batch.prompt_lengths[:, None])
+    # the first EOS of the response ends the pair (none: the pair was cut at the window, all of it scores)
+    end = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full((b,), s - 1))
+    pad = pos > end[:, None]
+    return TokenBatch(tokens, prompt_mask=(pos < batch.prompt_lengths[:, None]) | pad, doc_ids=pad.long())
 
 
 def scored_ids(name: str, tokens) -> list:
@@ -202,6 +220,8 @@ def evaluate_file(args, device: torch.device) -> dict:
     for start in range(0, n, e.batch_size):
         ids = list(range(start, min(n, start + e.batch_size)))
         tokens = windows.get(ids)
+        if name == "sft":
+            tokens = pair_windows(tokens, tok.eos_id)
         est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision,  # [K, B]
                              fused=cfg.model.fused_cross_entropy)  # load_run's schema merge: true for older runs
         per_window.append(est.mean(dim=0))

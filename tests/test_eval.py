@@ -225,9 +225,11 @@ def test_eval_reads_text_as_the_run_did(fast_cfg, tmp_path):
 
 
 def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
-    """Issue 13 item 16: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO: the
-    same figure as the trainer's validation NELBO on the same pairs (same seed and draws), with tokens = the response
-    lengths and bytes = the responses' UTF-8 bytes."""
+    """Issue 13 item 16: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO of
+    each pair in a window of exactly prompt + response + EOS (LLaDA's conditional likelihood), with tokens = the
+    response lengths with their EOS and bytes = the responses' UTF-8 bytes. A fault report: it scored the EOS
+    padding up to data.seq_len as well, so tokens and bits_per_byte changed with the window (2,194 tokens and 12.1
+    bits per byte at 64, 4,754 and 26.0 at 128, for the same 40 pairs); now data.seq_len changes nothing."""
     pairs = [{"q": " ".join(["why"] * (1 + 3 * i)), "a": f"because {i} — naïve"} for i in range(8)]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
@@ -240,9 +242,17 @@ def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
     tok = trainer.tok.tokenizer
     prompt_lengths = [len(tok(p["q"], add_special_tokens=False)["input_ids"]) for p in pairs[6:]]
     assert got["objective"] == "sft" and got["windows"] == 2
-    assert got["tokens"] == sum(32 - n for n in prompt_lengths)
+    response_lengths = [len(tok(p["a"], add_special_tokens=False)["input_ids"]) + 1 for p in pairs[6:]]  # + EOS
+    assert max(n + r for n, r in zip(prompt_lengths, response_lengths)) < 32  # padded windows: none was cut
+    assert got["tokens"] == sum(response_lengths)
     assert got["bytes"] == sum(len(p["a"].encode("utf-8")) for p in pairs[6:])
-    assert got["nelbo"] == pytest.approx(trainer.evaluate(), rel=1e-5)
+    wide = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={valid}", "eval.mc_samples=3", "eval.seed=5",
+                     "data.seq_len=64")
+    assert (wide["tokens"], wide["bytes"]) == (got["tokens"], got["bytes"])
+    assert wide["nelbo"] == pytest.approx(got["nelbo"], rel=1e-4)
+    assert wide["bits_per_byte"] == pytest.approx(got["bits_per_byte"], rel=1e-4)
+    # the trainer's validation loss is training's: it also scores the padding, so it differs
+    assert abs(trainer.evaluate() - got["nelbo"]) > 1e-3
     mdlm = _train(fast_cfg, f"run.dir={tmp_path / 'mdlm'}")
     with pytest.raises(DifflmError, match="data.prompt_field applies to objective=sft runs"):
         _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={valid}", "data.prompt_field=q")
