@@ -327,3 +327,44 @@ def test_random_lengths_round_to_the_layout_multiple():
     cfg = compose_run(["parallel=tp2cp2", "objective.length_multiple=3", "data.seq_len=48"])
     dims = ParallelDims.from_config(cfg.parallel, 4)
     assert effective_length_multiple(cfg, dims) == 24  # lcm(3, 2 cp * tp) = lcm(3, 8)
+
+
+def documented_launches() -> list[tuple[str, int, list[str]]]:
+    """Every ``torchrun ... --nproc-per-node N ... -m difflm.train OVERRIDES`` command line of README.md and docs/:
+    (where, N, overrides); lines with ``...`` placeholders or a multirun are left out."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            line = line.split("#")[0].strip().strip("`")
+            match = re.match(r"torchrun .*--nproc-per-node[ =](\d+) .*-m difflm\.train(.*)$", line)
+            if match is None or "..." in line or " -m " in match.group(2) + " ":
+                continue
+            found.append((f"{doc.name}:{number}", int(match.group(1)), shlex.split(match.group(2))))
+    return found
+
+
+@pytest.mark.parametrize("where,nproc,overrides", documented_launches(), ids=lambda v: v if isinstance(v, str) else "")
+def test_documented_launch_commands_pass_the_layout_checks(where, nproc, overrides):
+    """A fault report: the docs' headline torchrun commands (fsdp on 4 ranks, tp2pp2, tp4pp2, ep2 on 8) failed their
+    first check as written, with the default batch (global 8, micro 8): too many data-parallel ranks for the micro
+    batch, or one micro-batch for two pipeline stages. Every documented launch passes the layout and batch checks
+    at its own process count."""
+    from difflm.config.validate import check_batch, check_parallel
+
+    cfg = compose_run(overrides)
+    device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
+    dims = check_parallel(cfg, nproc, device)
+    assert dims.world_size == nproc
+    assert check_batch(cfg, nproc) >= 1
+
+
+def test_the_docs_launch_commands_are_found():
+    """The scan above finds the commands it is meant to check (a changed layout of the docs would skip them)."""
+    found = {(nproc, " ".join(o)) for _, nproc, o in documented_launches()}
+    assert any(n == 4 and "parallel=fsdp" in o for n, o in found)
+    assert any(n == 8 and "parallel=ep2" in o for n, o in found)
+    assert len(found) >= 4
