@@ -258,6 +258,10 @@ def test_parallel_dims_fill_and_mesh_order():
 @pytest.mark.parametrize("overrides,world,needle", [
     (["parallel=tp2"], 3, "parallel.dp_shard=-1 cannot fill the world size 3"),
     (["parallel=single"], 2, "parallel.dp_replicate*dp_shard*tp*pp*cp=1 but the world size is 2"),
+    # a fault report: the overridden layout was named by its preset ("parallel=single runs on 3 process(es)"), and
+    # launching 3 processes only led to the heads error, which now comes first
+    (["parallel=single", "parallel.tp=4"], 2, "this layout (dp_replicate=1 dp_shard=1 tp=4 pp=1 cp=1) runs on 4"),
+    (["parallel=single", "parallel.tp=3"], 2, "parallel.tp=3 does not divide model.num_heads=4"),
     (["parallel=tp4", "model.num_kv_heads=2"], 4, "parallel.tp=4 does not divide model.num_kv_heads=2"),
     (["parallel=tp2", "model.ffn_hidden_size=129"], 2, "model.ffn_hidden_size=129"),
     (["parallel=tp2", "model.vocab_multiple=1"], 2, "model.vocab_multiple=1"),

@@ -249,9 +249,7 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     for key, allowed in PARALLEL_CHOICES.items():
         value = _get(cfg, key)
         _require(value in allowed, f"{key}={value!r} is not one of: {', '.join(allowed)}")
-    dims = ParallelDims.from_config(p, world_size)
-    accum = check_batch(cfg, world_size)
-    tp = dims.tp
+    tp = int(p.tp)  # the model's side first: launching tp processes would not help a tp that cannot split it
     if tp > 1:
         for key in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_multiple"):
             _require(m[key] % tp == 0, f"parallel.tp={tp} does not divide model.{key}={m[key]}: pick a tp that divides "
@@ -265,6 +263,8 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  "on each rank; set model.fused_mlp=false (TE's LayerNormMLP splits it over TP) or parallel.tp=1")
         _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: under TP the LM head is "
                  "vocab-parallel with its own weight (output.weight); set model.tie_embeddings=false or parallel.tp=1")
+    dims = ParallelDims.from_config(p, world_size)
+    accum = check_batch(cfg, world_size)
     if dims.pp_enabled:
         virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)
         _require(virtual >= 1, f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")

@@ -75,9 +75,10 @@ class ParallelDims:
         for value in degrees.values():
             product *= value
         if product != world_size:
+            layout = " ".join(f"{k}={degrees[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
             raise DifflmError(
-                f"parallel.dp_replicate*dp_shard*tp*pp*cp={product} but the world size is {world_size}: "
-                f"parallel={p.name} runs on {product} process(es); launch with torchrun --nproc-per-node {product} "
+                f"parallel.dp_replicate*dp_shard*tp*pp*cp={product} but the world size is {world_size}: this layout "
+                f"({layout}) runs on {product} process(es); launch with torchrun --nproc-per-node {product} "
                 "or pick a layout whose degrees multiply to the world size (dp_shard=-1 fills it)")
         ep = int(p.get("ep", 1))
         if ep < 1:
