@@ -121,7 +121,7 @@ def find_checkpoint(run_dir: Path, step: Optional[int] = None) -> tuple[int, Pat
                           f"{manifest_problem(found[-1][1])}): restore the missing files or train again")
     if not ckpts:
         raise DifflmError(f"run.dir={str(run_dir)!r} holds no checkpoint (checkpoints/step_<N>/): "
-                          "train first, or point run.dir at a run that saved one (train.save_every)")
+                          "train first, or point run.dir at a run that saved one (train.save_every=0 saves none)")
     if step is None:
         step = max(ckpts)
     if step not in ckpts:
