@@ -80,7 +80,7 @@ LAYOUTS = {
     "ddp": (2, ["parallel=ddp"]),
     "fsdp": (2, ["parallel=fsdp"]),
     "tp2_sp": (2, ["parallel=tp2"]),
-    "pp2_1f1b": (2, ["parallel=pp2"]),
+    "pp2_1f1b": (2, ["parallel=pp2", "logger.num_samples=1"]),  # no sampler under PP: a notice, not silence
     "pp2_interleaved": (2, ["parallel=pp2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_virtual_stages=2"]),
     # data-parallel levers that change when and how often FSDP2 communicates, not what it computes
     "fsdp_levers": (2, ["parallel=fsdp", "parallel.reshard_after_forward=false", "parallel.fsdp_prefetch=2",
@@ -94,8 +94,12 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     run_dir = work / name
-    launch(nproc, run_dir, work / "cache", "train.max_steps=3", "train.save_every=0", *overrides, cwd=cwd)
+    out = launch(nproc, run_dir, work / "cache", "train.max_steps=3", "train.save_every=0", *overrides, cwd=cwd)
     assert_same_curve(run_dir, reference, [1, 2, 3])
+    if "logger.num_samples=1" in overrides:
+        assert out.stdout.count("difflm: logger.num_samples=1: no samples during training here (parallel.pp=2 splits "
+                                "the model into stages); sample a checkpoint with difflm-generate") == 1
+        assert not (run_dir / "samples.txt").exists()
     # rank 0 alone writes: one metrics file, one config, Hydra's files in run.dir, nothing in the other ranks' cwd
     assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra").is_dir()
     assert list(cwd.iterdir()) == []

@@ -436,12 +436,9 @@ class Trainer:
         from difflm.generate import generate_ids
         from difflm.parallel.parallelize import layout_length_multiple
 
-        if self.pipeline is not None or self.dims.cp_enabled:  # stage-split / sequence-split models: no sampler yet
+        if self.sampling_unavailable_reason() is not None:
             return []
         from difflm.parallel.vocab_parallel import gather_logits
-
-        if self.cfg.parallel.get("tp_comm_overlap", False) and self.cfg.model.backend == "te":
-            return []  # TE's userbuffers are sized for the training micro-batch
         self.model.eval()
         ids = self.tok.encode(prompt) or [self.tok.eos_id]
         gen = self.cfg.gen
@@ -683,7 +680,27 @@ class Trainer:
         for sink in sinks:
             sink.log(metrics)
 
+    def sampling_unavailable_reason(self):
+        """Why this layout draws no samples during training (None: it does): pipeline stages and context-parallel
+        chunks hold parts of the model or the sequence, and TE's userbuffers (``parallel.tp_comm_overlap``) are
+        sized for the training micro-batch."""
+        p = self.cfg.parallel
+        if self.pipeline is not None:
+            return f"parallel.pp={self.dims.pp} splits the model into stages"
+        if self.dims.cp_enabled:
+            return f"parallel.cp={self.dims.cp} splits the sequence"
+        if p.get("tp_comm_overlap", False) and self.cfg.model.backend == "te":
+            return "parallel.tp_comm_overlap=true sizes TE's buffers for the training micro-batch"
+        return None
+
     def _emit_samples(self, sinks, num: int) -> None:
+        reason = self.sampling_unavailable_reason()
+        if reason is not None:  # once a run: the docs say so, the console did not
+            if self.is_rank0 and not getattr(self, "_told_no_samples", False):
+                self._report(f"difflm: logger.num_samples={num}: no samples during training here ({reason}); "
+                             "sample a checkpoint with difflm-generate")
+                self._told_no_samples = True
+            return
         samples = self.generate_samples(self.cfg.logger.sample_prompt, num)
         if not samples or not self.is_rank0:
             return
