@@ -676,3 +676,38 @@ def test_attention_backends_match_sdpa_on_gpu(backend):
         rel = float((out - ref).norm() / ref.norm())
         report("attention_vs_sdpa", backend=backend, causal=causal, rel=rel)
         assert rel < 1e-2
+
+
+@cuda_te
+@pytest.mark.parametrize("attention", ["te", "flash", "sdpa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_sampler_calls_on_the_te_kernels(attention, causal):
+    """The trainer pads each sampler call to a multiple of parallel.tp under sequence parallelism
+    (difflm.generate.pad_to_multiple: the pads a document of their own); on the GPU kernels the real positions'
+    logits match the plain call's within BF16 rounding, and the padded sampler runs end to end (a tiny random
+    model's near-flat logits let BF16 rounding flip its greedy picks, so the tokens are not compared here; the CPU
+    test compares them in FP32)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig
+    from difflm.generate import generate_ids, pad_to_multiple
+
+    if attention_unavailable_reason(attention, torch.device("cuda"), "bf16"):
+        pytest.skip(attention_unavailable_reason(attention, torch.device("cuda"), "bf16"))
+    cfg = replace(te_tiny_cfg(), attention_backend=attention)
+    model = build_model(cfg, causal=causal, device=torch.device("cuda"), seed=0).eval()
+    x = torch.randint(0, cfg.vocab_size - 2, (2, 37), device="cuda")
+    padded, kw = pad_to_multiple(x, 8, causal, {})
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = model(padded, **kw)[:, :37].float(), model(x).float()
+    rel = float((got - want).norm() / want.norm())
+    report("padded_sampler_call", attention=attention, causal=causal, logits_rel=rel)
+    assert rel <= 1e-2
+    tok = SimpleNamespace(mask_id=cfg.vocab_size - 1, eos_id=0, tokenizer=list(range(cfg.vocab_size - 2)))
+    gen = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 6, "temperature": 0.0} if causal else
+                          {"length": 6, "steps": 6, "block_length": 6, "temperature": 0.0})
+    prompt = x[:, :5]
+    plain = generate_ids(model, tok, prompt, gen, causal, precision="bf16")
+    assert generate_ids(model, tok, prompt, gen, causal, precision="bf16", seq_multiple=8).shape == plain.shape
