@@ -86,6 +86,20 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, causal: bool, kw: dict) -> t
     return torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1), {**kw, "attn_mask": DocumentMask(doc, causal=causal)}
 
 
+def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, multiple: int) -> None:
+    """Refuse, before training, end-of-training samples that :func:`pad_to_multiple` could not pad: a ``bd3lm``
+    sampler calls the model with its own mask, positions and KV cache at lengths ``prompt + k * block``, so under
+    sequence parallelism (``multiple`` = ``parallel.tp``) the prompt and the block must be multiples of it; the other
+    samplers are padded. Raises: DifflmError naming the keys and the ways out."""
+    if objective != "bd3lm" or multiple <= 1 or (prompt_tokens % multiple == 0 and block_size % multiple == 0):
+        return
+    raise DifflmError(f"objective=bd3lm samples at the end of training call the model at prompt + k x block tokens, "
+                      f"which sequence parallelism needs to be multiples of parallel.tp={multiple}, and "
+                      f"logger.sample_prompt is {prompt_tokens} tokens with objective.block_size={block_size}: give a "
+                      f"prompt of a multiple of {multiple} tokens (and such a block size), logger.num_samples=0, or "
+                      "parallel.sequence_parallel=false")
+
+
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
                  stats: dict | None = None, seq_multiple: int = 1) -> torch.Tensor:

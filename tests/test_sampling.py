@@ -406,3 +406,20 @@ def test_padded_sampler_calls_give_the_unpadded_tokens(causal):
     with pytest.raises(DifflmError, match=r"^a sampler call of 7 tokens under sequence parallelism needs a length "
                                           r"that parallel.tp=4 divides"):
         pad_to_multiple(x, 4, causal, {"position_ids": torch.arange(7)})
+
+
+def test_bd3lm_samples_under_sequence_parallelism_are_checked_before_training():
+    """The BD3-LM sampler's calls carry their own mask, positions and KV cache, which the padding cannot extend: a
+    prompt or block that parallel.tp does not divide is refused when the trainer is built (it failed after training),
+    and the padded samplers (ar, mdlm, sft) and tp=1 pass."""
+    from difflm.generate import check_padded_sampling
+
+    with pytest.raises(DifflmError, match=r"^objective=bd3lm samples at the end of training .* parallel.tp=2, and "
+                                          r"logger.sample_prompt is 1 tokens with objective.block_size=16: "):
+        check_padded_sampling("bd3lm", 1, 16, 2)
+    with pytest.raises(DifflmError, match="objective.block_size=6"):
+        check_padded_sampling("bd3lm", 4, 6, 4)
+    check_padded_sampling("bd3lm", 2, 16, 2)
+    check_padded_sampling("bd3lm", 1, 16, 1)
+    check_padded_sampling("mdlm", 1, 1, 2)
+    check_padded_sampling("ar", 3, 1, 4)

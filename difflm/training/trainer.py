@@ -91,6 +91,13 @@ class Trainer:
             t.max_steps = steps
         self.sampler = build_sampler(self.train_set, t.global_batch_size, t.seed)
         self.objective = build_objective(cfg.objective, self.tok.mask_id)
+        if cfg.logger.num_samples > 0 and self.dims.tp_enabled:  # before training, not after it
+            from difflm.generate import check_padded_sampling
+            from difflm.parallel.parallelize import layout_length_multiple
+
+            check_padded_sampling(cfg.objective.name, len(self.tok.encode(cfg.logger.sample_prompt) or [0]),
+                                  int(cfg.objective.get("block_size", 1) or 1),
+                                  layout_length_multiple(cfg.parallel, self.dims))
         torch.manual_seed(t.seed)
         if self.dims.distributed:
             num_params = self._build_parallel_model()
