@@ -3,6 +3,7 @@ loss spikes, retention, hang dumps and profiling (README "Operating long runs").
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import random
@@ -447,6 +448,30 @@ def test_loss_spike_reloads_and_skips_the_data(fast_cfg, capsys):
     trainer.fit()
     assert trainer.step == 8 and trainer.data_offset == 2  # steps 5-6 (data 5..) redone on data 6..
     assert "loss spike at data step 5: reloaded step 4, data continues at step 6" in capsys.readouterr().out
+
+
+def test_a_spike_right_after_a_roll_back_is_caught_too(fast_cfg, capsys):
+    """A fault report: the running mean was dropped at a roll-back, so the first step after it went unchecked and a
+    second spike there (data steps 5 and 6 both bad) was trained on and checkpointed. The pre-spike mean is kept:
+    both are rolled back. And thresholds that would call ordinary steps spikes (<= 1) or negative long-run settings
+    are refused by name."""
+    from difflm.config.validate import check_run
+
+    cfg = fast_cfg("train.max_steps=8", "train.save_every=2", "train.eval_every=0", "train.spike_threshold=3")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    poison(trainer, {5, 6}, 1e4)
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "loss spike at data step 5: reloaded step 4, data continues at step 6" in out
+    assert "loss spike at data step 6: reloaded step 4, data continues at step 7" in out
+    assert trainer.step == 8 and trainer.data_offset == 3
+    for override, message in (("train.spike_threshold=0.5", "train.spike_threshold=0.5 must be 0 (off) or a factor "
+                                                            "above 1"),
+                              ("train.keep_last=-3", "train.keep_last=-3 must be >= 0"),
+                              ("train.time_limit=-1", "train.time_limit=-1.0 must be >= 0"),
+                              ("logger.num_samples=-1", "logger.num_samples=-1 must be >= 0")):
+        with pytest.raises(DifflmError, match=re.escape(message)):
+            check_run(fast_cfg(override, "device=cpu"))
 
 
 def test_retention_keeps_last_and_every(fast_cfg):

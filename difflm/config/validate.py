@@ -339,6 +339,24 @@ def check_tp_comm_overlap(cfg, dims, device: torch.device) -> None:
                  "compiled blocks: set parallel.compile=true (or model.compile=true)")
 
 
+def check_operations(cfg) -> None:
+    """The long-run settings take 0 for "off" and refuse negative values (which had passed silently: a negative
+    ``train.keep_last`` kept everything, a negative ``train.time_limit`` never stopped). ``train.spike_threshold`` is
+    0 (off) or a factor above 1: at or below 1 an ordinary step counts as a spike, and each one rolls the run back
+    and skips its data.
+
+    Raises: DifflmError naming the key and the values it takes.
+    """
+    t = cfg.train
+    for key, meaning in (("keep_last", "checkpoints kept, 0 = all"), ("keep_every", "steps, 0 = none kept for good"),
+                         ("time_limit", "seconds, 0 = none"), ("step_timeout", "seconds, 0 = off")):
+        _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0 ({meaning})")
+    _require(cfg.logger.num_samples >= 0, f"logger.num_samples={cfg.logger.num_samples} must be >= 0 (0 = none)")
+    _require(t.spike_threshold == 0 or t.spike_threshold > 1,
+             f"train.spike_threshold={t.spike_threshold} must be 0 (off) or a factor above 1 of the running mean loss "
+             "(e.g. 2.0): at or below 1 ordinary steps count as spikes, each rolling the run back")
+
+
 def check_run(cfg, world_size: int = 1) -> torch.device:
     """All checks of a training run (``world_size`` processes); returns the device to train on."""
     check_choices(cfg)
@@ -355,6 +373,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
+    check_operations(cfg)
     check_validation_split(d, t)
     _require(0.0 < o.eps < 1.0, f"objective.eps={o.eps} must be in (0, 1)")
     _require(0.0 <= o.random_length_prob <= 1.0, f"objective.random_length_prob={o.random_length_prob} must be in [0, 1]")

@@ -626,8 +626,7 @@ class Trainer:
         progress, loss = self._progress, record.loss
         if progress.loss_mean is not None and loss > self.cfg.train.spike_threshold * progress.loss_mean \
                 and self._roll_back():
-            progress.loss_mean = None
-            return True
+            return True  # the mean stays the pre-spike one: the first step after the roll-back is checked too
         progress.loss_mean = loss if progress.loss_mean is None else 0.9 * progress.loss_mean + 0.1 * loss
         return False
 
