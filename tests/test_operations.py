@@ -657,3 +657,17 @@ def test_next_steps_data_is_prepared_on_the_data_thread_and_equals_the_inline_ba
     assert batches[0].loss_index.numel() == int(batches[0].loss_mask.sum()) > 0
     trainer.train_step()  # consumes the prefetched step 1
     assert trainer.step == 2 and trainer._prefetched[0] == 2
+
+
+def test_time_limit_counts_from_the_process_start():
+    """A fault report: train.time_limit counted from the start of the training loop, so imports, the model build
+    and the data (which a SLURM job's time includes) were not counted and a run set to its job's length overran
+    it. The limit now counts from the process's start: a process 1.5 s old with a 1 s limit stops at once, one with
+    600 s does not."""
+    code = ("import time; time.sleep(1.5)\n"
+            "from difflm.training.preemption import StopRequest, process_age_s\n"
+            "age = process_age_s(); assert 1.4 < age < 60, age\n"
+            "print(StopRequest(1.0, elapsed_s=age).should_stop(), StopRequest(600.0, elapsed_s=age).should_stop())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"]

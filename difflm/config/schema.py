@@ -228,7 +228,7 @@ class TrainConfig:
     keep_last: int = 0  # keep this many most recent checkpoints (0 = keep all)
     keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this, for good
     checkpoint_checksums: bool = False  # SHA-256 of every checkpoint file in its manifest (sizes always)
-    time_limit: float = 0.0  # wall-clock seconds; save and exit (status 75) before it. 0 = none
+    time_limit: float = 0.0  # wall-clock seconds from the process's start; save and exit (status 75) before it. 0 = none
     step_timeout: float = 0.0  # seconds; a slower step dumps every thread's stack to run.dir and ends. 0 = off
     collective_timeout: int = 1800  # seconds before a stuck collective (NCCL/gloo) fails
     max_skipped_steps: int = 5  # consecutive non-finite steps (skipped) before the run saves and stops

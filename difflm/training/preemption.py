@@ -31,6 +31,19 @@ def exit_status(reason: str) -> int:
     return EXIT_INTERRUPTED if reason == signal.Signals.SIGINT.name else EXIT_REQUEUE
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: ``/proc/self/stat`` field 22, the start time in clock ticks after
+    boot, against ``/proc/uptime``; proc(5)); 0.0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 is fields[0]
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class StopRequest:
     """Collects SIGTERM/SIGUSR1 and a ``train.time_limit`` (seconds, 0 = none) into one flag.
 
@@ -40,9 +53,11 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, time_limit_s: float = 0.0, margin_s: float = 0.0):
+    def __init__(self, time_limit_s: float = 0.0, margin_s: float = 0.0, elapsed_s: float = 0.0):
+        """``elapsed_s``: time the limit has already run (the trainer passes :func:`process_age_s`, so imports, the
+        model build and the data count, as they do in a SLURM job's time)."""
         self.reason: Optional[str] = None
-        self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
+        self.deadline = time.monotonic() - elapsed_s + time_limit_s if time_limit_s > 0 else None
         self.margin_s = margin_s  # the loop raises it to ~2 steps so the save finishes inside the limit
         self._previous = {}
         for sig in self.SIGNALS:

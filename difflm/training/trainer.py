@@ -28,7 +28,7 @@ from difflm.training.optimizer import build_optimizer, skips_on_device, step_unl
 from difflm.training.precision import autocast_context
 from difflm.training.schedule import build_scheduler, restore_scheduler, short_run_warning
 from difflm.parallel import distributed as pdist
-from difflm.training.preemption import StopRequest
+from difflm.training.preemption import StopRequest, process_age_s
 from difflm.training.profiling import Profiler
 from difflm.training.run_config import record_run_config
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
@@ -485,7 +485,7 @@ class Trainer:
             wandb_id = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(cfg, resolve=True),
                                    wandb_id.read_text().strip() if wandb_id.exists() else None))
-        stop = StopRequest(t.time_limit)
+        stop = StopRequest(t.time_limit, elapsed_s=process_age_s())  # the limit counts from the process's start
         watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
         profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
         has_moe = bool(moe_layers(self.model_parts))
