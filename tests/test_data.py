@@ -362,10 +362,13 @@ def test_sampler_state():
     st = s.state_dict(5)
     assert st == {"consumed_samples": 40, "num_windows": 100, "seed": 1, "global_batch_size": 8}
     s.check_state(st)
-    for key, other in (("num_windows", GlobalBatchSampler(99, 8, 1)), ("seed", GlobalBatchSampler(100, 8, 2)),
-                       ("global_batch_size", GlobalBatchSampler(100, 16, 1))):
-        with pytest.raises(DifflmError, match=f"{key} changed since the checkpoint"):
+    # a resume with another data.seq_len was told "num_windows changed" without the setting behind it
+    for key, other, setting in (("num_windows", GlobalBatchSampler(99, 8, 1), "data.seq_len"),
+                                ("seed", GlobalBatchSampler(100, 8, 2), "train.seed"),
+                                ("global_batch_size", GlobalBatchSampler(100, 16, 1), "train.global_batch_size")):
+        with pytest.raises(DifflmError, match=f"{key} changed since the checkpoint") as err:
             other.check_state(st)
+        assert setting in str(err.value) and "start a new run.dir" in str(err.value)
     with pytest.raises(DifflmError):
         GlobalBatchSampler(0, 8, 1)
 

@@ -235,13 +235,26 @@ def check_sampler_args(num_windows: int, global_batch_size: int, seed: int) -> N
         raise DifflmError(f"seed={seed} must be >= 0 (it seeds numpy's PCG64)")
 
 
+# the settings behind each order input of a sampler's state: what a resume that changed it has to restore
+STATE_KEY_SETTINGS = {
+    "num_windows": "the training windows: data.path / data.blend, data.seq_len, data.valid_fraction, "
+                   "data.max_train_tokens, data.doc_separator or the tokenizer",
+    "seed": "train.seed",
+    "global_batch_size": "train.global_batch_size",
+    "blend": "data.blend (its sources, weights and their windows)",
+}
+
+
 def check_state_keys(sampler, mine: dict, state: dict) -> None:
-    """Raise DifflmError naming the first order input (not ``consumed_samples``) that differs from a checkpoint's."""
+    """Raise DifflmError naming the first order input (not ``consumed_samples``) that differs from a checkpoint's,
+    and the settings that make it (:data:`STATE_KEY_SETTINGS`)."""
     for key, value in mine.items():
         if key != "consumed_samples" and key in state and state[key] != value:
+            made_by = STATE_KEY_SETTINGS.get(key, "the data settings")
             raise DifflmError(
-                f"{key} changed since the checkpoint ({state[key]} -> {value}): the data or batch "
-                "changed since the checkpoint; restore the original data/batch/seed config or start a new run"
+                f"{key} changed since the checkpoint ({state[key]} -> {value}), set by {made_by}: the resumed run "
+                "would read other data in another order; restore those settings as the checkpoint's config.yaml has "
+                "them, or start a new run.dir"
             )
 
 
