@@ -142,3 +142,60 @@ def test_training_without_progress_bar_prints_a_line_every_log_every_steps(fast_
         fields = dict(f.split("=") for f in ln.split(": ", 1)[1].split())
         assert {"loss", "grad_norm", "lr", "tokens_per_s", "mem_gib"} <= set(fields), ln
         assert 0 < float(fields["loss"]) < 20
+
+
+def test_logger_mode_defaults_to_wandb_mode_and_an_explicit_mode_wins(monkeypatch):
+    """wandb.init(mode=...) beats $WANDB_MODE, so the config's default has to come from it."""
+    from conftest import compose_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert compose_run(["logger=wandb"]).logger.mode == "offline"
+    assert compose_run(["logger=wandb", "logger.mode=online"]).logger.mode == "online"
+    monkeypatch.delenv("WANDB_MODE")
+    assert compose_run(["logger=wandb"]).logger.mode == "online"
+
+
+def test_bad_wandb_mode_is_named(monkeypatch):
+    from conftest import compose_run
+    from difflm.config.validate import check_choices
+    from difflm.errors import DifflmError
+
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    with pytest.raises(DifflmError, match=r"logger.mode='dryrun' \(from WANDB_MODE\) is not one of"):
+        check_choices(compose_run(["logger=wandb"]), ["logger.mode"])
+
+
+def test_unreachable_wandb_server_is_one_line_with_the_offline_way(monkeypatch, tmp_path):
+    import wandb
+    from omegaconf import OmegaConf
+
+    from difflm.errors import DifflmError
+    from difflm.training.sinks import WandbSink
+
+    def init(**kwargs):
+        raise wandb.errors.CommError("Run initialization has timed out after 90.0 sec.\nPlease try again")
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # an API key: online stays online
+    monkeypatch.setattr(wandb, "init", init)
+    lg = OmegaConf.create({"project": "p", "entity": None, "mode": "online"})
+    with pytest.raises(DifflmError) as err:
+        WandbSink(lg, tmp_path, {}, None)
+    assert str(err.value) == ("logger.mode=online: W&B could not reach its server (Run initialization has timed out "
+                              "after 90.0 sec.): log offline with logger.mode=offline (or WANDB_MODE=offline) and "
+                              "`wandb sync` the run dir's wandb/ folder later, or use logger.mode=disabled")
+
+
+def test_missing_wandb_is_refused_before_the_model_is_built(monkeypatch, tmp_path):
+    from omegaconf import OmegaConf
+
+    from conftest import compose_run
+    from difflm.config.validate import check_run
+    from difflm.errors import DifflmError
+    from difflm.training.sinks import WandbSink
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(DifflmError, match=r"logger=wandb needs the wandb package.*pip install 'difflm\[wandb\]'"):
+        check_run(compose_run(["logger=wandb", "logger.mode=offline"]))
+    check_run(compose_run(["logger=wandb", "logger.mode=disabled"]))  # never imports wandb
+    with pytest.raises(DifflmError, match="pip install 'difflm"):
+        WandbSink(OmegaConf.create({"mode": "offline"}), tmp_path, {}, None)

@@ -8,6 +8,7 @@ the keys and the fix.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -58,7 +59,9 @@ def check_choices(cfg, keys=None) -> None:
     """Every enumerated key holds one of its allowed values."""
     for key in keys or CHOICES:
         value = _get(cfg, key)
-        _require(value in CHOICES[key], f"{key}={value!r} is not one of: {', '.join(CHOICES[key])}")
+        # logger.mode defaults to $WANDB_MODE (conf/logger/wandb.yaml): say where a bad value came from
+        source = " (from WANDB_MODE)" if key == "logger.mode" and os.environ.get("WANDB_MODE") == value else ""
+        _require(value in CHOICES[key], f"{key}={value!r}{source} is not one of: {', '.join(CHOICES[key])}")
 
 
 def check_model(m) -> None:
@@ -413,7 +416,17 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     check_objective_data(cfg)
     check_cuda_graphs(cfg, world_size, device)
     check_end_samples(cfg)
+    check_logger(cfg.logger)
     return device
+
+
+def check_logger(lg) -> None:
+    """``logger=wandb`` needs wandb importable: checked here so the run stops before the model is built, not in
+    ``fit()`` after it."""
+    if lg.name == "wandb" and lg.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        from difflm.training.sinks import WANDB_MISSING
+
+        raise DifflmError(WANDB_MISSING)
 
 
 def draws_samples(cfg) -> bool:

@@ -9,6 +9,11 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
+from difflm.errors import DifflmError
+
+WANDB_MISSING = ("logger=wandb needs the wandb package, which is not installed: pip install 'difflm[wandb]' "
+                 "(or pip install wandb), or use logger=console (metrics.jsonl; difflm-plot draws it)")
+
 
 class JsonlSink:
     """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line), with the run's
@@ -108,7 +113,15 @@ class WandbSink:
                  "mfu": "mean"}
 
     def __init__(self, cfg, run_dir: Path, config_dict: dict, resume_id: Optional[str]):
-        import wandb
+        """Start (or resume, ``resume_id``) the W&B run in ``run_dir``.
+
+        Raises:
+            DifflmError: wandb is not installed, or the W&B server could not be reached in online mode.
+        """
+        try:
+            import wandb
+        except ImportError as err:
+            raise DifflmError(WANDB_MISSING) from err
 
         mode = cfg.mode
         if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
@@ -116,8 +129,16 @@ class WandbSink:
                        "(run `wandb login`, then `wandb sync` the run dir's wandb/ folder)")
             mode = "offline"
         self.wandb = wandb
-        self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run_dir),
-                              config=config_dict, id=resume_id, resume="allow" if resume_id else None)
+        try:
+            self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run_dir),
+                                  config=config_dict, id=resume_id, resume="allow" if resume_id else None)
+        except wandb.errors.CommError as err:
+            # a server that cannot be reached (no network, firewall, timeout): one line with the offline way out
+            # instead of wandb's traceback
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DifflmError(f"logger.mode={mode}: W&B could not reach its server ({first}): log offline with "
+                              "logger.mode=offline (or WANDB_MODE=offline) and `wandb sync` the run dir's wandb/ "
+                              "folder later, or use logger.mode=disabled") from err
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         for key, summary in self.SUMMARIES.items():
