@@ -38,15 +38,26 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
 from omegaconf import OmegaConf
 
 from difflm.errors import DifflmError
+
+LM_EVAL_MISSING = ("difflm.eval_harness needs lm-eval (EleutherAI's lm-evaluation-harness), which is not installed: "
+                   "pip install 'difflm[eval]' (or pip install lm-eval); difflm-eval gives the validation NELBO "
+                   "without it")
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as _err:
+    if __name__ == "__main__":  # python -m difflm.eval_harness: one line, as the other entry points
+        print(f"difflm: error: {LM_EVAL_MISSING}", file=sys.stderr)
+        sys.exit(2)
+    raise DifflmError(LM_EVAL_MISSING) from _err
 from difflm.generate import forbidden_ids, generate_ids, load_run
 from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationConfigError, GenerationOptions
 from difflm.training.precision import autocast_context
@@ -68,6 +79,31 @@ def truncated_prompts_warning(cut: list[tuple[int, int, int]], total: int, max_l
             f"beside their gen.length new tokens ({share:.0%} of their tokens dropped; the worst lost {dropped} of "
             f"{prompt} tokens beside gen.length={length}): pass a smaller max_gen_toks (the task's generation_kwargs) "
             f"or a larger max_length in model_args")
+
+
+def truncated_loglikelihood_warning(cut: list[tuple[int, int, int, int]], total: int, max_length: int) -> str:
+    """The warning for ``loglikelihood`` requests cut from the left to fit ``max_length``.
+
+    Args:
+        cut: (context tokens dropped, context tokens, continuation tokens not scored, continuation tokens) of each
+            cut request.
+        total: the number of requests.
+        max_length: the positions a request's context and continuation share (the run's ``data.seq_len`` by
+            default).
+    """
+    contexts = [(d, n) for d, n, _, _ in cut if d]
+    conts = [(d, n) for _, _, d, n in cut if d]
+    parts = []
+    if contexts:
+        share = sum(d for d, _ in contexts) / sum(n for _, n in contexts)
+        worst = max(contexts)
+        parts.append(f"{len(contexts)} contexts lost {share:.0%} of their tokens, the worst {worst[0]} of {worst[1]}")
+    if conts:
+        worst = max(conts)
+        parts.append(f"{len(conts)} continuations are longer than max_length and only their last tokens are scored "
+                     f"(the worst: {worst[1] - worst[0]} of {worst[1]} tokens), so their log-likelihoods are too high")
+    return (f"loglikelihood: {len(cut)} of {total} requests were cut from the left to fit max_length={max_length} "
+            f"({'; '.join(parts)}): pass a larger max_length in model_args, or pick tasks with shorter contexts")
 
 
 GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
@@ -211,6 +247,13 @@ class DifflmHarnessLM(LM):
         logits[..., self.forbid] = float("-inf")
         return logits.argmax(dim=-1)
 
+    def _cut(self, ctx: list[int], cont: list[int]) -> tuple[int, int]:
+        """(context tokens dropped, continuation tokens not scored) by :meth:`_ar_score`/:meth:`_diffusion_score`'s
+        left truncation: an AR run sees ``max_length`` inputs and predicts the token after each, so one more
+        token fits beside the window than for diffusion; both score at most ``max_length`` continuation tokens."""
+        room = self.max_length + (1 if self.causal else 0)
+        return len(ctx) - min(len(ctx), max(0, room - len(cont))), max(0, len(cont) - self.max_length)
+
     def _ar_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
         """Exact sum of next-token log-probs of ``cont`` after ``ctx`` (left-truncated to ``max_length``)."""
         seq = (ctx + cont)[-(self.max_length + 1):]
@@ -237,20 +280,28 @@ class DifflmHarnessLM(LM):
     # ---- lm-eval API ---------------------------------------------------------------------------------------
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """(log p(continuation | context) or its LLaDA MC estimate, is_greedy) per ``(context, continuation)``."""
+        """(log p(continuation | context) or its LLaDA MC estimate, is_greedy) per ``(context, continuation)``.
+
+        A pair longer than ``max_length`` is cut from the left (the context first, then the continuation's start,
+        which is then not scored); one warning per call counts the cut requests."""
         if self.objective == "bd3lm":
             raise NotImplementedError("loglikelihood of objective=bd3lm runs needs the block-diffusion bound, "
                                       "which the lm-eval adapter does not implement: use difflm-eval")
-        out = []
+        out, cut = [], []
         for req in requests:
             context, continuation = req.args
             ctx, cont = self.encode_pair(context, continuation)
+            ctx_cut, cont_cut = self._cut(ctx, cont)
+            if ctx_cut or cont_cut:  # said once for the whole call, with counts (as generate_until does)
+                cut.append((ctx_cut, len(ctx), cont_cut, len(cont)))
             if not cont:
                 res = (0.0, True)
             else:
                 res = self._ar_score(ctx, cont) if self.causal else self._diffusion_score(ctx, cont)
             self.cache_hook.add_partial("loglikelihood", (context, continuation), res)
             out.append(res)
+        if cut:
+            eval_logger.warning(truncated_loglikelihood_warning(cut, len(out), self.max_length))
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

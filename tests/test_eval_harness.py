@@ -248,3 +248,51 @@ def test_generate_until_warns_when_prompts_are_cut(runs, caplog, monkeypatch):
                    f"gen.length new tokens ({share:.0%} of their tokens dropped; the worst "
                    f"lost {prompt - 1} of {prompt} tokens beside gen.length=16): pass a smaller max_gen_toks (the "
                    f"task's generation_kwargs) or a larger max_length in model_args"]
+
+
+@pytest.mark.parametrize("objective", ["ar", "mdlm"])
+def test_loglikelihood_warns_when_contexts_or_continuations_are_cut(runs, caplog, objective):
+    """Pairs longer than max_length were cut from the left silently, and a long continuation only partly scored."""
+    import logging
+
+    lm = DifflmHarnessLM(run_dir=runs[objective], device="cpu", max_length=8, mc_samples=2)
+    extra = 1 if objective == "ar" else 0  # an AR window predicts one token past its max_length inputs
+    long_ctx = ("ROMEO: O, she doth teach the torches to burn bright", " night.")
+    long_cont = ("ROMEO:", " O, she doth teach the torches to burn bright and more")
+    fits = ("A", " b")
+    (c1, k1), (c2, k2) = lm.encode_pair(*long_ctx), lm.encode_pair(*long_cont)
+    assert len(c1) + len(k1) > 8 + extra and len(k1) <= 8 and len(k2) > 8 and sum(map(len, lm.encode_pair(*fits))) <= 8
+    with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
+        lm.loglikelihood(ll_requests([fits]))
+    assert not [r for r in caplog.records if "were cut" in r.message]
+    with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
+        lm.loglikelihood(ll_requests([long_ctx, fits, long_cont]))
+    d1 = len(c1) + len(k1) - 8 - extra
+    share = (d1 + len(c2)) / (len(c1) + len(c2))  # the long continuation leaves no room for its context
+    msg = [r.message for r in caplog.records if "were cut" in r.message]
+    assert msg == [f"loglikelihood: 2 of 3 requests were cut from the left to fit max_length=8 (2 contexts lost "
+                   f"{share:.0%} of their tokens, the worst {max((d1, len(c1)), (len(c2), len(c2)))[0]} of "
+                   f"{max((d1, len(c1)), (len(c2), len(c2)))[1]}; 1 continuations are longer than max_length and "
+                   f"only their last tokens are scored (the worst: 8 of {len(k2)} tokens), so their log-likelihoods "
+                   f"are too high): pass a larger max_length in model_args, or pick tasks with shorter contexts"]
+
+
+def test_missing_lm_eval_names_the_extra(monkeypatch):
+    """Without lm-eval, importing the adapter (or python -m difflm.eval_harness) says which extra to install."""
+    import importlib
+    import subprocess
+    import sys
+
+    from difflm.errors import DifflmError
+
+    for name in [n for n in sys.modules if n == "lm_eval" or n.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.delitem(sys.modules, "difflm.eval_harness")
+    with pytest.raises(DifflmError, match=r"needs lm-eval .*pip install 'difflm\[eval\]'"):
+        importlib.import_module("difflm.eval_harness")
+    code = ("import sys, runpy; sys.modules['lm_eval'] = None; "
+            "runpy.run_module('difflm.eval_harness', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith("difflm: error: difflm.eval_harness needs lm-eval")
+    assert "Traceback" not in out.stderr
