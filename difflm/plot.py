@@ -6,6 +6,10 @@
     difflm-plot run.dir=sweeps/lr                                      # a multirun: every job -> sweeps/lr/curves.png
     difflm-plot run.dir='sweeps/lr/*' keys=loss,val_nelbo              # globs; pick the panels
 
+Keys: ``run.dir=DIR`` (repeatable; a glob, or a multirun directory standing for its jobs, labelled by the
+overrides that differ between them), ``out=PNG`` (default: ``curves.png`` in the run or the multirun directory),
+``keys=loss,val_nelbo,lr,tokens_per_s`` (the panels: any keys of metrics.jsonl).
+
 Arguments are ``key=value`` words like the other entry points, but ``run.dir`` may repeat, so this is a small
 parser rather than a Hydra app. Needs matplotlib (``pip install 'difflm[plot]'``).
 """
@@ -36,6 +40,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
         DifflmError: the file is missing or a line is not JSON.
     """
     path = Path(run_dir) / "metrics.jsonl"
+    if not Path(run_dir).exists():
+        raise DifflmError(f"run.dir={str(run_dir)!r} does not exist: point run.dir at a difflm-train output directory "
+                          "(or a multirun directory holding several)")
     if not path.is_file():
         raise DifflmError(f"run.dir={str(run_dir)!r} has no metrics.jsonl: point run.dir at a difflm-train output "
                           "directory (or a multirun directory holding several)")
@@ -64,6 +71,9 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise DifflmError(f"run.dir={pattern!r} matches nothing")
+        if not Path(matches[0]).exists():  # a plain path (a glob only matches what exists)
+            raise DifflmError(f"run.dir={pattern!r} does not exist: point run.dir at a difflm-train output directory "
+                              "(or a multirun directory holding several)")
         for match in map(Path, matches):
             jobs = sorted((p for p in match.iterdir() if (p / "metrics.jsonl").is_file()),
                           key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)) \
@@ -82,8 +92,33 @@ def default_out(patterns: list[str], dirs: list[Path]) -> Path:
     return Path("curves.png")
 
 
+def _override_labels(dirs: list[Path]) -> Optional[list[str]]:
+    """Labels from the Hydra overrides that differ between the runs (``optim.lr=0.001,train.seed=2``), read from
+    each run's ``.hydra/overrides.yaml`` (a multirun's jobs are named 0, 1, ..., which says nothing); None when a
+    run has no such file or the differing overrides do not tell the runs apart."""
+    import yaml
+
+    overrides = []
+    for d in dirs:
+        path = Path(d) / ".hydra" / "overrides.yaml"
+        if not path.is_file():
+            return None
+        try:
+            items = yaml.safe_load(path.read_text(encoding="utf-8")) or []
+        except yaml.YAMLError:
+            return None
+        overrides.append({str(o).partition("=")[0]: str(o) for o in items})
+    keys = sorted({k for o in overrides for k in o})
+    differing = [k for k in keys if len({o.get(k) for o in overrides}) > 1]
+    labels = [",".join(o[k] for k in differing if k in o) for o in overrides]
+    return labels if differing and all(labels) and len(set(labels)) == len(labels) else None
+
+
 def _labels(dirs: list[Path]) -> list[str]:
-    """The shortest trailing parts of the paths that tell the runs apart."""
+    """The overrides that differ between the runs (Hydra's ``.hydra/overrides.yaml``), else the shortest trailing
+    parts of the paths that tell the runs apart."""
+    if len(dirs) > 1 and (labels := _override_labels(dirs)):
+        return labels
     parts = [Path(d).resolve().parts for d in dirs]
     for n in range(1, max(len(p) for p in parts) + 1):
         labels = ["/".join(p[-n:]) for p in parts]
@@ -134,6 +169,10 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
                           "end out with one of them (e.g. curves.png)")
     out = writable_output("out", out)
     runs = [(label, read_metrics(d)) for label, d in zip(_labels(run_dirs), run_dirs)]
+    for (label, rows), d in zip(runs, run_dirs):
+        if not rows and len(runs) > 1:  # its lines are simply absent from every panel: say why
+            print(f"difflm-plot: note: {Path(d) / 'metrics.jsonl'} is empty (the run logged no step): {label} is not "
+                  "drawn", file=sys.stderr)
     if not any(row.get(k) is not None for _, rows in runs for row in rows for k in keys):
         raise DifflmError(f"no run logged any of keys={','.join(keys)}: check the key names in metrics.jsonl")
     cols = min(2, len(keys))
@@ -187,7 +226,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, tuple[str, ...]
 @exits_cleanly
 def main(argv: list[str] | None = None) -> None:
     """Entry point: parse, plot, print the PNG's path."""
-    patterns, out, keys = parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):  # like the Hydra entry points: help on stdout, status 0
+        print((__doc__ or "").replace("``", "`").strip())
+        return
+    patterns, out, keys = parse_args(args)
     dirs = expand_run_dirs(patterns)
     if out is None:
         out = default_out(patterns, dirs)

@@ -119,3 +119,35 @@ def test_a_run_resumed_with_another_objective_gets_one_line_per_objective(tmp_pa
     assert [line.get_label() for line in lines] == ["switched (mdlm)", "switched (ar)", "plain"]
     assert list(lines[0].get_xdata()) == [0, 2, 4, 6, 8] and list(lines[1].get_xdata()) == [10, 12, 14, 16, 18]
     assert list(lines[1].get_ydata()) == [4.0 - s / 10 for s in range(10, 20, 2)]  # step 10 from the resumed branch
+
+
+def test_help_prints_usage_and_exits_0(capsys):
+    from difflm.plot import main
+
+    main(["--help"])  # used to exit 2 with "'--help': arguments are key=value"
+    out = capsys.readouterr().out
+    assert out.startswith("`difflm-plot` (also `python -m difflm.plot`)") and "keys=loss,val_nelbo" in out
+
+
+def test_missing_run_dir_says_it_does_not_exist(tmp_path):
+    missing = tmp_path / "nonexist"
+    with pytest.raises(DifflmError, match=r"^run.dir='.*nonexist' does not exist: point run.dir at"):
+        expand_run_dirs([str(missing)])
+    with pytest.raises(DifflmError, match=r"^run.dir='.*nonexist' does not exist"):
+        read_metrics(missing)
+
+
+def test_multirun_legend_names_the_swept_values_and_an_empty_run_is_noted(tmp_path, capsys):
+    for job, (lr, slope) in enumerate([("0.001", 0.1), ("0.003", 0.2)]):
+        _write_run(tmp_path / "sweep" / str(job), slope)
+        (tmp_path / "sweep" / str(job) / ".hydra").mkdir()
+        (tmp_path / "sweep" / str(job) / ".hydra" / "overrides.yaml").write_text(
+            f"- model=tiny\n- optim.lr={lr}\n- run.dir=sweep\n")
+    fig = plot_runs(expand_run_dirs([str(tmp_path / "sweep")]), tmp_path / "s.png", keys=("loss",))
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["optim.lr=0.001", "optim.lr=0.003"]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    fig = plot_runs([tmp_path / "sweep" / "0", tmp_path / "empty"], tmp_path / "e.png", keys=("loss",))
+    assert len(fig.axes[0].get_lines()) == 1
+    assert capsys.readouterr().err == (f"difflm-plot: note: {tmp_path / 'empty' / 'metrics.jsonl'} is empty (the run "
+                                       "logged no step): empty is not drawn\n")
