@@ -97,10 +97,13 @@ def truncated_loglikelihood_warning(cut: list[tuple[int, int, int, int]], total:
     if contexts:
         share = sum(d for d, _ in contexts) / sum(n for _, n in contexts)
         worst = max(contexts)
-        parts.append(f"{len(contexts)} contexts lost {share:.0%} of their tokens, the worst {worst[0]} of {worst[1]}")
+        parts.append(f"{len(contexts)} context{'s' if len(contexts) > 1 else ''} lost {share:.0%} of their tokens, "
+                     f"the worst {worst[0]} of {worst[1]}")
     if conts:
         worst = max(conts)
-        parts.append(f"{len(conts)} continuations are longer than max_length and only their last tokens are scored "
+        many = len(conts) > 1
+        parts.append(f"{len(conts)} continuation{'s are' if many else ' is'} longer than max_length and only the last "
+                     f"tokens are scored "
                      f"(the worst: {worst[1] - worst[0]} of {worst[1]} tokens), so their log-likelihoods are too high")
     return (f"loglikelihood: {len(cut)} of {total} requests were cut from the left to fit max_length={max_length} "
             f"({'; '.join(parts)}): pass a larger max_length in model_args, or pick tasks with shorter contexts")

@@ -272,8 +272,8 @@ def test_loglikelihood_warns_when_contexts_or_continuations_are_cut(runs, caplog
     msg = [r.message for r in caplog.records if "were cut" in r.message]
     assert msg == [f"loglikelihood: 2 of 3 requests were cut from the left to fit max_length=8 (2 contexts lost "
                    f"{share:.0%} of their tokens, the worst {max((d1, len(c1)), (len(c2), len(c2)))[0]} of "
-                   f"{max((d1, len(c1)), (len(c2), len(c2)))[1]}; 1 continuations are longer than max_length and "
-                   f"only their last tokens are scored (the worst: 8 of {len(k2)} tokens), so their log-likelihoods "
+                   f"{max((d1, len(c1)), (len(c2), len(c2)))[1]}; 1 continuation is longer than max_length and "
+                   f"only the last tokens are scored (the worst: 8 of {len(k2)} tokens), so their log-likelihoods "
                    f"are too high): pass a larger max_length in model_args, or pick tasks with shorter contexts"]
 
 
