@@ -301,15 +301,75 @@ def test_export_never_replaces_the_run_or_a_folder_that_is_not_an_export(trained
         export_run(run, notes / "todo.txt")
 
 
+def _old_run_records(run: Path) -> None:
+    """What an earlier run leaves in run.dir besides checkpoints (a fresh run would pick each of these up)."""
+    (run / "metrics.jsonl").write_text('{"step": 12, "loss": 3.0}\n')
+    (run / "samples.txt").write_text("old samples\n")
+    (run / "wandb_id.txt").write_text("oldrun42")  # a logger=wandb run would log into this W&B run again
+    (run / "config.yaml").write_text("old: config\n")
+    (run / "config.step_5.yaml").write_text("older: config\n")
+    (run / "wandb" / "offline-run-x").mkdir(parents=True)
+    (run / "wandb" / "offline-run-x" / "run-x.wandb").write_text("w&b log")
+    (run / "data_cache").mkdir(exist_ok=True)
+    (run / "data_cache" / "corpus.bin").write_text("tokens")  # keyed by content and tokenizer: kept
+
+
 def test_import_overwrite_starts_a_clean_record(tmp_path):
+    """overwrite=true removed only metrics.jsonl and samples.txt: wandb_id.txt sent the next logger=wandb run
+    into the old W&B run, and config.step_*.yaml / wandb/ stayed. Every record goes; the data cache stays."""
     src = make_hf(tmp_path, "llama", 50280, False)
     run = tmp_path / "run"
     import_hf(str(src), run)
-    (run / "metrics.jsonl").write_text('{"step": 12, "loss": 3.0}\n')  # an earlier run's records
-    (run / "samples.txt").write_text("old samples\n")
+    (run / "checkpoints" / "step_7").mkdir()  # the earlier run trained on
+    _old_run_records(run)
     import_hf(str(src), run, overwrite=True)
-    assert not (run / "metrics.jsonl").exists() and not (run / "samples.txt").exists()
+    left = sorted(p.name for p in run.iterdir())
+    assert left == [".difflm.lock", "checkpoints", "config.yaml", "data_cache", "tokenizer"], left
+    assert (run / "data_cache" / "corpus.bin").read_text() == "tokens"
+    assert "old: config" not in (run / "config.yaml").read_text() and "imported" in (run / "config.yaml").read_text()
     assert [s for s, _ in list_checkpoints(run)] == [0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0"]
+
+
+def test_import_into_a_run_dir_without_checkpoints_moves_old_records_aside(tmp_path, capsys):
+    """No checkpoint: nothing to overwrite was asked for, so an earlier run's records are kept, moved aside."""
+    src = make_hf(tmp_path, "llama", 50280, False)
+    run = tmp_path / "run"
+    run.mkdir()
+    _old_run_records(run)
+    import_hf(str(src), run)
+    (kept,) = (run / "previous").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", kept.name)
+    assert sorted(p.name for p in kept.iterdir()) == ["config.step_5.yaml", "config.yaml", "metrics.jsonl",
+                                                      "samples.txt", "wandb", "wandb_id.txt"]
+    assert (kept / "wandb_id.txt").read_text() == "oldrun42" and (kept / "config.yaml").read_text() == "old: config\n"
+    assert not (run / "wandb_id.txt").exists() and not (run / "metrics.jsonl").exists()
+    assert f"moved them to {kept}" in capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(run)] == [0]
+
+
+def test_import_overwrite_of_a_run_dir_in_use_is_refused_and_deletes_nothing(tmp_path):
+    """overwrite=true deleted the checkpoints of a training run that was still running (then crashed on rmtree's
+    'Directory not empty'). The import takes run.dir's lock as difflm-train does: a live run refuses it in one line."""
+    from difflm.training.run_dir import claim_run_dir, release_run_dir
+
+    src = make_hf(tmp_path, "llama", 50280, False)
+    run = tmp_path / "run"
+    import_hf(str(src), run)
+    _old_run_records(run)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".difflm.lock"}
+    held = claim_run_dir(run)  # as the live trainer holds it
+    try:
+        with pytest.raises(DifflmError) as err:
+            import_hf(str(src), run, overwrite=True)
+    finally:
+        release_run_dir(held)
+    assert str(err.value) == (f"run.dir='{run.resolve()}' is in use by another run (pid {os.getpid()} on "
+                              f"{os.uname().nodename}): wait for it to end, or choose another run.dir")
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".difflm.lock"}
+    assert after == before
+    import_hf(str(src), run, overwrite=True)  # once the run has ended
+    assert [s for s, _ in list_checkpoints(run)] == [0] and not (run / "metrics.jsonl").exists()
 
 
 def test_import_errors_name_the_problem(tmp_path, monkeypatch):

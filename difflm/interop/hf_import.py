@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -48,7 +47,7 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import list_checkpoints, save_checkpoint
+from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
 from difflm.cli import exits_cleanly
 from difflm.config import CONF_DIR
 from difflm.config.validate import check_model
@@ -56,6 +55,7 @@ from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
 from difflm.model import build_model
+from difflm.training.run_dir import claim_run_dir, release_run_dir, remove_path, run_records, set_aside_run_records
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "difflm")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
@@ -292,16 +292,17 @@ def train_overrides(cfg) -> list[str]:
             + [f"model.{k}={_override_value(m[k])}" for k in MODEL_KEYS] + gen + [f"run.dir={cfg.run.dir}"])
 
 
-REPLACED_RUN_RECORDS = ("metrics.jsonl", "samples.txt")  # removed with the checkpoints by overwrite=true
-
-
 def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shift_logits: bool = False,
               vocab_multiple: int = 128, mask_token: str = DEFAULT_MASK_TOKEN, revision: Optional[str] = None,
               overwrite: bool = False):
     """Convert ``hf`` into the difflm run directory ``run_dir`` (module docstring). Returns the composed config.
 
+    ``overwrite=true`` replaces an earlier run's checkpoints and every record a new run would pick up
+    (:data:`difflm.training.run_dir.RUN_RECORDS`); without checkpoints such records are moved to ``previous/``.
+    ``run_dir`` is held (``.difflm.lock``, :func:`difflm.training.run_dir.claim_run_dir`) while it is changed.
+
     Raises: DifflmError for a missing source/file, an unsupported architecture, a run dir that already holds
-    checkpoints (without ``overwrite``), or a bad ``objective``.
+    checkpoints (without ``overwrite``), a run dir in use by a running difflm-train, or a bad ``objective``.
     """
     run_dir = Path(run_dir).expanduser().resolve()
     if list_checkpoints(run_dir) and not overwrite:
@@ -323,13 +324,39 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
         raise DifflmError(f"hf={hf!r} has no tokenizer: {missing}; save it there with tokenizer.save_pretrained")
     weights = read_hf_weights(src, hf)
 
+    # Hold run.dir as difflm-train does (one run per run.dir): a training run still writing there is never
+    # deleted from under it, and no trainer starts on a half-written import. The kernel drops the lock if we die.
+    lock = claim_run_dir(run_dir)
+    try:
+        return _write_run(run_dir, hf, src, hf_cfg, dims, run_settings, weights, objective, vocab_multiple,
+                          mask_token, overwrite)
+    finally:
+        release_run_dir(lock)
+
+
+def _clear_earlier_run(run_dir: Path, overwrite: bool) -> None:
+    """Make ``run_dir`` (held) ready for an import: with checkpoints (``overwrite=true``) the earlier run is
+    replaced, checkpoints and every record a new run would pick up (:data:`RUN_RECORDS`: metrics, samples, the W&B
+    id, configs) removed; without checkpoints such records are moved aside (nothing to overwrite was asked for)."""
+    if list_checkpoints(run_dir):
+        if not overwrite:  # a run saved its first checkpoint since the check at the start
+            raise DifflmError(f"run.dir={str(run_dir)!r} already holds checkpoints: choose a new run.dir or pass "
+                              "overwrite=true")
+        what = f"run.dir={str(run_dir)!r} (overwrite=true)"
+        for path in [checkpoints_root(run_dir)] + run_records(run_dir):
+            remove_path(path, what)
+    elif (kept := set_aside_run_records(run_dir)) is not None:
+        print(f"difflm: run.dir={run_dir} held records of an earlier run without a checkpoint: moved them to {kept}",
+              flush=True)
+
+
+def _write_run(run_dir, hf, src, hf_cfg, dims, run_settings, weights, objective, vocab_multiple, mask_token,
+               overwrite):
+    """The import's writes into the held ``run_dir`` (:func:`import_hf`). Returns the composed config."""
+    _clear_earlier_run(run_dir, overwrite)
     # tokenizer with a mask token, saved in the run dir; difflm derives mask id and padded vocab from it
     from transformers import AutoTokenizer
 
-    if overwrite and list_checkpoints(run_dir):
-        shutil.rmtree(run_dir / "checkpoints")
-        for record in REPLACED_RUN_RECORDS:  # the old run's curves and samples would mix with the new run's
-            (run_dir / record).unlink(missing_ok=True)
     tok_dir = run_dir / "tokenizer"
     from transformers.utils import logging as hf_logging
 

@@ -18,7 +18,9 @@ import fcntl
 import functools
 import os
 import secrets
+import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any, IO, Optional
 
@@ -28,6 +30,14 @@ from hydra.types import RunMode
 from difflm.errors import DifflmError
 
 LOCK_FILE = ".difflm.lock"
+
+# What a run leaves in run.dir that a later run there would pick up as its own: metrics.jsonl is appended to,
+# wandb_id.txt resumes that W&B run, config*.yaml describe settings the new run never had. Inputs and caches stay:
+# tokenizer/ (difflm-import's), data_cache/ (keyed by source content and tokenizer), and this invocation's
+# .hydra/ and train.log (Hydra has written them before the trainer starts).
+RUN_RECORDS = ("metrics.jsonl", "samples.txt", "wandb_id.txt", "wandb", "config.yaml", "config.step_*.yaml",
+               "profile", "hang_rank*.txt")
+PREVIOUS_DIR = "previous"
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +103,59 @@ def release_run_dir(handle: Optional[IO[str]]) -> None:
     if handle is not None and not handle.closed:
         fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
         handle.close()
+
+
+def run_records(run_dir: str | Path) -> list[Path]:
+    """The records of an earlier run in ``run_dir`` (:data:`RUN_RECORDS`), sorted; [] for none."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        return []
+    return sorted({p for pattern in RUN_RECORDS for p in path.glob(pattern)})
+
+
+def set_aside_run_records(run_dir: str | Path) -> Optional[Path]:
+    """Move the records of an earlier run (:func:`run_records`) into ``run_dir/previous/<YYYYmmdd-HHMMSS>/`` (a
+    ``-<k>`` suffix when taken), so a run that starts afresh there writes its own metrics, config and W&B run.
+    Nothing is deleted. Call it only while holding ``run_dir`` (:func:`claim_run_dir`; under torchrun: global rank
+    0). Returns the folder, or None when there was nothing to move.
+
+    Raises: DifflmError naming ``run.dir`` when a record cannot be moved (with the OS's reason).
+    """
+    records = run_records(run_dir)
+    if not records:
+        return None
+    base = Path(run_dir) / PREVIOUS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    dest, k = base, 1
+    while dest.exists():  # two fresh starts in one second: never merge into (or replace) an earlier folder
+        dest, k = base.with_name(f"{base.name}-{k}"), k + 1
+    try:
+        dest.mkdir(parents=True)
+        for record in records:
+            os.replace(record, dest / record.name)  # same file system: a rename, atomic per record
+    except OSError as exc:
+        raise DifflmError(f"run.dir={str(run_dir)!r}: cannot move the earlier run's records into {dest} "
+                          f"({exc.strerror or exc}): move them away yourself or choose another run.dir") from None
+    return dest
+
+
+def remove_path(path: Path, what: str) -> None:
+    """Delete the file or directory ``path`` (no error if absent). A directory is first renamed to a hidden
+    ``.<name>.removing-<pid>`` next to it, so nothing sees it half deleted under its own name, then removed.
+
+    Raises: DifflmError naming ``what`` and ``path`` when it cannot be removed (with the OS's reason).
+    """
+    try:
+        if not path.is_dir() or path.is_symlink():
+            path.unlink(missing_ok=True)
+            return
+        doomed = path.with_name(f".{path.name}.removing-{os.getpid()}")
+        if doomed.exists():  # left by an earlier removal that failed part way
+            shutil.rmtree(doomed)
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    except OSError as exc:
+        raise DifflmError(f"{what}: cannot remove {path} ({exc.strerror or exc}): check its permissions, or remove "
+                          "it yourself and rerun") from None
 
 
 def _global_rank() -> int:
