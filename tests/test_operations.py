@@ -671,3 +671,28 @@ def test_time_limit_counts_from_the_process_start():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_reused_run_dir_without_checkpoint_moves_the_earlier_records_aside(fast_cfg, capsys):
+    """A run that saved no checkpoint (train.save_every=0) left metrics.jsonl, config.yaml and wandb_id.txt; a new
+    run on the same run.dir with another model appended to those metrics and reused the W&B id. Now the new run
+    moves them into run.dir/previous/<time>/ (nothing lost), says where, and starts a clean record."""
+    first = fast_cfg("train.max_steps=2", "train.save_every=0", "train.eval_every=0", "logger.log_every=1")
+    Trainer(first, first.run.dir, CPU).fit()
+    run_dir = Path(first.run.dir)
+    assert list_checkpoints(run_dir) == []
+    (run_dir / "wandb_id.txt").write_text("oldrun42")  # as a logger=wandb run leaves it
+    old_metrics, old_config = (run_dir / "metrics.jsonl").read_text(), (run_dir / "config.yaml").read_text()
+    assert [json.loads(line)["step"] for line in old_metrics.splitlines()] == [1, 2]
+    capsys.readouterr()
+    second = fast_cfg("train.max_steps=3", "train.save_every=0", "train.eval_every=0", "logger.log_every=1",
+                      "model.num_layers=1")
+    Trainer(second, second.run.dir, CPU).fit()
+    (kept,) = (run_dir / "previous").iterdir()
+    assert f"has no checkpoint to resume from but holds an earlier run's records: moved them to {kept}" \
+        in capsys.readouterr().out
+    assert (kept / "metrics.jsonl").read_text() == old_metrics and (kept / "config.yaml").read_text() == old_config
+    assert (kept / "wandb_id.txt").read_text() == "oldrun42" and not (run_dir / "wandb_id.txt").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the new run's alone
+    assert "num_layers: 1" in (run_dir / "config.yaml").read_text()

@@ -31,6 +31,7 @@ from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest, process_age_s
 from difflm.training.profiling import Profiler
 from difflm.training.run_config import record_run_config
+from difflm.training.run_dir import set_aside_run_records
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 from difflm.training.watchdog import StepWatchdog
 from difflm.errors import DifflmError
@@ -184,6 +185,13 @@ class Trainer:
                 self._report(f"removed {name}: a checkpoint save that never finished")
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is None:
+            # Nothing to resume: a run that saved no checkpoint (train.save_every=0, a crash before the first save)
+            # may have left its records; this run starts afresh, so it must not append to that run's metrics or
+            # log into its W&B run. Rank 0 moves them (it holds run.dir) while the other ranks wait.
+            if self.is_rank0 and (kept := set_aside_run_records(self.run_dir)) is not None:
+                self._report(f"difflm: run.dir={self.run_dir} has no checkpoint to resume from but holds an earlier "
+                             f"run's records: moved them to {kept}; this run starts afresh")
+            pdist.barrier()  # before any other rank writes into run.dir (profile/, hang_rank<r>.txt)
             return
         if found[0] > self.cfg.train.max_steps:
             raise DifflmError(f"train.max_steps={self.cfg.train.max_steps} is below the step of the checkpoint this "
