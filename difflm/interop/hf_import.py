@@ -55,7 +55,7 @@ from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
 from difflm.model import build_model
-from difflm.training.run_dir import claim_run_dir, release_run_dir, remove_path, run_records, set_aside_run_records
+from difflm.training.run_dir import held_run_dir, remove_path, run_records, set_aside_run_records
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "difflm")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
@@ -326,12 +326,73 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
 
     # Hold run.dir as difflm-train does (one run per run.dir): a training run still writing there is never
     # deleted from under it, and no trainer starts on a half-written import. The kernel drops the lock if we die.
-    lock = claim_run_dir(run_dir)
-    try:
-        return _write_run(run_dir, hf, src, hf_cfg, dims, run_settings, weights, objective, vocab_multiple,
-                          mask_token, overwrite)
-    finally:
-        release_run_dir(lock)
+    with held_run_dir(run_dir):
+        _clear_earlier_run(run_dir, overwrite)
+        # tokenizer with a mask token, saved in the run dir; difflm derives mask id and padded vocab from it
+        from transformers import AutoTokenizer
+
+        tok_dir = run_dir / "tokenizer"
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # a difflm export's config.json makes AutoTokenizer warn about its model_type
+        try:
+            hf_tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True, trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - one line naming the source
+            reason = " ".join(str(e).split())[:200]
+            raise DifflmError(f"hf={hf!r}: the tokenizer in {src} could not be loaded ({reason}): save it there with "
+                              "tokenizer.save_pretrained") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        real_tokens = len(hf_tok)
+        added_mask = hf_tok.mask_token_id is None
+        if added_mask:
+            hf_tok.add_special_tokens({"mask_token": mask_token})
+            if hf_tok.mask_token_id != real_tokens:
+                raise DifflmError(f"mask_token={mask_token!r} is already token {hf_tok.mask_token_id}: choose another "
+                                  "mask_token")
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        hf_tok.save_pretrained(str(tok_dir))
+        tok = build_tokenizer(str(tok_dir), vocab_multiple)
+
+        cfg = compose_train([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
+        for key, value in dims.items():
+            cfg.model[key] = value
+        cfg.model.name, cfg.model.vocab_multiple = "imported", vocab_multiple
+        cfg.model.vocab_size = tok.padded_vocab_size
+        for key, value in run_settings.items():  # a difflm export's training window and sampler settings
+            OmegaConf.update(cfg, key, value, merge=False)
+        check_model(cfg.model)
+
+        if hf_cfg.get("model_type") == "difflm":
+            state = {k: v.float() for k, v in weights.items() if not k.endswith("_extra_state")}
+        else:
+            state = convert_llama_state(weights, dims)
+        reinit = [tok.mask_id] if added_mask and tok.mask_id < state["embedding.weight"].shape[0] else []
+        for name in ("embedding.weight", "output.weight"):
+            if name in state:
+                state[name] = resize_vocab(state[name], tok.padded_vocab_size, real_tokens, reinit)
+
+        model = build_model(cfg.model, causal=objective == "ar", device=torch.device("cpu"), seed=cfg.train.seed)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            reason = " ".join(str(e).split())[:300]
+            raise DifflmError(f"hf={hf!r} does not convert to difflm's model ({reason})") from None
+        torch.manual_seed(cfg.train.seed)
+        trainer_state = {
+            "step": 0,
+            # the position of a fresh schedule (difflm.training.schedule.restore_scheduler)
+            "scheduler": {"last_epoch": 0},
+            "scaler": {},                      # falsy: the trainer keeps its fresh GradScaler
+            "sampler": {},                     # no keys to check: any data/batch may continue from step 0
+            "torch_rng": torch.get_rng_state(),  # that of a fresh run with train.seed
+            "imported_from": str(hf),
+        }
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        save_checkpoint(run_dir, 0, model, None, trainer_state, config=text)
+        (run_dir / "config.yaml").write_text(text)
+        return cfg
 
 
 def _clear_earlier_run(run_dir: Path, overwrite: bool) -> None:
@@ -348,73 +409,6 @@ def _clear_earlier_run(run_dir: Path, overwrite: bool) -> None:
     elif (kept := set_aside_run_records(run_dir)) is not None:
         print(f"difflm: run.dir={run_dir} held records of an earlier run without a checkpoint: moved them to {kept}",
               flush=True)
-
-
-def _write_run(run_dir, hf, src, hf_cfg, dims, run_settings, weights, objective, vocab_multiple, mask_token,
-               overwrite):
-    """The import's writes into the held ``run_dir`` (:func:`import_hf`). Returns the composed config."""
-    _clear_earlier_run(run_dir, overwrite)
-    # tokenizer with a mask token, saved in the run dir; difflm derives mask id and padded vocab from it
-    from transformers import AutoTokenizer
-
-    tok_dir = run_dir / "tokenizer"
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a difflm export's config.json makes AutoTokenizer warn about its model_type
-    try:
-        hf_tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - one line naming the source
-        raise DifflmError(f"hf={hf!r}: the tokenizer in {src} could not be loaded "
-                          f"({' '.join(str(e).split())[:200]}): save it there with tokenizer.save_pretrained") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    real_tokens = len(hf_tok)
-    added_mask = hf_tok.mask_token_id is None
-    if added_mask:
-        hf_tok.add_special_tokens({"mask_token": mask_token})
-        if hf_tok.mask_token_id != real_tokens:
-            raise DifflmError(f"mask_token={mask_token!r} is already token {hf_tok.mask_token_id}: choose another "
-                              "mask_token")
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    hf_tok.save_pretrained(str(tok_dir))
-    tok = build_tokenizer(str(tok_dir), vocab_multiple)
-
-    cfg = compose_train([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
-    for key, value in dims.items():
-        cfg.model[key] = value
-    cfg.model.name, cfg.model.vocab_multiple, cfg.model.vocab_size = "imported", vocab_multiple, tok.padded_vocab_size
-    for key, value in run_settings.items():  # a difflm export's training window and sampler settings
-        OmegaConf.update(cfg, key, value, merge=False)
-    check_model(cfg.model)
-
-    if hf_cfg.get("model_type") == "difflm":
-        state = {k: v.float() for k, v in weights.items() if not k.endswith("_extra_state")}
-    else:
-        state = convert_llama_state(weights, dims)
-    reinit = [tok.mask_id] if added_mask and tok.mask_id < state["embedding.weight"].shape[0] else []
-    for name in ("embedding.weight", "output.weight"):
-        if name in state:
-            state[name] = resize_vocab(state[name], tok.padded_vocab_size, real_tokens, reinit)
-
-    model = build_model(cfg.model, causal=objective == "ar", device=torch.device("cpu"), seed=cfg.train.seed)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise DifflmError(f"hf={hf!r} does not convert to difflm's model ({' '.join(str(e).split())[:300]})") from None
-    torch.manual_seed(cfg.train.seed)
-    trainer_state = {
-        "step": 0,
-        "scheduler": {"last_epoch": 0},    # the position of a fresh schedule (difflm.training.schedule.restore_scheduler)
-        "scaler": {},                      # falsy: the trainer keeps its fresh GradScaler
-        "sampler": {},                     # no keys to check: any data/batch may continue from step 0
-        "torch_rng": torch.get_rng_state(),  # that of a fresh run with train.seed
-        "imported_from": str(hf),
-    }
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    save_checkpoint(run_dir, 0, model, None, trainer_state, config=text)
-    (run_dir / "config.yaml").write_text(text)
-    return cfg
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="import")

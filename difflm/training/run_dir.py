@@ -13,6 +13,7 @@ take rank 0's ``run.dir``; when rank 0 stops, the launcher ends them).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -103,6 +104,17 @@ def release_run_dir(handle: Optional[IO[str]]) -> None:
     if handle is not None and not handle.closed:
         fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
         handle.close()
+
+
+@contextlib.contextmanager
+def held_run_dir(run_dir: str | Path):
+    """``with held_run_dir(d):`` holds ``d``'s lock (:func:`claim_run_dir`) for the block and releases it after,
+    also when the block raises (difflm-import's writes)."""
+    handle = claim_run_dir(run_dir)
+    try:
+        yield handle
+    finally:
+        release_run_dir(handle)
 
 
 def run_records(run_dir: str | Path) -> list[Path]:
