@@ -59,7 +59,6 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     return opts
 
 
-@torch.no_grad()
 def pad_to_multiple(x: torch.Tensor, multiple: int, causal: bool, kw: dict) -> tuple[torch.Tensor, dict]:
     """``x`` [B, S] int64 right-padded to a multiple of ``multiple`` tokens, and the model keywords that keep the
     real positions' logits exact: a :class:`difflm.model.masks.DocumentMask` in which the real tokens are one
@@ -100,6 +99,7 @@ def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, m
                       "parallel.sequence_parallel=false")
 
 
+@torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
                  stats: dict | None = None, seq_multiple: int = 1) -> torch.Tensor:
