@@ -128,6 +128,7 @@ class Trainer:
         self.step = 0
         self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
         self.skipped_steps = 0  # non-finite steps skipped so far (all time)
+        self._told_no_samples = False  # the console said once that this layout draws no samples
         self.resumed_from: Optional[int] = None
         self.resumed_checkpoint: Optional[Path] = None
         self.stop_reason: Optional[str] = None
@@ -710,7 +711,7 @@ class Trainer:
     def _emit_samples(self, sinks, num: int) -> None:
         reason = self.sampling_unavailable_reason()
         if reason is not None:  # once a run: the docs say so, the console did not
-            if self.is_rank0 and not getattr(self, "_told_no_samples", False):
+            if self.is_rank0 and not self._told_no_samples:
                 self._report(f"difflm: logger.num_samples={num}: no samples during training here ({reason}); "
                              "sample a checkpoint with difflm-generate")
                 self._told_no_samples = True
