@@ -128,11 +128,6 @@ def cut_pair(p: list[int], r: list[int], seq_len: int) -> tuple[list[int], list[
     return p, r[:seq_len - len(p)]
 
 
-def pair_ids(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids + EOS) of one pair, cut to ``seq_len`` tokens in all (:func:`cut_pair`)."""
-    return cut_pair(*full_pair_ids(tok, prompt, response, chat_template), seq_len)
-
-
 def truncation_notice(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> str | None:
     """The notice for the uncut (prompt ids, response ids + EOS) ``pairs`` that :func:`cut_pair` cuts at ``seq_len``,
     or None when every pair fits: how many are cut (their response loses its end and the EOS that teaches the model
@@ -154,8 +149,9 @@ def truncation_notice(pairs: list[tuple[list[int], list[int]]], seq_len: int) ->
 
 
 def tokenize_pair(tok: TokenizerInfo, prompt: str, response: str, seq_len: int, chat_template: bool) -> tuple[list[int], int]:
-    """(``seq_len`` token ids, prompt length) of one pair; see the module docstring."""
-    return pad_pair(*pair_ids(tok, prompt, response, seq_len, chat_template), seq_len, tok.eos_id)
+    """(``seq_len`` token ids, prompt length) of one pair, as :func:`load_pairs` makes each row (cut with
+    :func:`cut_pair`, padded with :func:`pad_pair`); see the module docstring."""
+    return pad_pair(*cut_pair(*full_pair_ids(tok, prompt, response, chat_template), seq_len), seq_len, tok.eos_id)
 
 
 def pad_pair(p: list[int], r: list[int], seq_len: int, eos_id: int) -> tuple[list[int], int]:
