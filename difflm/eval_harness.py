@@ -250,17 +250,21 @@ class DifflmHarnessLM(LM):
         logits[..., self.forbid] = float("-inf")
         return logits.argmax(dim=-1)
 
+    def _window(self, ctx: list[int], cont: list[int]) -> tuple[list[int], int]:
+        """(the tokens a request is scored on, how many continuation tokens are scored): ``ctx + cont`` cut from the
+        left to ``max_length`` model inputs. An AR run predicts the token after each input, so its window holds one
+        more token (the last target); both score at most ``max_length`` continuation tokens."""
+        seq = (ctx + cont)[-(self.max_length + (1 if self.causal else 0)):]
+        return seq, min(len(cont), len(seq) - (1 if self.causal else 0))
+
     def _cut(self, ctx: list[int], cont: list[int]) -> tuple[int, int]:
-        """(context tokens dropped, continuation tokens not scored) by :meth:`_ar_score`/:meth:`_diffusion_score`'s
-        left truncation: an AR run sees ``max_length`` inputs and predicts the token after each, so one more
-        token fits beside the window than for diffusion; both score at most ``max_length`` continuation tokens."""
-        room = self.max_length + (1 if self.causal else 0)
-        return len(ctx) - min(len(ctx), max(0, room - len(cont))), max(0, len(cont) - self.max_length)
+        """(context tokens dropped, continuation tokens not scored) by :meth:`_window`'s left truncation."""
+        seq, scored = self._window(ctx, cont)
+        return len(ctx) - max(0, len(seq) - len(cont)), len(cont) - scored
 
     def _ar_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
         """Exact sum of next-token log-probs of ``cont`` after ``ctx`` (left-truncated to ``max_length``)."""
-        seq = (ctx + cont)[-(self.max_length + 1):]
-        n = min(len(cont), len(seq) - 1)
+        seq, n = self._window(ctx, cont)
         x = torch.tensor([seq[:-1]])
         logp = F.log_softmax(self._logits(x)[0, -n:], dim=-1).cpu()
         target = torch.tensor(seq[-n:])
@@ -269,8 +273,7 @@ class DifflmHarnessLM(LM):
 
     def _diffusion_score(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
         """LLaDA's Monte-Carlo estimate of log p(cont | ctx) (:func:`mc_loglikelihood`) and ``is_greedy``."""
-        seq = (ctx + cont)[-self.max_length:]
-        L = min(len(cont), len(seq))
+        seq, L = self._window(ctx, cont)
         P = len(seq) - L
         gen = torch.Generator().manual_seed(self.seed)
         counts = stratified_mask_counts(L, self.mc_samples, gen)
