@@ -30,6 +30,15 @@ LABELS = {"loss": "training loss (nats/token)", "val_nelbo": "validation NELBO (
           "grad_norm": "gradient norm", "mem_gib": "memory (GiB)"}
 
 
+POINT_AT_A_RUN = "point run.dir at a difflm-train output directory (or a multirun directory holding several)"
+
+
+def _require_run_dir(run_dir) -> None:
+    """DifflmError naming ``run.dir`` when it does not exist."""
+    if not Path(run_dir).exists():
+        raise DifflmError(f"run.dir={str(run_dir)!r} does not exist: {POINT_AT_A_RUN}")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The rows of ``<run_dir>/metrics.jsonl`` in step order, the records of each step merged (training and
     evaluation are logged as separate lines). A resumed run logs the steps after its checkpoint again: when the
@@ -40,12 +49,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
         DifflmError: the file is missing or a line is not JSON.
     """
     path = Path(run_dir) / "metrics.jsonl"
-    if not Path(run_dir).exists():
-        raise DifflmError(f"run.dir={str(run_dir)!r} does not exist: point run.dir at a difflm-train output directory "
-                          "(or a multirun directory holding several)")
+    _require_run_dir(run_dir)
     if not path.is_file():
-        raise DifflmError(f"run.dir={str(run_dir)!r} has no metrics.jsonl: point run.dir at a difflm-train output "
-                          "directory (or a multirun directory holding several)")
+        raise DifflmError(f"run.dir={str(run_dir)!r} has no metrics.jsonl: {POINT_AT_A_RUN}")
     rows: dict[int, dict] = {}
     last = None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -71,9 +77,7 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise DifflmError(f"run.dir={pattern!r} matches nothing")
-        if not Path(matches[0]).exists():  # a plain path (a glob only matches what exists)
-            raise DifflmError(f"run.dir={pattern!r} does not exist: point run.dir at a difflm-train output directory "
-                              "(or a multirun directory holding several)")
+        _require_run_dir(matches[0])  # a plain path (a glob only matches what exists)
         for match in map(Path, matches):
             jobs = sorted((p for p in match.iterdir() if (p / "metrics.jsonl").is_file()),
                           key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)) \

@@ -395,9 +395,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     The optimizer's state (moments, step counts) and learning rates are read from the checkpoint; its other
     param_group hyperparameters stay those it was built with (:func:`restore_optimizer_settings`), so a resume runs
     with the run's ``optim.*``. A model-only checkpoint (saved with ``optimizer=None``, e.g. by ``difflm-import``)
-    loads into the model and leaves ``optimizer`` as it is (fresh). Checkpoints move between kernel sets (``model.backend``): parameter
-    names are shared, TE's ``_extra_state`` is read when both sides have it and otherwise left alone. Raises
-    DifflmError when the checkpoint does not match the model (e.g. another ``model`` preset).
+    loads into the model and leaves ``optimizer`` as it is (fresh). Checkpoints move between kernel sets
+    (``model.backend``): parameter names are shared, TE's ``_extra_state`` is read when both sides have it and
+    otherwise left alone. Raises DifflmError when the checkpoint does not match the model (e.g. another ``model``
+    preset).
     """
     from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
 

@@ -310,8 +310,8 @@ def run_preprocess(cfg) -> dict:
         dtype = token_dtype(tok.padded_vocab_size)
         plan = {
             "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
-            "tokenizer": {"name": tokenizer_reference(cfg.tokenizer), "fingerprint": tokenizer_fingerprint(tok), "eos_id": tok.eos_id,
-                          "vocab_size": len(tok.tokenizer), "dtype": dtype.name},
+            "tokenizer": {"name": tokenizer_reference(cfg.tokenizer), "fingerprint": tokenizer_fingerprint(tok),
+                          "eos_id": tok.eos_id, "vocab_size": len(tok.tokenizer), "dtype": dtype.name},
             "settings": {"text_field": cfg.text_field, "doc_separator": cfg.doc_separator, "encoding": fmt.encoding,
                          "split_special_tokens": True, "eos": "inserted after every document when read",
                          "shard_mb": cfg.shard_mb},
