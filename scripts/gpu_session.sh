@@ -57,7 +57,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -766,6 +766,36 @@ checks)
     2>&1 | tail -3
   timeout 200 python3 -m pytest tests/test_te_backend.py tests/test_step_syncs.py -q -p no:cacheprovider -rs -x \
     2>&1 | tail -6
+  ;;
+lossrows)
+  # issue 17, session 34, one GPU: the last block at the loss rows (model.last_block_loss_rows): its CUDA tests (FA4
+  # varlen queries in the QKV + FA4 function, quack's MLP at default tiles), then the BF16 + FA4 + fused micro-batch 8
+  # row with and without it in one call (quack tunes first; its cache comes back as quack_cache.tgz)
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  timeout 150 python3 -m pytest tests/test_loss_rows.py tests/test_qkv.py -q -p no:cacheprovider -rs -x \
+    -k "gpu or flash" 2>&1 | tail -6
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout ${BENCH_BUDGET:-340} python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 260 \
+    --time-budget $((${BENCH_BUDGET:-340} - 10)) --json "$OUT/bench_rows.json" --variant "rows: $F $MB8 $FM" \
+    --variant "full: $F $MB8 $FM model.last_block_loss_rows=false" > "$OUT/bench_rows.log" 2>&1
+  grep -A4 "^row " "$OUT/bench_rows.log" | cut -c1-150; tail -3 "$OUT/bench_rows.log"
+  mkdir -p "$QUACK_CACHE_DIR" && tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
+  ;;
+speed19)
+  # issue 17, session 34, one GPU: MegaDLMs BF16 at S=4096 beside the BF16 + FA4 + fused micro-batch 8 row with the
+  # last block at the loss rows (quack's tuned tiles from .device-stage/quack_cache.tgz or this machine's cache),
+  # then the same row without it
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+  tail -6 "$OUT/bench.log"
+  timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
+    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 110 \
+    --json "$OUT/bench_full.json" --variant "full: $F $MB8 $FM model.last_block_loss_rows=false" 2>&1 \
+    | grep -A3 "^row " | tail -1
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -73,6 +73,7 @@ class ModelConfig:
     fuse_wgrad_accumulation: bool = True  # backend=te: weight-grad GEMMs accumulate into FP32 .grad (not under FSDP/PP)
     qkv_bias: bool = False  # bias on the fused QKV projection (Qwen2 imports)
     shift_logits: bool = False  # Dream: logits at i come from position i - 1 (AR-initialised diffusion)
+    last_block_loss_rows: bool = True  # diffusion: the last block's queries and MLP at the loss rows only (same logits)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (num_experts > 0)
 
 

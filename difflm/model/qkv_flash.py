@@ -51,18 +51,28 @@ def fa4_interface():
 
 
 class _QKVFlashAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(D)) v of the q, k, v that :func:`difflm.model.qkv.qkv_heads` makes from ``qkv``."""
+    """softmax(q k^T / sqrt(D)) v of the q, k, v that :func:`difflm.model.qkv.qkv_heads` makes from ``qkv``; with
+    ``rows`` (index [R], cu_seqlens_q [B + 1]) only the queries at those rows, through FA4's variable-length
+    interface (the keys and values of every position, one sequence each)."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, causal):
+    def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, causal, index,
+                cu_seqlens_q):
         from difflm.model import qkv_triton
 
         q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                                      dense_v=False)
-        out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]
-        ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight, q, k, out, lse)
+        varlen = {}
+        if index is not None:
+            batch, seq_len = qkv.shape[:2]
+            q, k, v = q.flatten(0, 1).index_select(0, index), k.flatten(0, 1), v.flatten(0, 1)
+            varlen = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+                          cu_seqlens_k=torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
+                                                    device=qkv.device))
+        out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True, **varlen)[:2]
+        ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight, q, k, out, lse, index)
         ctx.dims = (eps, num_heads, num_kv_heads, head_dim)
-        ctx.causal = causal
+        ctx.causal, ctx.varlen = causal, varlen
         return out
 
     @staticmethod
@@ -70,16 +80,23 @@ class _QKVFlashAttention(torch.autograd.Function):
     def backward(ctx, dout):
         from difflm.model import qkv_triton
 
-        qkv, cos, sin, q_weight, k_weight, q, k, out, lse = ctx.saved_tensors
+        qkv, cos, sin, q_weight, k_weight, q, k, out, lse, index = ctx.saved_tensors
         eps, num_heads, num_kv_heads, head_dim = ctx.dims
         dqkv = torch.empty_like(qkv)
         dq_slot, dk_slot, dv_slot = head_slots(dqkv, num_heads, num_kv_heads, head_dim)
         v = head_slots(qkv, num_heads, num_kv_heads, head_dim)[2]
-        dq, dk, dv = fa4_interface()._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=ctx.causal,
-                                                      dq=dq_slot, dk=dk_slot, dv=dv_slot)[:3]
+        if index is None:
+            dq, dk, dv = fa4_interface()._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=ctx.causal,
+                                                          dq=dq_slot, dk=dk_slot, dv=dv_slot)[:3]
+        else:  # the rows' query gradients, scattered into zeros: the other rows' queries fed nothing
+            dq_rows = fa4_interface()._flash_attn_bwd(q, k, v.flatten(0, 1), out, dout.contiguous(), lse,
+                                                      causal=ctx.causal, dk=dk_slot.flatten(0, 1),
+                                                      dv=dv_slot.flatten(0, 1), **ctx.varlen)[0]
+            dq, dk, dv = dq_slot.zero_(), dk_slot, dv_slot
+            dq.flatten(0, 1).index_copy_(0, index, dq_rows)  # a repeated row's gradient is zero (its output unused)
         dqkv, dq_weight, dk_weight = qkv_triton.backward(dq, dk, dv, qkv, cos, sin, q_weight, k_weight, eps,
                                                          num_heads, num_kv_heads, head_dim, dqkv=dqkv)
-        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None
+        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None, None, None
 
 
 def fused_qkv_flash_applies(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], q_norm: Optional[nn.Module],
@@ -106,10 +123,12 @@ def fused_qkv_flash_applies(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.T
 
 def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
                         num_kv_heads: int, head_dim: int, q_norm: Optional[nn.Module], k_norm: Optional[nn.Module],
-                        causal: bool) -> torch.Tensor:
+                        causal: bool, rows=None) -> torch.Tensor:
     """Attention output [B, S, H, D] (contiguous, ``qkv``'s dtype) from the fused QKV projection ``qkv``
     [B, S, (H + 2 H_kv) D]: softmax(q k^T / sqrt(D)) v (Vaswani et al. 2017, eq. 1) of the q, k, v that
-    :func:`difflm.model.qkv.qkv_heads` makes (QK-norm, RoPE).
+    :func:`difflm.model.qkv.qkv_heads` makes (QK-norm, RoPE). With ``rows`` (a
+    :class:`difflm.model.loss_rows.LossRows`; bidirectional only) the output is [R, H, D] for the queries at those
+    rows, each attending to its own sequence's keys and values.
 
     Args:
         qkv: bf16/fp16 CUDA tensor, this rank's heads in Megatron-LM's grouping (:func:`difflm.model.qkv.split_heads`).
@@ -120,11 +139,16 @@ def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
         causal: the AR mask; False for diffusion.
     Differentiable once in ``qkv`` and the norm scales. The caller checks :func:`fused_qkv_flash_applies` first;
     what FA4 itself cannot run (a GPU or head size it does not support) fails inside FA4, as ``attend`` does.
+    Raises: ValueError for ``rows`` with ``causal``.
     """
     cos, sin = rope
     q_weight, k_weight, eps = qk_norm_scales(q_norm, k_norm)
+    if rows is not None and causal:
+        raise ValueError("qkv_flash_attention: rows are for bidirectional attention (a causal query needs its "
+                         "position in the sequence)")
+    index, cu = (None, None) if rows is None else (rows.index, rows.cu_seqlens_q)
     return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads,
-                                    head_dim, causal)
+                                    head_dim, causal, index, cu)
 
 
 __all__ = ["fa4_interface", "fused_qkv_flash_applies", "qkv_flash_attention"]

@@ -192,7 +192,8 @@ class ResidualNormMLP(TEStateLayout, nn.Module):
             ``tuned=True``: ~2.5 min at the 1.7B micro-batch-8 shape, once per shape and machine, kept in quack's disk
             cache; ``model.fused_mlp_autotune``); other forwards and ``autotune=False`` use quack's default tiles.
         device: where the parameters are created.
-    Shapes: ``branch``, ``residual`` [..., d] (BF16 residual stream) -> [..., d] in ``branch``'s dtype.
+    Shapes: ``branch``, ``residual`` [..., d] (BF16 residual stream; [R, d] rows of the last block) -> [..., d] in
+    ``branch``'s dtype.
     Raises: DifflmError (one line) when called on CPU tensors or in FP32 (quack's GEMMs take BF16/FP16 operands).
     """
 
@@ -205,8 +206,10 @@ class ResidualNormMLP(TEStateLayout, nn.Module):
         self.fc1_weight = nn.Parameter(torch.empty(2 * ffn, hidden, device=device))
         self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn, device=device))
 
-    def forward(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        tuned = _tuned_call(branch, self.autotune)
+    def forward(self, branch: torch.Tensor, residual: torch.Tensor, varying_rows: bool = False) -> torch.Tensor:
+        """``varying_rows``: the row count changes from call to call (the last block at the loss rows,
+        :mod:`difflm.model.loss_rows`), so quack's default tiles, never autotuning (it would tune every count)."""
+        tuned = _tuned_call(branch, self.autotune and not varying_rows)
         w1, w2 = weights_cast_once_per_step(self, (self.fc1_weight, self.fc2_weight), branch.dtype)
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
                                               self.fc2_weight, w1, w2, self.eps, tuned)

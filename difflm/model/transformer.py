@@ -38,6 +38,7 @@ from difflm.errors import DifflmError
 from difflm.model.attention import attend, prepare_mask
 from difflm.model.init import megatron_init_
 from difflm.model.kernels import TorchKernels
+from difflm.model.loss_rows import LossRows, loss_rows
 from difflm.model.moe import MoEMLP, moe_config
 from difflm.model.qkv import qkv_heads
 from difflm.model.qkv_flash import fused_qkv_flash_applies, qkv_flash_attention
@@ -72,25 +73,31 @@ class Attention(nn.Module):
         self.core = kernels.attention_core(cfg, causal, layer_number)
         self.proj = kernels.linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        return self.from_qkv(self.qkv(x), rope, attn_mask, kv_cache)
+    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None,
+                rows: Optional[LossRows] = None) -> torch.Tensor:
+        return self.from_qkv(self.qkv(x), rope, attn_mask, kv_cache, rows)
 
-    def from_qkv(self, qkv: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        """The attention output from the fused QKV projection ``qkv`` [B, S, (H + 2 H_kv) D] (or sequence-first)."""
+    def from_qkv(self, qkv: torch.Tensor, rope, attn_mask=None, kv_cache=None,
+                 rows: Optional[LossRows] = None) -> torch.Tensor:
+        """The attention output from the fused QKV projection ``qkv`` [B, S, (H + 2 H_kv) D] (or sequence-first):
+        [B, S, d], or [R, d] at ``rows`` (batch-first only; :mod:`difflm.model.loss_rows`), where the queries of
+        FlashAttention 4's one-function path are those rows only and every other path selects the rows of the
+        attention output before the projection."""
         lead = qkv.shape[:2]  # (B, S), or (S, B) sequence-first; TE's SP has all-gathered the sequence here
         if fused_qkv_flash_applies(qkv, rope, self.q_norm, self.k_norm, backend=self.attention_backend,
                                    layout=self.kernels.layout, fused=self.fused_qkv, attn_mask=attn_mask,
                                    kv_cache=kv_cache, head_dim=self.head_dim):  # value heads read in place
             out = qkv_flash_attention(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm,
-                                      self.k_norm, self.causal)
-            return self.proj(out.reshape(*lead, -1))
+                                      self.k_norm, self.causal, rows=rows)
+            return self.proj(out.reshape(*out.shape[:-2], -1))
         q, k, v = qkv_heads(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
                             fused=self.fused_qkv)
         if kv_cache is not None:  # difflm.model.kv_cache.LayerKV: cached K/V around this forward's positions
             k, v = kv_cache.update(k, v)
         out = attend(q, k, v, causal=self.causal, backend=self.attention_backend, layout=self.kernels.layout,
                      attn_mask=attn_mask, core=self.core if self.attention_backend == "te" else None)
-        return self.proj(out.reshape(*lead, -1))
+        out = out.reshape(*lead, -1)
+        return self.proj(out if rows is None else rows.select(out))
 
 
 class Block(nn.Module):
@@ -105,14 +112,21 @@ class Block(nn.Module):
         else:
             self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None,
+                rows: Optional[LossRows] = None) -> torch.Tensor:
+        """[B, S, d] (or sequence-first) -> the same; with ``rows`` (the last block of a masked-diffusion loss,
+        :mod:`difflm.model.loss_rows`) the keys and values still come from every position, and the output is
+        [R, d] at the rows only."""
         if getattr(self.attention.qkv, "passes_residual", False):  # model.fused_mlp: the residual's gradient is added
             qkv, x = self.attention.qkv(x, pass_residual=True)      # inside the QKV norm's backward kernel
-            branch = self.attention.from_qkv(qkv, rope, attn_mask, kv_cache)
+            branch = self.attention.from_qkv(qkv, rope, attn_mask, kv_cache, rows)
         else:
-            branch = self.attention(x, rope, attn_mask, kv_cache)
+            branch = self.attention(x, rope, attn_mask, kv_cache, rows)
+        if rows is not None:
+            x = rows.select(x)
         if getattr(self.mlp, "adds_residual", False):  # both residual adds inside its kernels (model.fused_mlp)
-            return self.mlp(branch, x)
+            # R changes every step: quack's default tiles for these GEMMs, as autotuning would tune every R
+            return self.mlp(branch, x) if rows is None else self.mlp(branch, x, varying_rows=True)
         x = x + branch
         return x + self.mlp(x)
 
@@ -142,6 +156,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.final_norm = kernels.norm(cfg.hidden_size, eps=cfg.norm_eps, residual=True)
         self.output = None if cfg.tie_embeddings else kernels.lm_head(cfg.hidden_size, cfg.vocab_size)
+        # the last block at the loss rows only (difflm.model.loss_rows): bidirectional, dense, batch-first, one
+        # tensor-parallel rank (torch TP turns it off in difflm.parallel.tensor_parallel), no MoE (its balancing
+        # terms count every token), no Dream shift (its head reads the row before)
+        self.last_block_loss_rows = (bool(getattr(cfg, "last_block_loss_rows", False)) and not causal
+                                     and kernels.tp_size == 1 and kernels.layout == "bshd"
+                                     and moe_config(cfg) is None and not getattr(cfg, "shift_logits", False))
 
     # ------------------------------------------------------------------ structure
     def blocks(self) -> list[tuple[int, nn.Module]]:
@@ -167,6 +187,7 @@ class Transformer(nn.Module):
         stage.layers = nn.ModuleDict({str(i): self.layers[i] for i in layer_ids})
         stage.final_norm = self.final_norm if last else None
         stage.output = self.output if last else None
+        stage.last_block_loss_rows = self.last_block_loss_rows
         return stage
 
     def pipeline_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +241,8 @@ class Transformer(nn.Module):
         [N, V] (row-major order) - the diffusion loss needs logits at masked tokens only, which saves most of the
         LM-head FLOPs and memory. ``logits_mask`` is a [B, S] bool mask, or the [N] int64 indices of the selected
         positions in the flattened ``B * S`` tokens (computed where the mask was drawn: selecting by index needs no
-        device-to-host sync, a boolean mask does).
+        device-to-host sync, a boolean mask does). Given the indices, a bidirectional model also runs its last block
+        at those rows only (``model.last_block_loss_rows``, :mod:`difflm.model.loss_rows`): the same logits.
         """
         if self.embedding is not None:
             batch, seq_len = input_ids.shape
@@ -235,15 +257,31 @@ class Transformer(nn.Module):
                 position_ids = torch.arange(seq_len, device=x.device)
             rope = self.kernels.rope(rope_angles(position_ids.to(x.device), self.cfg.head_dim, self.cfg.rope_base))
             attn_mask = prepare_mask(attn_mask, getattr(self.cfg, "attention_backend", "sdpa"))  # once, not per layer
-            for i, layer in self.blocks():
+            blocks = self.blocks()
+            rows = self._last_block_rows(x, logits_mask, kv_cache, blocks, batch, seq_len)
+            for i, layer in blocks:
                 with self.kernels.layer_context(i):
-                    if attn_mask is None and kv_cache is None:
+                    if rows is not None and i == blocks[-1][0]:
+                        x = layer(x, rope, attn_mask, None, rows=rows)  # [R, d]: the loss rows only
+                    elif attn_mask is None and kv_cache is None:
                         x = layer(x, rope)
                     else:
                         x = layer(x, rope, attn_mask, None if kv_cache is None else kv_cache.layer(i))
             if self.final_norm is None:
                 return x
+            if rows is not None:
+                return self.head(x[:rows.count])  # the rows' logits, in logits_mask's order
             return self.head(x, logits_mask)
+
+    def _last_block_rows(self, x: torch.Tensor, logits_mask, kv_cache, blocks, batch: int,
+                         seq_len: int) -> Optional[LossRows]:
+        """The rows the last block runs at (:mod:`difflm.model.loss_rows`), or None for the full block: this module
+        holds the last block and the head, ``logits_mask`` is an index, no KV cache, a batch-first plain tensor."""
+        if (not self.last_block_loss_rows or self.final_norm is None or kv_cache is not None or not blocks
+                or blocks[-1][0] != self.cfg.num_layers - 1 or type(x) is not torch.Tensor
+                or tuple(x.shape[:2]) != (batch, seq_len)):
+            return None
+        return loss_rows(logits_mask, batch, seq_len)
 
     def head(self, x: torch.Tensor, logits_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final norm and LM head on the residual stream ``x``: logits [B, S, V], or [N, V] at ``logits_mask``.

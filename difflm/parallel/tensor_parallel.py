@@ -193,6 +193,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         parallelize_module(block, tp_mesh, plan)
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
+    model.last_block_loss_rows = False  # the plan's layouts are [B, S(/tp), d]; the loss rows are [R, d]
     if getattr(model, "final_norm", None) is not None:  # the last stage: vocab-parallel head (vocab_parallel.py)
         if sequence_parallel:
             parallelize_module(model.final_norm, tp_mesh, SequenceParallel(use_local_output=True))

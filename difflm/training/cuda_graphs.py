@@ -114,10 +114,10 @@ class GraphedBlock:
                 and not self.pending and tuple(x.shape) == self.shape and x.dtype == self.dtype
                 and tuple(tuple(t.shape) for t in rope) == self.rope_shapes and fp8_is_active() == self.fp8)
 
-    def __call__(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None) -> torch.Tensor:
-        if not self.matches(x, rope, attn_mask, kv_cache):
+    def __call__(self, x: torch.Tensor, rope, attn_mask=None, kv_cache=None, rows=None) -> torch.Tensor:
+        if rows is not None or not self.matches(x, rope, attn_mask, kv_cache):  # rows: a shape per step
             self.eager_calls += 1
-            return type(self.block).forward(self.block, x, rope, attn_mask, kv_cache)
+            return type(self.block).forward(self.block, x, rope, attn_mask, kv_cache, rows=rows)
         if self._storage() != self.pointers:
             raise DifflmError(f"layers.{self.index}: its parameters were replaced after its CUDA graph was captured "
                               "(train.cuda_graphs=true); update weights in place (load_state_dict, optimizer steps) or "
