@@ -92,8 +92,10 @@ class _QKVFlashAttention(torch.autograd.Function):
             dq_rows = fa4_interface()._flash_attn_bwd(q, k, v.flatten(0, 1), out, dout.contiguous(), lse,
                                                       causal=ctx.causal, dk=dk_slot.flatten(0, 1),
                                                       dv=dv_slot.flatten(0, 1), **ctx.varlen)[0]
-            dq, dk, dv = dq_slot.zero_(), dk_slot, dv_slot
+            batch, seq_len = qkv.shape[:2]  # with GQA the query heads have no single slot: a dense [B, S, H, D]
+            dq = dq_slot.zero_() if dq_slot is not None else dq_rows.new_zeros(batch, seq_len, *dq_rows.shape[1:])
             dq.flatten(0, 1).index_copy_(0, index, dq_rows)  # a repeated row's gradient is zero (its output unused)
+            dk, dv = dk_slot, dv_slot
         dqkv, dq_weight, dk_weight = qkv_triton.backward(dq, dk, dv, qkv, cos, sin, q_weight, k_weight, eps,
                                                          num_heads, num_kv_heads, head_dim, dqkv=dqkv)
         return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None, None, None

@@ -197,6 +197,7 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
         _make_graphed_callables(te, tuple(b for _, b in blocks), sample_args, enabled,
                                 build_fp8_recipe(precision) if fp8 else None, cache)
+    model.last_block_loss_rows = False  # a graph replays one shape; the loss rows change every micro-batch
     graphed = []
     for (index, block), fp8_block in zip(blocks, enabled):
         g = GraphedBlock(block, index, block.forward, shape, dtype, [t.shape for t in rope], fp8_block, cache)

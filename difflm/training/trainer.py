@@ -505,7 +505,8 @@ class Trainer:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
                 self._emit(sinks, metrics)
-            self._progress = _Progress(window_start=time.perf_counter())  # after the evaluation: not training time
+            # after the evaluation: not training time
+            self._progress = _Progress(window_start=time.perf_counter(), window_start_event=self._device_mark())
             while self.step < t.max_steps:
                 step_start = time.perf_counter()
                 watchdog.arm()  # train.step_timeout: the step and the wait for its outcome, not evaluation or saving
@@ -576,7 +577,7 @@ class Trainer:
         if values.device.type == "cuda":
             host = torch.empty(3, dtype=torch.float64, pin_memory=True)
             host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)  # also times the step on the device (_log_metrics)
             event.record()
         else:
             host = values
@@ -619,15 +620,24 @@ class Trainer:
         busy while the host logged), or after the evaluation, which is not training time. Returns the row."""
         lg = self.cfg.logger
         metrics = self._log_metrics(record, has_moe)
-        window_start = record.end_time
+        window_start, window_event = record.end_time, record.event
         if evaluate:
             metrics = self._eval_metrics(metrics)
             if lg.num_samples > 0 and lg.name == "wandb":
                 self._emit_samples(sinks, lg.num_samples)
-            window_start = time.perf_counter()
+            window_start, window_event = time.perf_counter(), self._device_mark()
         self._emit(sinks, metrics)
-        self._progress.window_tokens, self._progress.window_start = 0, window_start
+        progress = self._progress
+        progress.window_tokens, progress.window_start, progress.window_start_event = 0, window_start, window_event
         return metrics
+
+    def _device_mark(self) -> Optional[torch.cuda.Event]:
+        """A timing event recorded now on the device's stream (where a tokens/s window starts), None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _spiked(self, record: "_StepRecord") -> bool:
         """``train.spike_threshold``: the settled step's loss above threshold x its running mean rolls the run back
@@ -642,7 +652,13 @@ class Trainer:
     def _log_metrics(self, record: "_StepRecord", has_moe: bool) -> dict:
         """The metrics row of a settled step; tokens/s over the steps settled since the last row."""
         progress = self._progress
-        tokens_per_s = progress.window_tokens / max(record.end_time - progress.window_start, 1e-9)
+        seconds = record.end_time - progress.window_start
+        if record.event is not None and progress.window_start_event is not None:
+            # the device's time between the window's ends: the host sees a step end only when it has queued the next
+            # one, late by as much as it runs ahead (~1 s at model=1.7b), except for a step settled at once (the
+            # last, a save), whose host-timed window would be short by that much
+            seconds = progress.window_start_event.elapsed_time(record.event) / 1e3
+        tokens_per_s = progress.window_tokens / max(seconds, 1e-9)
         per_gpu = tokens_per_s / self.dims.world_size
         return {
             "step": record.step,
@@ -746,7 +762,8 @@ class _StepRecord:
 class _Progress:
     """What :meth:`Trainer.fit` carries from one settled step to the next."""
 
-    window_start: float
+    window_start: float  # perf_counter where the tokens/s window started
+    window_start_event: Optional[torch.cuda.Event] = None  # the same point on the device (GPU runs)
     window_tokens: int = 0
     skipped_in_a_row: int = 0
     loss_mean: Optional[float] = None
