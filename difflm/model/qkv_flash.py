@@ -57,18 +57,17 @@ class _QKVFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, causal, index,
-                cu_seqlens_q):
+                cu_seqlens_q, cu_seqlens_k):
         from difflm.model import qkv_triton
 
         q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                                      dense_v=False)
         varlen = {}
         if index is not None:
-            batch, seq_len = qkv.shape[:2]
+            seq_len = qkv.shape[1]
             q, k, v = q.flatten(0, 1).index_select(0, index), k.flatten(0, 1), v.flatten(0, 1)
-            varlen = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
-                          cu_seqlens_k=torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32,
-                                                    device=qkv.device))
+            varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=seq_len,
+                          max_seqlen_k=seq_len)
         out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True, **varlen)[:2]
         ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight, q, k, out, lse, index)
         ctx.dims = (eps, num_heads, num_kv_heads, head_dim)
@@ -98,7 +97,7 @@ class _QKVFlashAttention(torch.autograd.Function):
             dk, dv = dk_slot, dv_slot
         dqkv, dq_weight, dk_weight = qkv_triton.backward(dq, dk, dv, qkv, cos, sin, q_weight, k_weight, eps,
                                                          num_heads, num_kv_heads, head_dim, dqkv=dqkv)
-        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None, None, None
+        return dqkv, None, None, dq_weight, dk_weight, None, None, None, None, None, None, None, None
 
 
 def fused_qkv_flash_applies(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], q_norm: Optional[nn.Module],
@@ -148,9 +147,9 @@ def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     if rows is not None and causal:
         raise ValueError("qkv_flash_attention: rows are for bidirectional attention (a causal query needs its "
                          "position in the sequence)")
-    index, cu = (None, None) if rows is None else (rows.index, rows.cu_seqlens_q)
+    varlen = (None, None, None) if rows is None else (rows.index, rows.cu_seqlens_q, rows.cu_seqlens_k())
     return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads,
-                                    head_dim, causal, index, cu)
+                                    head_dim, causal, *varlen)
 
 
 __all__ = ["fa4_interface", "fused_qkv_flash_applies", "qkv_flash_attention"]
