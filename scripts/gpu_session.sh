@@ -786,16 +786,16 @@ lossrows)
 speed19)
   # issue 17, session 34, one GPU: MegaDLMs BF16 at S=4096 beside the BF16 + FA4 + fused micro-batch 8 row with the
   # last block at the loss rows (quack's tuned tiles from .device-stage/quack_cache.tgz or this machine's cache),
-  # then the same row without it
+  # then the same row without it (not with ROWS_ONLY=1)
   export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
   [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
   tail -6 "$OUT/bench.log"
-  timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
-    precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 110 \
-    --json "$OUT/bench_full.json" --variant "full: $F $MB8 $FM model.last_block_loss_rows=false" 2>&1 \
-    | grep -A3 "^row " | tail -1
+  [ -n "${ROWS_ONLY:-}" ] || timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 \
+    train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 \
+    --row-timeout 110 --json "$OUT/bench_full.json" \
+    --variant "full: $F $MB8 $FM model.last_block_loss_rows=false" 2>&1 | grep -A3 "^row " | tail -1
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
