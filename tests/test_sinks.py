@@ -199,3 +199,55 @@ def test_missing_wandb_is_refused_before_the_model_is_built(monkeypatch, tmp_pat
     check_run(compose_run(["logger=wandb", "logger.mode=disabled"]))  # never imports wandb
     with pytest.raises(DifflmError, match="pip install 'difflm"):
         WandbSink(OmegaConf.create({"mode": "offline"}), tmp_path, {}, None)
+
+
+def test_unreachable_wandb_server_is_refused_before_the_model_is_built(monkeypatch):
+    """Online with an API key, the W&B server must take a connection within seconds, checked with the config: not
+    in fit() after the model and data are built, where wandb.init waits 90 s. Offline, disabled, keyless (which logs
+    offline) and non-zero ranks never probe."""
+    import socket
+
+    from conftest import compose_run
+    from difflm.config.validate import check_run
+    from difflm.errors import DifflmError
+
+    probes = []
+
+    def unreachable(address, timeout):
+        probes.append((address, timeout))
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    online = compose_run(["logger=wandb", "logger.mode=online"])
+    with pytest.raises(DifflmError) as err:
+        check_run(online)
+    assert str(err.value) == (
+        "logger.mode=online: W&B could not reach its server (no connection to api.wandb.ai:443 in 5 s: OSError: "
+        "[Errno 101] Network is unreachable): log offline with logger.mode=offline (or WANDB_MODE=offline) and "
+        "`wandb sync` the run dir's wandb/ folder later, or use logger.mode=disabled")
+    assert probes == [(("api.wandb.ai", 443), 5.0)]
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.local:8080")  # a self-hosted server is the one probed
+    with pytest.raises(DifflmError, match=r"no connection to wandb\.local:8080"):
+        check_run(online)
+    probes.clear()
+    for overrides in (["logger.mode=offline"], ["logger.mode=disabled"]):
+        check_run(compose_run(["logger=wandb", *overrides]))
+    monkeypatch.setenv("RANK", "1")  # only rank 0 logs
+    check_run(online)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setattr("difflm.training.sinks._netrc_has_wandb", lambda: False)
+    check_run(online)  # no key: the sink logs offline
+    assert probes == []
+
+    class Connection:
+        def close(self):
+            probes.append("closed")
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: Connection())
+    check_run(online)
+    assert probes == ["closed"]

@@ -421,12 +421,20 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
 
 def check_logger(lg) -> None:
-    """``logger=wandb`` needs wandb importable: checked here so the run stops before the model is built, not in
-    ``fit()`` after it."""
-    if lg.name == "wandb" and lg.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        from difflm.training.sinks import WANDB_MISSING
+    """``logger=wandb`` needs wandb importable and, online with an API key, its server reachable from the process that
+    logs (rank 0): checked here so the run stops in seconds before the model is built, not in ``fit()`` after it
+    (where ``wandb.init`` waits 90 s first).
 
+    Raises: DifflmError naming the package to install, or ``logger.mode=offline`` as the way out."""
+    if lg.name != "wandb" or lg.mode == "disabled":
+        return
+    from difflm.training.sinks import WANDB_MISSING, wandb_unreachable_reason
+
+    if importlib.util.find_spec("wandb") is None:
         raise DifflmError(WANDB_MISSING)
+    why = wandb_unreachable_reason(lg) if int(os.environ.get("RANK", "0")) == 0 else None
+    if why:
+        raise DifflmError(why)
 
 
 def draws_samples(cfg) -> bool:

@@ -124,7 +124,7 @@ class WandbSink:
             raise DifflmError(WANDB_MISSING) from err
 
         mode = cfg.mode
-        if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
+        if mode == "online" and not _has_api_key():
             tqdm.write("logger.mode=online but no W&B API key is configured: logging offline "
                        "(run `wandb login`, then `wandb sync` the run dir's wandb/ folder)")
             mode = "offline"
@@ -136,9 +136,7 @@ class WandbSink:
             # a server that cannot be reached (no network, firewall, timeout): one line with the offline way out
             # instead of wandb's traceback
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DifflmError(f"logger.mode={mode}: W&B could not reach its server ({first}): log offline with "
-                              "logger.mode=offline (or WANDB_MODE=offline) and `wandb sync` the run dir's wandb/ "
-                              "folder later, or use logger.mode=disabled") from err
+            raise DifflmError(_unreachable(mode, first)) from err
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         for key, summary in self.SUMMARIES.items():
@@ -159,3 +157,33 @@ class WandbSink:
 def _netrc_has_wandb() -> bool:
     path = Path.home() / ".netrc"
     return path.exists() and "api.wandb.ai" in path.read_text(errors="ignore")
+
+
+def _has_api_key() -> bool:
+    return bool(os.environ.get("WANDB_API_KEY") or _netrc_has_wandb())
+
+
+def _unreachable(mode: str, why: str) -> str:
+    return (f"logger.mode={mode}: W&B could not reach its server ({why}): log offline with logger.mode=offline (or "
+            "WANDB_MODE=offline) and `wandb sync` the run dir's wandb/ folder later, or use logger.mode=disabled")
+
+
+def wandb_unreachable_reason(lg, timeout_s: float = 5.0) -> Optional[str]:
+    """Why an online W&B run could not start, found in seconds before anything is built: the server
+    (``WANDB_BASE_URL``, default https://api.wandb.ai) takes no TCP connection within ``timeout_s``. ``wandb.init``
+    itself waits 90 s before it gives up, after the model and data are built. None when it can be reached, or when
+    no server is needed: ``logger.mode`` offline or disabled, or no API key (the run then logs offline,
+    :class:`WandbSink`)."""
+    if lg.get("name") != "wandb" or lg.get("mode") != "online" or not _has_api_key():
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        return _unreachable("online", f"no connection to {url.hostname}:{port} in {timeout_s:g} s: "
+                                      f"{type(err).__name__}: {err}".rstrip(": "))
+    return None
