@@ -32,12 +32,10 @@ import json
 import math
 import tempfile
 
-import hydra
 import torch
 from omegaconf import OmegaConf
 
-from difflm.cli import exits_cleanly, writable_output
-from difflm.config import CONF_DIR
+from difflm.cli import hydra_app, writable_output
 from difflm.config.validate import resolve_device
 from difflm.data.batch import TokenBatch, split_batch
 from difflm.data.sft import load_pairs
@@ -241,8 +239,7 @@ def evaluate_file(args, device: torch.device) -> dict:
     }
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="eval")
-@exits_cleanly
+@hydra_app("eval")
 def main(args) -> None:
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work

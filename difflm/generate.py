@@ -17,12 +17,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import hydra
 import torch
 
 from difflm.checkpoint.store import load_checkpoint, trained_settings
-from difflm.cli import exits_cleanly, quote_free_text
-from difflm.config import CONF_DIR
+from difflm.cli import hydra_app, quote_free_text
 from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
@@ -238,8 +236,7 @@ def read_prompt(args) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
-@exits_cleanly
+@hydra_app("generate")
 def _main(args) -> None:
     check_choices(args, ["gen.remasking", "gen.cache", "device"])
     prompt = read_prompt(args)

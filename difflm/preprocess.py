@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import shlex
 
-import hydra
-
-from difflm.cli import exits_cleanly
-from difflm.config import CONF_DIR
+from difflm.cli import hydra_app
 from difflm.data.shards import run_preprocess
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="preprocess")
-@exits_cleanly
+@hydra_app("preprocess")
 def main(cfg) -> None:
     s = run_preprocess(cfg)
     print(f"difflm-preprocess: {s['shards']} shard(s) ({s['skipped']} already done), {s['documents']:,} documents, "

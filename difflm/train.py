@@ -13,9 +13,7 @@ import sys
 
 from hydra.core.hydra_config import HydraConfig
 
-import hydra
-from difflm.cli import exits_cleanly, quote_free_text
-from difflm.config import CONF_DIR
+from difflm.cli import hydra_app, quote_free_text
 from difflm.config.validate import check_run
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
@@ -31,8 +29,7 @@ def run_dir_of_job(cfg) -> str:
         return cfg.run.dir
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-@exits_cleanly
+@hydra_app("train")
 def _main(cfg) -> None:
     world_size = world_size_from_env()
     device = check_run(cfg, world_size)  # every check before any process group exists

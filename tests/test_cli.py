@@ -1,4 +1,5 @@
-"""Free text on the command line: prompts reach Hydra as one string whatever they hold; prompt_file=."""
+"""The command line: prompts reach Hydra as one string whatever they hold; prompt_file=; a mistyped key or preset
+is one line before Hydra composes."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from difflm.cli import check_required, hydra_quoted, quote_free_text
+from difflm.cli import check_overrides, check_required, hydra_quoted, quote_free_text
 from difflm.errors import DifflmError
 from difflm.generate import read_prompt
 
@@ -150,3 +151,72 @@ def test_a_multirun_under_a_multi_process_launch_is_refused(env, tmp_path):
     assert out.stderr.startswith("difflm: error: a multirun (-m) under torchrun/srun (2 processes) would start one "
                                  "sweep per process"), out.stderr
     assert "hydra/launcher=slurm" in out.stderr and not (tmp_path / "s").exists()
+
+
+# A mistyped key or preset, refused before Hydra composes (difflm.cli.check_overrides), run through each entry point.
+TYPOS = [("difflm.train", ["model.hiden_size=64"], "model.hiden_size is not a config key; did you mean "
+                                                   "model.hidden_size? (difflm-train --cfg job prints every key)"),
+         ("difflm.train", ["modle=tiny"], "modle=tiny: no config group or key 'modle'; did you mean model=tiny?"),
+         ("difflm.train", ["model=tinyy"], "model=tinyy is not a model preset; did you mean model=tiny? (presets: "
+                                           "1.7b, 125m, 350m, 8b, dense-1b, moe-1b-7b, moe-tiny, tiny)"),
+         ("difflm.train", ["-m", "model=tiny,tinyy"], "model=tinyy is not a model preset; did you mean model=tiny? "
+                                                      "(presets: 1.7b, 125m, 350m, 8b, dense-1b, moe-1b-7b, moe-tiny, "
+                                                      "tiny)"),
+         ("difflm.train", ["trian.max_steps=3"], "trian.max_steps is not a config key; did you mean train.max_steps? "
+                                                 "(difflm-train --cfg job prints every key)"),
+         ("difflm.evaluate", ["eval.mc_sample=4"], "eval.mc_sample is not a config key; did you mean eval.mc_samples? "
+                                                   "(difflm-eval --cfg job prints every key)"),
+         ("difflm.evaluate", ["model=tiny"], "model=tiny: no config group or key 'model' (difflm-eval --cfg job "
+                                             "prints every key)"),
+         ("difflm.interop.hf_import", ["objectiv=mdlm"], "objectiv=mdlm: no config group or key 'objectiv'; did you "
+                                                         "mean objective=mdlm?"),
+         ("difflm.interop.hf_import", ["objective=mdml"], "objective=mdml is not an objective preset; did you mean "
+                                                          "objective=mdlm? (presets: ar, bd3lm, mdlm, sft)"),
+         ("difflm.generate", ["gen.lenght=8"], "gen.lenght is not a config key; did you mean gen.length? "
+                                               "(difflm-generate --cfg job prints every key)"),
+         ("difflm.interop.export", ["dtyp=bf16"], "dtyp=bf16: no config group or key 'dtyp'; did you mean dtype=bf16?"),
+         ("difflm.preprocess", ["worker=2"], "worker=2: no config group or key 'worker'; did you mean workers=2?")]
+
+
+@pytest.mark.parametrize("module,args,message", TYPOS, ids=[f"{m}-{a[-1]}" for m, a, _ in TYPOS])
+def test_a_mistyped_key_or_preset_is_one_line_before_hydra(module, args, message, monkeypatch, capsys):
+    """The entry point itself (in this process: the refusal comes before Hydra starts): one line, exit status 2."""
+    import importlib
+
+    entry = importlib.import_module(module).main
+    monkeypatch.setattr(sys, "argv", [module, *args, "run.dir=somewhere"])
+    with pytest.raises(SystemExit) as exit_info:
+        entry()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"difflm: error: {message}\n"
+
+
+def test_a_mistyped_key_on_the_command_line_is_all_that_is_printed(tmp_path):
+    out = run_cli("difflm.train", "model.hiden_size=64", f"run.dir={tmp_path / 'run'}", timeout=120)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == ("difflm: error: model.hiden_size is not a config key; did you mean model.hidden_size? "
+                          "(difflm-train --cfg job prints every key)\n")  # not Hydra's "use +model.hiden_size=64"
+    assert not (tmp_path / "run").exists()
+
+
+PASSING = [("train", ["model=125m", "model.hidden_size=64", "experiment=mdlm_owt", "device=cpu", "run.dir=x"]),
+           ("train", ["-m", "model.hidden_size=64,128", "model=tiny,125m", "optim.lr=range(1,3)", "model=glob(*)"]),
+           ("train", ["logger.sample_prompt='a=b'", "data.blend.0.path=x", "data.blend=[{path:a}]",
+                      "model={hidden_size:64}", "experiment=null"]),
+           ("train", ["+model.zz=1", "++model.yy=1", "~model.qk_norm", "hydra.job.chdir=true", "hydra/launcher=basic",
+                      "logger.sample_prompt=a=b"]),  # left to Hydra and check_known_keys
+           ("train", ["--config-name", "eval", "model.hiden_size=1"]),
+           ("import", ["objective=mdlm", "objective.eps=0.1", "hf=x", "run.dir=y"]),
+           ("eval", ["data.path=x", "eval.mc_samples=2", "kernels.backend=torch", "step=3"])]
+
+
+@pytest.mark.parametrize("config_name,argv", PASSING, ids=range(len(PASSING)))
+def test_command_lines_with_known_keys_and_presets_pass(config_name, argv):
+    check_overrides(argv, config_name)
+
+
+def test_a_correct_command_line_reaches_hydra_unchanged(tmp_path):
+    out = run_cli("difflm.train", "--cfg", "job", "model=125m", "model.hidden_size=64", "logger.sample_prompt=a=b",
+                  f"run.dir={tmp_path}", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "  hidden_size: 64\n" in out.stdout and "  sample_prompt: a=b\n" in out.stdout

@@ -3,7 +3,8 @@
 Every YAML file under ``conf/`` (shipped in the wheel as ``difflm/conf``) is composed by Hydra into one :class:`RunConfig`. The schema is
 registered in Hydra's ConfigStore (see :func:`register_schema`) and named first in the primary config's
 defaults list, so a misspelt key or a value of the wrong type fails at compose time with OmegaConf's
-message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema"). A key added with
+message naming the key (Hydra docs, "Structured Configs: Config Store API" and "Schema"). On the command line
+:func:`difflm.cli.check_overrides` refuses a misspelt key or preset first, naming the closest one. A key added with
 ``+`` or ``++`` is let through by Hydra; :func:`check_known_keys` refuses it in every entry point.
 Cross-key checks that a schema cannot express live in :mod:`difflm.config.validate`.
 """

@@ -29,12 +29,10 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-import hydra
 import torch
 
 from difflm.checkpoint.store import load_checkpoint, trained_settings
-from difflm.cli import exits_cleanly, writable_output
-from difflm.config import CONF_DIR
+from difflm.cli import hydra_app, writable_output
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
 from difflm.model import build_model
@@ -259,8 +257,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     return out, step
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="export")
-@exits_cleanly
+@hydra_app("export")
 def main(args) -> None:
     out, step = export_checkpoint(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite)
     print(f"exported {args.run.dir} checkpoint step {step} -> {out}; load with "

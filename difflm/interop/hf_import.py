@@ -43,12 +43,11 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-import hydra
 import torch
 from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
-from difflm.cli import exits_cleanly
+from difflm.cli import hydra_app
 from difflm.config import CONF_DIR
 from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
@@ -411,8 +410,7 @@ def _clear_earlier_run(run_dir: Path, overwrite: bool) -> None:
               flush=True)
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="import")
-@exits_cleanly
+@hydra_app("import")
 def main(args) -> None:
     objective = args.objective.name if args.objective is not None else None
     cfg = import_hf(args.hf, args.run.dir, objective, args.shift_logits, args.vocab_multiple, args.mask_token,
