@@ -90,10 +90,17 @@ def exits_cleanly(fn):
             status = 2
         except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
             message, status = "\ndifflm: interrupted", EXIT_INTERRUPTED
-        print(message, file=sys.stderr, flush=True)
+        _say(message)
         sys.exit(status)
 
     return wrapper
+
+
+def _say(message: str) -> None:
+    """``message`` and its newline on stderr in one write, so the lines of processes sharing it (torchrun's ranks)
+    never run together."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (message + "\n").encode())
 
 
 def hydra_quoted(text: str) -> str:
@@ -164,7 +171,8 @@ def hydra_app(config_name: str):
             try:
                 check_overrides(sys.argv[1:], config_name)
             except DifflmError as err:
-                print(f"difflm: error: {err}", file=sys.stderr, flush=True)
+                if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank sees the same command line
+                    _say(f"difflm: error: {err}")
                 sys.exit(2)
             app()
 

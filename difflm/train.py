@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from difflm.cli import hydra_app, quote_free_text
 from difflm.config.validate import check_run
+from difflm.errors import DifflmError
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
 from difflm.training.preemption import EXIT_REQUEUE, exit_status, request_slurm_requeue
@@ -32,7 +33,12 @@ def run_dir_of_job(cfg) -> str:
 @hydra_app("train")
 def _main(cfg) -> None:
     world_size = world_size_from_env()
-    device = check_run(cfg, world_size)  # every check before any process group exists
+    try:
+        device = check_run(cfg, world_size)  # every check before any process group exists
+    except DifflmError:
+        if launch_env()["rank"] != 0:  # every rank failed the same check on the same config: rank 0 says it once
+            sys.exit(2)
+        raise
     if world_size > 1:
         device = init_distributed(device, timeout_s=cfg.train.collective_timeout)
     try:

@@ -220,3 +220,19 @@ def test_a_correct_command_line_reaches_hydra_unchanged(tmp_path):
                   f"run.dir={tmp_path}", timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "  hidden_size: 64\n" in out.stdout and "  sample_prompt: a=b\n" in out.stdout
+
+
+def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
+    """Every rank checks the same command line and config: rank 0 says what is wrong, the others exit 2 without a
+    word (a 2-rank launch printed each line twice, and two ranks' lines could run together)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cases = [("difflm.train", "model=tiny", "device=cpu", "parallel=ddp", "train.global_batch_size=6",
+              "train.micro_batch_size=4"),  # a config check (check_run)
+             ("difflm.train", "model.hiden_size=64")]  # a mistyped key (check_overrides)
+    for args in cases:
+        for rank in ("0", "1"):
+            monkeypatch.setenv("RANK", rank)
+            out = run_cli(*args, timeout=300)
+            assert out.returncode == 2, (args, rank, out.stderr[-500:])
+            lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difflm: error:")]
+            assert len(lines) == (1 if rank == "0" else 0), (args, rank, out.stderr[-500:])
