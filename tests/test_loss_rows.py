@@ -32,6 +32,11 @@ def test_rows_pad_to_whole_tiles_and_mark_each_sequence():
     assert rows.cu_seqlens_k().tolist() == [0, 64, 128, 192, 256]
     x = torch.arange(4 * 64 * 2, dtype=torch.float32).view(4, 64, 2)
     assert torch.equal(rows.select(x)[:7], x.flatten(0, 1)[index])
+    assert torch.equal(rows.in_given_order(rows.select(x)), x.flatten(0, 1)[index])
+    shuffled = index[torch.tensor([3, 0, 6, 1, 5, 2, 4])]  # any order: sorted for the sequences, given back in its own
+    rows = loss_rows(shuffled, batch=4, seq_len=64)
+    assert rows.index[:7].tolist() == index.tolist() and rows.cu_seqlens_q.tolist() == [0, 3, 6, 32, 32]
+    assert torch.equal(rows.in_given_order(rows.select(x)), x.flatten(0, 1)[shuffled])
 
 
 @pytest.mark.parametrize("mask,why", [
@@ -113,6 +118,9 @@ def test_full_block_where_rows_cannot_serve():
     mask = torch.zeros(2 * 64, dtype=torch.bool)
     mask[index] = True
     assert torch.allclose(on(ids, mask.view(2, 64)), on(ids, index), atol=1e-5)  # bool mask: full block, same rows
+    off.load_state_dict(on.state_dict())
+    shuffled = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(4))]
+    assert torch.allclose(on(ids, shuffled), off(ids, shuffled), atol=1e-5)  # any order: the logits in its order
     assert on._last_block_rows(torch.zeros(2, 64, 8), mask.view(2, 64), None, on.blocks(), 2, 64) is None
     assert on._last_block_rows(torch.zeros(2, 64, 8), index, None, on.blocks()[:-1], 2, 64) is None  # no last block
 

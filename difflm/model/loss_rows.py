@@ -31,12 +31,15 @@ class LossRows:
         index: [R] int64, positions in the flattened ``B * S`` tokens, ascending: the ``count`` loss rows, then the
             last of them repeated up to R, a multiple of :data:`ROWS_MULTIPLE`.
         count: N, how many rows carry loss (a host int: the length of the index the loss was given).
+        inverse: [N] int64, where each row of the given index sits in ``index`` (the given order is restored by
+            :meth:`in_given_order`; an ascending index, as the objectives give, maps to itself).
         cu_seqlens_q: [B + 1] int32, where each sequence's rows start in ``index`` (FlashAttention varlen queries).
         batch, seq_len: B and S.
     """
 
     index: torch.Tensor
     count: int
+    inverse: torch.Tensor
     cu_seqlens_q: torch.Tensor
     batch: int
     seq_len: int
@@ -44,6 +47,10 @@ class LossRows:
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of ``x`` [B, S, ...] (batch-first) as [R, ...]."""
         return x.flatten(0, 1).index_select(0, self.index)
+
+    def in_given_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, ...] computed at ``index`` -> [N, ...] in the order of the index the rows were built from."""
+        return rows.index_select(0, self.inverse)
 
     def cu_seqlens_k(self) -> torch.Tensor:
         """[B + 1] int32 offsets of whole sequences in the flattened keys and values: 0, S, 2 S, ..."""
@@ -53,7 +60,8 @@ class LossRows:
 
 def loss_rows(logits_mask: Optional[torch.Tensor], batch: int, seq_len: int) -> Optional[LossRows]:
     """:class:`LossRows` for a model call whose ``logits_mask`` is the [N] int64 index of the loss rows in the
-    flattened ``batch * seq_len`` tokens (row-major, ascending: ``NoisedBatch.loss_index``); None when there is no
+    flattened ``batch * seq_len`` tokens (``NoisedBatch.loss_index``: row-major, ascending; any order is taken and
+    sorted, and :meth:`LossRows.in_given_order` puts the results back); None when there is no
     such index (a boolean mask, whose count the host does not know, or none), when it is empty, or when the padded
     rows would not be fewer than the ``batch * seq_len`` tokens (then the full block costs no more)."""
     if logits_mask is None or logits_mask.dtype == torch.bool or logits_mask.dim() != 1:
@@ -62,12 +70,13 @@ def loss_rows(logits_mask: Optional[torch.Tensor], batch: int, seq_len: int) -> 
     padded = -(-count // ROWS_MULTIPLE) * ROWS_MULTIPLE
     if count == 0 or padded >= batch * seq_len:
         return None
-    index = logits_mask
+    index, order = torch.sort(logits_mask)  # each sequence's rows together, for FA4's varlen queries
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(count, device=order.device))
     if padded > count:
         index = torch.cat([index, index[-1:].expand(padded - count)])
     starts = torch.arange(0, (batch + 1) * seq_len, seq_len, device=index.device, dtype=index.dtype)
     cu = torch.searchsorted(index, starts).to(torch.int32)  # sorted index: no device-to-host copy
-    return LossRows(index=index, count=count, cu_seqlens_q=cu, batch=batch, seq_len=seq_len)
+    return LossRows(index=index, count=count, inverse=inverse, cu_seqlens_q=cu, batch=batch, seq_len=seq_len)
 
 
 __all__ = ["LossRows", "ROWS_MULTIPLE", "loss_rows"]

@@ -270,7 +270,7 @@ class Transformer(nn.Module):
             if self.final_norm is None:
                 return x
             if rows is not None:
-                return self.head(x[:rows.count])  # the rows' logits, in logits_mask's order
+                return self.head(rows.in_given_order(x))  # the rows' logits, in logits_mask's order
             return self.head(x, logits_mask)
 
     def _last_block_rows(self, x: torch.Tensor, logits_mask, kv_cache, blocks, batch: int,
