@@ -100,7 +100,11 @@ def _say(message: str) -> None:
     """``message`` and its newline on stderr in one write, so the lines of processes sharing it (torchrun's ranks)
     never run together."""
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), (message + "\n").encode())
+    try:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's capture): write to it
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
 
 def hydra_quoted(text: str) -> str:
