@@ -175,7 +175,9 @@ def hydra_app(config_name: str):
             try:
                 check_overrides(sys.argv[1:], config_name)
             except DifflmError as err:
-                if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank sees the same command line
+                from difflm.parallel.distributed import launch_env
+
+                if launch_env()["rank"] == 0:  # under torchrun or srun every rank sees the same command line
                     _say(f"difflm: error: {err}")
                 sys.exit(2)
             app()

@@ -236,3 +236,17 @@ def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
             assert out.returncode == 2, (args, rank, out.stderr[-500:])
             lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difflm: error:")]
             assert len(lines) == (1 if rank == "0" else 0), (args, rank, out.stderr[-500:])
+
+
+def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
+    """srun sets SLURM_PROCID, not RANK: the rank is read the one way the launch is (launch_env), so a mistyped key
+    is said once there too, also by an entry point that does not set RANK itself (difflm-eval)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for task in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        out = run_cli("difflm.evaluate", "eval.mc_sample=4", timeout=300)
+        assert out.returncode == 2, (task, out.stderr[-500:])
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difflm: error:")]
+        assert len(lines) == (1 if task == "0" else 0), (task, out.stderr[-500:])

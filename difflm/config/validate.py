@@ -432,7 +432,9 @@ def check_logger(lg) -> None:
 
     if importlib.util.find_spec("wandb") is None:
         raise DifflmError(WANDB_MISSING)
-    why = wandb_unreachable_reason(lg) if int(os.environ.get("RANK", "0")) == 0 else None
+    from difflm.parallel.distributed import launch_env
+
+    why = wandb_unreachable_reason(lg) if launch_env()["rank"] == 0 else None
     if why:
         raise DifflmError(why)
 
