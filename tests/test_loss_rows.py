@@ -29,7 +29,7 @@ def test_rows_pad_to_whole_tiles_and_mark_each_sequence():
     assert rows.count == 7 and rows.index.shape == (ROWS_MULTIPLE,)
     assert rows.index[:7].tolist() == index.tolist() and set(rows.index[7:].tolist()) == {130}
     assert rows.cu_seqlens_q.dtype == torch.int32 and rows.cu_seqlens_q.tolist() == [0, 3, 6, 32, 32]
-    assert rows.cu_seqlens_k().tolist() == [0, 64, 128, 192, 256]
+    assert rows.cu_seqlens_k.tolist() == [0, 64, 128, 192, 256]
     x = torch.arange(4 * 64 * 2, dtype=torch.float32).view(4, 64, 2)
     assert torch.equal(rows.select(x)[:7], x.flatten(0, 1)[index])
     assert torch.equal(rows.in_given_order(rows.select(x)), x.flatten(0, 1)[index])

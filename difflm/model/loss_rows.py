@@ -20,7 +20,9 @@ from typing import Optional
 
 import torch
 
-ROWS_MULTIPLE = 32  # TE's FP8 GEMMs take whole 32-row tiles (difflm.model.te_kernels.FP8_ROWS_MULTIPLE)
+from difflm.model.te_kernels import FP8_ROWS_MULTIPLE
+
+ROWS_MULTIPLE = FP8_ROWS_MULTIPLE  # TE's FP8 GEMMs take whole 32-row tiles
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class LossRows:
         inverse: [N] int64, where each row of the given index sits in ``index`` (the given order is restored by
             :meth:`in_given_order`; an ascending index, as the objectives give, maps to itself).
         cu_seqlens_q: [B + 1] int32, where each sequence's rows start in ``index`` (FlashAttention varlen queries).
+        cu_seqlens_k: [B + 1] int32, where each whole sequence starts in the flattened keys and values: 0, S, 2 S, ...
         batch, seq_len: B and S.
     """
 
@@ -41,6 +44,7 @@ class LossRows:
     count: int
     inverse: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
     batch: int
     seq_len: int
 
@@ -51,11 +55,6 @@ class LossRows:
     def in_given_order(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, ...] computed at ``index`` -> [N, ...] in the order of the index the rows were built from."""
         return rows.index_select(0, self.inverse)
-
-    def cu_seqlens_k(self) -> torch.Tensor:
-        """[B + 1] int32 offsets of whole sequences in the flattened keys and values: 0, S, 2 S, ..."""
-        return torch.arange(0, (self.batch + 1) * self.seq_len, self.seq_len, dtype=torch.int32,
-                            device=self.index.device)
 
 
 def loss_rows(logits_mask: Optional[torch.Tensor], batch: int, seq_len: int) -> Optional[LossRows]:
@@ -76,7 +75,8 @@ def loss_rows(logits_mask: Optional[torch.Tensor], batch: int, seq_len: int) -> 
         index = torch.cat([index, index[-1:].expand(padded - count)])
     starts = torch.arange(0, (batch + 1) * seq_len, seq_len, device=index.device, dtype=index.dtype)
     cu = torch.searchsorted(index, starts).to(torch.int32)  # sorted index: no device-to-host copy
-    return LossRows(index=index, count=count, inverse=inverse, cu_seqlens_q=cu, batch=batch, seq_len=seq_len)
+    return LossRows(index=index, count=count, inverse=inverse, cu_seqlens_q=cu, cu_seqlens_k=starts.to(torch.int32),
+                    batch=batch, seq_len=seq_len)
 
 
 __all__ = ["LossRows", "ROWS_MULTIPLE", "loss_rows"]

@@ -147,7 +147,7 @@ def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     if rows is not None and causal:
         raise ValueError("qkv_flash_attention: rows are for bidirectional attention (a causal query needs its "
                          "position in the sequence)")
-    varlen = (None, None, None) if rows is None else (rows.index, rows.cu_seqlens_q, rows.cu_seqlens_k())
+    varlen = (None, None, None) if rows is None else (rows.index, rows.cu_seqlens_q, rows.cu_seqlens_k)
     return _QKVFlashAttention.apply(qkv.contiguous(), cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads,
                                     head_dim, causal, *varlen)
 

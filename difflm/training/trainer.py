@@ -577,8 +577,7 @@ class Trainer:
         if values.device.type == "cuda":
             host = torch.empty(3, dtype=torch.float64, pin_memory=True)
             host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)  # also times the step on the device (_log_metrics)
-            event.record()
+            event = self._device_mark()  # also times the step on the device (_log_metrics)
         else:
             host = values
         return _StepRecord(step=self.step, data_step=self.data_step, lr=out["lr"], tokens=out["tokens"], log=log,
