@@ -49,6 +49,7 @@
 #   bash scripts/gpu_session.sh flashtiles|speed18|recheck  # FA4's SM90 tiles swept (scripts/flash_tiles.py);
 #                                        #        MegaDLMs BF16 beside this tree and .device-stage/old; the FP8,
 #                                        #        350m and 125m targets again (SMALL=1 / SMALL=bf16)
+#   bash scripts/gpu_session.sh qkvbwd  # the QKV backward's tiles per program: CUDA tests, this tree vs old (profiled)
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
@@ -57,7 +58,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -796,6 +797,26 @@ speed19)
     train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 \
     --row-timeout 110 --json "$OUT/bench_full.json" \
     --variant "full: $F $MB8 $FM model.last_block_loss_rows=false" 2>&1 | grep -A3 "^row " | tail -1
+  ;;
+qkvbwd)
+  # issue 17, session 35, one GPU: the QKV backward with several row tiles per program (fewer norm-scale partial
+  # sums) tested on CUDA, then the BF16 + FA4 + fused micro-batch 8 row of this tree and of .device-stage/old (the
+  # commit before), both profiled, in one call (quack tunes first unless .device-stage/quack_cache.tgz is carried;
+  # its cache comes back as quack_cache.tgz)
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  timeout 120 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -3
+  ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30"
+  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 300 python3 scripts/benchmark.py $ROW --row-timeout 290 --json "$OUT/bench.json" --profile this \
+    --variant "this: $F $FM" > "$OUT/bench.log" 2>&1
+  mkdir -p "$QUACK_CACHE_DIR" && tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 170 python3 scripts/benchmark.py $ROW --row-timeout 160 --json "$OUT/bench_old.json" --profile old \
+    --variant "old: $F $FM" > "$OUT/bench_old.log" 2>&1)
+  for f in bench.log bench_old.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | tail -1
+    grep -iE "qkv_heads|reduce|busy" "$OUT/$f" | head -8; done
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

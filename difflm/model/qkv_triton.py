@@ -6,7 +6,7 @@ backward kernels, because the backward feeds the un-rotated gradient into two re
 per-row norm and the norm scale's sum over rows) and so wrote it out in FP32 and read it twice. On an H200 at
 ``model=1.7b``, S = 4096, micro-batch 8 those kernels took 56 ms of a 1,414 ms step against ~26 ms for reading and
 writing the activations once (profile in docs/performance.md). Here a forward program owns a tile of rows (tokens)
-and every head of it (the RoPE tables and norm scales read once per tile), a backward program a tile of rows and one
+and every head of it (the RoPE tables and norm scales read once per tile), a backward program a few tiles of rows and one
 KV group, so both of the backward's reductions stay in registers: it reads the three incoming gradients and the saved
 QKV output once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per program
 (summed by ``torch.sum``, so the result is deterministic; no atomics).
@@ -108,24 +108,23 @@ def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr
 def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, dqkv_ptr, dw_ptr,
                          n_rows, inner, cos_s0, cos_s1, cos_sd, eps, gq_rs, gq_hs, gk_rs, gk_hs, gv_rs, gv_hs,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HB: tl.constexpr,
-                         BLOCK_T: tl.constexpr, QK_NORM: tl.constexpr, COPY_V: tl.constexpr):
-    """One program per tile of ``BLOCK_T`` rows and KV group (its query heads, key head and value head): the backward
-    reads and writes twice what the forward does per head, so it takes more programs in flight than one per tile.
-    Writes the QKV gradient and, with QK-norm, the program's partial sums of the query and key norm scales'
-    gradients to ``dw_ptr[tile, group, 0 | 1, :]`` (float32). The incoming gradients are read with row and head
-    strides (``g*_rs``, ``g*_hs``), so they may already sit in ``dqkv``'s slots: each element is read before the
-    value computed from it is written back, by the same program. ``COPY_V`` false: the value gradient is in place."""
+                         BLOCK_T: tl.constexpr, TILES: tl.constexpr, QK_NORM: tl.constexpr,
+                         COPY_V: tl.constexpr):
+    """One program per ``TILES`` consecutive tiles of ``BLOCK_T`` rows and one KV group (its query heads, key head
+    and value head): the backward reads and writes twice what the forward does per head, so it takes more programs
+    in flight than one per tile; and the norm scales' partial sums are kept across the program's tiles, so there are
+    ``TILES`` times fewer of them to sum afterwards. Writes the QKV gradient and, with QK-norm, the program's partial
+    sums of the query and key norm scales' gradients to ``dw_ptr[program, group, 0 | 1, :]`` (float32). The incoming
+    gradients are read with row and head strides (``g*_rs``, ``g*_hs``), so they may already sit in ``dqkv``'s
+    slots: each element is read before the value computed from it is written back, by the same program. ``COPY_V``
+    false: the value gradient is in place."""
     GROUP: tl.constexpr = H // HKV
     HALF: tl.constexpr = D // 2
     C: tl.constexpr = (H + 2 * HKV) * D
     dt = dqkv_ptr.dtype.element_ty
-    tile = tl.program_id(0)
+    program = tl.program_id(0)
     g = tl.program_id(1)
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, HB)
-    mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
-    row64 = rows[:, None].to(tl.int64)
-    c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
     dq1 = tl.zeros([HB], dtype=tl.float32)
     dq2 = tl.zeros([HB], dtype=tl.float32)
     dk1 = tl.zeros([HB], dtype=tl.float32)
@@ -133,45 +132,50 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
     if QK_NORM:
         qw1, qw2 = _load_scale(qw_ptr, d, HALF)
         kw1, kw2 = _load_scale(kw_ptr, d, HALF)
-    for j in tl.static_range(GROUP + 2 if COPY_V else GROUP + 1):
-        dst = dqkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
-        if j == GROUP + 1:
-            src = gv_ptr + row64 * gv_rs + g * gv_hs + d[None, :]
-            tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
-            tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
-        else:
-            if j < GROUP:
-                src = gq_ptr + row64 * gq_rs + (g * GROUP + j) * gq_hs + d[None, :]
+    for t in range(TILES):
+        rows = (program * TILES + t) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
+        row64 = rows[:, None].to(tl.int64)
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
+        for j in tl.static_range(GROUP + 2 if COPY_V else GROUP + 1):
+            dst = dqkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
+            if j == GROUP + 1:
+                src = gv_ptr + row64 * gv_rs + g * gv_hs + d[None, :]
+                tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
+                tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
             else:
-                src = gk_ptr + row64 * gk_rs + g * gk_hs + d[None, :]
-            g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            # the gradient of the rotation's input, in the compute dtype (eager autograd rounds it there)
-            y1 = (g1 * c1 + g2 * s2).to(dt).to(tl.float32)
-            y2 = (g2 * c2 + (-g1) * s1).to(dt).to(tl.float32)
-            if QK_NORM:
-                src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
-                x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-                x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-                r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
-                if j < GROUP:  # rows past n_rows load as 0 and add nothing
-                    w1, w2 = qw1, qw2
-                    dq1 += tl.sum(y1 * (x1 * r), 0)
-                    dq2 += tl.sum(y2 * (x2 * r), 0)
+                if j < GROUP:
+                    src = gq_ptr + row64 * gq_rs + (g * GROUP + j) * gq_hs + d[None, :]
                 else:
-                    w1, w2 = kw1, kw2
-                    dk1 += tl.sum(y1 * (x1 * r), 0)
-                    dk2 += tl.sum(y2 * (x2 * r), 0)
-                u1 = y1 * w1[None, :]
-                u2 = y2 * w2[None, :]
-                dot = ((tl.sum(u1 * x1, 1) + tl.sum(u2 * x2, 1)) / D)[:, None]
-                r3 = r * r * r
-                y1 = r * u1 - x1 * r3 * dot
-                y2 = r * u2 - x2 * r3 * dot
-            tl.store(dst, y1.to(dt), mask=mask)
-            tl.store(dst + HALF, y2.to(dt), mask=mask)
+                    src = gk_ptr + row64 * gk_rs + g * gk_hs + d[None, :]
+                g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                # the gradient of the rotation's input, in the compute dtype (eager autograd rounds it there)
+                y1 = (g1 * c1 + g2 * s2).to(dt).to(tl.float32)
+                y2 = (g2 * c2 + (-g1) * s1).to(dt).to(tl.float32)
+                if QK_NORM:
+                    src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
+                    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+                    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+                    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
+                    if j < GROUP:  # rows past n_rows load as 0 and add nothing
+                        w1, w2 = qw1, qw2
+                        dq1 += tl.sum(y1 * (x1 * r), 0)
+                        dq2 += tl.sum(y2 * (x2 * r), 0)
+                    else:
+                        w1, w2 = kw1, kw2
+                        dk1 += tl.sum(y1 * (x1 * r), 0)
+                        dk2 += tl.sum(y2 * (x2 * r), 0)
+                    u1 = y1 * w1[None, :]
+                    u2 = y2 * w2[None, :]
+                    dot = ((tl.sum(u1 * x1, 1) + tl.sum(u2 * x2, 1)) / D)[:, None]
+                    r3 = r * r * r
+                    y1 = r * u1 - x1 * r3 * dot
+                    y2 = r * u2 - x2 * r3 * dot
+                tl.store(dst, y1.to(dt), mask=mask)
+                tl.store(dst + HALF, y2.to(dt), mask=mask)
     if QK_NORM:
-        part = dw_ptr + (tile.to(tl.int64) * HKV + g) * 2 * D + d
+        part = dw_ptr + (program.to(tl.int64) * HKV + g) * 2 * D + d
         tl.store(part, dq1, mask=d < HALF)
         tl.store(part + HALF, dq2, mask=d < HALF)
         tl.store(part + D, dk1, mask=d < HALF)
@@ -181,6 +185,9 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
 # rows (tokens) per program and warps per program, forward and backward (scripts/qkv_speed.py times others)
 FWD_BLOCK_T, FWD_WARPS = 32, 4
 BWD_BLOCK_T, BWD_WARPS = 16, 2
+# tiles per backward program: the norm scales' partial sums left for torch.sum shrink by this factor (at 1.7B,
+# micro-batch 8, S = 4096, from 33.5 MB a call to 4.2 MB), while 4,096 programs still fill the GPU
+BWD_TILES = 8
 
 
 def _tables(qkv, cos, sin, head_dim: int):
@@ -249,7 +256,7 @@ def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_head
     gq, gk, gv = (t if _rows_mergeable(t) else t.contiguous() for t in (gq, gk, gv))
     cos, sin, n_rows, geometry = _launch_args(qkv, cos, sin, head_dim)
     norm = q_weight is not None
-    tiles = triton.cdiv(n_rows, BWD_BLOCK_T)
+    programs = triton.cdiv(n_rows, BWD_BLOCK_T * BWD_TILES)
     dqkv = torch.empty_like(qkv) if dqkv is None else dqkv
     if dqkv.shape != qkv.shape or dqkv.dtype != qkv.dtype or not dqkv.is_contiguous():
         raise ValueError(f"dqkv must be contiguous with qkv's shape {tuple(qkv.shape)} and dtype {qkv.dtype}; got "
@@ -258,13 +265,14 @@ def backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, eps: float, num_head
     copy_v = not (gv.data_ptr() == v_slot.data_ptr() and gv.stride() == v_slot.stride())
     if n_rows == 0:
         return dqkv, *((torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if norm else (None, None))
-    partial = torch.empty(tiles * num_kv_heads if norm else 1, 2, head_dim, device=qkv.device, dtype=torch.float32)
+    partial = torch.empty(programs * num_kv_heads if norm else 1, 2, head_dim, device=qkv.device,
+                          dtype=torch.float32)
     weights = (q_weight, k_weight) if norm else (qkv, qkv)
     strides = (*_row_head_strides(gq), *_row_head_strides(gk), *_row_head_strides(gv))
-    qkv_heads_bwd_kernel[(tiles, num_kv_heads)](
+    qkv_heads_bwd_kernel[(programs, num_kv_heads)](
         gq, gk, gv, qkv, cos, sin, *weights, dqkv, partial, *geometry, float(eps), *strides, H=num_heads,
-        HKV=num_kv_heads, D=head_dim, HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=BWD_BLOCK_T, QK_NORM=norm,
-        COPY_V=copy_v, num_warps=BWD_WARPS, enable_fp_fusion=False)
+        HKV=num_kv_heads, D=head_dim, HB=triton.next_power_of_2(head_dim // 2), BLOCK_T=BWD_BLOCK_T,
+        TILES=BWD_TILES, QK_NORM=norm, COPY_V=copy_v, num_warps=BWD_WARPS, enable_fp_fusion=False)
     if not norm:
         return dqkv, None, None
     dw = partial.sum(0)
