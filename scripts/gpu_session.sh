@@ -49,7 +49,9 @@
 #   bash scripts/gpu_session.sh flashtiles|speed18|recheck  # FA4's SM90 tiles swept (scripts/flash_tiles.py);
 #                                        #        MegaDLMs BF16 beside this tree and .device-stage/old; the FP8,
 #                                        #        350m and 125m targets again (SMALL=1 / SMALL=bf16)
-#   bash scripts/gpu_session.sh qkvbwd  # the QKV backward's tiles per program: CUDA tests, this tree vs old (profiled)
+#   bash scripts/gpu_session.sh qkvbwd|qkvbwd2  # the QKV backward's tiles per program, half the RoPE tables read:
+#                                        #        CUDA tests, settings timed in place, this tree vs old (profiled),
+#                                        #        MegaDLMs BF16 beside it
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
@@ -58,7 +60,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -817,6 +819,35 @@ qkvbwd)
     --variant "old: $F $FM" > "$OUT/bench_old.log" 2>&1)
   for f in bench.log bench_old.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | tail -1
     grep -iE "qkv_heads|reduce|busy" "$OUT/$f" | head -8; done
+  ;;
+qkvbwd2)
+  # issue 17, session 35, one GPU: the QKV kernels reading half the RoPE tables, tested on CUDA; the in-place backward
+  # timed under load at several BLOCK_TxWARPSxTILES settings (scripts/qkv_speed.py --in-place), the fastest written
+  # into this machine's copy of difflm/model/qkv_triton.py (printed); then the BF16 + FA4 + fused micro-batch 8 row
+  # of that tree and of .device-stage/old, profiled, and MegaDLMs BF16 beside the row again (quack's cache carried)
+  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  timeout 120 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -2
+  timeout 90 python3 scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --gemm-between 8 --json "$OUT/qkv_speed.json" \
+    --in-place ${QKV_SETTINGS:-16x2x8,16x2x1,16x4x8,32x4x4,32x2x4,32x4x8,64x4x2,8x1x16,16x2x16}
+  best=$(python3 -c "import json; r=[x for x in json.load(open('$OUT/qkv_speed.json')) if x['row'] != 'forward']; \
+print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
+  IFS=x read -r bt bw btl <<< "$best"; echo "backward setting used: $best"
+  sed -i "s/^BWD_BLOCK_T, BWD_WARPS = .*/BWD_BLOCK_T, BWD_WARPS = $bt, $bw/; s/^BWD_TILES = .*/BWD_TILES = $btl/" \
+    difflm/model/qkv_triton.py && grep -n "^BWD_" difflm/model/qkv_triton.py
+  ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
+    --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30 --row-timeout 160"
+  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
+  timeout 170 python3 scripts/benchmark.py $ROW --json "$OUT/bench_this.json" --profile this \
+    --variant "this: $F $FM" > "$OUT/bench_this.log" 2>&1
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 170 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --profile old \
+    --variant "old: $F $FM" > "$OUT/bench_old.log" 2>&1)
+  for f in bench_this.log bench_old.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | tail -1
+    grep -E "qkv_heads|reduce_kernel|device_ms" "$OUT/$f" | grep -v "0.000us" | cut -c1-120 | head -5; done
+  MB8="train.micro_batch_size=8"
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-200} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+  grep -E "^megadlms|^te-bf16" "$OUT/bench.log" | cut -c1-140
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

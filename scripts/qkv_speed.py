@@ -6,6 +6,13 @@ q / k / v; backward: read their gradients and the saved q / k, write the QKV gra
     python scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 125m-mb64=64,1024,12,12,64
 
 A shape is NAME=B,S,H,H_KV,D (QK-norm on). Prints ms per call and GB/s per row.
+
+    python scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --in-place 16x2x8,16x2x1,32x4x4 --gemm-between 8
+
+``--in-place`` instead times the backward as :mod:`difflm.model.qkv_flash` calls it (the incoming gradients already
+in the QKV gradient's slots, transformed there; the value slots left alone) at each BLOCK_TxWARPSxTILES setting
+(rows per tile, warps, tiles per program), and the forward without the value copy, with ``--gemm-between`` MLP-sized
+GEMMs before each call (``benchmark.median_ms_under_load``: a training step's clocks, not an isolated loop's).
 """
 from __future__ import annotations
 
@@ -25,8 +32,17 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", action="append", required=True, help="NAME=B,S,H,H_KV,D")
     ap.add_argument("--tiles", default="16x2,16x4,32x4,32x8,64x4,64x8",
                     help="Triton BLOCK_TxWARPS settings, each used forward and backward")
+    ap.add_argument("--in-place", default="", help="comma-separated BLOCK_TxWARPSxTILES backward settings, timed in "
+                    "place under load (module docstring) instead of the rows above")
+    ap.add_argument("--gemm-between", type=int, default=8, help="MLP-sized GEMMs before each --in-place call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.in_place:
+        results = [row for spec in args.shape for row in in_place_rows(spec, args.in_place.split(","),
+                                                                        args.gemm_between)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     from benchmark import median_cuda_ms
 
     from difflm.model import qkv_triton
@@ -70,6 +86,45 @@ def main(argv=None) -> None:
             results.append({"shape": name, "row": label, "fwd_ms": f, "bwd_ms": bw})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def in_place_rows(spec: str, settings: list[str], gemm_between: int) -> list[dict]:
+    """The forward (v left in place) and the in-place backward of :mod:`difflm.model.qkv_triton` at ``spec``
+    (NAME=B,S,H,H_KV,D, QK-norm on), the backward at each BLOCK_TxWARPSxTILES setting: ms per call under load and
+    GB/s against the bytes each must move (forward: read and write the q / k slots; backward: read the q / k
+    gradients and the saved q / k, write the QKV gradient's q / k slots)."""
+    from benchmark import median_ms_under_load
+
+    from difflm.model import qkv_triton
+    from difflm.model.qkv import head_slots
+    from difflm.model.rope import rope_angles, rope_tables
+
+    name, dims = spec.split("=")
+    b, s, h, hkv, d = (int(x) for x in dims.split(","))
+    qkv = (torch.randn(b, s, (h + 2 * hkv) * d, device="cuda") * 2).bfloat16()
+    qw, kw = (1 + 0.1 * torch.randn(d, device="cuda") for _ in range(2))
+    cos, sin = rope_tables(rope_angles(torch.arange(s, device="cuda"), d, 10000.0), "bshd")
+    args = (qkv, cos, sin, qw, kw, 1e-6, h, hkv, d)
+    dqkv = torch.randn_like(qkv)
+    incoming = [slot if slot is not None else torch.randn(b, s, h, d, device="cuda").bfloat16()
+                for slot in head_slots(dqkv, h, hkv, d)]
+    saved = dqkv.clone()
+    qk_bytes = b * s * (h + hkv) * d * 2  # one pass over the q and k heads, BF16
+    fwd_ms = median_ms_under_load(lambda: qkv_triton.forward(*args, dense_v=False), 20, 3, gemm_between, b * s)
+    print(f"\n{name}: B={b} S={s} H={h} H_kv={hkv} D={d}, {gemm_between} GEMMs before each call")
+    print(f"  forward (v in place)   {fwd_ms:7.3f} ms {2 * qk_bytes / fwd_ms / 1e6:6.0f} GB/s")
+    rows = [{"shape": name, "row": "forward", "ms": fwd_ms}]
+    default = qkv_triton.BWD_BLOCK_T, qkv_triton.BWD_WARPS, qkv_triton.BWD_TILES
+    try:
+        for setting in settings:
+            qkv_triton.BWD_BLOCK_T, qkv_triton.BWD_WARPS, qkv_triton.BWD_TILES = (int(x) for x in setting.split("x"))
+            ms = median_ms_under_load(lambda: qkv_triton.backward(*incoming, *args, dqkv=dqkv), 20, 3, gemm_between,
+                                      b * s, after=lambda: dqkv.copy_(saved))
+            print(f"  backward {setting:12s}  {ms:7.3f} ms {3 * qk_bytes / ms / 1e6:6.0f} GB/s")
+            rows.append({"shape": name, "row": f"backward {setting}", "ms": ms})
+    finally:
+        qkv_triton.BWD_BLOCK_T, qkv_triton.BWD_WARPS, qkv_triton.BWD_TILES = default
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,18 +6,18 @@ backward kernels, because the backward feeds the un-rotated gradient into two re
 per-row norm and the norm scale's sum over rows) and so wrote it out in FP32 and read it twice. On an H200 at
 ``model=1.7b``, S = 4096, micro-batch 8 those kernels took 56 ms of a 1,414 ms step against ~26 ms for reading and
 writing the activations once (profile in docs/performance.md). Here a forward program owns a tile of rows (tokens)
-and every head of it (the RoPE tables and norm scales read once per tile), a backward program a few tiles of rows and one
-KV group, so both of the backward's reductions stay in registers: it reads the three incoming gradients and the saved
-QKV output once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per program
-(summed by ``torch.sum``, so the result is deterministic; no atomics).
+and every head of it (the RoPE tables and norm scales read once per tile), a backward program a few tiles of rows
+and one KV group, so both of the backward's reductions stay in registers: it reads the three incoming gradients and
+the saved QKV output once and writes the QKV gradient once, plus one [D] partial sum of each norm scale's gradient per
+program (summed by ``torch.sum``, so the result is deterministic; no atomics).
 
 The arithmetic follows the eager composition operation for operation, in float32 (``F.rms_norm`` on the upcast
 head, the norm's output rounded to the compute dtype, ``x * cos + rotate_half(x) * sin``, and in the backward the
 gradient rounded to the compute dtype where eager autograd rounds it), with floating-point contraction off, so the
 values equal the eager ones up to the order of the norm's sum. Formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4)
 ``y = x * rsqrt(mean(x^2) + eps) * w``; its gradient ``dx = r (w dy) - x r^3 mean(w dy x)``, ``dw = sum dy x r``;
-RoPE (Su et al. 2021, eq. 34, rotate-half form) and its transpose ``dx1 = g1 cos1 + g2 sin2``,
-``dx2 = g2 cos2 - g1 sin1``.
+RoPE (Su et al. 2021, eq. 34, rotate-half form; both halves of a row rotate by the same angles, so only the tables'
+first half is read) and its transpose ``dx1 = g1 cos + g2 sin``, ``dx2 = g2 cos - g1 sin``.
 
 Runs on any device Triton runs on, including the CPU under ``TRITON_INTERPRET=1`` (how CI tests it).
 """
@@ -33,16 +33,16 @@ from difflm.model.qkv import head_slots
 
 
 @triton.jit
-def _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF: tl.constexpr):
-    """cos / sin of both halves of the head dimension for each row (token) of the tile: [T, HB] each."""
+def _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask):
+    """cos / sin of the first half of the head dimension for each row (token) of the tile: [T, HB] each. The second
+    half's are the same (rotate-half RoPE repeats the D/2 frequencies: :func:`difflm.model.rope.rope_angles`), so
+    they are not read: at one KV group per backward program the full tables were 40 % of each program's memory
+    traffic."""
     toff = (rows // inner).to(tl.int64) * cos_s0 + (rows % inner).to(tl.int64) * cos_s1
     lo = toff[:, None] + d[None, :] * cos_sd
-    hi = toff[:, None] + (d[None, :] + HALF) * cos_sd
-    c1 = tl.load(cos_ptr + lo, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + hi, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + lo, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + hi, mask=mask, other=0.0).to(tl.float32)
-    return c1, c2, s1, s2
+    c = tl.load(cos_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + lo, mask=mask, other=0.0).to(tl.float32)
+    return c, s
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr
     d = tl.arange(0, HB)
     mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
     row64 = rows[:, None].to(tl.int64)
-    c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
+    c, s = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask)
     if QK_NORM:
         qw1, qw2 = _load_scale(qw_ptr, d, HALF)
         kw1, kw2 = _load_scale(kw_ptr, d, HALF)
@@ -94,8 +94,8 @@ def qkv_heads_fwd_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr
                     # the norm's output in the compute dtype, as the unfused norm module returns it
                     x1 = (x1 * r * w1[None, :]).to(dt).to(tl.float32)
                     x2 = (x2 * r * w2[None, :]).to(dt).to(tl.float32)
-                o1 = x1 * c1 + (-x2) * s1
-                o2 = x2 * c2 + x1 * s2
+                o1 = x1 * c + (-x2) * s
+                o2 = x2 * c + x1 * s
                 if j < GROUP:
                     dst = q_ptr + (row64 * H + g * GROUP + j) * D + d[None, :]
                 else:
@@ -136,7 +136,7 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
         rows = (program * TILES + t) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask = (rows < n_rows)[:, None] & (d < HALF)[None, :]
         row64 = rows[:, None].to(tl.int64)
-        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask, HALF)
+        c, s = _rope_tables(cos_ptr, sin_ptr, rows, inner, cos_s0, cos_s1, cos_sd, d, mask)
         for j in tl.static_range(GROUP + 2 if COPY_V else GROUP + 1):
             dst = dqkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
             if j == GROUP + 1:
@@ -151,8 +151,8 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
                 g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
                 g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
                 # the gradient of the rotation's input, in the compute dtype (eager autograd rounds it there)
-                y1 = (g1 * c1 + g2 * s2).to(dt).to(tl.float32)
-                y2 = (g2 * c2 + (-g1) * s1).to(dt).to(tl.float32)
+                y1 = (g1 * c + g2 * s).to(dt).to(tl.float32)
+                y2 = (g2 * c + (-g1) * s).to(dt).to(tl.float32)
                 if QK_NORM:
                     src = qkv_ptr + row64 * C + (g * (GROUP + 2) + j) * D + d[None, :]
                     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -209,8 +209,10 @@ def forward(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_k
             dense_v: bool = True):
     """q [A0, A1, H, D], k and v [A0, A1, H_kv, D] (contiguous, ``qkv``'s dtype) from ``qkv`` [A0, A1, (H + 2 H_kv) D]
     (contiguous; [B, S, ...] or [S, B, ...]), the RoPE tables ``cos`` / ``sin`` (float32, broadcasting against
-    [A0, A1, 1, D]) and the QK-norm scales ``q_weight`` / ``k_weight`` [D] (None: no QK-norm). ``dense_v=False``: v
-    is the strided view of ``qkv``'s value heads (:func:`difflm.model.qkv.head_slots`), not a copy."""
+    [A0, A1, 1, D], the two halves of the last dim equal as :func:`difflm.model.rope.rope_angles` makes them; only
+    the first half is read) and the QK-norm scales ``q_weight`` / ``k_weight`` [D] (None: no QK-norm).
+    ``dense_v=False``: v is the strided view of ``qkv``'s value heads (:func:`difflm.model.qkv.head_slots`), not a
+    copy."""
     a0, a1 = qkv.shape[:2]
     q = qkv.new_empty(a0, a1, num_heads, head_dim)
     k = qkv.new_empty(a0, a1, num_kv_heads, head_dim)
