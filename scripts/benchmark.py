@@ -109,8 +109,7 @@ from torch import nn
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
-from difflm.config import CONF_DIR  # noqa: E402
-from difflm.config.schema import check_known_keys  # noqa: E402
+from difflm.config.compose import compose_train_config  # noqa: E402
 from difflm.config.validate import (  # noqa: E402
     check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
 from difflm.errors import DifflmError  # noqa: E402
@@ -192,42 +191,10 @@ class ReferenceTransformer(nn.Module):
 
 
 def compose(overrides: list[str]):
-    """``conf/train.yaml`` composed with ``overrides``; a Hydra error (unknown key or group option, bad
-    syntax or value) raises DifflmError with its message on one line; so does a key added with ``+`` that the
-    schema lacks, as in every entry point (:func:`difflm.config.schema.check_known_keys`)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name="train", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise DifflmError(hydra_message(e)) from None  # names the key or option at fault
-    check_known_keys(cfg)
-    return cfg
-
-
-def hydra_message(err: BaseException) -> str:
-    """Hydra's multi-line message on one line: its first line, the first line of its cause, the rest, the
-    available options comma-separated; without the search path, the grammar link and OmegaConf's key dump."""
-    def lines(text: str) -> list[str]:
-        out = []
-        for raw in text.splitlines():
-            line = raw.strip().rstrip(".")
-            if line.startswith("Config search path"):
-                break
-            if not line or line.startswith(("See https://", "full_key:", "reference_type=", "object_type=")):
-                continue
-            if raw.startswith("\t") and out:  # one option of an "Available options in 'model':" list
-                out[-1] += (" " if out[-1].endswith(":") else ", ") + line
-            else:
-                out.append(line)
-        return out
-
-    own, cause = lines(str(err)), lines(str(err.__cause__ or ""))
-    return ". ".join(own[:1] + cause[:1] + own[1:]) or type(err).__name__
+    """``conf/train.yaml`` composed with ``overrides``, checked as ``difflm-train`` checks its command line
+    (:func:`difflm.config.compose.compose_train_config`: a mistyped key or preset, another Hydra error or a ``+`` key
+    the schema lacks raises DifflmError with one line naming it)."""
+    return compose_train_config(overrides)
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

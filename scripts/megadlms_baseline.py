@@ -116,13 +116,10 @@ class Shape:
 
 def model_config(preset: str = "1.7b", vocab_size: int = 50304):
     """difflm's ``model=<preset>`` config (Hydra compose of conf/), vocabulary ``vocab_size``."""
-    from hydra import compose, initialize_config_dir
-
-    from difflm.config import CONF_DIR
+    from difflm.config.compose import compose_train_config
     from difflm.model import resolve_model_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"model={preset}"])
+    cfg = compose_train_config([f"model={preset}"])  # an unknown preset: DifflmError naming the closest
     resolve_model_config(cfg.model, vocab_size)
     return cfg.model
 

@@ -37,19 +37,14 @@ BASE = ["model=moe-tiny", "data.seq_len=64", "train.global_batch_size=8", "train
 
 
 def run(name: str, steps: int, root: Path, extra: list[str]) -> list[dict]:
-    from hydra import compose, initialize_config_dir
-
-    from difflm.config import CONF_DIR
-    from difflm.config.schema import check_known_keys
+    from difflm.config.compose import compose_train_config
     from difflm.config.validate import check_run
     from difflm.training.trainer import Trainer
 
     run_dir = root / name
     overrides = [*BASE, *SETTINGS[name], f"train.max_steps={steps}", f"run.dir={run_dir}",
                  f"data.cache_dir={root / 'cache'}", *extra]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    check_known_keys(cfg)  # a +key the schema lacks (extra overrides) would run unread
+    cfg = compose_train_config(overrides)  # a mistyped extra override is refused by name, not run unread
     Trainer(cfg, run_dir, check_run(cfg)).fit()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -250,18 +250,20 @@ def test_bad_base_override_is_one_line_exit_2(capsys):
     from conftest import REPO
 
     bench = load_script("benchmark")
-    assert bench.cli(["model=nosuch"]) == 2
+    assert bench.cli(["model=tinyy"]) == 2  # a mistyped preset: named, with the closest, as difflm-train says it
     err = capsys.readouterr().err
-    assert err.startswith("difflm: error: In 'train': Could not find 'model/nosuch'. Available options in 'model': ")
-    assert ", tiny" in err and err.count("\n") == 1
+    assert err.startswith("difflm: error: model=tinyy is not a model preset; did you mean model=tiny? (presets: ")
+    assert ", tiny)" in err and err.count("\n") == 1
+    assert bench.cli(["model=tiny", "model.num_layers=1,2"]) == 2  # not a typo: Hydra's own message, on one line
+    assert capsys.readouterr().err.startswith("difflm: error: Ambiguous value for argument 'model.num_layers=1,2'")
     assert bench.cli(["+model.nosuchkey=1"]) == 2  # + lets Hydra add any key; the schema check refuses it
     assert capsys.readouterr().err.startswith("difflm: error: +model.nosuchkey: model has no key nosuchkey")
     # the script itself: no Hydra traceback
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "model=tiny", "model.nosuchkey=1"],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "model=tiny", "model.hiden_size=1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("difflm: error: Could not override 'model.nosuchkey'. Key 'nosuchkey' not in 'ModelConfig'. "
-                           "To append to your config use +model.nosuchkey=1\n")
+    assert proc.stderr == ("difflm: error: model.hiden_size is not a config key; did you mean model.hidden_size? "
+                           "(difflm-train --cfg job prints every key)\n")
 
 
 def test_exit_status_1_when_every_difflm_row_fails(capsys):
@@ -270,7 +272,7 @@ def test_exit_status_1_when_every_difflm_row_fails(capsys):
     argv = [*SMALL, "--no-reference", "--variant", "te: model.backend=te", "--variant", "bad: model.nope=1"]
     assert bench.cli(argv) == 1
     printed = capsys.readouterr().out
-    assert "te: failed: " in printed and "bad: failed: Could not override 'model.nope'" in printed
+    assert "te: failed: " in printed and "bad: failed: model.nope is not a config key" in printed
     # a row of the reference alone does not count as a difflm row
     assert bench.exit_status({"rows": [{"name": "reference", "system": "reference", "tokens_per_s": 1.0},
                                        {"name": "te", "system": "difflm", "error": "x"}]}) == 1

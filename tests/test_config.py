@@ -67,6 +67,34 @@ def test_key_added_with_plus_must_be_in_the_schema(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize("caller", ["compose", "benchmark", "moe_balance", "megadlms_baseline"])
+def test_scripts_compose_with_the_entry_points_checks(caller, tmp_path):
+    """Every place that composes the train config outside difflm-train (difflm.config.compose, the benchmark, the MoE
+    balance sweep, the MegaDLMs flags, difflm-import) refuses a mistyped key or preset with difflm-train's one line,
+    naming the closest, before anything runs."""
+    from conftest import load_script
+
+    from difflm.config.compose import compose_train_config
+
+    preset = "model=tinyy is not a model preset; did you mean model=tiny? (presets: "
+    key = ("model.hiden_size is not a config key; did you mean model.hidden_size? (difflm-train --cfg job prints "
+           "every key)")
+    if caller == "megadlms_baseline":  # composes model=<preset> only
+        calls = [(lambda: load_script(caller).model_config("tinyy"), preset)]
+    elif caller == "moe_balance":  # its extra overrides go on every run
+        balance = load_script(caller)
+        calls = [(lambda: balance.run("aux_free", 1, tmp_path, ["model.hiden_size=8"]), key)]
+    else:
+        compose = compose_train_config if caller == "compose" else load_script(caller).compose
+        calls = [(lambda: compose(["model=tinyy"]), preset),
+                 (lambda: compose(["model=tiny", "model.hiden_size=8"]), key)]
+    for call, message in calls:
+        with pytest.raises(DifflmError) as err:
+            call()
+        assert str(err.value).startswith(message), str(err.value)
+    assert not list(tmp_path.iterdir())  # refused before a run directory was made
+
+
 def test_known_key_added_with_plus_and_free_form_dicts_are_kept():
     from dataclasses import dataclass, field
 

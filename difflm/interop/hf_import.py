@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
 from difflm.cli import hydra_app
-from difflm.config import CONF_DIR
+from difflm.config.compose import compose_train_config
 from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
@@ -221,15 +221,6 @@ def resize_vocab(weight: torch.Tensor, vocab: int, real_tokens: int, reinit: lis
     return out
 
 
-def compose_train(overrides: list[str]):
-    """The ``train`` config composed from difflm's conf tree (inside ``difflm-import``'s Hydra app or outside)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():  # within @hydra.main: its search path is difflm's conf/
-        return compose("train", overrides=overrides)
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=overrides)
 
 
 # a difflm export's config.json key -> the ``gen.*`` key it records (difflm.interop.export.hf_config)
@@ -354,7 +345,7 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
         hf_tok.save_pretrained(str(tok_dir))
         tok = build_tokenizer(str(tok_dir), vocab_multiple)
 
-        cfg = compose_train([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
+        cfg = compose_train_config([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
         for key, value in dims.items():
             cfg.model[key] = value
         cfg.model.name, cfg.model.vocab_multiple = "imported", vocab_multiple
