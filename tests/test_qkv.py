@@ -127,6 +127,10 @@ _INTERPRETED = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_qkv import _in_place_against_copies, _triton_against_eager
+from difflm.model import qkv_triton
+# backward programs of two tiles: the interpreter runs every tile of a program, masked or not, so the committed
+# count (16) would spend most of its time on empty tiles of these few rows; the CUDA tests run the committed one
+qkv_triton.BWD_TILES = 2
 out = []
 for layout in ("bshd", "sbhd"):
     for heads, kv_heads in ((4, 4), (4, 2), (6, 1)):
@@ -136,7 +140,6 @@ for layout in ("bshd", "sbhd"):
                             *_triton_against_eager("cpu", torch.float32, layout, heads, kv_heads, qk_norm, d, 3, 13),
                             *(_in_place_against_copies("cpu", torch.float32, layout, heads, kv_heads, qk_norm, d, 3, 13)
                               if layout == "bshd" else (None, None))])  # qkv_flash runs batch-first only
-from difflm.model import qkv_triton
 # rows for more than two backward programs, the last one partial: the norm scales' partial sums across programs
 span = qkv_triton.BWD_BLOCK_T * qkv_triton.BWD_TILES
 out.append([span, *_triton_against_eager("cpu", torch.float32, "bshd", 4, 2, True, 16, 2, span + 11),
@@ -154,7 +157,7 @@ print(json.dumps(out))
 def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     """The Triton kernels, run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
     imported, so in a process of its own), against the eager composition in float32: both layouts, MHA and GQA,
-    with and without QK-norm, a head size whose half is not a power of two, 39 rows (partial tiles), rows for three
+    with and without QK-norm, a head size whose half is not a power of two, 39 rows (partial tiles), rows for four
     backward programs (the norm scales' gradients summed across programs), and no rows.
     Without QK-norm the values and gradients are bitwise equal; with it, they differ by the order of the norm's sum.
     The path of :mod:`difflm.model.qkv_flash` (v a view, gradients transformed in their slots; batch-first, as it
@@ -173,7 +176,7 @@ def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rows.pop() == [[2, 0, 2, 16], [2, 0, 96], 0.0]  # no tokens: empty outputs, zero scale gradients
     span, values, grads, in_place, v_is_view = rows.pop()
-    assert span >= 16 and values < 2e-6 and max(grads) < 1e-6 and len(grads) == 3, (span, values, grads)
+    assert span >= 8 and values < 2e-6 and max(grads) < 1e-6 and len(grads) == 3, (span, values, grads)
     assert in_place == 0.0 and v_is_view
     assert len(rows) == 24
     for layout, heads, kv_heads, qk_norm, d, values, grads, in_place, v_is_view in rows:
