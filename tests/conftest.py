@@ -38,6 +38,30 @@ def fast_cfg(tmp_path):
     return make
 
 
+def straight_and_resumed(fast_cfg, tmp_path, overrides, stop_at: int = 3) -> tuple[Path, Path, object]:
+    """Train ``overrides`` (on top of :func:`fast_cfg`) straight through into ``tmp_path/a``, and again into
+    ``tmp_path/b`` stopped after ``stop_at`` steps, checkpointed and resumed by a new Trainer (on the CPU). Returns the
+    two run directories, whose ``metrics.jsonl`` an exact resume makes equal after ``stop_at``, and the resumed
+    Trainer after its last step."""
+    import torch
+
+    from difflm.training.trainer import Trainer
+
+    cpu = torch.device("cpu")
+    straight = fast_cfg(*overrides, f"run.dir={tmp_path / 'a'}")
+    Trainer(straight, straight.run.dir, cpu).fit()
+    interrupted = fast_cfg(*overrides, f"run.dir={tmp_path / 'b'}")
+    first = Trainer(interrupted, interrupted.run.dir, cpu)
+    for _ in range(stop_at):
+        first.train_step()
+    first.save()
+    del first
+    resumed = Trainer(fast_cfg(*overrides, f"run.dir={tmp_path / 'b'}"), tmp_path / "b", cpu)
+    assert resumed.resumed_from == stop_at
+    resumed.fit()
+    return tmp_path / "a", tmp_path / "b", resumed
+
+
 def run_cli(*args: str, cwd=None, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run a difflm entry point as a user would (``python -m difflm.<module> ...``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")

@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, straight_and_resumed
 from difflm.config.schema import DataConfig
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.data.blend import BlendedSampler, BlendedWindows, blend_entries
 from difflm.errors import DifflmError
-from difflm.training.trainer import Trainer
 
 NEOX = REPO / "difflm/assets/tokenizers/gpt-neox-20b"
 SHAKESPEARE = REPO / "difflm/assets/corpora/tinyshakespeare/input.txt"
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +116,8 @@ def test_blend_resume_is_bit_exact_with_per_source_val_nelbo(corpora, fast_cfg, 
     a, b = corpora
     common = [blend_override(a, b), "train.max_steps=6", "train.save_every=3", "logger.log_every=1",
               "train.eval_every=3", "objective.random_length_prob=0.3"]
-    straight = fast_cfg(*common, f"run.dir={tmp_path / 'a'}")
-    Trainer(straight, straight.run.dir, CPU).fit()
-
-    interrupted = fast_cfg(*common, f"run.dir={tmp_path / 'b'}")
-    first = Trainer(interrupted, interrupted.run.dir, CPU)
-    for _ in range(3):
-        first.train_step()
-    first.save()
-    del first
-    resumed = Trainer(fast_cfg(*common, f"run.dir={tmp_path / 'b'}"), tmp_path / "b", CPU)
-    assert resumed.resumed_from == 3
-    resumed.fit()
-    ra, rb = val_rows(tmp_path / "a"), val_rows(tmp_path / "b")
+    dir_a, dir_b, _ = straight_and_resumed(fast_cfg, tmp_path, common)
+    ra, rb = val_rows(dir_a), val_rows(dir_b)
     for step in (4, 5, 6):
         assert ra[step]["loss"] == rb[step]["loss"]  # bit-exact
         assert ra[step]["data_share/a"] == rb[step]["data_share/a"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import straight_and_resumed
 from difflm.checkpoint.store import latest_checkpoint, list_checkpoints
 from difflm.errors import DifflmError
 from difflm.training.trainer import Trainer
@@ -23,20 +24,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_resume_is_bit_exact(fast_cfg, tmp_path):
     common = ["train.max_steps=6", "train.save_every=3", "logger.log_every=1", "train.eval_every=0",
               "objective.random_length_prob=0.3", "objective.t_sampling=antithetic"]
-    straight = fast_cfg(*common, f"run.dir={tmp_path / 'a'}")
-    Trainer(straight, straight.run.dir, CPU).fit()
-
-    interrupted = fast_cfg(*common, f"run.dir={tmp_path / 'b'}")
-    first = Trainer(interrupted, interrupted.run.dir, CPU)
-    for _ in range(3):
-        first.train_step()
-    first.save()
-    del first
-    resumed = Trainer(fast_cfg(*common, f"run.dir={tmp_path / 'b'}"), tmp_path / "b", CPU)
-    assert resumed.resumed_from == 3
-    resumed.fit()
-
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    dir_a, dir_b, resumed = straight_and_resumed(fast_cfg, tmp_path, common)
+    a, b = losses(dir_a), losses(dir_b)
     assert sorted(b) == [4, 5, 6]
     assert [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]  # bit-exact
     straight_again = Trainer(fast_cfg(*common, f"run.dir={tmp_path / 'a'}"), tmp_path / "a", CPU)
