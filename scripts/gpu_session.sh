@@ -139,6 +139,14 @@ sdpa_rows() {
     "350m-torch-compiled-mb16: $C $M350_16" "350m-te-bf16-mb16: $T $M350_16" "350m-flash-mb16: $F $M350_16"
 }
 
+# quack's tuned tiles and compiled kernels from an earlier call (.device-stage/quack_cache.tgz, carried), unpacked
+# into $QUACK_CACHE_DIR (default /root/quack_cache), so the 1.7B GEMM shapes are not tuned again
+restore_quack_cache() {
+  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
+  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  return 0
+}
+
 case "$part" in
 single)
   B="objective=bd3lm objective.block_size=16 model.attention_backend=flex"
@@ -577,8 +585,7 @@ speed13)
   # issue 17, session 28, one GPU: the BF16 comparison against MegaDLMs again, with S=2048 also at micro-batch 16
   # (32 k tokens a micro-batch, as S=4096 at 8); quack's cache of `settle` unpacked first when carried
   # (.device-stage/quack_cache.tgz), so the 32 k-token shapes are not tuned again
-  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms 4096x16,2048x32 \
     "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" \
@@ -601,8 +608,8 @@ quackqkv)
   # clipping inside the fused AdamW, tested; the optimizer alone; the BF16 + FA4 + fused micro-batch 8 row (its new
   # QKV shapes autotuned, profiled) beside the same row of the commit before (exported with `git archive <rev> difflm
   # conf scripts pyproject.toml` into .device-stage/old, carried); quack's cache comes back as quack_cache.tgz
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 150 python3 -m pytest tests/test_quack_mlp.py tests/test_step_syncs.py tests/test_optimizer.py -q \
     -p no:cacheprovider -rs 2>&1 | tail -4
@@ -622,8 +629,7 @@ quackqkv)
 speed15)
   # issue 17, session 29, one GPU: the BF16 comparison against MegaDLMs with the quack QKV input and the clipping
   # inside the fused AdamW (run after quackqkv on the same machine, or with its quack_cache.tgz carried)
-  export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=${MEGADLMS_PRECISIONS:-bf16} BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms \
     ${SHAPES:-4096x16,2048x32} "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
@@ -635,8 +641,8 @@ projcast)
   # BF16 + FA4 + fused micro-batch 8 row with them (profiled); quack's cache comes back as quack_cache.tgz. (When it
   # ran, the tree also had the attention output projection on quack and a QKV backward kernel taking several KV
   # groups per program; neither was kept: docs/performance.md.)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache} DIFFLM_TEST_REPORT=$OUT/report.jsonl
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 200 python3 -m pytest tests/test_quack_mlp.py tests/test_qkv.py -q -p no:cacheprovider -rs 2>&1 | tail -4
   timeout 330 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
@@ -652,8 +658,8 @@ speed16)
   # FP32 and added by autograd in a pass of its own) tested with the CUDA graphs and QKV tests; then MegaDLMs BF16 at
   # S=4096, the BF16 + FA4 + fused micro-batch 8 row of this commit and of the commit before (.device-stage/old) in
   # one call, and difflm-train at that shape
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 150 python3 -m pytest tests/test_quack_mlp.py tests/test_cuda_graphs.py tests/test_qkv.py -q -p no:cacheprovider \
     -rs -k "not interpreter" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -12
@@ -671,8 +677,8 @@ projab)
   # issue 17, session 30, one GPU: the BF16 + FA4 + fused micro-batch 8 row of this tree and of .device-stage/old in
   # one call. When it ran, this tree had the attention output projection on quack's GEMM and old was the same tree
   # with TE's Linear there: quack's was 0.4 % slower, and the slot was removed (docs/performance.md)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 140"
   FM="model.fused_mlp=true model.fused_mlp_autotune=true"
@@ -687,8 +693,8 @@ qkvflash)
   # place, FA4's gradients written into the QKV gradient's slots) tested against the two-call path, the model tests
   # (quack's in-place weight gradients, TE parity with flash); the BF16 + FA4 + fused micro-batch 8 row of this tree
   # (profiled) and of .device-stage/old (the commit before) in one call
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache} DIFFLM_TEST_REPORT=$OUT/report.jsonl
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  restore_quack_cache
   timeout 150 python3 -m pytest tests/test_qkv.py tests/test_quack_mlp.py tests/test_te_backend.py -q -p no:cacheprovider \
     -rs -k "not interpreter and (qkv or fused or parity or flash)" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -12
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
@@ -704,8 +710,8 @@ qkvflash)
 speed17)
   # issue 17, session 31, one GPU (after qkvflash on the same machine): MegaDLMs BF16 at S=4096 beside the BF16 +
   # FA4 + fused micro-batch 8 row with the value heads read in place, then difflm-train at that shape
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
   tail -8 "$OUT/bench.log"
@@ -722,8 +728,8 @@ flashtiles)
 speed18)
   # issue 17, session 32, one GPU: MegaDLMs BF16 at S=4096 beside the BF16 + FA4 + fused micro-batch 8 row of this
   # tree, then the same row of .device-stage/old (the commit before) in the same call
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
   tail -6 "$OUT/bench.log"
@@ -755,8 +761,8 @@ checks)
   # issue 17, session 33, one GPU: where the BF16 + FA4 + fused micro-batch 8 step's small classes go (the profile's
   # per-class kernel lists), the two timing scripts on their shared loop (benchmark.median_ms_under_load), and the
   # CUDA tests of the TE kernel set and the step's syncs
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   FM="model.fused_mlp=true model.fused_mlp_autotune=${AUTOTUNE:-false}"  # untuned GEMMs: the small classes are the question
   timeout 200 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=8 \
     train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate --steps 4 --warmup 3 \
@@ -774,8 +780,8 @@ lossrows)
   # issue 17, session 34, one GPU: the last block at the loss rows (model.last_block_loss_rows): its CUDA tests (FA4
   # varlen queries in the QKV + FA4 function, quack's MLP at default tiles), then the BF16 + FA4 + fused micro-batch 8
   # row with and without it in one call (quack tunes first; its cache comes back as quack_cache.tgz)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   timeout 150 python3 -m pytest tests/test_loss_rows.py tests/test_qkv.py -q -p no:cacheprovider -rs -x \
     -k "gpu or flash" 2>&1 | tail -6
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
@@ -790,8 +796,8 @@ speed19)
   # issue 17, session 34, one GPU: MegaDLMs BF16 at S=4096 beside the BF16 + FA4 + fused micro-batch 8 row with the
   # last block at the loss rows (quack's tuned tiles from .device-stage/quack_cache.tgz or this machine's cache),
   # then the same row without it (not with ROWS_ONLY=1)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
   tail -6 "$OUT/bench.log"
@@ -805,8 +811,8 @@ qkvbwd)
   # sums) tested on CUDA, then the BF16 + FA4 + fused micro-batch 8 row of this tree and of .device-stage/old (the
   # commit before), both profiled, in one call (quack tunes first unless .device-stage/quack_cache.tgz is carried;
   # its cache comes back as quack_cache.tgz)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   timeout 120 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -3
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30"
@@ -825,8 +831,8 @@ qkvbwd2)
   # timed under load at several BLOCK_TxWARPSxTILES settings (scripts/qkv_speed.py --in-place), the fastest written
   # into this machine's copy of difflm/model/qkv_triton.py (printed); then the BF16 + FA4 + fused micro-batch 8 row
   # of that tree and of .device-stage/old, profiled, and MegaDLMs BF16 beside the row again (quack's cache carried)
-  export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  [ -f .device-stage/quack_cache.tgz ] && mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
   timeout 120 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -2
   timeout 90 python3 scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --gemm-between 8 --json "$OUT/qkv_speed.json" \
     --in-place ${QKV_SETTINGS:-16x2x8,16x2x1,16x4x8,32x4x4,32x2x4,32x4x8,64x4x2,8x1x16,16x2x16}
