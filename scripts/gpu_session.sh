@@ -72,6 +72,8 @@ T="model.backend=te model.attention_backend=te"
 F="model.backend=te model.attention_backend=flash"  # TE with FlashAttention 4
 S2="data.seq_len=2048 train.global_batch_size=32"    # model=1.7b at S=2048 (MegaDLMs' second shape)
 M350_16="model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16"
+MB8="train.micro_batch_size=8"                                   # model=1.7b's micro-batch since session 24
+FM="model.fused_mlp=true model.fused_mlp_autotune=true"          # quack's MLP half block and QKV input, tuned tiles
 
 # model=1.7b, S=4096, micro-batch 4 x 4 against MegaDLMs (shapes "$1") on GPU 0, one 575 s call: bench_vs_megadlms SHAPES VARIANT...
 bench_vs_megadlms() {
@@ -438,7 +440,6 @@ speed9)
 speed10)
   # issue 17, session 24, one GPU (the call after speed9, same machine): the comparison against MegaDLMs at both shapes
   # with difflm at micro-batch 8 (same global batches), FP8 + FP8 attention and BF16 + FA4, beside the default BF16 row
-  MB8="train.micro_batch_size=8"
   BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 \
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" "te-bf16-flash-mb8: $F $MB8" \
     "te-bf16-flash-s2048-mb8: $F $S2 $MB8" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8" "te-bf16: $T"
@@ -501,7 +502,6 @@ qkvtriton)
   grep qkv_triton "$OUT/report.jsonl"
   timeout 120 python3 scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 350m-mb16=16,2048,16,16,64 \
     --shape 125m-mb64=64,1024,12,12,64 --json "$OUT/qkv_speed.json" 2>&1 | tail -32
-  MB8="train.micro_batch_size=8"
   timeout 280 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
     precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 120 \
     --time-budget 270 --json "$OUT/bench_qkv.json" --profile te-bf16-flash-mb8 --profile-rows 40 \
@@ -523,7 +523,6 @@ qkvtriton2)
   ;;
 speed11)
   # issue 17, session 26, one GPU: the comparison against MegaDLMs at both shapes with the Triton QKV kernels
-  MB8="train.micro_batch_size=8"
   BENCH_BUDGET=${BENCH_BUDGET:-570} bench_vs_megadlms 4096x16,2048x32 \
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" "te-bf16-flash-mb8: $F $MB8" \
     "te-bf16-flash-s2048-mb8: $F $S2 $MB8" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
@@ -550,7 +549,6 @@ fusedmlp)
 speed12)
   # issue 17, session 27, one GPU: the comparison against MegaDLMs with the fused MLP in the BF16 rows (run after
   # fusedmlp on the same machine, so quack's autotuning cache holds the S=4096 shapes)
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" \
     "te-bf16-flash-s2048-mb8-fusedmlp: $F $S2 $MB8 $FM" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
@@ -568,7 +566,6 @@ settle)
   # with `git archive <rev> difflm conf pyproject.toml` into .device-stage/old, carried), at the BF16 + FA4 + fused MLP
   # (autotuned) micro-batch 8 shape; quack's cache (tuned tiles, compiled kernels) comes back as quack_cache.tgz
   export CUDA_VISIBLE_DEVICES=0 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 100 python3 -m pytest tests/test_step_syncs.py -q -p no:cacheprovider -rs 2>&1 | tail -3
   timeout 330 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
     precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 320 \
@@ -586,7 +583,6 @@ speed13)
   # (32 k tokens a micro-batch, as S=4096 at 8); quack's cache of `settle` unpacked first when carried
   # (.device-stage/quack_cache.tgz), so the 32 k-token shapes are not tuned again
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms 4096x16,2048x32 \
     "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" \
     "te-bf16-flash-s2048-mb8-fusedmlp: $F $S2 $MB8 $FM"
@@ -596,7 +592,6 @@ speed14)
   # issue 17, session 28, one GPU: every 1.7B target against MegaDLMs (BF16 and FP8) in one call, run after speed13
   # on the same machine (quack's cache holds the 32 k-token shapes); S=2048 BF16 at micro-batch 16
   export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   BENCH_BUDGET=${BENCH_BUDGET:-560} bench_vs_megadlms 4096x16,2048x32 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
     "te-fp8-dpa-mb8: $T precision=fp8 precision.fp8_attention=true $MB8" \
     "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" "te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
@@ -610,7 +605,6 @@ quackqkv)
   # conf scripts pyproject.toml` into .device-stage/old, carried); quack's cache comes back as quack_cache.tgz
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 150 python3 -m pytest tests/test_quack_mlp.py tests/test_step_syncs.py tests/test_optimizer.py -q \
     -p no:cacheprovider -rs 2>&1 | tail -4
   timeout 60 python3 scripts/optimizer_speed.py model=1.7b 2>&1 | tail -6
@@ -630,7 +624,6 @@ speed15)
   # issue 17, session 29, one GPU: the BF16 comparison against MegaDLMs with the quack QKV input and the clipping
   # inside the fused AdamW (run after quackqkv on the same machine, or with its quack_cache.tgz carried)
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=${MEGADLMS_PRECISIONS:-bf16} BENCH_BUDGET=${BENCH_BUDGET:-540} bench_vs_megadlms \
     ${SHAPES:-4096x16,2048x32} "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM" \
     "te-bf16-flash-s2048-mb16-fusedmlp: $F $S2 train.micro_batch_size=16 $FM" ${EXTRA_ROWS:+"$EXTRA_ROWS"}
@@ -643,7 +636,6 @@ projcast)
   # groups per program; neither was kept: docs/performance.md.)
   export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 200 python3 -m pytest tests/test_quack_mlp.py tests/test_qkv.py -q -p no:cacheprovider -rs 2>&1 | tail -4
   timeout 330 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
     precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 320 \
@@ -660,7 +652,6 @@ speed16)
   # one call, and difflm-train at that shape
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 150 python3 -m pytest tests/test_quack_mlp.py tests/test_cuda_graphs.py tests/test_qkv.py -q -p no:cacheprovider \
     -rs -k "not interpreter" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -12
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
@@ -681,7 +672,6 @@ projab)
   restore_quack_cache
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 140"
-  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 150 python3 scripts/benchmark.py $ROW --json "$OUT/bench.json" --variant "this: $F $FM" \
     > "$OUT/bench.log" 2>&1; grep -A3 "^row " "$OUT/bench.log" | tail -1
   (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages timeout 150 python3 \
@@ -699,7 +689,6 @@ qkvflash)
     -rs -k "not interpreter and (qkv or fused or parity or flash)" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -12
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 140"
-  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 175 python3 scripts/benchmark.py $ROW --row-timeout 165 --json "$OUT/bench.json" --profile this --profile-rows 40 \
     --variant "this: $F $FM" > "$OUT/bench.log" 2>&1; grep -A3 "^row " "$OUT/bench.log" | tail -1
   grep -i "busy\|share" "$OUT/bench.log" | tail -4
@@ -712,7 +701,6 @@ speed17)
   # FA4 + fused micro-batch 8 row with the value heads read in place, then difflm-train at that shape
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
   tail -8 "$OUT/bench.log"
   TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
@@ -730,7 +718,6 @@ speed18)
   # tree, then the same row of .device-stage/old (the commit before) in the same call
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fusedmlp: $F $MB8 $FM"
   tail -6 "$OUT/bench.log"
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
@@ -744,7 +731,6 @@ recheck)
   # tree: MegaDLMs FP8 at S=4096 beside difflm's FP8 + FP8 attention micro-batch 8 row (SMALL=1: instead, the
   # 350m FP8 + FA4 and 125m BF16 + FA4 rows; SMALL=bf16: the 350m BF16 rows)
   export CUDA_VISIBLE_DEVICES=0
-  MB8="train.micro_batch_size=8"
   if [ "${SMALL:-}" = bf16 ]; then  # 350m in BF16 + FA4, without and with the fused MLP (its tiles tuned first)
     bench_small 280 bench_small_bf16.json "350m-flash-bf16-mb16: $F $M350_16" \
       "350m-flash-bf16-mb16-fusedmlp: $F $M350_16 model.fused_mlp=true model.fused_mlp_autotune=true"
@@ -784,7 +770,6 @@ lossrows)
   restore_quack_cache
   timeout 150 python3 -m pytest tests/test_loss_rows.py tests/test_qkv.py -q -p no:cacheprovider -rs -x \
     -k "gpu or flash" 2>&1 | tail -6
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout ${BENCH_BUDGET:-340} python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 \
     precision=bf16 device=cuda --no-reference --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 260 \
     --time-budget $((${BENCH_BUDGET:-340} - 10)) --json "$OUT/bench_rows.json" --variant "rows: $F $MB8 $FM" \
@@ -798,7 +783,6 @@ speed19)
   # then the same row without it (not with ROWS_ONLY=1)
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
-  MB8="train.micro_batch_size=8" FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-330} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
   tail -6 "$OUT/bench.log"
   [ -n "${ROWS_ONLY:-}" ] || timeout 120 python3 scripts/benchmark.py model=1.7b data.seq_len=4096 $MB8 \
@@ -816,7 +800,6 @@ qkvbwd)
   timeout 120 python3 -m pytest tests/test_qkv.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -3
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30"
-  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 300 python3 scripts/benchmark.py $ROW --row-timeout 290 --json "$OUT/bench.json" --profile this \
     --variant "this: $F $FM" > "$OUT/bench.log" 2>&1
   mkdir -p "$QUACK_CACHE_DIR" && tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
@@ -843,7 +826,6 @@ print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
     difflm/model/qkv_triton.py && grep -n "^BWD_" difflm/model/qkv_triton.py
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30 --row-timeout 160"
-  FM="model.fused_mlp=true model.fused_mlp_autotune=true"
   timeout 170 python3 scripts/benchmark.py $ROW --json "$OUT/bench_this.json" --profile this \
     --variant "this: $F $FM" > "$OUT/bench_this.log" 2>&1
   [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
@@ -851,7 +833,6 @@ print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
     --variant "old: $F $FM" > "$OUT/bench_old.log" 2>&1)
   for f in bench_this.log bench_old.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | tail -1
     grep -E "qkv_heads|reduce_kernel|device_ms" "$OUT/$f" | grep -v "0.000us" | cut -c1-120 | head -5; done
-  MB8="train.micro_batch_size=8"
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-200} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
   grep -E "^megadlms|^te-bf16" "$OUT/bench.log" | cut -c1-140
   ;;
