@@ -222,6 +222,18 @@ def test_a_correct_command_line_reaches_hydra_unchanged(tmp_path):
     assert "  hidden_size: 64\n" in out.stdout and "  sample_prompt: a=b\n" in out.stdout
 
 
+def _errors_said_by_ranks(monkeypatch, rank_variable: str, *args) -> list[int]:
+    """The number of ``difflm: error:`` lines ranks 0 and 1 (``rank_variable`` set to each) print for the command
+    line ``args``, each asserted to exit 2."""
+    counts = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv(rank_variable, rank)
+        out = run_cli(*args, timeout=300)
+        assert out.returncode == 2, (args, rank, out.stderr[-500:])
+        counts.append(sum(line.startswith("difflm: error:") for line in out.stderr.splitlines()))
+    return counts
+
+
 def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
     """Every rank checks the same command line and config: rank 0 says what is wrong, the others exit 2 without a
     word (a 2-rank launch printed each line twice, and two ranks' lines could run together)."""
@@ -230,12 +242,7 @@ def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
               "train.micro_batch_size=4"),  # a config check (check_run)
              ("difflm.train", "model.hiden_size=64")]  # a mistyped key (check_overrides)
     for args in cases:
-        for rank in ("0", "1"):
-            monkeypatch.setenv("RANK", rank)
-            out = run_cli(*args, timeout=300)
-            assert out.returncode == 2, (args, rank, out.stderr[-500:])
-            lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difflm: error:")]
-            assert len(lines) == (1 if rank == "0" else 0), (args, rank, out.stderr[-500:])
+        assert _errors_said_by_ranks(monkeypatch, "RANK", *args) == [1, 0], args
 
 
 def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
@@ -244,9 +251,4 @@ def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
-    for task in ("0", "1"):
-        monkeypatch.setenv("SLURM_PROCID", task)
-        out = run_cli("difflm.evaluate", "eval.mc_sample=4", timeout=300)
-        assert out.returncode == 2, (task, out.stderr[-500:])
-        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("difflm: error:")]
-        assert len(lines) == (1 if task == "0" else 0), (task, out.stderr[-500:])
+    assert _errors_said_by_ranks(monkeypatch, "SLURM_PROCID", "difflm.evaluate", "eval.mc_sample=4") == [1, 0]
