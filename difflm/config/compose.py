@@ -9,7 +9,7 @@ from difflm.errors import DifflmError
 
 def compose_train_config(overrides: list[str]):
     """``conf/train.yaml`` composed with ``overrides`` (Hydra's ``compose``; inside a running Hydra app its own
-    search path, difflm's ``conf/``, serves).
+    search path, difflm's ``conf/``, serves, and the app has checked its command line already).
 
     Raises: DifflmError, before composing, naming a mistyped key or preset with the closest one
     (:func:`difflm.cli.check_overrides`: ``model.hiden_size is not a config key; did you mean model.hidden_size?``);
@@ -23,11 +23,11 @@ def compose_train_config(overrides: list[str]):
     from difflm.cli import check_overrides
 
     overrides = list(overrides)
-    check_overrides(overrides, "train")
     try:
-        if GlobalHydra.instance().is_initialized():  # within @hydra.main (difflm-import)
+        if GlobalHydra.instance().is_initialized():  # within @hydra.main (difflm-import), which checked its own line
             cfg = compose("train", overrides=overrides)
         else:
+            check_overrides(overrides, "train")
             with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
                 cfg = compose("train", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:

@@ -221,8 +221,6 @@ def resize_vocab(weight: torch.Tensor, vocab: int, real_tokens: int, reinit: lis
     return out
 
 
-
-
 # a difflm export's config.json key -> the ``gen.*`` key it records (difflm.interop.export.hf_config)
 EXPORTED_GEN = {"gen_length": "length", "gen_steps": "steps", "gen_block_length": "block_length",
                 "gen_remasking": "remasking", "gen_temperature": "temperature", "gen_seed": "seed",
