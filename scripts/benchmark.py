@@ -458,7 +458,8 @@ def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
         for batch in micro:
             with autocast_context(precision, device):
                 logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
-            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser, fused=cfg.model.fused_cross_entropy)
+            micro_loss = weighted_ce_sum(logits, batch, norm, normaliser, fused=cfg.model.fused_cross_entropy,
+                                         consume_logits=True)
             scaler.scale(micro_loss).backward()
             loss = loss + micro_loss.detach()
         moe_step([model])  # MoE: reset the step's routing statistics (and move an aux-loss-free bias)

@@ -52,6 +52,9 @@
 #   bash scripts/gpu_session.sh qkvbwd|qkvbwd2  # the QKV backward's tiles per program, half the RoPE tables read:
 #                                        #        CUDA tests, settings timed in place, this tree vs old (profiled),
 #                                        #        MegaDLMs BF16 beside it
+#   bash scripts/gpu_session.sh levers36  # FA4's forward tile, QKV backward programs of 32 tiles, the loss's gradient
+#                                        #        written into the logits: CUDA tests, old tree's row, MegaDLMs beside
+#                                        #        this tree's row
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
@@ -60,7 +63,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2|levers36}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -835,6 +838,22 @@ print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
     grep -E "qkv_heads|reduce_kernel|device_ms" "$OUT/$f" | grep -v "0.000us" | cut -c1-120 | head -5; done
   MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-200} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
   grep -E "^megadlms|^te-bf16" "$OUT/bench.log" | cut -c1-140
+  ;;
+levers36)
+  # issue 17, session 36, one GPU: FA4's 192 x 128 forward tile, 32 row tiles a QKV backward program, the training
+  # loss writing its gradient into the logits: their CUDA tests (NO_TESTS=1 skips them); the BF16 + FA4 + fused
+  # micro-batch 8 row of .device-stage/old (the commit before), then MegaDLMs BF16 beside this tree's row
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
+  [ -n "${NO_TESTS:-}" ] || timeout 200 python3 -m pytest tests/test_qkv.py tests/test_cross_entropy.py \
+    tests/test_loss_rows.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -4
+  ROW="model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 precision=bf16 device=cuda --no-reference
+    --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 110"
+  [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
+    timeout 120 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
+    > "$OUT/bench_old.log" 2>&1)
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-240} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+  for f in bench_old.log bench.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | cut -c1-150 | tail -8; done
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -78,6 +78,29 @@ def test_logits_are_left_intact_by_training_and_evaluation():
 
 
 @CUDA_TE
+def test_consumed_logits_give_the_same_loss_and_gradient_and_then_hold_it():
+    """``consume_logits`` (the training steps): TE writes the gradient into the logits instead of a copy. The loss
+    and the gradient are bitwise those of the copying call, the logits hold the gradient afterwards, and a second
+    loss on the same logits fails in the backward instead of reading a gradient as logits."""
+    logits, targets, upstream = inputs(64, 50304, torch.bfloat16, "cuda", seed=2)
+    runs = []
+    for consume in (False, True):
+        head = logits.clone().requires_grad_()
+        x = head * 1  # a non-leaf, as the LM head's output is
+        ce = token_cross_entropy(x, targets, consume_logits=consume)
+        (ce * upstream).sum().backward()
+        runs.append((ce.detach(), head.grad, x.detach().clone()))
+    (ce_kept, grad_kept, x_kept), (ce_used, grad_used, x_used) = runs
+    assert torch.equal(ce_used, ce_kept) and torch.equal(grad_used, grad_kept)
+    assert torch.equal(x_kept, logits) and torch.equal(x_used, grad_used) and not torch.equal(x_used, logits)
+    x = logits.clone().requires_grad_() * 1
+    twice = token_cross_entropy(x, targets, consume_logits=True).sum() + token_cross_entropy(
+        x, targets, consume_logits=True).sum()
+    with pytest.raises(RuntimeError, match="inplace"):
+        twice.backward()
+
+
+@CUDA_TE
 def test_zero_rows_fall_back():
     logits = torch.zeros(0, 50304, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     assert not fused_cross_entropy_available(logits)
@@ -106,10 +129,10 @@ def test_te_model_step_loss_and_gradients_match_with_the_fused_kernel():
         model = build_model(cfg, causal=False, device=dev, seed=5)
         with autocast_context("bf16", dev):
             logits = model(ids, mask)
-        loss = weighted_ce_sum(logits, batch, "token", b * s, fused=fused)
+        loss = weighted_ce_sum(logits, batch, "token", b * s, fused=fused, consume_logits=True)  # the trainer's call
         loss.backward()
         results[fused] = (loss.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
     assert 5 < float(results[False][0]) < 40  # ~2 ln(4096) at initialisation (weights 2)
     torch.testing.assert_close(results[True][0], results[False][0], rtol=2e-6, atol=0)
-    for name, grad in results[False][1].items():
-        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-2, atol=1e-5, msg=name)
+    for name, grad in results[False][1].items():  # the fused kernel rounds its FP32 gradient to BF16 once
+        assert ((results[True][1][name] - grad).norm() / grad.norm()).item() < 1e-2, name

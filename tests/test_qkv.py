@@ -217,18 +217,21 @@ def test_in_place_kernels_match_the_dense_path_on_cuda(heads, kv_heads, qk_norm)
 @pytest.mark.parametrize("heads,kv_heads", [(16, 16), (8, 2)])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_norm, causal):
+def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_norm, causal, monkeypatch):
     """:func:`difflm.model.qkv_flash.qkv_flash_attention` (v read in place, FA4's gradients written into the QKV
     gradient's slots) against ``qkv_heads`` then ``attend(backend="flash")`` on the same BF16 inputs (head size 128,
-    2 x 700 tokens): the same kernels on the same values, so the outputs are bitwise equal, and so are the key and
-    value slots of the QKV gradient without GQA (FA4 computes dK / dV of a head in one program); the query slots and
-    the norm scales' gradients move with FA4's dQ, which accumulates with atomics in a run-dependent order."""
+    2 x 700 tokens), both on FA4's own forward tiles: the same kernels on the same values, so the outputs are bitwise
+    equal, and so are the key and value slots of the QKV gradient without GQA (FA4 computes dK / dV of a head in one
+    program); the query slots and the norm scales' gradients move with FA4's dQ, which accumulates with atomics in a
+    run-dependent order."""
+    from difflm.model import qkv_flash
     from difflm.model.attention import attend
     from difflm.model.qkv import head_slots
     from difflm.model.qkv_flash import fa4_interface, qkv_flash_attention
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
+    monkeypatch.setattr(qkv_flash, "forward_tiles", lambda q, causal: {})  # attend's FA4 call takes FA4's table
     d = 128
     qkv, norms, tables = _inputs("bshd", heads, kv_heads, d, b=2, s=700, dtype=torch.bfloat16, device="cuda")
     weights = (norms[0].weight, norms[1].weight) if qk_norm else (None, None)
@@ -250,6 +253,57 @@ def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_nor
         _, k_got, v_got = head_slots(grads[0], heads, kv_heads, d)
         _, k_ref, v_ref = head_slots(ref[0], heads, kv_heads, d)
         assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")
+@pytest.mark.parametrize("rows", [False, True])
+def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
+    """On a Hopper GPU the QKV + FA4 function runs FA4's forward on 192 x 128 tiles with P.V from shared memory
+    (:data:`difflm.model.qkv_flash.SM90_FORWARD_TILES`) for bidirectional heads of 128, and FA4's own table
+    otherwise (causal, head size 64). Values and gradients equal those on FA4's own tiles up to BF16 rounding
+    (2 x 1,000 tokens, 16 heads; with ``rows``, 300 query rows through the varlen call)."""
+    from difflm.model import qkv_flash
+    from difflm.model.loss_rows import loss_rows
+    from difflm.model.qkv_flash import fa4_interface, forward_tiles, qkv_flash_attention
+
+    if fa4_interface() is None:
+        pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
+    q = torch.empty(1, 1, 16, 128, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert forward_tiles(q, causal=False) == ({"tile_mn": (192, 128), "mma_pv_is_rs": False} if hopper else {})
+    assert forward_tiles(q, causal=True) == {} and forward_tiles(q[..., :64], causal=False) == {}
+    if not hopper:
+        pytest.skip("the tile override is for Hopper (SM90)")
+    heads, d, b, s = 16, 128, 2, 1000
+    qkv, norms, tables = _inputs("bshd", heads, heads, d, b=b, s=s, dtype=torch.bfloat16, device="cuda")
+    picked = None
+    if rows:
+        index = torch.sort(torch.randperm(b * s, generator=torch.Generator().manual_seed(4))[:300]).values.cuda()
+        picked = loss_rows(index, b, s)
+    results, seen, real = [], [], fa4_interface()._flash_attn_fwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("tile_mn"))
+        return real(*args, **kwargs)
+
+    spy.compile_cache = real.compile_cache  # FA4 reaches its kernel cache through the function's module name
+    monkeypatch.setattr(fa4_interface(), "_flash_attn_fwd", spy)
+    for tiles in (True, False):
+        if not tiles:
+            monkeypatch.setattr(qkv_flash, "forward_tiles", lambda q, causal: {})
+        out = qkv_flash_attention(qkv, tables, heads, heads, d, *norms, False, rows=picked)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+        if picked is not None:  # the rows repeated up to a multiple of 32 feed nothing in the model (loss_rows)
+            dout[picked.count:] = 0
+        results.append((out.float(), [g.float() for g in torch.autograd.grad(out, [qkv, *(n.weight for n in norms)],
+                                                                             dout)]))
+    (out, grads), (ref, ref_grads) = results
+    values = ((out - ref).norm() / ref.norm()).item()
+    rel = [((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref_grads)]
+    report("sm90_forward_tiles", rows=rows, values=values, grads=rel)
+    assert seen == [(192, 128), None]  # FA4 was handed the tile, then its own table
+    assert values < 4e-3, values  # BF16 rounding of another tiling at most
+    assert max(rel) < 1e-2, rel
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")

@@ -75,6 +75,10 @@ class TorchKernels:
         with torch.device(self.device):
             return RMSNorm(dim, eps)
 
+    def embedding(self, vocab: int, hidden: int) -> nn.Module:
+        """The token embedding (weight [vocab, hidden]); DTensor TP shards it later."""
+        return nn.Embedding(vocab, hidden, device=self.device)
+
     def lm_head(self, hidden: int, vocab: int) -> nn.Module:
         """The LM head ``output`` (weight [vocab, hidden]); DTensor TP makes it vocab-parallel later."""
         return nn.Linear(hidden, vocab, bias=False, device=self.device)

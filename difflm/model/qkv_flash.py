@@ -50,6 +50,29 @@ def fa4_interface():
     return interface
 
 
+# FA4 takes its Hopper forward tile from FlashAttention 3's table, tuned on an H100 SXM: 128 x 128 with P.V read from
+# registers for heads of 97-128. On the H200, 192 x 128 with P.V from shared memory ran 1.4 % faster at model=1.7b
+# (B 8, S 4096, H 16, D 128, bidirectional, with GEMMs between calls: scripts/flash_tiles.py, docs/performance.md
+# session 32); FA4's own table already picks 192-row tiles for heads of 64 and fewer.
+SM90_FORWARD_TILES = {"tile_mn": (192, 128), "mma_pv_is_rs": False}
+
+
+def forward_tiles(q: torch.Tensor, causal: bool) -> dict:
+    """FA4 forward keyword arguments overriding its tile for ``q`` (a [.., H, D] CUDA tensor): :data:`SM90_FORWARD_TILES`
+    on a Hopper GPU (compute capability 9.x) for bidirectional attention with D in 97-128, when this FA4 takes them;
+    empty (FA4's own table) otherwise."""
+    if causal or not 96 < q.shape[-1] <= 128 or not q.is_cuda:
+        return {}
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or not _takes_tiles():
+        return {}
+    return SM90_FORWARD_TILES
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_tiles() -> bool:
+    return {"tile_mn", "mma_pv_is_rs"} <= set(inspect.signature(fa4_interface()._flash_attn_fwd).parameters)
+
+
 class _QKVFlashAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D)) v of the q, k, v that :func:`difflm.model.qkv.qkv_heads` makes from ``qkv``; with
     ``rows`` (index [R], cu_seqlens_q [B + 1]) only the queries at those rows, through FA4's variable-length
@@ -68,7 +91,8 @@ class _QKVFlashAttention(torch.autograd.Function):
             q, k, v = q.flatten(0, 1).index_select(0, index), k.flatten(0, 1), v.flatten(0, 1)
             varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=seq_len,
                           max_seqlen_k=seq_len)
-        out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True, **varlen)[:2]
+        out, lse = fa4_interface()._flash_attn_fwd(q, k, v, causal=causal, return_lse=True, **varlen,
+                                                   **forward_tiles(q, causal))[:2]
         ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight, q, k, out, lse, index)
         ctx.dims = (eps, num_heads, num_kv_heads, head_dim)
         ctx.causal, ctx.varlen = causal, varlen
@@ -152,4 +176,4 @@ def qkv_flash_attention(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
                                     head_dim, causal, *varlen)
 
 
-__all__ = ["fa4_interface", "fused_qkv_flash_applies", "qkv_flash_attention"]
+__all__ = ["SM90_FORWARD_TILES", "fa4_interface", "forward_tiles", "fused_qkv_flash_applies", "qkv_flash_attention"]

@@ -13,7 +13,8 @@ Module for module (parameter names and shapes are those of the torch kernels, se
     layers.{i}.mlp                te.LayerNormMLP(activation="swiglu")         layer_norm_weight, fc1_weight [2f, d], fc2_weight [d, f]
                                   (model.fused_mlp: difflm.model.quack_mlp.ResidualNormMLP, same parameters, on quack's GEMMs)
     final_norm                    te.RMSNorm(d)                                weight [d]
-    embedding, output             torch nn.Embedding / nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head);
+    embedding, output             torch nn.Embedding (its gradient into main_grad: difflm.model.embedding) /
+                                  nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head);
                                   under TP ``output`` is vocab-parallel (difflm.parallel.vocab_parallel)
 
 Every TE module also carries an ``_extra_state`` entry in the state dict (its FP8 scaling metadata: an empty uint8
@@ -232,6 +233,15 @@ class TEKernels(TorchKernels):
     def norm(self, dim, *, eps, residual=False):
         return self.te.RMSNorm(dim, eps=eps, device=self.device,
                                sequence_parallel=(self.sequence_parallel or None) if residual else None)
+
+    def embedding(self, vocab, hidden):
+        """The token embedding; with ``fuse_wgrad_accumulation`` on one TP rank its gradient too accumulates in
+        ``main_grad`` (:class:`difflm.model.embedding.Embedding`)."""
+        if not self.fuse_wgrad or self.tp_group is not None:
+            return super().embedding(vocab, hidden)
+        from difflm.model.embedding import Embedding
+
+        return self._wgrad(Embedding(vocab, hidden, device=self.device), "weight")
 
     def lm_head(self, hidden, vocab):
         """A plain torch head (kept in BF16 under FP8, as Megatron-LM's); under TP this rank's rows of a vocab-parallel

@@ -148,7 +148,7 @@ class Transformer(nn.Module):
         self.cfg, self.causal, self.kernels = cfg, causal, kernels
         self.seq_shards = 1  # sequence shards a pipeline stage's hidden-state input holds (SP)
         self.step_inputs: dict = {}  # pipeline stages: inputs every micro-batch of a step shares (see forward)
-        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=kernels.device)
+        self.embedding = kernels.embedding(cfg.vocab_size, cfg.hidden_size)
         blocks = []
         for i in range(cfg.num_layers):
             with kernels.block_init_context(i):

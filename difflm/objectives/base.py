@@ -108,7 +108,7 @@ def loss_normaliser(norm: str, num_tokens: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normaliser, vocab_group=None,
-                    fused: bool = True) -> torch.Tensor:
+                    fused: bool = True, consume_logits: bool = False) -> torch.Tensor:
     """Weighted cross-entropy of one micro-batch, already divided by the global normaliser.
 
     Args:
@@ -125,11 +125,14 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
             not depend on how the global batch is split.
         fused: ``model.fused_cross_entropy``: TE's fused cross-entropy kernel on CUDA
             (:func:`difflm.objectives.cross_entropy.token_cross_entropy`).
+        consume_logits: the caller never reads ``logits`` after the backward (a training step), so the fused kernel
+            writes their gradient into them instead of keeping a copy
+            (:func:`difflm.objectives.cross_entropy.token_cross_entropy`).
     Returns: a float32 scalar whose sum over the micro-batches of a step is the step's loss.
     """
     if batch.loss_index is None:
         targets = batch.targets[batch.loss_mask]
-        ce = token_cross_entropy(logits, targets, vocab_group, fused)
+        ce = token_cross_entropy(logits, targets, vocab_group, fused, consume_logits)
         per_position = torch.zeros_like(batch.weights)
         per_position[batch.loss_mask] = ce * batch.weights[batch.loss_mask]
         per_sequence = per_position.sum(dim=1)
@@ -138,7 +141,8 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
         return (per_sequence.sum() / normaliser).float()
     # the same sum over the loss positions, selected by index: no device-to-host sync
     idx = batch.loss_index
-    ce = token_cross_entropy(logits, batch.targets.flatten().index_select(0, idx), vocab_group, fused)
+    targets = batch.targets.flatten().index_select(0, idx)
+    ce = token_cross_entropy(logits, targets, vocab_group, fused, consume_logits)
     terms = ce * batch.weights.flatten().index_select(0, idx)
     if norm == "sequence":
         terms = terms / batch.num_tokens.index_select(0, idx // batch.targets.shape[1])

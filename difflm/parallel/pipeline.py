@@ -88,7 +88,7 @@ def make_loss_fn(norm: str, vocab_group=None, fused: bool = True) -> Callable[[t
                             t=torch.zeros(targets.shape[0], device=targets.device),
                             num_tokens=packed[:, 0, 3].float())
         return weighted_ce_sum(logits[mask], batch, norm, packed[0, 0, 4], vocab_group=vocab_group,
-                               fused=fused)
+                               fused=fused, consume_logits=True)  # logits[mask] is this call's own copy
 
     return loss_fn
 

@@ -399,7 +399,7 @@ class Trainer:
             with self._autocast():
                 logits = self.model(batch.input_ids, batch.logits_selector(), **kwargs)
             loss = weighted_ce_sum(logits, batch, norm, normaliser, vocab_group=self.vocab_group,
-                                   fused=cfg.model.fused_cross_entropy)
+                                   fused=cfg.model.fused_cross_entropy, consume_logits=backward)
             if backward:
                 self.scaler.scale(loss).backward()
         return loss.detach()
