@@ -899,10 +899,8 @@ def main(argv=None) -> dict:
         plan = [p for p in plan if p["name"] == args.only and p["kind"] != "megadlms"]
         if not plan:
             raise DifflmError(f"--only {args.only}: no such difflm row")
-    if args.log_dir is None:
-        args.log_dir = tempfile.mkdtemp(prefix="difflm_bench_")
-    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    if args.plan:
+    if args.plan:  # prints the rows' commands; writes nothing, so no log directory is made
+        args.log_dir = args.log_dir or str(Path(tempfile.gettempdir()) / "difflm_bench_XXXXXXXX")
         for p in plan:
             if "error" in p:
                 what = f"failed: {p['error']}"
@@ -912,6 +910,9 @@ def main(argv=None) -> dict:
                 what = shlex.join(child_command(args, p, Path(args.log_dir) / f"{p['name']}.json"))
             print(f"{p['name']}: {what}")
         return {"plan": [p["name"] for p in plan]}
+    if args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix="difflm_bench_")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows: list[dict] = []

@@ -53,8 +53,8 @@
 #                                        #        CUDA tests, settings timed in place, this tree vs old (profiled),
 #                                        #        MegaDLMs BF16 beside it
 #   bash scripts/gpu_session.sh levers36  # FA4's forward tile, QKV backward programs of 32 tiles, the loss's gradient
-#                                        #        written into the logits: CUDA tests, old tree's row, MegaDLMs beside
-#                                        #        this tree's row
+#                                        #        written into the logits, the embedding's into main_grad: CUDA tests,
+#                                        #        MegaDLMs beside this tree's row, the old tree's row
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
@@ -841,19 +841,21 @@ print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
   ;;
 levers36)
   # issue 17, session 36, one GPU: FA4's 192 x 128 forward tile, 32 row tiles a QKV backward program, the training
-  # loss writing its gradient into the logits: their CUDA tests (NO_TESTS=1 skips them); the BF16 + FA4 + fused
-  # micro-batch 8 row of .device-stage/old (the commit before), then MegaDLMs BF16 beside this tree's row
+  # loss writing its gradient into the logits, the embedding's gradient into main_grad: their CUDA tests (NO_TESTS=1
+  # skips them); MegaDLMs BF16 beside this tree's BF16 + FA4 + fused micro-batch 8 row, then the same row of
+  # .device-stage/old (the commit before)
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
   [ -n "${NO_TESTS:-}" ] || timeout 200 python3 -m pytest tests/test_qkv.py tests/test_cross_entropy.py \
-    tests/test_loss_rows.py -q -p no:cacheprovider -rs -k "not interpreter" 2>&1 | tail -4
+    tests/test_embedding.py tests/test_loss_rows.py -q -p no:cacheprovider -rfs -k "not interpreter" 2>&1 | tail -6
+  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-200} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+  grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3
   ROW="model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 precision=bf16 device=cuda --no-reference
     --isolate --steps 6 --warmup 3 --batches 2 --row-timeout 110"
   [ -d .device-stage/old ] && (cd .device-stage/old && PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages \
     timeout 120 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
     > "$OUT/bench_old.log" 2>&1)
-  MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${BENCH_BUDGET:-240} bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
-  for f in bench_old.log bench.log; do echo "== $f"; grep -A3 "^row " "$OUT/$f" | cut -c1-150 | tail -8; done
+  grep -A3 "^row " "$OUT/bench_old.log" | cut -c1-150 | tail -1
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

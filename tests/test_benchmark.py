@@ -157,7 +157,10 @@ def test_objective_flops_dispatch(fast_cfg):
             assert got == flops.bd3lm_flops_per_token(1000, m.num_layers, m.hidden_size, 512, cfg.data.seq_len, 8)
 
 
-def test_plan_orders_rows_by_megadlms_shape(capsys):
+def test_plan_orders_rows_by_megadlms_shape(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a default log directory would be made
     bench = load_script("benchmark")
     out = bench.main(["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
                       "device=cpu", "--no-reference", "--plan", "--megadlms", "/nonexistent",
@@ -167,6 +170,7 @@ def test_plan_orders_rows_by_megadlms_shape(capsys):
                            "megadlms-fp8-s64-gb8", "b", "c", "bad"]
     printed = capsys.readouterr().out
     assert "bad: failed: " in printed and "--only c --json" in printed and "objective=bd3lm" in printed
+    assert list(tmp_path.iterdir()) == []  # a plan writes nothing, not even an empty log directory
 
 
 def test_megadlms_rows_and_ratios_in_one_call(tmp_path, capsys):
