@@ -55,6 +55,8 @@
 #   bash scripts/gpu_session.sh levers36  # FA4's forward tile, QKV backward programs of 32 tiles, the loss's gradient
 #                                        #        written into the logits, the embedding's into main_grad: CUDA tests,
 #                                        #        MegaDLMs beside this tree's row, the old tree's row
+#   bash scripts/gpu_session.sh gputests  # every file's CUDA tests (junit + report lines in $OUT); OLD_K=<pytest -k>
+#                                        #        runs those on .device-stage/old too, to tell new faults from old
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
 #   bash scripts/gpu_session.sh trainer_gaps|trainer125|attn
 #                                        # 2 GPUs: the trainer at 125m traced (scripts/trace_gaps.py) / timed,
@@ -63,7 +65,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2|levers36}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2|levers36|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -856,6 +858,21 @@ levers36)
     timeout 120 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
     > "$OUT/bench_old.log" 2>&1)
   grep -A3 "^row " "$OUT/bench_old.log" | cut -c1-150 | tail -1
+  ;;
+gputests)
+  # every test file with CUDA tests (or FILES), on GPU 0 (TESTS_BUDGET s, ONLY=<pytest -k> narrows them); figures to
+  # $OUT/report.jsonl, failures in full to $OUT/tests.log; then the tests OLD_K names on .device-stage/old, to tell
+  # faults of this tree from older ones
+  export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
+  restore_quack_cache
+  cuda_files() { ls tests/test_{allocator,cross_entropy,cuda_graphs,embedding,loss_rows,moe,qkv,quack_mlp,sdpa_priority,step_syncs,te_backend}.py 2>/dev/null; }
+  timeout "${TESTS_BUDGET:-330}" python3 -m pytest ${FILES:-$(cuda_files)} -q -p no:cacheprovider -rfs \
+    -k "${ONLY:-not interpreter}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
+  [ -n "${OLD_K:-}" ] && [ -d .device-stage/old ] && (cd .device-stage/old && DIFFLM_TEST_REPORT=$OUT/report_old.jsonl \
+    PYTHONPATH=$PWD:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages timeout 150 python3 -m pytest $(cuda_files) -q \
+    -p no:cacheprovider -rfs -k "$OLD_K" > "$OUT/tests_old.log" 2>&1; echo "old tree:"; \
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_old.log" | tail -12)
   ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ from conftest import compose_run
 from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
 
 from difflm.model import build_model, transformer
-from difflm.model.loss_rows import ROWS_MULTIPLE, loss_rows
+from difflm.model.loss_rows import ROWS_MULTIPLE, add_at_rows, loss_rows
 from difflm.model.masks import BlockDiffusionMask, DocumentMask
 
 
@@ -37,6 +37,29 @@ def test_rows_pad_to_whole_tiles_and_mark_each_sequence():
     rows = loss_rows(shuffled, batch=4, seq_len=64)
     assert rows.index[:7].tolist() == index.tolist() and rows.cu_seqlens_q.tolist() == [0, 3, 6, 32, 32]
     assert torch.equal(rows.in_given_order(rows.select(x)), x.flatten(0, 1)[shuffled])
+
+
+def test_gradients_at_the_rows_go_back_summed_so_the_padding_keeps_the_last_row():
+    """add_at_rows is select's adjoint: the last loss row and its padding copies (whose gradients are zero, their
+    outputs feeding nothing) land on one position, which must keep the real row's gradient; a copy (index_copy_)
+    keeps the last duplicate written, here a zero."""
+    index = torch.tensor([1, 5, 6, 70, 71, 72, 130])
+    rows = loss_rows(index, batch=4, seq_len=64)
+    grad_rows = torch.randn(ROWS_MULTIPLE, 3, 2)
+    grad_rows[rows.count:] = 0  # the padding's gradient
+    into = torch.zeros(4, 64, 3, 2)
+    out = add_at_rows(into, rows.index, grad_rows)
+    assert out is into
+    assert torch.equal(into.flatten(0, 1)[index], grad_rows[:rows.count])  # the last row (130) included
+    others = torch.ones(4 * 64, dtype=torch.bool)
+    others[index] = False
+    assert not into.flatten(0, 1)[others].any()
+    x = torch.randn(4, 64, 3, 2, requires_grad=True)  # the same as autograd's gradient of select
+    (want,) = torch.autograd.grad(rows.select(x), x, grad_rows)
+    assert torch.equal(into, want)
+    slots = torch.zeros(4, 64, 5, 2)  # a strided slot of a wider gradient, as the QKV gradient's query heads
+    add_at_rows(slots[:, :, 1:4], rows.index, grad_rows)
+    assert torch.equal(slots[:, :, 1:4], want) and not slots[:, :, 0].any() and not slots[:, :, 4].any()
 
 
 @pytest.mark.parametrize("mask,why", [

@@ -256,6 +256,42 @@ def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_nor
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")
+def test_qkv_flash_at_the_loss_rows_gives_the_dense_calls_gradient_row_by_row():
+    """With ``rows`` the QKV + FA4 function runs the queries of the loss rows only (FA4's variable-length call). Its
+    output at the rows and its gradient in ``qkv`` at every loss row equal the dense call's with the other rows'
+    output gradients zero (BF16, 2 x 1,000 tokens, 301 rows padded to 320 with copies of the last): in particular the
+    last loss row, whose padding copies have zero query gradients that are added into its slot, not copied over it."""
+    from difflm.model.loss_rows import loss_rows
+    from difflm.model.qkv_flash import fa4_interface, qkv_flash_attention
+
+    if fa4_interface() is None:
+        pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
+    heads, d, b, s = 16, 128, 2, 1000
+    qkv, norms, tables = _inputs("bshd", heads, heads, d, b=b, s=s, dtype=torch.bfloat16, device="cuda")
+    index = torch.sort(torch.randperm(b * s, generator=torch.Generator().manual_seed(5))[:301]).values.cuda()
+    picked = loss_rows(index, b, s)
+    assert picked.count == 301 and picked.index.numel() == 320
+    out_rows = qkv_flash_attention(qkv, tables, heads, heads, d, *norms, False, rows=picked)
+    dout_rows = torch.randn(out_rows.shape, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    dout_rows[picked.count:] = 0  # the padding's outputs feed nothing in the model
+    (got,) = torch.autograd.grad(out_rows, qkv, dout_rows)
+    out = qkv_flash_attention(qkv, tables, heads, heads, d, *norms, False)
+    dout = torch.zeros_like(out)
+    dout.flatten(0, 1)[index] = dout_rows[:picked.count]
+    (want,) = torch.autograd.grad(out, qkv, dout)
+    values = ((out_rows[:picked.count].float() - out.flatten(0, 1)[index].float()).norm() /
+              out.flatten(0, 1)[index].float().norm()).item()
+    got_rows, want_rows = got.flatten(0, 1)[index].float(), want.flatten(0, 1)[index].float()
+    per_row = ((got_rows - want_rows).norm(dim=-1) / want_rows.norm(dim=-1))
+    whole = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    report("qkv_flash_rows_vs_dense", values=values, worst_row=per_row.max().item(), last_row=per_row[-1].item(),
+           whole=whole)
+    assert values < 4e-3, values
+    assert per_row[-1] < 2e-2 and per_row.max() < 2e-2, per_row.topk(3)
+    assert whole < 1e-2, whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")
 @pytest.mark.parametrize("rows", [False, True])
 def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
     """On a Hopper GPU the QKV + FA4 function runs FA4's forward on 192 x 128 tiles with P.V from shared memory
@@ -288,7 +324,7 @@ def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
 
     spy.compile_cache = real.compile_cache  # FA4 reaches its kernel cache through the function's module name
     monkeypatch.setattr(fa4_interface(), "_flash_attn_fwd", spy)
-    for tiles in (True, False):
+    for tiles in (True, False, False):  # the second run on FA4's own tiles measures the backward's own noise
         if not tiles:
             monkeypatch.setattr(qkv_flash, "forward_tiles", lambda q, causal: {})
         out = qkv_flash_attention(qkv, tables, heads, heads, d, *norms, False, rows=picked)
@@ -297,13 +333,17 @@ def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
             dout[picked.count:] = 0
         results.append((out.float(), [g.float() for g in torch.autograd.grad(out, [qkv, *(n.weight for n in norms)],
                                                                              dout)]))
-    (out, grads), (ref, ref_grads) = results
+    (out, grads), (ref, ref_grads), (_, again) = results
     values = ((out - ref).norm() / ref.norm()).item()
     rel = [((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref_grads)]
-    report("sm90_forward_tiles", rows=rows, values=values, grads=rel)
-    assert seen == [(192, 128), None]  # FA4 was handed the tile, then its own table
+    noise = [((g - r).norm() / r.norm()).item() for g, r in zip(again, ref_grads)]
+    report("sm90_forward_tiles", rows=rows, values=values, grads=rel, grads_same_tiles=noise)
+    assert seen == [(192, 128), None, None]  # FA4 was handed the tile, then its own table
     assert values < 4e-3, values  # BF16 rounding of another tiling at most
-    assert max(rel) < 1e-2, rel
+    # FA4's backward adds dQ up with atomics in no fixed order, so two runs on the same tiles differ too (the norm
+    # scales' gradients, sums over the rows that cancel, by ~1 % with 300 loss rows): another tiling may differ by
+    # that noise on top of 1 %; a wrong forward differs by O(1)
+    assert all(r < 1e-2 + 3 * n for r, n in zip(rel, noise)), (rel, noise)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention 4 runs on CUDA")

@@ -79,4 +79,15 @@ def loss_rows(logits_mask: Optional[torch.Tensor], batch: int, seq_len: int) -> 
                     batch=batch, seq_len=seq_len)
 
 
-__all__ = ["LossRows", "ROWS_MULTIPLE", "loss_rows"]
+def add_at_rows(into: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The adjoint of :meth:`LossRows.select`, for an autograd function that holds the index: adds [R, ...] ``rows``
+    (e.g. gradients at the rows) into ``into`` [B, S, ...] (batch-first; a strided view is fine) at the flattened
+    positions ``index`` ([R] int64, :attr:`LossRows.index`), in place, and returns ``into``, as autograd's gradient of
+    ``index_select`` does. The padding rows repeat the last loss row, so that position gets the sum of its copies:
+    the real row's value plus the padding's (zero where their outputs feed nothing). A copy instead of the sum
+    (``index_copy_``) keeps one of the duplicates, on CUDA in no fixed order, and can drop the real row's."""
+    into.flatten(0, 1).index_add_(0, index, rows)
+    return into
+
+
+__all__ = ["LossRows", "ROWS_MULTIPLE", "add_at_rows", "loss_rows"]

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from difflm.model.attention import flash_attn_module
+from difflm.model.loss_rows import add_at_rows
 from difflm.model.qkv import head_slots, plain_tensors, qk_norm_scales, triton_runs
 
 
@@ -117,7 +118,7 @@ class _QKVFlashAttention(torch.autograd.Function):
                                                       dv=dv_slot.flatten(0, 1), **ctx.varlen)[0]
             batch, seq_len = qkv.shape[:2]  # with GQA the query heads have no single slot: a dense [B, S, H, D]
             dq = dq_slot.zero_() if dq_slot is not None else dq_rows.new_zeros(batch, seq_len, *dq_rows.shape[1:])
-            dq.flatten(0, 1).index_copy_(0, index, dq_rows)  # a repeated row's gradient is zero (its output unused)
+            add_at_rows(dq, index, dq_rows)  # summed: the padding's zero rows must not overwrite the last loss row
             dk, dv = dk_slot, dv_slot
         dqkv, dq_weight, dk_weight = qkv_triton.backward(dq, dk, dv, qkv, cos, sin, q_weight, k_weight, eps,
                                                          num_heads, num_kv_heads, head_dim, dqkv=dqkv)
