@@ -55,6 +55,8 @@
 #   bash scripts/gpu_session.sh levers36  # FA4's forward tile, QKV backward programs of 32 tiles, the loss's gradient
 #                                        #        written into the logits, the embedding's into main_grad: CUDA tests,
 #                                        #        MegaDLMs beside this tree's row, the old tree's row
+#   STEP=1|2|3 bash scripts/gpu_session.sh final17  # MegaDLMs BF16 and this tree's 1.7B BF16 row alternating over
+#                                        #        calls on one machine, the row profiled, the trainer beside it
 #   bash scripts/gpu_session.sh gputests  # every file's CUDA tests (junit + report lines in $OUT); OLD_K=<pytest -k>
 #                                        #        runs those on .device-stage/old too, to tell new faults from old
 #   bash scripts/gpu_session.sh checks  # the BF16 S=4096 step's kernel classes listed, the timing scripts, CUDA tests
@@ -65,7 +67,7 @@
 #
 # Results go to $OUT (default /tmp/gpu_out): JSON tables, logs and DIFFLM_TEST_REPORT lines.
 set -u
-part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2|levers36|gputests}
+part=${1:?usage: gpu_session.sh single|layouts|scale|profile|speed|speed2..speed7|trainer_gaps|trainer125|attn|sdpa|fp8small|fp8flash|graphs|speed8|smallgraphs|speed9|speed10|mb8fair|mb8profile|qkvtriton|qkvtriton2|speed11|fusedmlp|speed12|trainfused|settle|speed13|speed14|quackqkv|speed15|projcast|speed16|projab|qkvflash|speed17|flashtiles|speed18|recheck|checks|lossrows|speed19|qkvbwd|qkvbwd2|levers36|gputests|final17}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=${SITE:-/root/site}  # quack fingerprints its kernels by path: code under a "site-packages" directory is library code
@@ -87,7 +89,7 @@ bench_vs_megadlms() {
   local budget=${BENCH_BUDGET:-565}  # seconds for all rows (less when the call also installs the staged wheels)
   CUDA_VISIBLE_DEVICES=0 timeout $((budget + 10)) python3 scripts/benchmark.py model=1.7b data.seq_len=4096 \
     train.micro_batch_size=4 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate \
-    --steps 6 --warmup 3 --batches 2 --row-timeout 130 --time-budget "$budget" --json "$OUT/bench.json" \
+    --steps 6 --warmup 3 --batches 2 --row-timeout "${ROW_TIMEOUT:-130}" --time-budget "$budget" --json "$OUT/bench.json" \
     --megadlms .megadlms --megadlms-shapes "$shapes" --megadlms-precisions "${MEGADLMS_PRECISIONS:-bf16,fp8}" \
     --megadlms-timeout 150 "${variants[@]}" > "$OUT/bench.log" 2>&1
 }
@@ -858,6 +860,40 @@ levers36)
     timeout 120 python3 scripts/benchmark.py $ROW --json "$OUT/bench_old.json" --variant "old: $F $FM" \
     > "$OUT/bench_old.log" 2>&1)
   grep -A3 "^row " "$OUT/bench_old.log" | cut -c1-150 | tail -1
+  ;;
+final17)
+  # issue 17, session 38, one GPU, calls on one machine, so each system's speed on that machine enters every ratio
+  # (SITE=<the staged wheels installed in a directory named site-packages>, which quack's GEMMs need):
+  # STEP=1 (the call that installs): MegaDLMs BF16, then difflm's BF16 + FA4 + fused micro-batch 8 row (quack tunes
+  #   its shapes first; the cache comes back as quack_cache.tgz and stays in /root for STEP=2);
+  # STEP=2: difflm's row, MegaDLMs BF16 again and difflm's row after it (D M D), the row profiled, and difflm-train at
+  #   the same shape (median tokens/s of its metrics.jsonl);
+  # STEP=3: one more pair (M D); session 38's call 65 was `gputests` and then this
+  export CUDA_VISIBLE_DEVICES=0
+  restore_quack_cache
+  ROW="model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 precision=bf16 device=cuda --no-reference
+    --isolate --steps 6 --warmup 3 --batches 2"
+  if [ "${STEP:-1}" = 1 ]; then
+    MEGADLMS_PRECISIONS=bf16 ROW_TIMEOUT=400 BENCH_BUDGET=${BENCH_BUDGET:-520} bench_vs_megadlms 4096x16 \
+      "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+    cp "$OUT/bench.log" "$OUT/bench1.log"; grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3; tail -4 "$OUT/bench.log"
+    mkdir -p "$QUACK_CACHE_DIR" && tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
+  elif [ "$STEP" = 3 ]; then
+    MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=200 bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+    grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3
+  else
+    timeout 100 python3 scripts/benchmark.py $ROW --row-timeout 90 --json /tmp/bench_d0.json \
+      --variant "te-bf16-flash-mb8-fused-rows: $F $FM" > "$OUT/bench_d0.log" 2>&1
+    grep -A3 "^row " "$OUT/bench_d0.log" | cut -c1-150 | tail -1
+    MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=200 bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+    grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3; tail -4 "$OUT/bench.log"
+    mkdir -p /tmp/prof; timeout 130 python3 scripts/benchmark.py $ROW --row-timeout 120 --json /tmp/prof/bench_prof.json --profile prof \
+      --profile-rows 30 --variant "prof: $F $FM" > "$OUT/bench_prof.log" 2>&1
+    grep -A3 "^row " "$OUT/bench_prof.log" | cut -c1-150 | tail -1; grep -iE "busy|^ *(gemm|attention|optimizer|other)" "$OUT/bench_prof.log" | head -8
+    cp /tmp/prof/*prof*.txt "$OUT/" 2>/dev/null
+    TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
+      train.global_batch_size=16 $FM
+  fi
   ;;
 gputests)
   # every test file with CUDA tests (or FILES), on GPU 0 (TESTS_BUDGET s, ONLY=<pytest -k> narrows them); figures to
