@@ -38,6 +38,18 @@ def _env_without_checkout() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HYDRA_FULL_ERROR": "0"}
 
 
+def _see_packages_of_this_interpreter(site_packages: Path) -> None:
+    """Let a new venv import this interpreter's torch, hydra, ... : a ``.pth`` naming its site-packages directories.
+
+    ``venv --system-site-packages`` would not do it when this interpreter is itself a venv (the usual ``make test``):
+    it exposes the base Python's packages, not the venv's. A ``.pth`` line only adds a directory to ``sys.path``, after
+    the new venv's own site-packages, and runs none of the ``.pth`` files in it, so this checkout's editable install
+    stays out and the wheel installed in the new venv is the ``difflm`` that imports."""
+    dirs = [p for p in dict.fromkeys(sys.path) if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+    assert dirs, f"no site-packages directory on this interpreter's sys.path: {sys.path}"
+    (site_packages / "_this_interpreter.pth").write_text("\n".join(dirs) + "\n")
+
+
 def test_conf_dir_is_the_top_level_tree_in_a_checkout():
     assert difflm.config.CONF_DIR == REPO / "conf"
     assert (REPO / "conf" / "train.yaml").is_file() and not (REPO / "difflm" / "conf").exists()
@@ -54,9 +66,11 @@ def test_wheel_installed_outside_the_repo_finds_its_configs(tmp_path):
                             "-q", "-w", str(wheels), str(src)], env=env, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = wheels.glob("difflm-*.whl")
-    venv = tmp_path / "venv"  # reuses this interpreter's torch, hydra, ... (system site packages)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    _see_packages_of_this_interpreter(site_packages)
     # --force-reinstall: the editable install of this checkout has the same name and version
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                                 "--no-index", "--force-reinstall", str(wheel)], env=env, capture_output=True, text=True,
@@ -67,8 +81,7 @@ def test_wheel_installed_outside_the_repo_finds_its_configs(tmp_path):
 
     where = subprocess.run([str(python), "-c", "import difflm.config as c; print(c.CONF_DIR)"], cwd=elsewhere,
                            env=env, capture_output=True, text=True, timeout=120)
-    assert where.stdout.strip() == str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-                                       / "site-packages" / "difflm" / "conf"), where.stderr
+    assert where.stdout.strip() == str(site_packages / "difflm" / "conf"), where.stderr
 
     out = subprocess.run([str(venv / "bin" / "difflm-train"), "--cfg", "job", "model=1.7b"], cwd=elsewhere, env=env,
                          capture_output=True, text=True, timeout=120)
