@@ -873,22 +873,24 @@ final17)
   restore_quack_cache
   ROW="model=1.7b data.seq_len=4096 $MB8 train.global_batch_size=16 precision=bf16 device=cuda --no-reference
     --isolate --steps 6 --warmup 3 --batches 2"
+  R17="te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
+  pair() {  # MegaDLMs BF16, then difflm's row: pair [BUDGET_S [ROW_TIMEOUT_S]]
+    MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=${1:-200} ROW_TIMEOUT=${2:-130} bench_vs_megadlms 4096x16 "$R17"
+    grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3; tail -4 "$OUT/bench.log"
+  }
   if [ "${STEP:-1}" = 1 ]; then
-    MEGADLMS_PRECISIONS=bf16 ROW_TIMEOUT=400 BENCH_BUDGET=${BENCH_BUDGET:-520} bench_vs_megadlms 4096x16 \
-      "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
-    cp "$OUT/bench.log" "$OUT/bench1.log"; grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3; tail -4 "$OUT/bench.log"
+    pair "${BENCH_BUDGET:-520}" 400
+    cp "$OUT/bench.log" "$OUT/bench1.log"
     mkdir -p "$QUACK_CACHE_DIR" && tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
   elif [ "$STEP" = 3 ]; then
-    MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=200 bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
-    grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3
+    pair
   else
     timeout 100 python3 scripts/benchmark.py $ROW --row-timeout 90 --json /tmp/bench_d0.json \
-      --variant "te-bf16-flash-mb8-fused-rows: $F $FM" > "$OUT/bench_d0.log" 2>&1
+      --variant "$R17" > "$OUT/bench_d0.log" 2>&1
     grep -A3 "^row " "$OUT/bench_d0.log" | cut -c1-150 | tail -1
-    MEGADLMS_PRECISIONS=bf16 BENCH_BUDGET=200 bench_vs_megadlms 4096x16 "te-bf16-flash-mb8-fused-rows: $F $MB8 $FM"
-    grep -A3 "^row " "$OUT/bench.log" | cut -c1-150 | tail -3; tail -4 "$OUT/bench.log"
-    mkdir -p /tmp/prof; timeout 130 python3 scripts/benchmark.py $ROW --row-timeout 120 --json /tmp/prof/bench_prof.json --profile prof \
-      --profile-rows 30 --variant "prof: $F $FM" > "$OUT/bench_prof.log" 2>&1
+    pair
+    mkdir -p /tmp/prof; timeout 130 python3 scripts/benchmark.py $ROW --row-timeout 120 --json /tmp/prof/bench_prof.json \
+      --profile prof --profile-rows 30 --variant "prof: $F $FM" > "$OUT/bench_prof.log" 2>&1
     grep -A3 "^row " "$OUT/bench_prof.log" | cut -c1-150 | tail -1; grep -iE "busy|^ *(gemm|attention|optimizer|other)" "$OUT/bench_prof.log" | head -8
     cp /tmp/prof/*prof*.txt "$OUT/" 2>/dev/null
     TRAIN_TIMEOUT=150 train_rate trainer-bf16-fused 22 model=1.7b $F precision=bf16 data.seq_len=4096 $MB8 \
