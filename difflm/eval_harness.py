@@ -28,8 +28,9 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   not implemented for diffusion runs (use ``difflm-eval``, the NELBO of packed windows).
 * ``generate_until``: :func:`difflm.generate.generate_ids` with the run's ``gen`` settings, overridden by the
   constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
-  rounded up to a multiple of ``gen.block_length``; ``gen.steps`` keeps the run's steps per token; ``until``
-  strings, and the EOS text, cut the decoded text). Greedy decoding (temperature 0) does not depend on the
+  rounded up to a multiple of ``gen.block_length``, exactly ``max_gen_toks`` for ``ar`` and ``bd3lm`` runs;
+  ``gen.steps`` keeps the run's steps per token). A request returns at most ``max_gen_toks`` tokens (the decoded
+  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Greedy decoding (temperature 0) does not depend on the
   batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
   for per-request samples).
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
@@ -331,8 +332,12 @@ class DifflmHarnessLM(LM):
             out.append(total)
         return out
 
-    def _request_gen(self, kwargs: dict) -> tuple[Any, list[str]]:
-        """(gen config for one request, stop strings) from lm-eval's ``gen_kwargs``."""
+    def _request_gen(self, kwargs: dict) -> tuple[Any, list[str], int]:
+        """(gen config for one request, stop strings, most tokens to return) from lm-eval's ``gen_kwargs``.
+
+        ``max_gen_toks`` is the most tokens a request returns: the LLaDA sampler generates ``gen.length`` rounded up
+        to whole blocks and the surplus is cut; a ``bd3lm`` run samples in its model's blocks and generates exactly
+        ``max_gen_toks`` (its ``gen.block_length`` is left as the run has it)."""
         kwargs = dict(kwargs or {})
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
@@ -345,8 +350,10 @@ class DifflmHarnessLM(LM):
         if "max_gen_toks" in kwargs:
             base_len, base_steps = gen.length, gen.steps
             want = int(kwargs["max_gen_toks"])
-            if self.causal:
+            if self.causal or self.objective == "bd3lm":
                 gen.length = want
+                if not self.causal and "steps" not in kwargs:
+                    gen.steps = min(want, max(1, math.ceil(base_steps * want / base_len)))
             else:
                 block = min(gen.block_length, want) if "block_length" not in kwargs else gen.block_length
                 gen.block_length = block
@@ -355,7 +362,8 @@ class DifflmHarnessLM(LM):
                     blocks = gen.length // block
                     steps = math.ceil(base_steps * gen.length / base_len)
                     gen.steps = max(blocks, -(-steps // blocks) * blocks)
-        return gen, until
+        limit = int(kwargs["max_gen_toks"]) if "max_gen_toks" in kwargs else int(gen.length)
+        return gen, until, limit
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string."""
@@ -364,12 +372,12 @@ class DifflmHarnessLM(LM):
         todo, cut = [], []
         for req in requests:
             context, kwargs = req.args
-            gen, until = self._request_gen(kwargs)
+            gen, until, limit = self._request_gen(kwargs)
             ids = self.tok_encode(context) or [self.tok.eos_id]
             keep = max(1, self.max_length - gen.length)  # the prompt and the new tokens share max_length positions
             if len(ids) > keep:
                 cut.append((len(ids) - keep, len(ids), gen.length))
-            todo.append((ids[-keep:], gen, until, context, kwargs))
+            todo.append((ids[-keep:], gen, until, context, kwargs, limit))
         if cut:
             eval_logger.warning(truncated_prompts_warning(cut, len(todo), self.max_length))
         bs = 1 if self.objective == "bd3lm" else self.batch_size
@@ -389,8 +397,8 @@ class DifflmHarnessLM(LM):
             ids_out = generate_ids(self.model, self.tok, prompt.to(self._device), gen, self.causal,
                                    precision=self.precision, objective=self.cfg.objective,
                                    prompt_mask=None if bool(mask.all()) else mask.to(self._device))
-            for r, (_ids, _gen, until, context, kwargs) in enumerate(group):
-                text = self.tok.decode(ids_out[r].cpu())
+            for r, (_ids, _gen, until, context, kwargs, limit) in enumerate(group):
+                text = self.tok.decode(ids_out[r, :limit].cpu())  # at most max_gen_toks, then cut at until
                 for stop in until:
                     if stop and stop in text:
                         text = text[:text.index(stop)]

@@ -3,7 +3,9 @@
     difflm-eval run.dir=DIR data.path=FILE eval.mc_samples=8
 
 The file is tokenized with the run's tokenizer and packed into the run's ``data.seq_len`` windows (documents
-separated by EOS, as in training; the last partial window is dropped). Per window and draw the objective's
+separated by EOS, as in training). Every window is evaluated, the partial last one included (for ``bd3lm`` its
+whole blocks: the block-diffusion bound needs whole blocks); nothing is held back for validation, so a file of any
+length with a loss token is evaluable, as a log-likelihood tool evaluates any text. Per window and draw the objective's
 ``eval_noise`` gives one unbiased estimate of the window's NELBO; ``eval.mc_samples`` draws per window use
 antithetic times t_d = (u + d / K) mod 1, which lowers the variance (MDLM, Sahoo et al. 2024, sec. 3.5).
 
@@ -24,7 +26,8 @@ Reports the evaluated checkpoint's training ``step`` (``step=N``, or the newest 
 perplexity bound ``exp(nelbo)``, and nats / bits per UTF-8 byte (tokenizer-independent, e.g. Gao et al. 2020, The
 Pile): the loss of every scored token (EOS separators and padding included) over ``bytes``, the UTF-8 bytes of the
 document text only (no EOS or other special-token text; for ``sft`` the responses), as the lm-evaluation-harness
-counts them.
+counts them. Bytes are counted on the token stream, not window by window, so a character whose bytes are split
+across two windows' tokens counts once.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import json
 import math
 import tempfile
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -40,7 +44,7 @@ from difflm.config.validate import resolve_device
 from difflm.data.batch import TokenBatch, split_batch
 from difflm.data.sft import load_pairs
 from difflm.data.shards import OtherTokenizerShards
-from difflm.data.windows import build_windows, token_datasets
+from difflm.data.windows import PackedStream, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
 from difflm.objectives.cross_entropy import token_cross_entropy
@@ -69,26 +73,61 @@ def sequence_nelbo(model, objective, tokens, sample_ids, draws: int, seed: int, 
     return torch.stack(out)
 
 
-def document_bytes(tok, ids) -> int:
+REPLACEMENT_CHARACTER = "\ufffd"  # what a decoder writes for the bytes of a character cut off by the end of the ids
+
+
+def _text_ids(tok) -> tuple[int, set]:
+    """(the tokenizer's size, its special ids): the ids :func:`document_bytes` leaves out."""
+    return len(tok.tokenizer), set(tok.tokenizer.all_special_ids) | {tok.eos_id, tok.mask_id}
+
+
+def _decoded_bytes(tok, run: list, cut: bool, cut_start: bool = False) -> int:
+    """UTF-8 bytes of the text that ``run`` (text ids) decodes to; ``cut``: the ids end inside the text, and a
+    character whose last bytes lie beyond them (decoded as U+FFFD) is not counted; ``cut_start``: likewise for a
+    character whose first bytes lie before them."""
+    text = tok.tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    text = text.rstrip(REPLACEMENT_CHARACTER) if cut else text
+    return len((text.lstrip(REPLACEMENT_CHARACTER) if cut_start else text).encode("utf-8"))
+
+
+def document_bytes(tok, ids, cut_end: bool = False) -> int:
     """UTF-8 bytes of the document text in ``ids`` (1-D): every special token (EOS, padding, mask, ...) and id
     outside the tokenizer is left out, and each run of text tokens between them is decoded on its own.
+    ``cut_end``: ``ids`` end inside a document (a slice of a token stream), and the bytes of a character that
+    the last ids begin but do not finish are left to the ids after them (:func:`token_bytes`).
 
     This is the byte count of bits per byte as the lm-evaluation-harness defines it (the UTF-8 bytes of the
     documents; Gao et al. 2020, The Pile, sec. 4): the text of an EOS separator (13 bytes for ``<|endoftext|>``)
     is not document text, although its prediction is part of the loss.
     """
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    n = len(tok.tokenizer)
-    special = set(tok.tokenizer.all_special_ids) | {tok.eos_id, tok.mask_id}
+    n, special = _text_ids(tok)
     total, run = 0, []
-    for i in [*map(int, ids), -1]:
+    for i in map(int, ids):
         if 0 <= i < n and i not in special:
             run.append(i)
         elif run:
-            total += len(tok.tokenizer.decode(run, skip_special_tokens=False,
-                                              clean_up_tokenization_spaces=False).encode("utf-8"))
+            total += _decoded_bytes(tok, run, False)
             run = []
-    return total
+    return total + (_decoded_bytes(tok, run, cut_end) if run else 0)
+
+
+def token_bytes(tok, ids, p: int, context: int = 8) -> int:
+    """The UTF-8 bytes of the document text that token ``ids[p]`` adds (0 for a special token): the bytes of the
+    characters it completes, decoded after up to ``context`` text tokens before it. A character split over several
+    tokens (byte-level BPE) belongs to the token holding its last byte, so summing this over every token of a
+    stream gives :func:`document_bytes` of the stream, whatever the cut points."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    n, special = _text_ids(tok)
+    is_text = lambda i: 0 <= int(i) < n and int(i) not in special  # noqa: E731
+    if not is_text(ids[p]):
+        return 0
+    s = p
+    while s > 0 and p - s < context and is_text(ids[s - 1]):
+        s -= 1
+    run, cut_start = [int(i) for i in ids[s:p + 1]], s > 0 and is_text(ids[s - 1])
+    before = _decoded_bytes(tok, run[:-1], True, cut_start) if len(run) > 1 else 0
+    return _decoded_bytes(tok, run, True, cut_start) - before
 
 
 def pair_windows(batch: TokenBatch, eos_id: int) -> TokenBatch:
@@ -145,7 +184,32 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
         ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
     except OtherTokenizerShards as err:
         raise shard_tokenizer_error(err, cfg) from None
-    return build_windows(ds, tok.eos_id, seq_len, 0.0)[0]
+    return PackedStream(ds, tok.eos_id)
+
+
+def window_spans(num_tokens: int, seq_len: int, multiple: int = 1, min_len: int = 1) -> list[tuple[int, int]]:
+    """Stream positions ``[a, b)`` of every evaluated window of a stream of ``num_tokens``: the full ``seq_len``
+    windows and the partial last one, cut down to a multiple of ``multiple`` (``bd3lm``'s block size) and left out
+    when shorter than ``min_len`` (:func:`min_seq_len`: it would hold no loss token)."""
+    spans = [(a, a + seq_len) for a in range(0, num_tokens - seq_len + 1, seq_len)]
+    a = len(spans) * seq_len
+    tail = (num_tokens - a) // multiple * multiple
+    if tail >= min_len:
+        spans.append((a, a + tail))
+    return spans
+
+
+def stream_bytes(tok, stream, spans: list[tuple[int, int]], name: str) -> int:
+    """Document bytes of the scored tokens of ``spans`` (contiguous from position 0 of ``stream``), counted on the
+    stream so that a character split across two windows counts once: all of it for the diffusion objectives;
+    for ``ar`` the first token of each window is not predicted and its bytes (:func:`token_bytes`) are left out."""
+    end = spans[-1][1]
+    total = document_bytes(tok, stream[0:end], cut_end=end < len(stream))
+    if name == "ar":
+        for a, _ in spans:
+            lo = max(0, a - 8)
+            total -= token_bytes(tok, stream[lo:a + 1], a - lo)
+    return total
 
 
 def shard_tokenizer_error(err: OtherTokenizerShards, cfg) -> DifflmError:
@@ -208,27 +272,42 @@ def evaluate_file(args, device: torch.device) -> dict:
                           f"{cfg.objective.block_size}")
     with tempfile.TemporaryDirectory() as tmp:  # text is tokenized into tmp; shards are read in place
         windows = eval_dataset(args, cfg, tok, seq_len, tmp)
-    n = len(windows) if e.max_windows <= 0 else min(e.max_windows, len(windows))
+    if name == "sft":
+        spans = list(range(len(windows)))
+    else:
+        spans = window_spans(len(windows), seq_len, cfg.objective.block_size if name == "bd3lm" else 1,
+                             min_seq_len(name))
+    n = len(spans) if e.max_windows <= 0 else min(e.max_windows, len(spans))
     if n == 0:
-        raise DifflmError(f"data.path={args.data.path!r} gives no full window of data.seq_len={seq_len} tokens: "
-                          "give more text or a smaller data.seq_len")
+        what = "pairs" if name == "sft" else f"tokens ({len(windows)}; objective={name} needs {min_seq_len(name)}" + (
+            f" and whole blocks of objective.block_size={cfg.objective.block_size}" if name == "bd3lm" else "") + ")"
+        raise DifflmError(f"data.path={args.data.path!r} gives no {what} to evaluate: give more text")
+    spans = spans[:n]
     draws = 1 if name == "ar" else e.mc_samples
     precision = "bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32"
-    per_window, num_tokens, nbytes = [], 0.0, 0
-    for start in range(0, n, e.batch_size):
-        ids = list(range(start, min(n, start + e.batch_size)))
-        tokens = windows.get(ids)
+    per_window, per_window_tokens, nbytes = [], [], 0
+    # batches of windows of one length (the partial last window alone); sample ids key each window's noise
+    batches = [list(range(i, min(n, i + e.batch_size))) for i in range(0, n, e.batch_size)]
+    if name != "sft" and spans[-1][1] - spans[-1][0] != seq_len and len(batches[-1]) > 1:
+        batches[-1:] = [batches[-1][:-1], batches[-1][-1:]]
+    for ids in batches:
         if name == "sft":
-            tokens = pair_windows(tokens, tok.eos_id)
+            tokens = pair_windows(windows.get(ids), tok.eos_id)
+            nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))
+        else:
+            tokens = torch.from_numpy(np.stack([windows[spans[i][0]:spans[i][1]] for i in ids]).astype(np.int64))
         est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision,  # [K, B]
                              fused=cfg.model.fused_cross_entropy)  # load_run's schema merge: true for older runs
         per_window.append(est.mean(dim=0))
-        num_tokens += float(objective.num_tokens(tokens).double().sum())  # loss tokens: L, L - 1 (ar), response
-        nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))
-    per_window_t = torch.cat(per_window)
-    total = float(per_window_t.sum())
+        per_window_tokens.append(objective.num_tokens(tokens).double())  # loss tokens: L, L - 1 (ar), response
+    if name != "sft":
+        nbytes = stream_bytes(tok, windows, spans, name)
+    per_window_t, tokens_t = torch.cat(per_window), torch.cat(per_window_tokens)
+    total, num_tokens = float(per_window_t.sum()), float(tokens_t.sum())
     nelbo = total / num_tokens
-    stderr = float(per_window_t.std() / (num_tokens / n) / math.sqrt(n)) if n > 1 else float("nan")
+    # the ratio estimator's standard error (delta method): windows of one length give std(sums) / length / sqrt(n)
+    stderr = (float((per_window_t - nelbo * tokens_t).std() / (num_tokens / n) / math.sqrt(n)) if n > 1
+              else float("nan"))
     return {
         "run_dir": str(args.run.dir), "step": step,  # the checkpoint's training step (the newest without step=)
         "data_path": str(args.data.path), "objective": name,

@@ -299,3 +299,29 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.startswith("difflm: error: difflm.eval_harness needs lm-eval")
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("objective", ["mdlm", "ar"])
+def test_generate_until_returns_at_most_max_gen_toks(runs, monkeypatch, objective):
+    """max_gen_toks=5 with block_length=4: the LLaDA sampler generates 8 tokens (two blocks) and the request
+    returned all 8; it returns the text of the first 5 generated ids, cut at until (the ar run generates 5)."""
+    import difflm.eval_harness as harness
+
+    seen = []
+    real = harness.generate_ids
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(harness, "generate_ids", spy)
+    lm = DifflmHarnessLM(run_dir=runs[objective], device="cpu", batch_size=2)
+    eos = lm.tok.tokenizer.decode([lm.tok.eos_id])
+    kw = {"max_gen_toks": 5, **({} if objective == "ar" else {"block_length": 4})}
+    reqs = [Instance("generate_until", {}, (ctx, {"until": [], **kw}), i)
+            for i, ctx in enumerate(["ROMEO:", "JULIET: Good night"])]
+    texts = lm.generate_until(reqs)
+    assert seen[-1].shape[1] == (5 if objective == "ar" else 8)
+    for text, ids in zip(texts, seen[-1]):
+        want = lm.tok.decode(ids[:5])
+        assert text == (want[:want.index(eos)] if eos in want else want)
