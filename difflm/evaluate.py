@@ -293,7 +293,8 @@ def evaluate_file(args, device: torch.device) -> dict:
     for ids in batches:
         if name == "sft":
             tokens = pair_windows(windows.get(ids), tok.eos_id)
-            nbytes += sum(document_bytes(tok, row) for row in scored_ids(name, tokens))
+            # a pair cut at data.seq_len ends inside its response: a character cut there has no whole byte in it
+            nbytes += sum(document_bytes(tok, row, cut_end=True) for row in scored_ids(name, tokens))
         else:
             tokens = torch.from_numpy(np.stack([windows[spans[i][0]:spans[i][1]] for i in ids]).astype(np.int64))
         est = sequence_nelbo(model, objective, tokens, ids, draws, e.seed, precision,  # [K, B]

@@ -126,3 +126,51 @@ def test_window_spans_cover_the_stream():
     assert window_spans(13, 4, multiple=2) == [(0, 4), (4, 8), (8, 12)]
     assert window_spans(9, 4, min_len=2) == [(0, 4), (4, 8)]  # ar: a 1-token tail predicts nothing
     assert window_spans(0, 4) == []
+
+
+def test_a_response_cut_inside_a_character_counts_its_whole_characters_only(tok):
+    """An sft pair cut at data.seq_len inside a character: its scored response counts the whole characters."""
+    from difflm.evaluate import document_bytes
+
+    ids = tok.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert document_bytes(tok, ids[:6], cut_end=True) == len("Tōkyō ".encode())  # 東 starts in id 5, ends in id 6
+    assert document_bytes(tok, [*ids, tok.eos_id], cut_end=True) == 22  # a response ended by its EOS: all of it
+
+
+# ------------------------------------------------------------------ lm-eval request fields
+
+@pytest.mark.parametrize("objective", ["mdlm", "bd3lm", "ar"])
+def test_request_gen_for_every_block_length(objective):
+    """max_gen_toks gives a setting every sampler accepts, generating at least max_gen_toks (exactly that many for
+    ar and bd3lm), and the request returns at most max_gen_toks (a bd3lm run with max_gen_toks under its
+    gen.block_length got a block_length it refuses)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    pytest.importorskip("lm_eval")
+    from difflm.eval_harness import DifflmHarnessLM
+    from difflm.sampling.diffusion import _validate
+
+    lm = DifflmHarnessLM.__new__(DifflmHarnessLM)
+    lm.objective, lm.causal = objective, objective == "ar"
+    lm.tok = SimpleNamespace(eos_id=0, tokenizer=SimpleNamespace(decode=lambda ids: "<|endoftext|>"))
+    for run_block, block, want in itertools.product([64, 8], [None, 1, 4, 32, 64], [1, 5, 40, 64]):
+        lm.gen = OmegaConf.create(dict(length=64, steps=64, block_length=run_block, remasking="low_confidence",
+                                       temperature=0.0, seed=0, top_k=0, top_p=1.0, cfg_scale=0.0, threshold=None,
+                                       cache="none"))
+        if objective != "mdlm" and block is not None or objective == "ar" and run_block != 64:
+            continue  # ar and bd3lm runs do not read block_length (an ar run's is reset to the default)
+        kwargs = {"max_gen_toks": want, "until": ["\n"], **({} if block is None else {"block_length": block})}
+        gen, until, limit = lm._request_gen(kwargs)
+        assert limit == want and until == ["\n", "<|endoftext|>"]
+        o = GenerationOptions.from_config(gen, mask_id=MASK, block_size=8 if objective == "bd3lm" else None)
+        if objective == "mdlm":
+            _validate(o)
+            assert want <= o.length < want + o.block_length
+        elif objective == "bd3lm":
+            o.check_block_diffusion()
+            assert o.length == want
+        else:
+            o.check_autoregressive()
+            assert o.length == want
