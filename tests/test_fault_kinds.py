@@ -93,6 +93,12 @@ def test_eval_bytes_and_small_inputs(fast_cfg, tmp_path, tok):
     for seq_len, windows in ((6, 2), (5, 3), (4, 3), (64, 1)):  # 6: the edge at 6 splits 東; 64: one partial window
         got = _evaluate(run, f"data.path={data}", f"data.seq_len={seq_len}")
         assert (got["windows"], got["tokens"], got["bytes"]) == (windows, len(ids) + 1, 22), seq_len
+    # eval.max_windows=1 ends the evaluated text inside 東: the window holds its first bytes, not all of them
+    got = _evaluate(run, f"data.path={data}", "data.seq_len=6", "eval.max_windows=1")
+    assert (got["windows"], got["tokens"], got["bytes"]) == (1, 6, len("Tōkyō ".encode()))
+    # the partial window is batched alone: the estimate does not depend on eval.batch_size
+    one, four = (_evaluate(run, f"data.path={data}", "data.seq_len=5", f"eval.batch_size={b}") for b in (1, 4))
+    assert one["nelbo"] == pytest.approx(four["nelbo"], rel=1e-6) and one["windows"] == 3
     # one full window of 64 tokens and a partial one: every token scored
     line = "To be, or not to be, that is the question:"
     k = 9
