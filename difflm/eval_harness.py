@@ -30,8 +30,8 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
   rounded up to a multiple of ``gen.block_length``, exactly ``max_gen_toks`` for ``ar`` and ``bd3lm`` runs;
   ``gen.steps`` keeps the run's steps per token). A request returns at most ``max_gen_toks`` tokens (the decoded
-  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Greedy decoding (temperature 0) does not depend on the
-  batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
+  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Greedy
+  decoding (temperature 0) does not depend on the batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
   for per-request samples).
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
 """
