@@ -263,7 +263,45 @@ def test_pack_pairs_layout():
     batch = packed.get([0, 1])
     assert batch.response_mask().sum(dim=1).tolist() == [5, 5]  # response + EOS (+ padding) tokens
     obj = SFTObjective(objective_cfg(name="sft"), 47)
-    assert obj.num_tokens(batch).tolist() == [5.0, 5.0]
+    assert obj.num_tokens(batch).tolist() == [2.0, 3.0, 5.0]  # one response length per pair, padding to the last
+    assert packed.pair_ids.tolist() == packed.doc_ids.tolist()
+
+
+@pytest.mark.parametrize("intra_document_attention", [True, False])
+def test_packed_sft_loss_is_the_per_pair_loss(intra_document_attention):
+    """Packing is a compute saving only: 4 pairs in 2 rows give LLaDA's eq. 5 per pair (each pair's weighted CE sum
+    over its own response length, averaged over the 4 pairs), computed here pair by pair from the same masks; the row
+    normaliser gave a 2-token response 1/8 of its weight."""
+    from difflm.data.sft import pack_pairs
+
+    eos, vocab = 0, 50
+    pairs = [([1, 2, 3], [4, 5, 6, 7, 8, 9, eos]), ([11, 12], [13, eos]),
+             ([21], [22, 23, eos]), ([31, 32, 33, 34], [35, 36, 37, 38, eos])]
+    packed = pack_pairs(pairs, seq_len=16, eos_id=eos)
+    assert packed.tokens.shape == (2, 16)
+    if not intra_document_attention:
+        packed.doc_ids = None
+    tb = packed.get([0, 1])
+    obj = SFTObjective(objective_cfg(name="sft", loss_norm="sequence", t_sampling="stratified"), 47)
+    lengths = obj.num_tokens(tb)
+    assert lengths.tolist() == [7.0, 4.0, 3.0, 8.0]  # the last pair of a row owns its EOS padding
+    assert float(loss_normaliser("sequence", lengths)) == 4.0  # pairs, not rows
+    torch.manual_seed(0)
+    for logits_all in (torch.zeros(2, 16, vocab), torch.randn(2, 16, vocab)):  # uniform, then random logits
+        for step in range(4):
+            batch = obj.noise(tb, [0, 1], (7, step), 2)
+            got = weighted_ce_sum(logits_all[batch.loss_mask], batch, "sequence", 4.0, fused=False)
+            ce = torch.nn.functional.cross_entropy(logits_all.transpose(1, 2), tb.tokens, reduction="none")
+            # by hand: the mask and t of each row, the 1/p weight of each masked response token, per pair
+            noised = super(SFTObjective, obj).noise(tb, [0, 1], (7, step), 2)
+            response = tb.response_mask()
+            want = 0.0
+            for k in range(4):
+                where = (tb.pair_ids == k)
+                n = float((where & response).sum())
+                m = where & response & noised.loss_mask
+                want += float((ce[m] * noised.weights[m]).sum()) / n
+            assert got.item() == pytest.approx(want / 4, rel=1e-5)
 
 
 @needs_gsm8k

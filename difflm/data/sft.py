@@ -36,8 +36,10 @@ class SFTPairs:
     """
 
     def __init__(self, tokens: np.ndarray, prompt_lengths: np.ndarray | None = None,
-                 prompt_mask: np.ndarray | None = None, doc_ids: np.ndarray | None = None):
+                 prompt_mask: np.ndarray | None = None, doc_ids: np.ndarray | None = None,
+                 pair_ids: np.ndarray | None = None):
         self.tokens, self.prompt_lengths, self.prompt_mask, self.doc_ids = tokens, prompt_lengths, prompt_mask, doc_ids
+        self.pair_ids = doc_ids if pair_ids is None else pair_ids  # the pair of each token (per-pair normaliser)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -45,7 +47,8 @@ class SFTPairs:
     def rows(self, sl: slice) -> "SFTPairs":
         """The rows ``sl`` (e.g. the train / valid split)."""
         pick = (lambda a: None if a is None else a[sl])  # noqa: E731
-        return SFTPairs(self.tokens[sl], pick(self.prompt_lengths), pick(self.prompt_mask), pick(self.doc_ids))
+        return SFTPairs(self.tokens[sl], pick(self.prompt_lengths), pick(self.prompt_mask), pick(self.doc_ids),
+                        pick(self.pair_ids))
 
     def get(self, indices: Sequence[int]) -> TokenBatch:
         idx = np.asarray(indices, dtype=np.int64)
@@ -53,7 +56,7 @@ class SFTPairs:
             raise IndexError(f"pair index out of range [0, {len(self)})")
         take = (lambda a: None if a is None else torch.from_numpy(a[idx]))  # noqa: E731
         return TokenBatch(torch.from_numpy(self.tokens[idx]), take(self.prompt_lengths), take(self.doc_ids),
-                          take(self.prompt_mask))
+                          take(self.prompt_mask), take(self.pair_ids))
 
 
 def read_pairs(cfg) -> list[tuple[str, str]]:
@@ -201,7 +204,7 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     if cfg.get("sft_packing", False):
         packed = pack_pairs(cut, cfg.seq_len, tok.eos_id)
         if not cfg.get("intra_document_attention", False):
-            packed.doc_ids = None
+            packed.doc_ids = None  # the pairs attend to each other; pair_ids keep the per-pair loss normaliser
         return packed
     rows = [pad_pair(p, r, cfg.seq_len, tok.eos_id) for p, r in cut]
     return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
