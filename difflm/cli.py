@@ -74,6 +74,7 @@ def exits_cleanly(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            launch_folder_cwd()
             if args:
                 check_known_keys(args[0])
                 check_required(args[0])
@@ -94,6 +95,25 @@ def exits_cleanly(fn):
         sys.exit(status)
 
     return wrapper
+
+
+def launch_folder_cwd() -> None:
+    """Under ``hydra.job.chdir=true`` go back to the folder the command was launched from.
+
+    Every relative path a difflm command reads or writes (``data.path``, ``data.tokenizer``, ``data.cache_dir``,
+    ``checkpoint``, ``output``, ``run.dir``, ...) is meant relative to the launch folder, and difflm writes its
+    outputs into ``run.dir`` by name, so Hydra's change into the job's output folder would only make relative input
+    paths point into it. Returning to the launch folder is ``hydra.utils.to_absolute_path`` applied to every path
+    key at once (Hydra, "Output/Working directory"). A no-op outside a Hydra job or with ``chdir=false``.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd
+
+    if not HydraConfig.initialized() or not HydraConfig.get().job.get("chdir", False):
+        return
+    launch = get_original_cwd()
+    if os.getcwd() != launch:
+        os.chdir(launch)
 
 
 def _say(message: str) -> None:
