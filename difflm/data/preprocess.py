@@ -19,7 +19,8 @@ from difflm.errors import DifflmError
 
 # bump when document splitting, tokenization or the on-disk layout changes (old caches are then rebuilt)
 # 2: special-token text inside documents is plain text (split_special_tokens); parquet; data.encoding
-FORMAT_VERSION = 2
+# 3: a UTF-8 byte-order mark at the start of a .txt/.jsonl file is not text
+FORMAT_VERSION = 3
 BATCH_DOCS = 1000
 
 __all__ = ["tokenize_corpus", "tokenized_batches", "tokenizer_fingerprint", "resolve_sources", "read_jsonl",
