@@ -28,13 +28,13 @@ counts them.
 """
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 
 import torch
 from omegaconf import OmegaConf
 
+from difflm import strict_json
 from difflm.cli import hydra_app, writable_output
 from difflm.config.validate import resolve_device
 from difflm.data.batch import TokenBatch, split_batch
@@ -171,8 +171,11 @@ def min_seq_len(name: str) -> int:
 
 
 def json_safe(result: dict) -> dict:
-    """``result`` with non-finite floats (the standard error of one window, NaN) as None: JSON has no NaN."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+    """``result`` with non-finite floats (the standard error of one window, NaN) as None: JSON has no NaN
+    (:func:`difflm.strict_json.finite`)."""
+    from difflm.strict_json import finite
+
+    return finite(result)
 
 
 def bound_kind(objective_cfg) -> str:
@@ -244,7 +247,7 @@ def main(args) -> None:
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
     result = evaluate_file(args, device)
-    text = json.dumps(json_safe(result), indent=2, allow_nan=False)  # one window: nelbo_stderr null, not NaN
+    text = strict_json.dumps(result, flag=True, indent=2)  # one window: nelbo_stderr null (and flagged), not NaN
     print(text)
     if output is not None:
         output.write_text(text + "\n")

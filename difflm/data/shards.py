@@ -33,6 +33,7 @@ from difflm.cli import writable_output
 from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype, write_text_atomic
 from difflm.data.tokenizer import TokenizerInfo, tokenizer_reference
+from difflm import strict_json
 from difflm.errors import DifflmError
 
 MANIFEST = "manifest.json"
@@ -205,7 +206,7 @@ def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split:
 
 # ---------------------------------------------------------------- difflm-preprocess
 def _write_json(path: Path, obj: dict) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
+    write_text_atomic(path, strict_json.dumps(obj, indent=1) + "\n")
 
 
 def _shard_files(out: Path) -> list[Path]:
