@@ -83,7 +83,7 @@ def exits_cleanly(fn):
             key = getattr(err, "full_key", None) or "a mandatory key"
             message, status = f"difflm: error: {key} is required: pass {key}=... on the command line", 2
         except DifflmError as err:
-            message, status = f"difflm: error: {err}", 2
+            message, status = f"difflm: error: {with_sources(str(err))}", 2
         except InterpolationResolutionError as err:  # ${key} on the command line naming no key, or a failing resolver
             first = str(err).splitlines()[0]
             message = (f"difflm: error: {first}: fix the ${{...}} interpolation in the overrides (a prompt's text is "
@@ -95,6 +95,15 @@ def exits_cleanly(fn):
         sys.exit(status)
 
     return wrapper
+
+
+def with_sources(message: str) -> str:
+    """``message`` naming the preset or recipe file that set each value it names
+    (:func:`difflm.config.provenance.name_sources`); unchanged outside a Hydra app."""
+    from difflm.config.provenance import name_sources, running_sources
+
+    sources = running_sources()
+    return message if not sources else name_sources(message, sources)
 
 
 def launch_folder_cwd() -> None:
