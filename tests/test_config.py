@@ -317,7 +317,8 @@ def test_errors_name_the_recipe_or_preset_that_set_a_value():
     assert name_sources(message, sources) == (
         f"{message} (model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml; "
         "model.num_heads is set by model=tiny in conf/model/tiny.yaml: pass the key on the command line to change it)")
-    assert "run.dir" not in sources and name_sources("run.dir=x is not writable", sources) == "run.dir=x is not writable"
+    assert "run.dir" not in sources
+    assert name_sources("run.dir=x is not writable", sources) == "run.dir=x is not writable"
     res = run_cli("difflm.train", "experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused")
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml" in res.stderr

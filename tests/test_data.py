@@ -562,3 +562,34 @@ def test_a_utf8_byte_order_mark_is_not_text(tmp_path, tok):
     (tmp_path / "prompt.txt").write_bytes(bom + b"Once upon a time\n")
     assert read_prompt(OmegaConf.create({"prompt": None, "prompt_file": str(tmp_path / "prompt.txt")})) == \
         "Once upon a time"
+
+
+def test_corpus_shapes_a_pipeline_leaves_are_said_in_one_line(tmp_path, tok, capsys):
+    """One notice per tokenization pass, naming the source and the fix, for the shapes difflm would otherwise read
+    without a word: NUL bytes (UTF-16 read as UTF-8), a separator inside a line, CR left in JSONL text, mostly empty
+    documents. A clean corpus (a trailing separator leaves one empty document) gets none."""
+    from difflm.data.shards import run_preprocess
+    from tests.conftest import compose_run
+
+    (tmp_path / "clean.txt").write_bytes(b"first\r\n<|endoftext|>\r\nsecond\r\n<|endoftext|>\r\n")
+    tokenize_corpus(cfg_for(tmp_path / "clean.txt"), tok, str(tmp_path / "c"))
+    assert "notice" not in capsys.readouterr().err
+    (tmp_path / "utf16.txt").write_bytes("hello world\n".encode("utf-16-le"))
+    tokenize_corpus(cfg_for(tmp_path / "utf16.txt"), tok, str(tmp_path / "c"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "utf16.txt'" in err and "1 of 1 documents hold NUL bytes" in err
+    assert "iconv -f utf-16 -t utf-8" in err
+    (tmp_path / "inline.txt").write_text("doc one<|endoftext|>doc two\n<|endoftext|>\ndoc three\n")
+    ds = tokenize_corpus(cfg_for(tmp_path / "inline.txt"), tok, str(tmp_path / "c"))
+    assert len(ds) == 2  # as documented: only a separator line splits
+    err = capsys.readouterr().err
+    assert "1 documents hold data.doc_separator='<|endoftext|>' inside a line" in err and err.count("\n") == 1
+    (tmp_path / "crlf.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                 ["line one\r\nline two", None, None, "ok"]))
+    tokenize_corpus(cfg_for(tmp_path / "crlf.jsonl"), tok, str(tmp_path / "c"))
+    err = capsys.readouterr().err
+    assert "1 documents hold carriage returns" in err and "2 of 4 documents are empty" in err
+    assert err.count("\n") == 1
+    run_preprocess(compose_run([f"input={tmp_path / 'utf16.txt'}", f"output={tmp_path / 'shards'}", "workers=1",
+                                "progress_bar=false"], config_name="preprocess"))
+    assert "1 of 1 documents hold NUL bytes" in capsys.readouterr().err

@@ -483,7 +483,8 @@ def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": "hello"}) + "\n")
-    with pytest.raises(DifflmError, match=r"data.messages_field='messages' is not a list of \{role, content\} turns in .*bad.jsonl:1"):
+    with pytest.raises(DifflmError, match=r"data.messages_field='messages' is not a list of \{role, content\} turns "
+                                          r"in .*bad.jsonl:1"):
         load_pairs(conv_cfg(bad), tok)
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
     with pytest.raises(DifflmError, match=r"is null in .*bad.jsonl:1 turn 0, not text"):
