@@ -40,6 +40,9 @@ class MoEConfig:
     z_loss_coeff: float = 0.001  # ST-MoE router z-loss coefficient (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias step gamma (0 = off)
     capacity_factor: Optional[float] = None  # null = no token dropping; else tokens per expert <= cf * T * k / E
+    # what the aux loss balances: each micro-batch's own expert counts, or the counts of the step's global batch
+    # so far (all micro-batches and data-parallel ranks; Qiu et al. 2025, Megatron-LM's global_aux_loss)
+    balance_over: str = "micro_batch"  # micro_batch | global_batch
 
 
 @dataclass

@@ -18,6 +18,7 @@ CHOICES = {
     "model.backend": ("torch", "te"),
     "model.attention_backend": ("sdpa", "te", "flash", "flex"),
     "model.moe.score_func": ("softmax", "sigmoid"),
+    "model.moe.balance_over": ("micro_batch", "global_batch"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
     "precision.fp8_recipe": ("delayed", "current", "block", "mxfp8"),
     "objective.name": ("mdlm", "ar", "bd3lm", "sft"),
