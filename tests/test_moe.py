@@ -407,3 +407,40 @@ def test_global_batch_balancing_uses_the_steps_counts():
     assert per_micro != pytest.approx(hand[1], rel=1e-3)
     moe_step([layer])
     assert not layer.balance_tokens.any()
+
+
+def _balance_worker(rank, world, port, out):
+    import torch.distributed as dist
+
+    from difflm.model.moe import set_moe_balance_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layer = make_layer(seed=3, aux_loss_coeff=1.0, z_loss_coeff=0.0, balance_over="global_batch").train()
+    set_moe_balance_group([layer], dist.group.WORLD)
+    torch.manual_seed(10 + rank)  # each data-parallel rank its own tokens
+    layer(torch.randn(2, 4 + 2 * rank, 16))
+    torch.save({"tokens": layer.balance_tokens.clone(), "aux": layer.step_losses[0].item()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_global_batch_balancing_sums_the_counts_of_data_parallel_ranks(tmp_path):
+    """With a data-parallel group, each rank's f_i is from the counts of every rank's tokens (2 gloo ranks with 8 and
+    12 tokens), its P_i from its own: computed here by hand from each rank's router."""
+    from conftest import spawn_ranks
+    from difflm.model.layers import rms_norm
+
+    got = spawn_ranks(_balance_worker, 2, tmp_path)
+    layer = make_layer(seed=3)
+    probs, counts = [], []
+    for rank in range(2):
+        torch.manual_seed(10 + rank)
+        h = rms_norm(torch.randn(2, 4 + 2 * rank, 16), layer.layer_norm_weight.detach(), layer.eps).reshape(-1, 16)
+        p = torch.softmax(h.float() @ layer.router.weight.detach().t(), dim=-1)
+        probs.append(p)
+        counts.append(torch.bincount(p.topk(2, dim=-1).indices.flatten(), minlength=layer.num_experts).float())
+    total = counts[0] + counts[1]
+    assert float(total.sum()) == 2 * (8 + 12)
+    for rank in range(2):
+        assert torch.equal(got[rank]["tokens"], total)
+        want = layer.num_experts * ((total / total.sum()) * probs[rank].mean(dim=0)).sum().item()
+        assert got[rank]["aux"] == pytest.approx(want, rel=1e-5)
