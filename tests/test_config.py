@@ -295,7 +295,7 @@ def test_a_tiny_valid_fraction_still_evaluates_one_window_and_zero_is_refused_by
     assert not (tmp_path / "unread").exists()  # refused before any tokenization
 
 
-def test_errors_name_the_recipe_or_preset_that_set_a_value():
+def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
     """``experiment=megadlm_1.7b model=tiny``: num_kv_heads=16 comes from the recipe and num_heads=4 from the tiny
     preset; the error said neither. Sources come from Hydra's defaults list; a key typed on the command line is the
     user's own and is not annotated."""
@@ -319,6 +319,7 @@ def test_errors_name_the_recipe_or_preset_that_set_a_value():
         "model.num_heads is set by model=tiny in conf/model/tiny.yaml: pass the key on the command line to change it)")
     assert "run.dir" not in sources
     assert name_sources("run.dir=x is not writable", sources) == "run.dir=x is not writable"
-    res = run_cli("difflm.train", "experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused")
+    res = run_cli("difflm.train", "experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused",
+                  cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml" in res.stderr
