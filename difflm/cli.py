@@ -74,6 +74,7 @@ def exits_cleanly(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            launch_folder_cwd()
             if args:
                 check_known_keys(args[0])
                 check_required(args[0])
@@ -82,7 +83,7 @@ def exits_cleanly(fn):
             key = getattr(err, "full_key", None) or "a mandatory key"
             message, status = f"difflm: error: {key} is required: pass {key}=... on the command line", 2
         except DifflmError as err:
-            message, status = f"difflm: error: {err}", 2
+            message, status = f"difflm: error: {with_sources(str(err))}", 2
         except InterpolationResolutionError as err:  # ${key} on the command line naming no key, or a failing resolver
             first = str(err).splitlines()[0]
             message = (f"difflm: error: {first}: fix the ${{...}} interpolation in the overrides (a prompt's text is "
@@ -94,6 +95,34 @@ def exits_cleanly(fn):
         sys.exit(status)
 
     return wrapper
+
+
+def with_sources(message: str) -> str:
+    """``message`` naming the preset or recipe file that set each value it names
+    (:func:`difflm.config.provenance.name_sources`); unchanged outside a Hydra app."""
+    from difflm.config.provenance import name_sources, running_sources
+
+    sources = running_sources()
+    return message if not sources else name_sources(message, sources)
+
+
+def launch_folder_cwd() -> None:
+    """Under ``hydra.job.chdir=true`` go back to the folder the command was launched from.
+
+    Every relative path a difflm command reads or writes (``data.path``, ``data.tokenizer``, ``data.cache_dir``,
+    ``checkpoint``, ``output``, ``run.dir``, ...) is meant relative to the launch folder, and difflm writes its
+    outputs into ``run.dir`` by name, so Hydra's change into the job's output folder would only make relative input
+    paths point into it. Returning to the launch folder is ``hydra.utils.to_absolute_path`` applied to every path
+    key at once (Hydra, "Output/Working directory"). A no-op outside a Hydra job or with ``chdir=false``.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd
+
+    if not HydraConfig.initialized() or not HydraConfig.get().job.get("chdir", False):
+        return
+    launch = get_original_cwd()
+    if os.getcwd() != launch:
+        os.chdir(launch)
 
 
 def _say(message: str) -> None:

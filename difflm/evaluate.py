@@ -31,7 +31,6 @@ across two windows' tokens counts once.
 """
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from difflm import strict_json
 from difflm.cli import hydra_app, writable_output
 from difflm.config.validate import resolve_device
 from difflm.data.batch import TokenBatch, split_batch
@@ -141,6 +141,11 @@ def pair_windows(batch: TokenBatch, eos_id: int) -> TokenBatch:
     tokens = batch.tokens
     b, s = tokens.shape
     pos = torch.arange(s)[None, :]
+    if batch.prompt_lengths is None:  # conversations (a prompt mask): the trailing run of EOS is the padding
+        not_eos = torch.where(tokens != eos_id, pos, torch.full_like(pos, -1)).amax(dim=1)
+        end = (not_eos + 1).clamp(max=s - 1)  # the first EOS after the conversation scores, as a pair's stop token
+        pad = pos > end[:, None]
+        return TokenBatch(tokens, prompt_mask=batch.prompt_mask | pad, doc_ids=pad.long())
     is_eos = (tokens == eos_id) & (pos >= batch.prompt_lengths[:, None])
     # the first EOS of the response ends the pair (none: the pair was cut at the window, all of it scores)
     end = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full((b,), s - 1))
@@ -172,7 +177,8 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
         return load_pairs(OmegaConf.create({
             "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
             "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
-            "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template}), tok)
+            "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template,
+            "messages_field": d.get("messages_field") or cfg.data.get("messages_field")}), tok)
     # the text is read as the run read its own unless data.* says otherwise (a separator or field of its own would
     # change the windows, hence the NELBO, without a word)
     d, run = args.data, cfg.data
@@ -235,8 +241,11 @@ def min_seq_len(name: str) -> int:
 
 
 def json_safe(result: dict) -> dict:
-    """``result`` with non-finite floats (the standard error of one window, NaN) as None: JSON has no NaN."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()}
+    """``result`` with non-finite floats (the standard error of one window, NaN) as None: JSON has no NaN
+    (:func:`difflm.strict_json.finite`)."""
+    from difflm.strict_json import finite
+
+    return finite(result)
 
 
 def bound_kind(objective_cfg) -> str:
@@ -257,7 +266,7 @@ def evaluate_file(args, device: torch.device) -> dict:
     if e.mc_samples < 1 or e.batch_size < 1:
         raise DifflmError(f"eval.mc_samples={e.mc_samples} and eval.batch_size={e.batch_size} must be >= 1")
     name = cfg.objective.name
-    for key in ("prompt_field", "response_field", "chat_template"):
+    for key in ("prompt_field", "response_field", "chat_template", "messages_field"):
         if name != "sft" and args.data.get(key) is not None:
             raise DifflmError(f"data.{key} applies to objective=sft runs and this run is objective={name}: drop it")
     objective = build_objective(cfg.objective, tok.mask_id)
@@ -324,7 +333,7 @@ def main(args) -> None:
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
     result = evaluate_file(args, device)
-    text = json.dumps(json_safe(result), indent=2, allow_nan=False)  # one window: nelbo_stderr null, not NaN
+    text = strict_json.dumps(result, flag=True, indent=2)  # one window: nelbo_stderr null (and flagged), not NaN
     print(text)
     if output is not None:
         output.write_text(text + "\n")

@@ -230,7 +230,7 @@ def read_prompt(args) -> str:
     if args.prompt:
         raise DifflmError("give prompt= or prompt_file=, not both")
     try:
-        text = Path(args.prompt_file).read_text(encoding="utf-8")
+        text = Path(args.prompt_file).read_text(encoding="utf-8-sig")  # a byte-order mark is not prompt text
     except (OSError, UnicodeDecodeError) as err:
         raise DifflmError(f"prompt_file={args.prompt_file!r} cannot be read ({err}): give a UTF-8 text file") from err
     return text[:-1] if text.endswith("\n") else text

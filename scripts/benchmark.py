@@ -109,6 +109,7 @@ from torch import nn
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
+from difflm import strict_json  # noqa: E402
 from difflm.config.compose import compose_train_config  # noqa: E402
 from difflm.config.validate import (  # noqa: E402
     check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
@@ -832,7 +833,7 @@ def write_json(args, record: dict, rows: list[dict]) -> None:
         return
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str))
+    path.write_text(strict_json.dumps(record, indent=2, default=str))
     for r in rows:
         if "profile_table" in r:
             path.with_name(f"{path.stem}_profile_{r['name']}.txt").write_text(r["profile_table"])

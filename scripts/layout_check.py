@@ -119,6 +119,7 @@ sys.path.insert(0, str(REPO))
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from difflm import strict_json  # noqa: E402
 from difflm.config import CONF_DIR  # noqa: E402
 from difflm.config.schema import TrainConfig  # noqa: E402
 
@@ -548,7 +549,7 @@ class LayoutCheck:
                    "rows": [asdict(r) for r in self.rows]}
         self.args.out.mkdir(parents=True, exist_ok=True)
         tmp = self.args.out / "layout_check.json.tmp"
-        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.write_text(strict_json.dumps(payload, indent=1))
         tmp.replace(self.args.out / "layout_check.json")
 
     def row_from(self, row: Row, result: RunResult) -> Row:

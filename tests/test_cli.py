@@ -14,7 +14,7 @@ from difflm.cli import check_overrides, check_required, hydra_quoted, quote_free
 from difflm.errors import DifflmError
 from difflm.generate import read_prompt
 
-from conftest import run_cli
+from conftest import FAST, run_cli
 
 TEXTS = ["a, b", "ROMEO: my lord (aside) [exit]", "it's", "say \"hi\", ok", "back\\", "a\\'b", "${oc.env:HOME}",
          "k=v, w", "two\nlines", "", "{x: 1}"]
@@ -252,3 +252,24 @@ def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
     assert _errors_said_by_ranks(monkeypatch, "SLURM_PROCID", "difflm.evaluate", "eval.mc_sample=4") == [1, 0]
+
+
+def test_hydra_job_chdir_keeps_relative_paths_relative_to_the_launch_folder(tmp_path):
+    """``hydra.job.chdir=true`` moved the job into run.dir, so a relative ``data.path`` or ``data.tokenizer`` (in the
+    launch folder) was reported missing. Every path is read from the launch folder, for train and preprocess alike."""
+    import shutil
+
+    from difflm.config import ASSETS
+
+    shutil.copytree(ASSETS / "tokenizers" / "gpt-neox-20b", tmp_path / "toks" / "neox")
+    (tmp_path / "small.txt").write_text("hello world, a small corpus for a short run.\n" * 400)
+    res = run_cli("difflm.train", *FAST, "train.max_steps=1", "train.eval_every=0", "data.path=small.txt",
+                  "data.tokenizer=./toks/neox", "data.cache_dir=cache", "run.dir=runs/a", "hydra.job.chdir=true",
+                  "device=cpu", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "runs" / "a" / "metrics.jsonl").exists() and (tmp_path / "cache").is_dir()
+    assert not (tmp_path / "runs" / "a" / "runs").exists()  # run.dir is not taken relative to itself
+    res = run_cli("difflm.preprocess", "input=small.txt", "output=shards", "tokenizer=./toks/neox", "workers=1",
+                  "hydra.job.chdir=true", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert list((tmp_path / "shards").glob("*.idx"))

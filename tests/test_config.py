@@ -293,3 +293,33 @@ def test_a_tiny_valid_fraction_still_evaluates_one_window_and_zero_is_refused_by
         Trainer(fast_cfg("data.valid_fraction=0", f"data.cache_dir={tmp_path / 'unread'}"), cfg.run.dir,
                 torch.device("cpu"))
     assert not (tmp_path / "unread").exists()  # refused before any tokenization
+
+
+def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
+    """``experiment=megadlm_1.7b model=tiny``: num_kv_heads=16 comes from the recipe and num_heads=4 from the tiny
+    preset; the error said neither. Sources come from Hydra's defaults list; a key typed on the command line is the
+    user's own and is not annotated."""
+    from hydra import initialize_config_dir
+
+    import difflm.config
+    from difflm.config.provenance import key_sources, name_sources
+    from tests.conftest import run_cli
+
+    message = "model.num_kv_heads=16 does not divide model.num_heads=4: pick a divisor"
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        sources = key_sources("train", ["experiment=megadlm_1.7b", "model=tiny"])
+        assert sources["model.num_kv_heads"] == "experiment/megadlm_1.7b"
+        assert sources["model.num_heads"] == "model/tiny" and sources["optim.lr"] == "experiment/megadlm_1.7b"
+        assert "train.max_steps" not in key_sources("train", ["experiment=megadlm_1.7b", "train.max_steps=3"])
+        typed = key_sources("train", ["experiment=megadlm_1.7b", "model=tiny", "model.num_kv_heads=16"])
+        assert "model.num_kv_heads" not in typed and typed["model.num_heads"] == "model/tiny"
+        assert key_sources("train", [])["model.num_heads"] == "model/tiny"  # the default preset is a file too
+    assert name_sources(message, sources) == (
+        f"{message} (model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml; "
+        "model.num_heads is set by model=tiny in conf/model/tiny.yaml: pass the key on the command line to change it)")
+    assert "run.dir" not in sources
+    assert name_sources("run.dir=x is not writable", sources) == "run.dir=x is not writable"
+    res = run_cli("difflm.train", "experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused",
+                  cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml" in res.stderr

@@ -529,3 +529,67 @@ def test_a_dropped_tail_of_a_small_corpus_gets_a_notice(tmp_path, capsys):
     assert err.count("difflm: notice:") == 1 and "drops the last 104 tokens (10.4%)" in err
     build_windows(IndexedDataset(str(tmp_path / "d")), 0, 100, 0.2)  # 10 full windows: no tail, no notice
     assert "notice" not in capsys.readouterr().err
+
+
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path, tok):
+    """A file that starts with EF BB BF read '\\ufeffhello world', one token more than the same file without it, in
+    every reader: the trainer's cache (and difflm-eval's windows), difflm-preprocess's pieces, SFT pairs, prompts."""
+    from omegaconf import OmegaConf
+
+    from difflm.data.documents import DocFormat, file_pieces, iter_documents
+    from difflm.data.sft import read_pairs
+    from difflm.generate import read_prompt
+
+    bom = b"\xef\xbb\xbf"
+    plain = tok.encode("hello world")
+    for name, body, sep in (("sep.txt", b"hello world\n<|endoftext|>\nsecond\n", "<|endoftext|>"),
+                            ("whole.txt", b"hello world\n", None),
+                            ("crlf.txt", b"hello world\r\n<|endoftext|>\r\nsecond\r\n", "<|endoftext|>"),
+                            ("a.jsonl", b'{"text": "hello world"}\n{"text": "second"}\n', None)):
+        (tmp_path / name).write_bytes(bom + body)
+        ds = tokenize_corpus(cfg_for(tmp_path / name, doc_separator=sep), tok, str(tmp_path / "c"))
+        assert ds[0].tolist() == plain, name
+        fmt = DocFormat(doc_separator=sep, key="input")
+        docs = [d for p in file_pieces(str(tmp_path / name), fmt, 8) for d in iter_documents(p, fmt)]
+        assert docs[0] == "hello world" and "\ufeff" not in "".join(docs), name
+    # a BOM is only a marker at the very start: elsewhere it stays the text it is
+    (tmp_path / "mid.txt").write_bytes(b"a\n<|endoftext|>\n" + bom + b"b\n")
+    assert tok.decode(tokenize_corpus(cfg_for(tmp_path / "mid.txt"), tok, str(tmp_path / "c"))[1]) == "\ufeffb"
+    (tmp_path / "pairs.jsonl").write_bytes(bom + b'{"q": "hi", "a": "there"}\n')
+    sft = OmegaConf.create(dict(path=str(tmp_path / "pairs.jsonl"), prompt_field="q", response_field="a",
+                                text_field="text", doc_separator=None, encoding="utf-8"))
+    assert read_pairs(sft) == [("hi", "there")]
+    (tmp_path / "prompt.txt").write_bytes(bom + b"Once upon a time\n")
+    assert read_prompt(OmegaConf.create({"prompt": None, "prompt_file": str(tmp_path / "prompt.txt")})) == \
+        "Once upon a time"
+
+
+def test_corpus_shapes_a_pipeline_leaves_are_said_in_one_line(tmp_path, tok, capsys):
+    """One notice per tokenization pass, naming the source and the fix, for the shapes difflm would otherwise read
+    without a word: NUL bytes (UTF-16 read as UTF-8), a separator inside a line, CR left in JSONL text, mostly empty
+    documents. A clean corpus (a trailing separator leaves one empty document) gets none."""
+    from difflm.data.shards import run_preprocess
+    from tests.conftest import compose_run
+
+    (tmp_path / "clean.txt").write_bytes(b"first\r\n<|endoftext|>\r\nsecond\r\n<|endoftext|>\r\n")
+    tokenize_corpus(cfg_for(tmp_path / "clean.txt"), tok, str(tmp_path / "c"))
+    assert "notice" not in capsys.readouterr().err
+    (tmp_path / "utf16.txt").write_bytes("hello world\n".encode("utf-16-le"))
+    tokenize_corpus(cfg_for(tmp_path / "utf16.txt"), tok, str(tmp_path / "c"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "utf16.txt'" in err and "1 of 1 documents hold NUL bytes" in err
+    assert "iconv -f utf-16 -t utf-8" in err
+    (tmp_path / "inline.txt").write_text("doc one<|endoftext|>doc two\n<|endoftext|>\ndoc three\n")
+    ds = tokenize_corpus(cfg_for(tmp_path / "inline.txt"), tok, str(tmp_path / "c"))
+    assert len(ds) == 2  # as documented: only a separator line splits
+    err = capsys.readouterr().err
+    assert "1 documents hold data.doc_separator='<|endoftext|>' inside a line" in err and err.count("\n") == 1
+    (tmp_path / "crlf.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                 ["line one\r\nline two", None, None, "ok"]))
+    tokenize_corpus(cfg_for(tmp_path / "crlf.jsonl"), tok, str(tmp_path / "c"))
+    err = capsys.readouterr().err
+    assert "1 documents hold carriage returns" in err and "2 of 4 documents are empty" in err
+    assert err.count("\n") == 1
+    run_preprocess(compose_run([f"input={tmp_path / 'utf16.txt'}", f"output={tmp_path / 'shards'}", "workers=1",
+                                "progress_bar=false"], config_name="preprocess"))
+    assert "1 of 1 documents hold NUL bytes" in capsys.readouterr().err

@@ -356,3 +356,91 @@ def test_export_of_an_moe_run_matches_logits_and_sampler(fast_cfg, tmp_path):
         theirs = hf.generate(prompt, steps=8, gen_length=16, block_length=8,
                              generator=torch.Generator().manual_seed(3), **kw)
         assert torch.equal(theirs[:, prompt.shape[1]:], ours), kw
+
+
+def test_global_batch_balancing_uses_the_steps_counts():
+    """``model.moe.balance_over=global_batch``: each micro-batch's aux loss is E * sum_i f_i P_i with f_i from the
+    expert counts of the step so far (the last micro-batch: the whole batch's), P_i its own mean probability; computed
+    here by hand from the router's probabilities and top-k choices. The router gradient is that of the hand-computed
+    loss; moe_step starts the next step from zero counts."""
+    from difflm.model.layers import rms_norm
+    from difflm.model.moe import moe_step
+
+    coeff = 0.5
+    layer = make_layer(seed=3, aux_loss_coeff=coeff, z_loss_coeff=0.0, balance_over="global_batch").train()
+    micro = make_layer(seed=3, aux_loss_coeff=coeff, z_loss_coeff=0.0).train()  # the per-micro-batch loss
+    torch.manual_seed(1)
+    xs = [torch.randn(2, 5, 16), torch.randn(2, 3, 16)]  # micro-batches of unequal token counts
+    e = layer.num_experts
+
+    def probs_and_counts(x):
+        w = layer.router.weight.detach().clone().requires_grad_(True)
+        h = rms_norm(x, layer.layer_norm_weight.detach(), layer.eps).reshape(-1, 16)
+        probs = torch.softmax(h.float() @ w.t(), dim=-1)
+        top = probs.topk(2, dim=-1).indices
+        return w, probs, torch.bincount(top.flatten(), minlength=e).float()
+
+    hand, grads = [], []
+    seen = torch.zeros(e)
+    for x in xs:
+        w, probs, counts = probs_and_counts(x)
+        seen = seen + counts
+        aux = coeff * e * ((seen / seen.sum()) * probs.mean(dim=0)).sum()
+        aux.backward()
+        hand.append(aux.item())
+        grads.append(w.grad.clone())
+    layer.loss_scale = 1.0
+    for x in xs:
+        out = layer(x)
+        (out * 0).sum().backward()  # only the attached aux loss sends gradient to the router
+    assert torch.equal(layer.balance_tokens, seen)  # the whole batch's counts: 2 * (10 + 6) slots
+    assert float(seen.sum()) == 2 * (10 + 6)
+    assert layer.step_losses[0].item() == pytest.approx(sum(hand), rel=1e-5)
+    torch.testing.assert_close(layer.router.weight.grad, grads[0] + grads[1], rtol=1e-4, atol=1e-6)
+    # the last micro-batch's loss is the one of the whole batch's counts, which the per-micro-batch loss is not
+    _, probs2, counts2 = probs_and_counts(xs[1])
+    per_micro = coeff * e * ((counts2 / counts2.sum()) * probs2.mean(dim=0)).sum().item()
+    micro(xs[0])
+    micro.step_losses.zero_()
+    micro(xs[1])
+    assert micro.step_losses[0].item() == pytest.approx(per_micro, rel=1e-5)
+    assert per_micro != pytest.approx(hand[1], rel=1e-3)
+    moe_step([layer])
+    assert not layer.balance_tokens.any()
+
+
+def _balance_worker(rank, world, port, out):
+    import torch.distributed as dist
+
+    from difflm.model.moe import set_moe_balance_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    layer = make_layer(seed=3, aux_loss_coeff=1.0, z_loss_coeff=0.0, balance_over="global_batch").train()
+    set_moe_balance_group([layer], dist.group.WORLD)
+    torch.manual_seed(10 + rank)  # each data-parallel rank its own tokens
+    layer(torch.randn(2, 4 + 2 * rank, 16))
+    torch.save({"tokens": layer.balance_tokens.clone(), "aux": layer.step_losses[0].item()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_global_batch_balancing_sums_the_counts_of_data_parallel_ranks(tmp_path):
+    """With a data-parallel group, each rank's f_i is from the counts of every rank's tokens (2 gloo ranks with 8 and
+    12 tokens), its P_i from its own: computed here by hand from each rank's router."""
+    from conftest import spawn_ranks
+    from difflm.model.layers import rms_norm
+
+    got = spawn_ranks(_balance_worker, 2, tmp_path)
+    layer = make_layer(seed=3)
+    probs, counts = [], []
+    for rank in range(2):
+        torch.manual_seed(10 + rank)
+        h = rms_norm(torch.randn(2, 4 + 2 * rank, 16), layer.layer_norm_weight.detach(), layer.eps).reshape(-1, 16)
+        p = torch.softmax(h.float() @ layer.router.weight.detach().t(), dim=-1)
+        probs.append(p)
+        counts.append(torch.bincount(p.topk(2, dim=-1).indices.flatten(), minlength=layer.num_experts).float())
+    total = counts[0] + counts[1]
+    assert float(total.sum()) == 2 * (8 + 12)
+    for rank in range(2):
+        assert torch.equal(got[rank]["tokens"], total)
+        want = layer.num_experts * ((total / total.sum()) * probs[rank].mean(dim=0)).sum().item()
+        assert got[rank]["aux"] == pytest.approx(want, rel=1e-5)

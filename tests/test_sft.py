@@ -263,7 +263,45 @@ def test_pack_pairs_layout():
     batch = packed.get([0, 1])
     assert batch.response_mask().sum(dim=1).tolist() == [5, 5]  # response + EOS (+ padding) tokens
     obj = SFTObjective(objective_cfg(name="sft"), 47)
-    assert obj.num_tokens(batch).tolist() == [5.0, 5.0]
+    assert obj.num_tokens(batch).tolist() == [2.0, 3.0, 5.0]  # one response length per pair, padding to the last
+    assert packed.pair_ids.tolist() == packed.doc_ids.tolist()
+
+
+@pytest.mark.parametrize("intra_document_attention", [True, False])
+def test_packed_sft_loss_is_the_per_pair_loss(intra_document_attention):
+    """Packing is a compute saving only: 4 pairs in 2 rows give LLaDA's eq. 5 per pair (each pair's weighted CE sum
+    over its own response length, averaged over the 4 pairs), computed here pair by pair from the same masks; the row
+    normaliser gave a 2-token response 1/8 of its weight."""
+    from difflm.data.sft import pack_pairs
+
+    eos, vocab = 0, 50
+    pairs = [([1, 2, 3], [4, 5, 6, 7, 8, 9, eos]), ([11, 12], [13, eos]),
+             ([21], [22, 23, eos]), ([31, 32, 33, 34], [35, 36, 37, 38, eos])]
+    packed = pack_pairs(pairs, seq_len=16, eos_id=eos)
+    assert packed.tokens.shape == (2, 16)
+    if not intra_document_attention:
+        packed.doc_ids = None
+    tb = packed.get([0, 1])
+    obj = SFTObjective(objective_cfg(name="sft", loss_norm="sequence", t_sampling="stratified"), 47)
+    lengths = obj.num_tokens(tb)
+    assert lengths.tolist() == [7.0, 4.0, 3.0, 8.0]  # the last pair of a row owns its EOS padding
+    assert float(loss_normaliser("sequence", lengths)) == 4.0  # pairs, not rows
+    torch.manual_seed(0)
+    for logits_all in (torch.zeros(2, 16, vocab), torch.randn(2, 16, vocab)):  # uniform, then random logits
+        for step in range(4):
+            batch = obj.noise(tb, [0, 1], (7, step), 2)
+            got = weighted_ce_sum(logits_all[batch.loss_mask], batch, "sequence", 4.0, fused=False)
+            ce = torch.nn.functional.cross_entropy(logits_all.transpose(1, 2), tb.tokens, reduction="none")
+            # by hand: the mask and t of each row, the 1/p weight of each masked response token, per pair
+            noised = super(SFTObjective, obj).noise(tb, [0, 1], (7, step), 2)
+            response = tb.response_mask()
+            want = 0.0
+            for k in range(4):
+                where = (tb.pair_ids == k)
+                n = float((where & response).sum())
+                m = where & response & noised.loss_mask
+                want += float((ce[m] * noised.weights[m]).sum()) / n
+            assert got.item() == pytest.approx(want / 4, rel=1e-5)
 
 
 @needs_gsm8k
@@ -365,3 +403,104 @@ def test_sft_says_how_many_gsm8k_pairs_seq_len_128_cuts(capsys):
     assert f"raise data.seq_len (data.seq_len={max(lengths)} keeps every pair whole)" in err
     load_pairs(data_cfg(GSM8K, seq_len=max(lengths)), tok)  # every pair fits: no notice
     assert "notice" not in capsys.readouterr().err
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}]
+
+
+def _conversations_file(tmp_path, convs):
+    import json
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": c, "id": i}) + "\n" for i, c in enumerate(convs)))
+    return path
+
+
+def conv_cfg(path, seq_len=64, **kw):
+    return OmegaConf.create(dict(dict(path=str(path), messages_field="messages", seq_len=seq_len, chat_template=False,
+                                      valid_fraction=0.0), **kw))
+
+
+def test_conversation_loss_is_on_assistant_turns_only_plain_format(tmp_path):
+    """Plain format, built by hand: 'role: content\\n' turns; an assistant turn's header is prompt, its content and EOS
+    are the loss tokens. The SFT objective never masks (or scores) a system or user token."""
+    from difflm.data.sft import load_pairs
+
+    tok = build_tokenizer(TOKENIZER)
+    enc, eos = tok.encode, tok.eos_id
+    want = [(enc("system: Be brief.\n"), True), (enc("user: Hi\n"), True), (enc("assistant: "), True),
+            (enc("Hello!") + [eos], False), (enc("user: 2+2?\n"), True), (enc("assistant: "), True),
+            (enc("4") + [eos], False)]
+    ids = [i for part, _ in want for i in part]
+    prompt = [p for part, p in want for _ in part]
+    rows = load_pairs(conv_cfg(_conversations_file(tmp_path, [CONVERSATION]), seq_len=len(ids) + 3), tok)
+    assert rows.tokens.tolist() == [ids + [eos] * 3]
+    assert rows.prompt_mask.tolist() == [prompt + [False] * 3]
+    batch = rows.get([0])
+    obj = SFTObjective(objective_cfg(name="sft", loss_norm="sequence", t_sampling="stratified"), 47)
+    assert obj.num_tokens(batch).tolist() == [float(len(enc("Hello!")) + 1 + len(enc("4")) + 1 + 3)]
+    masked = 0
+    for step in range(20):
+        noised = obj.noise(batch, [0], (5, step), 1)
+        assert not noised.loss_mask[0][torch.tensor(prompt + [False] * 3)].any()
+        masked += int(noised.loss_mask.sum())
+        kept = torch.tensor(prompt + [False] * 3)
+        assert torch.equal(noised.input_ids[0][kept], torch.tensor([i for i, p in zip(ids, prompt) if p]))
+    assert masked > 0
+
+
+def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
+    """Under the chat template the loss tokens are what each assistant turn adds to the template's rendering with
+    the generation prompt ('Hello!\\n' and '4\\n' with this template); packed conversations keep one normaliser
+    each; a conversation without an assistant turn is skipped with a notice; bad records are one line."""
+    from difflm.data.conversations import templated_ids
+    from difflm.data.sft import load_pairs
+
+    tok = build_tokenizer(TOKENIZER)
+    tok.tokenizer.chat_template = CHAT_TEMPLATE
+    ids, prompt = templated_ids(tok, CONVERSATION)
+    text = tok.tokenizer.decode
+    assert text([i for i, p in zip(ids, prompt) if not p]) == "Hello!\n4\n"
+    assert text(ids) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!\n<|user|>\n2+2?\n<|assistant|>\n4\n"
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    silent = [{"role": "user", "content": "anyone?"}]
+    path = _conversations_file(tmp_path, [CONVERSATION, short, silent, short])
+    short_ids, short_prompt = templated_ids(tok, short)
+    n = len(ids) + len(short_ids)
+    packed = load_pairs(conv_cfg(path, seq_len=n, chat_template=True, sft_packing=True), tok)
+    assert packed.tokens.shape[0] == 2 and packed.doc_ids is None
+    assert packed.pair_ids.tolist()[0] == [0] * len(ids) + [1] * (n - len(ids))
+    batch = packed.get([0, 1])
+    lengths = SFTObjective(objective_cfg(name="sft"), 47).num_tokens(batch)
+    yo = sum(not p for p in short_prompt)
+    assert text([i for i, p in zip(short_ids, short_prompt) if not p]) == "Yo\n"
+    # per conversation: its assistant tokens; the last of a row also owns the row's EOS padding
+    assert lengths.tolist() == [float(len(tok.encode("Hello!\n4\n"))), float(yo), float(yo + n - len(short_ids))]
+    assert "1 of 4 conversations in data.path=" in capsys.readouterr().err
+    import json
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": "hello"}) + "\n")
+    with pytest.raises(DifflmError, match=r"data.messages_field='messages' is not a list of \{role, content\} turns "
+                                          r"in .*bad.jsonl:1"):
+        load_pairs(conv_cfg(bad), tok)
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
+    with pytest.raises(DifflmError, match=r"is null in .*bad.jsonl:1 turn 0, not text"):
+        load_pairs(conv_cfg(bad), tok)
+
+
+
+def test_messages_field_config_checks(fast_cfg):
+    """data.messages_field makes SFT data: objective=sft takes it instead of prompt_field, not both, and no other
+    objective takes it."""
+    from difflm.config.validate import check_objective_data
+
+    check_objective_data(fast_cfg("objective=sft", "data.messages_field=messages", "objective.random_length_prob=0"))
+    with pytest.raises(DifflmError, match="name two kinds of SFT data: set one of them to null"):
+        check_objective_data(fast_cfg("objective=sft", "data.messages_field=messages", "data.prompt_field=q",
+                                      "objective.random_length_prob=0"))
+    with pytest.raises(DifflmError, match="data.messages_field='messages' makes conversation data, which only "
+                                          "objective=sft uses"):
+        check_objective_data(fast_cfg("data.messages_field=messages"))

@@ -251,3 +251,50 @@ def test_unreachable_wandb_server_is_refused_before_the_model_is_built(monkeypat
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: Connection())
     check_run(online)
     assert probes == ["closed"]
+
+
+def _strict_loads(text: str):
+    """json.loads that refuses NaN / Infinity, as RFC 8259 parsers (pandas, wandb, jq, JSON.parse) do."""
+    import json
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metrics_jsonl_stays_json_when_a_step_is_not_finite(tmp_path):
+    """A non-finite step wrote ``"grad_norm": NaN``, which strict parsers refuse: it is null, and listed under
+    ``nonfinite`` so a reader can tell it from a value that was not logged."""
+    from difflm.training.sinks import JsonlSink
+
+    sink = JsonlSink(tmp_path, objective="mdlm")
+    sink.log({"step": 1, "loss": 2.5, "grad_norm": 1.25})
+    sink.log({"step": 2, "loss": float("inf"), "grad_norm": float("nan"), "lr": 3e-4})
+    sink.close()
+    rows = [_strict_loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 1, "loss": 2.5, "grad_norm": 1.25, "objective": "mdlm"}
+    assert rows[1] == {"step": 2, "loss": None, "grad_norm": None, "lr": 3e-4, "objective": "mdlm",
+                       "nonfinite": ["loss", "grad_norm"]}
+    from difflm.plot import read_metrics
+
+    assert [r.get("grad_norm") for r in read_metrics(tmp_path)] == [1.25, None]
+
+
+def test_every_json_difflm_writes_is_strict(tmp_path):
+    """The writers of checkpoint manifests, shard manifests, exports and difflm-eval results go through
+    :func:`difflm.strict_json.dumps`: nested NaN and inf become null, numpy floats too."""
+    import numpy as np
+
+    from difflm import strict_json
+    from difflm.checkpoint.manifest import write_manifest
+    from difflm.evaluate import json_safe
+
+    text = strict_json.dumps({"a": [1.0, float("nan"), {"b": float("-inf")}], "c": np.float64("nan"), "d": (2, 3)},
+                             flag=True)
+    assert _strict_loads(text) == {"a": [1.0, None, {"b": None}], "c": None, "d": [2, 3], "nonfinite": ["c"]}
+    assert json_safe({"nelbo_stderr": float("nan"), "nelbo": 3.0}) == {"nelbo_stderr": None, "nelbo": 3.0}
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "w.bin").write_bytes(b"1234")
+    write_manifest(tmp_path / "ckpt")
+    _strict_loads((tmp_path / "ckpt" / "manifest.json").read_text())

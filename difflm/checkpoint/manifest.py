@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from difflm import strict_json
+
 MANIFEST = "manifest.json"
 
 
@@ -30,7 +32,7 @@ def write_manifest(ckpt_dir: Path, checksums: bool = False) -> None:
             if checksums:
                 entry["sha256"] = file_sha256(p)
             files[str(p.relative_to(ckpt_dir))] = entry
-    (ckpt_dir / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
+    (ckpt_dir / MANIFEST).write_text(strict_json.dumps({"version": 1, "files": files}, indent=1))
 
 
 def manifest_problem(ckpt_dir: Path) -> Optional[str]:

@@ -40,6 +40,9 @@ class MoEConfig:
     z_loss_coeff: float = 0.001  # ST-MoE router z-loss coefficient (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias step gamma (0 = off)
     capacity_factor: Optional[float] = None  # null = no token dropping; else tokens per expert <= cf * T * k / E
+    # what the aux loss balances: each micro-batch's own expert counts, or the counts of the step's global batch
+    # so far (all micro-batches and data-parallel ranks; Qiu et al. 2025, Megatron-LM's global_aux_loss)
+    balance_over: str = "micro_batch"  # micro_batch | global_batch
 
 
 @dataclass
@@ -150,6 +153,9 @@ class DataConfig:
     response_field: str = "response"  # SFT: JSONL field of the response
     chat_template: bool = False  # SFT: wrap the prompt with the tokenizer's apply_chat_template
     sft_packing: bool = False  # SFT: pack several pairs into each window (with intra_document_attention: kept apart)
+    # SFT: JSONL field holding multi-turn conversations, a list of {role, content} turns (TRL's conversational
+    # format); the loss is on the assistant turns only (difflm/data/conversations.py); null = prompt/response pairs
+    messages_field: Optional[str] = None
     encoding: str = "utf-8"  # text encoding of the data files (strict: undecodable bytes are an error)
     blend: list[BlendSource] = field(default_factory=list)  # a mixture of corpora; replaces path when non-empty
     max_train_tokens: Optional[int] = None  # unique training tokens: the first N // seq_len windows; null = all
@@ -362,6 +368,7 @@ class EvalDataConfig:
     prompt_field: Optional[str] = None  # sft runs: JSONL prompt field (default: the run's data.prompt_field)
     response_field: Optional[str] = None  # sft runs: JSONL response field (default: the run's data.response_field)
     chat_template: Optional[bool] = None  # sft runs: wrap prompts in the chat template (default: as the run)
+    messages_field: Optional[str] = None  # sft runs: JSONL conversations field (default: the run's data.messages_field)
 
 
 @dataclass

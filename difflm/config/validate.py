@@ -18,6 +18,7 @@ CHOICES = {
     "model.backend": ("torch", "te"),
     "model.attention_backend": ("sdpa", "te", "flash", "flex"),
     "model.moe.score_func": ("softmax", "sigmoid"),
+    "model.moe.balance_over": ("micro_batch", "global_batch"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
     "precision.fp8_recipe": ("delayed", "current", "block", "mxfp8"),
     "objective.name": ("mdlm", "ar", "bd3lm", "sft"),
@@ -398,10 +399,11 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"{d.seq_len}) or null")
     _require(not (d.get("blend") and d.get("max_train_tokens") is not None),
              "data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
-    _require(not (d.get("prompt_field") is not None and d.get("max_train_tokens") is not None),
+    sft_data = d.get("prompt_field") is not None or d.get("messages_field") is not None
+    _require(not (sft_data and d.get("max_train_tokens") is not None),
              "data.max_train_tokens is not supported with objective=sft (data.prompt_field): every pair is a window "
              "of its own, so cut the pairs file instead and set data.max_train_tokens=null")
-    _require(not (d.get("blend") and d.get("prompt_field") is not None),
+    _require(not (d.get("blend") and sft_data),
              "data.blend is not supported with objective=sft (data.prompt_field): give the pairs in data.path")
     if d.get("encoding"):
         from difflm.data.documents import check_encoding
@@ -516,14 +518,20 @@ def check_objective_data(cfg) -> None:
                  f"objective.random_length_prob={o.random_length_prob} with objective.block_size={o.block_size}: set "
                  f"objective.length_multiple to a multiple of the block size or objective.random_length_prob=0")
     if o.name == "sft":
-        _require(d.get("prompt_field") is not None,
+        _require(d.get("prompt_field") is not None or d.get("messages_field") is not None,
                  "objective=sft trains on prompt/response pairs: set data.prompt_field and data.response_field "
-                 "(a .jsonl file)")
+                 "(a .jsonl file), or data.messages_field for multi-turn conversations")
+        _require(d.get("prompt_field") is None or d.get("messages_field") is None,
+                 f"data.prompt_field={d.get('prompt_field')!r} and data.messages_field={d.get('messages_field')!r} "
+                 "name two kinds of SFT data: set one of them to null")
         _require(o.random_length_prob == 0, f"objective.random_length_prob={o.random_length_prob} would cut responses: "
                  "set it to 0 for objective=sft")
         _require(d.get("hf_dataset") is None and bool(d.path),
                  f"objective=sft reads prompt/response pairs from the .jsonl files of data.path (data.path="
                  f"{d.path!r}, data.hf_dataset={d.get('hf_dataset')!r}): set data.path and data.hf_dataset=null")
+    elif d.get("messages_field") is not None:
+        raise DifflmError(f"data.messages_field={d.messages_field!r} makes conversation data, which only objective=sft "
+                          "uses: set objective=sft or data.messages_field=null")
     elif d.get("prompt_field") is not None:
         raise DifflmError(f"data.prompt_field={d.prompt_field!r} makes prompt/response data, which only objective=sft "
                           "uses: set objective=sft or data.prompt_field=null")

@@ -21,12 +21,16 @@ class TokenBatch:
         doc_ids: [B, S] int64 or None: packed-document index of each token (intra-document attention).
         prompt_mask: [B, S] bool or None: True at prompt tokens, for rows that pack several prompt/response pairs
             (``data.sft_packing``); replaces ``prompt_lengths``.
+        pair_ids: [B, S] int64 or None: the prompt/response pair of each token in packed SFT rows (whether or not
+            the pairs are kept apart in attention, which ``doc_ids`` decides): what the per-pair loss normaliser
+            (``objective.loss_norm=sequence``) counts over.
     """
 
     tokens: torch.Tensor
     prompt_lengths: Optional[torch.Tensor] = None
     doc_ids: Optional[torch.Tensor] = None
     prompt_mask: Optional[torch.Tensor] = None
+    pair_ids: Optional[torch.Tensor] = None
 
     def response_mask(self) -> Optional[torch.Tensor]:
         """[B, S] bool, True at the response tokens (everything but the prompts), or None for plain text."""
@@ -49,7 +53,8 @@ class TokenBatch:
             lengths = self.prompt_lengths[rows].clamp(max=tokens.shape[1])
         doc_ids = None if self.doc_ids is None else self.doc_ids[key]
         prompt_mask = None if self.prompt_mask is None else self.prompt_mask[key]
-        return TokenBatch(tokens, lengths, doc_ids, prompt_mask)
+        pair_ids = None if self.pair_ids is None else self.pair_ids[key]
+        return TokenBatch(tokens, lengths, doc_ids, prompt_mask, pair_ids)
 
 
 def split_batch(batch: Union[torch.Tensor, TokenBatch]) -> tuple[torch.Tensor, Optional[TokenBatch]]:

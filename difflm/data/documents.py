@@ -11,7 +11,9 @@ One reader serves every consumer (the in-trainer cache :func:`difflm.data.prepro
 * a ``datasets`` name or ``save_to_disk`` directory: the ``text_field`` column of split ``hf_split``.
 
 Text is decoded with ``encoding`` (strict): a file that is not valid text ends in one line naming the file, the
-byte and its offset. Empty documents are kept here and dropped by the tokenizer step.
+byte and its offset. A UTF-8 byte-order mark (EF BB BF) at the start of a .txt/.jsonl file is a marker, not text,
+and is dropped, as Python's ``utf-8-sig`` codec does (Unicode 15, sec. 23.8: in UTF-8 the BOM only signals the
+encoding). Empty documents are kept here and dropped by the tokenizer step.
 """
 from __future__ import annotations
 
@@ -133,7 +135,13 @@ def not_text_error(path: str, encoding: str, data: bytes, base: int, err: Unicod
                        f"(e.g. iconv -f latin1 -t utf-8) or set {enc_key} to its encoding (e.g. {enc_key}=latin-1)")
 
 
+UTF8_BOM = codecs.BOM_UTF8
+
+
 def _decode(path: str, data: bytes, base: int, fmt: DocFormat) -> str:
+    """``data`` (file bytes from offset ``base``) as text; a UTF-8 byte-order mark at offset 0 is dropped."""
+    if base == 0 and data.startswith(UTF8_BOM) and codecs.lookup(fmt.encoding).name in ("utf-8", "utf-8-sig"):
+        data, base = data[len(UTF8_BOM):], len(UTF8_BOM)
     try:
         return data.decode(fmt.encoding)
     except UnicodeDecodeError as err:

@@ -12,14 +12,17 @@ import numpy as np
 from tqdm import tqdm
 
 from difflm.checkpoint.manifest import file_sha256
-from difflm.data.documents import DocFormat, Piece, iter_documents, kind_of, load_hf, read_jsonl, resolve_sources
+from difflm.data.corpus_check import CorpusCheck
+from difflm.data.documents import (DocFormat, Piece, data_notice, iter_documents, kind_of, load_hf, read_jsonl,
+                                   resolve_sources)
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, remove_stale_temporaries, token_dtype
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.errors import DifflmError
 
 # bump when document splitting, tokenization or the on-disk layout changes (old caches are then rebuilt)
 # 2: special-token text inside documents is plain text (split_special_tokens); parquet; data.encoding
-FORMAT_VERSION = 2
+# 3: a UTF-8 byte-order mark at the start of a .txt/.jsonl file is not text
+FORMAT_VERSION = 3
 BATCH_DOCS = 1000
 
 __all__ = ["tokenize_corpus", "tokenized_batches", "tokenizer_fingerprint", "resolve_sources", "read_jsonl",
@@ -99,9 +102,11 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
             os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_proc))
         builder = IndexedDatasetBuilder(prefix, token_dtype(tok.padded_vocab_size))
         bar = tqdm(total=total, desc="tokenizing", unit="doc", disable=not sys.stderr.isatty())
+        check = CorpusCheck()
         try:
             for piece in pieces:
-                for arrays, read, _ in tokenized_batches(tok, iter_documents(piece, fmt, hf)):
+                docs = check.scan(iter_documents(piece, fmt, hf), fmt.doc_separator if piece.kind == "txt" else None)
+                for arrays, read, _ in tokenized_batches(tok, docs):
                     for ids in arrays:
                         builder.add_document(ids)
                     bar.update(read)
@@ -110,6 +115,8 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
             raise
         bar.close()
         builder.finalize()
+        if (notice := check.notice(source, separator=fmt.doc_separator)) is not None:  # once, when tokenized
+            data_notice(notice)
     ds = IndexedDataset(prefix)
     if len(ds) == 0 or ds.num_tokens == 0:
         raise DifflmError(f"{source} gives an empty corpus after tokenization: point it at non-empty text")

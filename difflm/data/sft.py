@@ -36,8 +36,10 @@ class SFTPairs:
     """
 
     def __init__(self, tokens: np.ndarray, prompt_lengths: np.ndarray | None = None,
-                 prompt_mask: np.ndarray | None = None, doc_ids: np.ndarray | None = None):
+                 prompt_mask: np.ndarray | None = None, doc_ids: np.ndarray | None = None,
+                 pair_ids: np.ndarray | None = None):
         self.tokens, self.prompt_lengths, self.prompt_mask, self.doc_ids = tokens, prompt_lengths, prompt_mask, doc_ids
+        self.pair_ids = doc_ids if pair_ids is None else pair_ids  # the pair of each token (per-pair normaliser)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -45,7 +47,8 @@ class SFTPairs:
     def rows(self, sl: slice) -> "SFTPairs":
         """The rows ``sl`` (e.g. the train / valid split)."""
         pick = (lambda a: None if a is None else a[sl])  # noqa: E731
-        return SFTPairs(self.tokens[sl], pick(self.prompt_lengths), pick(self.prompt_mask), pick(self.doc_ids))
+        return SFTPairs(self.tokens[sl], pick(self.prompt_lengths), pick(self.prompt_mask), pick(self.doc_ids),
+                        pick(self.pair_ids))
 
     def get(self, indices: Sequence[int]) -> TokenBatch:
         idx = np.asarray(indices, dtype=np.int64)
@@ -53,7 +56,7 @@ class SFTPairs:
             raise IndexError(f"pair index out of range [0, {len(self)})")
         take = (lambda a: None if a is None else torch.from_numpy(a[idx]))  # noqa: E731
         return TokenBatch(torch.from_numpy(self.tokens[idx]), take(self.prompt_lengths), take(self.doc_ids),
-                          take(self.prompt_mask))
+                          take(self.prompt_mask), take(self.pair_ids))
 
 
 def read_pairs(cfg) -> list[tuple[str, str]]:
@@ -100,7 +103,14 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
             before, after = text.split(placeholder)
             piece = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"] if t else []  # noqa: E731
             return piece(before) + encode_text(tokenizer, prompt) + piece(after)
-    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return template_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` under ``tokenizer``'s chat template (``apply_chat_template(tokenize=True)``), as a
+    flat list of ints whatever transformers returns (a list in 4.x, a ``BatchEncoding`` in 5.x, a batch of one).
+    Raises: DifflmError naming ``data.chat_template`` for an output that holds no ids."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "keys"):  # transformers 5: BatchEncoding / dict
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -163,6 +173,13 @@ def pad_pair(p: list[int], r: list[int], seq_len: int, eos_id: int) -> tuple[lis
 def pack_pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos_id: int) -> SFTPairs:
     """Pack (prompt ids, response ids) pairs greedily into ``seq_len`` rows (see the module docstring): tokens,
     prompt mask and the pair index of every token (each row's last pair owns the EOS padding)."""
+    return pack_sequences([(p + r, [True] * len(p) + [False] * len(r)) for p, r in pairs], seq_len, eos_id)
+
+
+def pack_sequences(seqs: list[tuple[list[int], list[bool]]], seq_len: int, eos_id: int) -> SFTPairs:
+    """Pack (token ids, prompt mask) samples (pairs or conversations, each at most ``seq_len`` tokens) greedily into
+    ``seq_len`` rows, in order, none split: tokens, prompt mask and the sample index of every token (each row's last
+    sample owns the EOS padding, which carries loss as a response's padding does)."""
     rows, masks, docs = [], [], []
     row, mask, doc = [], [], []
 
@@ -172,13 +189,13 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], seq_len: int, eos_id: i
         masks.append(mask + [False] * pad)
         docs.append(doc + [doc[-1]] * pad)
 
-    for k, (p, r) in enumerate(pairs):
-        if row and len(row) + len(p) + len(r) > seq_len:
+    for k, (ids, is_prompt) in enumerate(seqs):
+        if row and len(row) + len(ids) > seq_len:
             close()
             row, mask, doc = [], [], []
-        row += p + r
-        mask += [True] * len(p) + [False] * len(r)
-        doc += [k] * (len(p) + len(r))
+        row += ids
+        mask += is_prompt
+        doc += [k] * len(ids)
     if row:
         close()
     return SFTPairs(np.asarray(rows, dtype=np.int64), prompt_mask=np.asarray(masks, dtype=bool),
@@ -190,7 +207,13 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     ``chat_template``, optional ``sft_packing`` / ``intra_document_attention``), tokenized into ``seq_len`` rows:
     one pair a row, or packed (:func:`pack_pairs`; document ids kept for intra-document attention).
     Pairs longer than ``seq_len`` are cut (:func:`cut_pair`) and counted in one notice on stderr.
+    With ``data.messages_field`` the samples are multi-turn conversations instead
+    (:func:`difflm.data.conversations.load_conversations`).
     Raises: DifflmError for a file without pairs."""
+    if cfg.get("messages_field") is not None:
+        from difflm.data.conversations import load_conversations
+
+        return load_conversations(cfg, tok)
     pairs = read_pairs(cfg)
     if not pairs:
         raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
@@ -201,7 +224,7 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     if cfg.get("sft_packing", False):
         packed = pack_pairs(cut, cfg.seq_len, tok.eos_id)
         if not cfg.get("intra_document_attention", False):
-            packed.doc_ids = None
+            packed.doc_ids = None  # the pairs attend to each other; pair_ids keep the per-pair loss normaliser
         return packed
     rows = [pad_pair(p, r, cfg.seq_len, tok.eos_id) for p, r in cut]
     return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))

@@ -30,9 +30,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from difflm.cli import writable_output
-from difflm.data.documents import DocFormat, Piece, file_pieces, hf_pieces, iter_documents, load_hf, resolve_sources
+from difflm.data.corpus_check import CorpusCheck
+from difflm.data.documents import (DocFormat, Piece, data_notice, file_pieces, hf_pieces, iter_documents, load_hf,
+                                   resolve_sources)
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype, write_text_atomic
 from difflm.data.tokenizer import TokenizerInfo, tokenizer_reference
+from difflm import strict_json
 from difflm.errors import DifflmError
 
 MANIFEST = "manifest.json"
@@ -168,7 +171,7 @@ def piece_bytes(piece: Piece, hf=None) -> int:
 
 def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split: str, dtype: str, size: int) -> dict:
     """Tokenize one piece into ``prefix``.bin/.idx (atomic); reports (documents, tokens, bytes) as it goes.
-    Returns {"documents", "tokens"}."""
+    Returns {"documents", "tokens", "check"} (the piece's :class:`~difflm.data.corpus_check.CorpusCheck` counts)."""
     from difflm.data.preprocess import tokenized_batches
 
     hf = None
@@ -179,8 +182,10 @@ def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split:
     kill = os.environ.get(KILL_ENV)
     builder = IndexedDatasetBuilder(prefix, dtype)
     docs = tokens = reported = 0
+    check = CorpusCheck()
     try:
-        for arrays, read, chars in tokenized_batches(_TOK, iter_documents(piece, fmt, hf)):
+        texts = check.scan(iter_documents(piece, fmt, hf), fmt.doc_separator if piece.kind == "txt" else None)
+        for arrays, read, chars in tokenized_batches(_TOK, texts):
             n_tok = 0
             for ids in arrays:
                 builder.add_document(ids)
@@ -200,12 +205,12 @@ def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split:
     builder.finalize()
     if _REPORT is not None and size > reported:
         _REPORT((0, 0, size - reported))
-    return {"documents": docs, "tokens": tokens}
+    return {"documents": docs, "tokens": tokens, "check": check.as_dict()}
 
 
 # ---------------------------------------------------------------- difflm-preprocess
 def _write_json(path: Path, obj: dict) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
+    write_text_atomic(path, strict_json.dumps(obj, indent=1) + "\n")
 
 
 def _shard_files(out: Path) -> list[Path]:
@@ -334,16 +339,21 @@ def run_preprocess(cfg) -> dict:
         sizes = {i: piece_bytes(pieces[i], hf) for i in todo}
         progress = _Progress(sum(sizes.values()), cfg.progress_bar)
         tokenize_start = time.perf_counter()
+        check = CorpusCheck()
         try:
             if pool is None:
                 _REPORT = lambda report: progress.update(*report)  # noqa: E731
                 for i in todo:
-                    write_shard(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
+                    check.merge(write_shard(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])["check"])
             else:
-                _run_pool(pool, queue, progress, [(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
-                                                  for i in todo])
+                for result in _run_pool(pool, queue, progress, [(i, pieces[i], prefixes[i], fmt, cfg.hf_split,
+                                                                 dtype.name, sizes[i]) for i in todo]):
+                    check.merge(result["check"])
         finally:
             progress.close()
+        source = f"input={cfg.input!r}" if cfg.get("input") else f"hf_dataset={cfg.get('hf_dataset')!r}"
+        if (notice := check.notice(source, "doc_separator", fmt.doc_separator)) is not None:
+            data_notice(notice)
         tokenize_s = time.perf_counter() - tokenize_start
     finally:
         _TOK, _REPORT = None, None
@@ -397,8 +407,8 @@ def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:
     (out / MANIFEST).unlink()
 
 
-def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list[tuple]) -> None:
-    """Run ``write_shard`` tasks on the pool, feeding the workers' reports to the progress bar."""
+def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list[tuple]) -> list[dict]:
+    """Run ``write_shard`` tasks on the pool, feeding the workers' reports to the progress bar; their results."""
     import queue as queue_mod
 
     def drain():
@@ -409,6 +419,7 @@ def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list
                 return
 
     pending = {pool.submit(write_shard, *task): task[0] for task in tasks}
+    results = []
     try:
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -416,7 +427,7 @@ def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list
             for f in done:
                 index = pending.pop(f)
                 try:
-                    f.result()
+                    results.append(f.result())
                 except BrokenProcessPool:
                     raise DifflmError(f"a worker process died while writing shard_{index:05d} (killed, or out of "
                                       "memory: lower workers=); finished shards are kept: rerun the same command "
@@ -426,3 +437,4 @@ def _run_pool(pool: ProcessPoolExecutor, queue, progress: _Progress, tasks: list
     finally:
         for f in pending:
             f.cancel()
+    return results

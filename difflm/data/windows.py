@@ -275,7 +275,7 @@ def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str):
     if not 0.0 <= cfg.valid_fraction < 1.0:  # fail before a possibly long tokenization
         raise DifflmError(f"data.valid_fraction={cfg.valid_fraction} must be in [0, 1): e.g. 0.05")
     blend = getattr(cfg, "blend", None)
-    if getattr(cfg, "prompt_field", None) is not None:  # objective=sft: prompt/response pairs
+    if getattr(cfg, "prompt_field", None) is not None or getattr(cfg, "messages_field", None) is not None:  # sft
         if blend:
             raise DifflmError("data.blend is not supported with objective=sft (data.prompt_field): "
                               "give the pairs in data.path and set data.blend=[]")

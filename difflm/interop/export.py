@@ -22,7 +22,6 @@ pure-PyTorch model: TE-backend runs share its parameter names; their ``_extra_st
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ import torch
 from difflm.checkpoint.store import load_checkpoint, trained_settings
 from difflm.cli import hydra_app, writable_output
 from difflm.data import TokenizerInfo, build_tokenizer
+from difflm import strict_json
 from difflm.errors import DifflmError
 from difflm.model import build_model
 
@@ -123,7 +123,7 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (out / "model.safetensors.index.json").write_text(strict_json.dumps(index, indent=2, sort_keys=True) + "\n")
     return names + ["model.safetensors.index.json"]
 
 
@@ -250,7 +250,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     if cfg.gen.temperature > 0:  # transformers warns about sampling settings without sampling
         gen.update(temperature=float(cfg.gen.temperature), top_k=int(cfg.gen.get("top_k", 0)),
                    top_p=float(cfg.gen.get("top_p", 1.0)))
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(strict_json.dumps(gen, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -252,6 +252,19 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad_out, torch.full_like(aux, ctx.scale), None
 
 
+def global_batch_balancing_loss(probs: torch.Tensor, step_counts: torch.Tensor) -> torch.Tensor:
+    """The balancing loss of ``model.moe.balance_over=global_batch`` (Qiu et al. 2025, "Demons in the Detail: On
+    Implementing Load Balancing Loss for Training Specialized Mixture-of-Expert Models", sec. 3; Megatron-LM's
+    ``moe_router_load_balancing_type=global_aux_loss``): ``E * sum_i f_i P_i`` with ``f_i`` the fraction of the routed
+    slots of the step so far, this micro-batch included, summed over data / context parallel ranks
+    (``step_counts`` [E]), and ``P_i`` this forward's mean router probability (``probs`` [T, E] with grad). f is a
+    constant of the backward, so the last micro-batch of a step is balanced against the whole global batch's counts
+    and earlier ones against the counts seen up to them. Returns a float32 scalar (without the coefficient)."""
+    e = probs.shape[-1]
+    f = step_counts.float() / step_counts.sum().clamp(min=1).float()
+    return e * (f * probs.mean(dim=0)).sum()
+
+
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6; GShard, Lepikhin et al. 2020) for top-k
     routing as Megatron-LM computes it: ``E * sum_i f_i P_i`` with ``f_i = counts_i / (T k)`` the fraction of
@@ -290,6 +303,8 @@ class MoEMLP(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = float(moe.aux_loss_coeff), float(moe.z_loss_coeff)
         self.bias_update_rate = float(moe.bias_update_rate)
         self.capacity_factor = moe.capacity_factor
+        self.balance_over = str(getattr(moe, "balance_over", "micro_batch") or "micro_batch")
+        self.balance_group = None  # data / context parallel group of global_batch balancing (set_moe_balance_group)
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
         self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob))
         self.experts = GroupedExperts(self.num_experts, d, f)
@@ -302,6 +317,7 @@ class MoEMLP(nn.Module):
         self.register_buffer("step_losses", torch.zeros(3), persistent=False)
         self.register_buffer("last_tokens", torch.zeros(e), persistent=False)
         self.register_buffer("last_losses", torch.zeros(2), persistent=False)
+        self.register_buffer("balance_tokens", torch.zeros(e), persistent=False)  # global_batch: the step's counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -320,7 +336,17 @@ class MoEMLP(nn.Module):
         if count:
             self.step_tokens += counts.detach().float()
         if self.aux_loss_coeff > 0 or self.z_loss_coeff > 0:
-            aux = self.aux_loss_coeff * load_balancing_loss(routing.probs, counts, self.top_k)
+            if self.balance_over == "global_batch":
+                if count:  # a recomputed forward (activation checkpointing) reuses the counts its first run added
+                    seen = counts.detach().float()
+                    group = self.balance_group
+                    if group is not None and torch.distributed.is_initialized():
+                        torch.distributed.all_reduce(seen, group=group)  # the other ranks' tokens of this micro-batch
+                    self.balance_tokens += seen
+                balance = global_batch_balancing_loss(routing.probs, self.balance_tokens.clone())
+            else:
+                balance = load_balancing_loss(routing.probs, counts, self.top_k)
+            aux = self.aux_loss_coeff * balance
             z = self.z_loss_coeff * router_z_loss(routing.logits)
             out = AttachAuxLoss.apply(out, aux + z, self.loss_scale)
             if count:
@@ -380,6 +406,13 @@ def set_moe_loss_scale(model_parts: Iterable[nn.Module], scale: float) -> None:
         module.loss_scale = float(scale)
 
 
+def set_moe_balance_group(model_parts: Iterable[nn.Module], group) -> None:
+    """The process group over which ``model.moe.balance_over=global_batch`` sums each micro-batch's expert counts
+    (the ranks routing different tokens through the same layers: data and context parallel; None: this rank only)."""
+    for _, module in moe_layers(model_parts):
+        module.balance_group = group
+
+
 @torch.no_grad()
 def moe_step(model_parts: Iterable[nn.Module], group=None) -> None:
     """End of an optimizer step: sum this step's statistics over ``group`` (the ranks that routed different tokens
@@ -406,6 +439,7 @@ def moe_step(model_parts: Iterable[nn.Module], group=None) -> None:
             m.router.bias += m.bias_update_rate * torch.sign(tokens.mean() - tokens) * (tokens.sum() > 0)
         m.step_tokens.zero_()
         m.step_losses.zero_()
+        m.balance_tokens.zero_()
 
 
 def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, float]:

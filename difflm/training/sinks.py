@@ -2,13 +2,13 @@
 sinks only format and write, they never compute."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
+from difflm import strict_json
 from difflm.errors import DifflmError
 
 WANDB_MISSING = ("logger=wandb needs the wandb package, which is not installed: pip install 'difflm[wandb]' "
@@ -27,7 +27,7 @@ class JsonlSink:
 
     def log(self, metrics: dict[str, Any]) -> None:
         record = metrics if self.objective is None else {**metrics, "objective": self.objective}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(strict_json.dumps(record, flag=True) + "\n")  # NaN/inf: null, listed under "nonfinite"
         self.file.flush()
 
     def log_samples(self, step: int, samples: list[str]) -> None:

@@ -20,7 +20,8 @@ from difflm.config.validate import check_batch, check_length, check_parallel, ch
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
 from difflm.model.masks import to_device
-from difflm.model.moe import moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_loss_scale
+from difflm.model.moe import (moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_balance_group,
+                              set_moe_loss_scale)
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
@@ -114,6 +115,7 @@ class Trainer:
             from difflm.parallel.expert_parallel import moe_stat_group
 
             self.moe_group = moe_stat_group(self.mesh, self.dims)
+        set_moe_balance_group(self.model_parts, self.moe_group)  # model.moe.balance_over=global_batch
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts) if self.dims.distributed else self.model,
                                          cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, t.max_steps)
