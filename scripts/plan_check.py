@@ -32,11 +32,11 @@ ROWS = [
     "1.7b-bf16: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=4",
     "1.7b-bf16-ac: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=8 "
     "parallel.activation_checkpointing=full",
-    "1.7b-fp8-te: model=1.7b precision=fp8 model.backend=te data.seq_len=4096 train.global_batch_size=8 "
-    "train.micro_batch_size=4",
     "moe-1b-7b-bf16: model=moe-1b-7b precision=bf16 data.seq_len=2048 train.global_batch_size=8 train.micro_batch_size=4",
     "8b-bf16-ac: model=8b precision=bf16 data.seq_len=2048 train.global_batch_size=2 train.micro_batch_size=1 "
     "parallel.activation_checkpointing=full",
+    "1.7b-fp8-te: model=1.7b precision=fp8 model.backend=te data.seq_len=4096 train.global_batch_size=8 "
+    "train.micro_batch_size=4",
 ]
 
 

@@ -159,3 +159,22 @@ def test_impossible_requests_are_one_line(capfd, args, says):
     assert main(args) == 2
     lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("difflm: error: ") and says in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("mode, wrapped", [("full", [0, 1])])
+def test_activation_checkpointing_applies_on_one_process(fast_cfg, mode, wrapped):
+    """``parallel.activation_checkpointing`` on one process wraps the blocks as under a layout (the planner's
+    activations assume it) and leaves the losses and gradients unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from difflm.training.trainer import Trainer
+
+    losses = {}
+    for m in ("none", mode):
+        cfg = fast_cfg(f"parallel.activation_checkpointing={m}", "train.max_steps=2")
+        trainer = Trainer(cfg, cfg.run.dir + m, torch.device("cpu"))
+        blocks = list(trainer.model.layers.values()) if hasattr(trainer.model.layers, "values") else list(trainer.model.layers)
+        assert [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)] == ([] if m == "none" else wrapped)
+        losses[m] = [float(trainer.train_step()["loss"]) for _ in range(2)]
+        assert "layers.0.attention.qkv.weight" in trainer.model.state_dict()
+    assert losses[mode] == pytest.approx(losses["none"], rel=1e-6)

@@ -17,8 +17,8 @@ scaled by the calibration's ``activation_scale``):
   one block's activations; ``selective`` (every 2nd block) keeps half the blocks whole.
 * in-flight micro-batches: 1 without pipelining; the first stage of 1F1B holds ``pp`` (GPipe: all of them);
 * the logits of the loss rows (the LM head runs at masked positions only: ``E[p] = (1 + eps) / 2`` of the tokens for
-  a linear schedule; all of them for ``ar``): the BF16 logits and their gradient, plus FP32 log-probabilities when
-  the fused cross-entropy is off;
+  a linear schedule; all of them for ``ar``): the logits and their gradient in the compute dtype, plus an FP32 copy,
+  FP32 log-probabilities and their FP32 gradient when TE's fused cross-entropy is off;
 * BF16 weight copies: autocast caches each weight's cast for the step (torch docs, "Automatic Mixed Precision"), so
   without FSDP a stage's weights are held twice over; FSDP2 gathers BF16 blocks instead: the unsharded block in use,
   the prefetched ones, and one block's gradient before its reduce-scatter.
@@ -184,7 +184,8 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
             rows = tokens / layout.cp * loss_row_fraction(cfg.objective) if cfg.objective.name != "bd3lm" else \
                 layout.micro_batch * int(cfg.data.seq_len) / layout.cp * loss_row_fraction(cfg.objective)
             fused = bool(m.get("fused_cross_entropy", True)) and m.get("backend") == "te"
-            per_row = (2 * act_bytes if act_bytes == 2 else 8) + (0 if fused else 8)
+            # logits and their gradient in the compute dtype; unfused: an FP32 copy, log-probs and gradient too
+            per_row = 2 * act_bytes + (0 if fused else 12)
             parts["logits"] = rows * vocab / layout.tp * per_row
         else:
             parts["logits"] = 0.0

@@ -7,14 +7,15 @@ Compute (per GPU, over the step's ``n_micro`` micro-batches of ``micro_batch x s
   ``precision=fp8``); activation checkpointing adds a forward (``+2 N`` of ``6 N``; ``selective``: half of that);
 * attention: ``12 L d S`` FLOPs per token for bidirectional attention (half for causal ``ar``: the kernels skip the
   masked half), :func:`difflm.training.flops.bd3lm_flops_per_token`'s mask for ``bd3lm``, at the attention rate;
-* memory-bound kernels (norms, RoPE, SwiGLU, residual adds, casts): each saved activation byte is written once and read
-  about twice more across forward and backward (``3 x`` :func:`difflm.plan.memory.activation_bytes_per_token`), plus
+* memory-bound kernels (norms, RoPE, SwiGLU, residual adds, casts): each saved activation byte is moved the rates'
+  ``membound_passes_te`` times across forward and backward by the fused TE kernels (written once, read about twice:
+  3), ``membound_passes_torch`` times by the torch kernel set's unfused ones, plus
   AdamW's 28 bytes per local parameter (read param, grad, two moments; write param, two moments), at the HBM rate.
 
 Communication (bytes per GPU at the NCCL bus bandwidth of the group: inside a node or across nodes):
 
 * FSDP2: a BF16 all-gather of every block in each micro-batch's forward and again in its backward
-  (``reshard_after_forward``) and one reduce-scatter of the gradients per step (FP32 or ``parallel.reduce_dtype``),
+  (once with ``parallel.reshard_after_forward=false`` or under pipelining) and one reduce-scatter of the gradients per step (FP32 or ``parallel.reduce_dtype``),
   each ``(n - 1) / n`` of the unsharded bytes; DDP (``dp_replicate``): one all-reduce per step, twice that;
   hidden behind compute up to ``comm_overlap`` of the compute time, the rest exposed;
 * tensor + sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): per block and micro-batch two all-gathers and
@@ -99,7 +100,8 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     attn_flops = per_gpu_tokens * attn_per_tok * (1 + ac / 3) / layout.tp / layout.pp
     act_bytes = 4 if cfg.precision.name == "fp32" else 2
     per_token = activation_bytes_per_token(m, layout, act_bytes) * layout.cp  # per token of the full sequence
-    membound = tokens_rank * copies * per_token * 3 * L / layout.pp / layout.cp + 28.0 * max(stage_elems)
+    passes = rates.membound_passes_te if m.get("backend") == "te" else rates.membound_passes_torch
+    membound = tokens_rank * copies * per_token * passes * L / layout.pp / layout.cp + 28.0 * max(stage_elems)
     plan = StepPlan(world=layout.world, tokens_per_step=tokens_rank * layout.dp, flops_per_token=flops_tok,
                     peak_flops=rates.peak_tflops * 1e12)
     plan.compute = {"gemm": gemm_flops / gemm_rate, "attention": attn_flops / (rates.attention_tflops * 1e12),
@@ -114,7 +116,8 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     overlapped = 0.0
     if layout.fsdp > 1:
         n = layout.fsdp
-        gathers = 2 * n_micro * stage_bytes_bf16 * (n - 1) / n
+        regather = 2 if bool(cfg.parallel.get("reshard_after_forward", True)) and layout.pp == 1 else 1
+        gathers = regather * n_micro * stage_bytes_bf16 * (n - 1) / n
         reduce_bytes = 2 if str(cfg.parallel.get("reduce_dtype", "fp32")) == "bf16" else 4
         scatter = reduce_bytes / 2 * stage_bytes_bf16 * (n - 1) / n
         overlapped += (gathers + scatter) / _bw(rates, n, span_shard)
