@@ -104,8 +104,7 @@ class Trainer:
         if self.dims.distributed:
             num_params = self._build_parallel_model()
         else:
-            self.model = build_model(cfg.model, causal=self.objective.causal, device=device, seed=t.seed,
-                                     precision=cfg.precision)
+            self.model = self._build_single_model()
             self.model_parts = [self.model]
             num_params = self.model.num_params()
         # each micro-batch's MoE aux loss enters the step's objective with weight micro / global (docs/moe.md)
@@ -148,6 +147,22 @@ class Trainer:
         self._resume()
         if self.is_rank0:  # a resume with other settings than its checkpoint's names them and keeps those
             record_run_config(self.run_dir, cfg, self.resumed_from, self.resumed_checkpoint, report=self._report)
+
+    def _build_single_model(self):
+        """The whole model on this process's device, with the layout keys that apply to one process as
+        :func:`difflm.parallel.parallelize.parallelize` applies them to a rank's part: activation checkpointing
+        (``parallel.activation_checkpointing``), then compiled blocks (``parallel.compile`` or ``model.compile``)."""
+        from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile
+
+        cfg = self.cfg
+        model_cfg = cfg.model.copy()
+        model_cfg.compile = False  # compiled per block after activation checkpointing, as under a layout
+        model = build_model(model_cfg, causal=self.objective.causal, device=self.device, seed=cfg.train.seed,
+                            precision=cfg.precision)
+        apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
+        if cfg.parallel.compile or cfg.model.get("compile", False):
+            apply_compile(model)
+        return model
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by

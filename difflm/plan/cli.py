@@ -1,0 +1,155 @@
+"""``difflm-plan``: memory, step time, tokens/s and MFU of a run on N GPUs, before renting them.
+
+    difflm-plan model=8b parallel=fsdp data.seq_len=4096 train.global_batch_size=256 train.micro_batch_size=2 \\
+        precision=bf16 --gpus 64 --gpu H100
+    difflm-plan model=8b data.seq_len=4096 train.global_batch_size=256 precision=bf16 --gpus 64 --search --top 10
+    difflm-plan model=1.7b data.seq_len=4096 --calibrate h200.json     # on the GPU: measure its rates
+    difflm-plan ... --calibration h200.json                             # plan with measured rates
+
+The overrides are ``difflm-train``'s (the same config tree, composed and checked the same way); ``parallel.*``
+gives the layout, ``-1`` filling the GPUs left (``parallel=fsdp``). ``--search`` ignores ``parallel`` and
+``train.micro_batch_size`` and ranks every layout that fits (:mod:`difflm.plan.search`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from difflm.errors import DifflmError
+from difflm.plan.memory import GIB, Layout
+from difflm.plan.rates import Rates, calibrate, default_rates
+
+
+def vocab_size(cfg) -> int:
+    """``model.vocab_size`` when given, else the run's tokenizer's padded vocabulary (as ``difflm-train`` sets it).
+    Raises DifflmError naming ``model.vocab_size=`` when the tokenizer cannot be loaded (a hub name offline)."""
+    if cfg.model.vocab_size:
+        return int(cfg.model.vocab_size)
+    from difflm.data.tokenizer import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_multiple)).padded_vocab_size
+    except Exception as e:  # noqa: BLE001 - any loader failure ends in the same advice
+        raise DifflmError(f"data.tokenizer={cfg.data.tokenizer} could not be loaded ({str(e).splitlines()[0][:120]}); "
+                          "pass model.vocab_size=N (e.g. 50304 for GPT-2/NeoX, 128256 for Llama 3)") from None
+
+
+def layout_of(cfg, gpus: int) -> Layout:
+    """The layout ``cfg.parallel`` gives on ``gpus`` ranks (``-1`` filled), with the run's micro-batch."""
+    from difflm.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, gpus)
+    p = cfg.parallel
+    return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate,
+                  dp_shard=dims.dp_shard, micro_batch=int(cfg.train.micro_batch_size),
+                  activation_checkpointing=str(p.activation_checkpointing),
+                  sequence_parallel=bool(p.sequence_parallel), pp_schedule=str(p.pp_schedule))
+
+
+def active_params(cfg) -> int:
+    """N for MFU: the parameters without the input embedding, less the routed experts a token skips."""
+    from difflm.model import build_model, resolve_model_config
+    from difflm.model.moe import moe_inactive_params
+
+    import torch
+
+    m = cfg.model.copy()
+    resolve_model_config(m, int(cfg.model.vocab_size))
+    m.backend, m.compile, m.fused_mlp = "torch", False, False
+    model = build_model(m, causal=False, device=torch.device("cpu"), seed=None, meta=True)
+    return model.num_params() - moe_inactive_params(m)
+
+
+def render(cand, rates: Rates, gpus: int) -> str:
+    """The plan of one candidate as text: memory by part, step time by part, tokens/s and MFU."""
+    lay, mem, step = cand.layout, cand.memory, cand.step
+    lines = [f"layout {lay.name()} on {gpus} x {rates.gpu}: micro-batch {lay.micro_batch} x {cand.n_micro} "
+             f"accumulation steps, activation checkpointing {lay.activation_checkpointing}",
+             "memory per GPU (GiB, the most loaded rank):"]
+    lines += [f"  {k:<12} {v / GIB:9.2f}" for k, v in mem.parts.items()]
+    fits = "fits" if mem.total <= (rates.memory_gib - rates.reserve_gib) * GIB else "DOES NOT FIT"
+    lines.append(f"  {'total':<12} {mem.total / GIB:9.2f}   of {rates.memory_gib:.0f} GiB "
+                 f"({rates.reserve_gib:.0f} reserved): {fits}")
+    lines.append("step time (ms):")
+    lines += [f"  compute {k:<22} {v * 1e3:9.1f}" for k, v in step.compute.items()]
+    lines += [f"  comm    {k:<22} {v * 1e3:9.1f}" for k, v in step.comm.items()]
+    if step.bubble:
+        lines.append(f"  pipeline bubble                {step.bubble * 1e3:9.1f}")
+    lines.append(f"  {'step':<30} {step.seconds * 1e3:9.1f}")
+    lines.append(f"tokens/s {step.tokens_per_s:,.0f} ({step.tokens_per_s / gpus:,.0f} per GPU), "
+                 f"MFU {100 * step.mfu:.1f} % of {rates.peak_tflops:.0f} TFLOP/s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Entry point of ``difflm-plan``. Returns the exit status (2 with one ``difflm: error:`` line on bad input)."""
+    from difflm.cli import _say
+
+    parser = argparse.ArgumentParser(prog="difflm-plan", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    parser.add_argument("--gpu", default="H200", help="GPU model with shipped rates: H200 (default) or H100")
+    parser.add_argument("--calibration", help="a rates file written by --calibrate (overrides --gpu)")
+    parser.add_argument("--calibrate", metavar="FILE", help="measure this GPU's rates at the run's shapes into FILE")
+    parser.add_argument("--search", action="store_true", help="rank every layout, micro-batch and checkpointing that fits")
+    parser.add_argument("--top", type=int, default=5, help="with --search: how many to print (default 5)")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(args, overrides)
+    except DifflmError as e:
+        _say(f"difflm: error: {e}")
+        return 2
+
+
+def _run(args, overrides: list[str]) -> int:
+    from difflm.config.compose import compose_train_config
+    from difflm.plan.search import evaluate, search
+    from difflm.plan.shapes import model_params
+
+    if args.gpus < 1:
+        raise DifflmError(f"--gpus {args.gpus}: pass a positive number of GPUs")
+    cfg = compose_train_config(overrides)
+    cfg.model.vocab_size = vocab_size(cfg)
+    if cfg.model.head_dim is None:
+        cfg.model.head_dim = int(cfg.model.hidden_size) // int(cfg.model.num_heads)
+    rates = Rates.from_json(args.calibration) if args.calibration else default_rates(args.gpu)
+    if args.calibrate:
+        measured = calibrate(cfg.model, int(cfg.data.seq_len), int(cfg.train.micro_batch_size), rates)
+        measured.to_json(args.calibrate)
+        print(f"wrote {args.calibrate}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in vars(measured).items()))
+        return 0
+    params = model_params(cfg.model, int(cfg.model.vocab_size))
+    n_active = active_params(cfg)
+    if not args.search:
+        layout = layout_of(cfg, args.gpus)
+        gbs, per = int(cfg.train.global_batch_size), layout.dp * layout.micro_batch
+        if gbs % per:
+            raise DifflmError(f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x data-parallel "
+                              f"ranks = {layout.micro_batch} x {layout.dp}: pick a global batch that is")
+        print(render(evaluate(cfg, params, n_active, layout, rates), rates, args.gpus))
+        return 0
+    fits, every = search(cfg, params, n_active, args.gpus, rates)
+    if not every:
+        raise DifflmError(f"--gpus {args.gpus}: no layout splits model.num_heads={cfg.model.num_heads} and "
+                          f"train.global_batch_size={cfg.train.global_batch_size} over {args.gpus} GPUs; pick a GPU "
+                          "count whose data-parallel part divides the global batch")
+    if not fits:
+        small = every[0]
+        raise DifflmError(f"nothing fits {args.gpus} x {rates.gpu} ({rates.memory_gib:.0f} GiB): the smallest plan, "
+                          f"{small.layout.name()} micro-batch {small.layout.micro_batch} with activation checkpointing "
+                          f"{small.layout.activation_checkpointing}, needs {small.memory.total / GIB:.1f} GiB a GPU; "
+                          "use more GPUs, a shorter data.seq_len or a smaller model")
+    print(f"{len(fits)} of {len(every)} candidates fit {args.gpus} x {rates.gpu}; the fastest {min(args.top, len(fits))}:")
+    print(f"{'rank':>4}  {'layout':<22} {'mb':>3} {'ac':<9} {'GiB/GPU':>8} {'step ms':>9} {'tok/s/GPU':>10} {'MFU %':>6}")
+    for i, c in enumerate(fits[:args.top], 1):
+        print(f"{i:>4}  {c.layout.name():<22} {c.layout.micro_batch:>3} {c.layout.activation_checkpointing:<9} "
+              f"{c.memory.total / GIB:>8.1f} {c.step.seconds * 1e3:>9.1f} {c.step.tokens_per_s / args.gpus:>10,.0f} "
+              f"{100 * c.step.mfu:>6.1f}")
+    print()
+    print(render(fits[0], rates, args.gpus))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

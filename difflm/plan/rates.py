@@ -1,0 +1,139 @@
+"""The rates a GPU reaches, which turn FLOPs and bytes into seconds: one JSON file per GPU model.
+
+``difflm-plan --calibrate FILE`` measures them on the GPU at hand (:func:`calibrate`): BF16 GEMMs at the run's
+shapes, bidirectional attention forward + backward (SDPA), an HBM copy, and, under ``torchrun`` with more than one
+process, NCCL all-reduce and all-gather bus bandwidth (the NCCL-tests definition: ``busbw = algbw x 2 (n - 1) / n``
+for all-reduce, ``(n - 1) / n`` for all-gather). Defaults ship for the H100 and H200 (SXM): the rates measured
+under load in a training step on an H200 (docs/performance.md: GEMMs at ~720 TFLOP/s, FA4 attention at ~475),
+NVLink 4 at NCCL's typical ~360 GB/s bus bandwidth inside a node and 400 Gb/s InfiniBand (~45 GB/s) between nodes.
+``activation_scale`` and ``membound_passes_torch`` are fitted to ``scripts/plan_check.py``'s rows at 350m-8B on an
+H200 (docs/planner.md): the activation model's terms miss ~17 % of the measured peaks, and the torch kernel set's
+unfused elementwise kernels move ~3x the bytes of the fused ones.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from difflm.errors import DifflmError
+
+
+@dataclass
+class Rates:
+    """Rates of one GPU model. FLOP rates in TFLOP/s, bandwidths in GB/s (1e9 bytes/s), memory in GiB."""
+
+    gpu: str = "H200"
+    memory_gib: float = 141.0  # HBM per GPU (143,771 MiB shown by nvidia-smi on the H200)
+    peak_tflops: float = 989.0  # dense BF16 peak (data sheet): the MFU denominator
+    gemm_tflops: float = 720.0  # BF16 GEMMs inside a training step
+    fp8_gemm_tflops: float = 1150.0  # FP8 GEMMs inside a training step
+    attention_tflops: float = 475.0  # bidirectional attention forward + backward
+    hbm_gbps: float = 4300.0  # memory-bound kernels (copy: bytes read + written per second)
+    intra_node_gbps: float = 360.0  # NCCL bus bandwidth inside a node (NVLink)
+    inter_node_gbps: float = 45.0  # NCCL bus bandwidth across nodes (per GPU: one 400 Gb/s NIC)
+    gpus_per_node: int = 8
+    comm_overlap: float = 0.9  # fraction of FSDP / DDP / CP traffic hidden behind compute when compute is longer
+    activation_scale: float = 1.17  # factor on difflm.plan.memory's activation model, fitted to measured peaks
+    membound_passes_te: float = 3.0  # memory-bound bytes moved per saved activation byte: TE / fused kernels
+    membound_passes_torch: float = 10.0  # the same for the torch kernel set (unfused norms, RoPE, SwiGLU, CE)
+    reserve_gib: float = 4.0  # CUDA context, allocator slack and NCCL buffers kept free of the plan
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the rates as JSON (atomically: a temporary file renamed)."""
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Rates":
+        """Read a calibration file. Raises DifflmError naming the file and an unknown key."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DifflmError(f"--calibration {path}: cannot read it as JSON ({e})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DifflmError(f"--calibration {path}: unknown key {unknown[0]!r} (keys: {', '.join(sorted(known))})")
+        return cls(**data)
+
+
+DEFAULTS = {
+    "H200": Rates(),
+    "H100": Rates(gpu="H100", memory_gib=79.6, hbm_gbps=3000.0),
+}
+
+
+def default_rates(gpu: str) -> Rates:
+    """The shipped rates of ``gpu`` (``H100`` or ``H200``). Raises DifflmError for another name."""
+    key = gpu.upper().replace("NVIDIA", "").strip().split("-")[0].split()[0] if gpu else ""
+    if key not in DEFAULTS:
+        raise DifflmError(f"--gpu {gpu}: no shipped rates for it (shipped: {', '.join(DEFAULTS)}); measure them on "
+                          "that GPU with `difflm-plan --calibrate FILE` and pass --calibration FILE")
+    return DEFAULTS[key]
+
+
+def _time_cuda(fn, iters: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def calibrate(model_cfg, seq_len: int, micro_batch: int, base: Rates) -> Rates:
+    """Measure ``base``'s rates on the current CUDA device at the shapes of ``model_cfg`` (BF16).
+
+    GEMM: ``[micro_batch x seq_len, hidden] @ [hidden, ffn]`` forward; attention: SDPA forward + backward at
+    ``[micro_batch, heads, seq_len, head_dim]`` (the model-FLOPs count 12 B H S^2 D of forward + backward, as MFU counts it);
+    HBM: a 1 GiB device-to-device copy (bytes read + written). Under ``torch.distributed`` with more than one rank,
+    the bus bandwidth of a 256 MiB all-reduce (intra-node when the world fits in one node).
+    Raises DifflmError without CUDA.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        raise DifflmError("--calibrate needs a CUDA GPU: run it on the GPU model you plan for")
+    out = Rates(**asdict(base))
+    dev = torch.device("cuda")
+    out.gpu = torch.cuda.get_device_name(dev).replace("NVIDIA ", "").split()[0]
+    out.memory_gib = torch.cuda.get_device_properties(dev).total_memory / 1024 ** 3
+    h, f = int(model_cfg.hidden_size), int(model_cfg.ffn_hidden_size)
+    t = micro_batch * seq_len
+    a = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(h, f, device=dev, dtype=torch.bfloat16)
+    out.gemm_tflops = 2 * t * h * f / _time_cuda(lambda: a @ w) / 1e12
+    heads = int(model_cfg.num_heads)
+    hd = int(model_cfg.head_dim or h // heads)
+    q = torch.randn(micro_batch, heads, seq_len, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn_like(q, requires_grad=True) for _ in range(2))
+
+    def attention():
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    flops = 12 * micro_batch * heads * seq_len * seq_len * hd  # model FLOPs: forward 4 B H S^2 D, backward twice that
+    out.attention_tflops = flops / _time_cuda(attention, 10) / 1e12
+    src = torch.empty(1024 ** 3 // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    out.hbm_gbps = 2 * src.numel() * 2 / _time_cuda(lambda: dst.copy_(src)) / 1e9
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        n = dist.get_world_size()
+        buf = torch.empty(128 * 1024 ** 2, device=dev, dtype=torch.bfloat16)
+        seconds = _time_cuda(lambda: dist.all_reduce(buf), 10)
+        busbw = buf.numel() * 2 / seconds * 2 * (n - 1) / n / 1e9
+        if n <= out.gpus_per_node:
+            out.intra_node_gbps = busbw
+        else:
+            out.inter_node_gbps = busbw
+    return out

@@ -1,0 +1,90 @@
+"""Candidate layouts for a GPU count, and the ranking of those that fit.
+
+The search space: ``tp`` in powers of two dividing both head counts and at most a node; ``pp`` in powers of two up
+to the layer count; ``cp`` in {1, 2, 4} for sequences of 4,096 tokens and more (each rank keeps at least 1,024);
+``ep`` in powers of two dividing the expert count and the shard group (MoE only); the data-parallel ranks left either
+all sharded (FSDP2), all replicated (DDP) or sharded inside a node and replicated across (HSDP); every micro-batch
+size that divides the per-rank batch (at most 16); activation checkpointing none, selective or full. A candidate fits
+when its planned peak leaves the calibration's ``reserve_gib`` of the GPU free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from difflm.plan.memory import Layout, MemoryPlan, plan_memory, stage_params
+from difflm.plan.rates import Rates
+from difflm.plan.step_time import StepPlan, plan_step
+
+
+@dataclass
+class Candidate:
+    """A layout with its plans."""
+
+    layout: Layout
+    n_micro: int
+    memory: MemoryPlan
+    step: StepPlan
+
+
+def _pow2(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def data_layouts(dp: int, per_node: int) -> list[tuple[int, int]]:
+    """(dp_replicate, dp_shard) splits of ``dp`` ranks: FSDP, DDP and, when ``dp`` spans nodes, HSDP."""
+    out = {(1, dp), (dp, 1)}
+    if per_node > 1 and dp > per_node and dp % per_node == 0:
+        out.add((dp // per_node, per_node))
+    return sorted(out)
+
+
+def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
+    """Every layout of the search space (module docstring) for ``gpus`` ranks and the run ``cfg``."""
+    m = cfg.model
+    heads, kv = int(m.num_heads), int(m.num_kv_heads)
+    seq = int(cfg.data.seq_len)
+    gbs = int(cfg.train.global_batch_size)
+    experts = int(m.moe.num_experts)
+    out = []
+    for tp in _pow2(min(rates.gpus_per_node, gpus)):
+        if heads % tp or kv % tp:
+            continue
+        for pp in _pow2(min(int(m.num_layers), gpus // tp)):
+            for cp in [c for c in (1, 2, 4) if c == 1 or (seq >= 4096 and seq // c >= 1024)]:
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if gbs % dp:
+                    continue
+                for rep, shard in data_layouts(dp, max(rates.gpus_per_node // (tp * cp), 1)):
+                    eps = [e for e in _pow2(experts) if (shard * cp) % e == 0] if experts else [1]
+                    for ep in eps:
+                        for mb in [b for b in _pow2(16) if (gbs // dp) % b == 0]:
+                            for ac in ("none", "selective", "full"):
+                                out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=rep, dp_shard=shard,
+                                                  micro_batch=mb, activation_checkpointing=ac,
+                                                  pp_schedule=str(cfg.parallel.pp_schedule)))
+    return out
+
+
+def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates) -> Candidate:
+    """The memory and step plans of one layout."""
+    n_micro = int(cfg.train.global_batch_size) // (layout.dp * layout.micro_batch)
+    memory = plan_memory(cfg, params, layout, n_micro, rates.activation_scale)
+    step = plan_step(cfg, num_params, layout, n_micro, rates, stage_params(params, layout, int(cfg.model.num_layers)))
+    return Candidate(layout, n_micro, memory, step)
+
+
+def search(cfg, params, num_params: int, gpus: int, rates: Rates) -> tuple[list[Candidate], list[Candidate]]:
+    """(the candidates that fit, ranked fastest first; all candidates, smallest peak first)."""
+    budget = (rates.memory_gib - rates.reserve_gib) * 1024 ** 3
+    every = [evaluate(cfg, params, num_params, lay, rates) for lay in candidates(cfg, gpus, rates)]
+    fits = sorted((c for c in every if c.memory.total <= budget), key=lambda c: -c.step.tokens_per_s)
+    return fits, sorted(every, key=lambda c: c.memory.total)
+
+
+__all__ = ["Candidate", "candidates", "data_layouts", "evaluate", "search", "replace"]

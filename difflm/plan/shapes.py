@@ -1,0 +1,102 @@
+"""The parameters of a model config and where a parallel layout puts each of them.
+
+The parameter list comes from the real model built on the meta device (no memory), so the planner counts exactly
+what ``difflm-train`` builds. The placement rules mirror the layout code:
+
+* tensor parallelism (:mod:`difflm.parallel.tensor_parallel`, Megatron-LM's column/row split, Shoeybi et al. 2019):
+  the embedding, the QKV projection, the MLP's ``fc1`` and the LM head are split along dim 0, the attention output
+  projection and ``fc2`` along dim 1; norms and the MoE slot (router, experts, shared experts) are replicated;
+* expert parallelism (:mod:`difflm.parallel.expert_parallel`): routed experts split along dim 0 over ``ep``;
+* pipeline parallelism (:func:`difflm.parallel.pipeline.split_layers`): consecutive blocks per stage, the embedding on
+  the first stage and the final norm + head on the last;
+* FSDP2 (``fully_shard``): every tensor's dim 0 split over ``dp_shard x cp`` (routed experts over ``dp_shard x cp /
+  ep``), padded to equal shards (torch docs, "torch.distributed.fsdp.fully_shard": ``torch.chunk`` on dim 0, the
+  last shards padded).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# parameter-name suffix -> dim split by tensor parallelism (None: replicated)
+_TP_DIM = {"embedding.weight": 0, "attention.qkv.weight": 0, "attention.qkv.bias": 0, "attention.proj.weight": 1,
+           "mlp.fc1_weight": 0, "mlp.fc2_weight": 1, "output.weight": 0}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor: its full ``shape``, the block it belongs to (``None`` for the embedding / final norm /
+    head), and whether it is a routed expert."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None
+    expert: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim tensor parallelism splits (None: replicated over ``tp``)."""
+        if ".mlp." in self.name and (".experts." in self.name or ".shared." in self.name or ".router." in self.name):
+            return None  # the MoE slot runs replicated over TP
+        for suffix, dim in _TP_DIM.items():
+            if self.name.endswith(suffix):
+                return dim
+        return None
+
+
+def model_params(model_cfg, vocab_size: int) -> list[Param]:
+    """The parameters of ``model_cfg`` with ``vocab_size`` (padded), listed from the model built on the meta device.
+
+    The torch kernel set is built whatever ``model.backend`` says: both kernel sets hold the same parameter names
+    and shapes (docs/performance.md), and the TE one needs CUDA to be built.
+    """
+    from difflm.model import build_model, resolve_model_config
+
+    cfg = model_cfg.copy()
+    resolve_model_config(cfg, vocab_size)
+    cfg.backend, cfg.compile, cfg.fused_mlp = "torch", False, False
+    model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=None, meta=True)
+    out = []
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        out.append(Param(name, tuple(p.shape), layer, ".experts." in name))
+    return out
+
+
+def stage_of(param: Param, num_layers: int, pp: int) -> int:
+    """The pipeline stage holding ``param`` (one stage per pipeline rank)."""
+    if pp == 1:
+        return 0
+    from difflm.parallel.pipeline import split_layers
+
+    if param.layer is None:
+        return 0 if param.name.startswith("embedding") else pp - 1
+    for s, layers in enumerate(split_layers(num_layers, pp)):
+        if param.layer in layers:
+            return s
+    raise ValueError(f"{param.name}: layer {param.layer} is in no stage of {pp}")
+
+
+def local_numel(param: Param, tp: int, ep: int, fsdp: int, efsdp: int) -> int:
+    """Elements of ``param`` one rank holds (the largest shard, as the most loaded rank sees it).
+
+    Args:
+        tp / ep: tensor- and expert-parallel degrees; fsdp: FSDP2's shard degree (``dp_shard x cp``) for every
+            parameter but the routed experts, which are sharded over ``efsdp`` (``dp_shard x cp / ep``).
+    """
+    shape = list(param.shape)
+    dim = param.tp_dim
+    if tp > 1 and dim is not None:
+        shape[dim] = math.ceil(shape[dim] / tp)
+    if param.expert and ep > 1:
+        shape[0] = math.ceil(shape[0] / ep)
+    shard = efsdp if param.expert else fsdp
+    if shard > 1:
+        shape[0] = math.ceil(shape[0] / shard)
+    return math.prod(shape)

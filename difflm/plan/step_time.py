@@ -1,0 +1,151 @@
+"""Predicted time of one optimizer step: compute by kind, exposed communication by collective, the pipeline bubble.
+
+Compute (per GPU, over the step's ``n_micro`` micro-batches of ``micro_batch x seq_len`` tokens):
+
+* GEMMs: ``6 N_linear`` FLOPs per token (forward + backward; Kaplan et al. 2020, PaLM appendix B), with the LM head's
+  share at the loss rows only, divided by ``tp`` and ``cp``, at the calibrated GEMM rate (FP8 rate under
+  ``precision=fp8``); activation checkpointing adds a forward (``+2 N`` of ``6 N``; ``selective``: half of that);
+* attention: ``12 L d S`` FLOPs per token for bidirectional attention (half for causal ``ar``: the kernels skip the
+  masked half), :func:`difflm.training.flops.bd3lm_flops_per_token`'s mask for ``bd3lm``, at the attention rate;
+* memory-bound kernels (norms, RoPE, SwiGLU, residual adds, casts): each saved activation byte is moved the rates'
+  ``membound_passes_te`` times across forward and backward by the fused TE kernels (written once, read about twice:
+  3), ``membound_passes_torch`` times by the torch kernel set's unfused ones, plus
+  AdamW's 28 bytes per local parameter (read param, grad, two moments; write param, two moments), at the HBM rate.
+
+Communication (bytes per GPU at the NCCL bus bandwidth of the group: inside a node or across nodes):
+
+* FSDP2: a BF16 all-gather of every block in each micro-batch's forward and again in its backward
+  (once with ``parallel.reshard_after_forward=false`` or under pipelining) and one reduce-scatter of the gradients per step (FP32 or ``parallel.reduce_dtype``),
+  each ``(n - 1) / n`` of the unsharded bytes; DDP (``dp_replicate``): one all-reduce per step, twice that;
+  hidden behind compute up to ``comm_overlap`` of the compute time, the rest exposed;
+* tensor + sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): per block and micro-batch two all-gathers and
+  two reduce-scatters of ``[tokens, hidden]`` in the forward and as many in the backward, exposed;
+* context parallelism: the ring passes each chunk's K and V ``cp - 1`` times per block (twice that in the backward),
+  overlapped with attention;
+* expert parallelism: all-to-all dispatch and combine of ``top_k`` copies of each token, forward and backward, exposed;
+* pipeline parallelism: the 1F1B / GPipe bubble, ``(pp - 1) / (n_micro + pp - 1)`` of the step (Narayanan et al.
+  2021, sec. 2.2; interleaved schedules divide the ``pp - 1`` by the virtual stages).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from difflm.plan.memory import Layout, activation_bytes_per_token, loss_row_fraction, mlp_width
+from difflm.plan.rates import Rates
+
+
+@dataclass
+class StepPlan:
+    """Predicted seconds of one step by part (``compute`` and ``comm`` dicts), tokens/s and MFU."""
+
+    compute: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+    bubble: float = 0.0
+    tokens_per_step: int = 0
+    world: int = 1
+    flops_per_token: float = 0.0
+    peak_flops: float = 1.0
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.compute.values()) + sum(self.comm.values()) + self.bubble
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s / self.world * self.flops_per_token / self.peak_flops
+
+
+def _bw(rates: Rates, group: int, span: int) -> float:
+    """Bus bandwidth (bytes/s) of a group of ``group`` ranks whose members lie ``span`` ranks apart at most."""
+    return (rates.intra_node_gbps if span <= rates.gpus_per_node else rates.inter_node_gbps) * 1e9
+
+
+def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, stage_elems: list[int]) -> StepPlan:
+    """Predicted step of the run ``cfg`` under ``layout`` on GPUs with ``rates``.
+
+    Args:
+        num_params: the model's parameters without the input embedding (PaLM's N; the active ones for MoE).
+        n_micro: micro-batches per step and data-parallel rank.
+        stage_elems: local parameter elements per pipeline stage (:func:`difflm.plan.memory.stage_params`).
+    """
+    from difflm.training.flops import objective_flops_per_token
+
+    m = cfg.model
+    seq = int(cfg.data.seq_len)
+    L, h, vocab = int(m.num_layers), int(m.hidden_size), int(m.vocab_size)
+    objective = cfg.objective.name
+    head = vocab * h
+    tokens_rank = layout.micro_batch * seq * n_micro  # tokens of one data-parallel rank per step
+    per_gpu_tokens = tokens_rank / layout.cp  # each CP rank holds 1/cp of every sequence
+    rows = loss_row_fraction(cfg.objective)
+    body = num_params - head
+    copies = 2 if objective == "bd3lm" else 1  # bd3lm runs [x_t ; x_0]
+    ac = {"full": 1.0, "selective": 0.5}.get(layout.activation_checkpointing, 0.0)
+    gemm_flops = per_gpu_tokens * (copies * body * (6 + 2 * ac) + 6 * head * rows) / layout.tp / layout.pp
+    fp8 = cfg.precision.name == "fp8"
+    gemm_rate = (rates.fp8_gemm_tflops if fp8 else rates.gemm_tflops) * 1e12
+    if cfg.precision.name == "fp32":
+        gemm_rate /= 8  # TF32-less FP32 GEMMs (torch's default matmul precision is "highest")
+    flops_tok = objective_flops_per_token(cfg.objective, m, num_params, seq)
+    if objective == "bd3lm":  # the block-causal mask of [x_t ; x_0] (bd3lm_flops_per_token)
+        attn_per_tok = 12.0 * L * h * (seq + int(cfg.objective.block_size))
+    else:
+        attn_per_tok = 12.0 * L * h * seq
+    if objective == "ar":
+        attn_per_tok /= 2
+    attn_flops = per_gpu_tokens * attn_per_tok * (1 + ac / 3) / layout.tp / layout.pp
+    act_bytes = 4 if cfg.precision.name == "fp32" else 2
+    per_token = activation_bytes_per_token(m, layout, act_bytes) * layout.cp  # per token of the full sequence
+    passes = rates.membound_passes_te if m.get("backend") == "te" else rates.membound_passes_torch
+    membound = tokens_rank * copies * per_token * passes * L / layout.pp / layout.cp + 28.0 * max(stage_elems)
+    plan = StepPlan(world=layout.world, tokens_per_step=tokens_rank * layout.dp, flops_per_token=flops_tok,
+                    peak_flops=rates.peak_tflops * 1e12)
+    plan.compute = {"gemm": gemm_flops / gemm_rate, "attention": attn_flops / (rates.attention_tflops * 1e12),
+                    "memory_bound": membound / (rates.hbm_gbps * 1e9)}
+    compute = sum(plan.compute.values())
+    hidden = compute * rates.comm_overlap
+    stage_bytes_bf16 = 2.0 * max(stage_elems) * layout.fsdp  # one stage's unsharded BF16 weights (per tp rank)
+    # ranks adjacent in the mesh: tp innermost, then cp, dp_shard, dp_replicate, pp (difflm.parallel.mesh)
+    span_tp, span_cp = layout.tp, layout.tp * layout.cp
+    span_shard = layout.tp * layout.cp * layout.dp_shard
+    span_rep = span_shard * layout.dp_replicate
+    overlapped = 0.0
+    if layout.fsdp > 1:
+        n = layout.fsdp
+        regather = 2 if bool(cfg.parallel.get("reshard_after_forward", True)) and layout.pp == 1 else 1
+        gathers = regather * n_micro * stage_bytes_bf16 * (n - 1) / n
+        reduce_bytes = 2 if str(cfg.parallel.get("reduce_dtype", "fp32")) == "bf16" else 4
+        scatter = reduce_bytes / 2 * stage_bytes_bf16 * (n - 1) / n
+        overlapped += (gathers + scatter) / _bw(rates, n, span_shard)
+    if layout.dp_replicate > 1:
+        n = layout.dp_replicate
+        grad_bytes = 4.0 * max(stage_elems)
+        overlapped += 2 * grad_bytes * (n - 1) / n / _bw(rates, n, span_rep)
+    if layout.cp > 1:
+        hd = int(m.head_dim or h // int(m.num_heads))
+        kv = 2 * int(m.num_kv_heads) * hd * act_bytes
+        ring = 3 * layout.micro_batch * n_micro * (seq / layout.cp) * kv * (layout.cp - 1) * L / layout.pp / layout.tp
+        overlapped += ring / _bw(rates, layout.cp, span_cp)
+    if overlapped:
+        plan.comm["fsdp/ddp/cp (exposed)"] = max(overlapped - hidden, overlapped * (1 - rates.comm_overlap))
+    if layout.tp > 1:
+        n = layout.tp
+        act = layout.micro_batch * seq / layout.cp * h * act_bytes * copies
+        plan.comm["tp/sp"] = 8 * n_micro * (L / layout.pp) * act * (n - 1) / n / _bw(rates, n, span_tp)
+    if layout.ep > 1 and int(m.moe.num_experts) > 0:
+        n = layout.ep
+        a2a = 4 * n_micro * layout.micro_batch * seq / layout.cp * int(m.moe.top_k) * h * act_bytes * (n - 1) / n
+        plan.comm["ep all-to-all"] = a2a * (L / layout.pp) / _bw(rates, n, span_shard)
+    if layout.pp > 1:
+        virtual = int(cfg.parallel.get("pp_virtual_stages", 1) or 1)
+        step_body = compute + sum(plan.comm.values())
+        frac = (layout.pp - 1) / virtual / (n_micro + (layout.pp - 1) / virtual)
+        plan.bubble = step_body * frac / (1 - frac)
+    return plan
+
+
+__all__ = ["StepPlan", "plan_step", "mlp_width"]

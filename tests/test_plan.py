@@ -1,0 +1,180 @@
+"""difflm-plan: the memory model against the bytes a built model really holds under each layout (gloo, 2 ranks),
+the step-time model's parts, the search and its one-line refusals."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import compose_run, run_cli, spawn_ranks
+
+TINY = ["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.ffn_hidden_size=96", "model.vocab_size=1000", "data.seq_len=32", "train.global_batch_size=4",
+        "train.micro_batch_size=1"]
+# name -> overrides; each runs on 2 gloo ranks
+LAYOUTS = {
+    "ddp": ["parallel=ddp"],
+    "fsdp": ["parallel=fsdp"],
+    "tp2": ["parallel=tp2"],
+    "pp2": ["parallel=pp2"],
+    "fsdp_moe_ep2": ["parallel=fsdp", "parallel.ep=2", "model=moe-tiny", "model.vocab_size=1000"],
+}
+
+
+def _local(t) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from difflm.parallel.mesh import ParallelDims, build_mesh
+        from difflm.parallel.parallelize import build_parallel_model
+        from difflm.training.optimizer import build_optimizer
+
+        results = {}
+        for name, overrides in LAYOUTS.items():
+            cfg = compose_run([*TINY, *overrides])
+            cfg.model.head_dim = cfg.model.hidden_size // cfg.model.num_heads
+            dims = ParallelDims.from_config(cfg.parallel, world)
+            mesh = build_mesh(dims, "cpu")
+            parts, _, _, _ = build_parallel_model(cfg, mesh, dims, torch.device("cpu"), causal=False, n_microbatches=2)
+            params = [p for part in parts for p in part.parameters()]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt = build_optimizer(torch.nn.ModuleList(parts), cfg.optim, torch.device("cpu"))
+            opt.step()
+            nbytes = lambda ts: sum(_local(t).numel() * _local(t).element_size() for t in ts)  # noqa: E731
+            state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+            results[name] = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params),
+                             "optimizer": nbytes(state),
+                             "stage": mesh["pp"].get_local_rank() if dims.pp_enabled else 0}
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("plan"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_persistent_bytes_equal_the_built_model(measured, name):
+    from difflm.plan.cli import layout_of
+    from difflm.plan.memory import persistent_bytes
+    from difflm.plan.shapes import model_params
+
+    cfg = compose_run([*TINY, *LAYOUTS[name]])
+    params = model_params(cfg.model, int(cfg.model.vocab_size))
+    planned = persistent_bytes(params, layout_of(cfg, 2), int(cfg.model.num_layers))
+    for part in ("parameters", "gradients", "optimizer"):
+        per_stage = {}
+        for rank in measured:  # the most loaded rank of each stage
+            r = rank[name]
+            per_stage[r["stage"]] = max(per_stage.get(r["stage"], 0), r[part])
+        for stage, real in per_stage.items():
+            assert planned[stage][part] == real, (name, part, stage)
+
+
+def test_parameter_count_of_the_plan_is_the_model_count():
+    from difflm.plan.cli import active_params
+    from difflm.plan.shapes import model_params
+
+    cfg = compose_run(["model=1.7b", "model.vocab_size=50304"])
+    params = model_params(cfg.model, 50304)
+    total = sum(p.numel for p in params)
+    # MegaDLMs' 1.7B: 28 x (QKV 3 d^2 + proj d^2 + MLP 3 d f + norms) + untied embedding and head
+    d, f, layers, hd = 2048, 6144, 28, 128
+    per_layer = 3 * d * d + d * d + 3 * d * f + 2 * d + 2 * hd
+    assert total == layers * per_layer + 2 * 50304 * d + d
+    assert active_params(cfg) == total - 50304 * d
+
+
+def test_step_plan_parts_follow_the_flop_count():
+    """GEMM seconds = 6 N_body tokens / rate (+ the head at the loss rows); attention = 12 L d S tokens / rate."""
+    from difflm.plan.cli import active_params, layout_of
+    from difflm.plan.memory import stage_params
+    from difflm.plan.rates import default_rates
+    from difflm.plan.shapes import model_params
+    from difflm.plan.step_time import plan_step
+
+    cfg = compose_run(["model=1.7b", "model.vocab_size=50304", "precision=bf16", "data.seq_len=4096",
+                       "train.global_batch_size=16", "train.micro_batch_size=8"])
+    cfg.model.head_dim = 128
+    params = model_params(cfg.model, 50304)
+    n = active_params(cfg)
+    layout = layout_of(cfg, 1)
+    rates = default_rates("H200")
+    step = plan_step(cfg, n, layout, 2, rates, stage_params(params, layout, 28))
+    tokens = 16 * 4096
+    head = 50304 * 2048
+    rows = (1 + float(cfg.objective.eps)) / 2
+    gemm = tokens * (6 * (n - head) + 6 * head * rows) / (rates.gemm_tflops * 1e12)
+    attention = tokens * 12 * 28 * 2048 * 4096 / (rates.attention_tflops * 1e12)
+    assert step.compute["gemm"] == pytest.approx(gemm, rel=1e-12)
+    assert step.compute["attention"] == pytest.approx(attention, rel=1e-12)
+    assert not step.comm and step.bubble == 0
+    # two pipeline stages with 4 micro-batches: the bubble is 1/4 of the busy time (Narayanan et al. 2021)
+    cfg2 = compose_run(["model=1.7b", "model.vocab_size=50304", "precision=bf16", "data.seq_len=4096",
+                        "train.global_batch_size=16", "train.micro_batch_size=4", "parallel=pp2"])
+    cfg2.model.head_dim = 128
+    lay2 = layout_of(cfg2, 2)
+    step2 = plan_step(cfg2, n, lay2, 4, rates, stage_params(params, lay2, 28))
+    busy = sum(step2.compute.values()) + sum(step2.comm.values())
+    assert step2.bubble == pytest.approx(busy * 1 / 4, rel=1e-12)
+
+
+def test_plan_prints_parts_and_search_ranks(tmp_path):
+    r = run_cli("difflm.plan.cli", "model=1.7b", "precision=bf16", "data.seq_len=4096", "train.global_batch_size=64",
+                "model.vocab_size=50304", "--gpus", "8", "--search", "--top", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "candidates fit 8 x H200" in r.stdout
+    for part in ("parameters", "gradients", "optimizer", "activations", "logits", "compute gemm", "MFU"):
+        assert part in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(" ") and line[:4].strip().isdigit()]
+    speeds = [float(row[-2].replace(",", "")) for row in rows]
+    assert len(rows) == 3 and speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["model=8b", "data.seq_len=4096", "precision=bf16", "train.global_batch_size=8", "--gpus", "1", "--gpu", "H100",
+      "--search"], "nothing fits 1 x H100"),
+    (["model=tiny", "model.vocab_size=1000", "train.global_batch_size=8", "--gpus", "3", "--search"],
+     "no layout splits"),
+    (["model=tiny", "model.vocab_size=1000", "--gpu", "MI300X"], "--gpu MI300X: no shipped rates"),
+    (["model=tiny", "model.vocab_size=1000", "--gpus", "0"], "--gpus 0"),
+    (["model=tiny", "model.vocab_size=1000", "parallel=tp2", "--gpus", "3"], "parallel."),
+])
+def test_impossible_requests_are_one_line(capfd, args, says):
+    from difflm.plan.cli import main
+
+    assert main(args) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("difflm: error: ") and says in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("mode, wrapped", [("full", [0, 1])])
+def test_activation_checkpointing_applies_on_one_process(fast_cfg, mode, wrapped):
+    """``parallel.activation_checkpointing`` on one process wraps the blocks as under a layout (the planner's
+    activations assume it) and leaves the losses and gradients unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from difflm.training.trainer import Trainer
+
+    losses = {}
+    for m in ("none", mode):
+        cfg = fast_cfg(f"parallel.activation_checkpointing={m}", "train.max_steps=2")
+        trainer = Trainer(cfg, cfg.run.dir + m, torch.device("cpu"))
+        blocks = list(trainer.model.layers.values()) if hasattr(trainer.model.layers, "values") else list(trainer.model.layers)
+        assert [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)] == ([] if m == "none" else wrapped)
+        losses[m] = [float(trainer.train_step()["loss"]) for _ in range(2)]
+        assert "layers.0.attention.qkv.weight" in trainer.model.state_dict()
+    assert losses[mode] == pytest.approx(losses["none"], rel=1e-6)
