@@ -204,7 +204,7 @@ def sft_pairs(path: Path) -> Path:
 
 @pytest.mark.parametrize("overrides", [["parallel=ddp"], ["parallel=pp2"]], ids=["ddp", "pp2"])
 def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
-    """Issue 13 item 1: the ``loss_norm=token`` normaliser is the response-token count of the GLOBAL batch on every
+    """A fault report: the ``loss_norm=token`` normaliser is the response-token count of the GLOBAL batch on every
     data-parallel rank and pipeline micro-batch, so dp2 and pp2 train the one-process curve of objective=sft."""
     pairs = sft_pairs(work / "pairs.jsonl")
     sft = ["objective=sft", "objective.loss_norm=token", f"data.path={pairs}", "data.prompt_field=prompt",
