@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 from difflm.errors import DifflmError
 
 LM_EVAL_MISSING = ("difflm.eval_harness needs lm-eval (EleutherAI's lm-evaluation-harness), which is not installed: "
-                   "pip install 'difflm[eval]' (or pip install lm-eval); difflm-eval gives the validation NELBO "
+                   "pip install lm-eval; difflm-eval gives the validation NELBO "
                    "without it")
 try:
     from lm_eval.api.model import LM

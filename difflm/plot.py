@@ -11,7 +11,7 @@ overrides that differ between them), ``out=PNG`` (default: ``curves.png`` in the
 ``keys=loss,val_nelbo,lr,tokens_per_s`` (the panels: any keys of metrics.jsonl).
 
 Arguments are ``key=value`` words like the other entry points, but ``run.dir`` may repeat, so this is a small
-parser rather than a Hydra app. Needs matplotlib (``pip install 'difflm[plot]'``).
+parser rather than a Hydra app. Needs matplotlib (``pip install matplotlib``, or ``pip install '.[plot]'`` from a clone).
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
-        raise DifflmError("difflm-plot needs matplotlib: pip install 'difflm[plot]' (or pip install matplotlib)") \
+        raise DifflmError("difflm-plot needs matplotlib: pip install matplotlib") \
             from err
     suffix = Path(out).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()

@@ -79,7 +79,7 @@ def check_model(m) -> None:
     _require(head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE: set model.head_dim to an even value")
     if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
-                          "pip install 'difflm[te]' on a CUDA machine, or use model.backend=torch")
+                          "pip install 'transformer-engine[pytorch]' on a CUDA machine, or use model.backend=torch")
     check_moe(m)
     if m.backend == "te" and m.get("compile", False):
         raise DifflmError("model.compile=true applies to model.backend=torch (TE runs its own fused kernels): "
