@@ -387,7 +387,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (non-finite steps "
              "in a row before the run saves and stops)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
-    _require(t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
+    _require(t.get("eval_windows") is None or t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
              "evaluation off)")
     _require(t.get("eval_batches") is None,
              f"train.eval_batches was removed (it counted micro-batches, so val_nelbo changed with "
