@@ -299,3 +299,24 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.startswith("difflm: error: difflm.eval_harness needs lm-eval")
     assert "Traceback" not in out.stderr
+
+
+def test_a_task_whose_dataset_the_offline_hub_cannot_give_is_one_line(monkeypatch):
+    """`HF_HUB_OFFLINE=1` and a task whose dataset is not cached: datasets raises ConnectionError("Couldn't reach
+    'NAME' on the Hub (OfflineModeIsEnabled)") deep inside lm-eval; the command says which task, which dataset and
+    the fix in one line instead of the traceback. Other errors are left alone."""
+    from difflm.eval_harness import hub_unreachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    try:
+        try:
+            raise ConnectionError("Couldn't reach 'EleutherAI/lambada_openai' on the Hub (OfflineModeIsEnabled)")
+        except ConnectionError as inner:
+            raise RuntimeError("task setup failed") from inner
+    except RuntimeError as err:
+        message = hub_unreachable(err, "lambada_openai")
+    assert message == ("lm-eval task(s) lambada_openai: dataset 'EleutherAI/lambada_openai' is not cached and the "
+                       "Hugging Face hub cannot be reached: run it once with network access and without "
+                       "HF_HUB_OFFLINE=1, so the dataset is cached")
+    assert hub_unreachable(ValueError("bad limit"), "piqa") is None
