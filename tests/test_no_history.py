@@ -45,3 +45,14 @@ def test_no_tracked_file_cites_development_history():
             continue
         hits += [f"{path.relative_to(ROOT)}: {line}" for line in citations(text)]
     assert hits == [], "history citations (describe the change itself):\n" + "\n".join(hits[:40])
+
+
+def test_every_script_the_docs_name_exists():
+    """A script named in README.md or docs/ (``scripts/NAME.py``, ``scripts/NAME.sh``) is in the tree: deleting a
+    one-off script must not leave a command behind that points at it."""
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name in sorted(set(re.findall(r"scripts/[\w.-]+\.(?:py|sh)", doc.read_text(encoding="utf-8")))):
+            if not (ROOT / name).is_file():
+                missing.append(f"{doc.name}: {name}")
+    assert missing == []
