@@ -1,11 +1,14 @@
-# difflm: the two set-up commands are `make install` then `make train` (or `make test`).
+# difflm: the set-up commands are `make install` then `make train`; `make install-dev` then `make test`.
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 RUN_DIR ?= outputs/tiny-shakespeare
 
-.PHONY: install train generate test test-fast clean
+.PHONY: install install-dev train generate test test-fast clean
 
-install:            ## install difflm (editable) with its test dependencies into the active environment
+install:            ## install difflm (editable) with what running it needs into the active environment
+	$(PIP) install -e .
+
+install-dev:        ## install difflm (editable) with the tools the tests use (pytest, lm-eval, matplotlib, ...)
 	$(PIP) install -e '.[dev]'
 
 train:              ## train model=tiny on the embedded tinyshakespeare corpus (CPU: a few minutes), then sample
@@ -21,5 +24,5 @@ test:               ## the whole test suite (CPU)
 test-fast:          ## everything but the end-to-end CLI runs
 	$(PYTHON) -m pytest tests -q --ignore=tests/test_end_to_end.py
 
-clean:
-	rm -rf outputs multirun .pytest_cache
+clean:              ## remove the outputs of make train and of the README's examples
+	rm -rf outputs multirun runs sweeps hf .pytest_cache

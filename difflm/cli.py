@@ -125,6 +125,10 @@ def launch_folder_cwd() -> None:
         os.chdir(launch)
 
 
+# keys whose value is any text: the entry points quote them for Hydra (quote_free_text) before composing
+FREE_TEXT_KEYS = ("prompt", "logger.sample_prompt")
+
+
 def _say(message: str) -> None:
     """``message`` and its newline on stderr in one write, so the lines of processes sharing it (torchrun's ranks)
     never run together."""
@@ -244,11 +248,13 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     if args.config_name or args.config_path or args.config_dir or args.experimental_rerun or args.shell_completion:
         return
     parser, overrides = OverridesParser.create(), []
-    for arg in args.overrides:
+    for index, arg in enumerate(args.overrides):
         try:
             override = parser.parse_override(arg)
-        except HydraException:  # Hydra reports its syntax errors itself
-            continue
+        except HydraException as err:
+            if arg.partition("=")[0].lstrip("+~") in FREE_TEXT_KEYS:  # quoted by the entry point (quote_free_text)
+                continue
+            raise DifflmError(_unparsable(args.overrides, index, err, parser)) from None
         if not (override.is_hydra_override() or override.is_add() or override.is_force_add()
                 or override.is_delete() or override.package is not None):
             overrides.append(override)
@@ -282,6 +288,67 @@ def check_overrides(argv: list[str], config_name: str) -> None:
         message = _unknown_key(cfg, override, groups, prog)
         if message:
             raise DifflmError(message)
+    if not any(o.is_sweep_override() for o in overrides):
+        message = _wrong_type(config_name, [o.input_line for o in overrides], base)
+        if message:
+            raise DifflmError(message)
+
+
+def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:
+    """The one-line error for ``args[index]``, an override Hydra's grammar cannot parse. A word without ``=`` after a
+    ``key=value`` is the rest of a value the shell split at its spaces (``prompt=Hello, world``): the fix is to quote
+    the whole value. Otherwise Hydra's reason and the quoting its grammar takes (``key='"a: (b)"'``)."""
+    arg = args[index]
+    if "=" not in arg:
+        start = index
+        while start > 0 and "=" not in args[start - 1]:
+            start -= 1
+        if start > 0:
+            key, _, value = args[start - 1].partition("=")
+            try:
+                value = parser.parse_override(args[start - 1]).value()
+            except Exception:  # noqa: BLE001 - the text as typed
+                pass
+            end = index
+            while end + 1 < len(args) and "=" not in args[end + 1] and not args[end + 1].startswith("-"):
+                end += 1
+            words = " ".join([str(value), *args[start:end + 1]])
+            what = "the prompt" if key.lstrip("+~").endswith("prompt") else "the value"
+            return (f"'{arg}' is not key=value: the shell split {key}= at a space; quote {what}: "
+                    f"{key}='{words}'")
+        return f"'{arg}' is not key=value (an override is key=value, a group choice group=option)"
+    key, _, value = arg.partition("=")
+    reason = str(err).strip().splitlines()[-1] if str(err).strip() else "a syntax error"
+    return (f"{arg}: Hydra cannot parse this value ({reason}); quote it inside shell quotes as Hydra's grammar "
+            f"says: {key}='\"{value}\"'")
+
+
+def _wrong_type(config_name: str, overrides: list[str], base) -> str | None:
+    """The one-line error for an override whose value the schema's type refuses (``train.max_steps=abc``), found by
+    composing the command line once; None when it composes or fails for another reason (Hydra reports those)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from difflm.config import CONF_DIR
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                compose(config_name, overrides)
+        return None
+    except Exception as err:  # noqa: BLE001 - only a ValidationError in the chain is ours to say
+        cause = err
+        while cause is not None and not isinstance(cause, ValidationError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            return None
+        key = getattr(cause, "full_key", None) or "a key"
+        given = next((o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == key), "")
+        default = OmegaConf.select(base, key, default=None, throw_on_missing=False) if key != "a key" else None
+        reason = str(cause).strip().splitlines()[0]
+        example = f" (e.g. {key}={default}, the default)" if default is not None else ""
+        return f"{key}={given}: {reason}; give a value of the key's type{example}"
 
 
 def _selected_options(override) -> list[str]:

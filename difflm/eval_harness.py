@@ -49,7 +49,7 @@ from omegaconf import OmegaConf
 from difflm.errors import DifflmError
 
 LM_EVAL_MISSING = ("difflm.eval_harness needs lm-eval (EleutherAI's lm-evaluation-harness), which is not installed: "
-                   "pip install 'difflm[eval]' (or pip install lm-eval); difflm-eval gives the validation NELBO "
+                   "pip install lm-eval; difflm-eval gives the validation NELBO "
                    "without it")
 try:
     from lm_eval.api.model import LM
@@ -408,7 +408,49 @@ class DifflmHarnessLM(LM):
         return out
 
 
-if __name__ == "__main__":
+def hub_unreachable(err: BaseException, tasks: str) -> str | None:
+    """The one-line message for an lm-eval task whose dataset had to come from the Hugging Face hub and could not
+    (offline mode, or no network): the task, the dataset and the fix. None for any other error.
+
+    ``datasets.load_dataset`` raises ``ConnectionError("Couldn't reach 'NAME' on the Hub (OfflineModeIsEnabled)")``
+    when ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` and the dataset is not cached.
+    """
+    import os
+    import re
+
+    cause: BaseException | None = err
+    while cause is not None:
+        text = str(cause)
+        if isinstance(cause, ConnectionError) or type(cause).__name__ == "OfflineModeIsEnabled":
+            match = re.search(r"reach '([^']+)'", text)
+            dataset = f"dataset {match.group(1)!r}" if match else "its dataset"
+            offline = [k for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(k, "") not in ("", "0")]
+            fix = (f"run it once with network access and without {' / '.join(offline)}=1, so the dataset is cached"
+                   if offline else "run it once with network access, so the dataset is cached")
+            return f"lm-eval task(s) {tasks}: {dataset} is not cached and the Hugging Face hub cannot be reached: {fix}"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def main() -> None:
+    """``python -m difflm.eval_harness``: lm-eval's own command line with the ``difflm`` model registered; a task
+    whose dataset is not cached while the hub is unreachable ends in one line (:func:`hub_unreachable`), exit 2."""
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    argv = sys.argv[1:]
+    tasks = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "?") for i, a in enumerate(argv)
+                  if a == "--tasks" or a.startswith("--tasks=")), "?")
+    try:
+        cli_evaluate()
+    except Exception as err:  # noqa: BLE001 - only the hub case is reworded; anything else propagates
+        message = hub_unreachable(err, tasks)
+        if message is None:
+            raise
+        print(f"difflm: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

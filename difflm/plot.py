@@ -11,7 +11,7 @@ overrides that differ between them), ``out=PNG`` (default: ``curves.png`` in the
 ``keys=loss,val_nelbo,lr,tokens_per_s`` (the panels: any keys of metrics.jsonl).
 
 Arguments are ``key=value`` words like the other entry points, but ``run.dir`` may repeat, so this is a small
-parser rather than a Hydra app. Needs matplotlib (``pip install 'difflm[plot]'``).
+parser rather than a Hydra app. Needs matplotlib (``pip install matplotlib``, or ``pip install '.[plot]'`` from a clone).
 """
 from __future__ import annotations
 
@@ -96,10 +96,19 @@ def default_out(patterns: list[str], dirs: list[Path]) -> Path:
     return Path("curves.png")
 
 
-def _override_labels(dirs: list[Path]) -> Optional[list[str]]:
-    """Labels from the Hydra overrides that differ between the runs (``optim.lr=0.001,train.seed=2``), read from
-    each run's ``.hydra/overrides.yaml`` (a multirun's jobs are named 0, 1, ..., which says nothing); None when a
-    run has no such file or the differing overrides do not tell the runs apart."""
+MAX_LABEL = 40  # characters of a legend entry; longer override labels give way to the runs' names
+
+
+def _is_pathlike(key: str) -> bool:
+    """Overrides that name folders or files (``run.dir``, ``data.path``, ``hydra.*``): they tell runs apart but say
+    nothing about them, so a label prefers any other key, and shows only a path's last part."""
+    return key.startswith("hydra") or key in ("run.dir", "out") or key.endswith(
+        (".path", "_dir", ".dir", "tokenizer", "prompt_file"))
+
+
+def _read_overrides(dirs: list[Path]) -> Optional[list[dict[str, str]]]:
+    """Each run's Hydra overrides as {key: "key=value"}, from its ``.hydra/overrides.yaml``; None when a run has none
+    (a multirun's jobs are named 0, 1, ..., which says nothing, so the overrides are what tells them apart)."""
     import yaml
 
     overrides = []
@@ -112,15 +121,54 @@ def _override_labels(dirs: list[Path]) -> Optional[list[str]]:
         except yaml.YAMLError:
             return None
         overrides.append({str(o).partition("=")[0]: str(o) for o in items})
+    return overrides
+
+
+def _differing(overrides: list[dict[str, str]]) -> list[str]:
+    """The override keys whose value is not the same in every run, sorted."""
     keys = sorted({k for o in overrides for k in o})
-    differing = [k for k in keys if len({o.get(k) for o in overrides}) > 1]
-    labels = [",".join(o[k] for k in differing if k in o) for o in overrides]
-    return labels if differing and all(labels) and len(set(labels)) == len(labels) else None
+    return [k for k in keys if len({o.get(k) for o in overrides}) > 1]
+
+
+def _override_labels(dirs: list[Path]) -> Optional[list[str]]:
+    """Short, distinct labels from the Hydra overrides that differ between the runs: the fewest differing keys that
+    tell every run apart (``optim.lr=0.001``), keys naming paths after the others and shown by their last part,
+    never ``run.dir`` (the runs' names say that better); None when no such labels of at most :data:`MAX_LABEL`
+    characters exist."""
+    from itertools import combinations
+
+    overrides = _read_overrides(dirs)
+    if overrides is None:
+        return None
+    differing = _differing(overrides)
+    # what was compared first, then the data's paths; the run's own folder is what the fallback (its name) shows
+    keys = sorted((k for k in differing if k not in ("run.dir", "out") and not k.startswith("hydra")), key=_is_pathlike)
+
+    def shown(o: dict[str, str], k: str) -> str:
+        key, _, value = o[k].partition("=")
+        return f"{key}={Path(value.strip(chr(39) + chr(34))).name}" if _is_pathlike(k) else o[k]
+
+    for size in range(1, min(3, len(keys)) + 1):
+        for combo in combinations(keys, size):
+            labels = [",".join(shown(o, k) for k in combo if k in o) for o in overrides]
+            if all(labels) and len(set(labels)) == len(labels) and max(map(len, labels)) <= MAX_LABEL:
+                return labels
+    return None
+
+
+def full_descriptions(dirs: list[Path]) -> Optional[list[str]]:
+    """Every override that differs between the runs, per run (``optim.lr=0.001,run.dir=sweeps/lr/0``): what the
+    short legend labels leave out, printed beside the PNG. None when the runs have no Hydra overrides."""
+    overrides = _read_overrides(dirs)
+    if overrides is None or len(dirs) < 2:
+        return None
+    differing = _differing(overrides)
+    return [",".join(o[k] for k in differing if k in o) for o in overrides]
 
 
 def _labels(dirs: list[Path]) -> list[str]:
-    """The overrides that differ between the runs (Hydra's ``.hydra/overrides.yaml``), else the shortest trailing
-    parts of the paths that tell the runs apart."""
+    """Short, distinct legend labels: the overrides that tell the runs apart (:func:`_override_labels`), else the
+    shortest trailing parts of the paths that do (the runs' names)."""
     if len(dirs) > 1 and (labels := _override_labels(dirs)):
         return labels
     parts = [Path(d).resolve().parts for d in dirs]
@@ -164,7 +212,7 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
-        raise DifflmError("difflm-plot needs matplotlib: pip install 'difflm[plot]' (or pip install matplotlib)") \
+        raise DifflmError("difflm-plot needs matplotlib: pip install matplotlib") \
             from err
     suffix = Path(out).suffix.lstrip(".").lower()
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -181,22 +229,33 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         raise DifflmError(f"no run logged any of keys={','.join(keys)}: check the key names in metrics.jsonl")
     cols = min(2, len(keys))
     rows_n = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6.4 * cols, 4.0 * rows_n), squeeze=False)
+    names = list(dict.fromkeys(name for label, rows in runs for k in keys for name, _ in _stretches(rows, k, label)))
+    palette = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(names)}  # one colour per line in every panel
+    ncol = min(3, max(1, len(names)))
+    legend_rows = -(-len(names) // ncol)
+    height = 4.0 * rows_n + 0.25 * legend_rows + 0.2
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.4 * cols, height), squeeze=False)
+    handles = {}
     for ax, key in zip(axes.flat, keys):
         for label, rows in runs:
             for name, points in _stretches(rows, key, label):
                 steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=name)
+                handles[name], = ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
+                                         label=name, color=colors[name])
         ax.set_title(LABELS.get(key, key))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        if ax.get_lines():
-            ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
         ax.remove()
-    fig.tight_layout()
+    # one legend for all panels, below them, so it covers no curve (a legend per panel at loc="best" did, and
+    # matplotlib warns that placing it is slow on long runs)
+    bottom = (0.25 * legend_rows + 0.2) / height
+    fig.legend([handles[n] for n in names if n in handles], [n for n in names if n in handles], loc="lower center",
+               ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return fig
@@ -239,6 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     if out is None:
         out = default_out(patterns, dirs)
     plot_runs(dirs, out, keys)
+    labels, descriptions = _labels(dirs), full_descriptions(dirs)
+    if descriptions and labels != descriptions:  # the legend's short labels, and every override they leave out
+        for label, description in zip(labels, descriptions):
+            print(f"{label}: {description}")
     print(out)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Bidirectional attention forward + backward in isolation: TFLOP/s per backend, layout and shape (issue 17).
+"""Bidirectional attention forward + backward in isolation: TFLOP/s per backend, layout and shape.
 
     python scripts/attention_speed.py --shape 1.7b-s4096=4,4096,16,128 --backend te --backend flash \\
         [--gemm-between 8] [--json out.json]

@@ -46,7 +46,7 @@ its own pretraining at the base model's dimensions and micro-batch, one GPU, for
 (``S x global batch``) and ``--megadlms-precisions`` (bf16, FP8 hybrid), timed from its log (median of
 iterations 6-16; scripts/megadlms_baseline.py). Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
 MegaDLMs' at the same model, S, global and micro batch and precision (bf16 or fp8) measured in this call,
-and the end of the output has the issue-17 table (MegaDLMs BF16 / FP8 | difflm TE BF16 / FP8, tokens/s,
+and the end of the output has the comparison table (MegaDLMs BF16 / FP8 | difflm TE BF16 / FP8, tokens/s,
 MFU, ratio; the fastest TE mdlm row of each precision, named). bd3lm rows are compared with the mdlm row of
 the same shape, backend, precision and attention (``vs mdlm`` line).
 
@@ -61,8 +61,7 @@ whose overrides do not compose fails alone. Exit status: 2 with one ``difflm: er
 error (a base override that does not compose, a bad option or row name), 1 when every difflm row failed,
 else 0.
 
-GPU command (issue 17 / issue 12): one H200, TE staged by ../shared/device/stage.sh in the calls just before
-(add ``--flash`` there for the last row), ``.megadlms`` carried; one call of <= 10 min (``--time-budget 550``;
+GPU command: one H200 with the optional kernels staged (``scripts/gpu_env.sh``), ``.megadlms`` carried; one call of <= 10 min (``--time-budget 550``;
 estimated: MegaDLMs rows ~70 s each, difflm mdlm rows ~35 s, bd3lm ~55 s; rows that do not fit are reported
 ``skipped``, the S=4096 comparison and the bd3lm rows come first):
 
@@ -82,7 +81,7 @@ estimated: MegaDLMs rows ~70 s each, difflm mdlm rows ~35 s, bd3lm ~55 s; rows t
 
 Rows run: MegaDLMs BF16 and FP8 at 4096 x 16, te-bf16, te-fp8, the two bd3lm rows (block 16, S = 4096: compared
 with te-bf16 / te-fp8), MegaDLMs at 2048 x 32, the two S = 2048 rows, then ``te-bf16-flash`` (flash-attn 4 needs
-``stage.sh --flash``; without it that row fails in seconds). ``--plan`` prints this order and the child
+to be staged, ``scripts/gpu_env.sh``; without it that row fails in seconds). ``--plan`` prints this order and the child
 command lines without running anything (also on a CPU, with ``device=cpu``).
 """
 from __future__ import annotations
@@ -387,8 +386,8 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages()
     table = averages.table(sort_by=sort, row_limit=rows, max_name_column_width=90)
-    # the same time by operator and input shapes: which tensors the small kernels move (how session 30 found the
-    # weight-sized FP32 adds of gradients that should have been accumulated inside the GEMMs)
+    # the same time by operator and input shapes: which tensors the small kernels move (e.g. weight-sized FP32 adds
+    # of gradients that should have been accumulated inside the GEMMs)
     by_shape = prof.key_averages(group_by_input_shape=True)
     table += "\n\nBy operator and input shapes:\n" + by_shape.table(
         sort_by=sort, row_limit=rows, max_name_column_width=90, max_shapes_column_width=60, top_level_events_only=False)
@@ -773,7 +772,7 @@ def _cell(r) -> str:
 
 
 def megadlms_table(rows: list[dict], shapes: list[tuple[int, int]]) -> str:
-    """Issue 17's table: per shape, MegaDLMs BF16 / FP8 and the fastest TE mdlm row of each precision with its
+    """The comparison table: per shape, MegaDLMs BF16 / FP8 and the fastest TE mdlm row of each precision with its
     ratio against MegaDLMs at the same precision (rows of this call only)."""
     ok = [r for r in rows if "tokens_per_s" in r]
     lines = ["| S, global batch | MegaDLMs BF16 | MegaDLMs FP8 hybrid | difflm TE BF16, same shape | difflm TE FP8, same shape |",

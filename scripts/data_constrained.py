@@ -1,10 +1,12 @@
 """The data-constrained recipe in one command: a Hydra multirun over unique-token budgets x epochs for ``objective=ar``
 and ``objective=mdlm`` (``experiment=data_constrained``: ``model=125m``, S=1024, global batch 64), then a plot of
 the best validation loss against epochs for both, with the crossover marked (Prabhudesai et al. 2025, fig. 1-2;
-Ni et al. 2025). The corpus is not shipped with difflm: ``--data`` points at the Gutenberg books.
+Ni et al. 2025). ``--data`` points at your corpus (any ``data.path``: a .txt/.jsonl/.parquet file, folder or glob);
+without it the embedded tinyshakespeare (340k tokens) is used, with a budget of 250k unique tokens that fits it.
 
-    python scripts/data_constrained.py --data /work/shared/data/corpora/gutenberg --scale small   # ~10 min, 1 H200
-    python scripts/data_constrained.py --data /work/shared/data/corpora/gutenberg --scale full    # 3 budgets x 8
+    python scripts/data_constrained.py --scale small                                   # tinyshakespeare, 250k tokens
+    python scripts/data_constrained.py --data books/ --scale small                     # ~10 min, 1 H200
+    python scripts/data_constrained.py --data books/ --scale full                      # 3 budgets x 8 epochs
     python scripts/data_constrained.py --plot-only --out outputs/data_constrained                 # redraw
     python scripts/data_constrained.py --data corpus.txt --budgets 2048 --epochs 1,3 -- model=tiny device=cpu \\
         data.seq_len=32 train.global_batch_size=4 train.micro_batch_size=4 precision=fp32       # a CPU smoke run
@@ -12,7 +14,7 @@ Ni et al. 2025). The corpus is not shipped with difflm: ``--data`` points at the
 Writes ``<out>/<job>/`` (one run dir per job), ``<out>/results.json`` (objective, budget, epochs, best loss and
 its step per job), ``<out>/data_constrained.png`` and prints the table and each budget's crossover: the number of
 epochs (interpolated in log2 epochs between the grid points) from which MDLM's best loss is below AR's.
-Needs matplotlib (``pip install difflm[plot]``).
+Needs matplotlib (``pip install '.[plot]'``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from typing import Optional
 
 import yaml
 
+EMBEDDED_CORPUS = "corpora/tinyshakespeare/input.txt"  # difflm/assets: 340,240 GPT-NeoX tokens
+EMBEDDED_BUDGETS = [250_000]  # 244 windows of 1024 tokens: below the ~315 training windows the embedded corpus has
 SCALES = {  # (unique-token budgets, epochs)
     "small": ([1_000_000], [2, 8, 32]),  # 2 x 42M tokens of 125m training: about 10 minutes on one H200
     "full": ([250_000, 500_000, 1_000_000], [1, 2, 4, 8, 16, 32, 64, 128]),
@@ -135,12 +139,25 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def corpus_and_budgets(data: Optional[str], budgets: list[int], given: bool) -> tuple[str, list[int]]:
+    """The corpus to sweep and its unique-token budgets: ``data`` as given, or the embedded tinyshakespeare with
+    :data:`EMBEDDED_BUDGETS` (the scales' budgets of up to 1M tokens exceed its 340k) unless budgets were ``given``."""
+    if data:
+        return data, budgets
+    from difflm.config import asset_path
+
+    if not given:
+        budgets = EMBEDDED_BUDGETS
+    print(f"--data not given: the embedded tinyshakespeare, budgets {budgets}", file=sys.stderr)
+    return asset_path(EMBEDDED_CORPUS), budgets
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", help="data.path of the corpus (e.g. /work/shared/data/corpora/gutenberg)")
+    p.add_argument("--data", help="data.path of the corpus (default: the embedded tinyshakespeare, 250k-token budget)")
     p.add_argument("--out", default="outputs/data_constrained", help="sweep directory (run.dir)")
     p.add_argument("--scale", choices=sorted(SCALES), default="small")
     p.add_argument("--budgets", help="comma-separated unique-token budgets (default: the scale's)")
@@ -152,9 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else budgets
     epochs = [float(e) if "." in e else int(e) for e in args.epochs.split(",")] if args.epochs else epochs
     if not args.plot_only:
-        if not args.data:
-            p.error("--data is required (the corpus is not shipped): e.g. --data /work/shared/data/corpora/gutenberg")
-        code = run_sweep(args.data, out, budgets, epochs, overrides)
+        data, budgets = corpus_and_budgets(args.data, budgets, given=bool(args.budgets))
+        code = run_sweep(data, out, budgets, epochs, overrides)
         if code != 0:
             print(f"the sweep exited with status {code}; plotting the jobs that finished", file=sys.stderr)
     rows = collect(out)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FlashAttention 4's Hopper tile configurations, swept at one shape (issue 17).
+"""FlashAttention 4's Hopper tile configurations, swept at one shape.
 
     python scripts/flash_tiles.py --shape 8,4096,16,128 [--gemm-between 8] [--json out.json]
 

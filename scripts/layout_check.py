@@ -59,22 +59,22 @@ throughput launch stopped there still reports the steps it logged). Each row is 
 ``<out>/layout_check.json`` is rewritten after every run, so a killed script leaves its results; the whole
 table is printed at the end. ``--plan`` prints the launches without running them.
 
-Issue 14 on 2 H200s (each call stays under the device tool's 10 minutes; the launch times are estimates, ~25 s of
+The layout and scaling measurements on 2 H200s (each call stays under the device tool's 10 minutes; the launch times are estimates, ~25 s of
 start-up per launch plus the steps; ``--time-budget`` cuts what would not fit, its rows say "skipped: time budget"):
 
     # A. throughput + 8B (~7.5 min: 2 baselines side by side, 7 two-GPU 1.7b launches, one 8b launch)
-    python scripts/layout_check.py --gpus 2 --parts throughput,big --out /root/lc14a --time-budget 560 \
+    python scripts/layout_check.py --gpus 2 --parts throughput,big --out /root/lc_a --time-budget 560 \
         --timeout 170 --tput-backends te --precisions bf16,fp8 --tput-model 1.7b --tput-seq 4096 --tput-micro 4 \
         --tput-accum 4 --tput-steps 8 --warmup 3 --dp-layout ddp --tp-layouts bf16@tp2 \
         --tput-variants ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true \
         --big-model 8b --big-layout fsdp --big-micro 1 --big-precisions bf16
     # B. correctness of ddp fsdp tp2 pp2 cp2 for both backends vs one GPU (~5 min: 2 references side by side,
     #    10 two-GPU 125m launches of 4 steps)
-    python scripts/layout_check.py --gpus 2 --parts correctness --out /root/lc14b --time-budget 560 --timeout 120 \
+    python scripts/layout_check.py --gpus 2 --parts correctness --out /root/lc_b --time-budget 560 --timeout 120 \
         --steps 4 --backends te,torch --layouts ddp,fsdp,tp2,pp2,cp2 \
         -- model=125m precision=bf16 data.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=16
     # C. (optional) the torch backend's throughput: compiled blocks, async TP (~6 min, compilation)
-    python scripts/layout_check.py --gpus 2 --parts throughput --out /root/lc14c --time-budget 560 --timeout 240 \
+    python scripts/layout_check.py --gpus 2 --parts throughput --out /root/lc_c --time-budget 560 --timeout 240 \
         --tput-backends torch-compile --precisions bf16 --tput-steps 8 --warmup 4 --dp-layout ddp --tp-layouts tp2 \
         --tput-variants tp2:parallel.tp_comm_overlap=true
 

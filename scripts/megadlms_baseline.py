@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MegaDLMs' own pretraining, timed at a difflm model's shape: the baseline of issue 17, from its log.
+"""MegaDLMs' own pretraining, timed at a difflm model's shape: the baseline difflm is compared with, from its log.
 
 MegaDLMs (github JinjieNi/MegaDLMs: Megatron-LM + Transformer Engine, LLaDA-style masked-diffusion loss) is
 the system users would pick instead of difflm. This script runs ITS entry point, ``pretrain_difflm.py``, under
@@ -10,7 +10,7 @@ MegaDLMs' code is never committed here: ``export`` writes a stripped copy into a
     # once, on a machine with the mirror (fetch github:JinjieNi/MegaDLMs): ~4 MB, the pretraining path only
     python scripts/megadlms_baseline.py export --git-dir /work/.mirror/JinjieNi+MegaDLMs/repo --out .megadlms
 
-    # on the GPU machine (TE staged in /root/site, see ../shared/device/README.md), one row:
+    # on the GPU machine (TE staged, see scripts/gpu_env.sh), one row:
     python scripts/megadlms_baseline.py run --megadlms .megadlms --seq-len 4096 --global-batch 16 \\
         --precision fp8 --gpus 1 --timeout 150 --json /root/out/megadlms_fp8_4096.json
 

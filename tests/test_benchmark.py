@@ -284,7 +284,7 @@ def test_exit_status_1_when_every_difflm_row_fails(capsys):
 
 
 def test_kernel_classes_of_a_real_profile():
-    """Kernel names from the BF16 + FA4 + fused-MLP 1.7B profile of session 33 (H200): quack's RMSNorm backward is a
+    """Kernel names from the BF16 + FA4 + fused-MLP 1.7B profile (H200): quack's RMSNorm backward is a
     CuTe DSL kernel ("cutlass" in its name) but not a GEMM, FA4's kernels are attention, and the optimizer's
     ``Optimizer.step#AdamW.step`` range is a user annotation that holds the fused AdamW kernel's time a second time,
     so it is left out of every class."""

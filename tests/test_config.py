@@ -147,7 +147,7 @@ def test_validation_errors_name_the_key(overrides, needle):
 
 
 def test_ar_with_shift_logits_is_one_line_exit_2(tmp_path):
-    """Issue 13 item 2: ``objective=ar model.shift_logits=true`` trained (exit 0) though difflm-import refuses it."""
+    """A fault report: ``objective=ar model.shift_logits=true`` trained (exit 0) though difflm-import refuses it."""
     out = run_cli("difflm.train", "objective=ar", "model.shift_logits=true", f"run.dir={tmp_path / 'run'}", timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()

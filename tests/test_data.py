@@ -119,7 +119,7 @@ def test_tokenizer_json_alone_names_the_tokenizer_config_to_add(tmp_path):
     ({"mask_token": "<|padding|>"}, "pad_token"),  # NeoX's pad token
 ])
 def test_mask_token_that_is_another_special_token_is_refused(tmp_path, extra, roles):
-    """Issue 13 item 3: ``"mask_token": "<|endoftext|>"`` gave mask_id = eos_id = 0 and training went on; the sampler
+    """A fault report: ``"mask_token": "<|endoftext|>"`` gave mask_id = eos_id = 0 and training went on; the sampler
     forbids the mask id, so the model could never end a text."""
     d = tmp_path / "tok"
     d.mkdir()
@@ -373,7 +373,7 @@ def test_sampler_state():
         GlobalBatchSampler(0, 8, 1)
 
 
-# ---------------------------------------------------------------- special-token text and encodings (issue 13, 4 and 9)
+# ---------------------------------------------------------------- special-token text and encodings
 LITERAL = "the literal token <|endoftext|> inside"
 LITERAL_IDS = [783, 22436, 10669, 654, 93, 423, 1171, 1156, 49651, 3304]  # GPT-NeoX: the text, not EOS (id 0)
 

@@ -3,6 +3,7 @@ plot from finished jobs, the experiment config, and (slow) the whole sweep + plo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_collect_and_plot_from_job_dirs(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_experiment_config_is_the_issue_setup():
+def test_experiment_config_is_the_papers_setup():
     cfg = compose_run(["experiment=data_constrained", "data.path=/books"])
     assert (cfg.model.name, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.name) == ("125m", 1024, 64, "bf16")
     assert cfg.train.epochs == 16 and cfg.data.max_train_tokens == 1_000_000 and cfg.data.path == "/books"
@@ -77,3 +78,20 @@ def test_experiment_without_data_path_is_one_line(tmp_path):
                   f"run.dir={tmp_path / 'r'}", timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "set data.path to the Gutenberg books" in out.stderr.strip().splitlines()[-1]
+
+
+def test_without_data_the_embedded_corpus_with_a_budget_it_holds(monkeypatch, tmp_path):
+    """Without --data the sweep reads the embedded tinyshakespeare (not a corpus of one machine) at a budget below its
+    training windows: 340,240 GPT-NeoX tokens = 332 windows of 1024, the last 5 % held out, leave 315 >= 250k / 1024."""
+    seen = {}
+    monkeypatch.setattr(dc, "run_sweep", lambda data, out, budgets, epochs, overrides: seen.update(
+        data=data, budgets=budgets, epochs=epochs) or 1)
+    assert dc.main(["--out", str(tmp_path)]) == 1  # no finished jobs
+    assert Path(seen["data"]).is_file() and seen["data"].endswith("tinyshakespeare/input.txt")
+    assert seen["budgets"] == [250_000] and seen["epochs"] == [2, 8, 32]
+    windows = 340_240 // 1024
+    assert 250_000 // 1024 <= windows - round(0.05 * windows)
+    dc.main(["--out", str(tmp_path), "--budgets", "4096"])  # budgets given: kept
+    assert seen["budgets"] == [4096]
+    dc.main(["--out", str(tmp_path), "--data", "books/"])  # a corpus given: the scale's budgets
+    assert seen["data"] == "books/" and seen["budgets"] == [1_000_000]

@@ -128,7 +128,7 @@ def test_multirun_gives_one_run_dir_per_job(tmp_path):
 
 
 def test_data_that_is_not_utf8_is_one_line(tmp_path):
-    """issue 13 item 9: difflm-train on a Latin-1 text file and on Latin-1 SFT JSONL: one line naming the file."""
+    """A fault report: difflm-train on a Latin-1 text file and on Latin-1 SFT JSONL: one line naming the file."""
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"caf\xe9\n")
     pairs = tmp_path / "pairs.jsonl"

@@ -150,7 +150,7 @@ def test_eval_cli_on_trained_run(tmp_path, objective):
                   "device=cpu", timeout=300)  # a file where the output's folder should be: refused before the work
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout
     assert bad.stderr.startswith("difflm: error: eval.output=") and "cannot be written" in bad.stderr
-    latin1 = tmp_path / "latin1.txt"  # issue 13 item 9: one line naming the file, the byte and its offset
+    latin1 = tmp_path / "latin1.txt"  # A fault report: one line naming the file, the byte and its offset
     latin1.write_bytes(b"caf\xe9\n")
     bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={latin1}", "device=cpu", timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
@@ -183,7 +183,7 @@ def _evaluate(*overrides):
 
 
 def test_bits_per_byte_count_only_document_bytes(fast_cfg, tmp_path):
-    """Issue 13 item 8: 60 JSONL lines of "To be or not" in 32-token windows; 8 windows = 256 tokens hold 51 documents
+    """A fault report: 60 JSONL lines of "To be or not" in 32-token windows; 8 windows = 256 tokens hold 51 documents
     and the "To" of the 52nd: 51 * 12 + 2 = 614 UTF-8 bytes of text. The EOS separators' text (13 bytes each) made
     it 1,277 bytes and halved bits per byte."""
     from difflm.evaluate import document_bytes
@@ -225,7 +225,7 @@ def test_eval_reads_text_as_the_run_did(fast_cfg, tmp_path):
 
 
 def test_eval_of_an_sft_run_is_the_response_only_nelbo(fast_cfg, tmp_path):
-    """Issue 13 item 16: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO of
+    """A fault report: difflm-eval refused sft runs. On prompt/response JSONL it gives the response-only NELBO of
     each pair in a window of exactly prompt + response + EOS (LLaDA's conditional likelihood), with tokens = the
     response lengths with their EOS and bytes = the responses' UTF-8 bytes. A fault report: it scored the EOS
     padding up to data.seq_len as well, so tokens and bits_per_byte changed with the window (2,194 tokens and 12.1

@@ -292,7 +292,7 @@ def test_missing_lm_eval_names_the_extra(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     monkeypatch.delitem(sys.modules, "difflm.eval_harness")
-    with pytest.raises(DifflmError, match=r"needs lm-eval .*pip install 'difflm\[eval\]'"):
+    with pytest.raises(DifflmError, match=r"needs lm-eval .*pip install lm-eval"):
         importlib.import_module("difflm.eval_harness")
     code = ("import sys, runpy; sys.modules['lm_eval'] = None; "
             "runpy.run_module('difflm.eval_harness', run_name='__main__')")
@@ -325,3 +325,24 @@ def test_generate_until_returns_at_most_max_gen_toks(runs, monkeypatch, objectiv
     for text, ids in zip(texts, seen[-1]):
         want = lm.tok.decode(ids[:5])
         assert text == (want[:want.index(eos)] if eos in want else want)
+
+
+def test_a_task_whose_dataset_the_offline_hub_cannot_give_is_one_line(monkeypatch):
+    """`HF_HUB_OFFLINE=1` and a task whose dataset is not cached: datasets raises ConnectionError("Couldn't reach
+    'NAME' on the Hub (OfflineModeIsEnabled)") deep inside lm-eval; the command says which task, which dataset and
+    the fix in one line instead of the traceback. Other errors are left alone."""
+    from difflm.eval_harness import hub_unreachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    try:
+        try:
+            raise ConnectionError("Couldn't reach 'EleutherAI/lambada_openai' on the Hub (OfflineModeIsEnabled)")
+        except ConnectionError as inner:
+            raise RuntimeError("task setup failed") from inner
+    except RuntimeError as err:
+        message = hub_unreachable(err, "lambada_openai")
+    assert message == ("lm-eval task(s) lambada_openai: dataset 'EleutherAI/lambada_openai' is not cached and the "
+                       "Hugging Face hub cannot be reached: run it once with network access and without "
+                       "HF_HUB_OFFLINE=1, so the dataset is cached")
+    assert hub_unreachable(ValueError("bad limit"), "piqa") is None

@@ -97,8 +97,9 @@ def test_recipe_on_the_command_line_and_overridable():
 
 
 def test_readme_lists_every_experiment_and_every_metrics_key():
-    """The README's recipe table has a row per conf/experiment/*.yaml, and its metrics.jsonl row names every key
-    the trainer's metrics rows write (read from Trainer._log_metrics and _eval_metrics)."""
+    """The recipe table of docs/configuration.md has a row per conf/experiment/*.yaml, and the metrics.jsonl row of
+    docs/operations.md names every key the trainer's metrics rows write (read from Trainer._log_metrics and
+    _eval_metrics)."""
     import inspect
     import re
     from pathlib import Path
@@ -106,10 +107,12 @@ def test_readme_lists_every_experiment_and_every_metrics_key():
     import difflm.config
     from difflm.training.trainer import Trainer
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    readme = (docs / "configuration.md").read_text(encoding="utf-8")
     rows = set(re.findall(r"^\| `([\w.]+)` \|", readme.split("| `experiment=` |")[1].split("\n\n")[0], re.M))
     assert {p.stem for p in (Path(difflm.config.CONF_DIR) / "experiment").glob("*.yaml")} <= rows
-    (metrics_row,) = [line for line in readme.splitlines() if line.startswith("| `metrics.jsonl` |")]
+    operations = (docs / "operations.md").read_text(encoding="utf-8")
+    (metrics_row,) = [line for line in operations.splitlines() if line.startswith("| `metrics.jsonl` |")]
     source = inspect.getsource(Trainer._log_metrics) + inspect.getsource(Trainer._eval_metrics)
     keys = set(re.findall(r'"(\w+)": ', source)) | set(re.findall(r"\b(val_\w+)=", source))
     assert {"tokens_per_s_per_gpu", "skipped_steps", "cuda_graph_replays", "val_ppl_bound"} <= keys

@@ -129,7 +129,7 @@ def test_expected_loss_of_uniform_model_is_log_vocab():
 
 
 def test_keyed_streams_are_domain_separated():
-    """Issue 13 item 14: bare-int keys were zero-padded by SeedSequence, so step 0's random-length coin
+    """A fault report: bare-int keys were zero-padded by SeedSequence, so step 0's random-length coin
     (seed, 0, STREAM_LENGTH=2) drew the same number as sample 0's t at step 2 (seed, STREAM_TRAIN=0, 2, 0).
     Keys now have a fixed layout with the stream first, and every number is a counter-based function of its key."""
     import numpy as np

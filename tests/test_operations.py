@@ -1,5 +1,5 @@
 """Operating long runs: kill -9 and resume, damaged checkpoints, SIGTERM, time limits, non-finite steps,
-loss spikes, retention, hang dumps and profiling (README "Operating long runs")."""
+loss spikes, retention, hang dumps and profiling (docs/operations.md, "Operating long runs")."""
 from __future__ import annotations
 
 import json
@@ -91,7 +91,7 @@ def test_damaged_latest_checkpoint_falls_back(fast_cfg, capsys):
 
 
 def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock(tmp_path):
-    """Issue 13 item 10: two runs with one run.dir interleaved their metrics and one crashed. The second now stops at
+    """A fault report: two runs with one run.dir interleaved their metrics and one crashed. The second now stops at
     start with one line (exit 2) and changes nothing; after kill -9 of the first, a resume is not blocked."""
     run_dir, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1")
     first = subprocess.Popen(train_cmd(run_dir, tmp_path / "cache", "train.max_steps=100000", "train.keep_last=2"),
@@ -121,7 +121,7 @@ def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock
 
 @pytest.mark.parametrize("kind", ["existing file", "file as parent", "checkpoints is a file", "read-only"])
 def test_run_dir_problems_are_one_line(tmp_path, kind):
-    """Issue 13 item 11: run.dir problems ended in tracebacks. Each is one line naming run.dir, exit 2, nothing
+    """A fault report: run.dir problems ended in tracebacks. Each is one line naming run.dir, exit 2, nothing
     written or removed."""
     from difflm.training.run_dir import claim_run_dir
 
@@ -153,7 +153,7 @@ def test_run_dir_problems_are_one_line(tmp_path, kind):
 
 
 def test_default_run_dirs_of_jobs_started_together_differ(tmp_path):
-    """Issue 13 item 10: the default run.dir resolved ${now:} to the second, so two jobs started in the same second
+    """A fault report: the default run.dir resolved ${now:} to the second, so two jobs started in the same second
     shared it. Now it carries a per-process random id."""
     procs = [subprocess.Popen([sys.executable, "-m", "difflm.train", "--cfg", "job", "--resolve"], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -170,7 +170,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def test_checkpoints_missing_their_data_stop_the_run_without_touching_them(fast_cfg, tmp_path):
-    """Issue 13 item 11: when no checkpoint is complete (a step dir without manifest.json, one whose .distcp is
+    """A fault report: when no checkpoint is complete (a step dir without manifest.json, one whose .distcp is
     gone), the run started afresh and later replaced them. Now: one line naming run.dir, exit 2, files untouched."""
     cfg = fast_cfg("train.max_steps=4", "train.save_every=2", "train.eval_every=0")
     Trainer(cfg, cfg.run.dir, CPU).fit()

@@ -151,3 +151,48 @@ def test_multirun_legend_names_the_swept_values_and_an_empty_run_is_noted(tmp_pa
     assert len(fig.axes[0].get_lines()) == 1
     assert capsys.readouterr().err == (f"difflm-plot: note: {tmp_path / 'empty' / 'metrics.jsonl'} is empty (the run "
                                        "logged no step): empty is not drawn\n")
+
+
+def _write_overrides(run, *overrides):
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+
+
+def test_separate_runs_get_short_distinct_labels_and_the_full_list_is_printed(tmp_path, capsys):
+    """Separate runs differ in run.dir and data.path as well as in what was compared: the legend shows the fewest
+    overrides that tell them apart (paths last, by their last part), one legend below the panels (no panel legend
+    over the curves, no matplotlib warning on 2,000-point curves), and the full differing overrides are printed."""
+    import warnings
+
+    from difflm.plot import main
+
+    runs = []
+    for name, lr, corpus in (("mdlm-lr1", "0.001", "/data/corpora/gutenberg/books.txt"),
+                             ("mdlm-lr3", "0.003", "/data/corpora/gutenberg/books.txt")):
+        run = tmp_path / "runs" / name
+        _write_run(run, 0.002, steps=4000)
+        _write_overrides(run, "model=tiny", f"optim.lr={lr}", f"data.path={corpus}", f"run.dir={run}")
+        runs.append(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plot_runs(runs, tmp_path / "two.png", keys=("loss", "val_nelbo"))
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["optim.lr=0.001", "optim.lr=0.003"]
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["optim.lr=0.001", "optim.lr=0.003"]
+    # the same colour for a run in every panel
+    assert [line.get_color() for line in fig.axes[0].get_lines()] == [line.get_color() for line in fig.axes[1].get_lines()]
+    main([f"run.dir={runs[0]}", f"run.dir={runs[1]}", f"out={tmp_path / 'two.png'}"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == [f"optim.lr=0.001: optim.lr=0.001,run.dir={runs[0]}",
+                           f"optim.lr=0.003: optim.lr=0.003,run.dir={runs[1]}"]
+
+    # only paths differ: the path's last part; when even those are alike, the runs' names
+    other = tmp_path / "other" / "news"
+    _write_run(other, 0.001)
+    _write_overrides(other, "model=tiny", "optim.lr=0.001", "data.path=/data/corpora/web/news.txt", f"run.dir={other}")
+    fig = plot_runs([runs[0], other], tmp_path / "p.png", keys=("loss",))
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["data.path=books.txt", "data.path=news.txt"]
+    (runs[1] / ".hydra" / "overrides.yaml").write_text(f"- optim.lr=0.001\n- run.dir={'/very/long' * 8}/b\n")
+    (runs[0] / ".hydra" / "overrides.yaml").write_text(f"- optim.lr=0.001\n- run.dir={'/very/long' * 8}/b/c/d\n")
+    fig = plot_runs(runs, tmp_path / "n.png", keys=("loss",))
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["mdlm-lr1", "mdlm-lr3"]

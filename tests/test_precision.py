@@ -78,7 +78,7 @@ def test_bf16_fp16_contexts_autocast(name, dtype):
 def test_fp8_context_without_te_says_how_to_install():
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed here")
-    with pytest.raises(DifflmError, match="pip install 'difflm\\[te\\]'"):
+    with pytest.raises(DifflmError, match="pip install 'transformer-engine\\[pytorch\\]'"):
         P.autocast_context("fp8", CPU)
 
 

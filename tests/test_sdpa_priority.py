@@ -1,4 +1,4 @@
-"""``model.attention_backend=sdpa`` puts cuDNN's fused attention first on Hopper and newer GPUs (issue 17):
+"""``model.attention_backend=sdpa`` puts cuDNN's fused attention first on Hopper and newer GPUs:
 PyTorch's own order starts with its FlashAttention-2 kernel, about half cuDNN's speed on an H200. CUDA only."""
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ CHAT_IDS = [29, 93, 4537, 49651, 187, 1276, 310, 374, 5043, 495, 32, 187, 29, 93
 
 @pytest.mark.parametrize("shape", ["native", "list (transformers 4.x)", "dict", "batch of one"])
 def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
-    """Issue 13 item 5: transformers 5 returns a BatchEncoding from apply_chat_template, which gave the ids
+    """A fault report: transformers 5 returns a BatchEncoding from apply_chat_template, which gave the ids
     ['input_ids', 'attention_mask', 22, 0, ...] and prompt length 2. Right: prompt length 18 and CHAT_IDS, for the
     4.x list return too (transformers>=4.40 is allowed)."""
     from difflm.data.sft import tokenize_pair
@@ -84,7 +84,7 @@ def test_chat_template_prompt_for_every_return_type(shape, monkeypatch):
 
 
 def test_chat_template_keeps_special_token_text_of_the_prompt_as_text():
-    """The prompt's own text never becomes a special token under the chat template either (issue 13 item 4's kind):
+    """The prompt's own text never becomes a special token under the chat template either (the same kind of fault):
     the template keeps its special tokens, the prompt is encoded as plain text; ordinary prompts are unchanged."""
     from difflm.data.sft import chat_prompt_ids
 
@@ -159,7 +159,7 @@ def test_masking_never_touches_prompt_and_normalises_per_response():
 
 
 def test_token_normaliser_is_the_global_count_for_every_split():
-    """Issue 13 item 1: prompt lengths [2, 2, 12, 12] in rows of 16 give 14 + 14 + 4 + 4 = 36 response tokens. Each
+    """A fault report: prompt lengths [2, 2, 12, 12] in rows of 16 give 14 + 14 + 4 + 4 = 36 response tokens. Each
     micro-batch used its own mean count, so micro-batches of 2 or 1 gave the ``sequence`` value."""
     from tests.dlm_helpers import tiny_model
 
@@ -194,7 +194,7 @@ def test_token_normaliser_is_the_global_count_for_every_split():
 @needs_gsm8k
 @pytest.mark.parametrize("global_batch,micro_sizes", [(4, (4, 2, 1)), (3, (3, 1))])
 def test_trainer_step_loss_does_not_depend_on_micro_batches(fast_cfg, pairs_file, tmp_path, global_batch, micro_sizes):
-    """Issue 13 item 1 on the trainer: step-1 loss of objective=sft is the same for every micro-batch size (global
+    """A fault report on the trainer: step-1 loss of objective=sft is the same for every micro-batch size (global
     batch 3: micro-batch 3 gave 11.2217, micro-batch 1 gave 10.1905), and so is the validation NELBO (total weighted
     CE / total response tokens, however the validation pairs are batched)."""
     from difflm.training.trainer import Trainer

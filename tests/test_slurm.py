@@ -18,7 +18,7 @@ from difflm.parallel.distributed import _slurm_env, first_host
 
 from conftest import run_cli
 
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install 'difflm[slurm]'")
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[slurm]'")
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
         "model.ffn_hidden_size=64", "data.seq_len=16", "train.max_steps=2", "train.eval_every=0",

@@ -1,4 +1,4 @@
-"""A training step never waits for the GPU (issue 17): noise, loss rows, gradient clipping, the finite check (the
+"""A training step never waits for the GPU: noise, loss rows, gradient clipping, the finite check (the
 fused AdamW skips a non-finite step on the device) and the next step's batches are launched without a host sync;
 ``Trainer.fit`` reads each step's outcome after the next step is launched. CUDA only: PyTorch's sync debug mode
 reports every blocking device-to-host transfer."""

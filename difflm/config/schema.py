@@ -223,7 +223,9 @@ class TrainConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 8
     eval_every: int = 100
-    eval_windows: int = 64  # validation windows per evaluation (however train.micro_batch_size batches them)
+    # validation windows per evaluation (however train.micro_batch_size batches them); null: 64 on a GPU, sized to
+    # the run on a CPU (difflm.training.eval_size)
+    eval_windows: Optional[int] = None
     eval_batches: Optional[int] = None  # removed (counted micro-batches): refused with the eval_windows to set
     eval_mc_samples: int = 4
     save_every: int = 100

@@ -80,7 +80,7 @@ def check_model(m) -> None:
     _require(head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE: set model.head_dim to an even value")
     if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
-                          "pip install 'difflm[te]' on a CUDA machine, or use model.backend=torch")
+                          "pip install 'transformer-engine[pytorch]' on a CUDA machine, or use model.backend=torch")
     check_moe(m)
     if m.backend == "te" and m.get("compile", False):
         raise DifflmError("model.compile=true applies to model.backend=torch (TE runs its own fused kernels): "
@@ -388,7 +388,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (non-finite steps "
              "in a row before the run saves and stops)")
     _require(t.eval_mc_samples >= 1, f"train.eval_mc_samples={t.eval_mc_samples} must be >= 1")
-    _require(t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
+    _require(t.get("eval_windows") is None or t.eval_windows >= 1, f"train.eval_windows={t.eval_windows} must be >= 1 (train.eval_every=0 turns "
              "evaluation off)")
     _require(t.get("eval_batches") is None,
              f"train.eval_batches was removed (it counted micro-batches, so val_nelbo changed with "

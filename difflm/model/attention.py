@@ -144,12 +144,12 @@ def attention_unavailable_reason(backend: str, device: torch.device, precision: 
         error = te_import_error()
         if error is not None:
             return (f"{key}=te needs Transformer Engine, which could not be imported ({error}): "
-                    f"pip install 'difflm[te]' on a CUDA machine, or use {key}=sdpa")
+                    f"pip install 'transformer-engine[pytorch]' on a CUDA machine, or use {key}=sdpa")
         return None
     # flash
     if flash_attn_module() is None:
         return (f"{key}=flash needs FlashAttention (flash_attn.cute, flash_attn_interface or "
-                f"flash_attn): pip install 'difflm[flash]', or use {key}=sdpa")
+                f"flash_attn): pip install flash-attn, or use {key}=sdpa")
     if precision not in ("bf16", "fp16", "fp8"):
         return (f"{key}=flash runs in bf16/fp16 only and precision={precision}: "
                 f"use precision=bf16 or {key}=sdpa")

@@ -54,7 +54,7 @@ def fa4_interface():
 # FA4 takes its Hopper forward tile from FlashAttention 3's table, tuned on an H100 SXM: 128 x 128 with P.V read from
 # registers for heads of 97-128. On the H200, 192 x 128 with P.V from shared memory ran 1.4 % faster at model=1.7b
 # (B 8, S 4096, H 16, D 128, bidirectional, with GEMMs between calls: scripts/flash_tiles.py, docs/performance.md
-# session 32); FA4's own table already picks 192-row tiles for heads of 64 and fewer.
+# the sweep of scripts/flash_tiles.py); FA4's own table already picks 192-row tiles for heads of 64 and fewer.
 SM90_FORWARD_TILES = {"tile_mn": (192, 128), "mma_pv_is_rs": False}
 
 

@@ -184,7 +184,7 @@ def qkv_heads_bwd_kernel(gq_ptr, gk_ptr, gv_ptr, qkv_ptr, cos_ptr, sin_ptr, qw_p
 
 # rows (tokens) per program and warps per program, forward and backward (scripts/qkv_speed.py times others; the
 # backward's one-warp programs of 8 rows were the fastest of 15 settings timed in place on an H200, 0.31 ms a call at
-# 1.7B, micro-batch 8, S = 4096, against 0.375 for 16 rows x 2 warps: docs/performance.md, session 35)
+# 1.7B, micro-batch 8, S = 4096, against 0.375 for 16 rows x 2 warps: scripts/qkv_speed.py --in-place)
 FWD_BLOCK_T, FWD_WARPS = 32, 4
 BWD_BLOCK_T, BWD_WARPS = 8, 1
 # tiles per backward program: the norm scales' partial sums left for torch.sum shrink by this factor (256 rows a

@@ -22,9 +22,16 @@ See docs/parallel.md for a picture and docs/moe.md for expert parallelism.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from difflm.errors import DifflmError
+
+# torch >= 2.10 warns, once per process and slice, that slicing a flattened dimension ("dp", "dp_shard_cp", "dp_cp",
+# "stage") from the root mesh "will be deprecated"; every rank of every run printed it. The slices are what
+# torchtitan takes too, and tests/test_parallel.py checks the groups they give on every layout, so the notice is
+# silenced here, where the flattened dimensions are made, and only that one.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -100,7 +100,7 @@ def import_te():
     error = te_import_error()
     if error is not None:
         raise DifflmError(f"Transformer Engine could not be imported ({error}): "
-                          "pip install 'difflm[te]' (transformer-engine[pytorch]) on a CUDA machine, "
+                          "pip install 'transformer-engine[pytorch]' on a CUDA machine, "
                           "or use model.backend=torch with precision=bf16")
     import transformer_engine.pytorch as te
 

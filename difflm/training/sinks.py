@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 from difflm import strict_json
 from difflm.errors import DifflmError
 
-WANDB_MISSING = ("logger=wandb needs the wandb package, which is not installed: pip install 'difflm[wandb]' "
-                 "(or pip install wandb), or use logger=console (metrics.jsonl; difflm-plot draws it)")
+WANDB_MISSING = ("logger=wandb needs the wandb package, which is not installed: pip install wandb"
+                 ", or use logger=console (metrics.jsonl; difflm-plot draws it)")
 
 
 class JsonlSink:

@@ -425,14 +425,17 @@ class Trainer:
     def evaluate(self, valid_set=None) -> Optional[float]:
         """NELBO bound on fixed validation windows, nats/token (exact NLL for ``ar``); None without a valid split.
 
-        Uses the first ``train.eval_windows`` windows of ``valid_set`` (default: the run's validation windows), in
+        Uses the first ``train.eval_windows`` windows (null: sized by :func:`difflm.training.eval_size.eval_windows`)
+        of ``valid_set`` (default: the run's validation windows), in
         micro-batches, and ``train.eval_mc_samples`` antithetic draws of t per window. The weighted CE of every
         window and draw is summed and divided by their loss tokens (``num_tokens``: the window length, L - 1 for ``ar``, the response length
         for ``sft``), however the windows are batched.
         """
         cfg, t = self.cfg, self.cfg.train
         valid_set = self.valid_set if valid_set is None else valid_set
-        count = min(len(valid_set), t.eval_windows)
+        from difflm.training.eval_size import eval_windows
+
+        count = min(len(valid_set), eval_windows(t, cfg.objective.name, self.device.type))
         if count == 0:
             return None
         draws = 1 if cfg.objective.name == "ar" else t.eval_mc_samples
