@@ -78,6 +78,10 @@ def check(command: str) -> None:
         assert set(words[1:]) <= make_targets(), f"make {words[1:]}: no such target in the Makefile"
     elif head in HYDRA_COMMANDS:
         check_hydra_command(HYDRA_COMMANDS[head], words[1:])
+    elif head == "difflm-plan":
+        from difflm.plan.cli import parse_args as plan_args
+
+        check_hydra_command("train", plan_args(words[1:])[1])
     elif head == "difflm-plot":
         from difflm.plot import parse_args
 

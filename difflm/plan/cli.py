@@ -81,10 +81,8 @@ def render(cand, rates: Rates, gpus: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """Entry point of ``difflm-plan``. Returns the exit status (2 with one ``difflm: error:`` line on bad input)."""
-    from difflm.cli import _say
-
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the planner's own flags, the ``difflm-train`` overrides) of a command line."""
     parser = argparse.ArgumentParser(prog="difflm-plan", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
@@ -93,7 +91,14 @@ def main(argv=None) -> int:
     parser.add_argument("--calibrate", metavar="FILE", help="measure this GPU's rates at the run's shapes into FILE")
     parser.add_argument("--search", action="store_true", help="rank every layout, micro-batch and checkpointing that fits")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many to print (default 5)")
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    """Entry point of ``difflm-plan``. Returns the exit status (2 with one ``difflm: error:`` line on bad input)."""
+    from difflm.cli import _say
+
+    args, overrides = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return _run(args, overrides)
     except DifflmError as e:
