@@ -582,3 +582,75 @@ def test_self_contained_sampler_checks_follow_difflms():
     for length, steps, block in [(64, 64, 64), (64, 10, 24), (48, 100, 16), (30, 7, 0), (8, 3, 8), (96, 12, 32)]:
         ours = numbers(consistent_setting(length, steps, block))
         assert len(ours) == 3 and numbers(hf._consistent_setting(length, steps, block)) == ours, (length, steps, block)
+
+
+def _tiny_export(out: Path, tie: bool) -> Path:
+    """A random tiny export (NeoX tokenizer with its mask token, modeling files, auto_map) without a training run."""
+    from difflm.interop.export import MODELING_FILES, TEMPLATES, _config_class, save_tokenizer_with_mask
+    from difflm.interop.hf_modeling.modeling_difflm import DiffLMForMaskedLM
+
+    tok = build_tokenizer(str(NEOX))
+    cfg = _config_class()(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, head_dim=8, tie_word_embeddings=tie,
+                          mask_token_id=N_TOK, tokenizer_vocab_size=N_TOK, eos_token_id=tok.eos_id,
+                          architectures=["DiffLMForMaskedLM"], auto_map=dict(__import__(
+                              "difflm.interop.export", fromlist=["AUTO_MAP"]).AUTO_MAP))
+    model = DiffLMForMaskedLM(cfg)
+    _randomise(model, seed=3)
+    model.save_pretrained(str(out))
+    for name in MODELING_FILES:
+        shutil.copyfile(TEMPLATES / name, out / name)
+    save_tokenizer_with_mask(tok, out)
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_resize_token_embeddings_then_forward(tmp_path, tie):
+    """Tokens added to an export's tokenizer: resize_token_embeddings grows the embedding and the (untied) head,
+    the old tokens' logits stay, the new ids go through the forward, get gradients and may be generated."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    out = _tiny_export(tmp_path / "hf", tie)
+    tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True, local_files_only=True).eval()
+    assert model.get_input_embeddings() is model.embedding
+    assert (model.get_output_embeddings() is None) == tie
+    ids = torch.tensor([tokenizer("ROMEO: hello")["input_ids"]])
+    with torch.no_grad():
+        before = model(ids).logits
+    old_head = model.head_weight().detach().clone()
+    assert tokenizer.add_tokens(["<|user|>", "<|assistant|>"]) == 2
+    new = len(tokenizer)
+    assert new == N_TOK + 3  # the mask token, then the two new ones
+    model.resize_token_embeddings(new)
+    assert model.embedding.weight.shape == (new, 32) and model.config.vocab_size == new
+    assert model.head_weight().shape == (new, 32)
+    if tie:
+        assert model.head_weight() is model.embedding.weight
+    else:
+        assert model.output.weight.shape == (new, 32) and model.output.weight is not model.embedding.weight
+    assert torch.equal(model.head_weight()[:N_TOK], old_head[:N_TOK])  # old rows kept
+    with torch.no_grad():
+        after = model(ids).logits
+    assert after.shape == (1, ids.shape[1], new)
+    assert torch.allclose(after[..., :N_TOK], before[..., :N_TOK], atol=1e-6)  # same logits of the old tokens
+    added = tokenizer.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    assert added == [N_TOK + 1, N_TOK + 2]
+    x = torch.tensor([[*added, *ids[0].tolist()]])
+    model.train()
+    loss = model(x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.embedding.weight.grad[added].abs().sum() > 0
+    # the new tokens may be emitted; the mask token still may not
+    assert model.config.tokenizer_vocab_size == new and model._forbidden_ids() == [N_TOK]
+    model.eval()
+    model.save_pretrained(str(tmp_path / "resized"))
+    back = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "resized"), trust_remote_code=True,
+                                                local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.allclose(back(x).logits, model(x).logits, atol=1e-6)
+    with pytest.raises(ValueError, match="mask token"):
+        model.resize_token_embeddings(N_TOK)
+    if tie:
+        with pytest.raises(ValueError, match="set_input_embeddings"):
+            model.set_output_embeddings(torch.nn.Linear(32, new, bias=False))

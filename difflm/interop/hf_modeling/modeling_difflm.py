@@ -294,8 +294,46 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                                                                         bias=False)
         self.post_init()
 
+    # ---- the embedding accessors of PreTrainedModel (resize_token_embeddings, PEFT, TRL read them)
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding ``[V, d]`` (``embedding``)."""
         return self.embedding
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding (``resize_token_embeddings`` passes a resized copy). With
+        ``tie_word_embeddings`` the LM head is this embedding, so it changes with it."""
+        self.embedding = value
+
+    def get_output_embeddings(self) -> Optional[nn.Linear]:
+        """The untied LM head ``output`` (``nn.Linear`` d -> V), or None with ``tie_word_embeddings``: the logits are
+        then ``final_norm(h) @ embedding.weight^T`` and no separate module exists (transformers' convention for a
+        head with no module of its own: ``resize_token_embeddings`` resizes the embedding, and the head with it)."""
+        return self.output
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        """Replace the untied LM head. Raises ValueError with ``tie_word_embeddings`` (the head is the input
+        embedding: use :meth:`set_input_embeddings`)."""
+        if self.output is None:
+            raise ValueError("tie_word_embeddings=True: the LM head is the input embedding; use set_input_embeddings")
+        self.output = value
+
+    def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, pad_to_multiple_of: Optional[int] = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' ``resize_token_embeddings`` (input embedding, untied head and ``config.vocab_size``), and
+        ``config.tokenizer_vocab_size`` follows ``new_num_tokens`` (``len(tokenizer)`` after adding tokens): the
+        new tokens become tokens ``generate`` may emit, while the rows padded by ``pad_to_multiple_of`` stay
+        forbidden, as the embedding's padding rows of the export are.
+
+        Raises ValueError when ``new_num_tokens`` would drop the mask token (``config.mask_token_id``).
+        """
+        mask = self.config.mask_token_id
+        if new_num_tokens is not None and mask is not None and new_num_tokens <= mask:
+            raise ValueError(f"new_num_tokens={new_num_tokens} would drop the mask token {mask} that generate needs: "
+                             f"keep at least {mask + 1} tokens")
+        out = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if new_num_tokens is not None:
+            self.config.tokenizer_vocab_size = int(new_num_tokens)
+        return out
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.output is None else self.output.weight
