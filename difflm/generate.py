@@ -138,6 +138,40 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     return out[:, prompt_ids.shape[1]:]
 
 
+def cut_at_eos(ids, eos_id: int) -> list[int]:
+    """The generated ids ``ids`` (a sequence or a 1-D tensor of int) up to their first ``eos_id``, which is dropped:
+    the text ends there (an SFT model pads its answer with EOS, a pretrained one starts another document)."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def decode_generated(tok: TokenizerInfo, ids) -> str:
+    """The text of generated ids ``ids`` (1-D), cut at the end of text (:func:`cut_at_eos`): what every output path
+    prints (``difflm-generate``, the samples of ``difflm-train``, the lm-eval adapter's ``generate_until``)."""
+    return tok.decode(cut_at_eos(ids, tok.eos_id))
+
+
+def run_chat_template(cfg) -> bool:
+    """Whether a run trained on prompts wrapped in its tokenizer's chat template: an ``objective=sft`` run with
+    ``data.chat_template=true`` (:func:`difflm.data.sft.chat_prompt_ids`). Its samplers must wrap prompts alike."""
+    return cfg.objective.name == "sft" and bool(cfg.data.get("chat_template", False))
+
+
+def encode_prompt(tok: TokenizerInfo, text: str, chat_template: bool) -> list[int]:
+    """The prompt ids a sampler starts from: ``text`` as one user turn of the tokenizer's chat template with the
+    generation prompt (``chat_template``; as SFT training built its prompts, :func:`difflm.data.sft.chat_prompt_ids`),
+    else the plain text (:meth:`TokenizerInfo.encode`; ``[EOS]`` for an empty text). Special-token text inside
+    ``text`` stays text either way.
+
+    Raises: DifflmError with ``chat_template`` when the tokenizer has no chat template.
+    """
+    if chat_template:
+        from difflm.data.sft import chat_prompt_ids
+
+        return chat_prompt_ids(tok.tokenizer, text)
+    return tok.encode(text) or [tok.eos_id]
+
+
 def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
     """(run config, model with checkpoint weights in eval mode, tokenizer info, checkpoint step) of a trained run:
     checkpoint ``step``, or the newest when None (the step is returned so that results can say which one was read).
@@ -238,24 +272,31 @@ def read_prompt(args) -> str:
 
 @hydra_app("generate")
 def _main(args) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    print(generate_text(args, typed_keys(list(HydraConfig.get().overrides.task), "gen")))
+
+
+def generate_text(args, typed_gen: set[str]) -> str:
+    """What ``difflm-generate`` prints: the prompt and the generated text, for its command line ``args``
+    (:class:`difflm.config.schema.GenerateRunConfig`); ``typed_gen``: the ``gen.*`` keys typed on the command line
+    (:func:`typed_keys`), which replace the run's own. Notices go to stderr."""
     check_choices(args, ["gen.remasking", "gen.cache", "device"])
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.kernels)
     # which checkpoint wrote the text (the newest when step= is not given); stderr: stdout is the text alone
     print(f"difflm-generate: {args.run.dir} at checkpoint step {step}", file=sys.stderr, flush=True)
-    from hydra.core.hydra_config import HydraConfig
-
     causal = cfg.objective.name == "ar"
-    gen = run_generation_config(cfg.get("gen"), args.gen, typed_keys(list(HydraConfig.get().overrides.task), "gen"),
-                                causal)
-    ids = tok.encode(prompt) or [tok.eos_id]  # special-token text in the prompt stays text
+    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal)
+    chat = run_chat_template(cfg) if args.get("chat_template") is None else bool(args.chat_template)
+    ids = encode_prompt(tok, prompt, chat)  # special-token text in the prompt stays text
     if (warning := beyond_trained_length(len(ids), gen.length, cfg.data.seq_len)) is not None:
         print(warning, file=sys.stderr, flush=True)
     out = generate_ids(model, tok, torch.tensor([ids], device=device), gen, causal,
                        objective=cfg.objective,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
-    print(prompt + tok.decode(out[0].tolist()))
+    return prompt + decode_generated(tok, out[0])
 
 
 def main() -> None:

@@ -305,6 +305,9 @@ class GenerateRunConfig:
     run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
     prompt: str = ""  # any text: commas and brackets need no Hydra quoting (difflm.cli.quote_free_text)
     prompt_file: Optional[str] = None  # a UTF-8 text file whose contents are the prompt (instead of prompt=)
+    # wrap the prompt in the tokenizer's chat template (difflm.data.sft.chat_prompt_ids); null: as the run trained
+    # (objective=sft with data.chat_template=true), false: the raw prompt
+    chat_template: Optional[bool] = None
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"
