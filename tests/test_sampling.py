@@ -423,3 +423,85 @@ def test_bd3lm_samples_under_sequence_parallelism_are_checked_before_training():
     check_padded_sampling("bd3lm", 1, 16, 1)
     check_padded_sampling("mdlm", 1, 1, 2)
     check_padded_sampling("ar", 3, 1, 4)
+
+
+# ------------------------------------------------------------------ infilling: mask tokens inside the prompt
+
+def test_infill_fills_prompt_masks_and_keeps_given_tokens():
+    """LLaDA sampler, infill: block 0 covers the masked prompt positions (1 and 3) and its first generated block;
+    its schedule counts them: 4 masks in 2 steps, the most confident (rightmost, positional logits) first."""
+    rec = Recorder(positional)
+    prompt = torch.tensor([[4, MASK, 6, MASK]])
+    out = diffusion_generate(rec, prompt, opts(length=4, steps=4, block_length=2, infill=True))
+    assert out.tolist() == [[4, 1, 6, 3, 4, 5, 6, 7]]  # given tokens 4, 6 kept; position j takes j % 10
+    assert unmask_steps(rec, out, 1) == [1, 0, 1, 0, 0, 3, 2]  # steps: {5, 4}, {3, 1}, then 7, then 6
+    # without infill the prompt, mask ids included, is kept (the default)
+    kept = diffusion_generate(positional, prompt, opts(length=4, steps=4, block_length=2))
+    assert kept.tolist() == [[4, MASK, 6, MASK, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(cache="dual"), dict(cache="prefix"), dict(threshold=0.5),
+                                   dict(cfg_scale=1.0), dict(remasking="margin", temperature=0.8)])
+def test_infill_with_a_model_under_every_llada_option(extra):
+    """A real tiny model: the given tokens stay, every masked prompt position and generated position gets a token
+    (under the KV caches, Fast-dLLM's threshold, guidance and sampling too)."""
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 47, 7, 47, 9, 10], [11, 12, 47, 47, 13, 14]])
+    o = GenerationOptions(mask_id=47, length=4, steps=4, block_length=2, forbid_ids=[47], infill=True, **extra)
+    out = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(0))
+    given = prompt != 47
+    assert torch.equal(out[:, :6][given], prompt[given]) and not (out == 47).any()
+
+
+def test_infill_bd3lm_fills_prompt_blocks_left_to_right():
+    """Block sampler, infill (block_size 2): blocks [0, 2) and [2, 4) hold one masked prompt position each and are
+    filled first, in order; the block that ends the prompt keeps its given token 8."""
+    from difflm.sampling import block_diffusion_generate
+
+    calls = []
+
+    def fn(x, attn_mask=None, position_ids=None, kv_cache=None):
+        calls.append(x.clone())
+        return positional(x)
+
+    prompt = torch.tensor([[4, MASK, 6, MASK, 8]])
+    out = block_diffusion_generate(fn, prompt, opts(length=3, steps=3, block_size=2, infill=True))
+    assert out.tolist() == [[4, 1, 6, 3, 8, 5, 6, 7]]
+    assert [c.shape[1] for c in calls] == [2, 4, 6, 8, 8]  # one step a block (one mask each), then 2 for the last
+    assert calls[1][0, :2].tolist() == [4, 1] and calls[1][0, 3] == MASK  # block 0 done before block 1
+    kept = block_diffusion_generate(positional_kw, prompt, opts(length=3, steps=3, block_size=2))
+    assert kept[0, :5].tolist() == [4, MASK, 6, MASK, 8]
+
+
+def positional_kw(x, **kw):
+    return positional(x)
+
+
+def test_infill_is_refused_by_left_to_right_decoding():
+    with pytest.raises(GenerationConfigError, match="^infilling .* needs a diffusion sampler: an objective=ar run"):
+        autoregressive_generate(positional, torch.tensor([[4, MASK, 6]]), opts(length=2, infill=True))
+
+
+def test_infill_prompt_placeholders_become_mask_ids():
+    """difflm-generate's prompt: each `<|mask|>` (mask_placeholder) and the tokenizer's own mask token text is one
+    mask id, the text between encoded as text; the printed text puts the sampled tokens in their place."""
+    from difflm.config import ASSETS
+    from difflm.data import build_tokenizer
+    from difflm.generate import encode_prompt, infilled_text, mask_placeholders
+
+    tok = build_tokenizer(str(ASSETS / "tokenizers" / "gpt-neox-20b"))
+    m = tok.mask_id
+    places = mask_placeholders(tok, "<|mask|>")
+    assert places == ["<|mask|>"] and mask_placeholders(tok, None) == []  # NeoX has no mask token of its own
+    text = "The <|mask|> sat on the<|mask|><|mask|>."
+    ids = encode_prompt(tok, text, False, places)
+    assert ids == tok.encode("The ") + [m] + tok.encode(" sat on the") + [m, m] + tok.encode(".")
+    assert encode_prompt(tok, text, False, []) == tok.encode(text)  # null placeholder: plain text
+    cat, mat = tok.encode(" cat")[0], tok.encode(" mat")[0]
+    assert infilled_text(tok, text, places, [cat, mat, mat]) == "The  cat sat on the mat mat."
+    tok.tokenizer.add_special_tokens({"mask_token": "<|mdm_mask|>"})
+    assert mask_placeholders(tok, "<|mask|>") == ["<|mask|>", "<|mdm_mask|>"]
+    assert encode_prompt(tok, "a<|mdm_mask|>b", False, mask_placeholders(tok, "<|mask|>")) == \
+        tok.encode("a") + [m] + tok.encode("b")

@@ -498,3 +498,36 @@ def test_generated_text_ends_at_eos_on_every_path_and_past_the_window_warns_once
                                           i) for i in range(2)])
     assert out == [" 5, since 2 + 3 = 5"] * 2
     assert sum("data.seq_len=32" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_generate_infills_a_placeholder_inside_the_chat_prompt(chat_run, monkeypatch):
+    """difflm-generate prompt="What is <|mask|> plus 3?": the placeholder becomes one mask id inside the templated
+    prompt, the sampler fills it and keeps the rest, and the printed prompt shows the sampled token in its place."""
+    import difflm.generate
+    from difflm.config.schema import GenerateRunConfig
+
+    run, _, trainer = chat_run
+    tok = trainer.tok
+    calls = []
+    real = difflm.generate.generate_ids
+
+    def spy(model, tk, ids, *a, **k):
+        out = real(model, tk, ids, *a, **k)
+        calls.append((ids.tolist()[0], k.get("infill"), out[0].tolist()))
+        return out
+
+    monkeypatch.setattr(difflm.generate, "generate_ids", spy)
+    args = OmegaConf.merge(OmegaConf.structured(GenerateRunConfig), {
+        "run": {"dir": str(run)}, "prompt": "What is <|mask|> plus 3?", "device": "cpu"})
+    text = difflm.generate.generate_text(args, set())
+    (ids, infill, out), = calls
+    m = tok.mask_id
+    assert infill is True
+    assert ids == CHAT_IDS[:5] + tok.encode("What is ") + [m] + tok.encode(" plus 3?") + CHAT_IDS[11:18]
+    hole = ids.index(m)
+    assert [o for i, o in enumerate(out[:len(ids)]) if i != hole] == [t for i, t in enumerate(ids) if i != hole]
+    assert out[hole] != m and len(out) == len(ids) + 8
+    assert text.startswith("What is " + tok.decode([out[hole]]) + " plus 3?")
+    args.mask_placeholder = None  # off: the text is kept as text
+    difflm.generate.generate_text(args, set())
+    assert calls[-1][1] is False and m not in calls[-1][0]

@@ -308,6 +308,9 @@ class GenerateRunConfig:
     # wrap the prompt in the tokenizer's chat template (difflm.data.sft.chat_prompt_ids); null: as the run trained
     # (objective=sft with data.chat_template=true), false: the raw prompt
     chat_template: Optional[bool] = None
+    # infilling: each occurrence in the prompt (and of the tokenizer's own mask token text) is one mask token that
+    # the diffusion samplers fill, the rest of the prompt kept (Dream's mask tokens in the input); null: off
+    mask_placeholder: Optional[str] = "<|mask|>"
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"

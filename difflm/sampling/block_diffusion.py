@@ -55,7 +55,9 @@ def block_diffusion_generate(
             ``objective.block_size``, required), ``length``, ``steps`` (:func:`steps_per_block` per block, capped
             by the tokens to generate in it), ``remasking``, ``temperature``, ``top_k``/``top_p``, ``threshold``
             (Fast-dLLM; None: fixed steps), ``cache`` (anything but ``none``: the exact KV cache of finished
-            blocks), ``forbid_ids`` and ``shift_logits``. ``cfg_scale`` must be 0.
+            blocks), ``forbid_ids`` and ``shift_logits``. ``cfg_scale`` must be 0. ``infill``: the prompt's
+            ``mask_id`` positions are sampled too, block by block from the block of the first one (each block's
+            given tokens kept, its schedule counting only its masked positions).
         generator: source of all randomness.
         stats: if given, ``stats["nfe"]`` receives the number of model calls (cache updates included).
     Returns: ``[B, P + length]`` int64.
@@ -78,9 +80,17 @@ def block_diffusion_generate(
     x = torch.cat([prompt, torch.full((batch, opts.length), mask_id, dtype=torch.long, device=device)], dim=1)
     nfe = 0
     pos = prompt_len
+    if opts.infill and (prompt == mask_id).any():  # from the block of the first masked prompt position
+        pos = int((prompt == mask_id).any(dim=0).nonzero()[0]) // block_size * block_size
     while pos < total:
         block_start = pos // block_size * block_size
         end = min(block_start + block_size, total)
+        if opts.infill:  # the whole block: its masked prompt positions are sampled, its given tokens kept
+            pos = block_start
+        masked = (x[:, pos:end] == mask_id).sum(dim=1)
+        if not bool(masked.any()):  # a prompt block with nothing to fill
+            pos = end
+            continue
         if kv is not None and committed < block_start:  # encode the finished clean blocks once
             rows = slice(committed, block_start)
             kw = {"attn_mask": full_mask[:, :, rows, :block_start], "position_ids": torch.arange(committed, block_start, device=device)}
@@ -90,8 +100,8 @@ def block_diffusion_generate(
                 logits_fn(x[:, rows], kv_cache=kv.read(committed, block_start, commit=True), **kw)
             committed = block_start
             nfe += 1
-        n_steps = min(per_block, end - pos)
-        schedule = num_transfer_tokens(torch.full((batch,), end - pos, device=device), n_steps)
+        n_steps = min(per_block, int(masked.max()))
+        schedule = num_transfer_tokens(masked, n_steps)
         step = 0
         while (x[:, pos:end] == mask_id).any() if threshold is not None else step < n_steps:
             if kv is not None and committed > 0:

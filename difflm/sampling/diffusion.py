@@ -334,7 +334,9 @@ def diffusion_generate(
     take their candidate, ``k`` following :func:`num_transfer_tokens` (or, with ``threshold``, every
     position above it and at least one: Fast-dLLM; a block then takes as many steps as it needs).
     Ties in confidence go to the leftmost position. The prompt is never changed, even if it contains
-    ``mask_id``.
+    ``mask_id``, unless ``opts.infill``: then the prompt's ``mask_id`` positions are sampled with the first block
+    (its region starts at the first masked prompt position, and its transfer schedule counts them), and the given
+    prompt tokens stay.
 
     Args:
         logits_fn: see :data:`LogitsFn`; called with ``attn_mask``/``position_ids``/``kv_cache`` keywords only
@@ -371,9 +373,14 @@ def diffusion_generate(
     gen = torch.full((batch, opts.length), mask_id, dtype=torch.long, device=prompt.device)
     x = torch.cat([prompt, gen], dim=1)
 
+    first_masked = prompt_len  # infilling: block 0 also covers the masked prompt positions
+    if opts.infill and (prompt == mask_id).any():
+        first_masked = int((prompt == mask_id).any(dim=0).nonzero()[0])
     for block in range(num_blocks):
         start = prompt_len + block * block_length
         end = start + block_length
+        if block == 0:
+            start = first_masked
         schedule = num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
         step = 0
         while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:

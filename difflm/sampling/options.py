@@ -45,6 +45,10 @@ class GenerationOptions:
             come from the hidden state at i - 1); the samplers then give position i the logits of the state
             at the previous *real* position, also under padding and the KV cache (diffusion samplers).
         block_size: the bd3lm model's ``objective.block_size`` (block sampler only; None elsewhere).
+        infill: the prompt's ``mask_id`` positions are sampled too (infilling, as Dream's ``diffusion_generate``
+            with mask tokens in its input), the given prompt tokens kept; False: the prompt is kept whole, mask ids
+            included (diffusion samplers; the autoregressive one refuses it). ``difflm-generate`` sets it for a
+            prompt with ``mask_placeholder`` text.
 
     Raises:
         GenerationConfigError: at construction, for a value out of range (naming the ``gen.*`` key).
@@ -64,6 +68,7 @@ class GenerationOptions:
     forbid_ids: Sequence[int] = ()
     shift_logits: bool = False
     block_size: Optional[int] = None
+    infill: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forbid_ids", tuple(int(i) for i in self.forbid_ids))
