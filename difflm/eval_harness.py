@@ -111,7 +111,7 @@ def truncated_loglikelihood_warning(cut: list[tuple[int, int, int, int]], total:
 
 
 GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
-            "threshold", "cache")
+            "threshold", "cache", "remdm_sigma", "remdm_schedule")
 
 
 def stratified_mask_counts(length: int, num: int, generator: torch.Generator | None = None,

@@ -328,7 +328,7 @@ def generate_text(args, typed_gen: set[str]) -> str:
     """What ``difflm-generate`` prints: the prompt and the generated text, for its command line ``args``
     (:class:`difflm.config.schema.GenerateRunConfig`); ``typed_gen``: the ``gen.*`` keys typed on the command line
     (:func:`typed_keys`), which replace the run's own. Notices go to stderr."""
-    check_choices(args, ["gen.remasking", "gen.cache", "device"])
+    check_choices(args, ["gen.remasking", "gen.remdm_schedule", "gen.cache", "device"])
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.kernels)

@@ -191,7 +191,8 @@ def test_export_import_round_trip_is_identical(trained_run, tmp_path):
 # a run's training window and sampler settings, none at the schema's default (data.seq_len 128, gen.* of GenerateConfig)
 RUN_SETTINGS = {"data.seq_len": 48, "gen.length": 32, "gen.steps": 16, "gen.block_length": 8,
                 "gen.remasking": "margin", "gen.temperature": 0.3, "gen.seed": 5, "gen.top_k": 7, "gen.top_p": 0.9,
-                "gen.cfg_scale": 0.5, "gen.threshold": 0.8, "gen.cache": "prefix"}
+                "gen.cfg_scale": 0.5, "gen.threshold": 0.8, "gen.cache": "prefix", "gen.remdm_sigma": 0.4,
+                "gen.remdm_schedule": "rescale"}
 
 
 def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
@@ -464,7 +465,8 @@ def test_export_generate_applies_attention_mask(shift, side):
             assert torch.allclose(padded[i][mask[i].bool()], alone, atol=1e-5)
             assert torch.allclose(alone, ours(torch.tensor([p]))[0], atol=1e-5)
     settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8),
-                dict(temperature=0.7, remasking="random")]
+                dict(temperature=0.7, remasking="random"), dict(remasking="remdm", remdm_sigma=0.8),
+                dict(remasking="remdm", remdm_sigma=0.5, remdm_schedule="rescale", temperature=0.7)]
     for kw in settings:
         gen = dict(steps=4, gen_length=8, block_length=4, **kw)
         theirs = hf.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **gen)

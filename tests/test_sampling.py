@@ -505,3 +505,83 @@ def test_infill_prompt_placeholders_become_mask_ids():
     assert mask_placeholders(tok, "<|mask|>") == ["<|mask|>", "<|mdm_mask|>"]
     assert encode_prompt(tok, "a<|mdm_mask|>b", False, mask_placeholders(tok, "<|mask|>")) == \
         tok.encode("a") + [m] + tok.encode("b")
+
+
+# ------------------------------------------------------------------ ReMDM remasking
+
+def test_remdm_sigma_schedules_hand_computed():
+    from difflm.sampling.remdm import remdm_sigma
+
+    a_t, a_s = torch.tensor([0.0, 2 / 6, 4 / 6, 0.5]), torch.tensor([2 / 6, 4 / 6, 1.0, 0.6])
+    # sigma_max = min(1, (1 - a_s) / a_t): 0 (nothing decoded), 1, 0, 0.8
+    assert torch.allclose(remdm_sigma(a_t.double(), a_s.double(), 0.5, "cap"),
+                          torch.tensor([0.0, 0.5, 0.0, 0.5], dtype=torch.float64))
+    assert torch.allclose(remdm_sigma(a_t.double(), a_s.double(), 0.5, "rescale"),
+                          torch.tensor([0.0, 0.5, 0.0, 0.4], dtype=torch.float64))
+
+
+def test_remdm_forced_sigma_remasks_the_expected_count_by_hand():
+    """Block of 6, 3 steps (schedule 2, 2, 2), positional logits (confidence rises with position), eta = 0.5 (cap).
+    Step 0: nothing decoded, r = 0: unmask 5, 4. Step 1: alpha_t = 2/6, alpha_s = 4/6, sigma_max = 1, sigma = 0.5,
+    r = round(0.5 * 2) = 1: remask 4 (the less confident of 4, 5) and unmask k + r = 3: 3, 2, 1. Step 2: alpha_s = 1,
+    sigma = 0: unmask the last 2 (4 and 0)."""
+    rec = Recorder(positional)
+    out = diffusion_generate(rec, torch.tensor([[7]]), opts(length=6, steps=3, block_length=6, remasking="remdm",
+                                                             remdm_sigma=0.5))
+    masked = [(s[0, 1:] == MASK).nonzero().flatten().tolist() for s in rec.inputs + [out]]
+    assert masked == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3], [0, 4], []]
+    assert out[0, 1:].tolist() == [1, 2, 3, 4, 5, 6]
+    # a forced sigma of 1 remasks every decoded token it may: step 1 remasks both (r = 2), unmasks 4
+    rec = Recorder(positional)
+    diffusion_generate(rec, torch.tensor([[7]]), opts(length=6, steps=3, block_length=6, remasking="remdm",
+                                                       remdm_sigma=1.0))
+    assert [(s[0, 1:] == MASK).nonzero().flatten().tolist() for s in rec.inputs] == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                                                                                     [4, 5]]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(temperature=0.9, top_k=5), dict(cfg_scale=1.0), dict(cache="dual")])
+def test_remdm_at_sigma_zero_is_low_confidence_exactly(extra):
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+
+    def run(**kw):
+        o = GenerationOptions(mask_id=47, length=8, steps=8, block_length=4, forbid_ids=[47], **extra, **kw)
+        return diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(1))
+
+    assert torch.equal(run(remasking="remdm", remdm_sigma=0.0), run(remasking="low_confidence"))
+    with_remasking = run(remasking="remdm", remdm_sigma=0.9)
+    assert not (with_remasking == 47).any()  # every block still ends decoded
+
+
+def test_remdm_block_sampler_sigma_zero_equals_low_confidence_and_remasks():
+    from difflm.sampling import block_diffusion_generate
+
+    def fn(x, attn_mask=None, position_ids=None, kv_cache=None):
+        return positional(x)
+
+    prompt = torch.tensor([[7, 7]])
+    base = block_diffusion_generate(fn, prompt, opts(length=6, steps=6, block_size=6, remasking="low_confidence"))
+    assert torch.equal(block_diffusion_generate(fn, prompt, opts(length=6, steps=6, block_size=6, remasking="remdm")),
+                       base)
+    calls = []
+    block_diffusion_generate(lambda x, **kw: calls.append(x.clone()) or positional(x), prompt,
+                             opts(length=4, steps=2, block_size=6, remasking="remdm", remdm_sigma=1.0))
+    # block [0, 6): prompt 7, 7 then positions 2..5, max(1, 2 * 6 // 4) = 3 steps (schedule 2, 1, 1). Step 1:
+    # alpha_t = 2/4, alpha_s = 3/4, sigma = sigma_max = 0.5, r = round(0.5 * 2) = 1: remask 4, unmask 1 + 1 (3, 2)
+    assert [(c[0] == MASK).nonzero().flatten().tolist() for c in calls] == [[2, 3, 4, 5], [2, 3], [4]]
+
+
+def test_remdm_settings_are_checked():
+    with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=-0.1 must be in \[0, inf\]"):
+        opts(remasking="remdm", remdm_sigma=-0.1)
+    with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=1.5 must be in \[0, 1\] under "
+                                                    "gen.remdm_schedule=rescale"):
+        opts(remasking="remdm", remdm_sigma=1.5, remdm_schedule="rescale")
+    with pytest.raises(GenerationConfigError, match="gen.remdm_schedule='loop'"):
+        opts(remdm_schedule="loop")
+    with pytest.raises(GenerationConfigError, match="set gen.threshold=null"):
+        opts(remasking="remdm", remdm_sigma=0.5, threshold=0.9)
+    with pytest.raises(GenerationConfigError, match="drop gen.remasking gen.remdm_sigma"):
+        opts(remasking="remdm", remdm_sigma=0.5).check_autoregressive()

@@ -261,7 +261,11 @@ class GenerateConfig:
     length: int = 64
     steps: int = 64
     block_length: int = 64
-    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy
+    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy | remdm
+    # remasking=remdm (ReMDM, Wang et al. 2025, arXiv:2503.00307, difflm.sampling.remdm): eta of the sigma_t schedule,
+    # the cap of sigma_t (cap) or its share of sigma_t^max (rescale, <= 1); 0 = no remasking
+    remdm_sigma: float = 0.0
+    remdm_schedule: str = "cap"  # cap | rescale
     temperature: float = 0.0
     seed: int = 0
     top_k: int = 0  # 0 = off

@@ -8,6 +8,8 @@ Sources:
   ``generate.py`` of https://github.com/ML-GSAI/LLaDA.
 * ``margin`` (top-1 minus top-2 probability; Kim et al. 2025, "Train for the Worst, Plan for the Best")
   and ``entropy`` (lowest predictive entropy first; Ye et al. 2025, Dream ``alg=entropy``).
+* ``remasking=remdm``: Wang et al. 2025, "Remasking Discrete Diffusion Models with Inference-Time Scaling"
+  (arXiv:2503.00307), :mod:`difflm.sampling.remdm`.
 * Wu et al. 2025, "Fast-dLLM" (arXiv:2505.22618): confidence-threshold parallel unmasking (sec. 3.3, every
   masked token of the block whose confidence exceeds ``threshold``, at least one per step) and the
   block-level ``prefix`` / ``dual`` KV cache (sec. 3.1-3.2, :mod:`difflm.model.kv_cache`).
@@ -20,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 # CACHES, REMASKING and GenerationConfigError are re-exported for callers of this module
-from difflm.sampling.options import CACHES, REMASKING, GenerationConfigError, GenerationOptions  # noqa: F401
+from difflm.sampling.options import CACHES, REMASKING, REMDM, GenerationConfigError, GenerationOptions  # noqa: F401
+from difflm.sampling.remdm import remdm_remask
 
 LogitsFn = Callable[..., torch.Tensor]
 """x ``[B, S]`` int64 -> logits ``[B, S, V]`` float. Called as ``logits_fn(x)``, or with keyword arguments
@@ -333,6 +336,10 @@ def diffusion_generate(
     candidates and confidences (:func:`propose`); the ``k`` most confident masked positions of each row
     take their candidate, ``k`` following :func:`num_transfer_tokens` (or, with ``threshold``, every
     position above it and at least one: Fast-dLLM; a block then takes as many steps as it needs).
+    ``remasking=remdm``: ``low_confidence`` unmasking, and each step also remasks ``round(sigma_t * n)`` of the
+    block's ``n`` decoded tokens and unmasks as many more (ReMDM, Wang et al. 2025, arXiv:2503.00307, sec. 3's
+    posterior q_sigma(z_s | z_t, x) in count form, :mod:`difflm.sampling.remdm`); ``remdm_sigma=0`` is
+    ``low_confidence`` exactly.
     Ties in confidence go to the leftmost position. The prompt is never changed, even if it contains
     ``mask_id``, unless ``opts.infill``: then the prompt's ``mask_id`` positions are sampled with the first block
     (its region starts at the first masked prompt position, and its transfer schedule counts them), and the given
@@ -376,20 +383,30 @@ def diffusion_generate(
     first_masked = prompt_len  # infilling: block 0 also covers the masked prompt positions
     if opts.infill and (prompt == mask_id).any():
         first_masked = int((prompt == mask_id).any(dim=0).nonzero()[0])
+    remdm = opts.remasking == REMDM
+    rule = "low_confidence" if remdm else opts.remasking
     for block in range(num_blocks):
         start = prompt_len + block * block_length
         end = start + block_length
         if block == 0:
             start = first_masked
-        schedule = num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+        to_decode = x[:, start:end] == mask_id  # [B, N]: what this block's steps decode
+        schedule = num_transfer_tokens(to_decode.sum(dim=1), steps_per_block)
+        decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=x.device)
         step = 0
         while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
             candidates = x[:, start:end] == mask_id  # [B, N]
             logits = forward(x, start, end, first_of_block=step == 0)
-            x0, confidence = propose(logits, opts.remasking, opts.temperature, generator, opts.top_k, opts.top_p)
+            x0, confidence = propose(logits, rule, opts.temperature, generator, opts.top_k, opts.top_p)
             count = schedule[:, min(step, steps_per_block - 1)]
+            if remdm:  # ReMDM (count form): remask r decoded tokens, unmask k + r
+                remask, count = remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),
+                                             count, to_decode.sum(dim=1), opts.remdm_sigma, opts.remdm_schedule)
             transfer = select_transfer(confidence, candidates, count, threshold)
             x[:, start:end] = torch.where(transfer, x0, x[:, start:end])
+            if remdm:
+                decoded_confidence = torch.where(transfer, confidence, decoded_confidence)
+                x[:, start:end] = x[:, start:end].masked_fill(remask, mask_id)
             step += 1
     if stats is not None:
         stats["nfe"] = forward.nfe

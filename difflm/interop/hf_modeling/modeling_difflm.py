@@ -383,7 +383,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
                  top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
                  generator: Optional[torch.Generator] = None, attention_mask: Optional[torch.Tensor] = None,
-                 max_new_tokens: Optional[int] = None) -> torch.LongTensor:
+                 max_new_tokens: Optional[int] = None, remdm_sigma: Optional[float] = None,
+                 remdm_schedule: Optional[str] = None) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
@@ -391,7 +392,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         ``x0 = argmax(top-k/top-p filtered logits + temperature * Gumbel)`` (float64) at the block's
         positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first
         (confidences in float64, as LLaDA): ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus
-        top-2 probability), ``entropy`` (lowest entropy) or ``random``. ``threshold`` (Fast-dLLM): unmask every
+        top-2 probability), ``entropy`` (lowest entropy) or ``random``; ``remdm``: ``low_confidence`` plus ReMDM's
+        remasking of decoded tokens (Wang et al. 2025; ``remdm_sigma``, ``remdm_schedule`` ``cap``/``rescale``). ``threshold`` (Fast-dLLM): unmask every
         masked token of the block whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0:
         classifier-free guidance, ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the
         unconditional input. Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply).
@@ -414,7 +416,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             gen_length = max_new_tokens
         if cfg.causal:  # difflm's GenerationOptions.check_autoregressive, on the arguments given
             given = dict(steps=steps, block_length=block_length, remasking=remasking, cfg_scale=cfg_scale,
-                         threshold=threshold)
+                         threshold=threshold, remdm_sigma=remdm_sigma, remdm_schedule=remdm_schedule)
             changed = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != AR_IGNORED[k]]
             if changed:
                 keys = ", ".join(c.split("=")[0] for c in changed)
@@ -430,6 +432,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         cfg_scale = pick(cfg_scale, "gen_cfg_scale", 0.0)
         top_k, top_p = pick(top_k, "gen_top_k", 0), pick(top_p, "gen_top_p", 1.0)
         threshold = pick(threshold, "gen_threshold", None)
+        remdm_sigma = pick(remdm_sigma, "gen_remdm_sigma", 0.0)
+        remdm_schedule = pick(remdm_schedule, "gen_remdm_schedule", "cap")
         mask_id = cfg.mask_token_id if mask_id is None else mask_id
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
@@ -445,8 +449,10 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
         if mask_id is None:
             raise ValueError("config.mask_token_id is not set: pass mask_id=")
+        _check_remdm(remasking, remdm_sigma, remdm_schedule, threshold)
         return self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
-                                        remasking, mask_id, generator, forbid, top_k, top_p, threshold)
+                                        remasking, mask_id, generator, forbid, top_k, top_p, threshold,
+                                        remdm_sigma, remdm_schedule)
 
     def _logits(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self(x, attention_mask=valid).logits.float()
@@ -469,7 +475,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         return x
 
     def _generate_diffusion(self, prompt, valid, steps, length, block_length, temperature, cfg_scale, remasking,
-                            mask_id, generator, forbid, top_k, top_p, threshold):
+                            mask_id, generator, forbid, top_k, top_p, threshold, remdm_sigma=0.0, remdm_schedule="cap"):
         num_blocks = _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshold)
         steps_per_block = steps // num_blocks
         batch, prompt_len = prompt.shape
@@ -479,7 +485,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         for block in range(num_blocks):
             start = prompt_len + block * block_length
             end = start + block_length
-            schedule = _num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+            to_decode = x[:, start:end] == mask_id
+            schedule = _num_transfer_tokens(to_decode.sum(dim=1), steps_per_block)
+            decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=x.device)
             step = 0
             while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
                 candidates = x[:, start:end] == mask_id  # [B, N]
@@ -492,18 +500,26 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                     logits = un + (cfg_scale + 1.0) * (cond - un)
                 else:
                     logits = self._logits(x, valid)[:, start:end]
-                x0, confidence = _propose(_apply_forbid(logits, forbid), remasking, temperature, generator,
-                                          top_k, top_p)
+                rule = "low_confidence" if remasking == "remdm" else remasking
+                x0, confidence = _propose(_apply_forbid(logits, forbid), rule, temperature, generator, top_k, top_p)
                 count = schedule[:, min(step, steps_per_block - 1)]
+                if remasking == "remdm":  # ReMDM in count form (difflm.sampling.remdm)
+                    remask, count = _remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),
+                                                  count, to_decode.sum(dim=1), remdm_sigma, remdm_schedule)
                 transfer = _select_transfer(confidence, candidates, count, threshold)
                 x[:, start:end] = torch.where(transfer, x0, x[:, start:end])
+                if remasking == "remdm":
+                    decoded_confidence = torch.where(transfer, confidence, decoded_confidence)
+                    x[:, start:end] = x[:, start:end].masked_fill(remask, mask_id)
                 step += 1
         return x
 
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+REMDM_SCHEDULES = ("cap", "rescale")
 # difflm's defaults of the diffusion-only settings (GenerationOptions): a causal export's generate refuses others
-AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None}
+AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None,
+              "remdm_sigma": 0.0, "remdm_schedule": "cap"}
 
 
 def _is_int(value) -> bool:
@@ -543,8 +559,8 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
         raise ValueError(f"steps={steps!r} must be an integer >= 1")
     if not _is_int(block_length) or block_length < 1:
         raise ValueError(f"block_length={block_length!r} must be an integer >= 1")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking={remasking!r} must be one of {REMASKING}")
+    if remasking not in REMASKING + ("remdm",):
+        raise ValueError(f"remasking={remasking!r} must be one of {REMASKING + ('remdm',)}")
     if not _is_real(cfg_scale) or not cfg_scale >= 0:
         raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 (0 = off)")
     if threshold is not None and (not _is_real(threshold) or not 0.0 < threshold <= 1.0):
@@ -559,6 +575,34 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
     if steps > length:
         raise ValueError(f"steps={steps} must be <= gen_length={length} (at least one token per step){fix}")
     return num_blocks
+
+
+def _check_remdm(remasking, sigma, schedule, threshold) -> None:
+    """difflm's checks of the ReMDM settings (``GenerationOptions``). Raises ValueError naming the argument."""
+    if schedule not in REMDM_SCHEDULES:
+        raise ValueError(f"remdm_schedule={schedule!r} must be one of {REMDM_SCHEDULES}")
+    if not _is_real(sigma) or not sigma >= 0 or (schedule == "rescale" and sigma > 1):
+        raise ValueError(f"remdm_sigma={sigma!r} must be in [0, {'1' if schedule == 'rescale' else 'inf'}] under "
+                         f"remdm_schedule={schedule}")
+    if remasking == "remdm" and threshold is not None:
+        raise ValueError("remasking='remdm' remasks against the fixed unmasking schedule: pass threshold=None")
+
+
+def _remdm_remask(decoded, decoded_confidence, masked_count, count, block_count, eta, schedule):
+    """ReMDM (Wang et al. 2025, arXiv:2503.00307, sec. 3-4.1) in count form, as difflm's ``remdm_remask``: remask the
+    r = round(sigma_t n) least confident of the block's n decoded tokens (ties leftmost), sigma_t = min(eta,
+    sigma_max) (cap) or eta sigma_max (rescale), sigma_max = min(1, (1 - alpha_s) / alpha_t), alpha_t = n / N,
+    alpha_s = (n + k) / N; returns (remask [B, N] bool, k + r [B])."""
+    n = decoded.sum(dim=1)
+    total = block_count.clamp(min=1).double()
+    alpha_t, alpha_s = n.double() / total, (n + count).double() / total
+    safe = torch.where(alpha_t > 0, alpha_t, torch.ones_like(alpha_t))
+    sigma_max = torch.where(alpha_t > 0, ((1 - alpha_s) / safe).clamp(0.0, 1.0), torch.zeros_like(alpha_t))
+    sigma = sigma_max.clamp(max=eta) if schedule == "cap" else eta * sigma_max
+    r = torch.minimum(torch.floor(sigma * n.double() + 0.5).long(), (masked_count - count).clamp(min=0))
+    order = torch.sort(decoded_confidence.masked_fill(~decoded, float("inf")), dim=1, stable=True).indices
+    ranks = torch.arange(decoded.shape[1], device=decoded.device).unsqueeze(0)
+    return torch.zeros_like(decoded).scatter(1, order, ranks < r.unsqueeze(1)) & decoded, count + r
 
 
 def _valid_positions(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
