@@ -33,6 +33,10 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
   for per-request samples).
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
+* Chat templates: contexts are wrapped as one user turn of the tokenizer's chat template when the run trained so
+  (``objective=sft data.chat_template=true``; model_args ``chat_template=false`` skips it); lm-eval's
+  ``--apply_chat_template`` renders them through :meth:`DifflmHarnessLM.apply_chat_template` instead. Generated text
+  ends at the first EOS id, and a prompt plus ``max_gen_toks`` beyond the run's ``data.seq_len`` is warned about once.
 """
 from __future__ import annotations
 

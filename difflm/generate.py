@@ -4,13 +4,17 @@
         gen.remasking=low_confidence gen.temperature=0
     difflm-generate run.dir=DIR prompt="Once upon a time, in (a) land: far away"   # any text, commas too
     difflm-generate run.dir=DIR prompt_file=prompt.txt                              # the file's text is the prompt
+    difflm-generate run.dir=DIR prompt="The <|mask|> sat on the <|mask|>."          # infilling (diffusion runs)
+    difflm-generate run.dir=DIR prompt="What is 2 plus 3?" chat_template=false      # an SFT chat run, raw prompt
 
 Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`;
 ``gen.remasking``, ``gen.cfg_scale``, ``gen.top_k``/``gen.top_p``, Fast-dLLM's ``gen.threshold`` and
 ``gen.cache``); ``bd3lm`` runs block by block (:func:`difflm.sampling.block_diffusion_generate`);
 ``ar`` runs decode left to right. The defaults of ``gen.*`` are the run's own (its ``config.yaml``, which the HF
-export and the lm-eval harness also read); keys typed on the command line replace them. See
-docs/objectives_and_sampling.md.
+export and the lm-eval harness also read); keys typed on the command line replace them. A run trained on chat-template
+prompts (``objective=sft data.chat_template=true``) is prompted the same way unless ``chat_template=false``; each
+``mask_placeholder`` (``<|mask|>``) in the prompt is a mask token the diffusion samplers fill (infilling). The text
+printed ends at the first EOS. See docs/objectives_and_sampling.md.
 """
 from __future__ import annotations
 

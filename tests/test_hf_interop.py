@@ -170,10 +170,17 @@ def test_export_matches_difflm_logits_and_sampler(trained_run):
         gen = OmegaConf.create({"length": 16, "steps": 8, "block_length": 8, "seed": 3, **kw})
         ours = generate_ids(model, tok, prompt, gen, causal=False)
         theirs = hf_model.generate(prompt, steps=8, gen_length=16, block_length=8,
-                                   generator=torch.Generator().manual_seed(3), **kw)
+                                   generator=torch.Generator().manual_seed(3), stop_at_eos=False, **kw)
         assert torch.equal(theirs[:, :prompt.shape[1]], prompt)
         assert torch.equal(theirs[:, prompt.shape[1]:], ours), kw
         assert not (theirs == N_TOK).any()
+        # by default a row ends at its first EOS (padded with EOS: NeoX has no pad token), as transformers' generate
+        # does; the text is then what difflm's commands print (cut at EOS)
+        ended = hf_model.generate(prompt, steps=8, gen_length=16, block_length=8,
+                                  generator=torch.Generator().manual_seed(3), **kw)[:, prompt.shape[1]:]
+        for row, raw in zip(ended.tolist(), ours.tolist()):
+            cut = raw[:raw.index(tok.eos_id)] if tok.eos_id in raw else raw
+            assert row[:len(cut)] == cut and set(row[len(cut):]) <= {tok.eos_id}
 
 
 def test_export_import_round_trip_is_identical(trained_run, tmp_path):
@@ -656,3 +663,49 @@ def test_export_resize_token_embeddings_then_forward(tmp_path, tie):
     if tie:
         with pytest.raises(ValueError, match="set_input_embeddings"):
             model.set_output_embeddings(torch.nn.Linear(32, new, bias=False))
+
+
+# ------------------------------------------------------------------ sampling semantics against transformers' generate
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 0.6), (2.0, 0, 0.6), (1.7, 5, 0.8), (0.3, 3, 1.0),
+                                                     (1.0, 0, 0.9)])
+def test_top_k_top_p_filter_the_distribution_transformers_samples(temperature, top_k, top_p):
+    """transformers' generate scales by the temperature before its top-k / top-p warpers, so the nucleus is that of
+    softmax(logits / T); difflm's samplers and the export keep exactly the tokens transformers keeps."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from difflm.interop.hf_modeling.modeling_difflm import _filter_top_k_top_p
+    from difflm.sampling import filter_top_k_top_p
+
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(0)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    kept = torch.isfinite(warpers(None, logits.clone()))
+    assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, top_k, top_p, temperature)), kept)
+    assert torch.equal(torch.isfinite(_filter_top_k_top_p(logits, top_k, top_p, temperature)), kept)
+    # hand-computed: logits [2, 1, 0], top_p 0.6: at T = 1 p = (.665, .245, .090) keeps one token; at T = 2
+    # p = (.506, .307, .186) keeps two
+    small = torch.tensor([[2.0, 1.0, 0.0]])
+    assert torch.isfinite(filter_top_k_top_p(small, top_p=0.6)).tolist() == [[True, False, False]]
+    assert torch.isfinite(filter_top_k_top_p(small, top_p=0.6, temperature=2.0)).tolist() == [[True, True, False]]
+
+
+def test_export_generate_do_sample_and_end_of_text_as_transformers():
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7]])
+    gen = dict(gen_length=8, steps=4, block_length=4)
+    greedy = hf.generate(ids, **gen)
+    assert torch.equal(hf.generate(ids, do_sample=False, temperature=0.9, **gen), greedy)  # do_sample=False: greedy
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    assert torch.equal(hf.generate(ids, do_sample=True, generator=g(), **gen),
+                       hf.generate(ids, temperature=1.0, generator=g(), **gen))  # run's temperature 0 -> 1.0
+    # end of text: every token after a row's first EOS becomes the pad token (transformers pads finished rows)
+    raw = hf.generate(ids, stop_at_eos=False, **gen)[0, 3:].tolist()
+    eos = raw[2]
+    hf.config.eos_token_id, hf.config.pad_token_id = eos, 46
+    ended = hf.generate(ids, **gen)[0, 3:].tolist()
+    first = raw.index(eos)
+    assert ended == raw[:first + 1] + [46] * (len(raw) - first - 1)
+    hf.config.pad_token_id = None
+    assert hf.generate(ids, **gen)[0, 3:].tolist() == raw[:first + 1] + [eos] * (len(raw) - first - 1)
+    assert hf.generate(ids, stop_at_eos=False, **gen)[0, 3:].tolist() == raw

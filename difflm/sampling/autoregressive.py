@@ -71,7 +71,7 @@ def autoregressive_generate(
         if valid is None:
             check_logits(logits, x)
         last = apply_forbid(logits[:, -1, :], forbid_ids).float()  # [B, V]
-        last = filter_top_k_top_p(last, opts.top_k, opts.top_p)
+        last = filter_top_k_top_p(last, opts.top_k, opts.top_p, temperature)  # the nucleus of softmax(last / T)
         if temperature == 0:
             nxt = last.argmax(dim=-1)
         else:

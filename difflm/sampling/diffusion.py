@@ -74,18 +74,24 @@ def gumbel_argmax(
     return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches ``top_p`` (nucleus
-    sampling, Holtzman et al. 2020, eq. 3); the rest become ``-inf``. ``[..., V]`` -> same shape.
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the smallest set whose probability under ``softmax(logits /
+    temperature)`` reaches ``top_p`` (nucleus sampling, Holtzman et al. 2020, eq. 3); the rest become ``-inf``.
+    ``[..., V]`` -> same shape.
 
-    ``top_k=0`` and ``top_p=1`` are off. The most likely token is always kept.
+    ``top_k=0`` and ``top_p=1`` are off. The most likely token is always kept. The nucleus is that of the
+    temperature-scaled distribution the token is drawn from, as in transformers' ``generate`` (its
+    ``TemperatureLogitsWarper`` runs before ``TopKLogitsWarper`` and ``TopPLogitsWarper``) and Dream's
+    ``sample_tokens``; ``temperature=0`` (greedy) keeps the argmax whatever the filter.
     """
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits.double(), dim=-1)  # float64 as the confidences (see propose)
+        scale = temperature if temperature > 0 else 1.0
+        probs = torch.softmax(sorted_logits.double() / scale, dim=-1)  # float64 as the confidences (see propose)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before it reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -163,7 +169,7 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
             top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
-    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax(logits)`` (the model's
+    ``x0 = gumbel_argmax(filter_top_k_top_p(logits, temperature=temperature), temperature)``; with ``probs = softmax(logits)`` (the model's
     distribution, noise-free and *not* filtered) the confidence (higher = unmask first) is ``probs[x0]``
     (``low_confidence``), ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs``
     (``entropy``) or ``U[0, 1)`` (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
@@ -175,7 +181,7 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
     filtered distribution would be exactly 1 wherever the nucleus is one token (Dream's ``sample_tokens``
     computes it after filtering; difflm does not).
     """
-    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
+    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
     probs = torch.softmax(logits.double(), dim=-1)

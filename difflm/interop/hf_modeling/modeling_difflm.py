@@ -384,7 +384,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
                  generator: Optional[torch.Generator] = None, attention_mask: Optional[torch.Tensor] = None,
                  max_new_tokens: Optional[int] = None, remdm_sigma: Optional[float] = None,
-                 remdm_schedule: Optional[str] = None) -> torch.LongTensor:
+                 remdm_schedule: Optional[str] = None, do_sample: Optional[bool] = None,
+                 stop_at_eos: bool = True) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
@@ -401,7 +402,13 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``. The
         mask id and the embedding's padding ids are never emitted. The same ``generator`` seed gives difflm's
         output token for token. ``max_new_tokens`` (transformers' name, also in ``generation_config.json``) is
-        ``gen_length``; give either, or both with the same value. Unknown keyword arguments raise TypeError.
+        ``gen_length``; give either, or both with the same value. ``do_sample`` as in transformers: False is greedy
+        (temperature 0), True without ``temperature`` samples at the run's ``gen_temperature``, or at 1.0 when that
+        is 0. ``stop_at_eos`` (default): as transformers' ``generate`` ends a row at ``eos_token_id``, every
+        generated token after a row's first EOS becomes ``pad_token_id`` (EOS when there is none); False returns
+        the sampler's tokens as they are (difflm's samplers do; its commands cut the text at EOS).
+        ``top_p`` is the nucleus of the temperature-scaled distribution (transformers' warper order).
+        Unknown keyword arguments raise TypeError.
         Raises ValueError, as difflm's sampler refuses them: ``max_new_tokens`` != ``gen_length``; a length, step or
         block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
         ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; for a causal export, a diffusion-only argument
@@ -427,6 +434,10 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         gen_length = pick(gen_length, "gen_length", 64)
         steps = pick(steps, "gen_steps", gen_length)
         block_length = pick(block_length, "gen_block_length", gen_length)
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample and temperature is None:
+            temperature = getattr(cfg, "gen_temperature", 0.0) or 1.0
         temperature = pick(temperature, "gen_temperature", 0.0)
         remasking = pick(remasking, "gen_remasking", "low_confidence")
         cfg_scale = pick(cfg_scale, "gen_cfg_scale", 0.0)
@@ -446,13 +457,18 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         if cfg.causal:
             if input_ids.shape[1] < 1:
                 raise ValueError("input_ids must hold at least one token (e.g. BOS) for left-to-right decoding")
-            return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
-        if mask_id is None:
-            raise ValueError("config.mask_token_id is not set: pass mask_id=")
-        _check_remdm(remasking, remdm_sigma, remdm_schedule, threshold)
-        return self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
-                                        remasking, mask_id, generator, forbid, top_k, top_p, threshold,
-                                        remdm_sigma, remdm_schedule)
+            out = self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
+        else:
+            if mask_id is None:
+                raise ValueError("config.mask_token_id is not set: pass mask_id=")
+            _check_remdm(remasking, remdm_sigma, remdm_schedule, threshold)
+            out = self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
+                                           remasking, mask_id, generator, forbid, top_k, top_p, threshold,
+                                           remdm_sigma, remdm_schedule)
+        eos, pad = getattr(cfg, "eos_token_id", None), getattr(cfg, "pad_token_id", None)
+        if stop_at_eos and eos is not None:
+            out[:, input_ids.shape[1]:] = _fill_after_eos(out[:, input_ids.shape[1]:], eos, eos if pad is None else pad)
+        return out
 
     def _logits(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self(x, attention_mask=valid).logits.float()
@@ -464,7 +480,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         for _ in range(length):
             logits = self._logits(x, valid)
             last_pos = x.shape[1] - 1 if valid is None else x.shape[1] - 1 - valid.flip(1).long().argmax(dim=1)
-            last = _filter_top_k_top_p(_apply_forbid(logits[rows, last_pos], forbid), top_k, top_p)  # [B, V]
+            last = _filter_top_k_top_p(_apply_forbid(logits[rows, last_pos], forbid), top_k, top_p, temperature)
             if temperature == 0:
                 nxt = last.argmax(dim=-1)
             else:
@@ -577,6 +593,16 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
     return num_blocks
 
 
+def _fill_after_eos(generated: torch.Tensor, eos, pad) -> torch.Tensor:
+    """``generated`` [B, L] with every token after a row's first ``eos`` (an id or a list of ids) set to ``pad``
+    (an id, or the first of a list): transformers' ``generate`` pads a finished row so."""
+    eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=generated.device)
+    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    is_eos = torch.isin(generated, eos_ids).long()
+    after = (is_eos.cumsum(dim=1) - is_eos) > 0
+    return generated.masked_fill(after, int(pad))
+
+
 def _check_remdm(remasking, sigma, schedule, threshold) -> None:
     """difflm's checks of the ReMDM settings (``GenerationOptions``). Raises ValueError naming the argument."""
     if schedule not in REMDM_SCHEDULES:
@@ -644,14 +670,16 @@ def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: Optional
     return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits and the nucleus of mass ``top_p``; the rest -inf (0 / 1 = off)."""
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the nucleus of mass ``top_p`` of ``softmax(logits / temperature)`` (the
+    order of transformers' temperature, top-k and top-p warpers); the rest -inf (0 / 1 = off)."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits.double(), dim=-1)
+        probs = torch.softmax(sorted_logits.double() / (temperature if temperature > 0 else 1.0), dim=-1)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     return logits
@@ -659,7 +687,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
 
 def _propose(logits, remasking, temperature, generator, top_k, top_p):
     """(x0 [B, N] int64, confidence [B, N] float64) for block logits [B, N, V] (see ``generate``)."""
-    x0 = _gumbel_argmax(_filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
+    x0 = _gumbel_argmax(_filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
     # the model's (unfiltered) distribution in float64, as LLaDA: in float32 leads > ~17 nats tie at 1.0, and a
