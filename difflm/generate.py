@@ -341,9 +341,16 @@ def generate_text(args, typed_gen: set[str]) -> str:
     causal = cfg.objective.name == "ar"
     gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal)
     chat = run_chat_template(cfg) if args.get("chat_template") is None else bool(args.chat_template)
+    if chat and not run_chat_template(cfg) and not getattr(tok.tokenizer, "chat_template", None):
+        raise DifflmError(f"chat_template=true but the run's tokenizer ({cfg.data.tokenizer}) has no chat template: "
+                          "drop chat_template")
     placeholders = mask_placeholders(tok, args.get("mask_placeholder"))
     ids = encode_prompt(tok, prompt, chat, placeholders)  # special-token text in the prompt stays text
     infill = tok.mask_id in ids
+    if infill and causal:
+        raise DifflmError(f"the prompt holds mask placeholders ({', '.join(placeholders)}), and infilling needs a "
+                          "diffusion sampler: an objective=ar run decodes left to right; remove them, or set "
+                          "mask_placeholder=null to keep them as text")
     if (warning := beyond_trained_length(len(ids), gen.length, cfg.data.seq_len)) is not None:
         print(warning, file=sys.stderr, flush=True)
     out = generate_ids(model, tok, torch.tensor([ids], device=device), gen, causal,
