@@ -285,7 +285,8 @@ class DifflmHarnessLM(LM):
         else wrapped in the run's chat template when :attr:`wrap_chat` (the run's or ``chat_template``), else the
         plain text (:func:`difflm.generate.encode_prompt`; an empty context is [EOS])."""
         if self.lm_eval_templated:
-            return self.tok.tokenizer(context, add_special_tokens=False, verbose=False)["input_ids"] or [self.tok.eos_id]
+            ids = self.tok.tokenizer(context, add_special_tokens=False, verbose=False)["input_ids"]
+            return ids or [self.tok.eos_id]
         return encode_prompt(self.tok, context, self.wrap_chat)
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -481,7 +481,8 @@ def test_generated_text_ends_at_eos_on_every_path_and_past_the_window_warns_once
         "run": {"dir": str(run)}, "prompt": "What is 2 plus 3?", "device": "cpu",
         "gen": {"length": 16, "steps": 16, "block_length": 16}})
     capsys.readouterr()
-    assert difflm.generate.generate_text(args, {"length", "steps", "block_length"}) == "What is 2 plus 3? 5, since 2 + 3 = 5"
+    typed = {"length", "steps", "block_length"}
+    assert difflm.generate.generate_text(args, typed) == "What is 2 plus 3? 5, since 2 + 3 = 5"
     err = capsys.readouterr().err.splitlines()
     warned = [line for line in err if "data.seq_len" in line]
     assert warned == ["difflm: warning: the prompt (18 tokens) and gen.length=16 make 34 positions, more than the "
@@ -494,8 +495,8 @@ def test_generated_text_ends_at_eos_on_every_path_and_past_the_window_warns_once
 
     lm = DifflmHarnessLM(run_dir=str(run), device="cpu", max_length=64)
     with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
-        out = lm.generate_until([Instance("generate_until", {}, ("What is 2 plus 3?", {"until": [], "max_gen_toks": 16}),
-                                          i) for i in range(2)])
+        request = ("What is 2 plus 3?", {"until": [], "max_gen_toks": 16})
+        out = lm.generate_until([Instance("generate_until", {}, request, i) for i in range(2)])
     assert out == [" 5, since 2 + 3 = 5"] * 2
     assert sum("data.seq_len=32" in r.getMessage() for r in caplog.records) == 1
 

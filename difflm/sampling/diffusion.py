@@ -169,7 +169,8 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
             top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
-    ``x0 = gumbel_argmax(filter_top_k_top_p(logits, temperature=temperature), temperature)``; with ``probs = softmax(logits)`` (the model's
+    ``x0 = gumbel_argmax(filter_top_k_top_p(logits, temperature=temperature), temperature)``; with
+    ``probs = softmax(logits)`` (the model's
     distribution, noise-free and *not* filtered) the confidence (higher = unmask first) is ``probs[x0]``
     (``low_confidence``), ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs``
     (``entropy``) or ``U[0, 1)`` (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.

@@ -394,8 +394,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first
         (confidences in float64, as LLaDA): ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus
         top-2 probability), ``entropy`` (lowest entropy) or ``random``; ``remdm``: ``low_confidence`` plus ReMDM's
-        remasking of decoded tokens (Wang et al. 2025; ``remdm_sigma``, ``remdm_schedule`` ``cap``/``rescale``). ``threshold`` (Fast-dLLM): unmask every
-        masked token of the block whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0:
+        remasking of decoded tokens (Wang et al. 2025; ``remdm_sigma``, ``remdm_schedule`` ``cap``/``rescale``).
+        ``threshold`` (Fast-dLLM): unmask every masked token of the block whose confidence is >= threshold, at
+        least one per step. ``cfg_scale`` > 0:
         classifier-free guidance, ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the
         unconditional input. Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply).
         ``attention_mask`` [B, P] (1 = real, 0 = padding, left or right): each row is generated as if alone
