@@ -585,3 +585,22 @@ def test_remdm_settings_are_checked():
         opts(remasking="remdm", remdm_sigma=0.5, threshold=0.9)
     with pytest.raises(GenerationConfigError, match="drop gen.remasking gen.remdm_sigma"):
         opts(remasking="remdm", remdm_sigma=0.5).check_autoregressive()
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "remdm"])
+def test_infill_bd3lm_with_a_model_cached_equals_uncached(remasking):
+    """Block sampler on a real tiny model, masks in the prompt's first two blocks: given tokens kept, every mask
+    filled, and the exact cache of finished blocks gives the uncached tokens (with ReMDM remasking too)."""
+    from difflm.sampling import block_diffusion_generate
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 47, 7, 47, 47, 10]])
+    outs = []
+    for cache in ("none", "prefix"):
+        o = GenerationOptions(mask_id=47, length=6, steps=6, block_size=4, forbid_ids=[47], infill=True, cache=cache,
+                              remasking=remasking, remdm_sigma=0.5)
+        outs.append(block_diffusion_generate(model_fn(model), prompt, o))
+    assert torch.equal(outs[0], outs[1])
+    given = prompt[0] != 47
+    assert torch.equal(outs[0][0, :6][given], prompt[0][given]) and not (outs[0] == 47).any()
