@@ -709,3 +709,21 @@ def test_export_generate_do_sample_and_end_of_text_as_transformers():
     hf.config.pad_token_id = None
     assert hf.generate(ids, **gen)[0, 3:].tolist() == raw[:first + 1] + [eos] * (len(raw) - first - 1)
     assert hf.generate(ids, stop_at_eos=False, **gen)[0, 3:].tolist() == raw
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(remasking="remdm", remdm_sigma=0.6), dict(cfg_scale=1.0)])
+def test_export_generate_infills_as_difflm(kw):
+    from difflm.sampling import GenerationOptions, diffusion_generate
+    from tests.dlm_helpers import model_fn
+
+    ours, hf = _hf_twin()
+    ids = torch.tensor([[5, 47, 7, 47, 9], [10, 11, 47, 12, 13]])
+    theirs = hf.generate(ids, gen_length=4, steps=4, block_length=2, infill=True, **kw)
+    o = GenerationOptions(mask_id=47, length=4, steps=4, block_length=2, forbid_ids=[47], infill=True, **kw)
+    assert torch.equal(theirs, diffusion_generate(model_fn(ours), ids, o))
+    assert torch.equal(theirs[:, :5][ids != 47], ids[ids != 47]) and not (theirs == 47).any()
+    kept = hf.generate(ids, gen_length=4, steps=4, block_length=2, **kw)
+    assert torch.equal(kept[:, :5], ids)  # without infill the prompt is kept whole
+    _, ar = _hf_twin(causal=True)
+    with pytest.raises(ValueError, match="infill=True needs a masked-diffusion export"):
+        ar.generate(ids, max_new_tokens=2, infill=True)

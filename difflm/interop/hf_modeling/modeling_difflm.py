@@ -385,7 +385,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  generator: Optional[torch.Generator] = None, attention_mask: Optional[torch.Tensor] = None,
                  max_new_tokens: Optional[int] = None, remdm_sigma: Optional[float] = None,
                  remdm_schedule: Optional[str] = None, do_sample: Optional[bool] = None,
-                 stop_at_eos: bool = True) -> torch.LongTensor:
+                 stop_at_eos: bool = True, infill: bool = False) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
@@ -409,6 +409,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         generated token after a row's first EOS becomes ``pad_token_id`` (EOS when there is none); False returns
         the sampler's tokens as they are (difflm's samplers do; its commands cut the text at EOS).
         ``top_p`` is the nucleus of the temperature-scaled distribution (transformers' warper order).
+        ``infill``: the prompt's ``mask_id`` positions are sampled too, with the first block, the given tokens
+        kept (difflm's ``GenerationOptions.infill``; masked-diffusion exports only).
         Unknown keyword arguments raise TypeError.
         Raises ValueError, as difflm's sampler refuses them: ``max_new_tokens`` != ``gen_length``; a length, step or
         block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
@@ -456,6 +458,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         forbid = self._forbidden_ids()
         _check_sampling(gen_length, temperature, top_k, top_p)
         if cfg.causal:
+            if infill:
+                raise ValueError("infill=True needs a masked-diffusion export: this causal (objective=ar) export "
+                                 "decodes left to right")
             if input_ids.shape[1] < 1:
                 raise ValueError("input_ids must hold at least one token (e.g. BOS) for left-to-right decoding")
             out = self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
@@ -465,7 +470,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             _check_remdm(remasking, remdm_sigma, remdm_schedule, threshold)
             out = self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
                                            remasking, mask_id, generator, forbid, top_k, top_p, threshold,
-                                           remdm_sigma, remdm_schedule)
+                                           remdm_sigma, remdm_schedule, infill)
         eos, pad = getattr(cfg, "eos_token_id", None), getattr(cfg, "pad_token_id", None)
         if stop_at_eos and eos is not None:
             out[:, input_ids.shape[1]:] = _fill_after_eos(out[:, input_ids.shape[1]:], eos, eos if pad is None else pad)
@@ -492,16 +497,22 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         return x
 
     def _generate_diffusion(self, prompt, valid, steps, length, block_length, temperature, cfg_scale, remasking,
-                            mask_id, generator, forbid, top_k, top_p, threshold, remdm_sigma=0.0, remdm_schedule="cap"):
+                            mask_id, generator, forbid, top_k, top_p, threshold, remdm_sigma=0.0, remdm_schedule="cap",
+                            infill=False):
         num_blocks = _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshold)
         steps_per_block = steps // num_blocks
         batch, prompt_len = prompt.shape
         x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)], 1)
         if valid is not None:  # the generated positions are real tokens
             valid = torch.cat([valid, torch.ones(batch, length, dtype=torch.bool, device=valid.device)], dim=1)
+        first_masked = prompt_len  # infill: the first block also covers the prompt's masked positions
+        if infill and bool((prompt == mask_id).any()):
+            first_masked = int((prompt == mask_id).any(dim=0).nonzero()[0])
         for block in range(num_blocks):
             start = prompt_len + block * block_length
             end = start + block_length
+            if block == 0:
+                start = first_masked
             to_decode = x[:, start:end] == mask_id
             schedule = _num_transfer_tokens(to_decode.sum(dim=1), steps_per_block)
             decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=x.device)
