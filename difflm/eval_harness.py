@@ -34,6 +34,10 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   decoding (temperature 0) does not depend on the batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
   for per-request samples).
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
+* Chat templates: contexts are wrapped as one user turn of the tokenizer's chat template when the run trained so
+  (``objective=sft data.chat_template=true``; model_args ``chat_template=false`` skips it); lm-eval's
+  ``--apply_chat_template`` renders them through :meth:`DifflmHarnessLM.apply_chat_template` instead. Generated text
+  ends at the first EOS id, and a prompt plus ``max_gen_toks`` beyond the run's ``data.seq_len`` is warned about once.
 """
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ except ImportError as _err:
         print(f"difflm: error: {LM_EVAL_MISSING}", file=sys.stderr)
         sys.exit(2)
     raise DifflmError(LM_EVAL_MISSING) from _err
-from difflm.generate import forbidden_ids, generate_ids, load_run
+from difflm.generate import (beyond_trained_length, decode_generated, encode_prompt, forbidden_ids, generate_ids,
+                             load_run, run_chat_template)
 from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationConfigError, GenerationOptions
 from difflm.training.precision import autocast_context
 
@@ -111,7 +116,7 @@ def truncated_loglikelihood_warning(cut: list[tuple[int, int, int, int]], total:
 
 
 GEN_KEYS = ("length", "steps", "block_length", "remasking", "temperature", "seed", "top_k", "top_p", "cfg_scale",
-            "threshold", "cache")
+            "threshold", "cache", "remdm_sigma", "remdm_schedule")
 
 
 def stratified_mask_counts(length: int, num: int, generator: torch.Generator | None = None,
@@ -164,6 +169,19 @@ def mc_loglikelihood(logits_fn, seq: list[int], length: int, mask_id: int, count
     return float(torch.cat(estimates).mean())
 
 
+def _flag(value: Any, key: str) -> bool:
+    """A model_args switch: a bool, or its text (``true``/``false``, ``1``/``0``) from lm-eval's ``--model_args``.
+    Raises: DifflmError naming ``key`` for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise DifflmError(f"model_args {key}={value!r} is not true or false")
+
+
 @register_model("difflm")
 class DifflmHarnessLM(LM):
     """lm-eval ``LM`` over a difflm run directory (see the module docstring for the estimators).
@@ -178,11 +196,16 @@ class DifflmHarnessLM(LM):
         seed: keys the estimator's draws.
         max_length: longest sequence fed to the model (default: the run's ``data.seq_len``); contexts are
             truncated on the left.
+        chat_template: wrap each context as one user turn of the tokenizer's chat template, as SFT training wrapped
+            its prompts (:func:`difflm.generate.encode_prompt`); None (default): as the run trained (``objective=sft``
+            with ``data.chat_template=true``), false: the raw context. Contexts that lm-eval already rendered
+            (``--apply_chat_template``, through :meth:`apply_chat_template`) are not wrapped again.
         **gen_kwargs: ``gen.*`` overrides for ``generate_until`` (``steps``, ``block_length``, ``remasking``...).
     """
 
     def __init__(self, run_dir: str, step: int | None = None, device: str | None = None, mc_samples: int = 128,
-                 batch_size: int | str = 16, seed: int = 0, max_length: int | None = None, **gen_kwargs: Any):
+                 batch_size: int | str = 16, seed: int = 0, max_length: int | None = None,
+                 chat_template: bool | str | None = None, **gen_kwargs: Any):
         super().__init__()
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             eval_logger.warning("device=%s requested but CUDA is unavailable: using the CPU", device)
@@ -216,6 +239,10 @@ class DifflmHarnessLM(LM):
         self.precision = ("bf16" if self.cfg.precision.name in ("bf16", "fp8") and self._device.type == "cuda"
                           else "fp32")
         self.forbid = forbidden_ids(self.tok, self.model.cfg.vocab_size)
+        self.wrap_chat = run_chat_template(self.cfg) if chat_template in (None, "") else _flag(chat_template,
+                                                                                               "chat_template")
+        self.lm_eval_templated = False  # set once lm-eval renders contexts through apply_chat_template
+        self.told_beyond_window = False  # the log said once that prompt + gen.length exceed data.seq_len
 
     def get_model_info(self) -> dict:
         """What lm-eval adds to its results' ``config`` (``simple_evaluate``): the run directory, the evaluated
@@ -231,9 +258,44 @@ class DifflmHarnessLM(LM):
     def tok_encode(self, text: str) -> list[int]:
         return self.tok.encode(text)  # special-token text in the task stays text
 
+    # ---- lm-eval's chat-template hooks (``--apply_chat_template``)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's hook: the chat ``[{"role", "content"}, ...]`` rendered as text by the run tokenizer's template
+        (``continue_final_message`` when not ``add_generation_prompt``, as lm-eval's HF model). The contexts lm-eval
+        then sends are read with the template's special tokens as special tokens, and not wrapped again.
+
+        Raises: DifflmError when the run's tokenizer has no chat template.
+        """
+        tokenizer = self.tok.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise DifflmError(f"--apply_chat_template: the run's tokenizer ({self.cfg.data.tokenizer}) has no chat "
+                              "template: drop --apply_chat_template")
+        self.lm_eval_templated = True
+        return tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=not add_generation_prompt)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """lm-eval's hook: the template text it records in its results (None when off or the tokenizer has none)."""
+        if not chat_template:
+            return None
+        return getattr(self.tok.tokenizer, "chat_template", None) or None
+
+    def context_ids(self, context: str) -> list[int]:
+        """The ids of a request's context: read with its special tokens when lm-eval rendered the chat template,
+        else wrapped in the run's chat template when :attr:`wrap_chat` (the run's or ``chat_template``), else the
+        plain text (:func:`difflm.generate.encode_prompt`; an empty context is [EOS])."""
+        if self.lm_eval_templated:
+            ids = self.tok.tokenizer(context, add_special_tokens=False, verbose=False)["input_ids"]
+            return ids or [self.tok.eos_id]
+        return encode_prompt(self.tok, context, self.wrap_chat)
+
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids): trailing spaces of the context move to the continuation, the pair is
-        encoded as one text and split (as lm-eval's HF models); an empty context becomes [EOS]."""
+        encoded as one text and split (as lm-eval's HF models); an empty context becomes [EOS]. A context in a chat
+        template (:meth:`context_ids`) is encoded apart from its continuation."""
+        if self.wrap_chat or self.lm_eval_templated:
+            return self.context_ids(context), self.tok_encode(continuation)
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -373,11 +435,16 @@ class DifflmHarnessLM(LM):
         for req in requests:
             context, kwargs = req.args
             gen, until, limit = self._request_gen(kwargs)
-            ids = self.tok_encode(context) or [self.tok.eos_id]
+            ids = self.context_ids(context)
             keep = max(1, self.max_length - gen.length)  # the prompt and the new tokens share max_length positions
             if len(ids) > keep:
                 cut.append((len(ids) - keep, len(ids), gen.length))
             todo.append((ids[-keep:], gen, until, context, kwargs, limit))
+            if not self.told_beyond_window:  # max_length (model_args) or gen.length may exceed the trained window
+                warning = beyond_trained_length(len(ids[-keep:]), gen.length, self.cfg.data.seq_len)
+                if warning is not None:
+                    eval_logger.warning(warning)
+                    self.told_beyond_window = True
         if cut:
             eval_logger.warning(truncated_prompts_warning(cut, len(todo), self.max_length))
         bs = 1 if self.objective == "bd3lm" else self.batch_size
@@ -398,7 +465,8 @@ class DifflmHarnessLM(LM):
                                    precision=self.precision, objective=self.cfg.objective,
                                    prompt_mask=None if bool(mask.all()) else mask.to(self._device))
             for r, (_ids, _gen, until, context, kwargs, limit) in enumerate(group):
-                text = self.tok.decode(ids_out[r, :limit].cpu())  # at most max_gen_toks, then cut at until
+                # at most max_gen_toks, cut at the end of text (EOS id), then at until
+                text = decode_generated(self.tok, ids_out[r, :limit].cpu())
                 for stop in until:
                     if stop and stop in text:
                         text = text[:text.index(stop)]

@@ -4,18 +4,24 @@
         gen.remasking=low_confidence gen.temperature=0
     difflm-generate run.dir=DIR prompt="Once upon a time, in (a) land: far away"   # any text, commas too
     difflm-generate run.dir=DIR prompt_file=prompt.txt                              # the file's text is the prompt
+    difflm-generate run.dir=DIR prompt="The <|mask|> sat on the <|mask|>."          # infilling (diffusion runs)
+    difflm-generate run.dir=DIR prompt="What is 2 plus 3?" chat_template=false      # an SFT chat run, raw prompt
 
 Masked-diffusion runs sample with LLaDA's iterative unmasking (:func:`difflm.sampling.diffusion_generate`;
 ``gen.remasking``, ``gen.cfg_scale``, ``gen.top_k``/``gen.top_p``, Fast-dLLM's ``gen.threshold`` and
 ``gen.cache``); ``bd3lm`` runs block by block (:func:`difflm.sampling.block_diffusion_generate`);
 ``ar`` runs decode left to right. The defaults of ``gen.*`` are the run's own (its ``config.yaml``, which the HF
-export and the lm-eval harness also read); keys typed on the command line replace them. See
-docs/objectives_and_sampling.md.
+export and the lm-eval harness also read); keys typed on the command line replace them. A run trained on chat-template
+prompts (``objective=sft data.chat_template=true``) is prompted the same way unless ``chat_template=false``; each
+``mask_placeholder`` (``<|mask|>``) in the prompt is a mask token the diffusion samplers fill (infilling). The text
+printed ends at the first EOS. See docs/objectives_and_sampling.md.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -100,8 +106,9 @@ def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, m
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
-                 stats: dict | None = None, seq_multiple: int = 1) -> torch.Tensor:
-    """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device.
+                 stats: dict | None = None, seq_multiple: int = 1, infill: bool = False) -> torch.Tensor:
+    """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device; with ``infill``,
+    [B, P + gen.length]: the prompt with its ``mask_id`` positions sampled, then the generated ids.
 
     Args:
         gen: the ``gen`` config (:class:`difflm.config.schema.GenerateConfig`), turned into one
@@ -114,6 +121,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
         stats: receives ``nfe`` (model calls) when given (diffusion samplers).
         seq_multiple: every model call's length is padded to a multiple of this (:func:`pad_to_multiple`): the
             tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
+        infill: sample the prompt's mask positions too (:attr:`GenerationOptions.infill`; diffusion samplers).
+    Raises: GenerationConfigError (a DifflmError) for a bad ``gen.*``, and for ``infill`` with an ``ar`` run.
     """
     device = prompt_ids.device
 
@@ -124,6 +133,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
             return model(x, **kw).float()[:, :s]
 
     opts = generation_options(model, tok, gen, causal, objective)
+    if infill:
+        opts = opts.replace(infill=True)
     generator = torch.Generator(device=device).manual_seed(gen.seed)
     if causal:
         out = autoregressive_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask)
@@ -135,7 +146,81 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     else:
         out = diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask,
                                  stats=stats)
-    return out[:, prompt_ids.shape[1]:]
+    return out if infill else out[:, prompt_ids.shape[1]:]
+
+
+def cut_at_eos(ids, eos_id: int) -> list[int]:
+    """The generated ids ``ids`` (a sequence or a 1-D tensor of int) up to their first ``eos_id``, which is dropped:
+    the text ends there (an SFT model pads its answer with EOS, a pretrained one starts another document)."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def decode_generated(tok: TokenizerInfo, ids) -> str:
+    """The text of generated ids ``ids`` (1-D), cut at the end of text (:func:`cut_at_eos`): what every output path
+    prints (``difflm-generate``, the samples of ``difflm-train``, the lm-eval adapter's ``generate_until``)."""
+    return tok.decode(cut_at_eos(ids, tok.eos_id))
+
+
+def run_chat_template(cfg) -> bool:
+    """Whether a run trained on prompts wrapped in its tokenizer's chat template: an ``objective=sft`` run with
+    ``data.chat_template=true`` (:func:`difflm.data.sft.chat_prompt_ids`). Its samplers must wrap prompts alike."""
+    return cfg.objective.name == "sft" and bool(cfg.data.get("chat_template", False))
+
+
+def mask_placeholders(tok: TokenizerInfo, placeholder: str | None) -> list[str]:
+    """The texts that stand for one mask token in a ``difflm-generate`` prompt (infilling): ``mask_placeholder``
+    (unless null or empty) and the tokenizer's own mask token text, if it has one (e.g. ``<|mdm_mask|>`` of an
+    export's tokenizer)."""
+    own = getattr(tok.tokenizer, "mask_token", None)
+    return [p for p in dict.fromkeys([placeholder, own if isinstance(own, str) else None]) if p]
+
+
+def split_at_placeholders(text: str, placeholders: Sequence[str]) -> list[str]:
+    """``text`` cut at each occurrence of any of ``placeholders`` (the pieces between them; one piece if none)."""
+    if not placeholders:
+        return [text]
+    return re.split("|".join(re.escape(p) for p in sorted(placeholders, key=len, reverse=True)), text)
+
+
+def encode_prompt(tok: TokenizerInfo, text: str, chat_template: bool, placeholders: Sequence[str] = ()) -> list[int]:
+    """The prompt ids a sampler starts from: ``text`` as one user turn of the tokenizer's chat template with the
+    generation prompt (``chat_template``; as SFT training built its prompts, :func:`difflm.data.sft.chat_prompt_ids`),
+    else the plain text (:meth:`TokenizerInfo.encode`; ``[EOS]`` for an empty text). Special-token text inside
+    ``text`` stays text either way, except ``placeholders`` (:func:`mask_placeholders`): each occurrence becomes
+    one ``tok.mask_id`` (infilling), the text between them encoded piece by piece.
+
+    Raises: DifflmError with ``chat_template`` when the tokenizer has no chat template.
+    """
+    pieces = split_at_placeholders(text, placeholders)
+    if len(pieces) == 1:
+        if chat_template:
+            from difflm.data.sft import chat_prompt_ids
+
+            return chat_prompt_ids(tok.tokenizer, text)
+        return tok.encode(text) or [tok.eos_id]
+    body = tok.encode(pieces[0])
+    for piece in pieces[1:]:
+        body += [tok.mask_id] + tok.encode(piece)
+    if not chat_template:
+        return body
+    from difflm.data.sft import chat_prompt_ids
+
+    chat_prompt_ids(tok.tokenizer, "")  # the same refusal without a template
+    sentinel = "\x00difflm-infill\x00"
+    rendered = tok.tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=True,
+                                                 tokenize=False)
+    before, after = rendered.split(sentinel, 1)
+    piece = lambda t: tok.tokenizer(t, add_special_tokens=False)["input_ids"] if t else []  # noqa: E731
+    return piece(before) + body + piece(after)
+
+
+def infilled_text(tok: TokenizerInfo, text: str, placeholders: Sequence[str], fills) -> str:
+    """``text`` with its placeholders (:func:`split_at_placeholders`) replaced, in order, by the decoded ``fills``
+    (the sampled ids of the prompt's mask positions, 1-D)."""
+    pieces = split_at_placeholders(text, placeholders)
+    fills = fills.tolist() if hasattr(fills, "tolist") else list(fills)
+    return pieces[0] + "".join(tok.decode([f]) + p for f, p in zip(fills, pieces[1:]))
 
 
 def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
@@ -238,24 +323,43 @@ def read_prompt(args) -> str:
 
 @hydra_app("generate")
 def _main(args) -> None:
-    check_choices(args, ["gen.remasking", "gen.cache", "device"])
+    from hydra.core.hydra_config import HydraConfig
+
+    print(generate_text(args, typed_keys(list(HydraConfig.get().overrides.task), "gen")))
+
+
+def generate_text(args, typed_gen: set[str]) -> str:
+    """What ``difflm-generate`` prints: the prompt and the generated text, for its command line ``args``
+    (:class:`difflm.config.schema.GenerateRunConfig`); ``typed_gen``: the ``gen.*`` keys typed on the command line
+    (:func:`typed_keys`), which replace the run's own. Notices go to stderr."""
+    check_choices(args, ["gen.remasking", "gen.remdm_schedule", "gen.cache", "device"])
     prompt = read_prompt(args)
     device = resolve_device(args.device)
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.kernels)
     # which checkpoint wrote the text (the newest when step= is not given); stderr: stdout is the text alone
     print(f"difflm-generate: {args.run.dir} at checkpoint step {step}", file=sys.stderr, flush=True)
-    from hydra.core.hydra_config import HydraConfig
-
     causal = cfg.objective.name == "ar"
-    gen = run_generation_config(cfg.get("gen"), args.gen, typed_keys(list(HydraConfig.get().overrides.task), "gen"),
-                                causal)
-    ids = tok.encode(prompt) or [tok.eos_id]  # special-token text in the prompt stays text
+    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal)
+    chat = run_chat_template(cfg) if args.get("chat_template") is None else bool(args.chat_template)
+    if chat and not run_chat_template(cfg) and not getattr(tok.tokenizer, "chat_template", None):
+        raise DifflmError(f"chat_template=true but the run's tokenizer ({cfg.data.tokenizer}) has no chat template: "
+                          "drop chat_template")
+    placeholders = mask_placeholders(tok, args.get("mask_placeholder"))
+    ids = encode_prompt(tok, prompt, chat, placeholders)  # special-token text in the prompt stays text
+    infill = tok.mask_id in ids
+    if infill and causal:
+        raise DifflmError(f"the prompt holds mask placeholders ({', '.join(placeholders)}), and infilling needs a "
+                          "diffusion sampler: an objective=ar run decodes left to right; remove them, or set "
+                          "mask_placeholder=null to keep them as text")
     if (warning := beyond_trained_length(len(ids), gen.length, cfg.data.seq_len)) is not None:
         print(warning, file=sys.stderr, flush=True)
     out = generate_ids(model, tok, torch.tensor([ids], device=device), gen, causal,
-                       objective=cfg.objective,
+                       objective=cfg.objective, infill=infill,
                        precision="bf16" if cfg.precision.name in ("bf16", "fp8") and device.type == "cuda" else "fp32")
-    print(prompt + tok.decode(out[0].tolist()))
+    if not infill:
+        return prompt + decode_generated(tok, out[0])
+    fills = out[0, :len(ids)][torch.tensor(ids, device=out.device) == tok.mask_id]
+    return infilled_text(tok, prompt, placeholders, fills) + decode_generated(tok, out[0, len(ids):])
 
 
 def main() -> None:

@@ -346,3 +346,25 @@ def test_a_task_whose_dataset_the_offline_hub_cannot_give_is_one_line(monkeypatc
                        "Hugging Face hub cannot be reached: run it once with network access and without "
                        "HF_HUB_OFFLINE=1, so the dataset is cached")
     assert hub_unreachable(ValueError("bad limit"), "piqa") is None
+
+
+def test_generate_refuses_infilling_for_an_ar_run_and_a_template_the_tokenizer_lacks(runs):
+    """difflm-generate: mask placeholders in an ar run's prompt, and chat_template=true without a template, are one
+    line each naming the way out; mask_placeholder=null keeps the placeholder as text."""
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateRunConfig
+    from difflm.errors import DifflmError
+    from difflm.generate import generate_text
+
+    def args(run, **kw):
+        return OmegaConf.merge(OmegaConf.structured(GenerateRunConfig), {
+            "run": {"dir": run}, "prompt": "ROMEO <|mask|>", "device": "cpu", "gen": {"length": 4}, **kw})
+
+    with pytest.raises(DifflmError, match=r"^the prompt holds mask placeholders \(<\|mask\|>\), and infilling needs a "
+                                          r"diffusion sampler: .*set mask_placeholder=null to keep them as text$"):
+        generate_text(args(runs["ar"]), set())
+    assert generate_text(args(runs["ar"], mask_placeholder=None), set()).startswith("ROMEO <|mask|>")
+    with pytest.raises(DifflmError, match="^chat_template=true but the run's tokenizer .* has no chat template: "
+                                          "drop chat_template$"):
+        generate_text(args(runs["mdlm"], chat_template=True), set())

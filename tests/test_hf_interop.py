@@ -170,10 +170,17 @@ def test_export_matches_difflm_logits_and_sampler(trained_run):
         gen = OmegaConf.create({"length": 16, "steps": 8, "block_length": 8, "seed": 3, **kw})
         ours = generate_ids(model, tok, prompt, gen, causal=False)
         theirs = hf_model.generate(prompt, steps=8, gen_length=16, block_length=8,
-                                   generator=torch.Generator().manual_seed(3), **kw)
+                                   generator=torch.Generator().manual_seed(3), stop_at_eos=False, **kw)
         assert torch.equal(theirs[:, :prompt.shape[1]], prompt)
         assert torch.equal(theirs[:, prompt.shape[1]:], ours), kw
         assert not (theirs == N_TOK).any()
+        # by default a row ends at its first EOS (padded with EOS: NeoX has no pad token), as transformers' generate
+        # does; the text is then what difflm's commands print (cut at EOS)
+        ended = hf_model.generate(prompt, steps=8, gen_length=16, block_length=8,
+                                  generator=torch.Generator().manual_seed(3), **kw)[:, prompt.shape[1]:]
+        for row, raw in zip(ended.tolist(), ours.tolist()):
+            cut = raw[:raw.index(tok.eos_id)] if tok.eos_id in raw else raw
+            assert row[:len(cut)] == cut and set(row[len(cut):]) <= {tok.eos_id}
 
 
 def test_export_import_round_trip_is_identical(trained_run, tmp_path):
@@ -191,7 +198,8 @@ def test_export_import_round_trip_is_identical(trained_run, tmp_path):
 # a run's training window and sampler settings, none at the schema's default (data.seq_len 128, gen.* of GenerateConfig)
 RUN_SETTINGS = {"data.seq_len": 48, "gen.length": 32, "gen.steps": 16, "gen.block_length": 8,
                 "gen.remasking": "margin", "gen.temperature": 0.3, "gen.seed": 5, "gen.top_k": 7, "gen.top_p": 0.9,
-                "gen.cfg_scale": 0.5, "gen.threshold": 0.8, "gen.cache": "prefix"}
+                "gen.cfg_scale": 0.5, "gen.threshold": 0.8, "gen.cache": "prefix", "gen.remdm_sigma": 0.4,
+                "gen.remdm_schedule": "rescale"}
 
 
 def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
@@ -464,7 +472,8 @@ def test_export_generate_applies_attention_mask(shift, side):
             assert torch.allclose(padded[i][mask[i].bool()], alone, atol=1e-5)
             assert torch.allclose(alone, ours(torch.tensor([p]))[0], atol=1e-5)
     settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8),
-                dict(temperature=0.7, remasking="random")]
+                dict(temperature=0.7, remasking="random"), dict(remasking="remdm", remdm_sigma=0.8),
+                dict(remasking="remdm", remdm_sigma=0.5, remdm_schedule="rescale", temperature=0.7)]
     for kw in settings:
         gen = dict(steps=4, gen_length=8, block_length=4, **kw)
         theirs = hf.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **gen)
@@ -582,3 +591,139 @@ def test_self_contained_sampler_checks_follow_difflms():
     for length, steps, block in [(64, 64, 64), (64, 10, 24), (48, 100, 16), (30, 7, 0), (8, 3, 8), (96, 12, 32)]:
         ours = numbers(consistent_setting(length, steps, block))
         assert len(ours) == 3 and numbers(hf._consistent_setting(length, steps, block)) == ours, (length, steps, block)
+
+
+def _tiny_export(out: Path, tie: bool) -> Path:
+    """A random tiny export (NeoX tokenizer with its mask token, modeling files, auto_map) without a training run."""
+    from difflm.interop.export import MODELING_FILES, TEMPLATES, _config_class, save_tokenizer_with_mask
+    from difflm.interop.hf_modeling.modeling_difflm import DiffLMForMaskedLM
+
+    tok = build_tokenizer(str(NEOX))
+    cfg = _config_class()(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, head_dim=8, tie_word_embeddings=tie,
+                          mask_token_id=N_TOK, tokenizer_vocab_size=N_TOK, eos_token_id=tok.eos_id,
+                          architectures=["DiffLMForMaskedLM"], auto_map=dict(__import__(
+                              "difflm.interop.export", fromlist=["AUTO_MAP"]).AUTO_MAP))
+    model = DiffLMForMaskedLM(cfg)
+    _randomise(model, seed=3)
+    model.save_pretrained(str(out))
+    for name in MODELING_FILES:
+        shutil.copyfile(TEMPLATES / name, out / name)
+    save_tokenizer_with_mask(tok, out)
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_resize_token_embeddings_then_forward(tmp_path, tie):
+    """Tokens added to an export's tokenizer: resize_token_embeddings grows the embedding and the (untied) head,
+    the old tokens' logits stay, the new ids go through the forward, get gradients and may be generated."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    out = _tiny_export(tmp_path / "hf", tie)
+    tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model = AutoModelForMaskedLM.from_pretrained(str(out), trust_remote_code=True, local_files_only=True).eval()
+    assert model.get_input_embeddings() is model.embedding
+    assert (model.get_output_embeddings() is None) == tie
+    ids = torch.tensor([tokenizer("ROMEO: hello")["input_ids"]])
+    with torch.no_grad():
+        before = model(ids).logits
+    old_head = model.head_weight().detach().clone()
+    assert tokenizer.add_tokens(["<|user|>", "<|assistant|>"]) == 2
+    new = len(tokenizer)
+    assert new == N_TOK + 3  # the mask token, then the two new ones
+    model.resize_token_embeddings(new)
+    assert model.embedding.weight.shape == (new, 32) and model.config.vocab_size == new
+    assert model.head_weight().shape == (new, 32)
+    if tie:
+        assert model.head_weight() is model.embedding.weight
+    else:
+        assert model.output.weight.shape == (new, 32) and model.output.weight is not model.embedding.weight
+    assert torch.equal(model.head_weight()[:N_TOK], old_head[:N_TOK])  # old rows kept
+    with torch.no_grad():
+        after = model(ids).logits
+    assert after.shape == (1, ids.shape[1], new)
+    assert torch.allclose(after[..., :N_TOK], before[..., :N_TOK], atol=1e-6)  # same logits of the old tokens
+    added = tokenizer.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    assert added == [N_TOK + 1, N_TOK + 2]
+    x = torch.tensor([[*added, *ids[0].tolist()]])
+    model.train()
+    loss = model(x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.embedding.weight.grad[added].abs().sum() > 0
+    # the new tokens may be emitted; the mask token still may not
+    assert model.config.tokenizer_vocab_size == new and model._forbidden_ids() == [N_TOK]
+    model.eval()
+    model.save_pretrained(str(tmp_path / "resized"))
+    back = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "resized"), trust_remote_code=True,
+                                                local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.allclose(back(x).logits, model(x).logits, atol=1e-6)
+    with pytest.raises(ValueError, match="mask token"):
+        model.resize_token_embeddings(N_TOK)
+    if tie:
+        with pytest.raises(ValueError, match="set_input_embeddings"):
+            model.set_output_embeddings(torch.nn.Linear(32, new, bias=False))
+
+
+# ------------------------------------------------------------------ sampling semantics against transformers' generate
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 0.6), (2.0, 0, 0.6), (1.7, 5, 0.8), (0.3, 3, 1.0),
+                                                     (1.0, 0, 0.9)])
+def test_top_k_top_p_filter_the_distribution_transformers_samples(temperature, top_k, top_p):
+    """transformers' generate scales by the temperature before its top-k / top-p warpers, so the nucleus is that of
+    softmax(logits / T); difflm's samplers and the export keep exactly the tokens transformers keeps."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from difflm.interop.hf_modeling.modeling_difflm import _filter_top_k_top_p
+    from difflm.sampling import filter_top_k_top_p
+
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(0)) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                  + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    kept = torch.isfinite(warpers(None, logits.clone()))
+    assert torch.equal(torch.isfinite(filter_top_k_top_p(logits, top_k, top_p, temperature)), kept)
+    assert torch.equal(torch.isfinite(_filter_top_k_top_p(logits, top_k, top_p, temperature)), kept)
+    # hand-computed: logits [2, 1, 0], top_p 0.6: at T = 1 p = (.665, .245, .090) keeps one token; at T = 2
+    # p = (.506, .307, .186) keeps two
+    small = torch.tensor([[2.0, 1.0, 0.0]])
+    assert torch.isfinite(filter_top_k_top_p(small, top_p=0.6)).tolist() == [[True, False, False]]
+    assert torch.isfinite(filter_top_k_top_p(small, top_p=0.6, temperature=2.0)).tolist() == [[True, True, False]]
+
+
+def test_export_generate_do_sample_and_end_of_text_as_transformers():
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7]])
+    gen = dict(gen_length=8, steps=4, block_length=4)
+    greedy = hf.generate(ids, **gen)
+    assert torch.equal(hf.generate(ids, do_sample=False, temperature=0.9, **gen), greedy)  # do_sample=False: greedy
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    assert torch.equal(hf.generate(ids, do_sample=True, generator=g(), **gen),
+                       hf.generate(ids, temperature=1.0, generator=g(), **gen))  # run's temperature 0 -> 1.0
+    # end of text: every token after a row's first EOS becomes the pad token (transformers pads finished rows)
+    raw = hf.generate(ids, stop_at_eos=False, **gen)[0, 3:].tolist()
+    eos = raw[2]
+    hf.config.eos_token_id, hf.config.pad_token_id = eos, 46
+    ended = hf.generate(ids, **gen)[0, 3:].tolist()
+    first = raw.index(eos)
+    assert ended == raw[:first + 1] + [46] * (len(raw) - first - 1)
+    hf.config.pad_token_id = None
+    assert hf.generate(ids, **gen)[0, 3:].tolist() == raw[:first + 1] + [eos] * (len(raw) - first - 1)
+    assert hf.generate(ids, stop_at_eos=False, **gen)[0, 3:].tolist() == raw
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(remasking="remdm", remdm_sigma=0.6), dict(cfg_scale=1.0)])
+def test_export_generate_infills_as_difflm(kw):
+    from difflm.sampling import GenerationOptions, diffusion_generate
+    from tests.dlm_helpers import model_fn
+
+    ours, hf = _hf_twin()
+    ids = torch.tensor([[5, 47, 7, 47, 9], [10, 11, 47, 12, 13]])
+    theirs = hf.generate(ids, gen_length=4, steps=4, block_length=2, infill=True, **kw)
+    o = GenerationOptions(mask_id=47, length=4, steps=4, block_length=2, forbid_ids=[47], infill=True, **kw)
+    assert torch.equal(theirs, diffusion_generate(model_fn(ours), ids, o))
+    assert torch.equal(theirs[:, :5][ids != 47], ids[ids != 47]) and not (theirs == 47).any()
+    kept = hf.generate(ids, gen_length=4, steps=4, block_length=2, **kw)
+    assert torch.equal(kept[:, :5], ids)  # without infill the prompt is kept whole
+    _, ar = _hf_twin(causal=True)
+    with pytest.raises(ValueError, match="infill=True needs a masked-diffusion export"):
+        ar.generate(ids, max_new_tokens=2, infill=True)

@@ -423,3 +423,184 @@ def test_bd3lm_samples_under_sequence_parallelism_are_checked_before_training():
     check_padded_sampling("bd3lm", 1, 16, 1)
     check_padded_sampling("mdlm", 1, 1, 2)
     check_padded_sampling("ar", 3, 1, 4)
+
+
+# ------------------------------------------------------------------ infilling: mask tokens inside the prompt
+
+def test_infill_fills_prompt_masks_and_keeps_given_tokens():
+    """LLaDA sampler, infill: block 0 covers the masked prompt positions (1 and 3) and its first generated block;
+    its schedule counts them: 4 masks in 2 steps, the most confident (rightmost, positional logits) first."""
+    rec = Recorder(positional)
+    prompt = torch.tensor([[4, MASK, 6, MASK]])
+    out = diffusion_generate(rec, prompt, opts(length=4, steps=4, block_length=2, infill=True))
+    assert out.tolist() == [[4, 1, 6, 3, 4, 5, 6, 7]]  # given tokens 4, 6 kept; position j takes j % 10
+    assert unmask_steps(rec, out, 1) == [1, 0, 1, 0, 0, 3, 2]  # steps: {5, 4}, {3, 1}, then 7, then 6
+    # without infill the prompt, mask ids included, is kept (the default)
+    kept = diffusion_generate(positional, prompt, opts(length=4, steps=4, block_length=2))
+    assert kept.tolist() == [[4, MASK, 6, MASK, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(cache="dual"), dict(cache="prefix"), dict(threshold=0.5),
+                                   dict(cfg_scale=1.0), dict(remasking="margin", temperature=0.8)])
+def test_infill_with_a_model_under_every_llada_option(extra):
+    """A real tiny model: the given tokens stay, every masked prompt position and generated position gets a token
+    (under the KV caches, Fast-dLLM's threshold, guidance and sampling too)."""
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 47, 7, 47, 9, 10], [11, 12, 47, 47, 13, 14]])
+    o = GenerationOptions(mask_id=47, length=4, steps=4, block_length=2, forbid_ids=[47], infill=True, **extra)
+    out = diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(0))
+    given = prompt != 47
+    assert torch.equal(out[:, :6][given], prompt[given]) and not (out == 47).any()
+
+
+def test_infill_bd3lm_fills_prompt_blocks_left_to_right():
+    """Block sampler, infill (block_size 2): blocks [0, 2) and [2, 4) hold one masked prompt position each and are
+    filled first, in order; the block that ends the prompt keeps its given token 8."""
+    from difflm.sampling import block_diffusion_generate
+
+    calls = []
+
+    def fn(x, attn_mask=None, position_ids=None, kv_cache=None):
+        calls.append(x.clone())
+        return positional(x)
+
+    prompt = torch.tensor([[4, MASK, 6, MASK, 8]])
+    out = block_diffusion_generate(fn, prompt, opts(length=3, steps=3, block_size=2, infill=True))
+    assert out.tolist() == [[4, 1, 6, 3, 8, 5, 6, 7]]
+    assert [c.shape[1] for c in calls] == [2, 4, 6, 8, 8]  # one step a block (one mask each), then 2 for the last
+    assert calls[1][0, :2].tolist() == [4, 1] and calls[1][0, 3] == MASK  # block 0 done before block 1
+    kept = block_diffusion_generate(positional_kw, prompt, opts(length=3, steps=3, block_size=2))
+    assert kept[0, :5].tolist() == [4, MASK, 6, MASK, 8]
+
+
+def positional_kw(x, **kw):
+    return positional(x)
+
+
+def test_infill_is_refused_by_left_to_right_decoding():
+    with pytest.raises(GenerationConfigError, match="^infilling .* needs a diffusion sampler: an objective=ar run"):
+        autoregressive_generate(positional, torch.tensor([[4, MASK, 6]]), opts(length=2, infill=True))
+
+
+def test_infill_prompt_placeholders_become_mask_ids():
+    """difflm-generate's prompt: each `<|mask|>` (mask_placeholder) and the tokenizer's own mask token text is one
+    mask id, the text between encoded as text; the printed text puts the sampled tokens in their place."""
+    from difflm.config import ASSETS
+    from difflm.data import build_tokenizer
+    from difflm.generate import encode_prompt, infilled_text, mask_placeholders
+
+    tok = build_tokenizer(str(ASSETS / "tokenizers" / "gpt-neox-20b"))
+    m = tok.mask_id
+    places = mask_placeholders(tok, "<|mask|>")
+    assert places == ["<|mask|>"] and mask_placeholders(tok, None) == []  # NeoX has no mask token of its own
+    text = "The <|mask|> sat on the<|mask|><|mask|>."
+    ids = encode_prompt(tok, text, False, places)
+    assert ids == tok.encode("The ") + [m] + tok.encode(" sat on the") + [m, m] + tok.encode(".")
+    assert encode_prompt(tok, text, False, []) == tok.encode(text)  # null placeholder: plain text
+    cat, mat = tok.encode(" cat")[0], tok.encode(" mat")[0]
+    assert infilled_text(tok, text, places, [cat, mat, mat]) == "The  cat sat on the mat mat."
+    tok.tokenizer.add_special_tokens({"mask_token": "<|mdm_mask|>"})
+    assert mask_placeholders(tok, "<|mask|>") == ["<|mask|>", "<|mdm_mask|>"]
+    assert encode_prompt(tok, "a<|mdm_mask|>b", False, mask_placeholders(tok, "<|mask|>")) == \
+        tok.encode("a") + [m] + tok.encode("b")
+
+
+# ------------------------------------------------------------------ ReMDM remasking
+
+def test_remdm_sigma_schedules_hand_computed():
+    from difflm.sampling.remdm import remdm_sigma
+
+    a_t, a_s = torch.tensor([0.0, 2 / 6, 4 / 6, 0.5]), torch.tensor([2 / 6, 4 / 6, 1.0, 0.6])
+    # sigma_max = min(1, (1 - a_s) / a_t): 0 (nothing decoded), 1, 0, 0.8
+    assert torch.allclose(remdm_sigma(a_t.double(), a_s.double(), 0.5, "cap"),
+                          torch.tensor([0.0, 0.5, 0.0, 0.5], dtype=torch.float64))
+    assert torch.allclose(remdm_sigma(a_t.double(), a_s.double(), 0.5, "rescale"),
+                          torch.tensor([0.0, 0.5, 0.0, 0.4], dtype=torch.float64))
+
+
+def test_remdm_forced_sigma_remasks_the_expected_count_by_hand():
+    """Block of 6, 3 steps (schedule 2, 2, 2), positional logits (confidence rises with position), eta = 0.5 (cap).
+    Step 0: nothing decoded, r = 0: unmask 5, 4. Step 1: alpha_t = 2/6, alpha_s = 4/6, sigma_max = 1, sigma = 0.5,
+    r = round(0.5 * 2) = 1: remask 4 (the less confident of 4, 5) and unmask k + r = 3: 3, 2, 1. Step 2: alpha_s = 1,
+    sigma = 0: unmask the last 2 (4 and 0)."""
+    rec = Recorder(positional)
+    out = diffusion_generate(rec, torch.tensor([[7]]), opts(length=6, steps=3, block_length=6, remasking="remdm",
+                                                             remdm_sigma=0.5))
+    masked = [(s[0, 1:] == MASK).nonzero().flatten().tolist() for s in rec.inputs + [out]]
+    assert masked == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3], [0, 4], []]
+    assert out[0, 1:].tolist() == [1, 2, 3, 4, 5, 6]
+    # a forced sigma of 1 remasks every decoded token it may: step 1 remasks both (r = 2), unmasks 4
+    rec = Recorder(positional)
+    diffusion_generate(rec, torch.tensor([[7]]), opts(length=6, steps=3, block_length=6, remasking="remdm",
+                                                       remdm_sigma=1.0))
+    assert [(s[0, 1:] == MASK).nonzero().flatten().tolist() for s in rec.inputs] == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                                                                                     [4, 5]]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(temperature=0.9, top_k=5), dict(cfg_scale=1.0), dict(cache="dual")])
+def test_remdm_at_sigma_zero_is_low_confidence_exactly(extra):
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+
+    def run(**kw):
+        o = GenerationOptions(mask_id=47, length=8, steps=8, block_length=4, forbid_ids=[47], **extra, **kw)
+        return diffusion_generate(model_fn(model), prompt, o, generator=torch.Generator().manual_seed(1))
+
+    assert torch.equal(run(remasking="remdm", remdm_sigma=0.0), run(remasking="low_confidence"))
+    with_remasking = run(remasking="remdm", remdm_sigma=0.9)
+    assert not (with_remasking == 47).any()  # every block still ends decoded
+
+
+def test_remdm_block_sampler_sigma_zero_equals_low_confidence_and_remasks():
+    from difflm.sampling import block_diffusion_generate
+
+    def fn(x, attn_mask=None, position_ids=None, kv_cache=None):
+        return positional(x)
+
+    prompt = torch.tensor([[7, 7]])
+    base = block_diffusion_generate(fn, prompt, opts(length=6, steps=6, block_size=6, remasking="low_confidence"))
+    assert torch.equal(block_diffusion_generate(fn, prompt, opts(length=6, steps=6, block_size=6, remasking="remdm")),
+                       base)
+    calls = []
+    block_diffusion_generate(lambda x, **kw: calls.append(x.clone()) or positional(x), prompt,
+                             opts(length=4, steps=2, block_size=6, remasking="remdm", remdm_sigma=1.0))
+    # block [0, 6): prompt 7, 7 then positions 2..5, max(1, 2 * 6 // 4) = 3 steps (schedule 2, 1, 1). Step 1:
+    # alpha_t = 2/4, alpha_s = 3/4, sigma = sigma_max = 0.5, r = round(0.5 * 2) = 1: remask 4, unmask 1 + 1 (3, 2)
+    assert [(c[0] == MASK).nonzero().flatten().tolist() for c in calls] == [[2, 3, 4, 5], [2, 3], [4]]
+
+
+def test_remdm_settings_are_checked():
+    with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=-0.1 must be in \[0, inf\]"):
+        opts(remasking="remdm", remdm_sigma=-0.1)
+    with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=1.5 must be in \[0, 1\] under "
+                                                    "gen.remdm_schedule=rescale"):
+        opts(remasking="remdm", remdm_sigma=1.5, remdm_schedule="rescale")
+    with pytest.raises(GenerationConfigError, match="gen.remdm_schedule='loop'"):
+        opts(remdm_schedule="loop")
+    with pytest.raises(GenerationConfigError, match="set gen.threshold=null"):
+        opts(remasking="remdm", remdm_sigma=0.5, threshold=0.9)
+    with pytest.raises(GenerationConfigError, match="drop gen.remasking gen.remdm_sigma"):
+        opts(remasking="remdm", remdm_sigma=0.5).check_autoregressive()
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "remdm"])
+def test_infill_bd3lm_with_a_model_cached_equals_uncached(remasking):
+    """Block sampler on a real tiny model, masks in the prompt's first two blocks: given tokens kept, every mask
+    filled, and the exact cache of finished blocks gives the uncached tokens (with ReMDM remasking too)."""
+    from difflm.sampling import block_diffusion_generate
+    from tests.dlm_helpers import model_fn, tiny_model
+
+    model = tiny_model(std=0.3)
+    prompt = torch.tensor([[5, 47, 7, 47, 47, 10]])
+    outs = []
+    for cache in ("none", "prefix"):
+        o = GenerationOptions(mask_id=47, length=6, steps=6, block_size=4, forbid_ids=[47], infill=True, cache=cache,
+                              remasking=remasking, remdm_sigma=0.5)
+        outs.append(block_diffusion_generate(model_fn(model), prompt, o))
+    assert torch.equal(outs[0], outs[1])
+    given = prompt[0] != 47
+    assert torch.equal(outs[0][0, :6][given], prompt[0][given]) and not (outs[0] == 47).any()

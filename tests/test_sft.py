@@ -504,3 +504,170 @@ def test_messages_field_config_checks(fast_cfg):
     with pytest.raises(DifflmError, match="data.messages_field='messages' makes conversation data, which only "
                                           "objective=sft uses"):
         check_objective_data(fast_cfg("data.messages_field=messages"))
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    """A 2-step ``objective=sft data.chat_template=true`` run (tokenizer with CHAT_TEMPLATE) that drew one sample at
+    the end of training, with the prompt ids every sampler call received."""
+    import json
+    import shutil
+
+    import difflm.generate
+    from difflm.training.trainer import Trainer
+    from tests.conftest import FAST, compose_run
+
+    root = tmp_path_factory.mktemp("chat_run")
+    tok_dir = root / "tok"
+    shutil.copytree(TOKENIZER, tok_dir)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"q": f"What is {i} plus 3?", "a": str(i + 3)}) + "\n" for i in range(8)))
+    cfg = compose_run([*FAST, "objective=sft", f"data.path={pairs}", "data.prompt_field=q", "data.response_field=a",
+                       "data.chat_template=true", f"data.tokenizer={tok_dir}", "train.max_steps=2",
+                       "train.eval_every=0", "train.save_every=2", "logger.num_samples=1",
+                       "logger.sample_prompt=What is 2 plus 3?", "gen.length=8", "gen.steps=8", "gen.block_length=8",
+                       f"run.dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "device=cpu"])
+    seen = []
+    real = difflm.generate.generate_ids
+    mp = pytest.MonkeyPatch()
+    mp.setattr(difflm.generate, "generate_ids", lambda model, tok, ids, *a, **k: seen.append(ids.tolist())
+               or real(model, tok, ids, *a, **k))
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+    try:
+        trainer.fit()
+    finally:
+        mp.undo()
+    return root / "run", seen, trainer
+
+
+def _recording(monkeypatch, module):
+    """Record the prompt ids ``module``'s ``generate_ids`` receives (and still generate)."""
+    seen, real = [], module.generate_ids
+    monkeypatch.setattr(module, "generate_ids", lambda model, tok, ids, *a, **k: seen.append(ids.tolist())
+                        or real(model, tok, ids, *a, **k))
+    return seen
+
+
+def test_chat_run_samples_with_its_template_on_every_path(chat_run, monkeypatch):
+    """A run trained on chat-template prompts is sampled with the template: the samples at the end of training,
+    difflm-generate and the lm-eval adapter's generate_until and loglikelihood; chat_template=false skips it."""
+    import difflm.eval_harness
+    import difflm.generate
+    from lm_eval.api.instance import Instance
+
+    from difflm.config.schema import GenerateRunConfig
+    from difflm.eval_harness import DifflmHarnessLM
+
+    run, trainer_seen, _ = chat_run
+    templated, plain = CHAT_IDS[:18], build_tokenizer(TOKENIZER).encode("What is 2 plus 3?")
+    assert trainer_seen == [[templated]]  # logger.num_samples=1 at gen.temperature=0: one row
+    assert (run / "samples.txt").read_text().startswith("--- step 2 sample 0 ---\nWhat is 2 plus 3?")
+
+    seen = _recording(monkeypatch, difflm.generate)
+    for switch, want in [(None, templated), (True, templated), (False, plain)]:
+        args = OmegaConf.merge(OmegaConf.structured(GenerateRunConfig), {
+            "run": {"dir": str(run)}, "prompt": "What is 2 plus 3?", "chat_template": switch, "device": "cpu"})
+        text = difflm.generate.generate_text(args, set())
+        assert text.startswith("What is 2 plus 3?") and seen.pop() == [want], switch
+
+    seen = _recording(monkeypatch, difflm.eval_harness)
+    request = [Instance("generate_until", {}, ("What is 2 plus 3?", {"until": [], "max_gen_toks": 8}), 0)]
+    for switch, want in [(None, templated), ("false", plain)]:
+        lm = DifflmHarnessLM(run_dir=str(run), device="cpu", chat_template=switch)
+        lm.generate_until(request)
+        assert seen.pop() == [want], switch
+        assert lm.encode_pair("What is 2 plus 3?", " 5") == (want, lm.tok_encode(" 5"))
+    # lm-eval's --apply_chat_template: it renders the chat through the hook, and the context is not wrapped again
+    lm = DifflmHarnessLM(run_dir=str(run), device="cpu")
+    rendered = lm.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}])
+    assert rendered == "<|user|>\nWhat is 2 plus 3?\n<|assistant|>\n" and lm.chat_template(True) == CHAT_TEMPLATE
+    lm.generate_until([Instance("generate_until", {}, (rendered, {"until": [], "max_gen_toks": 8}), 0)])
+    assert seen.pop() == [templated]
+    assert lm.chat_template(False) is None and lm.tokenizer_name
+
+
+def test_generated_text_ends_at_eos_on_every_path_and_past_the_window_warns_once(chat_run, monkeypatch, capsys, caplog):
+    """An SFT model pads its answer with EOS: difflm-generate, the samples of difflm-train and the lm-eval adapter
+    print the text up to the first EOS id, not pages of <|endoftext|>; a prompt and gen.length beyond data.seq_len
+    (32 here) draw one warning line per command."""
+    import logging
+
+    import difflm.eval_harness
+    import difflm.generate
+    from lm_eval.api.instance import Instance
+
+    from difflm.config.schema import GenerateRunConfig
+    from difflm.eval_harness import DifflmHarnessLM
+
+    run, _, trainer = chat_run
+    tok = trainer.tok
+    answer = tok.encode(" 5, since 2 + 3 = 5")
+    assert tok.eos_id not in answer and len(answer) < 16
+    made = answer + [tok.eos_id] + tok.encode(" more") + [tok.eos_id] * (16 - len(answer) - 2)
+
+    def fake(model, tk, ids, gen, *a, **k):  # every sampler's output goes through generate_ids
+        assert gen.length == 16
+        return torch.tensor([made] * ids.shape[0])
+
+    for module in (difflm.generate, difflm.eval_harness):
+        monkeypatch.setattr(module, "generate_ids", fake)
+    assert difflm.generate.cut_at_eos(made, tok.eos_id) == answer
+    assert difflm.generate.cut_at_eos(torch.tensor(answer), tok.eos_id) == answer  # no EOS: all of it
+
+    args = OmegaConf.merge(OmegaConf.structured(GenerateRunConfig), {
+        "run": {"dir": str(run)}, "prompt": "What is 2 plus 3?", "device": "cpu",
+        "gen": {"length": 16, "steps": 16, "block_length": 16}})
+    capsys.readouterr()
+    typed = {"length", "steps", "block_length"}
+    assert difflm.generate.generate_text(args, typed) == "What is 2 plus 3? 5, since 2 + 3 = 5"
+    err = capsys.readouterr().err.splitlines()
+    warned = [line for line in err if "data.seq_len" in line]
+    assert warned == ["difflm: warning: the prompt (18 tokens) and gen.length=16 make 34 positions, more than the "
+                      "run's data.seq_len=32 it was trained on: expect poor text; shorten the prompt or gen.length"]
+
+    trainer.cfg.gen.length, trainer.cfg.gen.steps, trainer.cfg.gen.block_length = 16, 16, 16
+    assert trainer.generate_samples("What is 2 plus 3?", 2) == ["What is 2 plus 3? 5, since 2 + 3 = 5"] * 2
+    trainer.generate_samples("What is 2 plus 3?", 1)
+    assert capsys.readouterr().out.count("data.seq_len=32") == 1  # once per run
+
+    lm = DifflmHarnessLM(run_dir=str(run), device="cpu", max_length=64)
+    with caplog.at_level(logging.WARNING, logger="difflm.eval_harness"):
+        request = ("What is 2 plus 3?", {"until": [], "max_gen_toks": 16})
+        out = lm.generate_until([Instance("generate_until", {}, request, i) for i in range(2)])
+    assert out == [" 5, since 2 + 3 = 5"] * 2
+    assert sum("data.seq_len=32" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_generate_infills_a_placeholder_inside_the_chat_prompt(chat_run, monkeypatch):
+    """difflm-generate prompt="What is <|mask|> plus 3?": the placeholder becomes one mask id inside the templated
+    prompt, the sampler fills it and keeps the rest, and the printed prompt shows the sampled token in its place."""
+    import difflm.generate
+    from difflm.config.schema import GenerateRunConfig
+
+    run, _, trainer = chat_run
+    tok = trainer.tok
+    calls = []
+    real = difflm.generate.generate_ids
+
+    def spy(model, tk, ids, *a, **k):
+        out = real(model, tk, ids, *a, **k)
+        calls.append((ids.tolist()[0], k.get("infill"), out[0].tolist()))
+        return out
+
+    monkeypatch.setattr(difflm.generate, "generate_ids", spy)
+    args = OmegaConf.merge(OmegaConf.structured(GenerateRunConfig), {
+        "run": {"dir": str(run)}, "prompt": "What is <|mask|> plus 3?", "device": "cpu"})
+    text = difflm.generate.generate_text(args, set())
+    (ids, infill, out), = calls
+    m = tok.mask_id
+    assert infill is True
+    assert ids == CHAT_IDS[:5] + tok.encode("What is ") + [m] + tok.encode(" plus 3?") + CHAT_IDS[11:18]
+    hole = ids.index(m)
+    assert [o for i, o in enumerate(out[:len(ids)]) if i != hole] == [t for i, t in enumerate(ids) if i != hole]
+    assert out[hole] != m and len(out) == len(ids) + 8
+    assert text.startswith("What is " + tok.decode([out[hole]]) + " plus 3?")
+    args.mask_placeholder = None  # off: the text is kept as text
+    difflm.generate.generate_text(args, set())
+    assert calls[-1][1] is False and m not in calls[-1][0]

@@ -269,7 +269,11 @@ class GenerateConfig:
     length: int = 64
     steps: int = 64
     block_length: int = 64
-    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy
+    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy | remdm
+    # remasking=remdm (ReMDM, Wang et al. 2025, arXiv:2503.00307, difflm.sampling.remdm): eta of the sigma_t schedule,
+    # the cap of sigma_t (cap) or its share of sigma_t^max (rescale, <= 1); 0 = no remasking
+    remdm_sigma: float = 0.0
+    remdm_schedule: str = "cap"  # cap | rescale
     temperature: float = 0.0
     seed: int = 0
     top_k: int = 0  # 0 = off
@@ -313,6 +317,12 @@ class GenerateRunConfig:
     run: RunDirConfig = field(default_factory=lambda: RunDirConfig(dir="???"))
     prompt: str = ""  # any text: commas and brackets need no Hydra quoting (difflm.cli.quote_free_text)
     prompt_file: Optional[str] = None  # a UTF-8 text file whose contents are the prompt (instead of prompt=)
+    # wrap the prompt in the tokenizer's chat template (difflm.data.sft.chat_prompt_ids); null: as the run trained
+    # (objective=sft with data.chat_template=true), false: the raw prompt
+    chat_template: Optional[bool] = None
+    # infilling: each occurrence in the prompt (and of the tokenizer's own mask token text) is one mask token that
+    # the diffusion samplers fill, the rest of the prompt kept (Dream's mask tokens in the input); null: off
+    mask_placeholder: Optional[str] = "<|mask|>"
     step: Optional[int] = None  # checkpoint step; default the latest
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     device: str = "auto"

@@ -29,7 +29,8 @@ CHOICES = {
     "schedule.name": ("cosine", "wsd", "constant"),
     "logger.name": ("console", "wandb"),
     "logger.mode": ("online", "offline", "disabled"),
-    "gen.remasking": ("low_confidence", "random", "margin", "entropy"),
+    "gen.remasking": ("low_confidence", "random", "margin", "entropy", "remdm"),
+    "gen.remdm_schedule": ("cap", "rescale"),
     "gen.cache": ("none", "prefix", "dual"),
     "device": ("auto", "cpu", "cuda"),
 }

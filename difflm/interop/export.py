@@ -167,6 +167,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
         gen_temperature=float(g.temperature), gen_cfg_scale=float(g.get("cfg_scale", 0.0)),
         gen_top_k=int(g.get("top_k", 0)), gen_top_p=float(g.get("top_p", 1.0)), gen_threshold=g.get("threshold"),
         gen_seed=int(g.get("seed", 0)), gen_cache=str(g.get("cache", "none")), train_seq_len=int(cfg.data.seq_len),
+        gen_remdm_sigma=float(g.get("remdm_sigma", 0.0)), gen_remdm_schedule=str(g.get("remdm_schedule", "cap")),
         train_step=None if step is None else int(step),
         bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
         pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),

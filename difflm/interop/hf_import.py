@@ -225,7 +225,7 @@ def resize_vocab(weight: torch.Tensor, vocab: int, real_tokens: int, reinit: lis
 EXPORTED_GEN = {"gen_length": "length", "gen_steps": "steps", "gen_block_length": "block_length",
                 "gen_remasking": "remasking", "gen_temperature": "temperature", "gen_seed": "seed",
                 "gen_top_k": "top_k", "gen_top_p": "top_p", "gen_cfg_scale": "cfg_scale", "gen_threshold": "threshold",
-                "gen_cache": "cache"}
+                "gen_cache": "cache", "gen_remdm_sigma": "remdm_sigma", "gen_remdm_schedule": "remdm_schedule"}
 
 
 def exported_run_settings(hf_cfg: dict, hf: str) -> dict:

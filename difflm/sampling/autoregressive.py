@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from difflm.sampling.diffusion import LogitsFn, apply_forbid, check_logits, check_prompt, filter_top_k_top_p
-from difflm.sampling.options import GenerationOptions
+from difflm.sampling.options import GenerationConfigError, GenerationOptions
 
 
 @torch.no_grad()
@@ -42,9 +42,13 @@ def autoregressive_generate(
     Returns:
         ``[B, P + length]`` int64; the first ``P`` columns are ``prompt``.
     Raises:
+        GenerationConfigError: ``opts.infill`` (left-to-right decoding cannot fill positions inside the prompt).
         ValueError: an empty or non-int64 prompt, bad ``forbid_ids``, or logits of the wrong shape.
     """
     check_prompt(prompt)
+    if opts.infill:
+        raise GenerationConfigError("infilling (mask tokens inside the prompt) needs a diffusion sampler: an "
+                                    "objective=ar run decodes left to right; drop the mask placeholders")
     if prompt.shape[1] < 1:
         raise ValueError("prompt must hold at least one token (e.g. BOS) for left-to-right decoding")
     temperature, forbid_ids = opts.temperature, opts.forbid_ids
@@ -67,7 +71,7 @@ def autoregressive_generate(
         if valid is None:
             check_logits(logits, x)
         last = apply_forbid(logits[:, -1, :], forbid_ids).float()  # [B, V]
-        last = filter_top_k_top_p(last, opts.top_k, opts.top_p)
+        last = filter_top_k_top_p(last, opts.top_k, opts.top_p, temperature)  # the nucleus of softmax(last / T)
         if temperature == 0:
             nxt = last.argmax(dim=-1)
         else:

@@ -28,7 +28,8 @@ from difflm.sampling.diffusion import (
     propose,
     select_transfer,
 )
-from difflm.sampling.options import GenerationConfigError, GenerationOptions
+from difflm.sampling.options import REMDM, GenerationConfigError, GenerationOptions
+from difflm.sampling.remdm import remdm_remask
 
 
 def steps_per_block(opts: GenerationOptions) -> int:
@@ -55,7 +56,10 @@ def block_diffusion_generate(
             ``objective.block_size``, required), ``length``, ``steps`` (:func:`steps_per_block` per block, capped
             by the tokens to generate in it), ``remasking``, ``temperature``, ``top_k``/``top_p``, ``threshold``
             (Fast-dLLM; None: fixed steps), ``cache`` (anything but ``none``: the exact KV cache of finished
-            blocks), ``forbid_ids`` and ``shift_logits``. ``cfg_scale`` must be 0.
+            blocks), ``forbid_ids`` and ``shift_logits``. ``cfg_scale`` must be 0. ``infill``: the prompt's
+            ``mask_id`` positions are sampled too, block by block from the block of the first one (each block's
+            given tokens kept, its schedule counting only its masked positions). ``remasking=remdm``: ReMDM's
+            remasking of the block's decoded tokens (:mod:`difflm.sampling.remdm`).
         generator: source of all randomness.
         stats: if given, ``stats["nfe"]`` receives the number of model calls (cache updates included).
     Returns: ``[B, P + length]`` int64.
@@ -69,6 +73,8 @@ def block_diffusion_generate(
         raise GenerationConfigError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
     mask_id, block_size, threshold = opts.mask_id, opts.block_size, opts.threshold
     per_block = steps_per_block(opts)
+    remdm = opts.remasking == REMDM
+    rule = "low_confidence" if remdm else opts.remasking
     batch, prompt_len = prompt.shape
     total = prompt_len + opts.length
     device = prompt.device
@@ -78,9 +84,17 @@ def block_diffusion_generate(
     x = torch.cat([prompt, torch.full((batch, opts.length), mask_id, dtype=torch.long, device=device)], dim=1)
     nfe = 0
     pos = prompt_len
+    if opts.infill and (prompt == mask_id).any():  # from the block of the first masked prompt position
+        pos = int((prompt == mask_id).any(dim=0).nonzero()[0]) // block_size * block_size
     while pos < total:
         block_start = pos // block_size * block_size
         end = min(block_start + block_size, total)
+        if opts.infill:  # the whole block: its masked prompt positions are sampled, its given tokens kept
+            pos = block_start
+        masked = (x[:, pos:end] == mask_id).sum(dim=1)
+        if not bool(masked.any()):  # a prompt block with nothing to fill
+            pos = end
+            continue
         if kv is not None and committed < block_start:  # encode the finished clean blocks once
             rows = slice(committed, block_start)
             kw = {"attn_mask": full_mask[:, :, rows, :block_start], "position_ids": torch.arange(committed, block_start, device=device)}
@@ -90,8 +104,10 @@ def block_diffusion_generate(
                 logits_fn(x[:, rows], kv_cache=kv.read(committed, block_start, commit=True), **kw)
             committed = block_start
             nfe += 1
-        n_steps = min(per_block, end - pos)
-        schedule = num_transfer_tokens(torch.full((batch,), end - pos, device=device), n_steps)
+        n_steps = min(per_block, int(masked.max()))
+        schedule = num_transfer_tokens(masked, n_steps)
+        to_decode = x[:, pos:end] == mask_id
+        decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=device)
         step = 0
         while (x[:, pos:end] == mask_id).any() if threshold is not None else step < n_steps:
             if kv is not None and committed > 0:
@@ -108,10 +124,17 @@ def block_diffusion_generate(
                 logits = logits[:, pos:end]
             nfe += 1
             logits = apply_forbid(logits, opts.forbid_ids)
-            x0, confidence = propose(logits, opts.remasking, opts.temperature, generator, opts.top_k, opts.top_p)
+            x0, confidence = propose(logits, rule, opts.temperature, generator, opts.top_k, opts.top_p)
             candidates = x[:, pos:end] == mask_id
-            transfer = select_transfer(confidence, candidates, schedule[:, min(step, n_steps - 1)], threshold)
+            count = schedule[:, min(step, n_steps - 1)]
+            if remdm:  # ReMDM (count form): remask r decoded tokens of the block, unmask k + r
+                remask, count = remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),
+                                             count, masked, opts.remdm_sigma, opts.remdm_schedule)
+            transfer = select_transfer(confidence, candidates, count, threshold)
             x[:, pos:end] = torch.where(transfer, x0, x[:, pos:end])
+            if remdm:
+                decoded_confidence = torch.where(transfer, confidence, decoded_confidence)
+                x[:, pos:end] = x[:, pos:end].masked_fill(remask, mask_id)
             step += 1
         pos = end
     if stats is not None:

@@ -8,6 +8,8 @@ Sources:
   ``generate.py`` of https://github.com/ML-GSAI/LLaDA.
 * ``margin`` (top-1 minus top-2 probability; Kim et al. 2025, "Train for the Worst, Plan for the Best")
   and ``entropy`` (lowest predictive entropy first; Ye et al. 2025, Dream ``alg=entropy``).
+* ``remasking=remdm``: Wang et al. 2025, "Remasking Discrete Diffusion Models with Inference-Time Scaling"
+  (arXiv:2503.00307), :mod:`difflm.sampling.remdm`.
 * Wu et al. 2025, "Fast-dLLM" (arXiv:2505.22618): confidence-threshold parallel unmasking (sec. 3.3, every
   masked token of the block whose confidence exceeds ``threshold``, at least one per step) and the
   block-level ``prefix`` / ``dual`` KV cache (sec. 3.1-3.2, :mod:`difflm.model.kv_cache`).
@@ -20,7 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 # CACHES, REMASKING and GenerationConfigError are re-exported for callers of this module
-from difflm.sampling.options import CACHES, REMASKING, GenerationConfigError, GenerationOptions  # noqa: F401
+from difflm.sampling.options import CACHES, REMASKING, REMDM, GenerationConfigError, GenerationOptions  # noqa: F401
+from difflm.sampling.remdm import remdm_remask
 
 LogitsFn = Callable[..., torch.Tensor]
 """x ``[B, S]`` int64 -> logits ``[B, S, V]`` float. Called as ``logits_fn(x)``, or with keyword arguments
@@ -71,18 +74,24 @@ def gumbel_argmax(
     return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits and the smallest set whose probability reaches ``top_p`` (nucleus
-    sampling, Holtzman et al. 2020, eq. 3); the rest become ``-inf``. ``[..., V]`` -> same shape.
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the smallest set whose probability under ``softmax(logits /
+    temperature)`` reaches ``top_p`` (nucleus sampling, Holtzman et al. 2020, eq. 3); the rest become ``-inf``.
+    ``[..., V]`` -> same shape.
 
-    ``top_k=0`` and ``top_p=1`` are off. The most likely token is always kept.
+    ``top_k=0`` and ``top_p=1`` are off. The most likely token is always kept. The nucleus is that of the
+    temperature-scaled distribution the token is drawn from, as in transformers' ``generate`` (its
+    ``TemperatureLogitsWarper`` runs before ``TopKLogitsWarper`` and ``TopPLogitsWarper``) and Dream's
+    ``sample_tokens``; ``temperature=0`` (greedy) keeps the argmax whatever the filter.
     """
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits.double(), dim=-1)  # float64 as the confidences (see propose)
+        scale = temperature if temperature > 0 else 1.0
+        probs = torch.softmax(sorted_logits.double() / scale, dim=-1)  # float64 as the confidences (see propose)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before it reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -160,7 +169,8 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
             top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
-    ``x0 = gumbel_argmax(filter_top_k_top_p(logits), temperature)``; with ``probs = softmax(logits)`` (the model's
+    ``x0 = gumbel_argmax(filter_top_k_top_p(logits, temperature=temperature), temperature)``; with
+    ``probs = softmax(logits)`` (the model's
     distribution, noise-free and *not* filtered) the confidence (higher = unmask first) is ``probs[x0]``
     (``low_confidence``), ``probs_top1 - probs_top2`` (``margin``), minus the entropy of ``probs``
     (``entropy``) or ``U[0, 1)`` (``random``). Returns ``(x0 [B, N] int64, confidence [B, N] float64)``.
@@ -172,7 +182,7 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
     filtered distribution would be exactly 1 wherever the nucleus is one token (Dream's ``sample_tokens``
     computes it after filtering; difflm does not).
     """
-    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
+    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
     probs = torch.softmax(logits.double(), dim=-1)
@@ -333,8 +343,14 @@ def diffusion_generate(
     candidates and confidences (:func:`propose`); the ``k`` most confident masked positions of each row
     take their candidate, ``k`` following :func:`num_transfer_tokens` (or, with ``threshold``, every
     position above it and at least one: Fast-dLLM; a block then takes as many steps as it needs).
+    ``remasking=remdm``: ``low_confidence`` unmasking, and each step also remasks ``round(sigma_t * n)`` of the
+    block's ``n`` decoded tokens and unmasks as many more (ReMDM, Wang et al. 2025, arXiv:2503.00307, sec. 3's
+    posterior q_sigma(z_s | z_t, x) in count form, :mod:`difflm.sampling.remdm`); ``remdm_sigma=0`` is
+    ``low_confidence`` exactly.
     Ties in confidence go to the leftmost position. The prompt is never changed, even if it contains
-    ``mask_id``.
+    ``mask_id``, unless ``opts.infill``: then the prompt's ``mask_id`` positions are sampled with the first block
+    (its region starts at the first masked prompt position, and its transfer schedule counts them), and the given
+    prompt tokens stay.
 
     Args:
         logits_fn: see :data:`LogitsFn`; called with ``attn_mask``/``position_ids``/``kv_cache`` keywords only
@@ -371,18 +387,33 @@ def diffusion_generate(
     gen = torch.full((batch, opts.length), mask_id, dtype=torch.long, device=prompt.device)
     x = torch.cat([prompt, gen], dim=1)
 
+    first_masked = prompt_len  # infilling: block 0 also covers the masked prompt positions
+    if opts.infill and (prompt == mask_id).any():
+        first_masked = int((prompt == mask_id).any(dim=0).nonzero()[0])
+    remdm = opts.remasking == REMDM
+    rule = "low_confidence" if remdm else opts.remasking
     for block in range(num_blocks):
         start = prompt_len + block * block_length
         end = start + block_length
-        schedule = num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+        if block == 0:
+            start = first_masked
+        to_decode = x[:, start:end] == mask_id  # [B, N]: what this block's steps decode
+        schedule = num_transfer_tokens(to_decode.sum(dim=1), steps_per_block)
+        decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=x.device)
         step = 0
         while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
             candidates = x[:, start:end] == mask_id  # [B, N]
             logits = forward(x, start, end, first_of_block=step == 0)
-            x0, confidence = propose(logits, opts.remasking, opts.temperature, generator, opts.top_k, opts.top_p)
+            x0, confidence = propose(logits, rule, opts.temperature, generator, opts.top_k, opts.top_p)
             count = schedule[:, min(step, steps_per_block - 1)]
+            if remdm:  # ReMDM (count form): remask r decoded tokens, unmask k + r
+                remask, count = remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),
+                                             count, to_decode.sum(dim=1), opts.remdm_sigma, opts.remdm_schedule)
             transfer = select_transfer(confidence, candidates, count, threshold)
             x[:, start:end] = torch.where(transfer, x0, x[:, start:end])
+            if remdm:
+                decoded_confidence = torch.where(transfer, confidence, decoded_confidence)
+                x[:, start:end] = x[:, start:end].masked_fill(remask, mask_id)
             step += 1
     if stats is not None:
         stats["nfe"] = forward.nfe

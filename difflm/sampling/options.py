@@ -13,9 +13,13 @@ from typing import Any, Optional, Sequence
 from difflm.errors import DifflmError
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+# ReMDM (Wang et al. 2025): low_confidence unmasking plus remasking of decoded tokens (difflm.sampling.remdm)
+REMDM = "remdm"
+REMDM_SCHEDULES = ("cap", "rescale")
 CACHES = ("none", "prefix", "dual")
 # GenerationOptions fields that only the diffusion samplers read (the autoregressive one ignores them)
-DIFFUSION_ONLY = ("steps", "block_length", "remasking", "cfg_scale", "threshold", "cache")
+DIFFUSION_ONLY = ("steps", "block_length", "remasking", "cfg_scale", "threshold", "cache", "remdm_sigma",
+                  "remdm_schedule")
 
 
 class GenerationConfigError(DifflmError, ValueError):
@@ -32,7 +36,12 @@ class GenerationOptions:
         steps: denoising steps in all [``gen.steps``]; bd3lm spreads them over its blocks,
             ``max(1, steps * block_size // length)`` per block (diffusion samplers).
         block_length: LLaDA's semi-autoregressive block [``gen.block_length``] (LLaDA sampler).
-        remasking: confidence rule, one of :data:`REMASKING` [``gen.remasking``] (diffusion samplers).
+        remasking: confidence rule, one of :data:`REMASKING`, or ``remdm``: ``low_confidence`` unmasking plus
+            ReMDM's remasking of decoded tokens (:mod:`difflm.sampling.remdm`) [``gen.remasking``] (diffusion
+            samplers).
+        remdm_sigma: ReMDM's eta: the cap of sigma_t (``cap``, >= 0) or its share of sigma_t^max (``rescale``, in
+            [0, 1]); 0 = no remasking [``gen.remdm_sigma``] (with ``remasking=remdm``).
+        remdm_schedule: ``cap`` or ``rescale``, ReMDM's sigma_t schedules [``gen.remdm_schedule``].
         temperature: >= 0, 0 = greedy [``gen.temperature``] (all).
         top_k, top_p: nucleus / top-k filters, 0 / 1 = off [``gen.top_k``, ``gen.top_p``] (all).
         cfg_scale: classifier-free guidance, 0 = off [``gen.cfg_scale``] (LLaDA sampler).
@@ -45,6 +54,10 @@ class GenerationOptions:
             come from the hidden state at i - 1); the samplers then give position i the logits of the state
             at the previous *real* position, also under padding and the KV cache (diffusion samplers).
         block_size: the bd3lm model's ``objective.block_size`` (block sampler only; None elsewhere).
+        infill: the prompt's ``mask_id`` positions are sampled too (infilling, as Dream's ``diffusion_generate``
+            with mask tokens in its input), the given prompt tokens kept; False: the prompt is kept whole, mask ids
+            included (diffusion samplers; the autoregressive one refuses it). ``difflm-generate`` sets it for a
+            prompt with ``mask_placeholder`` text.
 
     Raises:
         GenerationConfigError: at construction, for a value out of range (naming the ``gen.*`` key).
@@ -55,6 +68,8 @@ class GenerationOptions:
     steps: int = 64
     block_length: int = 64
     remasking: str = "low_confidence"
+    remdm_sigma: float = 0.0
+    remdm_schedule: str = "cap"
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -64,6 +79,7 @@ class GenerationOptions:
     forbid_ids: Sequence[int] = ()
     shift_logits: bool = False
     block_size: Optional[int] = None
+    infill: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "forbid_ids", tuple(int(i) for i in self.forbid_ids))
@@ -73,8 +89,17 @@ class GenerationOptions:
             raise GenerationConfigError(f"gen.steps={self.steps} must be >= 1")
         if self.block_length < 1:
             raise GenerationConfigError(f"gen.block_length={self.block_length} must be >= 1")
-        if self.remasking not in REMASKING:
-            raise GenerationConfigError(f"gen.remasking={self.remasking!r} must be one of {REMASKING}")
+        if self.remasking not in REMASKING + (REMDM,):
+            raise GenerationConfigError(f"gen.remasking={self.remasking!r} must be one of {REMASKING + (REMDM,)}")
+        if self.remdm_schedule not in REMDM_SCHEDULES:
+            raise GenerationConfigError(f"gen.remdm_schedule={self.remdm_schedule!r} must be one of {REMDM_SCHEDULES}")
+        if not self.remdm_sigma >= 0 or (self.remdm_schedule == "rescale" and self.remdm_sigma > 1):
+            top = "1" if self.remdm_schedule == "rescale" else "inf"
+            raise GenerationConfigError(f"gen.remdm_sigma={self.remdm_sigma} must be in [0, {top}] under "
+                                        f"gen.remdm_schedule={self.remdm_schedule}")
+        if self.remasking == REMDM and self.threshold is not None:
+            raise GenerationConfigError("gen.remasking=remdm remasks against the fixed unmasking schedule: set "
+                                        "gen.threshold=null")
         if not self.temperature >= 0:
             raise GenerationConfigError(f"gen.temperature={self.temperature} must be >= 0")
         if self.top_k < 0:
@@ -97,7 +122,7 @@ class GenerationOptions:
         missing optional keys take the defaults above) and the model's facts."""
         get = gen.get if hasattr(gen, "get") else lambda k, d=None: getattr(gen, k, d)
         keys = ("length", "steps", "block_length", "remasking", "temperature", "top_k", "top_p", "cfg_scale",
-                "threshold", "cache")
+                "threshold", "cache", "remdm_sigma", "remdm_schedule")
         values = {k: v for k in keys if (v := get(k, None)) is not None}
         return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
                    block_size=block_size, **values)
@@ -142,4 +167,5 @@ class GenerationOptions:
 # their defaults: a run's stored gen.* reset to these is what an ``ar`` run's decoding reads
 DIFFUSION_DEFAULTS = {k: GenerationOptions.__dataclass_fields__[k].default for k in DIFFUSION_ONLY}
 
-__all__ = ["CACHES", "DIFFUSION_DEFAULTS", "DIFFUSION_ONLY", "GenerationConfigError", "GenerationOptions", "REMASKING"]
+__all__ = ["CACHES", "DIFFUSION_DEFAULTS", "DIFFUSION_ONLY", "GenerationConfigError", "GenerationOptions", "REMASKING",
+           "REMDM", "REMDM_SCHEDULES"]

@@ -130,6 +130,7 @@ class Trainer:
         self.data_offset = 0  # steps of data skipped after loss spikes: step s trains on data step s + offset
         self.skipped_steps = 0  # non-finite steps skipped so far (all time)
         self._told_no_samples = False  # the console said once that this layout draws no samples
+        self._told_beyond_window = False  # the console said once that samples run past data.seq_len
         self.resumed_from: Optional[int] = None
         self.resumed_checkpoint: Optional[Path] = None
         self.stop_reason: Optional[str] = None
@@ -476,8 +477,14 @@ class Trainer:
             return []
         from difflm.parallel.vocab_parallel import gather_logits
         self.model.eval()
-        ids = self.tok.encode(prompt) or [self.tok.eos_id]
+        from difflm.generate import beyond_trained_length, decode_generated, encode_prompt, run_chat_template
+
+        ids = encode_prompt(self.tok, prompt, run_chat_template(self.cfg))  # as the run's SFT prompts
         gen = self.cfg.gen
+        warning = beyond_trained_length(len(ids), gen.length, self.cfg.data.seq_len)
+        if warning is not None and self.is_rank0 and not self._told_beyond_window:
+            self._report(warning)
+            self._told_beyond_window = True
         batches = [(num, gen)]
         if gen.temperature == 0 and num > 1:
             warm = OmegaConf.merge(gen, {"temperature": self.cfg.logger.sample_temperature})
@@ -490,7 +497,7 @@ class Trainer:
                                      precision=self.cfg.precision, objective=self.cfg.objective,
                                      seq_multiple=layout_length_multiple(self.cfg.parallel, self.dims))
         self.model.train()
-        return [prompt + self.tok.decode(row.tolist()) for row in rows]
+        return [prompt + decode_generated(self.tok, row) for row in rows]  # each cut at the end of text
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:

@@ -23,7 +23,7 @@ class DiffLMConfig(PretrainedConfig):
         mask_token_id: the [MASK] id used by the sampler.
         tokenizer_vocab_size: ids >= this (and ``mask_token_id``) are never sampled (embedding padding).
         gen_length, gen_steps, gen_block_length, gen_remasking, gen_temperature, gen_cfg_scale, gen_top_k,
-        gen_top_p, gen_threshold: default sampler settings (difflm's ``gen.*``).
+        gen_top_p, gen_threshold, gen_remdm_sigma, gen_remdm_schedule: default sampler settings (difflm's ``gen.*``).
         gen_seed, gen_cache: the run's ``gen.seed`` and ``gen.cache``, kept so that ``difflm-import`` restores the
         run's ``gen.*`` (``generate`` takes a ``generator`` instead of a seed and has no KV cache).
         train_seq_len: the run's training window ``data.seq_len`` (None: unknown, e.g. an older export), restored
@@ -45,6 +45,7 @@ class DiffLMConfig(PretrainedConfig):
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
                  gen_threshold: float | None = None, gen_seed: int = 0, gen_cache: str = "none",
+                 gen_remdm_sigma: float = 0.0, gen_remdm_schedule: str = "cap",
                  train_seq_len: int | None = None, train_step: int | None = None, initializer_range: float = 0.02,
                  moe_num_experts: int = 0, moe_top_k: int = 2, moe_intermediate_size: int | None = None,
                  moe_num_shared_experts: int = 0, moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False,
@@ -75,6 +76,8 @@ class DiffLMConfig(PretrainedConfig):
         self.gen_threshold = gen_threshold
         self.gen_seed = gen_seed
         self.gen_cache = gen_cache
+        self.gen_remdm_sigma = gen_remdm_sigma
+        self.gen_remdm_schedule = gen_remdm_schedule
         self.train_seq_len = train_seq_len
         self.train_step = train_step
         self.initializer_range = initializer_range

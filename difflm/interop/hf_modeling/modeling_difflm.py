@@ -294,8 +294,46 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                                                                         bias=False)
         self.post_init()
 
+    # ---- the embedding accessors of PreTrainedModel (resize_token_embeddings, PEFT, TRL read them)
     def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding ``[V, d]`` (``embedding``)."""
         return self.embedding
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        """Replace the token embedding (``resize_token_embeddings`` passes a resized copy). With
+        ``tie_word_embeddings`` the LM head is this embedding, so it changes with it."""
+        self.embedding = value
+
+    def get_output_embeddings(self) -> Optional[nn.Linear]:
+        """The untied LM head ``output`` (``nn.Linear`` d -> V), or None with ``tie_word_embeddings``: the logits are
+        then ``final_norm(h) @ embedding.weight^T`` and no separate module exists (transformers' convention for a
+        head with no module of its own: ``resize_token_embeddings`` resizes the embedding, and the head with it)."""
+        return self.output
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        """Replace the untied LM head. Raises ValueError with ``tie_word_embeddings`` (the head is the input
+        embedding: use :meth:`set_input_embeddings`)."""
+        if self.output is None:
+            raise ValueError("tie_word_embeddings=True: the LM head is the input embedding; use set_input_embeddings")
+        self.output = value
+
+    def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, pad_to_multiple_of: Optional[int] = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' ``resize_token_embeddings`` (input embedding, untied head and ``config.vocab_size``), and
+        ``config.tokenizer_vocab_size`` follows ``new_num_tokens`` (``len(tokenizer)`` after adding tokens): the
+        new tokens become tokens ``generate`` may emit, while the rows padded by ``pad_to_multiple_of`` stay
+        forbidden, as the embedding's padding rows of the export are.
+
+        Raises ValueError when ``new_num_tokens`` would drop the mask token (``config.mask_token_id``).
+        """
+        mask = self.config.mask_token_id
+        if new_num_tokens is not None and mask is not None and new_num_tokens <= mask:
+            raise ValueError(f"new_num_tokens={new_num_tokens} would drop the mask token {mask} that generate needs: "
+                             f"keep at least {mask + 1} tokens")
+        out = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if new_num_tokens is not None:
+            self.config.tokenizer_vocab_size = int(new_num_tokens)
+        return out
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding.weight if self.output is None else self.output.weight
@@ -345,7 +383,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                  cfg_scale: Optional[float] = None, remasking: Optional[str] = None, mask_id: Optional[int] = None,
                  top_k: Optional[int] = None, top_p: Optional[float] = None, threshold: Optional[float] = None,
                  generator: Optional[torch.Generator] = None, attention_mask: Optional[torch.Tensor] = None,
-                 max_new_tokens: Optional[int] = None) -> torch.LongTensor:
+                 max_new_tokens: Optional[int] = None, remdm_sigma: Optional[float] = None,
+                 remdm_schedule: Optional[str] = None, do_sample: Optional[bool] = None,
+                 stop_at_eos: bool = True, infill: bool = False) -> torch.LongTensor:
         """``[B, P + gen_length]`` int64: the prompt ``input_ids`` [B, P] followed by generated tokens.
 
         Masked diffusion (LLaDA, Alg. 4-5; difflm's ``diffusion_generate``): ``gen_length`` masks after the
@@ -353,15 +393,25 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         ``x0 = argmax(top-k/top-p filtered logits + temperature * Gumbel)`` (float64) at the block's
         positions and unmasks a fixed number of them (LLaDA's linear schedule), the most confident first
         (confidences in float64, as LLaDA): ``remasking`` ``low_confidence`` (p(x0)), ``margin`` (top-1 minus
-        top-2 probability), ``entropy`` (lowest entropy) or ``random``. ``threshold`` (Fast-dLLM): unmask every
-        masked token of the block whose confidence is >= threshold, at least one per step. ``cfg_scale`` > 0:
+        top-2 probability), ``entropy`` (lowest entropy) or ``random``; ``remdm``: ``low_confidence`` plus ReMDM's
+        remasking of decoded tokens (Wang et al. 2025; ``remdm_sigma``, ``remdm_schedule`` ``cap``/``rescale``).
+        ``threshold`` (Fast-dLLM): unmask every masked token of the block whose confidence is >= threshold, at
+        least one per step. ``cfg_scale`` > 0:
         classifier-free guidance, ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the
         unconditional input. Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply).
         ``attention_mask`` [B, P] (1 = real, 0 = padding, left or right): each row is generated as if alone
         (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``. The
         mask id and the embedding's padding ids are never emitted. The same ``generator`` seed gives difflm's
         output token for token. ``max_new_tokens`` (transformers' name, also in ``generation_config.json``) is
-        ``gen_length``; give either, or both with the same value. Unknown keyword arguments raise TypeError.
+        ``gen_length``; give either, or both with the same value. ``do_sample`` as in transformers: False is greedy
+        (temperature 0), True without ``temperature`` samples at the run's ``gen_temperature``, or at 1.0 when that
+        is 0. ``stop_at_eos`` (default): as transformers' ``generate`` ends a row at ``eos_token_id``, every
+        generated token after a row's first EOS becomes ``pad_token_id`` (EOS when there is none); False returns
+        the sampler's tokens as they are (difflm's samplers do; its commands cut the text at EOS).
+        ``top_p`` is the nucleus of the temperature-scaled distribution (transformers' warper order).
+        ``infill``: the prompt's ``mask_id`` positions are sampled too, with the first block, the given tokens
+        kept (difflm's ``GenerationOptions.infill``; masked-diffusion exports only).
+        Unknown keyword arguments raise TypeError.
         Raises ValueError, as difflm's sampler refuses them: ``max_new_tokens`` != ``gen_length``; a length, step or
         block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
         ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; for a causal export, a diffusion-only argument
@@ -376,7 +426,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             gen_length = max_new_tokens
         if cfg.causal:  # difflm's GenerationOptions.check_autoregressive, on the arguments given
             given = dict(steps=steps, block_length=block_length, remasking=remasking, cfg_scale=cfg_scale,
-                         threshold=threshold)
+                         threshold=threshold, remdm_sigma=remdm_sigma, remdm_schedule=remdm_schedule)
             changed = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != AR_IGNORED[k]]
             if changed:
                 keys = ", ".join(c.split("=")[0] for c in changed)
@@ -387,11 +437,17 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         gen_length = pick(gen_length, "gen_length", 64)
         steps = pick(steps, "gen_steps", gen_length)
         block_length = pick(block_length, "gen_block_length", gen_length)
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample and temperature is None:
+            temperature = getattr(cfg, "gen_temperature", 0.0) or 1.0
         temperature = pick(temperature, "gen_temperature", 0.0)
         remasking = pick(remasking, "gen_remasking", "low_confidence")
         cfg_scale = pick(cfg_scale, "gen_cfg_scale", 0.0)
         top_k, top_p = pick(top_k, "gen_top_k", 0), pick(top_p, "gen_top_p", 1.0)
         threshold = pick(threshold, "gen_threshold", None)
+        remdm_sigma = pick(remdm_sigma, "gen_remdm_sigma", 0.0)
+        remdm_schedule = pick(remdm_schedule, "gen_remdm_schedule", "cap")
         mask_id = cfg.mask_token_id if mask_id is None else mask_id
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
@@ -402,13 +458,23 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         forbid = self._forbidden_ids()
         _check_sampling(gen_length, temperature, top_k, top_p)
         if cfg.causal:
+            if infill:
+                raise ValueError("infill=True needs a masked-diffusion export: this causal (objective=ar) export "
+                                 "decodes left to right")
             if input_ids.shape[1] < 1:
                 raise ValueError("input_ids must hold at least one token (e.g. BOS) for left-to-right decoding")
-            return self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
-        if mask_id is None:
-            raise ValueError("config.mask_token_id is not set: pass mask_id=")
-        return self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
-                                        remasking, mask_id, generator, forbid, top_k, top_p, threshold)
+            out = self._generate_ar(input_ids, valid, gen_length, temperature, generator, forbid, top_k, top_p)
+        else:
+            if mask_id is None:
+                raise ValueError("config.mask_token_id is not set: pass mask_id=")
+            _check_remdm(remasking, remdm_sigma, remdm_schedule, threshold)
+            out = self._generate_diffusion(input_ids, valid, steps, gen_length, block_length, temperature, cfg_scale,
+                                           remasking, mask_id, generator, forbid, top_k, top_p, threshold,
+                                           remdm_sigma, remdm_schedule, infill)
+        eos, pad = getattr(cfg, "eos_token_id", None), getattr(cfg, "pad_token_id", None)
+        if stop_at_eos and eos is not None:
+            out[:, input_ids.shape[1]:] = _fill_after_eos(out[:, input_ids.shape[1]:], eos, eos if pad is None else pad)
+        return out
 
     def _logits(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self(x, attention_mask=valid).logits.float()
@@ -420,7 +486,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         for _ in range(length):
             logits = self._logits(x, valid)
             last_pos = x.shape[1] - 1 if valid is None else x.shape[1] - 1 - valid.flip(1).long().argmax(dim=1)
-            last = _filter_top_k_top_p(_apply_forbid(logits[rows, last_pos], forbid), top_k, top_p)  # [B, V]
+            last = _filter_top_k_top_p(_apply_forbid(logits[rows, last_pos], forbid), top_k, top_p, temperature)
             if temperature == 0:
                 nxt = last.argmax(dim=-1)
             else:
@@ -431,17 +497,25 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         return x
 
     def _generate_diffusion(self, prompt, valid, steps, length, block_length, temperature, cfg_scale, remasking,
-                            mask_id, generator, forbid, top_k, top_p, threshold):
+                            mask_id, generator, forbid, top_k, top_p, threshold, remdm_sigma=0.0, remdm_schedule="cap",
+                            infill=False):
         num_blocks = _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshold)
         steps_per_block = steps // num_blocks
         batch, prompt_len = prompt.shape
         x = torch.cat([prompt, torch.full((batch, length), mask_id, dtype=torch.long, device=prompt.device)], 1)
         if valid is not None:  # the generated positions are real tokens
             valid = torch.cat([valid, torch.ones(batch, length, dtype=torch.bool, device=valid.device)], dim=1)
+        first_masked = prompt_len  # infill: the first block also covers the prompt's masked positions
+        if infill and bool((prompt == mask_id).any()):
+            first_masked = int((prompt == mask_id).any(dim=0).nonzero()[0])
         for block in range(num_blocks):
             start = prompt_len + block * block_length
             end = start + block_length
-            schedule = _num_transfer_tokens((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+            if block == 0:
+                start = first_masked
+            to_decode = x[:, start:end] == mask_id
+            schedule = _num_transfer_tokens(to_decode.sum(dim=1), steps_per_block)
+            decoded_confidence = torch.zeros(to_decode.shape, dtype=torch.float64, device=x.device)
             step = 0
             while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
                 candidates = x[:, start:end] == mask_id  # [B, N]
@@ -454,18 +528,26 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                     logits = un + (cfg_scale + 1.0) * (cond - un)
                 else:
                     logits = self._logits(x, valid)[:, start:end]
-                x0, confidence = _propose(_apply_forbid(logits, forbid), remasking, temperature, generator,
-                                          top_k, top_p)
+                rule = "low_confidence" if remasking == "remdm" else remasking
+                x0, confidence = _propose(_apply_forbid(logits, forbid), rule, temperature, generator, top_k, top_p)
                 count = schedule[:, min(step, steps_per_block - 1)]
+                if remasking == "remdm":  # ReMDM in count form (difflm.sampling.remdm)
+                    remask, count = _remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),
+                                                  count, to_decode.sum(dim=1), remdm_sigma, remdm_schedule)
                 transfer = _select_transfer(confidence, candidates, count, threshold)
                 x[:, start:end] = torch.where(transfer, x0, x[:, start:end])
+                if remasking == "remdm":
+                    decoded_confidence = torch.where(transfer, confidence, decoded_confidence)
+                    x[:, start:end] = x[:, start:end].masked_fill(remask, mask_id)
                 step += 1
         return x
 
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
+REMDM_SCHEDULES = ("cap", "rescale")
 # difflm's defaults of the diffusion-only settings (GenerationOptions): a causal export's generate refuses others
-AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None}
+AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None,
+              "remdm_sigma": 0.0, "remdm_schedule": "cap"}
 
 
 def _is_int(value) -> bool:
@@ -505,8 +587,8 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
         raise ValueError(f"steps={steps!r} must be an integer >= 1")
     if not _is_int(block_length) or block_length < 1:
         raise ValueError(f"block_length={block_length!r} must be an integer >= 1")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking={remasking!r} must be one of {REMASKING}")
+    if remasking not in REMASKING + ("remdm",):
+        raise ValueError(f"remasking={remasking!r} must be one of {REMASKING + ('remdm',)}")
     if not _is_real(cfg_scale) or not cfg_scale >= 0:
         raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 (0 = off)")
     if threshold is not None and (not _is_real(threshold) or not 0.0 < threshold <= 1.0):
@@ -521,6 +603,44 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
     if steps > length:
         raise ValueError(f"steps={steps} must be <= gen_length={length} (at least one token per step){fix}")
     return num_blocks
+
+
+def _fill_after_eos(generated: torch.Tensor, eos, pad) -> torch.Tensor:
+    """``generated`` [B, L] with every token after a row's first ``eos`` (an id or a list of ids) set to ``pad``
+    (an id, or the first of a list): transformers' ``generate`` pads a finished row so."""
+    eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], device=generated.device)
+    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    is_eos = torch.isin(generated, eos_ids).long()
+    after = (is_eos.cumsum(dim=1) - is_eos) > 0
+    return generated.masked_fill(after, int(pad))
+
+
+def _check_remdm(remasking, sigma, schedule, threshold) -> None:
+    """difflm's checks of the ReMDM settings (``GenerationOptions``). Raises ValueError naming the argument."""
+    if schedule not in REMDM_SCHEDULES:
+        raise ValueError(f"remdm_schedule={schedule!r} must be one of {REMDM_SCHEDULES}")
+    if not _is_real(sigma) or not sigma >= 0 or (schedule == "rescale" and sigma > 1):
+        raise ValueError(f"remdm_sigma={sigma!r} must be in [0, {'1' if schedule == 'rescale' else 'inf'}] under "
+                         f"remdm_schedule={schedule}")
+    if remasking == "remdm" and threshold is not None:
+        raise ValueError("remasking='remdm' remasks against the fixed unmasking schedule: pass threshold=None")
+
+
+def _remdm_remask(decoded, decoded_confidence, masked_count, count, block_count, eta, schedule):
+    """ReMDM (Wang et al. 2025, arXiv:2503.00307, sec. 3-4.1) in count form, as difflm's ``remdm_remask``: remask the
+    r = round(sigma_t n) least confident of the block's n decoded tokens (ties leftmost), sigma_t = min(eta,
+    sigma_max) (cap) or eta sigma_max (rescale), sigma_max = min(1, (1 - alpha_s) / alpha_t), alpha_t = n / N,
+    alpha_s = (n + k) / N; returns (remask [B, N] bool, k + r [B])."""
+    n = decoded.sum(dim=1)
+    total = block_count.clamp(min=1).double()
+    alpha_t, alpha_s = n.double() / total, (n + count).double() / total
+    safe = torch.where(alpha_t > 0, alpha_t, torch.ones_like(alpha_t))
+    sigma_max = torch.where(alpha_t > 0, ((1 - alpha_s) / safe).clamp(0.0, 1.0), torch.zeros_like(alpha_t))
+    sigma = sigma_max.clamp(max=eta) if schedule == "cap" else eta * sigma_max
+    r = torch.minimum(torch.floor(sigma * n.double() + 0.5).long(), (masked_count - count).clamp(min=0))
+    order = torch.sort(decoded_confidence.masked_fill(~decoded, float("inf")), dim=1, stable=True).indices
+    ranks = torch.arange(decoded.shape[1], device=decoded.device).unsqueeze(0)
+    return torch.zeros_like(decoded).scatter(1, order, ranks < r.unsqueeze(1)) & decoded, count + r
 
 
 def _valid_positions(attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -562,14 +682,16 @@ def _gumbel_argmax(logits: torch.Tensor, temperature: float, generator: Optional
     return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Keep the ``top_k`` largest logits and the nucleus of mass ``top_p``; the rest -inf (0 / 1 = off)."""
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Keep the ``top_k`` largest logits and the nucleus of mass ``top_p`` of ``softmax(logits / temperature)`` (the
+    order of transformers' temperature, top-k and top-p warpers); the rest -inf (0 / 1 = off)."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits.double(), dim=-1)
+        probs = torch.softmax(sorted_logits.double() / (temperature if temperature > 0 else 1.0), dim=-1)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
     return logits
@@ -577,7 +699,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0
 
 def _propose(logits, remasking, temperature, generator, top_k, top_p):
     """(x0 [B, N] int64, confidence [B, N] float64) for block logits [B, N, V] (see ``generate``)."""
-    x0 = _gumbel_argmax(_filter_top_k_top_p(logits, top_k, top_p), temperature, generator)
+    x0 = _gumbel_argmax(_filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator)
     if remasking == "random":
         return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
     # the model's (unfiltered) distribution in float64, as LLaDA: in float32 leads > ~17 nats tie at 1.0, and a
