@@ -149,7 +149,8 @@ def main(argv=None) -> None:
                     torch.cuda.reset_peak_memory_stats(device)
                 row = {"model": name, **run_setting(model, ref, est, args, cache, threshold, device, vocab, 50277)}
                 results.append(row)
-                print(f"{name:>5} cache={cache:<6} threshold={str(threshold):<5} rollout {row['rollout_tokens_per_s']:>9,.0f}"
+                print(f"{name:>5} cache={cache:<6} threshold={str(threshold):<5} "
+                      f"rollout {row['rollout_tokens_per_s']:>9,.0f}"
                       f" tok/s  nfe {row['nfe']:>4}  rollout {row['rollout_s']:.2f} s  update {row['update_s']:.2f} s"
                       f"  step {row['step_s']:.2f} s  ({row['steps_per_h']:.0f} steps/h)", flush=True)
         del model, ref

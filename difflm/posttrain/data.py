@@ -27,7 +27,8 @@ def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
             ds = datasets.load_from_disk(cfg.hf_dataset) if os.path.isdir(cfg.hf_dataset) else \
                 datasets.load_dataset(cfg.hf_dataset, split=cfg.hf_split)
         except Exception as e:  # noqa: BLE001 - datasets raises many types; one line names the key
-            raise DifflmError(f"data.hf_dataset={cfg.hf_dataset!r} cannot be loaded ({type(e).__name__}: {e})") from None
+            raise DifflmError(f"data.hf_dataset={cfg.hf_dataset!r} cannot be loaded "
+                              f"({type(e).__name__}: {e})") from None
         if hasattr(ds, "keys") and cfg.hf_split in ds:
             ds = ds[cfg.hf_split]
         rows = [(f"{cfg.hf_dataset}[{i}]", dict(r)) for i, r in enumerate(ds)]

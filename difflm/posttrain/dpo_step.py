@@ -1,4 +1,5 @@
-"""One DPO step on preference pairs with VRPO's shared noise (:mod:`difflm.posttrain.dpo`, :mod:`~difflm.posttrain.vrpo`)."""
+"""One DPO step on preference pairs with VRPO's shared noise (:mod:`difflm.posttrain.dpo`,
+:mod:`difflm.posttrain.vrpo`)."""
 from __future__ import annotations
 
 import time

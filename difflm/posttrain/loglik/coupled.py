@@ -5,7 +5,8 @@ Gong et al. 2025, "DiffuCoder: Understanding and Improving Masked Diffusion Mode
 [0.2, 0.8]) and one uniform u_i per completion token; the mask A = {i : u_i < t} and its complement
 B = {i : u_i >= t} each give one forward pass, so every completion token is predicted exactly once, and
 
-    log pi(o | q) ~ (1/2) [ sum_{i in A} (1/t) log f_theta(o^i | q, o_A)  +  sum_{i in B} (1/(1-t)) log f_theta(o^i | q, o_B) ],
+    log pi(o | q) ~ (1/2) [ sum_{i in A} (1/t) log f_theta(o^i | q, o_A)
+                          + sum_{i in B} (1/(1-t)) log f_theta(o^i | q, o_B) ],
 
 the mean of two one-sample ELBO estimates (LLaDA's ELBO term at t and at 1 - t) whose masks are antithetic. The
 per-token term of token i is its half of the pair. Compared with one random mask, every token is scored and the

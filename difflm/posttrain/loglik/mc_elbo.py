@@ -4,7 +4,8 @@ The conditional ELBO of a masked-diffusion model (LLaDA, Nie et al. 2025, eq. 5 
 LLaDA 1.5, Zhu et al. 2025, "LLaDA 1.5: Variance-Reduced Preference Optimization for Large Language Diffusion
 Models", arXiv:2505.19223, eq. 3-4):
 
-    B_pi(y | x) = E_{t ~ U[0,1]} E_{y_t ~ q(y_t | t, y)} [ (1/t) sum_{i : y_t^i = M} log p_theta(y^i | y_t, x) ]  <=  log pi(y | x).
+    B_pi(y | x) = E_{t ~ U[0,1]} E_{y_t ~ q(y_t | t, y)} [ (1/t) sum_{i : y_t^i = M} log p_theta(y^i | y_t, x) ]
+               <= log pi(y | x).
 
 Estimate with n timesteps and one mask each (VRPO's allocation, sec. 3.2 / Thm. 3: for a fixed budget of n
 forwards, n timesteps with one mask each is the lowest-variance split), and antithetic, stratified t per sample:
