@@ -413,6 +413,99 @@ class PreprocessConfig:
     progress_bar: bool = True
 
 
+@dataclass
+class InitConfig:
+    """The trained run a post-training run starts from (its model, tokenizer and objective)."""
+
+    run_dir: str = "???"  # a difflm-train / difflm-import run directory
+    step: Optional[int] = None  # its checkpoint step; default the latest
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm=grpo|dpo`` of difflm-rl (docs/post_training.md)."""
+
+    name: str = "grpo"  # grpo (Shao et al. 2024, eq. 3) | dpo (Rafailov et al. 2023, eq. 7, on ELBOs: VRPO)
+    prompts_per_step: int = 2  # grpo: prompts per rollout batch; dpo: preference pairs per step
+    group_size: int = 4  # grpo: completions per prompt (G)
+    num_inner: int = 2  # grpo: optimizer updates per rollout batch (mu), each with a fresh estimate key
+    clip_low: float = 0.2  # grpo: eps_low of the clipped ratio (PPO's 0.2)
+    clip_high: float = 0.2  # grpo: eps_high (DAPO's clip-higher: 0.28)
+    beta: float = 0.04  # grpo: k3 KL weight (0: no reference); dpo: the DPO temperature
+    loss_norm: str = "token"  # grpo: token (d1 / DiffuCoder) | sequence (GRPO eq. 3)
+    scale_rewards: bool = True  # grpo: divide advantages by the group std (false: Dr. GRPO)
+    reference: str = "frozen_copy"  # frozen_copy | adapters_off (LoRA: the base with adapters off) | none
+
+
+@dataclass
+class EstimatorConfig:
+    """``estimator=one_step|coupled|mc_elbo``: the sequence log-likelihood estimator (difflm.posttrain.loglik)."""
+
+    name: str = "coupled"
+    prompt_mask_prob: float = 0.15  # one_step: d1's prompt masking probability
+    t_min: float = 0.2  # coupled: t ~ U[t_min, t_max] (DiffuCoder: [0.2, 0.8])
+    t_max: float = 0.8
+    full_mask_weight: float = 0.0  # coupled: weight of the fully masked pass (DiffuCoder's code: 0.5)
+    num_t: int = 2  # mc_elbo: timesteps, one mask each (VRPO)
+    eps: float = 1e-3  # mc_elbo: time floor t' = (1 - eps) t + eps, as objective.eps
+    antithetic: bool = True  # mc_elbo: stratified t_k = (u + k / num_t) mod 1
+
+
+@dataclass
+class RewardConfig:
+    """``reward=gsm8k|format``: weighted reward terms, each a Hydra ``_target_`` callable (difflm.posttrain.rewards)."""
+
+    terms: list = field(default_factory=list)
+
+
+@dataclass
+class PosttrainDataConfig:
+    """Prompts (grpo) or preference triples (dpo): JSONL files or a HF dataset (difflm.posttrain.data)."""
+
+    path: Optional[str] = None  # .jsonl file, directory or glob
+    hf_dataset: Optional[str] = None  # or a datasets hub name / save_to_disk directory
+    hf_split: str = "train"
+    prompt_field: str = "prompt"
+    answer_field: Optional[str] = None  # grpo: the reference answer handed to the reward (GSM8K: answer)
+    chosen_field: str = "chosen"  # dpo
+    rejected_field: str = "rejected"  # dpo
+    prompt_template: str = "{prompt}"  # the prompt text; {prompt} is the record's prompt
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (as data.chat_template of sft)
+    max_prompt_tokens: int = 256  # prompts keep their last tokens
+    max_response_tokens: int = 256  # dpo: responses are cut to this
+    eval_records: int = 8  # the first records are held out for evaluation (held-out reward / ELBO margin)
+
+
+@dataclass
+class PosttrainRunConfig:
+    """``train.*`` of difflm-rl."""
+
+    max_steps: int = 100
+    seed: int = 1234
+    save_every: int = 50
+    eval_every: int = 50
+    keep_last: int = 0
+
+
+@dataclass
+class RLRunConfig:
+    """Command line of ``difflm-rl`` (:mod:`difflm.rl`): GRPO or DPO on a trained run."""
+
+    init: InitConfig = field(default_factory=InitConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: PosttrainDataConfig = field(default_factory=PosttrainDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.0))
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", warmup_steps=0))
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: PosttrainRunConfig = field(default_factory=PosttrainRunConfig)
+    gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, steps=32, block_length=32,
+                                                                       temperature=1.0))
+    run: RunDirConfig = field(default_factory=RunDirConfig)
+    device: str = "auto"
+
+
 def register_schema() -> None:
     """Register the schemas of the entry points: ``run_schema`` (:class:`RunConfig`), ``generate_schema``,
     ``export_schema`` and ``import_schema``."""
@@ -423,6 +516,7 @@ def register_schema() -> None:
     cs.store(name="export_schema", node=ExportRunConfig)
     cs.store(name="import_schema", node=ImportRunConfig)
     cs.store(name="preprocess_schema", node=PreprocessConfig)
+    cs.store(name="rl_schema", node=RLRunConfig)
 
 
 def unknown_keys(node, path: str = ""):

@@ -48,12 +48,17 @@ def _fmt(metrics: dict[str, Any], keys=None) -> dict[str, str]:
 
 # what the progress bar's postfix shows
 BAR_KEYS = (("loss", "{:.4f}"), ("val_nelbo", "{:.4f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
-            ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}"))
+            ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}"),
+            ("reward_mean", "{:.3f}"), ("kl", "{:.4f}"), ("margin", "{:.3f}"))  # the last three: difflm-rl
 # the plain line without a bar: the bar's fields plus the ones a scrolling log is read for (the gradient norm,
 # skipped steps, data epochs), as metrics.jsonl holds them
 LINE_KEYS = (("loss", "{:.4f}"), ("grad_norm", "{:.3f}"), ("lr", "{:.2e}"), ("tokens_per_s", "{:,.0f}"),
              ("mfu", "{:.1%}"), ("mem_gib", "{:.1f}"), ("moe/load_max_mean", "{:.2f}"), ("data_epochs", "{:.3f}"),
-             ("val_nelbo", "{:.4f}"), ("val_ppl_bound", "{:.2f}"))
+             ("val_nelbo", "{:.4f}"), ("val_ppl_bound", "{:.2f}"),
+             # difflm-rl (docs/post_training.md)
+             ("reward_mean", "{:.3f}"), ("reward_std", "{:.3f}"), ("kl", "{:.4f}"), ("clip_fraction", "{:.3f}"),
+             ("completion_len", "{:.1f}"), ("rollout_tokens_per_s", "{:,.0f}"), ("forwards_per_token", "{:.2f}"),
+             ("margin", "{:.3f}"), ("accuracy", "{:.2f}"), ("eval_reward", "{:.3f}"), ("eval_elbo_margin", "{:.3f}"))
 
 
 class ConsoleSink:

@@ -1,0 +1,86 @@
+"""Post-training data: prompts with reference answers (GRPO) and ``prompt, chosen, rejected`` triples (DPO), from
+JSONL files (``data.path``) or a Hugging Face dataset (``data.hf_dataset``: a hub name or a ``save_to_disk``
+directory, split ``data.hf_split``). Text is tokenized as SFT's pairs are (:func:`difflm.data.sft.full_pair_ids`:
+optional chat template, responses end in EOS). The first ``data.eval_records`` records are held out.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
+from difflm.data.sft import full_pair_ids
+from difflm.errors import DifflmError
+
+
+def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
+    """Records of ``data.path`` (every .jsonl file) or ``data.hf_dataset``, each a dict of the config's ``fields``
+    (names of ``data.*_field`` keys) by their key name.
+
+    Raises: DifflmError naming the ``data.*`` key that is unset, a missing field or a non-string value.
+    """
+    rows = []
+    if cfg.hf_dataset:
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(cfg.hf_dataset) if os.path.isdir(cfg.hf_dataset) else \
+                datasets.load_dataset(cfg.hf_dataset, split=cfg.hf_split)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types; one line names the key
+            raise DifflmError(f"data.hf_dataset={cfg.hf_dataset!r} cannot be loaded "
+                              f"({type(e).__name__}: {e})") from None
+        if hasattr(ds, "keys") and cfg.hf_split in ds:
+            ds = ds[cfg.hf_split]
+        rows = [(f"{cfg.hf_dataset}[{i}]", dict(r)) for i, r in enumerate(ds)]
+    elif cfg.path:
+        for path in resolve_sources(cfg.path):
+            if not path.endswith(".jsonl"):
+                raise DifflmError(f"data.path: {path} is not .jsonl: post-training reads JSONL records")
+            rows.extend(read_jsonl(path, DocFormat()))
+    else:
+        raise DifflmError("set data.path (JSONL records) or data.hf_dataset")
+    out = []
+    for where, rec in rows:
+        item = {}
+        for key in fields:
+            name = cfg[key]
+            if name is None:
+                continue
+            if not isinstance(rec, dict) or name not in rec:
+                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise DifflmError(f"data.{key}={name!r} not found in {where} (keys: {keys}): set data.{key}")
+            if not isinstance(rec[name], str):
+                raise DifflmError(f"data.{key}={name!r} in {where} is {type(rec[name]).__name__}, not text")
+            item[key] = rec[name]
+        out.append(item)
+    if len(out) <= cfg.eval_records:
+        raise DifflmError(f"data holds {len(out)} records, not more than data.eval_records={cfg.eval_records}: "
+                          "lower data.eval_records or add records")
+    return out
+
+
+def prompt_text(cfg, record: dict) -> str:
+    """The prompt of a record through ``data.prompt_template`` (``{prompt}`` is replaced by the record's prompt)."""
+    return cfg.prompt_template.replace("{prompt}", record["prompt_field"])
+
+
+def tokenize_prompt(tok, cfg, record: dict) -> list[int]:
+    """Prompt ids, the last ``data.max_prompt_tokens`` kept."""
+    ids, _ = full_pair_ids(tok, prompt_text(cfg, record), "", cfg.chat_template)
+    return ids[-cfg.max_prompt_tokens:]
+
+
+def tokenize_preference(tok, cfg, record: dict) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids + EOS, rejected ids + EOS), responses cut to ``data.max_response_tokens``."""
+    p, chosen = full_pair_ids(tok, prompt_text(cfg, record), record["chosen_field"], cfg.chat_template)
+    _, rejected = full_pair_ids(tok, prompt_text(cfg, record), record["rejected_field"], cfg.chat_template)
+    n = cfg.max_response_tokens
+    return p[-cfg.max_prompt_tokens:], chosen[:n], rejected[:n]
+
+
+def answer_of(record: dict) -> Optional[str]:
+    """The record's reference answer (``data.answer_field``), or None."""
+    return record.get("answer_field")
+
+
+__all__ = ["answer_of", "prompt_text", "read_records", "tokenize_preference", "tokenize_prompt"]

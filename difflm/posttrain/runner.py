@@ -1,0 +1,212 @@
+"""The post-training loop of ``difflm-rl``: GRPO or DPO steps on a trained run, with the trainer's sinks,
+checkpoints and exact resume.
+
+It reads the trained run (``init.run_dir``: model, tokenizer, precision, objective) through
+:func:`difflm.generate.load_run`, and writes its own run directory: ``metrics.jsonl`` (one dict per logged step, also
+to the console and W&B), ``checkpoints/step_<n>`` (policy, optimizer, scheduler; the trained run's settings as the
+checkpoint's ``config.yaml``, so difflm-generate / -eval / -export read an RL run like any other),
+``reference.pt`` (the frozen reference, written once) and ``rl_config.yaml``. Randomness is keyed by
+(train.seed, step): the prompts of a step, its rollouts' sampler seed and its estimates' noise, so a resumed run
+repeats the uninterrupted one without storing generator state. One process (the layouts of difflm-train are not
+wired into the loop yet).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint
+from difflm.errors import DifflmError
+from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
+from difflm.posttrain.loglik import build_estimator
+from difflm.posttrain.reference import build_reference
+from difflm.posttrain.rewards import build_reward
+from difflm.training.optimizer import build_optimizer
+from difflm.training.precision import autocast_context
+from difflm.training.schedule import build_scheduler
+from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
+
+ALGORITHMS = ("grpo", "dpo")
+GRPO_FIELDS = ("prompt_field", "answer_field")
+DPO_FIELDS = ("prompt_field", "chosen_field", "rejected_field")
+
+
+def check_rl_config(cfg) -> None:
+    """Cross-key checks of a difflm-rl config (DifflmError naming the key and the fix)."""
+    a = cfg.algorithm
+    if a.name not in ALGORITHMS:
+        raise DifflmError(f"algorithm={a.name!r} is unknown: choose one of {', '.join(ALGORITHMS)}")
+    if a.prompts_per_step < 1:
+        raise DifflmError(f"algorithm.prompts_per_step={a.prompts_per_step} must be >= 1")
+    if a.name == "grpo":
+        if a.group_size < 2:
+            raise DifflmError(f"algorithm.group_size={a.group_size} must be >= 2 (advantages compare a group)")
+        if a.num_inner < 1:
+            raise DifflmError(f"algorithm.num_inner={a.num_inner} must be >= 1")
+        if a.beta > 0 and a.reference == "none":
+            raise DifflmError(f"algorithm.beta={a.beta} needs a reference: set algorithm.reference=frozen_copy, "
+                              "or algorithm.beta=0")
+    if a.name == "dpo" and a.reference == "none":
+        raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
+    if cfg.train.max_steps < 1:
+        raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
+
+
+class PostTrainer:
+    """Builds the policy, reference, estimator, reward, data and optimizer from an ``rl`` config, then runs
+    :meth:`fit` (module docstring). ``adapters_disabled``: the LoRA converter's context manager for
+    ``algorithm.reference=adapters_off`` (default: imported from ``difflm.model.lora``)."""
+
+    def __init__(self, cfg, device: torch.device, adapters_disabled=None):
+        from difflm.generate import load_run
+
+        check_rl_config(cfg)
+        self.cfg, self.device = cfg, device
+        self.run_dir = Path(cfg.run.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.init_cfg, self.model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
+        if self.init_cfg.objective.name == "ar":
+            raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
+                              "masked-diffusion models (mdlm, sft, bd3lm)")
+        self.model.train()
+        self.precision = self.init_cfg.precision.name
+        self.autocast = lambda: autocast_context(self.precision, device)
+        self.estimator = build_estimator(cfg.estimator)
+        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
+        fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
+        records = read_records(cfg.data, fields)
+        n_eval = cfg.data.eval_records
+        self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
+        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
+        self.step = 0
+        self._reports: list[str] = []
+        ref_path = self.run_dir / "reference.pt"
+        self.reference = build_reference(cfg.algorithm.reference, self.model, adapters_disabled)
+        found = resume_checkpoint(self.run_dir, report=print)
+        if found is not None:
+            state = load_checkpoint(found[1], self.model, self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step = int(state["step"])
+            if state.get("seed") != cfg.train.seed:
+                raise DifflmError(f"train.seed={cfg.train.seed} differs from the resumed run's {state.get('seed')}: "
+                                  "keep the run's seed to resume it exactly")
+            if self.reference is not None and ref_path.exists():
+                self.reference.load_state_dict(torch.load(ref_path, map_location=device, weights_only=True))
+        elif self.reference is not None and self.reference.state_dict():
+            torch.save(self.reference.state_dict(), ref_path)
+        (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    # ------------------------------------------------------------------ data
+    def prompt_ids(self, record: dict) -> list[int]:
+        return tokenize_prompt(self.tok, self.cfg.data, record)
+
+    def prompt_text(self, record: dict) -> str:
+        return prompt_text(self.cfg.data, record)
+
+    def answer(self, record: dict) -> Optional[str]:
+        return answer_of(record)
+
+    def preference_ids(self, record: dict):
+        return tokenize_preference(self.tok, self.cfg.data, record)
+
+    def records_of_step(self, step: int) -> tuple[list[dict], list[int]]:
+        """The training records of ``step`` and their ids: epoch-wise permutations keyed by (seed, epoch)."""
+        n, k = len(self.train_records), self.cfg.algorithm.prompts_per_step
+        ids = []
+        for j in range(step * k, step * k + k):
+            epoch, pos = divmod(j, n)
+            ids.append(int(np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)[pos]))
+        return [self.train_records[i] for i in ids], ids
+
+    # ------------------------------------------------------------------ updates
+    def update(self, loss: torch.Tensor) -> float:
+        """One optimizer update from ``loss``: backward, gradient clipping (``optim.grad_clip``), step. Returns the
+        gradient norm before clipping (a non-finite norm skips the update)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.report(f"difflm: step {self.step}: non-finite gradient norm, update skipped")
+        return float(norm)
+
+    def report(self, message: str) -> None:
+        self._reports.append(message)
+        print(message, flush=True)
+
+    # ------------------------------------------------------------------ loop
+    def evaluate(self) -> dict:
+        """Held-out figure: ``eval_reward`` (grpo, greedy completions) or ``eval_elbo_margin`` (dpo)."""
+        if not self.eval_records:
+            return {}
+        if self.cfg.algorithm.name == "grpo":
+            from difflm.posttrain.grpo_step import held_out_reward
+
+            return {"eval_reward": held_out_reward(self, self.eval_records)}
+        from difflm.posttrain.dpo_step import held_out_margin
+
+        return {"eval_elbo_margin": held_out_margin(self, self.eval_records)}
+
+    def save(self) -> Path:
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "seed": self.cfg.train.seed}
+        path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
+                               config=OmegaConf.to_yaml(self.init_cfg))
+        if self.cfg.train.keep_last > 0:
+            prune_checkpoints(self.run_dir, self.cfg.train.keep_last, 0)
+        return path
+
+    def fit(self) -> dict:
+        """Steps until ``train.max_steps``; evaluates at the start, every ``train.eval_every`` steps and at the end;
+        saves every ``train.save_every`` steps and at the end. Returns the last metrics dict."""
+        from difflm.posttrain.dpo_step import dpo_step
+        from difflm.posttrain.grpo_step import grpo_step
+
+        t, lg = self.cfg.train, self.cfg.logger
+        sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar), JsonlSink(self.run_dir, self.cfg.algorithm.name)]
+        if lg.name == "wandb":
+            wid = self.run_dir / "wandb_id.txt"
+            sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
+                                   wid.read_text().strip() if wid.exists() and self.step > 0 else None))
+        last: dict = {}
+        if self.step == 0:
+            last = {"step": 0, **self.evaluate()}
+            for s in sinks:
+                s.log(last)
+        try:
+            while self.step < t.max_steps:
+                records, ids = self.records_of_step(self.step)
+                if self.cfg.algorithm.name == "grpo":
+                    metrics = grpo_step(self, self.step, records)
+                else:
+                    metrics = dpo_step(self, self.step, records, ids)
+                self.scheduler.step()
+                self.step += 1
+                metrics = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **metrics}
+                if not math.isfinite(metrics["loss"]):
+                    self.report(f"difflm: step {self.step}: non-finite loss {metrics['loss']}")
+                if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                    metrics.update(self.evaluate())
+                if self.step % max(lg.log_every, 1) == 0 or self.step == t.max_steps or "eval_reward" in metrics \
+                        or "eval_elbo_margin" in metrics:
+                    for s in sinks:
+                        s.log(metrics)
+                if (t.save_every > 0 and self.step % t.save_every == 0) or self.step == t.max_steps:
+                    self.save()
+                last = metrics
+        finally:
+            for s in sinks:
+                s.close()
+        return last
+
+
+__all__ = ["ALGORITHMS", "PostTrainer", "check_rl_config"]

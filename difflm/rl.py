@@ -1,0 +1,47 @@
+"""``difflm-rl`` (also ``python -m difflm.rl``): GRPO or DPO (VRPO) post-training of a trained difflm run.
+
+    difflm-rl init.run_dir=runs/sft data.path=prompts.jsonl data.answer_field=answer             # GRPO, GSM8K reward
+    difflm-rl init.run_dir=runs/sft algorithm=dpo estimator=mc_elbo data.path=prefs.jsonl        # DPO with VRPO
+    difflm-rl init.run_dir=runs/sft estimator=one_step gen.threshold=0.9 gen.cache=dual            # d1, fast rollouts
+
+Config groups: ``algorithm`` (grpo, dpo), ``estimator`` (one_step, coupled, mc_elbo), ``reward`` (gsm8k, format,
+or terms naming any callable by ``_target_``), ``logger``; ``gen.*`` are the rollout sampler's settings (every
+option of difflm-generate). See docs/post_training.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from difflm.cli import hydra_app
+from difflm.errors import DifflmError
+
+
+def pick_device(name: str) -> torch.device:
+    """``device``: auto (CUDA when available), cpu or cuda; DifflmError for cuda without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DifflmError("device=cuda but no CUDA GPU is visible: set device=cpu")
+    if name not in ("cpu", "cuda"):
+        raise DifflmError(f"device={name!r} must be auto, cpu or cuda")
+    return torch.device(name)
+
+
+@hydra_app("rl")
+def _main(cfg) -> None:
+    from difflm.posttrain.runner import PostTrainer
+
+    trainer = PostTrainer(cfg, pick_device(cfg.device))
+    if trainer.step > 0:
+        print(f"resuming {cfg.run.dir} from step {trainer.step}")
+    trainer.fit()
+    print(f"done: {cfg.run.dir}")
+
+
+def main() -> None:
+    """Entry point."""
+    _main()
+
+
+if __name__ == "__main__":
+    main()
