@@ -28,7 +28,8 @@ STREAM_MASK = 2       # the Bernoulli mask row of one sample: (*noise key, sampl
 STREAM_LENGTH = 3     # the random-length coin and length of a step: (seed, step)
 STREAM_EVAL_T = 4     # the NELBO estimate's per-sequence (or per-block) u: (seed, unit)
 STREAM_EVAL_MASK = 5  # the NELBO estimate's mask row of one draw: (seed, draw, sample)
-NUM_STREAMS = 6
+STREAM_ANNEAL = 6     # the annealed attention mask of a step, one row of keys per query: (seed, step, query)
+NUM_STREAMS = 7
 
 MAX_FIELDS = 6
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: SplitMix64's increment
