@@ -36,8 +36,8 @@ from difflm.config.validate import check_run
 from difflm.training.trainer import Trainer
 
 CPU_DEFAULTS = [  # model=tiny on the embedded tinyshakespeare corpus, small enough for minutes on a CPU
-    "model=tiny", "device=cpu", "data.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=16",
-    "train.eval_windows=32", "train.eval_mc_samples=4", "optim.lr=3e-3", "schedule.warmup_steps=10",
+    "model=tiny", "device=cpu", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=8",
+    "train.eval_windows=16", "train.eval_mc_samples=2", "optim.lr=3e-3", "schedule.warmup_steps=5",
 ]
 COMMON = ["logger.progress_bar=false", "logger.num_samples=0", "train.eval_every=0", "train.save_every=0",
           "objective.random_length_prob=0"]
@@ -53,7 +53,7 @@ def _div(seq_len: int, size: int) -> int:
 
 def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
     """The objective overrides of recipe ``name`` for ``steps`` training steps at sequence length ``seq_len``."""
-    block = _div(seq_len, 32)
+    block = _div(seq_len, min(32, seq_len // 4))  # the final / decoding block: 32, or a quarter of a short window
     if name == "dream":
         return ["objective=mdlm", "model.shift_logits=true", "objective.weighting=cart"]
     if name == "diffullama":
@@ -66,7 +66,7 @@ def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
     if name == "fast_dllm_v2":
         return ["objective=bd3lm", f"objective.block_size={block}", "objective.complementary_masks=true"]
     if name == "megatron_bridge_hybrid":
-        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, 64)}", "objective.ar_loss_weight=1.0",
+        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}", "objective.ar_loss_weight=1.0",
                 "objective.diffusion_loss_weight=0.3"]
     raise SystemExit(f"adaptation_table: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
 
@@ -100,9 +100,9 @@ def train(trainer: Trainer, steps: int, eval_every: int, target: Optional[float]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--ar-steps", type=int, default=300, help="AR pre-training steps of the checkpoint to adapt")
-    ap.add_argument("--adapt-steps", type=int, default=100, help="steps of each recipe, adapted and from scratch")
-    ap.add_argument("--eval-every", type=int, default=25, help="steps between evaluations (with --target-nelbo)")
+    ap.add_argument("--ar-steps", type=int, default=60, help="AR pre-training steps of the checkpoint to adapt")
+    ap.add_argument("--adapt-steps", type=int, default=30, help="steps of each recipe, adapted and from scratch")
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (with --target-nelbo)")
     ap.add_argument("--target-nelbo", type=float, default=None, help="report the tokens needed to reach this NELBO")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
     ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
@@ -111,7 +111,6 @@ def main(argv=None) -> int:
     overrides = [*(args.overrides or CPU_DEFAULTS), *COMMON]
     out = Path(args.out or tempfile.mkdtemp(prefix="adaptation_"))
     cache = out / "data_cache"
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     ar = make_trainer([*overrides, "objective=ar", f"train.max_steps={args.ar_steps}"], out / "ar", cache)
     ar_nll, _ = train(ar, args.ar_steps, args.eval_every, None)
