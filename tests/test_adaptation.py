@@ -163,6 +163,7 @@ def test_complementary_masks_mdlm(model):
             row, w = (b, 1 / p) if first[b, i] else (B + b, 1 / max(1 - p, 1e-3))
             total += w * float(lp[row, i, x0[b, i]])
     assert difflm_loss(model, obj, batch, x0) == pytest.approx(total / (2 * B * L), abs=1e-6)
+    assert obj.eval_noise(x0, range(B), 0, 2, SEED).input_ids.shape == (B, L)  # evaluation: the plain NELBO draw
 
 
 def test_complementary_masks_bd3lm(model):
@@ -245,6 +246,7 @@ REFUSALS = [
     (["objective=mdlm", "objective.t_lo=0.6", "objective.t_hi=0.5"], "0 <= t_lo < t_hi <= 1"),
     (["objective=mdlm", "objective.complementary_masks=true", "objective.schedule=cosine"], "schedule=linear"),
     (["objective=mdlm", "objective.weighting=uniform"], "not one of: nelbo, cart"),
+    (["objective=mdlm", "objective.ar_loss_weight=1.0", "model.shift_logits=true"], "drop one of them"),
 ]
 
 

@@ -602,6 +602,8 @@ def check_adaptation(cfg) -> None:
         _require(o.name in ("mdlm", "bd3lm"), f"objective.ar_loss_weight adds next-token CE on clean pre-training "
                  f"windows (objective=mdlm or bd3lm; this run is objective={o.name}): set it to 0")
         _require(p.pp == 1, "objective.ar_loss_weight runs a second forward per micro-batch: set parallel.pp=1")
+        _require(not m.get("shift_logits", False), "objective.ar_loss_weight with model.shift_logits=true would read "
+                 "the next token's logits one position late on the clean copy: drop one of them")
         _require(o.random_length_prob == 0, "objective.ar_loss_weight needs equal-length windows: set "
                  "objective.random_length_prob=0")
         if not CAPABILITIES[m.attention_backend].documents:

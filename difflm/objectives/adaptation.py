@@ -13,7 +13,7 @@ Each option is one ``objective.*`` key (docs/adaptation.md); :func:`adapts` says
 
 Evaluation (``eval_noise``) keeps the model's target: full t range, bidirectional attention, the final block size
 ``objective.block_size``, NELBO weights 1/p and no AR term, so ``val_nelbo`` stays the diffusion bound. Complementary
-masks apply to evaluation draws too (each half is a NELBO estimate; the normaliser counts both rows).
+masks pair rows in training only: each half weighs 1/2, so the step's normaliser stays the base objective's.
 """
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ class AdaptedObjective:
         self.pair = bool(self.cfg.get("complementary_masks", False))
 
     def num_tokens(self, tokens) -> torch.Tensor:
-        """The base objective's normaliser of each row, twice over with complementary masks ([2B] then)."""
-        n = self.base.num_tokens(tokens)
-        return torch.cat([n, n]) if self.pair else n
+        """The base objective's normaliser of each row of ``tokens``, [B] float32 (complementary pairs weigh 1/2 each,
+        so they need no other normaliser)."""
+        return self.base.num_tokens(tokens)
 
     def _base_at(self, step: int):
         """The base objective at ``step``: a copy with the scheduled block size under ``block_schedule``."""
@@ -123,10 +123,11 @@ class AdaptedObjective:
         raw, extras = split_batch(tokens)
         t, p, mask = self._draw(base, raw.shape[1], sample_ids, key, global_batch_size, t_sampling, eval_draw)
         batch = self._assemble(base, tokens, t, mask)
-        if self.pair:
-            batch = cat_batches(batch, self._complement(base, tokens, t, p, mask))
         if eval_draw is not None:
             return batch
+        if self.pair:  # the mean of the two NELBO estimates: each row weighs 1/2
+            batch = cat_batches(batch, self._complement(base, tokens, t, p, mask))
+            batch.weights = batch.weights * 0.5
         if self.cfg.get("weighting", "nelbo") == "cart":
             w = cart_weights(batch.input_ids == self.mask_id, float(self.cfg.cart_p))
             batch.weights = torch.where(batch.loss_mask, w, torch.zeros(()))
@@ -136,8 +137,9 @@ class AdaptedObjective:
             batch.attn_mask = anneal_mask(batch.input_ids.shape[1], step, n_anneal, int(key[0]))
         w_ar = float(self.cfg.get("ar_loss_weight", 0.0))
         if w_ar > 0:
+            n = self.base.num_tokens(tokens)  # what the step's normaliser counts for these samples
             batch.aux = clean_ar_batch(raw, None if extras is None else extras.doc_ids, w_ar, self.cfg.loss_norm,
-                                       batch.input_ids.shape[0], float(batch.num_tokens.sum()))
+                                       n.numel(), float(n.sum()))
         return batch
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
