@@ -271,7 +271,7 @@ def test_recipe_composes_and_trains(fast_cfg, tmp_path, recipe):
     cut = {"llada2_wsd_adapt": ["objective.block_schedule=[[1,1],[1,64],[1,8]]", "objective.block_size=8"],
            "fast_dllm_v2_adapt": ["objective.block_size=8"]}.get(recipe, [])
     cfg = fast_cfg(f"experiment={recipe}", "model=tiny", "data.seq_len=64", "train.max_steps=2", "train.eval_every=0",
-                   "train.save_every=0", "schedule.warmup_steps=1", *cut)
+                   "train.save_every=0", "schedule.warmup_steps=1", "precision=fp32", "parallel=single", *cut)
     assert OmegaConf.to_yaml(cfg)  # what --cfg job prints
     device = check_run(cfg)
     trainer = Trainer(cfg, cfg.run.dir, device)
