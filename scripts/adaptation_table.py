@@ -1,8 +1,9 @@
 """The point of AR-to-diffusion adaptation, measured: a model trained as AR for ``--ar-steps`` steps, then adapted
 by each recipe for ``--adapt-steps`` steps, against the same model trained from scratch by the same recipe for the
 same steps. Prints one row per recipe: the recipe's diffusion validation NELBO (nats/token; bd3lm recipes: the block
-NELBO at their final block size) from scratch and adapted, and, with ``--target-nelbo``, the training tokens each
-needed to reach it (evaluated every ``--eval-every`` steps).
+NELBO at their final block size) from scratch and adapted, and, with ``--target-nelbo`` (a value, or ``scratch``: each
+recipe's from-scratch final NELBO), the training tokens each run needed to reach it (evaluated every ``--eval-every``
+steps).
 
 The recipes are the objective settings of conf/experiment/*_adapt.yaml with their step counts scaled to
 ``--adapt-steps`` and their block sizes to ``data.seq_len`` (:data:`RECIPES`). Everything after the options is a
@@ -12,7 +13,7 @@ CPU (a few minutes; model=tiny on the embedded corpus):
     python scripts/adaptation_table.py
 
 One H200 (model=125m on a real corpus; only torch, hydra, omegaconf and datasets are needed, no Transformer Engine):
-    python scripts/adaptation_table.py --ar-steps 4000 --adapt-steps 2000 --eval-every 100 --target-nelbo 4.5 \\
+    python scripts/adaptation_table.py --ar-steps 2000 --adapt-steps 500 --eval-every 50 --target-nelbo scratch \\
         --out runs/adaptation_125m -- model=125m data.path=/work/shared/data/corpora/gutenberg data.seq_len=1024 \\
         device=cuda precision=bf16 model.backend=torch model.attention_backend=sdpa model.fused_cross_entropy=false \\
         model.fused_qkv=false train.global_batch_size=64 train.micro_batch_size=16 optim.lr=6e-4 \\
@@ -82,28 +83,31 @@ def make_trainer(overrides: list[str], run_dir: Path, cache: Path) -> Trainer:
     return Trainer(cfg, cfg.run.dir, device)
 
 
-def train(trainer: Trainer, steps: int, eval_every: int, target: Optional[float]) -> tuple[float, Optional[int]]:
-    """Train ``steps`` steps; returns (final validation NELBO, training tokens at which it first reached ``target``,
-    or None). Evaluates every ``eval_every`` steps when a target is given, and at the end."""
+def train(trainer: Trainer, steps: int, eval_every: Optional[int]) -> list[tuple[int, float]]:
+    """Train ``steps`` steps; returns the validation curve [(training tokens, NELBO)], evaluated every ``eval_every``
+    steps (None: only at the end) and at the end."""
     tokens_per_step = trainer.cfg.train.global_batch_size * trainer.cfg.data.seq_len
-    reached = None
+    curve = []
     for _ in range(steps):
         trainer.train_step()
-        if target is not None and reached is None and trainer.step % eval_every == 0:
-            if trainer.evaluate() <= target:
-                reached = trainer.step * tokens_per_step
-    nelbo = trainer.evaluate()
-    if target is not None and reached is None and nelbo <= target:
-        reached = trainer.step * tokens_per_step
-    return nelbo, reached
+        if eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
+            curve.append((trainer.step * tokens_per_step, trainer.evaluate()))
+    curve.append((trainer.step * tokens_per_step, trainer.evaluate()))
+    return curve
+
+
+def tokens_to(curve: list[tuple[int, float]], target: float) -> Optional[int]:
+    """The training tokens at the first evaluation with NELBO <= ``target``, or None."""
+    return next((tokens for tokens, nelbo in curve if nelbo <= target), None)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--ar-steps", type=int, default=60, help="AR pre-training steps of the checkpoint to adapt")
     ap.add_argument("--adapt-steps", type=int, default=30, help="steps of each recipe, adapted and from scratch")
-    ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (with --target-nelbo)")
-    ap.add_argument("--target-nelbo", type=float, default=None, help="report the tokens needed to reach this NELBO")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: only at the end)")
+    ap.add_argument("--target-nelbo", default=None, help="report the tokens each run needs to reach this NELBO; "
+                    "'scratch': each recipe's from-scratch final NELBO")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
     ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
     cache = out / "data_cache"
 
     ar = make_trainer([*overrides, "objective=ar", f"train.max_steps={args.ar_steps}"], out / "ar", cache)
-    ar_nll, _ = train(ar, args.ar_steps, args.eval_every, None)
+    ar_nll = train(ar, args.ar_steps, None)[-1][1]
     seq_len = ar.cfg.data.seq_len
     weights = {k: v.detach().clone() for k, v in ar.model.state_dict().items()}
     print(f"AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
@@ -127,24 +131,28 @@ def main(argv=None) -> int:
             trainer = make_trainer(recipe, out / f"{name}_{start}", cache)
             if start == "adapted":
                 trainer.model.load_state_dict(weights)
-            result[start] = train(trainer, args.adapt_steps, args.eval_every, args.target_nelbo)
-            print(f"  {name} {start}: val NELBO {result[start][0]:.4f}", flush=True)
+            result[start] = train(trainer, args.adapt_steps, args.eval_every)
+            print(f"  {name} {start}: val NELBO {result[start][-1][1]:.4f}", flush=True)
             del trainer
         rows.append(result)
 
-    def tokens(value) -> str:
-        return "-" if value is None else f"{value / 1e6:.2f}M"
+    def millions(value) -> str:
+        return "not reached" if value is None else f"{value / 1e6:.2f}M"
 
-    target = "" if args.target_nelbo is None else f" | tokens to {args.target_nelbo} scratch | adapted"
+    target = "" if args.target_nelbo is None else " | target | tokens scratch | tokens adapted"
     print(f"\nval NELBO (nats/token) after {args.adapt_steps} steps; adapted = from {args.ar_steps} AR steps")
     print(f"| recipe | scratch | adapted | adapted - scratch{target} |")
-    print("|---|---|---|---|" + ("---|---|" if target else ""))
+    print("|---|---|---|---|" + ("---|---|---|" if target else ""))
     for r in rows:
-        (s, s_tok), (a, a_tok) = r["scratch"], r["adapted"]
-        extra = "" if args.target_nelbo is None else f" | {tokens(s_tok)} | {tokens(a_tok)}"
-        print(f"| {r['recipe']} | {s:.4f} | {a:.4f} | {a - s:+.4f}{extra} |")
+        s_nelbo, a_nelbo = r["scratch"][-1][1], r["adapted"][-1][1]
+        extra = ""
+        if args.target_nelbo is not None:
+            goal = s_nelbo if args.target_nelbo == "scratch" else float(args.target_nelbo)
+            r["target"] = goal
+            extra = f" | {goal:.4f} | {millions(tokens_to(r['scratch'], goal))} | {millions(tokens_to(r['adapted'], goal))}"
+        print(f"| {r['recipe']} | {s_nelbo:.4f} | {a_nelbo:.4f} | {a_nelbo - s_nelbo:+.4f}{extra} |")
     (out / "adaptation_table.json").write_text(json.dumps({"ar_nll": ar_nll, "rows": rows}, indent=1))
-    return 0 if all(math.isfinite(r["adapted"][0]) for r in rows) else 1
+    return 0 if all(math.isfinite(r["adapted"][-1][1]) for r in rows) else 1
 
 
 if __name__ == "__main__":
