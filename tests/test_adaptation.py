@@ -277,3 +277,28 @@ def test_recipe_composes_and_trains(fast_cfg, tmp_path, recipe):
     trainer = Trainer(cfg, cfg.run.dir, device)
     trainer.fit()
     assert trainer.step == 2 and math.isfinite(trainer.evaluate())
+
+
+def test_complementary_masks_sft_keep_prompts_clean(model):
+    """Under sft the pair covers every response token exactly once and never masks or weighs a prompt token; the loss
+    is the mean of the two halves' response NELBOs, each row divided by its response length (loss_norm=sequence)."""
+    from difflm.data.batch import TokenBatch
+
+    obj = build_objective(adapted_cfg(name="sft", complementary_masks=True, loss_norm="sequence"), MASK)
+    x0 = tokens()
+    lengths = torch.tensor([2, 3, 5])
+    tb = TokenBatch(x0, prompt_lengths=lengths)
+    batch = obj.noise(tb, range(B), (SEED, STEP), B)
+    response = torch.arange(L)[None, :] >= lengths[:, None]
+    first, second = batch.input_ids[:B] == MASK, batch.input_ids[B:] == MASK
+    assert torch.equal(first | second, response) and not bool((first & second).any())
+    lp = nll(model, batch.input_ids)
+    total = 0.0
+    for b in range(B):
+        p = p_of(float(batch.t[b]))
+        n = int(response[b].sum())
+        for i in range(L):
+            if response[b, i]:
+                row, w = (b, 1 / p) if first[b, i] else (B + b, 1 / max(1 - p, 1e-3))
+                total += 0.5 * w * float(lp[row, i, x0[b, i]]) / n
+    assert difflm_loss(model, obj, batch, tb, "sequence") == pytest.approx(total / B, abs=1e-6)
