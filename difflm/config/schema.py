@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Optional
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -174,6 +174,16 @@ class ObjectiveConfig:
     loss_norm: str = "token"  # token | sequence
     random_length_prob: float = 0.01
     length_multiple: int = 1  # random lengths are rounded to a multiple of this (for SP/CP splits)
+    # AR-to-diffusion adaptation (docs/adaptation.md; difflm/objectives/adaptation.py). Defaults leave the objective as is.
+    attention_anneal_steps: int = 0  # DiffuLLaMA (Gong et al. 2025, sec. 3.2): causal -> bidirectional over N steps
+    block_schedule: Optional[List[List[int]]] = None  # bd3lm: [[steps, block_size], ...] phases (LLaDA 2.0 WSD)
+    complementary_masks: bool = False  # Fast-dLLM v2 / LLaDA 2.0: each row under mask M and its complement ~M
+    weighting: str = "nelbo"  # nelbo (1/p) | cart (Dream, Ye et al. 2025, eq. 3: w = 1/2 sum_i [x_t^i clean] Geo(p,|n-i|-1))
+    cart_p: float = 0.1  # CART's geometric parameter p in (0, 1]
+    diffusion_loss_weight: float = 1.0  # hybrid: weight of the diffusion CE on x_t
+    ar_loss_weight: float = 0.0  # hybrid (Megatron-Bridge ar_to_dlm): weight of the AR CE on the clean copy x_0
+    t_lo: float = 0.0  # truncated noise range: t ~ U(t_lo, t_hi) in training (evaluation keeps U(0, 1))
+    t_hi: float = 1.0
 
 
 @dataclass

@@ -417,6 +417,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     _require(cfg.logger.sample_temperature >= 0,
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
+    check_adaptation(cfg)
     check_cuda_graphs(cfg, world_size, device)
     check_end_samples(cfg)
     check_logger(cfg.logger)
@@ -553,3 +554,66 @@ def check_objective_data(cfg) -> None:
     _require(not d.get("sft_packing", False) or o.name == "sft",
              f"data.sft_packing=true packs prompt/response pairs, which only objective=sft uses (this run is "
              f"objective={o.name}): drop it")
+
+
+def check_adaptation(cfg) -> None:
+    """The AR-to-diffusion adaptation options (``objective.attention_anneal_steps``, ``block_schedule``,
+    ``complementary_masks``, ``weighting``, ``ar_loss_weight``, ``t_lo`` / ``t_hi``; docs/adaptation.md): each is
+    refused in one line under an objective, layout or kernel it does not fit."""
+    from difflm.model.attention import CAPABILITIES, refuse
+    from difflm.objectives.adaptation import adapts
+    from difflm.objectives.block_schedule import check_block_schedule
+
+    d, o, m, p = cfg.data, cfg.objective, cfg.model, cfg.parallel
+    _require(o.get("weighting", "nelbo") in ("nelbo", "cart"),
+             f"objective.weighting={o.get('weighting')!r} is not one of: nelbo, cart")
+    if not adapts(o):
+        return
+    _require(o.name != "ar", "objective.attention_anneal_steps, block_schedule, complementary_masks, weighting, "
+             "ar_loss_weight, diffusion_loss_weight, t_lo and t_hi adapt an AR model to diffusion: use objective=mdlm, "
+             "sft or bd3lm (objective=ar takes none of them)")
+    _require(0.0 <= o.t_lo < o.t_hi <= 1.0, f"objective.t_lo={o.t_lo}, objective.t_hi={o.t_hi}: need "
+             "0 <= t_lo < t_hi <= 1 (t ~ U(t_lo, t_hi))")
+    _require(o.diffusion_loss_weight >= 0 and o.ar_loss_weight >= 0 and o.diffusion_loss_weight + o.ar_loss_weight > 0,
+             f"objective.diffusion_loss_weight={o.diffusion_loss_weight} and objective.ar_loss_weight="
+             f"{o.ar_loss_weight} must be >= 0 and not both 0")
+    if o.attention_anneal_steps:
+        _require(o.attention_anneal_steps > 0, f"objective.attention_anneal_steps={o.attention_anneal_steps} must be "
+                 ">= 0 (0 = no annealing)")
+        _require(o.name != "bd3lm", "objective.attention_anneal_steps is for full-sequence diffusion (mdlm, sft): "
+                 "bd3lm's block-causal mask already grows from AR; use objective.block_schedule instead")
+        _require(not d.get("intra_document_attention", False), "objective.attention_anneal_steps with "
+                 "data.intra_document_attention=true is not supported: set data.intra_document_attention=false")
+        if not CAPABILITIES[m.attention_backend].dense_mask:
+            raise refuse(m.attention_backend, "dense_mask")
+        _require(p.pp == 1, "objective.attention_anneal_steps needs parallel.pp=1 (a per-step mask cannot reach "
+                 "later pipeline stages)")
+        _require(not cfg.train.get("cuda_graphs", False), "objective.attention_anneal_steps changes the attention "
+                 "mask every step: set train.cuda_graphs=false")
+    if o.get("block_schedule"):
+        _require(o.name == "bd3lm", f"objective.block_schedule sets bd3lm's block size per phase (this run is "
+                 f"objective={o.name}): use objective=bd3lm or drop it")
+        check_block_schedule(o.block_schedule, d.seq_len)
+        _require(int(o.block_schedule[-1][1]) == o.block_size, f"objective.block_schedule ends at block size "
+                 f"{o.block_schedule[-1][1]} but objective.block_size={o.block_size} (what evaluation and sampling "
+                 f"use): make the last phase's block size objective.block_size")
+        _require(o.random_length_prob == 0, "objective.block_schedule needs objective.random_length_prob=0 (every "
+                 "block size must divide the step's length)")
+    if o.complementary_masks:
+        _require(o.schedule == "linear", f"objective.complementary_masks weights ~M by 1/(1 - p), the linear "
+                 f"schedule's NELBO weight (this run has objective.schedule={o.schedule}): set objective.schedule=linear")
+        _require(p.pp == 1, "objective.complementary_masks doubles a micro-batch's rows: set parallel.pp=1")
+    if o.weighting == "cart":
+        _require(o.name != "bd3lm", "objective.weighting=cart is Dream's weighting for full-sequence diffusion "
+                 "(mdlm, sft): use objective.weighting=nelbo with objective=bd3lm")
+        _require(0.0 < o.cart_p <= 1.0, f"objective.cart_p={o.cart_p} must be in (0, 1]")
+    if o.ar_loss_weight > 0:
+        _require(o.name in ("mdlm", "bd3lm"), f"objective.ar_loss_weight adds next-token CE on clean pre-training "
+                 f"windows (objective=mdlm or bd3lm; this run is objective={o.name}): set it to 0")
+        _require(p.pp == 1, "objective.ar_loss_weight runs a second forward per micro-batch: set parallel.pp=1")
+        _require(not m.get("shift_logits", False), "objective.ar_loss_weight with model.shift_logits=true would read "
+                 "the next token's logits one position late on the clean copy: drop one of them")
+        _require(o.random_length_prob == 0, "objective.ar_loss_weight needs equal-length windows: set "
+                 "objective.random_length_prob=0")
+        if not CAPABILITIES[m.attention_backend].documents:
+            raise refuse(m.attention_backend, "documents")

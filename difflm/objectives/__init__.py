@@ -11,10 +11,14 @@ OBJECTIVES = {"mdlm": MDLMObjective, "ar": ARObjective, "bd3lm": BD3LMObjective,
 
 
 def build_objective(cfg, mask_id: int):
-    """The objective named by ``objective.name``; raises DifflmError for an unknown name."""
+    """The objective named by ``objective.name``, wrapped in :class:`~difflm.objectives.adaptation.AdaptedObjective` when
+    an adaptation option is set (docs/adaptation.md); raises DifflmError for an unknown name."""
     if cfg.name not in OBJECTIVES:
         raise DifflmError(f"objective={cfg.name!r} is unknown: choose one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[cfg.name](cfg, mask_id)
+    objective = OBJECTIVES[cfg.name](cfg, mask_id)
+    from difflm.objectives.adaptation import AdaptedObjective, adapts
+
+    return AdaptedObjective(objective) if adapts(cfg) else objective
 
 
 __all__ = ["ARObjective", "BD3LMObjective", "SFTObjective", "MDLMObjective", "NoisedBatch", "build_objective", "loss_normaliser", "step_length", "weighted_ce_sum"]

@@ -29,6 +29,8 @@ class NoisedBatch:
         loss_index: [N] int64 positions of ``loss_mask`` in the flattened ``B * S`` tokens (row-major), filled by
             :meth:`to` where the mask was drawn (the CPU): selecting the loss rows by index on the GPU needs no
             device-to-host sync, selecting them with a boolean mask does (the count N is unknown to the host).
+        aux: optional second batch of the same samples whose weighted CE adds to this one's, from a second forward
+            (the hybrid adaptation loss: next-token CE on the clean copy, :mod:`difflm.objectives.hybrid`).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,7 @@ class NoisedBatch:
     attn_mask: Optional[Any] = None
     position_ids: Optional[torch.Tensor] = None
     loss_index: Optional[torch.Tensor] = None
+    aux: Optional["NoisedBatch"] = None
 
     def to(self, device: torch.device) -> "NoisedBatch":
         """The batch on ``device`` (``loss_index`` computed first on the source device). CPU tensors bound for a
@@ -58,6 +61,8 @@ class NoisedBatch:
         fields = dict(self.__dict__)
         if fields["loss_index"] is None:
             fields["loss_index"] = torch.nonzero(self.loss_mask.flatten()).flatten()
+        if fields["aux"] is not None:
+            fields["aux"] = fields["aux"].pinned(pin)
         if pin:
             fields = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
                       for k, v in fields.items()}

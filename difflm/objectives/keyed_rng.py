@@ -31,7 +31,8 @@ STREAM_EVAL_MASK = 5  # the NELBO estimate's mask row of one draw: (seed, draw, 
 STREAM_LOGLIK_T = 6   # a post-training log-likelihood estimate's t of one sample: (*estimate key, sample)
 STREAM_LOGLIK_MASK = 7  # its mask row of one draw: (*estimate key, draw, sample)
 STREAM_ROLLOUT = 8    # the seed of one prompt group's rollout sampler: (seed, step, prompt)
-NUM_STREAMS = 9
+STREAM_ANNEAL = 9     # the annealed attention mask of a step, one row of keys per query: (seed, step, query)
+NUM_STREAMS = 10
 
 MAX_FIELDS = 6
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: SplitMix64's increment

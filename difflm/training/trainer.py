@@ -420,6 +420,8 @@ class Trainer:
                                    fused=cfg.model.fused_cross_entropy, consume_logits=backward)
             if backward:
                 self.scaler.scale(loss).backward()
+        if batch.aux is not None:  # the hybrid adaptation loss's second forward (difflm.objectives.hybrid)
+            return loss.detach() + self._local_loss(batch.aux, norm, normaliser, backward)
         return loss.detach()
 
     @torch.no_grad()
