@@ -17,7 +17,7 @@ from difflm.cli import FREE_TEXT_KEYS, check_overrides, quote_free_text
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-HYDRA_COMMANDS = {"difflm-train": "train", "difflm-generate": "generate", "difflm-eval": "eval",
+HYDRA_COMMANDS = {"difflm-train": "train", "difflm-generate": "generate", "difflm-eval": "eval", "difflm-rl": "rl",
                   "difflm-export": "export", "difflm-import": "import", "difflm-preprocess": "preprocess"}
 SETUP = ("python3 -m venv", ". .venv/bin/activate", "cd ")  # the environment's own commands
 
