@@ -482,3 +482,31 @@ def read_trainer_state(path: Path) -> dict:
         raise DifflmError(f"checkpoint {path}: {TRAINER_STATE} cannot be read ({type(exc).__name__}: "
                           f"{' '.join(str(exc).split())[:200]}): restore it, or move {path.name} away to resume from "
                           "an earlier checkpoint") from None
+
+
+def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module, cfg) -> None:
+    """Load checkpoint ``checkpoint`` of run ``run_dir`` into ``model`` (one process, whole tensors), a LoRA run's too:
+    with ``lora.rank > 0`` in ``cfg`` (the settings the checkpoint was trained with) the adapters are added to
+    ``model`` (:func:`difflm.model.lora.apply_lora`), the base read from the checkpoint the run names (or the keyed
+    init of ``train.seed``) and the adapters from ``checkpoint``. What difflm-eval, -generate and -export call.
+
+    Raises: DifflmError when a checkpoint does not match the model or a LoRA run's base checkpoint is gone.
+    """
+    from difflm.model.lora import apply_lora, lora_enabled
+
+    lora = cfg.get("lora")
+    if not lora_enabled(lora):
+        load_checkpoint(checkpoint, model)
+        return
+    state = read_trainer_state(checkpoint)
+    if "lora_base" not in state:  # the base itself (no adapters trained yet): adapters start at B = 0
+        load_checkpoint(checkpoint, model)
+        apply_lora(model, lora, seed=int(cfg.train.seed))
+        return
+    base = int(state["lora_base"])
+    if base < 0:
+        model.init_weights(int(cfg.train.seed))
+    apply_lora(model, lora, seed=int(cfg.train.seed))
+    if base >= 0:
+        load_base_weights(checkpoints_root(run_dir) / f"step_{base}", model)
+    load_checkpoint(checkpoint, model, trainable_only=True)

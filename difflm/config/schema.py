@@ -339,6 +339,7 @@ class ExportRunConfig:
     dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype of the saved weights
     max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json
     overwrite: bool = False  # replace a non-empty out directory
+    lora_format: str = "merge"  # LoRA runs: merge (adapters into the weights) | peft (base + out/adapter, docs/lora.md)
 
 
 @dataclass

@@ -257,6 +257,9 @@ def apply_lora(model: nn.Module, cfg, seed: Optional[int] = None) -> list[str]:
             if not cls.lora_input_side and float(cfg.dropout) > 0:
                 raise DifflmError(f"lora.dropout={cfg.dropout}: {type(module).__name__} takes its adapter as a weight "
                                   "update, where dropout cannot apply; set lora.dropout=0")
+            if getattr(module, "main_grad_weight_names", ()):  # difflm.model.te_kernels.MAIN_GRAD_NAMES
+                raise DifflmError("LoRA on TE modules built with model.fuse_wgrad_accumulation=true: frozen weights "
+                                  "have no gradient to accumulate; build with model.fuse_wgrad_accumulation=false")
             if experts and cls.lora_input_side:
                 raise DifflmError(f"{type(module).__name__}: 3-D weights need the weight-side adapter")
             if "lora" not in module._modules:
