@@ -322,9 +322,12 @@ def adapters_disabled(model: nn.Module):
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of ``model`` (whole tensors) with every adapter merged into its base weight,
     ``W + (alpha / r) B A`` (Hu et al. 2021, sec. 4.1 "No additional inference latency"), and no adapter keys: the
-    base model's keys, loadable into a model without LoRA."""
+    base model's keys, loadable into a model without LoRA. Adapters turned off (:func:`adapters_disabled`) are left
+    out: inside that block this is the base model's state dict."""
     state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
     for name, factors in adapter_factors(model):
+        if not factors.enabled:
+            continue
         state[name] = (state[name].float() + factors.delta_weight().float()).to(state[name].dtype)
     return state
 
