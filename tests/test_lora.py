@@ -20,7 +20,7 @@ from difflm.model.lora import (adapters_disabled, apply_lora, check_lora_layout,
 from difflm.training.trainer import Trainer
 
 CPU = torch.device("cpu")
-LORA = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8"]
+LORA = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "objective.random_length_prob=0"]
 
 
 def model_cfg(**kw):
@@ -234,7 +234,7 @@ def test_fsdp2_two_ranks_equal_one_process(fast_cfg, tmp_path):
 
     one, two = losses(tmp_path / "single"), losses(tmp_path / "fsdp")
     assert len(one) == len(two) == 3
-    assert one[0] == pytest.approx(two[0], rel=1e-6) and one[-1] == pytest.approx(two[-1], rel=1e-5)
+    assert two == pytest.approx(one, rel=1e-5)  # the adapters' keyed init and updates are the same under FSDP2
     assert one[0] != one[-1]
 
 
