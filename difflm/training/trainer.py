@@ -216,7 +216,16 @@ class Trainer:
         pending, self._prefetched = self._prefetched, None
         if pending is not None:  # let the data thread finish before the sampler state is replaced
             concurrent.futures.wait([pending[1]])
-        state = self._load_lora(path) if self.lora else load_checkpoint(path, self.model_parts, self.optimizer)
+        if self.lora:
+            state = self._load_lora(path)
+        else:
+            from difflm.checkpoint.store import read_trainer_state
+
+            if "lora_base" in read_trainer_state(path):
+                raise DifflmError(f"checkpoint {path} holds LoRA adapters only (lora.rank=0 here): resume it with the "
+                                  "lora.* settings it was trained with, or export it merged (difflm-export) and "
+                                  "difflm-import that export to train every weight")
+            state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
         if state["scaler"]:
