@@ -253,3 +253,23 @@ def test_refusals_are_one_line(tmp_path):
     apply_lora(model, lora_cfg(), seed=0)
     with pytest.raises(DifflmError, match="already has LoRA adapters"):
         apply_lora(model, lora_cfg(), seed=0)
+
+
+def test_benchmark_lora_rows_report_params_optimizer_and_speed(capsys):
+    """scripts/benchmark.py with a LoRA row beside a full fine-tuning row in one process (model=tiny, CPU)."""
+    from conftest import load_script
+
+    bench = load_script("benchmark")
+    result = bench.main(["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+                         "model.ffn_hidden_size=64", "data.seq_len=16", "train.micro_batch_size=2",
+                         "train.global_batch_size=2", "--no-reference", "--variant", "full: ", "--variant",
+                         "lora: lora=attn_mlp lora.rank=2", "--steps", "1", "--warmup", "0", "--batches", "1"])
+    full, lora = result["rows"]
+    d, f, qkv_out = 32, 64, 3 * 32
+    assert lora["trainable_params"] == 2 * ((d + qkv_out) + 2 * d + (d + 2 * f) + (f + d))
+    assert full["trainable_params"] > 100 * lora["trainable_params"]
+    # AdamW: two FP32 moments per parameter and a 4-byte step count per tensor (8 factors: 4 targets x A, B)
+    assert lora["optimizer_bytes"] == 2 * 4 * lora["trainable_params"] + 4 * 8
+    assert full["optimizer_bytes"] > 2 * 4 * full["trainable_params"]
+    out = capsys.readouterr().out
+    assert "lora: lora.rank=2, trainable 0.00 M" in out and "the tokens/s of full" in out
