@@ -498,6 +498,8 @@ def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module
     if not lora_enabled(lora):
         load_checkpoint(checkpoint, model)
         return
+    lora = lora.copy()
+    lora.dropout = 0.0  # no parameters; off for inference, so the TE kernels (weight-side adapters) take the run too
     state = read_trainer_state(checkpoint)
     if "lora_base" not in state:  # the base itself (no adapters trained yet): adapters start at B = 0
         load_checkpoint(checkpoint, model)

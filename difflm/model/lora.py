@@ -274,18 +274,24 @@ def apply_lora(model: nn.Module, cfg, seed: Optional[int] = None) -> list[str]:
 
 
 @torch.no_grad()
-def init_adapters_(model: nn.Module, seed: int) -> None:
-    """Keyed init of every adapter of ``model`` (whole, unsharded parameters): A ~ N(0, (1/r)^2), B = 0 (peft's
-    ``init_lora_weights="gaussian"``), the values :func:`difflm.model.init.megatron_init_` gives any layout."""
+def init_adapters_(model: nn.Module, seed: int, locate=None) -> None:
+    """Keyed init of every adapter of ``model``: A ~ N(0, (1/r)^2), B = 0 (peft's ``init_lora_weights="gaussian"``),
+    the values :func:`difflm.model.init.megatron_init_` gives any layout. ``locate`` (a
+    :class:`difflm.parallel.materialize.ShardLocator` of a laid-out model; None: whole parameters) says which rows of
+    which full tensor a sharded parameter holds."""
     from difflm.model.init import keyed_normal
 
     for name, p in model.named_parameters():
         if not is_adapter(name):
             continue
+        local = p.to_local() if hasattr(p, "to_local") else p
         if name.endswith("lora_B"):
-            p.zero_()
-        else:
-            p.copy_(keyed_normal(seed, name, p.shape, std=adapter_init_std(p.shape)).reshape(p.shape))
+            local.zero_()
+            continue
+        full_name, full_shape, index = locate(name, p) if locate is not None else (name, p.shape, (None, None))
+        if local.numel():
+            local.copy_(keyed_normal(seed, full_name, full_shape, index, adapter_init_std(full_shape))
+                        .reshape(local.shape))
 
 
 def adapter_init_std(shape) -> float:

@@ -19,7 +19,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
 from difflm.config.validate import check_batch, check_length, check_parallel, check_validation_split
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
-from difflm.model.lora import apply_lora, check_lora, check_lora_layout, lora_enabled
+from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_adapters_, lora_enabled
 from difflm.model.masks import to_device
 from difflm.model.moe import moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_loss_scale
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
@@ -65,6 +65,11 @@ class Trainer:
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
+        self.lora = lora_enabled(cfg.get("lora"))
+        self.lora_base: Optional[int] = None  # LoRA: the step of the checkpoint holding the base (None: the keyed init)
+        if self.lora:  # also in check_run; here for callers that build a Trainer directly
+            check_lora(cfg.lora, cfg.model)
+            check_lora_layout(cfg.lora, self.dims)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
         self.te_tp = None  # (TP group, sequence parallel, ids of TP-sharded params) of the TE backend under TP
         self.vocab_group = None  # TP group of the vocab-parallel LM head and cross-entropy (tp > 1)
@@ -100,11 +105,7 @@ class Trainer:
             check_padded_sampling(cfg.objective.name, len(self.tok.encode(cfg.logger.sample_prompt) or [0]),
                                   int(cfg.objective.get("block_size", 1) or 1),
                                   layout_length_multiple(cfg.parallel, self.dims))
-        self.lora = lora_enabled(cfg.get("lora"))
-        self.lora_base: Optional[int] = None  # LoRA: the step of the checkpoint holding the base (None: the keyed init)
         if self.lora:
-            check_lora(cfg.lora, cfg.model)
-            check_lora_layout(cfg.lora, self.dims)
             if cfg.model.backend == "te":  # frozen weights have no gradient for TE to accumulate in place
                 cfg.model.fuse_wgrad_accumulation = False
         torch.manual_seed(t.seed)
@@ -251,6 +252,14 @@ class Trainer:
             return load_checkpoint(path, self.model_parts, self.optimizer, trainable_only=True)
         load_base_weights(path, self.model_parts)
         self.lora_base = int(state["step"])
+        locate = None
+        if self.dims.distributed:
+            from difflm.parallel.materialize import ShardLocator
+
+            locate = ShardLocator(self.model_parts)
+        for part in self.model_parts:  # fresh adapters (also when a loss spike rolls back to the base)
+            init_adapters_(part, self.cfg.train.seed, locate)
+        self.optimizer.state.clear()  # and a fresh optimizer
         return state
 
     def save(self) -> Path:
