@@ -99,7 +99,10 @@ def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: 
 
     Raises: DifflmError for adapted routed experts (3-D weights: peft's expert layout differs).
     """
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise DifflmError("lora_format=peft needs the peft library: pip install 'difflm[peft]'") from None
     from transformers import AutoModelForMaskedLM
 
     from difflm.model.lora import adapter_factors
