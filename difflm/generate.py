@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from difflm.checkpoint.store import load_checkpoint, trained_settings
+from difflm.checkpoint.store import load_trained_weights, trained_settings
 from difflm.cli import hydra_app, quote_free_text
 from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
@@ -237,7 +237,7 @@ def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None)
     apply_kernel_overrides(cfg, kernels, device)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=device, seed=0)
-    load_checkpoint(ckpt, model)
+    load_trained_weights(run_dir, ckpt, model, cfg)  # a LoRA run's: base + adapters (docs/lora.md)
     return cfg, model.eval(), tok, step
 
 

@@ -5,6 +5,11 @@
         --variant "torch-compile: model.compile=true" \\
         --variant "te-fp8: model.backend=te model.attention_backend=te precision=fp8" \\
         --steps 10 --warmup 3 --json bench.json
+    python scripts/benchmark.py model=1.7b data.seq_len=4096 train.micro_batch_size=4 train.global_batch_size=16 \
+        precision=bf16 --no-reference --variant "full: " --variant "lora: lora=attn_mlp" --json lora.json
+
+(the second: LoRA training beside full fine-tuning in one process, docs/lora.md: tokens/s, peak memory, trainable
+parameters and AdamW state bytes per row, printed after the table).
 
 Positional arguments are Hydra overrides of ``conf/train.yaml`` (composed with ``hydra.compose``,
 the same schema and checks as ``difflm-train``); each ``--variant "NAME: overrides"`` adds a row composed
@@ -114,6 +119,7 @@ from difflm.config.validate import (  # noqa: E402
     check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
 from difflm.errors import DifflmError  # noqa: E402
 from difflm.model import build_model, resolve_model_config  # noqa: E402
+from difflm.model.lora import apply_lora, lora_enabled  # noqa: E402
 from difflm.model.moe import moe_inactive_params, moe_step, set_moe_loss_scale  # noqa: E402
 from difflm.objectives import build_objective, loss_normaliser, weighted_ce_sum  # noqa: E402
 from difflm.training.allocator import use_expandable_segments  # noqa: E402
@@ -254,6 +260,8 @@ def build_variant_model(cfg, causal: bool, device: torch.device, seed: int) -> n
     torch.manual_seed(seed)  # what TE initialises itself (FP8 weights) draws from the global generators
     model = build_model(cfg.model, causal=causal, device=device, seed=None, precision=cfg.precision)
     fast_init(model, cfg.model.init_std, cfg.model.num_layers, seed)
+    if lora_enabled(cfg.get("lora")):  # lora=...: the adapters (keyed init, B = 0) on the frozen base, as the trainer
+        apply_lora(model, cfg.lora, seed=seed)
     return model
 
 
@@ -546,6 +554,11 @@ def measure(row: dict, cfg, device, batches, args, build) -> dict:
                    mfu=mfu(tps, state["flops_per_token"], args.peak),
                    peak_mem_gib=peak_memory_gib(device, own_process=args.only is not None),
                    n_params_non_embedding=state["n_params_non_embedding"], flops_per_token=state["flops_per_token"])
+        if "optimizer" in state:  # what full fine-tuning and LoRA differ in besides speed
+            row.update(trainable_params=sum(p.numel() for p in state["model"].parameters() if p.requires_grad),
+                       optimizer_bytes=sum(t.numel() * t.element_size() for st in state["optimizer"].state.values()
+                                           for t in st.values() if torch.is_tensor(t)),
+                       lora_rank=int(cfg.lora.rank) if "lora" in cfg else 0)
         if not math.isfinite(loss):
             row["error"] = f"non-finite loss {loss}"
         if row["name"] in args.profile:
@@ -707,6 +720,27 @@ def run_in_process(p: dict, args, device, tok, cache: dict) -> dict:
 
 
 # ------------------------------------------------------------------ comparisons and tables
+
+
+def lora_lines(rows: list[dict]) -> list[str]:
+    """With a LoRA row (``lora=...``) in the call: each difflm row's trainable parameters, optimizer state and peak
+    memory, and each LoRA row's tokens/s against the full fine-tuning row of the same shape and kernels."""
+    if not any(r.get("lora_rank") for r in rows):
+        return []
+    out = ["\nLoRA vs full fine-tuning (trainable parameters, AdamW state, peak memory; speed vs the full row):"]
+    for r in rows:
+        if "trainable_params" not in r:
+            continue
+        full = next((f for f in rows if not f.get("lora_rank") and "tokens_per_s" in f and "trainable_params" in f
+                     and all(f.get(k) == r.get(k) for k in ("seq_len", "global_batch", "micro_batch", "backend",
+                                                            "precision", "attention", "objective"))), None)
+        ratio = f", {r['tokens_per_s'] / full['tokens_per_s']:.3f}x the tokens/s of {full['name']}" \
+            if r.get("lora_rank") and full is not None else ""
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else "-"
+        out.append(f"  {r['name']}: lora.rank={r['lora_rank']}, trainable {r['trainable_params'] / 1e6:.2f} M, "
+                   f"optimizer state {r['optimizer_bytes'] / 2**30:.3f} GiB, peak memory {mem}, "
+                   f"{r['tokens_per_s']:.0f} tokens/s{ratio}")
+    return out
 
 
 def add_ratios(rows: list[dict], plan: list[dict]) -> None:
@@ -951,6 +985,8 @@ def main(argv=None) -> dict:
           f"S, GB per row; MegaDLMs: median of iterations 6-{args.megadlms_iters}")
     print(format_table(rows))
     for line in bd3lm_lines(rows):
+        print(line)
+    for line in lora_lines(rows):
         print(line)
     if args.megadlms_shapes:
         print(f"\nMegaDLMs vs difflm, model={base.model.name}, micro-batch {base.train.micro_batch_size}, "

@@ -102,11 +102,11 @@ def resume_checkpoint(run_dir: Path, report=print) -> Optional[tuple[int, Path]]
     return None if step is None else (step, path)
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int) -> list[int]:
+def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int, keep=()) -> list[int]:
     """Delete checkpoints outside the retention policy (``train.keep_last``/``train.keep_every``); rank 0 only.
-    Returns the deleted steps."""
+    ``keep``: steps never deleted (a LoRA run's base). Returns the deleted steps."""
     steps = [s for s, _ in list_checkpoints(run_dir)]
-    doomed = steps_to_delete(steps, keep_last, keep_every) if is_rank0() else []
+    doomed = [s for s in steps_to_delete(steps, keep_last, keep_every) if s not in keep] if is_rank0() else []
     for step in doomed:
         shutil.rmtree(checkpoints_root(run_dir) / f"step_{step}", ignore_errors=True)
     return doomed
@@ -181,7 +181,7 @@ class PendingCheckpoint:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.optim.Optimizer],
                     trainer_state: dict[str, Any], *, async_save: bool = False, checksums: bool = False,
-                    config: Optional[str] = None):
+                    config: Optional[str] = None, trainable_only: bool = False):
     """Write ``checkpoints/step_<step>`` atomically (temporary directory, fsync, rename). Returns its path, or a
     :class:`PendingCheckpoint` with ``async_save``.
 
@@ -200,6 +200,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         config: the run's resolved settings (YAML), written as ``config.yaml`` inside the checkpoint, so a later
             resume, evaluation or export of this step reads the settings it was trained with
             (:func:`checkpoint_config_path`), whatever a resume with other settings wrote to ``run.dir`` since.
+        trainable_only: write only the parameters that require gradients (a LoRA run's adapters: the frozen base
+            stays in the checkpoint it came from, :func:`load_base_weights`).
     A save stopped part-way (an error, a second Ctrl-C) removes its temporary directory; a stopped KeyboardInterrupt
     inside DCP's wrapper is raised as KeyboardInterrupt again.
     """
@@ -212,7 +214,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     model_sd, optim_sd = get_state_dict(_state_model(model), optimizer if optimizer is not None else [],
-                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True,
+                                                                 ignore_frozen_params=trainable_only))
     canonical_state_dict(model_sd, optim_sd, canonical_layouts(_parts(model)))
     state = {"model": model_sd, "optim": optim_sd}
 
@@ -389,7 +392,8 @@ def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[
         group.update(kept)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    trainable_only: bool = False) -> dict:
     """Load model (and optimizer, when given) state in place; returns the trainer state dict.
 
     The optimizer's state (moments, step counts) and learning rates are read from the checkpoint; its other
@@ -398,7 +402,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     loads into the model and leaves ``optimizer`` as it is (fresh). Checkpoints move between kernel sets
     (``model.backend``): parameter names are shared, TE's ``_extra_state`` is read when both sides have it and
     otherwise left alone. Raises DifflmError when the checkpoint does not match the model (e.g. another ``model``
-    preset).
+    preset). ``trainable_only``: the checkpoint holds only the parameters that require gradients (a LoRA run's,
+    :func:`save_checkpoint`); the frozen ones are left as they are.
     """
     from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
 
@@ -406,7 +411,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     if optimizer is not None and not has_optimizer_state(path):
         optimizer = None
     settings = optimizer_settings(optimizer) if optimizer is not None else None  # before the load replaces them
-    options = StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+    options = StateDictOptions(strict=not trainable_only, flatten_optimizer_state_dict=True,
+                               ignore_frozen_params=trainable_only)
     target = _state_model(model)
     if optimizer is None:
         model_sd, optim_sd = get_state_dict(target, [], options=options)[0], None
@@ -431,9 +437,78 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
                    optim_state_dict=state.get("optim", {}), options=options)
     if optimizer is not None:  # the run's optim.* win over the saved param_group values
         restore_optimizer_settings(optimizer, settings)
+    return read_trainer_state(path)
+
+
+def load_base_weights(path: Path, model) -> None:
+    """Load the frozen (base) parameters of ``model`` (a module or a rank's model parts, any layout) from the
+    checkpoint at ``path`` (a ``difflm-import`` step_0, a full run's checkpoint), model only: a LoRA run's base
+    (docs/lora.md). Adapter parameters and the checkpoint's optimizer state are not read.
+
+    Raises: DifflmError when ``path`` has no complete checkpoint or its tensors do not match the base model.
+    """
+    from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
+
+    path = Path(path)
+    if not path.is_dir() or manifest_problem(path) is not None:
+        raise DifflmError(f"checkpoint {path} (the base of this LoRA run) is missing or incomplete: restore it, or "
+                          "start the LoRA run in a new run.dir from a base checkpoint")
+    target = _state_model(model)
+    full = get_state_dict(target, [], options=StateDictOptions())[0]
+    model_sd = {k: v for k, v in full.items() if ".lora." not in f".{k}"}  # not the adapters (difflm.model.lora)
+    keys = checkpoint_keys(path)
+    _absent_extra_state(model_sd, keys)
+    pending = prepare_canonical_load(model_sd, None, canonical_layouts(_parts(model)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load({"model": model_sd}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:
+        raise DifflmError(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): train the "
+                          "LoRA run with the model config of its base") from exc
+    finish_canonical_load(pending)
+    set_state_dict(target, [], model_state_dict=model_sd, optim_state_dict={},
+                   options=StateDictOptions(strict=False))
+
+
+def read_trainer_state(path: Path) -> dict:
+    """The trainer state (step, schedule, sampler, RNG) of the checkpoint at ``path``.
+
+    Raises: DifflmError naming the file when it cannot be read."""
+    path = Path(path)
     try:
         return torch.load(path / TRAINER_STATE, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file of a complete-looking checkpoint: one line
         raise DifflmError(f"checkpoint {path}: {TRAINER_STATE} cannot be read ({type(exc).__name__}: "
                           f"{' '.join(str(exc).split())[:200]}): restore it, or move {path.name} away to resume from "
                           "an earlier checkpoint") from None
+
+
+def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module, cfg) -> None:
+    """Load checkpoint ``checkpoint`` of run ``run_dir`` into ``model`` (one process, whole tensors), a LoRA run's too:
+    with ``lora.rank > 0`` in ``cfg`` (the settings the checkpoint was trained with) the adapters are added to
+    ``model`` (:func:`difflm.model.lora.apply_lora`), the base read from the checkpoint the run names (or the keyed
+    init of ``train.seed``) and the adapters from ``checkpoint``. What difflm-eval, -generate and -export call.
+
+    Raises: DifflmError when a checkpoint does not match the model or a LoRA run's base checkpoint is gone.
+    """
+    from difflm.model.lora import apply_lora, lora_enabled
+
+    lora = cfg.get("lora")
+    if not lora_enabled(lora):
+        load_checkpoint(checkpoint, model)
+        return
+    lora = lora.copy()
+    lora.dropout = 0.0  # no parameters; off for inference, so the TE kernels (weight-side adapters) take the run too
+    state = read_trainer_state(checkpoint)
+    if "lora_base" not in state:  # the base itself (no adapters trained yet): adapters start at B = 0
+        load_checkpoint(checkpoint, model)
+        apply_lora(model, lora, seed=int(cfg.train.seed))
+        return
+    base = int(state["lora_base"])
+    if base < 0:
+        model.init_weights(int(cfg.train.seed))
+    apply_lora(model, lora, seed=int(cfg.train.seed))
+    if base >= 0:
+        load_base_weights(checkpoints_root(run_dir) / f"step_{base}", model)
+    load_checkpoint(checkpoint, model, trainable_only=True)

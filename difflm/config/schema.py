@@ -294,6 +294,23 @@ class GenerateConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``lora.*``; docs/lora.md, :mod:`difflm.model.lora`): Hu et al. 2021, "LoRA: Low-Rank Adaptation
+    of Large Language Models", eq. 3, ``h = W x + (alpha / rank) B A x`` with W frozen. ``rank=0`` trains every weight.
+
+    A group of its own (``lora=none|attn|attn_mlp``), not ``model.*``: the adapters are a converter of the built model
+    that the export merges away (the network a checkpoint and an export describe is the ``model``), and not
+    ``train.*``: eval, generate and export read them from the run too."""
+
+    name: str = "none"
+    rank: int = 0  # r; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # scaling = alpha / rank (peft LoraConfig.lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input (peft lora_dropout); model.backend=torch only
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])  # subset of these four
+    moe: str = "freeze_experts"  # freeze_experts | adapt_experts (routed + shared experts); the router is frozen
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -307,6 +324,7 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     gen: GenerateConfig = field(default_factory=GenerateConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: off)
     device: str = "auto"  # auto | cpu | cuda
 
 
@@ -349,6 +367,7 @@ class ExportRunConfig:
     dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype of the saved weights
     max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json
     overwrite: bool = False  # replace a non-empty out directory
+    lora_format: str = "merge"  # LoRA runs: merge (adapters into the weights) | peft (base + out/adapter, docs/lora.md)
 
 
 @dataclass

@@ -369,7 +369,15 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     device = resolve_device(cfg.device)
     check_precision(cfg, device)
     check_length(cfg.train)
-    check_parallel(cfg, world_size, device)
+    dims = check_parallel(cfg, world_size, device)
+    if cfg.get("lora") is not None:  # lora.*: the keys, the model and the layout (difflm.model.lora)
+        from difflm.model.lora import check_lora, check_lora_layout
+
+        check_lora(cfg.lora, cfg.model)
+        check_lora_layout(cfg.lora, dims)
+        _require(not (int(cfg.lora.rank) > 0 and cfg.train.cuda_graphs),
+                 f"lora.rank={cfg.lora.rank} with train.cuda_graphs=true: the captured blocks are not built for "
+                 "adapters; set train.cuda_graphs=false")
     d, o, t = cfg.data, cfg.objective, cfg.train
     _require(bool(d.path or d.hf_dataset or d.get("blend")),
              "data.path is not set (this experiment leaves the corpus to you): pass data.path=<.txt/.jsonl/.parquet "

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from difflm.checkpoint.store import load_checkpoint, trained_settings
+from difflm.checkpoint.store import load_trained_weights, trained_settings
 from difflm.cli import hydra_app, writable_output
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm import strict_json
@@ -74,8 +74,61 @@ def load_run_for_export(run_dir: str | Path, step: Optional[int] = None):
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     cfg.model.backend, cfg.model.compile, cfg.model.attention_backend = "torch", False, "sdpa"
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=0)
-    load_checkpoint(ckpt, model)
+    load_trained_weights(run_dir, ckpt, model, cfg)  # a LoRA run: base + adapters, merged by export_checkpoint
     return cfg, model.eval(), tok, step
+
+
+def lora_export_state(model: torch.nn.Module, lora_format: str) -> dict[str, torch.Tensor]:
+    """The base-model state dict to export from a LoRA model (docs/lora.md): ``merge``: every adapter merged into its
+    weight (``W + alpha / r B A``); ``peft``: the base weights alone (the adapters go to ``adapter/``)."""
+    from difflm.model.lora import adapters_disabled, merged_state_dict
+
+    if lora_format == "merge":
+        return merged_state_dict(model)
+    with adapters_disabled(model):
+        return merged_state_dict(model)
+
+
+def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: Path,
+                      base_name: Optional[str] = None) -> None:
+    """Write ``model``'s adapters as a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained`` loads onto the Hugging Face model in ``base_dir`` (the export of the
+    base weights). peft's ``LoraConfig(target_parameters=...)`` adapts the named parameters of the HF model, whose
+    names are difflm's (``layers.0.mlp.fc1_weight``); its ``ParamWrapper`` adds ``lora_alpha / r B A`` to each, as
+    difflm does. The factors are copied into a peft model built on ``base_dir`` and saved by peft itself.
+
+    Raises: DifflmError for adapted routed experts (3-D weights: peft's expert layout differs).
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise DifflmError("lora_format=peft needs the peft library: pip install 'difflm[peft]'") from None
+    from transformers import AutoModelForMaskedLM
+
+    from difflm.model.lora import adapter_factors
+
+    factors = dict(adapter_factors(model))
+    if any(f.lora_A.dim() == 3 for f in factors.values()):
+        raise DifflmError("lora_format=peft with lora.moe=adapt_experts: the routed experts' adapters have no PEFT "
+                          "layout here; export with lora_format=merge")
+    hf = AutoModelForMaskedLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=True)
+    peft_cfg = LoraConfig(r=int(cfg.lora.rank), lora_alpha=float(cfg.lora.alpha), lora_dropout=0.0,
+                          target_modules=[], target_parameters=sorted(factors), init_lora_weights=False)
+    peft_model = get_peft_model(hf, peft_cfg)
+    filled = set()
+    with torch.no_grad():
+        for name, module in peft_model.named_modules():
+            if not hasattr(module, "parameter_name") or "default" not in getattr(module, "lora_A", {}):
+                continue
+            owner = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            key = f"{owner}.{module.parameter_name}"
+            module.lora_A["default"].weight.copy_(factors[key].lora_A)
+            module.lora_B["default"].weight.copy_(factors[key].lora_B)
+            filled.add(key)
+    if filled != set(factors):
+        raise DifflmError(f"peft adapted {sorted(filled)[:3]}..., not difflm's {sorted(factors)[:3]}...")
+    peft_model.peft_config["default"].base_model_name_or_path = base_name or str(base_dir)
+    peft_model.save_pretrained(str(adapter_dir))
 
 
 def export_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -216,17 +269,22 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
-                      max_shard_size: str | int = "5GB", overwrite: bool = False) -> tuple[Path, int]:
+                      max_shard_size: str | int = "5GB", overwrite: bool = False,
+                      lora_format: str = "merge") -> tuple[Path, int]:
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
 
     The directory is written under ``<out>.tmp`` and renamed at the end, so ``out`` is complete or absent.
-    ``config.json`` records the checkpoint's step as ``train_step``.
+    ``config.json`` records the checkpoint's step as ``train_step``. A LoRA run's adapters are merged into the
+    weights (``lora_format=merge``), or (``peft``) ``out`` holds the base weights and ``out/adapter`` the PEFT adapter
+    (:func:`save_peft_adapter`).
     Returns (``out``, the step exported). Raises DifflmError for a bad ``dtype``/``max_shard_size``, a non-empty
     ``out`` without ``overwrite``, a run without config/checkpoint, or an ``objective=bd3lm`` run.
     """
     if dtype not in DTYPES:
         raise DifflmError(f"dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
+    if lora_format not in ("merge", "peft"):
+        raise DifflmError(f"lora_format={lora_format!r} is not one of: merge, peft")
     out = writable_output("out", out, directory=True)
     _refuse_unsafe_out(out, Path(run_dir).expanduser(), overwrite)
     cfg, model, tok, step = load_run_for_export(run_dir, step)
@@ -237,7 +295,16 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_sharded(export_state_dict(model, DTYPES[dtype]), tmp, max_bytes)
+    from difflm.model.lora import lora_enabled
+
+    lora = lora_enabled(cfg.get("lora"))
+    if lora_format == "peft" and not lora:
+        raise DifflmError(f"lora_format=peft: run.dir={str(run_dir)!r} trained no LoRA adapters (lora.rank=0)")
+    weights = model
+    if lora:  # a plain model with the exported weights: the modeling file has no adapters
+        weights = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=None)
+        weights.load_state_dict(lora_export_state(model, lora_format))
+    save_sharded(export_state_dict(weights, DTYPES[dtype]), tmp, max_bytes)
     config = hf_config(cfg, tok, dtype, step)
     config.save_pretrained(str(tmp))
     for name in MODELING_FILES:
@@ -252,6 +319,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
         gen.update(temperature=float(cfg.gen.temperature), top_k=int(cfg.gen.get("top_k", 0)),
                    top_p=float(cfg.gen.get("top_p", 1.0)))
     (tmp / "generation_config.json").write_text(strict_json.dumps(gen, indent=2) + "\n")
+    if lora_format == "peft":
+        save_peft_adapter(model, cfg, tmp, tmp / "adapter", base_name=str(out))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -260,7 +329,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
 
 @hydra_app("export")
 def main(args) -> None:
-    out, step = export_checkpoint(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite)
+    out, step = export_checkpoint(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite,
+                                  args.lora_format)
     print(f"exported {args.run.dir} checkpoint step {step} -> {out}; load with "
           f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
 

@@ -129,8 +129,10 @@ def megatron_init_(model: torch.nn.Module, cfg, seed: int, locate: Optional[Loca
         local = p.to_local() if hasattr(p, "to_local") else p
         full_name, full_shape, index = locate(name, p) if locate is not None else (name, p.shape, (None, None))
         std = init_std(full_name, cfg)
+        if full_name.endswith((".lora_A", ".lora_B")):  # LoRA factors (difflm.model.lora): A ~ N(0, (1/r)^2), B = 0
+            std = 1.0 / int(full_shape[-2]) if full_name.endswith(".lora_A") else None
         if std is None:
-            local.fill_(0.0 if full_name.endswith("bias") else 1.0)
+            local.fill_(0.0 if full_name.endswith(("bias", ".lora_B")) else 1.0)
             continue
         if local.numel() == 0:
             continue

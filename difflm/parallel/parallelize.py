@@ -100,6 +100,7 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
     the TE process-group arguments the kernels got (empty for the torch backend)).
     """
     from difflm.model import build_model
+    from difflm.model.lora import apply_lora, lora_enabled
     from difflm.parallel.materialize import materialize
     from difflm.parallel.mesh import te_process_groups
 
@@ -112,9 +113,13 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
             te_groups["ub_tokens"] = cfg.data.seq_len * cfg.train.micro_batch_size // dims.cp
         # FSDP2's reduce-scatter hooks and the pipeline schedules read the gradients autograd hands back
         te_groups["fuse_wgrad_accumulation"] = not (dims.fsdp_enabled or dims.pp_enabled)
+        if lora_enabled(cfg.get("lora")):  # frozen weights have no gradient for TE to accumulate in place
+            te_groups["fuse_wgrad_accumulation"] = False
     model = build_model(model_cfg, causal=causal, device=device, seed=cfg.train.seed, precision=cfg.precision,
                         meta=True, **te_groups)
     num_params = model.num_params()
+    if lora_enabled(cfg.get("lora")):  # the converter, before the layout (materialize initialises the adapters)
+        apply_lora(model, cfg.lora)
     parts, pipeline = parallelize(model, mesh, dims, cfg, device, n_microbatches)
     materialize(parts, device, cfg.model, cfg.train.seed)
     return parts, pipeline, num_params, te_groups

@@ -19,6 +19,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
 from difflm.config.validate import check_batch, check_length, check_parallel, check_validation_split
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.model import build_model, resolve_model_config
+from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_adapters_, lora_enabled
 from difflm.model.masks import to_device
 from difflm.model.moe import (moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_balance_group,
                               set_moe_loss_scale)
@@ -65,6 +66,11 @@ class Trainer:
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
+        self.lora = lora_enabled(cfg.get("lora"))
+        self.lora_base: Optional[int] = None  # LoRA: the step of the checkpoint holding the base (None: the keyed init)
+        if self.lora:  # also in check_run; here for callers that build a Trainer directly
+            check_lora(cfg.lora, cfg.model)
+            check_lora_layout(cfg.lora, self.dims)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
         self.te_tp = None  # (TP group, sequence parallel, ids of TP-sharded params) of the TE backend under TP
         self.vocab_group = None  # TP group of the vocab-parallel LM head and cross-entropy (tp > 1)
@@ -100,6 +106,9 @@ class Trainer:
             check_padded_sampling(cfg.objective.name, len(self.tok.encode(cfg.logger.sample_prompt) or [0]),
                                   int(cfg.objective.get("block_size", 1) or 1),
                                   layout_length_multiple(cfg.parallel, self.dims))
+        if self.lora:
+            if cfg.model.backend == "te":  # frozen weights have no gradient for TE to accumulate in place
+                cfg.model.fuse_wgrad_accumulation = False
         torch.manual_seed(t.seed)
         if self.dims.distributed:
             num_params = self._build_parallel_model()
@@ -151,7 +160,7 @@ class Trainer:
 
     def _build_single_model(self):
         """The whole model on this process's device, with the layout keys that apply to one process as
-        :func:`difflm.parallel.parallelize.parallelize` applies them to a rank's part: activation checkpointing
+        :func:`difflm.parallel.parallelize.parallelize` applies them to a rank's part: LoRA adapters (``lora``), activation checkpointing
         (``parallel.activation_checkpointing``), then compiled blocks (``parallel.compile`` or ``model.compile``)."""
         from difflm.parallel.fsdp import apply_activation_checkpointing, apply_compile
 
@@ -160,6 +169,8 @@ class Trainer:
         model_cfg.compile = False  # compiled per block after activation checkpointing, as under a layout
         model = build_model(model_cfg, causal=self.objective.causal, device=self.device, seed=cfg.train.seed,
                             precision=cfg.precision)
+        if self.lora:  # the converter runs before the layout keys, as under a layout
+            apply_lora(model, cfg.lora, seed=cfg.train.seed)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile or cfg.model.get("compile", False):
             apply_compile(model)
@@ -191,6 +202,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "data_offset": self.data_offset,
             "skipped_steps": self.skipped_steps,
+            **({"lora_base": -1 if self.lora_base is None else self.lora_base} if self.lora else {}),
         }
 
     @property
@@ -223,7 +235,16 @@ class Trainer:
         pending, self._prefetched = self._prefetched, None
         if pending is not None:  # let the data thread finish before the sampler state is replaced
             concurrent.futures.wait([pending[1]])
-        state = load_checkpoint(path, self.model_parts, self.optimizer)
+        if self.lora:
+            state = self._load_lora(path)
+        else:
+            from difflm.checkpoint.store import read_trainer_state
+
+            if "lora_base" in read_trainer_state(path):
+                raise DifflmError(f"checkpoint {path} holds LoRA adapters only (lora.rank=0 here): resume it with the "
+                                  "lora.* settings it was trained with, or export it merged (difflm-export) and "
+                                  "difflm-import that export to train every weight")
+            state = load_checkpoint(path, self.model_parts, self.optimizer)
         self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
         if state["scaler"]:
@@ -233,6 +254,32 @@ class Trainer:
         self.data_offset = state.get("data_offset", 0)
         self.skipped_steps = state.get("skipped_steps", 0)
 
+    def _load_lora(self, path: Path) -> dict:
+        """A LoRA run's load (docs/lora.md): a LoRA checkpoint holds the adapters and their optimizer state and names
+        its base (``lora_base``: the step of a checkpoint in this run.dir, -1 for the keyed init of train.seed, which
+        the model was built with); any other checkpoint (``difflm-import``'s step_0, a full run's) is the base
+        itself, read model-only, and the adapters start fresh. Returns the trainer state."""
+        from difflm.checkpoint.store import load_base_weights, read_trainer_state
+
+        state = read_trainer_state(path)
+        if "lora_base" in state:
+            base = int(state["lora_base"])
+            if base >= 0:
+                load_base_weights(self.run_dir / "checkpoints" / f"step_{base}", self.model_parts)
+            self.lora_base = None if base < 0 else base
+            return load_checkpoint(path, self.model_parts, self.optimizer, trainable_only=True)
+        load_base_weights(path, self.model_parts)
+        self.lora_base = int(state["step"])
+        locate = None
+        if self.dims.distributed:
+            from difflm.parallel.materialize import ShardLocator
+
+            locate = ShardLocator(self.model_parts)
+        for part in self.model_parts:  # fresh adapters (also when a loss spike rolls back to the base)
+            init_adapters_(part, self.cfg.train.seed, locate)
+        self.optimizer.state.clear()  # and a fresh optimizer
+        return state
+
     def save(self) -> Path:
         """Checkpoint the current step (collective under parallel layouts). With ``train.async_save`` the previous
         asynchronous save is finished first and this one is left in flight (see :meth:`finish_saves`)."""
@@ -240,9 +287,9 @@ class Trainer:
         t = self.cfg.train
         out = save_checkpoint(self.run_dir, self.step, self.model_parts, self.optimizer, self.trainer_state(),
                               async_save=t.async_save, checksums=t.checkpoint_checksums,
-                              config=OmegaConf.to_yaml(self.cfg, resolve=True))
+                              config=OmegaConf.to_yaml(self.cfg, resolve=True), trainable_only=self.lora)
         if isinstance(out, Path):
-            prune_checkpoints(self.run_dir, t.keep_last, t.keep_every)
+            prune_checkpoints(self.run_dir, t.keep_last, t.keep_every, keep=self._kept_steps())
             return out
         self._pending_save = out
         return out.path
@@ -252,7 +299,12 @@ class Trainer:
         if self._pending_save is not None:
             pending, self._pending_save = self._pending_save, None
             pending.wait()
-            prune_checkpoints(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every)
+            prune_checkpoints(self.run_dir, self.cfg.train.keep_last, self.cfg.train.keep_every,
+                              keep=self._kept_steps())
+
+    def _kept_steps(self) -> tuple:
+        """Checkpoints retention never deletes: a LoRA run's base."""
+        return (self.lora_base,) if self.lora and self.lora_base is not None else ()
 
     # ------------------------------------------------------------------ steps
     def _autocast(self):
