@@ -35,6 +35,7 @@ from hydra import compose, initialize_config_dir
 import difflm.config
 from difflm.config.validate import check_run
 from difflm.training.trainer import Trainer
+from difflm import strict_json
 
 CPU_DEFAULTS = [  # model=tiny on the embedded tinyshakespeare corpus, small enough for minutes on a CPU
     "model=tiny", "device=cpu", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=8",
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
             r["target"] = goal
             extra = f" | {goal:.4f} | {millions(tokens_to(r['scratch'], goal))} | {millions(tokens_to(r['adapted'], goal))}"
         print(f"| {r['recipe']} | {s_nelbo:.4f} | {a_nelbo:.4f} | {a_nelbo - s_nelbo:+.4f}{extra} |")
-    (out / "adaptation_table.json").write_text(json.dumps({"ar_nll": ar_nll, "rows": rows}, indent=1))
+    (out / "adaptation_table.json").write_text(strict_json.dumps({"ar_nll": ar_nll, "rows": rows}, indent=1))
     return 0 if all(math.isfinite(r["adapted"][-1][1]) for r in rows) else 1
 
 

@@ -30,6 +30,7 @@ import contextlib
 import json
 
 import torch
+from difflm import strict_json
 
 
 def _sdpa_only(name):
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     def save():  # after every row, so a run cut short (timeout, a crash in a kernel) keeps what it measured
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                f.write(strict_json.dumps(rows, indent=1))
 
     for name, (b, s, h, d) in shapes:
         for backend in args.backend:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from difflm import strict_json
 
 EMBEDDED_CORPUS = "corpora/tinyshakespeare/input.txt"  # difflm/assets: 340,240 GPT-NeoX tokens
 EMBEDDED_BUDGETS = [250_000]  # 244 windows of 1024 tokens: below the ~315 training windows the embedded corpus has
@@ -177,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not rows:
         print(f"no finished jobs under {out}", file=sys.stderr)
         return 1
-    (out / "results.json").write_text(json.dumps({"jobs": rows, "by_budget": {
+    (out / "results.json").write_text(strict_json.dumps({"jobs": rows, "by_budget": {
         str(b): {"ar": {str(k): v for k, v in s["ar"].items()}, "mdlm": {str(k): v for k, v in s["mdlm"].items()},
                  "crossover_epochs": s["crossover"]} for b, s in summarize(rows).items()}}, indent=1))
     print(f"{'objective':>9} {'budget':>9} {'epochs':>7} {'steps':>6} {'best':>8} {'at step':>7} {'final':>8}")

@@ -24,6 +24,7 @@ import contextlib
 import json
 
 import torch
+from difflm import strict_json
 
 # (name, kind, fields): bwd fields are BwdConfig's, fwd fields FwdConfig's; "default" keeps FA4's own table.
 CONFIGS = [
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         rows.append(row)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                f.write(strict_json.dumps(rows, indent=1))
     return 0
 
 

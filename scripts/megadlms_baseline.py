@@ -74,6 +74,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 SHIM_DIR = Path(__file__).resolve().parent / "megadlms_shim"
 sys.path.insert(0, str(REPO))
+from difflm import strict_json  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # dense BF16, H100/H200 (difflm.training.flops.PEAK_TFLOPS_BF16["H200"])
 MASK_TOKEN = 50277  # MegaDLMs' NeoX [MASK] id (the first free id), as difflm
@@ -505,7 +506,7 @@ def export(git_dir: Path, out: Path, commit: str = "HEAD") -> dict:
         tar.extractall(out, members=members, filter="data")
     record = {"repository": "github.com/JinjieNi/MegaDLMs", "commit": sha, "paths": list(EXPORT_PATHS),
               "skipped": EXPORT_SKIP.pattern, "files": files, "bytes": size}
-    (out / "MEGADLMS_SOURCE.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "MEGADLMS_SOURCE.json").write_text(strict_json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -569,7 +570,7 @@ def main(argv=None) -> int:
     print(format_row(row))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(row, indent=2))
+        Path(args.json).write_text(strict_json.dumps(row, indent=2))
     return 1 if "error" in row else 0
 
 

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from difflm import strict_json  # noqa: E402
 
 
 def half_block(fused: bool, hidden: int, ffn: int, autotune: bool = False):
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         for k in te[3]:
             row[f"rel_err_{k}"] = rel(qk[3][k], te[3][k])
         row["speedup"] = round(row["te_fwd_bwd_ms"] / row["quack_fwd_bwd_ms"], 3)
-        print(json.dumps(row), flush=True)
+        print(strict_json.dumps(row), flush=True)
         results.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from difflm import strict_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
                  + "   (last window's mean training loss)")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(strict_json.dumps(result, indent=2))
     return result
 
 

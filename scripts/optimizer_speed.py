@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from difflm import strict_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
     for name, (ms, nbytes) in results.items():
         print(f"{name:14s} {ms:8.2f} ms  {nbytes / 1e9:7.1f} GB  {nbytes / ms / 1e6:7.0f} GB/s")
     if args.json:
-        Path(args.json).write_text(json.dumps({k: {"ms": v[0], "bytes": v[1]} for k, v in results.items()}, indent=1))
+        Path(args.json).write_text(strict_json.dumps({k: {"ms": v[0], "bytes": v[1]} for k, v in results.items()}, indent=1))
 
 
 if __name__ == "__main__":

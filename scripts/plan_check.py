@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from difflm import strict_json
 
 COMMON = ["logger.progress_bar=false", "logger.num_samples=0", "train.eval_every=0", "train.save_every=0",
           "data.valid_fraction=0", "logger.log_every=1"]
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure these overrides, print JSON
     args = ap.parse_args(argv)
     if args.one is not None:
-        print("PLAN_CHECK " + json.dumps(measure_one(args.one.split(), args.steps)))
+        print("PLAN_CHECK " + strict_json.dumps(measure_one(args.one.split(), args.steps)))
         return 0
     results = []
     print(f"{'row':<18} {'mem plan':>9} {'mem real':>9} {'err':>7}   {'step plan':>10} {'step real':>10} {'err':>7}")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
               f"{100 * row['mem_err']:>+6.1f}%   {p['step_s'] * 1e3:>10.1f} {(r['step_s'] or 0) * 1e3:>10.1f} {step_err}",
               flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        Path(args.json).write_text(strict_json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 

@@ -35,6 +35,7 @@ from difflm.posttrain.loglik import EstimateKey, build_estimator
 from difflm.posttrain.reference import FrozenCopyReference
 from difflm.sampling import GenerationOptions, diffusion_generate
 from difflm.training.precision import autocast_context
+from difflm import strict_json
 
 
 def fast_init():
@@ -157,7 +158,7 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(strict_json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

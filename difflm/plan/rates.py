@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from difflm.errors import DifflmError
+from difflm import strict_json
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Rates:
         """Write the rates as JSON (atomically: a temporary file renamed)."""
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.write_text(strict_json.dumps(asdict(self), indent=2) + "\n")
         tmp.replace(path)
 
     @classmethod
