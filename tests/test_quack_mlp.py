@@ -34,7 +34,7 @@ def _pretend_hopper(monkeypatch):
 
 # ------------------------------------------------------------------ refusals (CPU)
 @pytest.mark.parametrize("overrides,needle", [
-    (["model.fused_mlp=true"], "model.fused_mlp=true is a slot of the TE kernel set and this run has "
+    (["model.backend=torch", "model.fused_mlp=true"], "model.fused_mlp=true is a slot of the TE kernel set and this run has "
                                "model.backend=torch: set model.backend=te"),
     (["model.backend=te", "model.fused_mlp=true", "precision=fp8"],
      "model.fused_mlp=true runs BF16 GEMMs (quack) and this run is precision=fp8"),
@@ -261,19 +261,21 @@ def test_fused_model_loss_and_grads_match_unfused(monkeypatch):
         assert _rel(grads[1][name], ref) < 5e-2, name
 
 
-def test_fused_mlp_autotune_needs_fixed_shapes(fake_te, monkeypatch):
+def test_fused_mlp_autotune_tunes_the_largest_shape_only(fake_te, monkeypatch):
     _pretend_hopper(monkeypatch)
     import difflm.model.quack_mlp as qm
 
     monkeypatch.setattr(qm, "quack_unavailable_reason", lambda device=None, key="model.fused_mlp": None)
     base = ("model.backend=te", "precision=bf16", "model.fused_mlp=true", "model.fused_mlp_autotune=true")
-    with pytest.raises(DifflmError, match="objective.random_length_prob=0.01 gives steps of random lengths: set "
-                                          "objective.random_length_prob=0"):
-        check_precision(run_cfg(*base), torch.device("cuda"))
+    check_precision(run_cfg(*base), torch.device("cuda"))  # random-length steps run the default tiles
     check_precision(run_cfg(*base, "objective.random_length_prob=0"), torch.device("cuda"))
+    module = torch.nn.Linear(1, 1)  # row counts of steps: short (random length), full, short, full
+    assert [qm.most_rows_so_far(module, rows) for rows in (1024, 4096, 2048, 4096, 4095)] == [
+        True, True, False, True, False]
     check_precision(run_cfg(*base), torch.device("cuda"), training=False)  # scripts/benchmark.py: one length
     with pytest.raises(DifflmError, match="set model.fused_mlp=true too"):
-        check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp_autotune=true"),
+        check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp=false",
+                                "model.fused_mlp_autotune=true"),
                         torch.device("cuda"))
 
 

@@ -85,7 +85,7 @@ class ResidualNormLinear(TEStateLayout, nn.Module):
     def forward(self, x: torch.Tensor, pass_residual: bool = False):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
-        tuned = _tuned_call(x, self.autotune)
+        tuned = _tuned_call(x, self.autotune, self)
         (w,) = weights_cast_once_per_step(self, (self.weight,), x.dtype)
         y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, w, self.eps, tuned)
         return (y, residual) if pass_residual else y
