@@ -606,7 +606,7 @@ speed14)
   ;;
 quackqkv)
   # issue 17, session 29, one GPU: the attention half's norm + QKV projection on quack (model.fused_mlp also builds
-  # difflm.model.quack_norm_linear.ResidualNormLinear: the residual's gradient added in the norm kernel) and the
+  # difflm.kernels.quack_norm_linear.ResidualNormLinear: the residual's gradient added in the norm kernel) and the
   # clipping inside the fused AdamW, tested; the optimizer alone; the BF16 + FA4 + fused micro-batch 8 row (its new
   # QKV shapes autotuned, profiled) beside the same row of the commit before (exported with `git archive <rev> difflm
   # conf scripts pyproject.toml` into .device-stage/old, carried); quack's cache comes back as quack_cache.tgz
@@ -686,7 +686,7 @@ projab)
     grep -A3 "^row " "$OUT/bench_old.log" | tail -1)
   ;;
 qkvflash)
-  # issue 17, session 31, one GPU: the QKV heads and FA4 as one autograd function (difflm.model.qkv_flash: v read in
+  # issue 17, session 31, one GPU: the QKV heads and FA4 as one autograd function (difflm.kernels.qkv_flash: v read in
   # place, FA4's gradients written into the QKV gradient's slots) tested against the two-call path, the model tests
   # (quack's in-place weight gradients, TE parity with flash); the BF16 + FA4 + fused micro-batch 8 row of this tree
   # (profiled) and of .device-stage/old (the commit before) in one call
@@ -819,7 +819,7 @@ qkvbwd)
 qkvbwd2)
   # issue 17, session 35, one GPU: the QKV kernels reading half the RoPE tables, tested on CUDA; the in-place backward
   # timed under load at several BLOCK_TxWARPSxTILES settings (scripts/qkv_speed.py --in-place), the fastest written
-  # into this machine's copy of difflm/model/qkv_triton.py (printed); then the BF16 + FA4 + fused micro-batch 8 row
+  # into this machine's copy of difflm/kernels/qkv_triton.py (printed); then the BF16 + FA4 + fused micro-batch 8 row
   # of that tree and of .device-stage/old, profiled, and MegaDLMs BF16 beside the row again (quack's cache carried)
   export CUDA_VISIBLE_DEVICES=0
   restore_quack_cache
@@ -830,7 +830,7 @@ qkvbwd2)
 print(min(r, key=lambda x: x['ms'])['row'].split()[1])")
   IFS=x read -r bt bw btl <<< "$best"; echo "backward setting used: $best"
   sed -i "s/^BWD_BLOCK_T, BWD_WARPS = .*/BWD_BLOCK_T, BWD_WARPS = $bt, $bw/; s/^BWD_TILES = .*/BWD_TILES = $btl/" \
-    difflm/model/qkv_triton.py && grep -n "^BWD_" difflm/model/qkv_triton.py
+    difflm/kernels/qkv_triton.py && grep -n "^BWD_" difflm/kernels/qkv_triton.py
   ROW="model=1.7b data.seq_len=4096 train.micro_batch_size=8 train.global_batch_size=16 precision=bf16 device=cuda
     --no-reference --isolate --steps 6 --warmup 3 --batches 2 --profile-rows 30 --row-timeout 160"
   timeout 170 python3 scripts/benchmark.py $ROW --json "$OUT/bench_this.json" --profile this \

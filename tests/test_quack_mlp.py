@@ -1,5 +1,5 @@
-"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.model.quack_mlp), and the attention
-half's norm + QKV projection that hands the residual on (difflm.model.quack_norm_linear).
+"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.kernels.quack_mlp), and the attention
+half's norm + QKV projection that hands the residual on (difflm.kernels.quack_norm_linear).
 
 On the CPU: what the setting refuses, with the key and the fix. On a Hopper/Blackwell GPU with quack and Transformer
 Engine: the fused half block against TE's ``LayerNormMLP`` plus the two residual adds, and the fused QKV input against
@@ -19,7 +19,7 @@ from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
 
 from difflm.config.validate import check_parallel, check_precision
 from difflm.errors import DifflmError
-from difflm.model.quack_mlp import quack_unavailable_reason
+from difflm.kernels.quack_mlp import quack_unavailable_reason
 
 
 def run_cfg(*overrides):
@@ -263,7 +263,7 @@ def test_fused_model_loss_and_grads_match_unfused(monkeypatch):
 
 def test_fused_mlp_autotune_tunes_the_largest_shape_only(fake_te, monkeypatch):
     _pretend_hopper(monkeypatch)
-    import difflm.model.quack_mlp as qm
+    import difflm.kernels.quack_mlp as qm
 
     monkeypatch.setattr(qm, "quack_unavailable_reason", lambda device=None, key="model.fused_mlp": None)
     base = ("model.backend=te", "precision=bf16", "model.fused_mlp=true", "model.fused_mlp_autotune=true")
@@ -280,7 +280,7 @@ def test_fused_mlp_autotune_tunes_the_largest_shape_only(fake_te, monkeypatch):
 
 
 def test_quack_refused_outside_site_packages():
-    from difflm.model.quack_mlp import outside_site_packages_reason
+    from difflm.kernels.quack_mlp import outside_site_packages_reason
 
     assert outside_site_packages_reason("/usr/lib/python3/dist-packages/cutlass/__init__.py") is None
     assert outside_site_packages_reason("/venv/lib/python3.12/site-packages/cutlass/__init__.py") is None
@@ -299,8 +299,8 @@ def test_quack_modules_have_the_recorded_te_layout():
     import json
     from pathlib import Path
 
-    from difflm.model.quack_mlp import ResidualNormMLP
-    from difflm.model.quack_norm_linear import ResidualNormLinear
+    from difflm.kernels.quack_mlp import ResidualNormMLP
+    from difflm.kernels.quack_norm_linear import ResidualNormLinear
 
     recorded = json.loads((Path(__file__).parent / "fixtures" / "te_tiny_state_dict.json").read_text())
     m = recorded["model"]

@@ -70,8 +70,8 @@ class ModelConfig:
     backend: str = "torch"  # auto | torch | te
     attention_backend: str = "sdpa"  # auto | sdpa | te | flash | flex
     compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
-    fused_qkv: bool = True  # split/QK-norm/RoPE as Triton kernels on CUDA (difflm.model.qkv_triton); false: eager
-    fused_mlp: Any = False  # auto | true | false. backend=te, BF16: norm + SwiGLU MLP + residual adds on quack's fused GEMMs (difflm.model.quack_mlp)
+    fused_qkv: bool = True  # split/QK-norm/RoPE as Triton kernels on CUDA (difflm.kernels.qkv_triton); false: eager
+    fused_mlp: Any = False  # auto | true | false. backend=te, BF16: norm + SwiGLU MLP + residual adds on quack's fused GEMMs (difflm.kernels.quack_mlp)
     fused_mlp_autotune: Any = False  # auto | true | false. fused_mlp: quack autotunes each training GEMM shape once (minutes; disk cache)
     fused_cross_entropy: bool = True  # CUDA + TE installed: TE's fused CE kernel, no FP32 [N, V] logits (objectives.cross_entropy)
     fuse_wgrad_accumulation: bool = True  # backend=te: weight-grad GEMMs accumulate into FP32 .grad (not under FSDP/PP)

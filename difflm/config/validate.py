@@ -152,11 +152,11 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
 
 
 def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
-    """What ``model.fused_mlp=true`` (:mod:`difflm.model.quack_mlp`) needs: the TE kernel set, BF16, a dense MLP, and
+    """What ``model.fused_mlp=true`` (:mod:`difflm.kernels.quack_mlp`) needs: the TE kernel set, BF16, a dense MLP, and
     quack on a Hopper/Blackwell GPU (tensor parallelism is checked in :func:`check_parallel`). Random-length steps
     are allowed with ``model.fused_mlp_autotune``: quack tunes only the largest row count a module has seen
-    (:func:`difflm.model.quack_mlp.tuned_call`)."""
-    from difflm.model.quack_mlp import quack_unavailable_reason
+    (:func:`difflm.kernels.quack_mlp.tuned_call`)."""
+    from difflm.kernels.quack_mlp import quack_unavailable_reason
 
     m, name = cfg.model, cfg.precision.name
     _require(m.backend == "te", f"model.fused_mlp=true is a slot of the TE kernel set and this run has model.backend="

@@ -12,7 +12,7 @@ order, each step falling back to the next candidate when one is missing or canno
   BF16/FP16 attention without a mask it cannot take (not ``objective=bd3lm``, not context parallelism); else
   ``te`` under the TE kernels (cuDNN fused attention); else ``sdpa`` (cuDNN / flash kernels through PyTorch, and the
   CPU's).
-* ``model.fused_mlp``: quack's fused norm + SwiGLU MLP + residual GEMMs (:mod:`difflm.model.quack_mlp`) for the TE
+* ``model.fused_mlp``: quack's fused norm + SwiGLU MLP + residual GEMMs (:mod:`difflm.kernels.quack_mlp`) for the TE
   kernels in BF16 on a Hopper/Blackwell GPU with quack installed, for a dense model without tensor parallelism or
   CUDA graphs.
 * ``model.fused_mlp_autotune``: with the fused MLP, for models of ``hidden_size >= 1024`` (quack tunes each
@@ -58,8 +58,8 @@ def fa4_installed() -> bool:
 
 
 def quack_reason(device: torch.device) -> Optional[str]:
-    """Why quack's fused MLP cannot run on ``device``, or None (:func:`difflm.model.quack_mlp.quack_unavailable_reason`)."""
-    from difflm.model.quack_mlp import quack_unavailable_reason
+    """Why quack's fused MLP cannot run on ``device``, or None (:func:`difflm.kernels.quack_mlp.quack_unavailable_reason`)."""
+    from difflm.kernels.quack_mlp import quack_unavailable_reason
 
     return quack_unavailable_reason(device)
 

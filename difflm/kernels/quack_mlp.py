@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from difflm.model.te_kernels import weights_cast_once_per_step
+from difflm.kernels.main_grad import weights_cast_once_per_step
 
 # The fc1 weight [2f, d] holds [gate; up] halves (TE's swiglu split). quack's gated epilogue pairs neighbouring
 # columns, so it reads this "concat" layout through its concat_layout option and keeps the pre-activation and its
