@@ -138,3 +138,15 @@ def test_cpu_run_with_defaults_trains_and_records_the_choice(tmp_path):
     assert (saved.backend, saved.attention_backend, saved.fused_mlp, saved.fused_mlp_autotune) == (
         "torch", "sdpa", False, False)
     assert saved.auto_reason.startswith("kernels auto on cpu")
+
+
+def test_cfg_job_shows_the_choice_as_yaml_comments():
+    out = run_cli("difflm.train", "--cfg", "job", "model=tiny", "precision=bf16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[-5].startswith("# kernels auto on cpu: model.backend=torch")
+    assert lines[-4:] == ["#   model.backend: torch", "#   model.attention_backend: sdpa", "#   model.fused_mlp: false",
+                          "#   model.fused_mlp_autotune: false"]
+    import yaml
+
+    assert yaml.safe_load(out.stdout)["model"]["backend"] == "auto"  # the printed config itself is unchanged
