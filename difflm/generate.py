@@ -256,6 +256,7 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
     # forward-only reads run the kernels every host has: no compiled blocks, TE's own MLP for a run trained with the
     # fused one (model.fused_mlp: same parameters, BF16-rounding-level agreement, quack's gains are in training)
     cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune = False, False, False
+    _choose_again(cfg, kernels, device)
     if cfg.model.backend == "te" and device.type != "cuda":
         if kernels is not None and kernels.get("backend") == "te":  # the override asked for it, not the run
             raise DifflmError(f"kernels.backend=te needs CUDA and the device is {device.type}: drop it or set "
@@ -268,6 +269,19 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
         if kernels is None or kernels.get("attention_backend") is None:  # the run's own choice, not an override
             reason = f"the run's model.attention_backend={backend} cannot run here; {reason}"
         raise DifflmError(reason)
+
+
+def _choose_again(cfg, kernels, device: torch.device) -> None:
+    """Kernels that ``auto`` chose for training (named in ``model.auto_reason``) are chosen again for this device, unless
+    ``kernels.*`` names them: a run trained on a GPU with the TE kernels samples on a CPU with the torch ones.
+    Explicit training choices are kept (and refused below, naming the override that fixes them)."""
+    from difflm.model.auto_kernels import AUTO, choose_kernels
+
+    picked = cfg.model.get("auto_reason") or ""
+    for key in ("backend", "attention_backend"):
+        if f"model.{key}=" in picked and (kernels is None or kernels.get(key) is None):
+            cfg.model[key] = AUTO
+    choose_kernels(cfg, device, forward_only=True)
 
 
 def beyond_trained_length(prompt_tokens: int, length: int, seq_len: int) -> str | None:

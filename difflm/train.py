@@ -39,6 +39,8 @@ def _main(cfg) -> None:
         if launch_env()["rank"] != 0:  # every rank failed the same check on the same config: rank 0 says it once
             sys.exit(2)
         raise
+    if cfg.model.get("auto_reason") and launch_env()["rank"] == 0:
+        print(f"difflm: {cfg.model.auto_reason}", flush=True)  # what model.*=auto chose, before anything is built
     if world_size > 1:
         device = init_distributed(device, timeout_s=cfg.train.collective_timeout)
     try:
@@ -84,6 +86,39 @@ def main() -> None:
     if env["rank"] != 0 and not multirun:
         sys.argv.extend(NON_ZERO_RANK_OVERRIDES)
     _main()
+    if shown_config(sys.argv[1:]) == "job":
+        print_kernel_choice(sys.argv[1:])
+
+
+def shown_config(argv: list[str]):
+    """The part Hydra's ``--cfg``/``-c`` prints (``job``, ``hydra``, ``all``), or None without the flag."""
+    for i, arg in enumerate(argv):
+        if arg in ("--cfg", "-c") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--cfg="):
+            return arg.partition("=")[2]
+    return None
+
+
+def print_kernel_choice(argv: list[str]) -> None:
+    """After ``--cfg job``: what ``model.*=auto`` resolves to on this machine, as YAML comments (the printed config
+    stays loadable). A config that does not compose or check prints nothing more: the run would say why."""
+    from difflm.config.compose import compose_train_config
+    from difflm.config.validate import resolve_device
+    from difflm.model.auto_kernels import choose_kernels
+
+    overrides = [a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] not in
+                                                                            ("--cfg", "-c", "-p", "--package"))]
+    try:
+        cfg = compose_train_config(overrides)
+        choice = choose_kernels(cfg, resolve_device(cfg.device), world_size_from_env())
+    except DifflmError:
+        return
+    if choice.line:
+        print(f"# {choice.line}")
+        for key in ("backend", "attention_backend", "fused_mlp", "fused_mlp_autotune"):
+            value = choice.values[key]
+            print(f"#   model.{key}: {str(value).lower() if isinstance(value, bool) else value}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ tables ported from FlashAttention 3 and benchmarked on an H100 SXM (FA4's docstr
 same SMs and more memory bandwidth, so another tile may win there. This script replaces those two functions,
 for the duration of one row, by one that returns the row's configuration, and times FA4's own calls
 (``_flash_attn_fwd`` / ``_flash_attn_bwd``, bidirectional, BF16, dense ``B, S, H, D`` inputs; the kernels that
-``difflm.model.qkv_flash`` and ``attend(backend="flash")`` run) between CUDA events: the forward alone and the
+``difflm.kernels.qkv_flash`` and ``attend(backend="flash")`` run) between CUDA events: the forward alone and the
 backward alone (median of ``--iters`` after ``--warmup``), with ``--gemm-between`` BF16 GEMMs of the 1.7B MLP's
 size before each timed call so the GPU runs at a training step's clock. TFLOP/s: PaLM's count (appendix B),
 4 B S^2 H D forward, twice that backward (the recomputed QK^T not counted).

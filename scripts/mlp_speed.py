@@ -1,6 +1,6 @@
 """Time the MLP half of a block, ``s = x + a; y = s + MLP(RMSNorm(s))``, forward and backward on a GPU, in BF16, with
 the two MLP slots of the TE kernel set: TE's ``LayerNormMLP`` plus two residual adds (``model.fused_mlp=false``) and
-quack's fused kernels (:class:`difflm.model.quack_mlp.ResidualNormMLP`, ``model.fused_mlp=true``). Both from the same
+quack's fused kernels (:class:`difflm.kernels.quack_mlp.ResidualNormMLP`, ``model.fused_mlp=true``). Both from the same
 weights; prints ms per call, the first call's time (quack compiles its kernels then), the peak memory, and how far
 the fused path's output and gradients are from TE's (max |diff| / max |TE|).
 

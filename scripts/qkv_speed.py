@@ -1,6 +1,6 @@
 """Time the QKV split / QK-norm / RoPE step (:func:`difflm.model.qkv.qkv_heads`) forward and backward on a GPU:
 eager, ``torch.compile`` of the same function (the path before the Triton kernels), and the Triton kernels of
-:mod:`difflm.model.qkv_triton` at several tile sizes, each against the bytes it must move (read the QKV output, write
+:mod:`difflm.kernels.qkv_triton` at several tile sizes, each against the bytes it must move (read the QKV output, write
 q / k / v; backward: read their gradients and the saved q / k, write the QKV gradient).
 
     python scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --shape 125m-mb64=64,1024,12,12,64
@@ -9,7 +9,7 @@ A shape is NAME=B,S,H,H_KV,D (QK-norm on). Prints ms per call and GB/s per row.
 
     python scripts/qkv_speed.py --shape 1.7b-mb8=8,4096,16,16,128 --in-place 16x2x8,16x2x1,32x4x4 --gemm-between 8
 
-``--in-place`` instead times the backward as :mod:`difflm.model.qkv_flash` calls it (the incoming gradients already
+``--in-place`` instead times the backward as :mod:`difflm.kernels.qkv_flash` calls it (the incoming gradients already
 in the QKV gradient's slots, transformed there; the value slots left alone) at each BLOCK_TxWARPSxTILES setting
 (rows per tile, warps, tiles per program), and the forward without the value copy, with ``--gemm-between`` MLP-sized
 GEMMs before each call (``benchmark.median_ms_under_load``: a training step's clocks, not an isolated loop's).
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
         return
     from benchmark import median_cuda_ms
 
-    from difflm.model import qkv_triton
+    from difflm.kernels import qkv_triton
     from difflm.model.qkv import _qkv_heads, qkv_heads_triton
     from difflm.model.rope import rope_angles, rope_tables
 
@@ -89,13 +89,13 @@ def main(argv=None) -> None:
 
 
 def in_place_rows(spec: str, settings: list[str], gemm_between: int) -> list[dict]:
-    """The forward (v left in place) and the in-place backward of :mod:`difflm.model.qkv_triton` at ``spec``
+    """The forward (v left in place) and the in-place backward of :mod:`difflm.kernels.qkv_triton` at ``spec``
     (NAME=B,S,H,H_KV,D, QK-norm on), the backward at each BLOCK_TxWARPSxTILES setting: ms per call under load and
     GB/s against the bytes each must move (forward: read and write the q / k slots; backward: read the q / k
     gradients and the saved q / k, write the QKV gradient's q / k slots)."""
     from benchmark import median_ms_under_load
 
-    from difflm.model import qkv_triton
+    from difflm.kernels import qkv_triton
     from difflm.model.qkv import head_slots
     from difflm.model.rope import rope_angles, rope_tables
 

@@ -25,10 +25,21 @@ FAST = [
 ]
 
 
-def compose_run(overrides=(), config_name: str = "train"):
-    """The composed config for ``overrides``, from difflm's own conf/ directory."""
+def compose_run(overrides=(), config_name: str = "train", auto: bool = False):
+    """The composed config for ``overrides``, from difflm's own conf/ directory.
+
+    ``model.*=auto`` is resolved for the CPU (:func:`difflm.model.auto_kernels.choose_kernels`: torch kernels, SDPA,
+    no fused MLP), so tests that build a model from the config directly see concrete kernels on every machine;
+    ``auto=True`` keeps the ``auto`` values for tests of the choice itself."""
     with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
+        cfg = compose(config_name, overrides=list(overrides))
+    if not auto and config_name == "train":
+        import torch
+
+        from difflm.model.auto_kernels import choose_kernels
+
+        choose_kernels(cfg, torch.device("cpu"))
+    return cfg
 
 
 @pytest.fixture

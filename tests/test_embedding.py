@@ -1,4 +1,4 @@
-"""The token embedding whose gradient accumulates in FP32 ``main_grad`` (difflm.model.embedding.Embedding): against
+"""The token embedding whose gradient accumulates in FP32 ``main_grad`` (difflm.kernels.embedding.Embedding): against
 ``nn.Embedding`` followed by the residual stream's cast, over two micro-batches of one step and the next step, on the
 CPU under BF16 autocast (CUDA where available, where the adds are atomic)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from difflm.model.embedding import Embedding
+from difflm.kernels.embedding import Embedding
 from difflm.model.te_kernels import accumulate_into_grad
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

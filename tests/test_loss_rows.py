@@ -178,14 +178,14 @@ def test_rows_on_the_gpu_fast_path(backend, fused_mlp, monkeypatch):
     """BF16 on a GPU with ``model.attention_backend=flash``: the last block's queries go through FA4's varlen
     interface inside the QKV + FA4 function (and quack's fused MLP at default tiles): the logits at the rows and the
     gradients against the full last block on the same weights, within BF16 rounding of other GEMM shapes."""
-    from difflm.model.qkv_flash import fa4_interface
+    from difflm.kernels.qkv_flash import fa4_interface
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
     if backend == "te":
         pytest.importorskip("transformer_engine.pytorch")
     if fused_mlp:
-        from difflm.model.quack_mlp import quack_unavailable_reason
+        from difflm.kernels.quack_mlp import quack_unavailable_reason
 
         if quack_unavailable_reason() is not None:
             pytest.skip(quack_unavailable_reason())

@@ -196,9 +196,13 @@ def test_fp8_combinations_accepted_on_hopper(fake_te, monkeypatch):
 def test_fp8_requires_te_backend_and_fp8_attention_requires_te_attention(fake_te, monkeypatch):
     _pretend_gpu(monkeypatch, (9, 0))
     with pytest.raises(DifflmError, match="set model.backend=te"):
-        check_precision(run_cfg("precision=fp8"), torch.device("cuda"))
+        check_precision(run_cfg("precision=fp8", "model.backend=torch"), torch.device("cuda"))
+    cfg = run_cfg("precision=fp8")  # model.backend=auto picks TE for FP8, and TE's attention
+    check_precision(cfg, torch.device("cuda"))
+    assert (cfg.model.backend, cfg.model.attention_backend) == ("te", "te")
     with pytest.raises(DifflmError, match="set model.attention_backend=te"):
-        check_precision(run_cfg("model.backend=te", "precision=fp8", "precision.fp8_attention=true"),
+        check_precision(run_cfg("model.backend=te", "model.attention_backend=sdpa", "precision=fp8",
+                                "precision.fp8_attention=true"),
                         torch.device("cuda"))
 
 

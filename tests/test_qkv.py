@@ -91,11 +91,11 @@ def _triton_against_eager(device, dtype, layout, heads, kv_heads, qk_norm, d, b,
 
 
 def _in_place_against_copies(device, dtype, layout, heads, kv_heads, qk_norm, d, b, s):
-    """What :mod:`difflm.model.qkv_flash` asks of the Triton kernels, against their dense path on the same inputs:
+    """What :mod:`difflm.kernels.qkv_flash` asks of the Triton kernels, against their dense path on the same inputs:
     the forward without the value copy (v a view of ``qkv``), and the backward reading the incoming gradients from
     the QKV gradient's own slots (dq there only without GQA) and transforming them in place. Returns (largest
     |difference| over q, k, d qkv and the norm scales' gradients, v is a view of qkv's value slots)."""
-    from difflm.model import qkv_triton
+    from difflm.kernels import qkv_triton
     from difflm.model.qkv import head_slots
 
     qkv, norms, (cos, sin) = _inputs(layout, heads, kv_heads, d, b=b, s=s, dtype=dtype, device=device)
@@ -127,7 +127,7 @@ _INTERPRETED = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_qkv import _in_place_against_copies, _triton_against_eager
-from difflm.model import qkv_triton
+from difflm.kernels import qkv_triton
 # backward programs of two tiles: the interpreter runs every tile of a program, masked or not, so the committed
 # count (16) would spend most of its time on empty tiles of these few rows; the CUDA tests run the committed one
 qkv_triton.BWD_TILES = 2
@@ -160,7 +160,7 @@ def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     with and without QK-norm, a head size whose half is not a power of two, 39 rows (partial tiles), rows for four
     backward programs (the norm scales' gradients summed across programs), and no rows.
     Without QK-norm the values and gradients are bitwise equal; with it, they differ by the order of the norm's sum.
-    The path of :mod:`difflm.model.qkv_flash` (v a view, gradients transformed in their slots; batch-first, as it
+    The path of :mod:`difflm.kernels.qkv_flash` (v a view, gradients transformed in their slots; batch-first, as it
     runs) is bitwise the dense one."""
     pytest.importorskip("triton")
     import json
@@ -218,16 +218,16 @@ def test_in_place_kernels_match_the_dense_path_on_cuda(heads, kv_heads, qk_norm)
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 def test_qkv_flash_equals_qkv_heads_then_flash_attention(heads, kv_heads, qk_norm, causal, monkeypatch):
-    """:func:`difflm.model.qkv_flash.qkv_flash_attention` (v read in place, FA4's gradients written into the QKV
+    """:func:`difflm.kernels.qkv_flash.qkv_flash_attention` (v read in place, FA4's gradients written into the QKV
     gradient's slots) against ``qkv_heads`` then ``attend(backend="flash")`` on the same BF16 inputs (head size 128,
     2 x 700 tokens), both on FA4's own forward tiles: the same kernels on the same values, so the outputs are bitwise
     equal, and so are the key and value slots of the QKV gradient without GQA (FA4 computes dK / dV of a head in one
     program); the query slots and the norm scales' gradients move with FA4's dQ, which accumulates with atomics in a
     run-dependent order."""
-    from difflm.model import qkv_flash
+    from difflm.kernels import qkv_flash
     from difflm.model.attention import attend
     from difflm.model.qkv import head_slots
-    from difflm.model.qkv_flash import fa4_interface, qkv_flash_attention
+    from difflm.kernels.qkv_flash import fa4_interface, qkv_flash_attention
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
@@ -262,7 +262,7 @@ def test_qkv_flash_at_the_loss_rows_gives_the_dense_calls_gradient_row_by_row():
     output gradients zero (BF16, 2 x 1,000 tokens, 301 rows padded to 320 with copies of the last): in particular the
     last loss row, whose padding copies have zero query gradients that are added into its slot, not copied over it."""
     from difflm.model.loss_rows import loss_rows
-    from difflm.model.qkv_flash import fa4_interface, qkv_flash_attention
+    from difflm.kernels.qkv_flash import fa4_interface, qkv_flash_attention
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
@@ -295,12 +295,12 @@ def test_qkv_flash_at_the_loss_rows_gives_the_dense_calls_gradient_row_by_row():
 @pytest.mark.parametrize("rows", [False, True])
 def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
     """On a Hopper GPU the QKV + FA4 function runs FA4's forward on 192 x 128 tiles with P.V from shared memory
-    (:data:`difflm.model.qkv_flash.SM90_FORWARD_TILES`) for bidirectional heads of 128, and FA4's own table
+    (:data:`difflm.kernels.qkv_flash.SM90_FORWARD_TILES`) for bidirectional heads of 128, and FA4's own table
     otherwise (causal, head size 64). Values and gradients equal those on FA4's own tiles up to BF16 rounding
     (2 x 1,000 tokens, 16 heads; with ``rows``, 300 query rows through the varlen call)."""
-    from difflm.model import qkv_flash
+    from difflm.kernels import qkv_flash
     from difflm.model.loss_rows import loss_rows
-    from difflm.model.qkv_flash import fa4_interface, forward_tiles, qkv_flash_attention
+    from difflm.kernels.qkv_flash import fa4_interface, forward_tiles, qkv_flash_attention
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")
@@ -350,13 +350,13 @@ def test_hopper_forward_tiles_agree_with_fa4s_own(rows, monkeypatch):
 @pytest.mark.parametrize("backend,kv_heads", [("torch", 4), ("te", 4), ("te", 2)])
 def test_models_with_flash_attention_take_the_fused_path(backend, kv_heads, monkeypatch):
     """``model=tiny`` with ``model.attention_backend=flash`` (FA4), built as the trainer builds it: every attention layer
-    goes through :func:`difflm.model.qkv_flash.qkv_flash_attention` (once per layer and forward), its logits are
+    goes through :func:`difflm.kernels.qkv_flash.qkv_flash_attention` (once per layer and forward), its logits are
     bitwise those of the two-call path (the Triton QKV kernels, then FA4 on dense q / k / v) on the same weights, and
     its gradients agree within FA4's dQ rounding; ``model.fused_qkv=false`` never takes it."""
     from conftest import compose_run
 
     from difflm.model import build_model, transformer
-    from difflm.model.qkv_flash import fa4_interface
+    from difflm.kernels.qkv_flash import fa4_interface
 
     if fa4_interface() is None:
         pytest.skip("needs FlashAttention 4 (flash_attn.cute)")

@@ -1,5 +1,5 @@
-"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.model.quack_mlp), and the attention
-half's norm + QKV projection that hands the residual on (difflm.model.quack_norm_linear).
+"""``model.fused_mlp=true``: the MLP half block on quack's fused GEMMs (difflm.kernels.quack_mlp), and the attention
+half's norm + QKV projection that hands the residual on (difflm.kernels.quack_norm_linear).
 
 On the CPU: what the setting refuses, with the key and the fix. On a Hopper/Blackwell GPU with quack and Transformer
 Engine: the fused half block against TE's ``LayerNormMLP`` plus the two residual adds, and the fused QKV input against
@@ -19,7 +19,7 @@ from fixtures.fake_te_env import fake_te  # noqa: F401  (pytest fixture)
 
 from difflm.config.validate import check_parallel, check_precision
 from difflm.errors import DifflmError
-from difflm.model.quack_mlp import quack_unavailable_reason
+from difflm.kernels.quack_mlp import quack_unavailable_reason
 
 
 def run_cfg(*overrides):
@@ -34,7 +34,7 @@ def _pretend_hopper(monkeypatch):
 
 # ------------------------------------------------------------------ refusals (CPU)
 @pytest.mark.parametrize("overrides,needle", [
-    (["model.fused_mlp=true"], "model.fused_mlp=true is a slot of the TE kernel set and this run has "
+    (["model.backend=torch", "model.fused_mlp=true"], "model.fused_mlp=true is a slot of the TE kernel set and this run has "
                                "model.backend=torch: set model.backend=te"),
     (["model.backend=te", "model.fused_mlp=true", "precision=fp8"],
      "model.fused_mlp=true runs BF16 GEMMs (quack) and this run is precision=fp8"),
@@ -261,24 +261,26 @@ def test_fused_model_loss_and_grads_match_unfused(monkeypatch):
         assert _rel(grads[1][name], ref) < 5e-2, name
 
 
-def test_fused_mlp_autotune_needs_fixed_shapes(fake_te, monkeypatch):
+def test_fused_mlp_autotune_tunes_the_largest_shape_only(fake_te, monkeypatch):
     _pretend_hopper(monkeypatch)
-    import difflm.model.quack_mlp as qm
+    import difflm.kernels.quack_mlp as qm
 
     monkeypatch.setattr(qm, "quack_unavailable_reason", lambda device=None, key="model.fused_mlp": None)
     base = ("model.backend=te", "precision=bf16", "model.fused_mlp=true", "model.fused_mlp_autotune=true")
-    with pytest.raises(DifflmError, match="objective.random_length_prob=0.01 gives steps of random lengths: set "
-                                          "objective.random_length_prob=0"):
-        check_precision(run_cfg(*base), torch.device("cuda"))
+    check_precision(run_cfg(*base), torch.device("cuda"))  # random-length steps run the default tiles
     check_precision(run_cfg(*base, "objective.random_length_prob=0"), torch.device("cuda"))
+    module = torch.nn.Linear(1, 1)  # row counts of steps: short (random length), full, short, full
+    assert [qm.most_rows_so_far(module, rows) for rows in (1024, 4096, 2048, 4096, 4095)] == [
+        True, True, False, True, False]
     check_precision(run_cfg(*base), torch.device("cuda"), training=False)  # scripts/benchmark.py: one length
     with pytest.raises(DifflmError, match="set model.fused_mlp=true too"):
-        check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp_autotune=true"),
+        check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp=false",
+                                "model.fused_mlp_autotune=true"),
                         torch.device("cuda"))
 
 
 def test_quack_refused_outside_site_packages():
-    from difflm.model.quack_mlp import outside_site_packages_reason
+    from difflm.kernels.quack_mlp import outside_site_packages_reason
 
     assert outside_site_packages_reason("/usr/lib/python3/dist-packages/cutlass/__init__.py") is None
     assert outside_site_packages_reason("/venv/lib/python3.12/site-packages/cutlass/__init__.py") is None
@@ -297,8 +299,8 @@ def test_quack_modules_have_the_recorded_te_layout():
     import json
     from pathlib import Path
 
-    from difflm.model.quack_mlp import ResidualNormMLP
-    from difflm.model.quack_norm_linear import ResidualNormLinear
+    from difflm.kernels.quack_mlp import ResidualNormMLP
+    from difflm.kernels.quack_norm_linear import ResidualNormLinear
 
     recorded = json.loads((Path(__file__).parent / "fixtures" / "te_tiny_state_dict.json").read_text())
     m = recorded["model"]

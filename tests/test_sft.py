@@ -232,7 +232,7 @@ def test_sft_config_checks(fast_cfg):
         check_run(fast_cfg("objective=sft", "data.prompt_field=question", "data.max_train_tokens=4096",
                            "device=cpu"))
     from difflm.config.schema import DataConfig
-    from difflm.data.windows import build_datasets
+    from difflm.data.datasets import build_datasets
 
     with pytest.raises(DifflmError, match=r"data.max_train_tokens is not supported with objective=sft"):
         build_datasets(DataConfig(path="pairs.jsonl", prompt_field="question", max_train_tokens=4096), None, "")

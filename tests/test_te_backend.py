@@ -221,7 +221,7 @@ def test_weight_gradients_accumulate_in_place_across_micro_batches_and_steps(fak
     ref.load_state_dict(te_to_torch_state_dict(model.state_dict()))
     fused = [p for n, p in model.named_parameters() if n.endswith(("qkv.weight", "proj.weight", "fc1_weight",
                                                                   "fc2_weight")) or n == "embedding.weight"]
-    assert len(fused) == 4 * cfg.num_layers + 1  # the embedding's too (difflm.model.embedding)
+    assert len(fused) == 4 * cfg.num_layers + 1  # the embedding's too (difflm.kernels.embedding)
     g = torch.Generator().manual_seed(4)
     steps = [[torch.randint(0, cfg.vocab_size, (2, 12), generator=g) for _ in range(3)] for _ in range(2)]
     for step, set_to_none in zip(steps, (True, False)):

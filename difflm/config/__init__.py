@@ -1,4 +1,6 @@
 """Run configuration: the typed schema, the Hydra config tree and the cross-key checks."""
+import functools
+import secrets
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -28,10 +30,18 @@ def asset_path(relative: str) -> str:
 
 if not OmegaConf.has_resolver("difflm_asset"):
     OmegaConf.register_new_resolver("difflm_asset", asset_path)
-if not OmegaConf.has_resolver("difflm_run_id"):  # the unique suffix of default run dirs
-    from difflm.training.run_dir import run_id
+@functools.lru_cache(maxsize=None)
+def run_id() -> str:
+    """A short random id, the same for the whole process (the ``${difflm_run_id:}`` resolver).
 
+    The default ``run.dir`` is ``outputs/<date>_<time>-<run_id>``: two jobs started in the same second get
+    different directories (``${now:}`` alone resolves to the second).
+    """
+    return secrets.token_hex(3)
+
+
+if not OmegaConf.has_resolver("difflm_run_id"):  # the unique suffix of default run dirs
     OmegaConf.register_new_resolver("difflm_run_id", run_id)
 register_schema()
 
-__all__ = ["ASSETS", "CONF_DIR", "RunConfig", "asset_path"]
+__all__ = ["ASSETS", "CONF_DIR", "RunConfig", "asset_path", "run_id"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -67,18 +67,22 @@ class ModelConfig:
     qk_norm: bool = True
     tie_embeddings: bool = False
     init_std: float = 0.02
-    backend: str = "torch"  # torch | te
-    attention_backend: str = "sdpa"  # sdpa | te | flash | flex
+    # auto (conf/train.yaml's default): the fastest kernels installed and valid for the run, chosen once before the
+    # model is built (difflm.model.auto_kernels.choose_kernels; the run's config.yaml records the choice). The values
+    # here are those of a model built in Python without a run (plain PyTorch).
+    backend: str = "torch"  # auto | torch | te
+    attention_backend: str = "sdpa"  # auto | sdpa | te | flash | flex
     compile: bool = False  # torch.compile each block (backend=torch); see docs/performance.md
-    fused_qkv: bool = True  # split/QK-norm/RoPE as Triton kernels on CUDA (difflm.model.qkv_triton); false: eager
-    fused_mlp: bool = False  # backend=te, BF16: norm + SwiGLU MLP + residual adds on quack's fused GEMMs (difflm.model.quack_mlp)
-    fused_mlp_autotune: bool = False  # fused_mlp: quack autotunes each training GEMM shape once (minutes; disk cache)
+    fused_qkv: bool = True  # split/QK-norm/RoPE as Triton kernels on CUDA (difflm.kernels.qkv_triton); false: eager
+    fused_mlp: Any = False  # auto | true | false. backend=te, BF16: norm + SwiGLU MLP + residual adds on quack's fused GEMMs (difflm.kernels.quack_mlp)
+    fused_mlp_autotune: Any = False  # auto | true | false. fused_mlp: quack autotunes each training GEMM shape once (minutes; disk cache)
     fused_cross_entropy: bool = True  # CUDA + TE installed: TE's fused CE kernel, no FP32 [N, V] logits (objectives.cross_entropy)
     fuse_wgrad_accumulation: bool = True  # backend=te: weight-grad GEMMs accumulate into FP32 .grad (not under FSDP/PP)
     qkv_bias: bool = False  # bias on the fused QKV projection (Qwen2 imports)
     shift_logits: bool = False  # Dream: logits at i come from position i - 1 (AR-initialised diffusion)
     last_block_loss_rows: bool = True  # diffusion: the last block's queries and MLP at the loss rows only (same logits)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (num_experts > 0)
+    auto_reason: Optional[str] = None  # written by auto: what it chose for the keys above and why (read-only)
 
 
 @dataclass

@@ -15,8 +15,8 @@ import torch
 from difflm.errors import DifflmError
 
 CHOICES = {
-    "model.backend": ("torch", "te"),
-    "model.attention_backend": ("sdpa", "te", "flash", "flex"),
+    "model.backend": ("auto", "torch", "te"),
+    "model.attention_backend": ("auto", "sdpa", "te", "flash", "flex"),
     "model.moe.score_func": ("softmax", "sigmoid"),
     "model.moe.balance_over": ("micro_batch", "global_batch"),
     "precision.name": ("fp32", "bf16", "fp16", "fp8"),
@@ -114,8 +114,10 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
     with FP32 master weights that the trainer does not build yet.
     """
     from difflm.model.attention import attention_unavailable_reason
+    from difflm.model.auto_kernels import choose_kernels
     from difflm.training.precision import device_fp8_unsupported_reason
 
+    choose_kernels(cfg, device)  # every ``auto`` resolved: the checks below see the choice
     name, p, m = cfg.precision.name, cfg.precision, cfg.model
     if m.backend == "te":
         _require(device.type == "cuda", f"model.backend=te runs Transformer Engine's CUDA kernels and the device is "
@@ -152,11 +154,11 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
 
 
 def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
-    """What ``model.fused_mlp=true`` (:mod:`difflm.model.quack_mlp`) needs: the TE kernel set, BF16, a dense MLP, and
-    quack on a Hopper/Blackwell GPU (tensor parallelism is checked in :func:`check_parallel`); with
-    ``model.fused_mlp_autotune``, training steps of one shape (``training=False``: scripts/benchmark.py, whose steps
-    have one length)."""
-    from difflm.model.quack_mlp import quack_unavailable_reason
+    """What ``model.fused_mlp=true`` (:mod:`difflm.kernels.quack_mlp`) needs: the TE kernel set, BF16, a dense MLP, and
+    quack on a Hopper/Blackwell GPU (tensor parallelism is checked in :func:`check_parallel`). Random-length steps
+    are allowed with ``model.fused_mlp_autotune``: quack tunes only the largest row count a module has seen
+    (:func:`difflm.kernels.quack_mlp.tuned_call`)."""
+    from difflm.kernels.quack_mlp import quack_unavailable_reason
 
     m, name = cfg.model, cfg.precision.name
     _require(m.backend == "te", f"model.fused_mlp=true is a slot of the TE kernel set and this run has model.backend="
@@ -168,11 +170,6 @@ def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
              f"model.moe.num_experts={moe.num_experts if moe else 0}: set model.fused_mlp=false")
     reason = quack_unavailable_reason(device)
     _require(reason is None, reason or "")
-    if m.get("fused_mlp_autotune", False) and training:
-        prob = cfg.objective.get("random_length_prob", 0)
-        _require(not prob, f"model.fused_mlp_autotune=true tunes every new GEMM shape (minutes each) and "
-                 f"objective.random_length_prob={prob} gives steps of random lengths: set objective.random_length_prob=0, "
-                 "or model.fused_mlp_autotune=false")
 
 
 def check_batch(cfg, world_size: int = 1) -> int:
@@ -250,6 +247,9 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     from difflm.parallel.mesh import ParallelDims
     from difflm.parallel.parallelize import layout_length_multiple
 
+    from difflm.model.auto_kernels import choose_kernels
+
+    choose_kernels(cfg, device, world_size)  # a no-op after check_precision
     p, m, d = cfg.parallel, cfg.model, cfg.data
     for key, allowed in PARALLEL_CHOICES.items():
         value = _get(cfg, key)

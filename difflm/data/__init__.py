@@ -2,7 +2,8 @@
 from difflm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from difflm.data.preprocess import tokenize_corpus
 from difflm.data.tokenizer import TokenizerInfo, build_tokenizer
-from difflm.data.windows import GlobalBatchSampler, PackedStream, PackedWindows, build_datasets, build_sampler, build_windows
+from difflm.data.datasets import build_datasets, build_sampler
+from difflm.data.windows import GlobalBatchSampler, PackedStream, PackedWindows, build_windows
 
 __all__ = [
     "TokenizerInfo", "build_tokenizer", "IndexedDataset", "IndexedDatasetBuilder", "tokenize_corpus",

@@ -258,42 +258,6 @@ def check_state_keys(sampler, mine: dict, state: dict) -> None:
             )
 
 
-def build_sampler(train_set, global_batch_size: int, seed: int):
-    """The keyed sampler of a training set: :class:`difflm.data.blend.BlendedSampler` for a ``data.blend``,
-    else :class:`GlobalBatchSampler`. Both give ``indices(step)``, ``report(step)``, ``state_dict``/``check_state``."""
-    from difflm.data.blend import BlendedWindows
-
-    if isinstance(train_set, BlendedWindows):
-        return train_set.sampler(global_batch_size, seed)
-    return GlobalBatchSampler(len(train_set), global_batch_size, seed)
-
-
-def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str):
-    """(train, valid) windows of a DataConfig: ``data.blend`` (:mod:`difflm.data.blend`), prompt/response pairs
-    (``objective=sft``), or ``data.path`` / ``data.hf_dataset`` (shards of ``difflm-preprocess`` read directly,
-    text tokenized into the cache; :func:`token_datasets`)."""
-    if not 0.0 <= cfg.valid_fraction < 1.0:  # fail before a possibly long tokenization
-        raise DifflmError(f"data.valid_fraction={cfg.valid_fraction} must be in [0, 1): e.g. 0.05")
-    blend = getattr(cfg, "blend", None)
-    if getattr(cfg, "prompt_field", None) is not None or getattr(cfg, "messages_field", None) is not None:  # sft
-        if blend:
-            raise DifflmError("data.blend is not supported with objective=sft (data.prompt_field): "
-                              "give the pairs in data.path and set data.blend=[]")
-        if getattr(cfg, "max_train_tokens", None) is not None:
-            raise DifflmError("data.max_train_tokens is not supported with objective=sft (data.prompt_field): every "
-                              "pair is a window of its own, so cut the pairs file instead and set "
-                              "data.max_train_tokens=null")
-        from difflm.data.sft import build_sft_datasets
-
-        return build_sft_datasets(cfg, tok)
-    if blend:
-        from difflm.data.blend import build_blend
-
-        return build_blend(cfg, tok, cache_dir)
-    return build_windows(token_datasets(cfg, tok, cache_dir), tok.eos_id, cfg.seq_len, cfg.valid_fraction,
-                         getattr(cfg, "intra_document_attention", False), getattr(cfg, "max_train_tokens", None))
-
-
 def token_datasets(cfg, tok: TokenizerInfo, cache_dir: str) -> list[IndexedDataset]:
     """The tokenized corpus of ``cfg.path`` / ``cfg.hf_dataset`` as .bin/.idx datasets in order: the shards when
     the path names ``difflm-preprocess`` output or other Megatron .bin/.idx files

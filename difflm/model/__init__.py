@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from difflm.errors import DifflmError
-from difflm.model.kernels import build_kernels
+from difflm.model.kernels import TorchKernels
 from difflm.model.transformer import Transformer
 
 
@@ -25,7 +25,7 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
 
     Args:
         cfg: ``model`` config with ``vocab_size`` and ``head_dim`` resolved. ``model.backend`` picks the kernel set
-            (:func:`difflm.model.kernels.build_kernels`); every kernel set starts from the same weights for the same
+            (:func:`build_kernels`); every kernel set starts from the same weights for the same
             seed. ``model.compile`` compiles each block. ``model.moe.num_experts`` > 0 puts a mixture-of-experts MLP
             in every block (:mod:`difflm.model.moe`).
         causal: attention type (True for the ``ar`` objective).
@@ -66,6 +66,22 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
     return model
 
 
+def build_kernels(cfg, device, precision=None, **te_parallel):
+    """The kernel set of ``model.backend`` (``torch`` or ``te``) building on ``device``.
+
+    ``te_parallel`` holds Transformer Engine's process-group arguments (``tp_group``, ``sequence_parallel``,
+    ``cp_group``, ...; :func:`difflm.parallel.mesh.te_process_groups`); the torch set takes none.
+    Raises: DifflmError for ``te`` without Transformer Engine or CUDA.
+    """
+    if getattr(cfg, "backend", "torch") == "te":
+        from difflm.model.te_kernels import TEKernels
+
+        return TEKernels(cfg, device=device, precision=precision, **te_parallel)
+    if te_parallel:
+        raise TypeError(f"model.backend=torch takes no TE process groups, got {sorted(te_parallel)}")
+    return TorchKernels(cfg, device=device)
+
+
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile`` every block in place (``nn.Module.compile``: parameter names are unchanged).
 
@@ -77,4 +93,4 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-__all__ = ["Transformer", "build_model", "compile_blocks", "resolve_model_config"]
+__all__ = ["Transformer", "build_kernels", "build_model", "compile_blocks", "resolve_model_config"]

@@ -15,7 +15,7 @@ slot                   ``torch`` (:class:`TorchKernels`)           ``te`` (:clas
 ``attention_core``     None (:func:`~difflm.model.attention.attend`)  ``te.DotProductAttention`` (attention_backend=te)
 =====================  ==========================================  ==========================================
 
-With ``model.fused_mlp`` the TE set's ``norm_mlp`` is :class:`~difflm.model.quack_mlp.ResidualNormMLP` (quack's fused
+With ``model.fused_mlp`` the TE set's ``norm_mlp`` is :class:`~difflm.kernels.quack_mlp.ResidualNormMLP` (quack's fused
 GEMMs), which also adds both residuals of the block's MLP half: it says so with ``adds_residual = True`` and
 :class:`~difflm.model.transformer.Block` then calls it with the attention output and the block input.
 
@@ -119,20 +119,4 @@ class TorchKernels:
         return None
 
 
-def build_kernels(cfg, device, precision=None, **te_parallel):
-    """The kernel set of ``model.backend`` (``torch`` or ``te``) building on ``device``.
-
-    ``te_parallel`` holds Transformer Engine's process-group arguments (``tp_group``, ``sequence_parallel``,
-    ``cp_group``, ...; :func:`difflm.parallel.mesh.te_process_groups`); the torch set takes none.
-    Raises: DifflmError for ``te`` without Transformer Engine or CUDA.
-    """
-    if getattr(cfg, "backend", "torch") == "te":
-        from difflm.model.te_kernels import TEKernels
-
-        return TEKernels(cfg, device=device, precision=precision, **te_parallel)
-    if te_parallel:
-        raise TypeError(f"model.backend=torch takes no TE process groups, got {sorted(te_parallel)}")
-    return TorchKernels(cfg, device=device)
-
-
-__all__ = ["TorchKernels", "build_kernels"]
+__all__ = ["TorchKernels"]

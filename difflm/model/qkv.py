@@ -5,7 +5,7 @@ and keys (``model.qk_norm``), the rotary embedding and the copies that make q / 
 kernel. Run one by one they read and write the activations about ten times forward and backward (on an H200 at
 ``model=1.7b``, S = 4096, ~125 ms of a 1.6 s step went to those norms, RoPE kernels, strided copies and the
 backward's concatenation). :func:`qkv_heads` writes them as one function; on CUDA (``model.fused_qkv=true``) it runs
-as two Triton kernels (:mod:`difflm.model.qkv_triton`): one pass forward that writes dense q, k and v, one pass
+as two Triton kernels (:mod:`difflm.kernels.qkv_triton`): one pass forward that writes dense q, k and v, one pass
 backward that writes the gradient of the QKV output and the norm scales' partial sums. Both kernel sets use it, so
 the torch and Transformer Engine models compute the same values; inside blocks compiled by ``model.compile`` the
 eager composition is traced instead, for Inductor to fuse with its neighbours.
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from difflm.errors import DifflmError
+from difflm.kernels.qkv_layout import head_slots  # noqa: F401  (the layout, also read from here)
 from difflm.model.layers import rms_norm
 from difflm.model.rope import apply_rope
 
@@ -34,16 +35,6 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
             v.reshape(*lead, num_kv_heads, head_dim))
 
 
-def head_slots(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Strided views (no copy) of the head slots of ``qkv`` [A0, A1, (H + 2 H_kv) D] (Megatron-LM's grouping, as
-    :func:`split_heads`): (q [A0, A1, H, D] or None, k [A0, A1, H_kv, D], v [A0, A1, H_kv, D]). The query heads of
-    a row are one strided run only without grouped-query attention (H = H_kv); with it q is None."""
-    lead = qkv.shape[:-1]
-    group = num_heads // num_kv_heads
-    grouped = qkv.view(*lead, num_kv_heads, group + 2, head_dim)
-    return (grouped[..., 0, :] if group == 1 else None), grouped[..., group, :], grouped[..., group + 1, :]
-
-
 def _qkv_heads(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
     q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
     if q_weight is not None:
@@ -53,11 +44,11 @@ def _qkv_heads(qkv, cos, sin, q_weight, k_weight, eps: float, num_heads: int, nu
 
 
 class _QKVHeadsTriton(torch.autograd.Function):
-    """:func:`qkv_heads` through the Triton kernels of :mod:`difflm.model.qkv_triton` (one pass each way)."""
+    """:func:`qkv_heads` through the Triton kernels of :mod:`difflm.kernels.qkv_triton` (one pass each way)."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
-        from difflm.model import qkv_triton
+        from difflm.kernels import qkv_triton
 
         q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
         ctx.save_for_backward(qkv, cos, sin, q_weight, k_weight)
@@ -66,7 +57,7 @@ class _QKVHeadsTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        from difflm.model import qkv_triton
+        from difflm.kernels import qkv_triton
 
         qkv, cos, sin, q_weight, k_weight = ctx.saved_tensors
         dqkv, dq_weight, dk_weight = qkv_triton.backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, *ctx.dims)

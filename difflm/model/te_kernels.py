@@ -5,15 +5,15 @@ matrix products can run in FP8 and its norms/activations fused. Not a second net
 Module for module (parameter names and shapes are those of the torch kernels, see :mod:`difflm.model.layers`)::
 
     layers.{i}.attention.qkv      te.LayerNormLinear(normalization="RMSNorm")  layer_norm_weight [d], weight [(h+2h_kv) hd, d]
-                                  (model.fused_mlp: difflm.model.quack_norm_linear.ResidualNormLinear, same parameters)
+                                  (model.fused_mlp: difflm.kernels.quack_norm_linear.ResidualNormLinear, same parameters)
     layers.{i}.attention.q_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
     layers.{i}.attention.k_norm   te.RMSNorm(hd)                               weight [hd]   (model.qk_norm)
     layers.{i}.attention.core     te.DotProductAttention                       no parameters (runs for attention_backend=te)
     layers.{i}.attention.proj     te.Linear                                    weight [d, h hd]
     layers.{i}.mlp                te.LayerNormMLP(activation="swiglu")         layer_norm_weight, fc1_weight [2f, d], fc2_weight [d, f]
-                                  (model.fused_mlp: difflm.model.quack_mlp.ResidualNormMLP, same parameters, on quack's GEMMs)
+                                  (model.fused_mlp: difflm.kernels.quack_mlp.ResidualNormMLP, same parameters, on quack's GEMMs)
     final_norm                    te.RMSNorm(d)                                weight [d]
-    embedding, output             torch nn.Embedding (its gradient into main_grad: difflm.model.embedding) /
+    embedding, output             torch nn.Embedding (its gradient into main_grad: difflm.kernels.embedding) /
                                   nn.Linear (kept in BF16 under FP8, as Megatron-LM's LM head);
                                   under TP ``output`` is vocab-parallel (difflm.parallel.vocab_parallel)
 
@@ -32,12 +32,19 @@ Transformer Engine is imported only when a kernel set is built.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Mapping, Optional
 
 import torch
 
 from difflm.errors import DifflmError
+from difflm.kernels.main_grad import (  # noqa: F401  (the TE kernel set's helpers, imported from here too)
+    MAIN_GRAD_NAMES,
+    accumulate_into_grad,
+    attach_main_grads,
+    main_grad_weights,
+    weights_cast_once_per_step,
+    weights_changed_since_cast,
+)
 from difflm.model.kernels import TorchKernels
 from difflm.training.precision import (
     build_fp8_recipe,
@@ -49,7 +56,6 @@ from difflm.training.precision import (
 )
 
 EXTRA_STATE = "_extra_state"
-MAIN_GRAD_NAMES = "main_grad_weight_names"  # module attribute: its weights whose gradients live in main_grad
 FP8_ROWS_MULTIPLE = 32  # FP8 GEMMs need the token count divisible by 16 (32 for block/MX scaling)
 
 
@@ -203,7 +209,7 @@ class TEKernels(TorchKernels):
     # ------------------------------------------------------------------ slots
     def norm_linear(self, in_features, out_features, *, eps, bias=False):
         if getattr(self.cfg, "fused_mlp", False) and not bias:  # the attention half's input on quack's kernels
-            from difflm.model.quack_norm_linear import ResidualNormLinear
+            from difflm.kernels.quack_norm_linear import ResidualNormLinear
 
             module = ResidualNormLinear(in_features, out_features, eps,
                                         autotune=getattr(self.cfg, "fused_mlp_autotune", False), device=self.device)
@@ -219,7 +225,7 @@ class TEKernels(TorchKernels):
 
     def norm_mlp(self, hidden, ffn, *, eps):
         if getattr(self.cfg, "fused_mlp", False):  # checked by difflm.config.validate.check_fused_mlp
-            from difflm.model.quack_mlp import ResidualNormMLP
+            from difflm.kernels.quack_mlp import ResidualNormMLP
 
             mlp = ResidualNormMLP(hidden, ffn, eps, autotune=getattr(self.cfg, "fused_mlp_autotune", False),
                                   device=self.device)
@@ -236,10 +242,10 @@ class TEKernels(TorchKernels):
 
     def embedding(self, vocab, hidden):
         """The token embedding; with ``fuse_wgrad_accumulation`` on one TP rank its gradient too accumulates in
-        ``main_grad`` (:class:`difflm.model.embedding.Embedding`)."""
+        ``main_grad`` (:class:`difflm.kernels.embedding.Embedding`)."""
         if not self.fuse_wgrad or self.tp_group is not None:
             return super().embedding(vocab, hidden)
-        from difflm.model.embedding import Embedding
+        from difflm.kernels.embedding import Embedding
 
         return self._wgrad(Embedding(vocab, hidden, device=self.device), "weight")
 
@@ -309,116 +315,6 @@ class TEKernels(TorchKernels):
         from difflm.parallel.te_tensor_parallel import TensorParallelShards
 
         return TensorParallelShards(dist.get_rank(self.tp_group), self.tp_size, self.tp_group)
-
-
-_STEPS = [0]  # optimizer steps taken in this process (any torch optimizer)
-
-
-@functools.lru_cache(maxsize=None)
-def _count_optimizer_steps() -> None:
-    def after_step(optimizer, args, kwargs):
-        _STEPS[0] += 1
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    register_optimizer_step_post_hook(after_step)
-
-
-def _optimizer_steps() -> int:
-    _count_optimizer_steps()
-    return _STEPS[0]
-
-
-def accumulate_into_grad(module: torch.nn.Module, names) -> None:
-    """Give the weights ``names`` of a TE module built with ``fuse_wgrad_accumulation=True`` the buffer (in the
-    parameters' dtype, FP32) its weight-gradient GEMMs accumulate into (``main_grad``, TE docs:
-    ``te.Linear(fuse_wgrad_accumulation)``), shown to the optimizer, the clipping and the checkpoints as the
-    parameter's ``.grad``; and, under FP8, tell the module which micro-batch of the step it runs
-    (``is_first_microbatch``).
-
-    A forward pre-hook, before each forward that records gradients: weights whose ``.grad`` is None (a new step:
-    ``optimizer.zero_grad(set_to_none=True)`` cleared it) get their buffer zeroed and set as ``.grad``; later
-    micro-batches find the buffers there and their gradients accumulate on. ``zero_grad(set_to_none=False)`` zeroes
-    the same buffers. TE returns no gradient for these weights, so autograd neither writes nor adds a second copy.
-    Inside an FP8 region the module runs with ``is_first_microbatch=True`` when its weights may have changed since
-    its last FP8 cast (an optimizer step was taken, or their version counters moved: a checkpoint load) and
-    ``False`` otherwise, so TE casts the weights to FP8 once per step and reuses them in the other micro-batches,
-    whichever way the gradients are zeroed. That is TE's and Megatron-LM's contract: one forward with gradients per module and
-    micro-batch (the first one's weight gradient overwrites the buffer), which difflm's training step keeps.
-    Forwards without gradients (evaluation, sampling) leave everything as it is and cache nothing.
-    """
-    # kept on the module: materialising the model (``to_empty``, sharding) replaces its parameter objects, and with
-    # them any attribute set on them here. The hook marks the live weights (attach_main_grads); main_grad_weights
-    # finds them for difflm.training.cuda_graphs.
-    setattr(module, MAIN_GRAD_NAMES, tuple(names))
-
-    def before_forward(mod, args, kwargs):
-        weights = [getattr(mod, name) for name in names]
-        if not torch.is_grad_enabled() or not any(p.requires_grad for p in weights):
-            return None
-        attach_main_grads(weights)
-        if not fp8_is_active():  # the FP8 weight cache is all it buys; BF16 modules get no micro-batch contract
-            return None
-        return args, dict(kwargs, is_first_microbatch=weights_changed_since_cast(mod, weights))
-
-    module.register_forward_pre_hook(before_forward, with_kwargs=True)
-
-
-def main_grad_weights(module: torch.nn.Module) -> list:
-    """The weights of ``module`` and its submodules whose gradients accumulate in ``main_grad``
-    (:func:`accumulate_into_grad`), as the parameter objects the modules hold now."""
-    return [getattr(m, name) for m in module.modules() for name in getattr(m, MAIN_GRAD_NAMES, ())]
-
-
-def attach_main_grads(weights) -> None:
-    """The start of a step for weights whose gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`):
-    those whose ``.grad`` is None (``zero_grad(set_to_none=True)`` cleared it) get their FP32 buffer zeroed (created
-    on first use, or after the weights moved device) and set as ``.grad``; the others are left to accumulate. Each
-    weight is marked ``accumulates_in_main_grad``, which the quack modules' backward reads (weight-gradient GEMMs
-    that add in place) where TE reads ``main_grad`` itself."""
-    for p in weights:
-        p.accumulates_in_main_grad = True
-        if p.requires_grad and p.grad is None:
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is None or main_grad.device != p.device:  # first step, or moved (to_empty)
-                p.main_grad = torch.zeros_like(p)
-            else:
-                p.main_grad.zero_()
-            p.grad = p.main_grad
-
-
-def weights_changed_since_cast(owner, weights) -> bool:
-    """Whether ``weights`` may have changed since ``owner`` (a module) last cast them to FP8, recording this call as
-    the new cast: TE's ``is_first_microbatch``. What changes weights: an optimizer step (counted by a global
-    torch.optim hook: fused AdamW does not bump version counters) or another in-place write (a checkpoint load, which
-    does)."""
-    state = (_optimizer_steps(), tuple(p._version for p in weights))
-    first = state != getattr(owner, "_fp8_cast_state", None)
-    owner._fp8_cast_state = state
-    return first
-
-
-def weights_cast_once_per_step(owner, weights, dtype: torch.dtype) -> tuple:
-    """``weights`` (FP32 masters) in ``dtype`` for a forward of ``owner`` (a module): in forwards that record gradients
-    (training micro-batches) of weights whose gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`:
-    whole weights on this rank, one forward per module and micro-batch), cast once and reused until the weights may
-    have changed, i.e. once per optimizer step at any number of micro-batches (the key of
-    :func:`weights_changed_since_cast`: optimizer steps, version counters, plus the storages and the dtype). Other
-    forwards (evaluation, sampling) and other weights (FSDP2's gathered shards, pipeline stages) cast afresh and
-    cache nothing, so no gathered copy outlives its forward.
-
-    Returns: a tuple of tensors, ``dtype`` each, the weights themselves where they already have it. The cache holds
-    one copy per weight (half the FP32 size in BF16) between steps."""
-    if not torch.is_grad_enabled() or not all(getattr(w, "accumulates_in_main_grad", False) for w in weights):
-        return tuple(w.to(dtype) for w in weights)
-    key = (_optimizer_steps(), tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype)
-    cached = getattr(owner, "_cast_weights", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    owner._cast_weights = None  # release the stale copies before casting the new ones
-    cast = tuple(w.detach().to(dtype) for w in weights)
-    owner._cast_weights = (key, cast)
-    return cast
 
 
 _UB_SHAPE: Optional[tuple] = None  # (tokens, hidden, tp, fp8) of this process's userbuffers

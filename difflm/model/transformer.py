@@ -41,7 +41,7 @@ from difflm.model.kernels import TorchKernels
 from difflm.model.loss_rows import LossRows, loss_rows
 from difflm.model.moe import MoEMLP, moe_config
 from difflm.model.qkv import qkv_heads
-from difflm.model.qkv_flash import fused_qkv_flash_applies, qkv_flash_attention
+from difflm.kernels.qkv_flash import fused_qkv_flash_applies, qkv_flash_attention
 from difflm.model.rope import rope_angles
 
 
@@ -49,7 +49,7 @@ class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE and optional QK-norm, through :func:`difflm.model.attention.attend`; q, k
     and v come out of the fused QKV projection through :func:`difflm.model.qkv.qkv_heads` (Triton kernels on CUDA).
     With FlashAttention 4 and no mask, both steps run as one function that never copies the value heads
-    (:func:`difflm.model.qkv_flash.qkv_flash_attention`).
+    (:func:`difflm.kernels.qkv_flash.qkv_flash_attention`).
 
     Shapes: x [B, S, d] (or [S, B, d] in a sequence-first kernel set) -> same. ``num_heads`` / ``num_kv_heads`` are
     this rank's counts (tensor parallelism divides them). ``causal`` selects the AR mask; diffusion attends both ways.
@@ -137,7 +137,7 @@ class Transformer(nn.Module):
     Args:
         cfg: a :class:`difflm.config.schema.ModelConfig` with ``vocab_size`` and ``head_dim`` resolved.
         causal: True for the AR objective; False (bidirectional) for masked diffusion.
-        kernels: the kernel set (:func:`difflm.model.kernels.build_kernels`); default: torch modules built on the
+        kernels: the kernel set (:func:`difflm.model.build_kernels`); default: torch modules built on the
             current default device.
     """
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from difflm.model.moe import MoEMLP, moe_layers
-from difflm.parallel.te_tensor_parallel import all_gather_along, scatter_sequence
+from difflm.parallel.sequence_parallel import all_gather_along, scatter_sequence
 
 
 # ------------------------------------------------------------------ meshes

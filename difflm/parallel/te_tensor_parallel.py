@@ -32,27 +32,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from difflm.parallel.tensor_parallel import _local, clean_fqn, deinterleave_gate_up, interleave_gate_up
-
-SHARD_DIM = {  # parameter name suffix -> dimension split over TP ranks
-    "attention.qkv.weight": 0,
-    "attention.qkv.bias": 0,
-    "attention.proj.weight": 1,
-    "mlp.fc1_weight": 0,
-    "mlp.fc2_weight": 1,
-    "output.weight": 0,  # the vocab-parallel LM head (difflm.parallel.vocab_parallel)
-}
-GATE_UP = "mlp.fc1_weight"
-
-
-def shard_dim(fqn: str) -> Optional[int]:
-    """The TP split dimension of parameter ``fqn`` (wrapper prefixes allowed), or None when replicated."""
-    fqn = clean_fqn(fqn)
-    for suffix, dim in SHARD_DIM.items():
-        if fqn == suffix or fqn.endswith("." + suffix):
-            return dim
-    return None
-
+from difflm.parallel.sequence_parallel import (  # noqa: F401  (the boundaries, imported from here too)
+    all_gather_along,
+    gather_sequence,
+    scatter_sequence,
+)
+from difflm.parallel.tp_layout import (  # noqa: F401
+    GATE_UP,
+    SHARD_DIM,
+    _local,
+    clean_fqn,
+    deinterleave_gate_up,
+    interleave_gate_up,
+    shard_dim,
+)
 
 def has_partial_grad(fqn: str, sequence_parallel: bool) -> bool:
     """Whether each TP rank holds only a partial sum of ``fqn``'s gradient (see the module docstring)."""
@@ -111,65 +104,6 @@ class TensorParallelShards:
         dist.all_gather(parts, local.contiguous(), group=self.group)
         full = torch.cat(parts, dim=dim)
         return deinterleave_gate_up(full, self.size) if clean_fqn(fqn).endswith(GATE_UP) else full
-
-
-# ------------------------------------------------------------------ sequence-parallel boundaries
-class _ScatterSequence(torch.autograd.Function):
-    """Forward: keep this rank's chunk of ``dim``; backward: all-gather the chunks' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=dim)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the chunks along ``dim``; backward: reduce-scatter (sum the ranks' gradients, keep this
-    rank's chunk). What follows the gather is the vocab-parallel LM head, whose gradient to its input is a partial sum
-    on each rank (Megatron's ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=True)``)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-def all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` (all-gather over ``group``), contiguous."""
-    size = dist.get_world_size(group)
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out.movedim(0, dim).contiguous()  # pipeline stages send and receive contiguous activations/gradients
-
-
-def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out.movedim(0, dim).contiguous()
-
-
-def scatter_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """[.., S, ..] (replicated on the TP ranks, sequence along ``dim``) -> this rank's [.., S / tp, ..] chunk; S
-    must divide by tp. Backward: all-gather."""
-    return _ScatterSequence.apply(x, group, dim)
-
-
-def gather_sequence(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """[.., S / tp, ..] chunks -> the full [.., S, ..] on every TP rank; backward: reduce-scatter (see
-    :class:`_GatherSequence`: used before the vocab-parallel LM head)."""
-    return _GatherSequence.apply(x, group, dim)
 
 
 # ------------------------------------------------------------------ gradients

@@ -53,23 +53,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from difflm.model.layers import LayerNormMLP, rms_norm
+from difflm.parallel.tp_layout import (  # noqa: F401  (the layout helpers, imported from here too)
+    _local,
+    clean_fqn,
+    deinterleave_gate_up,
+    interleave_gate_up,
+    shard_dim,
+)
 from difflm.parallel.vocab_parallel import EnterVocabParallel, VocabParallelStyle
-
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-# ------------------------------------------------------------------ gate/up row order
-def interleave_gate_up(w: torch.Tensor, tp: int) -> torch.Tensor:
-    """``[gate; up]`` rows ([2f, ...]) -> ``[gate_0; up_0; ...; gate_{tp-1}; up_{tp-1}]`` (chunks of f/tp rows)."""
-    rows = w.shape[0]
-    return w.reshape(2, tp, rows // (2 * tp), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
-
-def deinterleave_gate_up(w: torch.Tensor, tp: int) -> torch.Tensor:
-    """Inverse of :func:`interleave_gate_up`."""
-    rows = w.shape[0]
-    return w.reshape(tp, 2, rows // (2 * tp), *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
 
 # ------------------------------------------------------------------ styles
 class NormColwiseParallel(ColwiseParallel):
@@ -220,13 +211,6 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 # ------------------------------------------------------------------ layout-independent state dicts
-def clean_fqn(name: str) -> str:
-    """A module path without the wrappers' prefixes (activation checkpointing, compile, FSDP1)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 @dataclass(frozen=True)
 class GateUpInterleave:
     """The checkpoint layout of a DTensor ``fc1_weight`` held in gate/up-interleaved rows over ``tp`` ranks.
@@ -258,8 +242,6 @@ def canonical_layouts(model_parts: Iterable[nn.Module]) -> dict:
     """{parameter FQN: layout} of the tensors whose checkpoint form differs from what this rank holds: the
     torch backend's interleaved ``fc1_weight`` (:class:`GateUpInterleave`) and the TE backend's tensor-parallel
     shards (``TensorParallelShards``, from a module with a ``tp_group`` and ``tp_shards()``)."""
-    from difflm.parallel.te_tensor_parallel import shard_dim
-
     out = {}
     for part in model_parts:
         for name, module in part.named_modules():
@@ -322,10 +304,6 @@ def finish_canonical_load(pending: list) -> None:
             else:
                 dest.copy_(held)
         container[key] = dest
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 __all__ = [

@@ -177,7 +177,7 @@ class EnterVocabParallel(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from difflm.parallel.te_tensor_parallel import gather_sequence
+        from difflm.parallel.sequence_parallel import gather_sequence
 
         group, seq = device_mesh.get_group(), self.sequence_parallel
 

@@ -66,7 +66,7 @@ def cuda_graphs_unavailable_reason(cfg, world_size: int, device: torch.device) -
         what = "objective=bd3lm" if o.name == "bd3lm" else "data.intra_document_attention=true"
         return (f"train.cuda_graphs=true graphs unmasked full-sequence blocks; {what} gives every step an attention "
                 "mask: set train.cuda_graphs=false")
-    if m.get("fused_mlp", False):
+    if m.get("fused_mlp", False) is True:  # auto resolves to false under train.cuda_graphs
         return ("train.cuda_graphs=true graphs TE's own modules and model.fused_mlp=true puts quack's kernels in the "
                 "blocks: set one of them to false")
     if m.compile:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import os
-import secrets
 import shutil
 import socket
 import time
@@ -39,16 +37,6 @@ LOCK_FILE = ".difflm.lock"
 RUN_RECORDS = ("metrics.jsonl", "samples.txt", "wandb_id.txt", "wandb", "config.yaml", "config.step_*.yaml",
                "profile", "hang_rank*.txt")
 PREVIOUS_DIR = "previous"
-
-
-@functools.lru_cache(maxsize=None)
-def run_id() -> str:
-    """A short random id, the same for the whole process (the ``${difflm_run_id:}`` resolver).
-
-    The default ``run.dir`` is ``outputs/<date>_<time>-<run_id>``: two jobs started in the same second get
-    different directories (``${now:}`` alone resolves to the second).
-    """
-    return secrets.token_hex(3)
 
 
 def check_run_dir(run_dir: str | Path) -> None:

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from difflm.model.te_kernels import weights_cast_once_per_step
+from difflm.kernels.main_grad import weights_cast_once_per_step
 
 # The fc1 weight [2f, d] holds [gate; up] halves (TE's swiglu split). quack's gated epilogue pairs neighbouring
 # columns, so it reads this "concat" layout through its concat_layout option and keeps the pre-activation and its
@@ -95,8 +95,19 @@ def _notice_tuning() -> None:
           "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
 
 
-def _tuned_call(x: torch.Tensor, autotune: bool) -> bool:
-    """Whether quack autotunes this call (``autotune`` and a forward that records gradients; says so once).
+def most_rows_so_far(module: torch.nn.Module, rows: int) -> bool:
+    """Whether ``rows`` is at least every row count ``module`` was asked about before (then recorded on it)."""
+    if rows < getattr(module, "_most_tuned_rows", 0):
+        return False
+    module._most_tuned_rows = rows
+    return True
+
+
+def _tuned_call(x: torch.Tensor, autotune: bool, module: Optional[torch.nn.Module] = None) -> bool:
+    """Whether quack autotunes this call: ``autotune``, a forward that records gradients, and (with ``module``) a row
+    count ``x.numel() / x.shape[-1]`` at least the largest that ``module`` has seen in such a call. Steps shortened
+    at random (``objective.random_length_prob``) then run quack's default tiles instead of tuning every new length;
+    the full-length shape is tuned once (kept in quack's disk cache). Says so once.
 
     Raises: DifflmError (one line) when ``x`` is on the CPU or not BF16/FP16 (quack's GEMMs take BF16/FP16 operands).
     """
@@ -106,6 +117,8 @@ def _tuned_call(x: torch.Tensor, autotune: bool) -> bool:
         raise DifflmError(f"model.fused_mlp=true runs BF16/FP16 CUDA kernels and got {x.dtype} on "
                           f"{x.device.type}: use precision=bf16 on a GPU, or model.fused_mlp=false")
     tuned = autotune and torch.is_grad_enabled()
+    if tuned and module is not None:
+        tuned = most_rows_so_far(module, x.numel() // max(x.shape[-1], 1))
     if tuned:
         _notice_tuning()
     return tuned
@@ -209,7 +222,7 @@ class ResidualNormMLP(TEStateLayout, nn.Module):
     def forward(self, branch: torch.Tensor, residual: torch.Tensor, varying_rows: bool = False) -> torch.Tensor:
         """``varying_rows``: the row count changes from call to call (the last block at the loss rows,
         :mod:`difflm.model.loss_rows`), so quack's default tiles, never autotuning (it would tune every count)."""
-        tuned = _tuned_call(branch, self.autotune and not varying_rows)
+        tuned = _tuned_call(branch, self.autotune and not varying_rows, self)
         w1, w2 = weights_cast_once_per_step(self, (self.fc1_weight, self.fc2_weight), branch.dtype)
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
                                               self.fc2_weight, w1, w2, self.eps, tuned)

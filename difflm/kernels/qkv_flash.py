@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from difflm.kernels.qkv_layout import head_slots
 from difflm.model.attention import flash_attn_module
 from difflm.model.loss_rows import add_at_rows
-from difflm.model.qkv import head_slots, plain_tensors, qk_norm_scales, triton_runs
+from difflm.model.qkv import plain_tensors, qk_norm_scales, triton_runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +83,7 @@ class _QKVFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, causal, index,
                 cu_seqlens_q, cu_seqlens_k):
-        from difflm.model import qkv_triton
+        from difflm.kernels import qkv_triton
 
         q, k, v = qkv_triton.forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim,
                                      dense_v=False)
@@ -102,7 +103,7 @@ class _QKVFlashAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # FA4's backward is not differentiable again: refuse create_graph=True loudly
     def backward(ctx, dout):
-        from difflm.model import qkv_triton
+        from difflm.kernels import qkv_triton
 
         qkv, cos, sin, q_weight, k_weight, q, k, out, lse, index = ctx.saved_tensors
         eps, num_heads, num_kv_heads, head_dim = ctx.dims

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from difflm.model.te_kernels import weights_cast_once_per_step
+from difflm.kernels.main_grad import weights_cast_once_per_step
 
 
 class _GatherIntoMainGrad(torch.autograd.Function):

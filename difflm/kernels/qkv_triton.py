@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from difflm.model.qkv import head_slots
+from difflm.kernels.qkv_layout import head_slots
 
 
 @triton.jit

@@ -4,7 +4,7 @@ on as the block's residual, so the residual's gradient is added inside the RMSNo
 In a pre-norm block the input ``x`` feeds two branches: the norm before the QKV projection and the residual add after
 attention. Autograd sums their gradients with one more pass over the activations (read two, write one, per layer and
 micro-batch). :class:`ResidualNormLinear` returns ``x`` itself as a second output; the block adds the attention
-output to that (inside :class:`difflm.model.quack_mlp.ResidualNormMLP`'s norm kernel), so the residual's gradient
+output to that (inside :class:`difflm.kernels.quack_mlp.ResidualNormMLP`'s norm kernel), so the residual's gradient
 comes back through this function, whose backward hands it to quack's ``rmsnorm_bwd(dresidual_out=...)``: the norm's
 input gradient and the residual's in one kernel. The projection is quack's GEMM (``tuned``: autotuned per shape, as the
 MLP's), its weight gradient accumulated in place into FP32 ``main_grad`` as TE's modules do.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difflm.model.quack_mlp import TEStateLayout, _flat, _tuned_call, _weight_grad
-from difflm.model.te_kernels import weights_cast_once_per_step
+from difflm.kernels.main_grad import weights_cast_once_per_step
+from difflm.kernels.quack_mlp import TEStateLayout, _flat, _tuned_call, _weight_grad
 
 
 class _NormLinearFunction(torch.autograd.Function):
@@ -85,7 +85,7 @@ class ResidualNormLinear(TEStateLayout, nn.Module):
     def forward(self, x: torch.Tensor, pass_residual: bool = False):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
-        tuned = _tuned_call(x, self.autotune)
+        tuned = _tuned_call(x, self.autotune, self)
         (w,) = weights_cast_once_per_step(self, (self.weight,), x.dtype)
         y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, w, self.eps, tuned)
         return (y, residual) if pass_residual else y
