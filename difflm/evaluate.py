@@ -42,7 +42,7 @@ from difflm import strict_json
 from difflm.cli import hydra_app, writable_output
 from difflm.config.validate import resolve_device
 from difflm.data.batch import TokenBatch, split_batch
-from difflm.data.sft import load_pairs
+from difflm.data.datasets import load_sft_samples
 from difflm.data.shards import OtherTokenizerShards
 from difflm.data.windows import PackedStream, token_datasets
 from difflm.errors import DifflmError
@@ -174,7 +174,7 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
     config)."""
     if cfg.objective.name == "sft":
         d = args.data
-        return load_pairs(OmegaConf.create({
+        return load_sft_samples(OmegaConf.create({
             "path": d.path, "prompt_field": d.prompt_field or cfg.data.prompt_field,
             "response_field": d.response_field or cfg.data.response_field, "seq_len": seq_len,
             "chat_template": cfg.data.chat_template if d.chat_template is None else d.chat_template,

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from difflm.data import build_tokenizer
 from difflm.data.batch import TokenBatch
-from difflm.data.sft import build_sft_datasets
+from difflm.data.datasets import build_sft_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import SFTObjective, loss_normaliser, weighted_ce_sum
 from tests.conftest import SHARED_DATA
@@ -426,7 +426,7 @@ def conv_cfg(path, seq_len=64, **kw):
 def test_conversation_loss_is_on_assistant_turns_only_plain_format(tmp_path):
     """Plain format, built by hand: 'role: content\\n' turns; an assistant turn's header is prompt, its content and EOS
     are the loss tokens. The SFT objective never masks (or scores) a system or user token."""
-    from difflm.data.sft import load_pairs
+    from difflm.data.datasets import load_sft_samples
 
     tok = build_tokenizer(TOKENIZER)
     enc, eos = tok.encode, tok.eos_id
@@ -435,7 +435,7 @@ def test_conversation_loss_is_on_assistant_turns_only_plain_format(tmp_path):
             (enc("4") + [eos], False)]
     ids = [i for part, _ in want for i in part]
     prompt = [p for part, p in want for _ in part]
-    rows = load_pairs(conv_cfg(_conversations_file(tmp_path, [CONVERSATION]), seq_len=len(ids) + 3), tok)
+    rows = load_sft_samples(conv_cfg(_conversations_file(tmp_path, [CONVERSATION]), seq_len=len(ids) + 3), tok)
     assert rows.tokens.tolist() == [ids + [eos] * 3]
     assert rows.prompt_mask.tolist() == [prompt + [False] * 3]
     batch = rows.get([0])
@@ -456,7 +456,7 @@ def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
     the generation prompt ('Hello!\\n' and '4\\n' with this template); packed conversations keep one normaliser
     each; a conversation without an assistant turn is skipped with a notice; bad records are one line."""
     from difflm.data.conversations import templated_ids
-    from difflm.data.sft import load_pairs
+    from difflm.data.datasets import load_sft_samples
 
     tok = build_tokenizer(TOKENIZER)
     tok.tokenizer.chat_template = CHAT_TEMPLATE
@@ -469,7 +469,7 @@ def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
     path = _conversations_file(tmp_path, [CONVERSATION, short, silent, short])
     short_ids, short_prompt = templated_ids(tok, short)
     n = len(ids) + len(short_ids)
-    packed = load_pairs(conv_cfg(path, seq_len=n, chat_template=True, sft_packing=True), tok)
+    packed = load_sft_samples(conv_cfg(path, seq_len=n, chat_template=True, sft_packing=True), tok)
     assert packed.tokens.shape[0] == 2 and packed.doc_ids is None
     assert packed.pair_ids.tolist()[0] == [0] * len(ids) + [1] * (n - len(ids))
     batch = packed.get([0, 1])
@@ -485,10 +485,10 @@ def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
     bad.write_text(json.dumps({"messages": "hello"}) + "\n")
     with pytest.raises(DifflmError, match=r"data.messages_field='messages' is not a list of \{role, content\} turns "
                                           r"in .*bad.jsonl:1"):
-        load_pairs(conv_cfg(bad), tok)
+        load_sft_samples(conv_cfg(bad), tok)
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
     with pytest.raises(DifflmError, match=r"is null in .*bad.jsonl:1 turn 0, not text"):
-        load_pairs(conv_cfg(bad), tok)
+        load_sft_samples(conv_cfg(bad), tok)
 
 
 

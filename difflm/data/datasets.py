@@ -3,10 +3,34 @@ pairs (:mod:`difflm.data.sft`) or one corpus packed into windows (:mod:`difflm.d
 from __future__ import annotations
 
 from difflm.data.blend import BlendedWindows, build_blend
-from difflm.data.sft import build_sft_datasets
+from difflm.data.conversations import load_conversations
+from difflm.data.sft import SFTPairs, load_pairs
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.data.windows import GlobalBatchSampler, build_windows, token_datasets
 from difflm.errors import DifflmError
+
+
+def load_sft_samples(cfg, tok: TokenizerInfo) -> SFTPairs:
+    """The SFT samples of ``data.path``: multi-turn conversations with ``data.messages_field``
+    (:func:`difflm.data.conversations.load_conversations`), else prompt/response pairs
+    (:func:`difflm.data.sft.load_pairs`), tokenized into ``data.seq_len`` rows."""
+    if cfg.get("messages_field") is not None:
+        return load_conversations(cfg, tok)
+    return load_pairs(cfg, tok)
+
+
+def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
+    """(train, valid) pairs; valid = the last ``data.valid_fraction`` of the pairs (at least one if > 0).
+
+    Raises: DifflmError for an empty file or when no training pair is left.
+    """
+    pairs = load_sft_samples(cfg, tok)
+    n_valid = max(1, round(cfg.valid_fraction * len(pairs))) if cfg.valid_fraction > 0 else 0
+    if len(pairs) - n_valid < 1:
+        raise DifflmError(f"data.path={cfg.path!r} has {len(pairs)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
+                          "leaves none for training: add pairs or lower data.valid_fraction")
+    cut = len(pairs) - n_valid
+    return pairs.rows(slice(0, cut)), pairs.rows(slice(cut, None))
 
 
 def build_sampler(train_set, global_batch_size: int, seed: int):
@@ -40,4 +64,4 @@ def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str):
                          getattr(cfg, "intra_document_attention", False), getattr(cfg, "max_train_tokens", None))
 
 
-__all__ = ["build_datasets", "build_sampler"]
+__all__ = ["build_datasets", "build_sampler", "build_sft_datasets", "load_sft_samples"]

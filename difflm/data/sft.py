@@ -207,13 +207,9 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
     ``chat_template``, optional ``sft_packing`` / ``intra_document_attention``), tokenized into ``seq_len`` rows:
     one pair a row, or packed (:func:`pack_pairs`; document ids kept for intra-document attention).
     Pairs longer than ``seq_len`` are cut (:func:`cut_pair`) and counted in one notice on stderr.
-    With ``data.messages_field`` the samples are multi-turn conversations instead
-    (:func:`difflm.data.conversations.load_conversations`).
+    Multi-turn conversations (``data.messages_field``) load through
+    :func:`difflm.data.datasets.load_sft_samples` instead.
     Raises: DifflmError for a file without pairs."""
-    if cfg.get("messages_field") is not None:
-        from difflm.data.conversations import load_conversations
-
-        return load_conversations(cfg, tok)
     pairs = read_pairs(cfg)
     if not pairs:
         raise DifflmError(f"data.path={cfg.path!r} holds no prompt/response pairs")
@@ -228,17 +224,3 @@ def load_pairs(cfg, tok: TokenizerInfo) -> SFTPairs:
         return packed
     rows = [pad_pair(p, r, cfg.seq_len, tok.eos_id) for p, r in cut]
     return SFTPairs(np.asarray([ids for ids, _ in rows], dtype=np.int64), np.asarray([n for _, n in rows], dtype=np.int64))
-
-
-def build_sft_datasets(cfg, tok: TokenizerInfo) -> tuple[SFTPairs, SFTPairs]:
-    """(train, valid) pairs; valid = the last ``data.valid_fraction`` of the pairs (at least one if > 0).
-
-    Raises: DifflmError for an empty file or when no training pair is left.
-    """
-    pairs = load_pairs(cfg, tok)
-    n_valid = max(1, round(cfg.valid_fraction * len(pairs))) if cfg.valid_fraction > 0 else 0
-    if len(pairs) - n_valid < 1:
-        raise DifflmError(f"data.path={cfg.path!r} has {len(pairs)} pair(s) and data.valid_fraction={cfg.valid_fraction} "
-                          "leaves none for training: add pairs or lower data.valid_fraction")
-    cut = len(pairs) - n_valid
-    return pairs.rows(slice(0, cut)), pairs.rows(slice(cut, None))
