@@ -120,7 +120,7 @@ def model_config(preset: str = "1.7b", vocab_size: int = 50304):
     from difflm.config.compose import compose_train_config
     from difflm.model import resolve_model_config
 
-    cfg = compose_train_config([f"model={preset}"])  # an unknown preset: DifflmError naming the closest
+    cfg = compose_train_config([f"model={preset}"], device=torch.device("cpu"))  # an unknown preset: DifflmError naming the closest
     resolve_model_config(cfg.model, vocab_size)
     return cfg.model
 

@@ -38,9 +38,12 @@ def main(argv=None) -> None:
     from difflm.parallel.parallelize import clip_coefficient, global_grad_norm, grad_norm_and_clip
     from difflm.training.optimizer import build_optimizer, step_unless_nonfinite
 
-    cfg = compose(args.overrides)
-    resolve_model_config(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple).padded_vocab_size)
     device = torch.device("cuda")
+    cfg = compose(args.overrides)
+    from difflm.model.auto_kernels import choose_kernels
+
+    choose_kernels(cfg, device)
+    resolve_model_config(cfg.model, build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple).padded_vocab_size)
     meta = build_model(cfg.model, causal=False, device=torch.device("meta"), seed=None, meta=True)
     params = [torch.nn.Parameter(torch.empty(p.shape, device=device).normal_(0, 0.02)) for p in meta.parameters()]
     for p in params:

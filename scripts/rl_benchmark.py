@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     est = build_estimator({"name": args.estimator})
     results = []
     for name in args.models.split(","):
-        cfg = compose_train_config([f"model={name}", "precision=bf16", f"model.backend={args.backend}"])
+        cfg = compose_train_config([f"model={name}", "precision=bf16", f"model.backend={args.backend}"], device=device)
         vocab = 50304
         resolve_model_config(cfg.model, vocab)
         torch.manual_seed(0)

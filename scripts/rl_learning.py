@@ -80,7 +80,7 @@ def reward(pred: str, a: int, b: int) -> float:
 
 def build(seed: int):
     cfg = compose_train_config(["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-                                "model.num_kv_heads=4", "model.ffn_hidden_size=256"])
+                                "model.num_kv_heads=4", "model.ffn_hidden_size=256"], device=torch.device("cpu"))
     resolve_model_config(cfg.model, VOCAB)
     return build_model(cfg.model, causal=False, device=torch.device("cpu"), seed=seed)
 

@@ -7,14 +7,18 @@ from difflm.config.schema import check_known_keys
 from difflm.errors import DifflmError
 
 
-def compose_train_config(overrides: list[str]):
+def compose_train_config(overrides: list[str], device=None):
     """``conf/train.yaml`` composed with ``overrides`` (Hydra's ``compose``; inside a running Hydra app its own
     search path, difflm's ``conf/``, serves, and the app has checked its command line already).
 
     Raises: DifflmError, before composing, naming a mistyped key or preset with the closest one
     (:func:`difflm.cli.check_overrides`: ``model.hiden_size is not a config key; did you mean model.hidden_size?``);
     for any other Hydra or OmegaConf error, with Hydra's message on one line (:func:`hydra_message`); and for a key
-    added with ``+`` that the schema lacks (:func:`difflm.config.schema.check_known_keys`)."""
+    added with ``+`` that the schema lacks (:func:`difflm.config.schema.check_known_keys`).
+
+    With ``device`` (a ``torch.device``), every kernel key left ``auto`` is chosen for it
+    (:func:`difflm.model.auto_kernels.choose_kernels`), as ``difflm-train`` chooses before building its model; without
+    it the config keeps ``auto`` (``--cfg job``, planning) and :func:`difflm.model.build_model` refuses to build it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -33,6 +37,10 @@ def compose_train_config(overrides: list[str]):
     except (HydraException, OmegaConfBaseException) as e:
         raise DifflmError(hydra_message(e)) from None  # names the key or option at fault
     check_known_keys(cfg)
+    if device is not None:
+        from difflm.model.auto_kernels import choose_kernels
+
+        choose_kernels(cfg, device)
     return cfg
 
 

@@ -361,7 +361,10 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
             if name in state:
                 state[name] = resize_vocab(state[name], tok.padded_vocab_size, real_tokens, reinit)
 
-        model = build_model(cfg.model, causal=objective == "ar", device=torch.device("cpu"), seed=cfg.train.seed)
+        from difflm.model.auto_kernels import cpu_kernels  # the run keeps ``auto``; the conversion runs here
+
+        model = build_model(cpu_kernels(cfg.model), causal=objective == "ar", device=torch.device("cpu"),
+                            seed=cfg.train.seed)
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as e:

@@ -37,9 +37,16 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
             and materialises each rank's shards (:func:`difflm.parallel.materialize.materialize`).
         te_parallel: TE process-group arguments (``tp_group``, ``sequence_parallel``, ``cp_group``, ...).
     Returns: a :class:`Transformer` with FP32 parameters on ``device`` in train mode (on ``meta`` with ``meta``).
-    Raises: DifflmError for ``backend=te`` without Transformer Engine or CUDA.
+    Raises: DifflmError for ``backend=te`` without Transformer Engine or CUDA, and for a kernel key still ``auto``
+    (:func:`difflm.model.auto_kernels.choose_kernels` picks them for a device before the model is built).
     """
     device = torch.device(device)
+    still_auto = [k for k in ("backend", "attention_backend", "fused_mlp", "fused_mlp_autotune")
+                  if str(getattr(cfg, k, "")) == "auto"]
+    if still_auto:
+        raise DifflmError(f"model.{still_auto[0]}=auto is chosen for a device before the model is built: compose "
+                          "with difflm.config.compose.compose_train_config(overrides, device=...) (or call "
+                          "difflm.model.auto_kernels.choose_kernels), or give model." + still_auto[0] + " a value")
     if getattr(cfg, "backend", "torch") == "te":
         from difflm.model.te_kernels import check_te_device
         from difflm.training.precision import import_te

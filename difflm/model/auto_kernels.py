@@ -234,4 +234,18 @@ def unresolved(cfg) -> list[str]:
     return [f"model.{k}" for k in KEYS if is_auto(cfg.model.get(k))]
 
 
-__all__ = ["AUTO", "KEYS", "KernelChoice", "choose_kernels", "is_auto", "unresolved"]
+# what every ``auto`` key becomes on a CPU, where only the torch kernels run
+CPU_CHOICE = {"backend": "torch", "attention_backend": "sdpa", "fused_mlp": False, "fused_mlp_autotune": False}
+
+
+def cpu_kernels(model_cfg):
+    """A copy of ``model_cfg`` with each kernel key still ``auto`` set to what runs on a CPU (:data:`CPU_CHOICE`),
+    for the host-side builds that convert or count weights (import, planning); explicit values are kept."""
+    out = model_cfg.copy()
+    for key, value in CPU_CHOICE.items():
+        if is_auto(out.get(key)):
+            out[key] = value
+    return out
+
+
+__all__ = ["AUTO", "CPU_CHOICE", "KEYS", "KernelChoice", "choose_kernels", "cpu_kernels", "is_auto", "unresolved"]

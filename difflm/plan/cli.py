@@ -55,7 +55,10 @@ def active_params(cfg) -> int:
 
     m = cfg.model.copy()
     resolve_model_config(m, int(cfg.model.vocab_size))
-    m.backend, m.compile, m.fused_mlp = "torch", False, False
+    from difflm.model.auto_kernels import CPU_CHOICE
+
+    m.update(CPU_CHOICE)
+    m.compile = False
     model = build_model(m, causal=False, device=torch.device("cpu"), seed=None, meta=True)
     return model.num_params() - moe_inactive_params(m)
 

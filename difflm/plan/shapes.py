@@ -58,9 +58,12 @@ def model_params(model_cfg, vocab_size: int) -> list[Param]:
     """
     from difflm.model import build_model, resolve_model_config
 
+    from difflm.model.auto_kernels import CPU_CHOICE
+
     cfg = model_cfg.copy()
     resolve_model_config(cfg, vocab_size)
-    cfg.backend, cfg.compile, cfg.fused_mlp = "torch", False, False
+    cfg.update(CPU_CHOICE)
+    cfg.compile = False
     model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=None, meta=True)
     out = []
     for name, p in model.named_parameters():
