@@ -40,6 +40,14 @@ class MoEConfig:
     z_loss_coeff: float = 0.001  # ST-MoE router z-loss coefficient (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias step gamma (0 = off)
     capacity_factor: Optional[float] = None  # null = no token dropping; else tokens per expert <= cf * T * k / E
+    # Group-limited routing (DeepSeek-V3 tech report sec. 2.1.2 "node-limited routing"; HF DeepseekV3TopkRouter,
+    # LLaDA 2's n_group / topk_group): experts split into n_group groups, each scored by the sum of its top-2
+    # (score + bias) values, top-k experts taken among the topk_group best groups. n_group=1: plain top-k.
+    n_group: int = 1  # expert groups (divides num_experts); 1 = no group limit
+    topk_group: int = 1  # groups kept per token (1 <= topk_group <= n_group); unused when n_group=1
+    routed_scaling_factor: float = 1.0  # gate weights x this (DeepSeek-V3 / LLaDA 2 configs: 2.5)
+    first_k_dense: int = 0  # the first k blocks keep the dense SwiGLU MLP of model.ffn_hidden_size (first_k_dense_replace)
+    shared_ffn_hidden_size: int = 0  # width of the fused shared experts; 0 = num_shared_experts * expert width
 
 
 @dataclass

@@ -182,6 +182,12 @@ def _moe_fields(m) -> dict:
     moe = moe_config(m)
     if moe is None:
         return {}
+    for key, plain in (("n_group", 1), ("routed_scaling_factor", 1.0), ("first_k_dense", 0),
+                       ("shared_ffn_hidden_size", 0)):
+        if moe.get(key, plain) != plain:
+            raise DifflmError(f"model.moe.{key}={moe.get(key)}: the exported modeling file has plain top-k routing, "
+                              f"every block MoE and shared experts of num_shared_experts x expert width; export "
+                              f"supports model.moe.{key}={plain} only")
     return {"moe_num_experts": int(moe.num_experts), "moe_top_k": int(moe.top_k),
             "moe_intermediate_size": expert_ffn_size(m), "moe_num_shared_experts": int(moe.num_shared_experts),
             "moe_score_func": str(moe.score_func), "moe_norm_topk_prob": bool(moe.norm_topk_prob)}
