@@ -157,3 +157,47 @@ def test_bad_routing_settings_are_one_line_errors(overrides, needle):
     with pytest.raises(DifflmError) as err:
         check_moe(cfg.model)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_released_shapes_have_their_parameter_counts():
+    from difflm.model import resolve_model_config
+    from difflm.model.transformer import Transformer
+
+    for preset, total_b, active_b in (("llada-moe-7b-a1b", 7.36, 1.72), ("llada2-mini", 16.26, 1.43)):
+        cfg = compose_run([f"model={preset}"])
+        resolve_model_config(cfg.model, 157184)
+        with torch.device("meta"):
+            n = Transformer(cfg.model).num_params()  # without the input embedding (docs/moe.md)
+        embedding = 157184 * 2048
+        assert abs((n + embedding) / 1e9 - total_b) < 0.01, preset
+        assert abs((n - moe_inactive_params(cfg.model) + embedding) / 1e9 - active_b) < 0.01, preset
+    assert moe_inactive_params(cfg.model) == 19 * (256 - 8) * 3 * 2048 * 512  # llada2-mini: 19 MoE blocks
+
+
+@pytest.mark.parametrize("preset", ["llada-moe-tiny", "llada2-tiny"])
+@pytest.mark.parametrize("objective", ["mdlm", "ar", "bd3lm", "sft"])
+def test_tiny_released_shapes_train_under_every_objective(preset, objective, fast_cfg, tmp_path):
+    import math
+
+    from difflm.training.trainer import Trainer
+
+    extra = {"bd3lm": ["objective.block_size=8"]}.get(objective, [])
+    if objective == "sft":
+        from tests.test_sft import GSM8K
+
+        if not GSM8K.exists():
+            pytest.skip("GSM8K not present under /work/shared/data")
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("".join(open(GSM8K).readlines()[:8]))
+        extra = [f"data.path={pairs}", "data.prompt_field=question", "data.response_field=answer",
+                 "data.seq_len=96", "data.valid_fraction=0.25", "objective.random_length_prob=0"]
+    cfg = fast_cfg(f"model={preset}", f"objective={objective}", *extra, "train.max_steps=2", "train.eval_every=2",
+                   "train.eval_windows=2", "train.eval_mc_samples=1", "train.save_every=0", "logger.log_every=1",
+                   "device=cpu")
+    metrics = Trainer(cfg, tmp_path / "run", CPU).fit()
+    assert metrics["step"] == 2 and 0 < metrics["loss"] < 30 and math.isfinite(metrics["val_nelbo"])
+    moe_blocks = [i for i in range(cfg.model.num_layers) if i >= cfg.model.moe.first_k_dense]
+    assert {f"moe/load_max_mean/{i}" for i in moe_blocks} <= set(metrics)
+    assert "moe/load_max_mean/0" in metrics or cfg.model.moe.first_k_dense == 1
+    if preset == "llada2-tiny":  # the aux-loss-free bias moved after each step (16 experts, gamma 0.001)
+        assert "moe/load_max_mean/0" not in metrics and metrics["moe/bias_norm"] > 0
