@@ -3,10 +3,14 @@ an expert bias and a routed scaling factor (as LLaDA 2 uses it) against a refere
 ``model.moe.first_k_dense`` dense blocks, shared experts of their own width, and the parameter counts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 from conftest import compose_run
 from difflm.errors import DifflmError
@@ -191,13 +195,16 @@ def test_tiny_released_shapes_train_under_every_objective(preset, objective, fas
         pairs.write_text("".join(open(GSM8K).readlines()[:8]))
         extra = [f"data.path={pairs}", "data.prompt_field=question", "data.response_field=answer",
                  "data.seq_len=96", "data.valid_fraction=0.25", "objective.random_length_prob=0"]
-    cfg = fast_cfg(f"model={preset}", f"objective={objective}", *extra, "train.max_steps=2", "train.eval_every=2",
+    own = OmegaConf.load(ROOT / "conf" / "model" / f"{preset}.yaml")  # the preset's sizes over conftest's FAST model overrides
+    sizes = [f"model.{key}={own[key]}" for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                                    "ffn_hidden_size")]
+    cfg = fast_cfg(f"model={preset}", *sizes, f"objective={objective}", *extra, "train.max_steps=2", "train.eval_every=2",
                    "train.eval_windows=2", "train.eval_mc_samples=1", "train.save_every=0", "logger.log_every=1",
                    "device=cpu")
     metrics = Trainer(cfg, tmp_path / "run", CPU).fit()
     assert metrics["step"] == 2 and 0 < metrics["loss"] < 30 and math.isfinite(metrics["val_nelbo"])
     moe_blocks = [i for i in range(cfg.model.num_layers) if i >= cfg.model.moe.first_k_dense]
     assert {f"moe/load_max_mean/{i}" for i in moe_blocks} <= set(metrics)
-    assert "moe/load_max_mean/0" in metrics or cfg.model.moe.first_k_dense == 1
+    assert cfg.model.num_layers == own.num_layers and cfg.model.ffn_hidden_size == own.ffn_hidden_size
     if preset == "llada2-tiny":  # the aux-loss-free bias moved after each step (16 experts, gamma 0.001)
         assert "moe/load_max_mean/0" not in metrics and metrics["moe/bias_norm"] > 0
