@@ -208,3 +208,12 @@ def test_tiny_released_shapes_train_under_every_objective(preset, objective, fas
     assert cfg.model.num_layers == own.num_layers and cfg.model.ffn_hidden_size == own.ffn_hidden_size
     if preset == "llada2-tiny":  # the aux-loss-free bias moved after each step (16 experts, gamma 0.001)
         assert "moe/load_max_mean/0" not in metrics and metrics["moe/bias_norm"] > 0
+
+
+def test_export_refuses_routing_its_modeling_file_lacks():
+    from difflm.interop.export import _moe_fields
+
+    plain = compose_run(["model=llada-moe-tiny"]).model
+    assert _moe_fields(plain)["moe_num_experts"] == 8
+    with pytest.raises(DifflmError, match="model.moe.n_group=4"):
+        _moe_fields(compose_run(["model=llada2-tiny"]).model)
