@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from conftest import compose_run
 from difflm.errors import DifflmError
 from difflm.model.moe import MoEMLP, TopKRouter, moe_inactive_params
+from fixtures.fake_te_env import fake_te  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
 
@@ -217,3 +218,23 @@ def test_export_refuses_routing_its_modeling_file_lacks():
     assert _moe_fields(plain)["moe_num_experts"] == 8
     with pytest.raises(DifflmError, match="model.moe.n_group=4"):
         _moe_fields(compose_run(["model=llada2-tiny"]).model)
+
+
+def test_dense_first_block_under_te_kernels_matches_torch_kernels(fake_te):
+    """llada2-tiny under the TE kernel set: block 0's MLP is TE's (with its metadata), the MoE blocks' are not;
+    the state dicts convert both ways and the logits agree."""
+    from difflm.model import Transformer, resolve_model_config
+    from difflm.model.te_kernels import TEKernels, te_to_torch_state_dict, torch_to_te_state_dict
+
+    cfg = compose_run(["model=llada2-tiny"]).model
+    resolve_model_config(cfg, 128)
+    ref = Transformer(cfg)
+    ref.init_weights(3)
+    te_model = Transformer(cfg, kernels=TEKernels(cfg, device="cpu"))
+    te_model.load_state_dict(torch_to_te_state_dict(ref.state_dict(), cfg))  # strict: the names line up
+    extra = {k for k in te_model.state_dict() if k.endswith("_extra_state") and ".mlp" in k}
+    assert extra == {"layers.0.mlp._extra_state"}
+    ref.load_state_dict(te_to_torch_state_dict(te_model.state_dict()))
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(te_model.eval()(x), ref.eval()(x), atol=1e-5, rtol=1e-5)
