@@ -196,10 +196,11 @@ def test_tiny_released_shapes_train_under_every_objective(preset, objective, fas
         pairs.write_text("".join(open(GSM8K).readlines()[:8]))
         extra = [f"data.path={pairs}", "data.prompt_field=question", "data.response_field=answer",
                  "data.seq_len=96", "data.valid_fraction=0.25", "objective.random_length_prob=0"]
-    own = OmegaConf.load(ROOT / "conf" / "model" / f"{preset}.yaml")  # the preset's sizes over conftest's FAST model overrides
+    own = OmegaConf.load(ROOT / "conf" / "model" / f"{preset}.yaml")  # its own sizes over conftest's FAST ones
     sizes = [f"model.{key}={own[key]}" for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                     "ffn_hidden_size")]
-    cfg = fast_cfg(f"model={preset}", *sizes, f"objective={objective}", *extra, "train.max_steps=2", "train.eval_every=2",
+    cfg = fast_cfg(f"model={preset}", *sizes, f"objective={objective}", *extra, "train.max_steps=2",
+                   "train.eval_every=2",
                    "train.eval_windows=2", "train.eval_mc_samples=1", "train.save_every=0", "logger.log_every=1",
                    "device=cpu")
     metrics = Trainer(cfg, tmp_path / "run", CPU).fit()

@@ -46,7 +46,7 @@ class MoEConfig:
     n_group: int = 1  # expert groups (divides num_experts); 1 = no group limit
     topk_group: int = 1  # groups kept per token (1 <= topk_group <= n_group); unused when n_group=1
     routed_scaling_factor: float = 1.0  # gate weights x this (DeepSeek-V3 / LLaDA 2 configs: 2.5)
-    first_k_dense: int = 0  # the first k blocks keep the dense SwiGLU MLP of model.ffn_hidden_size (first_k_dense_replace)
+    first_k_dense: int = 0  # first k blocks keep the dense SwiGLU of model.ffn_hidden_size (HF first_k_dense_replace)
     shared_ffn_hidden_size: int = 0  # width of the fused shared experts; 0 = num_shared_experts * expert width
 
 

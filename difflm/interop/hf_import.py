@@ -3,7 +3,8 @@
     difflm-import hf=HF_DIR_OR_NAME run.dir=DIR [objective=mdlm|ar] [shift_logits=true] [revision=REV]
 
 Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
-(QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE) and difflm exports (``model_type`` difflm, :mod:`difflm.interop.export`). A local directory is read
+(QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE) and difflm exports (``model_type`` difflm,
+:mod:`difflm.interop.export`). A local directory is read
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is

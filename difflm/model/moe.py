@@ -514,6 +514,7 @@ def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, fl
 
 __all__ = [
     "AttachAuxLoss", "GroupedExperts", "LocalDispatcher", "MoEMLP", "Routing", "SharedExperts", "TopKRouter",
-    "expert_ffn_size", "first_k_dense", "grouped_mm_supported", "grouped_topk", "is_moe_layer", "shared_ffn_size", "load_balancing_loss", "moe_config",
+    "expert_ffn_size", "first_k_dense", "grouped_mm_supported", "grouped_topk", "is_moe_layer", "shared_ffn_size",
+    "load_balancing_loss", "moe_config",
     "moe_inactive_params", "moe_layers", "moe_metrics", "moe_step", "router_z_loss", "set_moe_loss_scale",
 ]
