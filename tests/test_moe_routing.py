@@ -212,13 +212,33 @@ def test_tiny_released_shapes_train_under_every_objective(preset, objective, fas
         assert "moe/load_max_mean/0" not in metrics and metrics["moe/bias_norm"] > 0
 
 
-def test_export_refuses_routing_its_modeling_file_lacks():
-    from difflm.interop.export import _moe_fields
+def test_export_of_llada2_tiny_gives_its_logits(fast_cfg, tmp_path):
+    """The exported modeling file builds the dense first block, group-limited routing with the moved bias and the
+    scaling factor: ``AutoModel`` logits equal difflm's."""
+    from transformers import AutoModel
 
-    plain = compose_run(["model=llada-moe-tiny"]).model
-    assert _moe_fields(plain)["moe_num_experts"] == 8
-    with pytest.raises(DifflmError, match="model.moe.n_group=4"):
-        _moe_fields(compose_run(["model=llada2-tiny"]).model)
+    from difflm.interop.export import export_run
+    from difflm.training.trainer import Trainer
+
+    own = OmegaConf.load(ROOT / "conf" / "model" / "llada2-tiny.yaml")
+    cfg = fast_cfg("model=llada2-tiny", f"model.num_layers={own.num_layers}",
+                   f"model.ffn_hidden_size={own.ffn_hidden_size}", "model.moe.shared_ffn_hidden_size=24",
+                   "model.moe.bias_update_rate=0.01", "train.max_steps=2", "train.save_every=2", "train.eval_every=0",
+                   "optim.lr=1e-2", "device=cpu")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    trainer.fit()
+    model = trainer.model.eval()
+    assert model.layers[1].mlp.router.bias.abs().sum() > 0
+    out = export_run(cfg.run.dir, tmp_path / "hf")
+    hf = AutoModel.from_pretrained(str(out), trust_remote_code=True).eval()
+    assert (hf.config.moe_n_group, hf.config.moe_first_k_dense, hf.config.moe_shared_intermediate_size) == (4, 1, 24)
+    assert type(hf.layers[0].mlp).__name__ == "LayerNormMLP" and type(hf.layers[1].mlp).__name__ == "MoEMLP"
+    router = hf.layers[1].mlp.router
+    assert (router.n_group, router.topk_group, router.scale) == (4, 2, 2.5)
+    ids = torch.randint(0, 50277, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - model(ids)).abs().max().item()
+    assert diff < 1e-5, diff
 
 
 def test_dense_first_block_under_te_kernels_matches_torch_kernels(fake_te):
