@@ -158,9 +158,11 @@ TYPOS = [("difflm.train", ["model.hiden_size=64"], "model.hiden_size is not a co
                                                    "model.hidden_size? (difflm-train --cfg job prints every key)"),
          ("difflm.train", ["modle=tiny"], "modle=tiny: no config group or key 'modle'; did you mean model=tiny?"),
          ("difflm.train", ["model=tinyy"], "model=tinyy is not a model preset; did you mean model=tiny? (presets: "
-                                           "1.7b, 125m, 350m, 8b, dense-1b, moe-1b-7b, moe-tiny, tiny)"),
+                                           "1.7b, 125m, 350m, 8b, dense-1b, llada-moe-7b-a1b, llada-moe-tiny, llada2-mini, "
+                                           "llada2-tiny, moe-1b-7b, moe-tiny, tiny)"),
          ("difflm.train", ["-m", "model=tiny,tinyy"], "model=tinyy is not a model preset; did you mean model=tiny? "
-                                                      "(presets: 1.7b, 125m, 350m, 8b, dense-1b, moe-1b-7b, moe-tiny, "
+                                                      "(presets: 1.7b, 125m, 350m, 8b, dense-1b, llada-moe-7b-a1b, "
+                                                      "llada-moe-tiny, llada2-mini, llada2-tiny, moe-1b-7b, moe-tiny, "
                                                       "tiny)"),
          ("difflm.train", ["trian.max_steps=3"], "trian.max_steps is not a config key; did you mean train.max_steps? "
                                                  "(difflm-train --cfg job prints every key)"),

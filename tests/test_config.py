@@ -23,7 +23,8 @@ def test_every_group_option_composes(group, option):
 
 
 def test_group_presets_exist():
-    assert GROUPS["model"] == ["1.7b", "125m", "350m", "8b", "dense-1b", "moe-1b-7b", "moe-tiny", "tiny"]
+    assert GROUPS["model"] == ["1.7b", "125m", "350m", "8b", "dense-1b", "llada-moe-7b-a1b", "llada-moe-tiny",
+                              "llada2-mini", "llada2-tiny", "moe-1b-7b", "moe-tiny", "tiny"]
     assert {"mdlm", "ar"} <= set(GROUPS["objective"])
     assert {"cosine", "wsd", "constant"} <= set(GROUPS["schedule"])
     assert {"console", "wandb"} <= set(GROUPS["logger"])

@@ -115,3 +115,15 @@ def test_all_to_all_reorders_rank_major_to_expert_major():
     assert _rank_major_to_expert_major(recv).tolist() == [0, 1, 2, 3, 4, 5]
     recv = torch.tensor([[1, 2], [3, 0]])  # rows: a(r0e0) b c (r0e1) d e f (r1e0)
     assert _rank_major_to_expert_major(recv).tolist() == [0, 3, 4, 5, 1, 2]
+
+
+def test_ep2_of_dense_first_block_and_grouped_routing_matches_single_process(work):
+    """``model=llada2-tiny`` (dense block 0, group-limited sigmoid routing with a moving bias, a shared expert):
+    ep2 over 2 ranks follows the one-process curve and MoE metrics for 3 steps."""
+    steps = 3
+    preset = ["model=llada2-tiny", f"train.max_steps={steps}"]
+    run(1, work / "llada2_single", work, *preset)
+    run(2, work / "llada2_ep2", work, *preset, "parallel=ep2")
+    reference = rows(work / "llada2_single")
+    assert_same_curve(work / "llada2_ep2", reference, range(1, steps + 1))
+    assert "moe/load_max_mean/0" not in reference[steps] and reference[steps]["moe/bias_norm"] > 0

@@ -43,6 +43,14 @@ class MoEConfig:
     # what the aux loss balances: each micro-batch's own expert counts, or the counts of the step's global batch
     # so far (all micro-batches and data-parallel ranks; Qiu et al. 2025, Megatron-LM's global_aux_loss)
     balance_over: str = "micro_batch"  # micro_batch | global_batch
+    # Group-limited routing (DeepSeek-V3 tech report sec. 2.1.2 "node-limited routing"; HF DeepseekV3TopkRouter,
+    # LLaDA 2's n_group / topk_group): experts split into n_group groups, each scored by the sum of its top-2
+    # (score + bias) values, top-k experts taken among the topk_group best groups. n_group=1: plain top-k.
+    n_group: int = 1  # expert groups (divides num_experts); 1 = no group limit
+    topk_group: int = 1  # groups kept per token (1 <= topk_group <= n_group); unused when n_group=1
+    routed_scaling_factor: float = 1.0  # gate weights x this (DeepSeek-V3 / LLaDA 2 configs: 2.5)
+    first_k_dense: int = 0  # first k blocks keep the dense SwiGLU of model.ffn_hidden_size (HF first_k_dense_replace)
+    shared_ffn_hidden_size: int = 0  # width of the fused shared experts; 0 = num_shared_experts * expert width
 
 
 @dataclass

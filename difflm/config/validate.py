@@ -105,6 +105,19 @@ def check_moe(m) -> None:
         _require(moe[key] >= 0, f"model.moe.{key}={moe[key]} must be >= 0 (0 = off)")
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (no token dropping)")
+    g, kg = moe.get("n_group", 1), moe.get("topk_group", 1)
+    _require(g >= 1 and e % g == 0, f"model.moe.n_group={g} must be >= 1 and divide model.moe.num_experts={e}")
+    if g > 1:
+        _require(1 <= kg <= g, f"model.moe.topk_group={kg} must be in [1, model.moe.n_group={g}]")
+        _require(moe.top_k <= kg * (e // g), f"model.moe.top_k={moe.top_k} exceeds the experts of the kept groups "
+                 f"(topk_group * num_experts / n_group = {kg * (e // g)}): raise model.moe.topk_group")
+    _require(moe.get("routed_scaling_factor", 1.0) > 0,
+             f"model.moe.routed_scaling_factor={moe.get('routed_scaling_factor')} must be > 0 (1 = unscaled)")
+    k_dense = moe.get("first_k_dense", 0)
+    _require(0 <= k_dense < m.num_layers, f"model.moe.first_k_dense={k_dense} must be in [0, model.num_layers="
+             f"{m.num_layers}) (the dense blocks before the first MoE block)")
+    _require(moe.get("shared_ffn_hidden_size", 0) >= 0, f"model.moe.shared_ffn_hidden_size="
+             f"{moe.get('shared_ffn_hidden_size')} must be >= 0 (0 = num_shared_experts * expert width)")
 
 
 def check_precision(cfg, device: torch.device, training: bool = True) -> None:

@@ -232,12 +232,15 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
 
 def _moe_fields(m) -> dict:
     """The ``moe_*`` fields of :class:`DiffLMConfig` for ``model.moe`` (empty for a dense model)."""
-    from difflm.model.moe import expert_ffn_size, moe_config
+    from difflm.model.moe import expert_ffn_size, first_k_dense, moe_config, shared_ffn_size
 
     moe = moe_config(m)
     if moe is None:
         return {}
-    return {"moe_num_experts": int(moe.num_experts), "moe_top_k": int(moe.top_k),
+    return {"moe_n_group": int(moe.get("n_group", 1)), "moe_topk_group": int(moe.get("topk_group", 1)),
+            "moe_routed_scaling_factor": float(moe.get("routed_scaling_factor", 1.0)),
+            "moe_first_k_dense": first_k_dense(m), "moe_shared_intermediate_size": shared_ffn_size(m),
+            "moe_num_experts": int(moe.num_experts), "moe_top_k": int(moe.top_k),
             "moe_intermediate_size": expert_ffn_size(m), "moe_num_shared_experts": int(moe.num_shared_experts),
             "moe_score_func": str(moe.score_func), "moe_norm_topk_prob": bool(moe.norm_topk_prob)}
 

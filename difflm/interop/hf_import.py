@@ -3,7 +3,8 @@
     difflm-import hf=HF_DIR_OR_NAME run.dir=DIR [objective=mdlm|ar] [shift_logits=true] [revision=REV]
 
 Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
-(QK-norm) and difflm exports (``model_type`` difflm, :mod:`difflm.interop.export`). A local directory is read
+(QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE) and difflm exports (``model_type`` difflm,
+:mod:`difflm.interop.export`). A local directory is read
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
@@ -28,6 +29,11 @@ Weight mapping (HF [shape] -> difflm [shape]; d hidden, h/h_kv heads, hd head di
     layers.i.post_attention_layernorm.weight     -> layers.i.mlp.layer_norm_weight
     layers.i.mlp.{gate,up}_proj.weight [f, d]    -> layers.i.mlp.fc1_weight [2 f, d] = [gate; up]
     layers.i.mlp.down_proj.weight [d, f]         -> layers.i.mlp.fc2_weight
+    Qwen3-MoE blocks (E experts of width f_e, HF ``Qwen3MoeSparseMoeBlock``):
+    layers.i.mlp.gate.weight [E, d]              -> layers.i.mlp.router.weight (softmax top-k, norm_topk_prob)
+    layers.i.mlp.experts.j.{gate,up}_proj.weight [f_e, d] -> layers.i.mlp.experts.fc1_weight[j] [2 f_e, d]
+    layers.i.mlp.experts.j.down_proj.weight [d, f_e]      -> layers.i.mlp.experts.fc2_weight[j]
+        (or the stacked ``experts.gate_up_proj`` [E, 2 f_e, d] and ``experts.down_proj`` [E, d, f_e] as is)
     model.norm.weight                            -> final_norm.weight
     lm_head.weight [V_hf, d]                     -> output.weight [V, d] (absent when tied)
 
@@ -56,7 +62,7 @@ from difflm.errors import DifflmError
 from difflm.model import build_model
 from difflm.training.run_dir import held_run_dir, remove_path, run_records, set_aside_run_records
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "difflm")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "difflm")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
 
 
@@ -160,16 +166,47 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
         raise DifflmError(f"hf={hf!r} has attention_bias=true (bias on o_proj too): difflm supports a QKV bias only")
     if kind == "mistral" and hf_cfg.get("sliding_window"):
         raise DifflmError(f"hf={hf!r} uses sliding_window={hf_cfg['sliding_window']}: difflm attends to the full window")
-    if kind == "qwen2" and hf_cfg.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
         raise DifflmError(f"hf={hf!r} has use_sliding_window=true: difflm attends to the full window")
     heads = hf_cfg["num_attention_heads"]
-    return {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"], "num_heads": heads,
+    moe = _qwen3_moe_dims(hf_cfg, hf) if kind == "qwen3_moe" else {}
+    return moe | {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"], "num_heads": heads,
             "num_kv_heads": hf_cfg.get("num_key_value_heads") or heads, "ffn_hidden_size": hf_cfg["intermediate_size"],
             "head_dim": hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads, "rope_base": _rope_base(hf_cfg, hf),
-            "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-6)), "qk_norm": kind == "qwen3",
-            "qkv_bias": kind == "qwen2" or (kind == "qwen3" and bool(hf_cfg.get("attention_bias"))),
+            "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-6)), "qk_norm": kind in ("qwen3", "qwen3_moe"),
+            "qkv_bias": kind == "qwen2" or (kind in ("qwen3", "qwen3_moe") and bool(hf_cfg.get("attention_bias"))),
             "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)), "shift_logits": False,
             "init_std": float(hf_cfg.get("initializer_range", 0.02))}
+
+
+def _qwen3_moe_dims(hf_cfg: dict, hf: str) -> dict:
+    """``{"moe": {...}}``: difflm's ``model.moe.*`` for a Qwen3-MoE config (HF ``Qwen3MoeConfig``: softmax router,
+    top-k renormalised when ``norm_topk_prob``, no shared experts, Switch aux loss ``router_aux_loss_coef``).
+
+    Raises: DifflmError for dense blocks among the MoE ones (``decoder_sparse_step`` != 1 or ``mlp_only_layers``).
+    """
+    step, dense = hf_cfg.get("decoder_sparse_step", 1), list(hf_cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise DifflmError(f"hf={hf!r} has decoder_sparse_step={step}, mlp_only_layers={dense}: difflm-import maps "
+                          "Qwen3-MoE models whose every block is MoE (decoder_sparse_step 1, mlp_only_layers [])")
+    experts = hf_cfg.get("num_experts", hf_cfg.get("num_local_experts"))  # the key transformers 5 writes
+    return {"moe": {"num_experts": int(experts), "top_k": int(hf_cfg["num_experts_per_tok"]),
+                    "ffn_hidden_size": int(hf_cfg["moe_intermediate_size"]), "num_shared_experts": 0,
+                    "score_func": "softmax", "norm_topk_prob": bool(hf_cfg.get("norm_topk_prob", False)),
+                    "aux_loss_coeff": float(hf_cfg.get("router_aux_loss_coef", 0.001)), "z_loss_coeff": 0.0}}
+
+
+def _qwen3_moe_mlp(get, w: dict, m: str, num_experts: int) -> dict[str, torch.Tensor]:
+    """One Qwen3-MoE block's ``mlp.*`` tensors (HF prefix ``m``) under difflm's ``mlp.`` names (module docstring)."""
+    if m + "experts.gate_up_proj" in w:  # transformers >= 5 in memory: stacked [E, 2 f, d] (gate; up) and [E, d, f]
+        fc1, fc2 = get(m + "experts.gate_up_proj"), get(m + "experts.down_proj")
+    else:
+        e = range(num_experts)
+        fc1 = torch.stack([torch.cat([get(f"{m}experts.{j}.gate_proj.weight"), get(f"{m}experts.{j}.up_proj.weight")])
+                           for j in e])
+        fc2 = torch.stack([get(f"{m}experts.{j}.down_proj.weight") for j in e])
+    return {"mlp.router.weight": get(m + "gate.weight"), "mlp.experts.fc1_weight": fc1,
+            "mlp.experts.fc2_weight": fc2, "mlp.router.bias": torch.zeros(num_experts)}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -181,7 +218,7 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: in
 
 
 def convert_llama_state(w: dict[str, torch.Tensor], dims: dict) -> dict[str, torch.Tensor]:
-    """Llama/Qwen2/Qwen3 HF names -> difflm names (module docstring), FP32; vocab rows as in the HF model."""
+    """Llama/Qwen2/Qwen3/Qwen3-MoE HF names -> difflm names (module docstring), FP32; vocab rows as in the HF model."""
     def get(name: str) -> torch.Tensor:
         if name not in w:
             raise DifflmError(f"HF checkpoint has no tensor {name!r}: it is not a Llama/Qwen2/Qwen3 checkpoint")
@@ -204,6 +241,9 @@ def convert_llama_state(w: dict[str, torch.Tensor], dims: dict) -> dict[str, tor
         out[d + "attention.proj.weight"] = get(a + "o_proj.weight")
         m = f"model.layers.{i}.mlp."
         out[d + "mlp.layer_norm_weight"] = get(f"model.layers.{i}.post_attention_layernorm.weight")
+        if "moe" in dims:
+            out.update({d + k: v for k, v in _qwen3_moe_mlp(get, w, m, dims["moe"]["num_experts"]).items()})
+            continue
         out[d + "mlp.fc1_weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")], dim=0)
         out[d + "mlp.fc2_weight"] = get(m + "down_proj.weight")
     return out
@@ -261,6 +301,10 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hid
               "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits", "vocab_multiple")
 
 
+MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "score_func", "norm_topk_prob",
+            "aux_loss_coeff", "z_loss_coeff")
+
+
 def _override_value(value) -> str:
     if value is None:
         return "null"
@@ -277,7 +321,9 @@ def train_overrides(cfg) -> list[str]:
     gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items() if v != getattr(defaults, k, v)]
     return ([f"objective={cfg.objective.name}", f"data.tokenizer={cfg.data.tokenizer}",
              f"data.seq_len={cfg.data.seq_len}", "model.name=imported"]
-            + [f"model.{k}={_override_value(m[k])}" for k in MODEL_KEYS] + gen + [f"run.dir={cfg.run.dir}"])
+            + [f"model.{k}={_override_value(m[k])}" for k in MODEL_KEYS]
+            + [f"model.moe.{k}={_override_value(m.moe[k])}" for k in MOE_KEYS if m.moe.num_experts]
+            + gen + [f"run.dir={cfg.run.dir}"])
 
 
 def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shift_logits: bool = False,
@@ -345,7 +391,11 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
 
         cfg = compose_train_config([f"objective={objective}", f"run.dir={run_dir}", f"data.tokenizer={tok_dir}"])
         for key, value in dims.items():
-            cfg.model[key] = value
+            if key == "moe":
+                for moe_key, moe_value in value.items():
+                    cfg.model.moe[moe_key] = moe_value
+            else:
+                cfg.model[key] = value
         cfg.model.name, cfg.model.vocab_multiple = "imported", vocab_multiple
         cfg.model.vocab_size = tok.padded_vocab_size
         for key, value in run_settings.items():  # a difflm export's training window and sampler settings

@@ -4,7 +4,8 @@ every formula with its source.
 
 The block's MLP slot holds :class:`MoEMLP` instead of the dense SwiGLU ``LayerNormMLP``; like it, the
 pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f`` expert width, ``f_s`` =
-``num_shared_experts * f``; close to Megatron-LM's ``experts.linear_fc1``/``linear_fc2`` and torchtitan's
+``model.moe.shared_ffn_hidden_size`` or ``num_shared_experts * f``; close to Megatron-LM's
+``experts.linear_fc1``/``linear_fc2`` and torchtitan's
 ``GroupedExperts``, in TE's ``fc1``/``fc2`` spelling)::
 
     mlp.layer_norm_weight     [d]          RMSNorm scale (as the dense MLP's)
@@ -58,8 +59,38 @@ def expert_ffn_size(cfg) -> int:
     return int(cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
 
 
+def _key(moe, key: str, default):
+    """``moe.<key>`` of a DictConfig or dataclass, ``default`` where the config predates the key."""
+    return moe.get(key, default) if hasattr(moe, "get") else getattr(moe, key, default)
+
+
+def shared_ffn_size(cfg) -> int:
+    """Width f_s of the fused shared experts: ``model.moe.shared_ffn_hidden_size``, or
+    ``num_shared_experts * f`` when that is 0 (0 when there are no shared experts)."""
+    moe = cfg.moe
+    if int(moe.num_shared_experts) <= 0:
+        return 0
+    return int(_key(moe, "shared_ffn_hidden_size", 0) or int(moe.num_shared_experts) * expert_ffn_size(cfg))
+
+
+def first_k_dense(cfg) -> int:
+    """Number of leading blocks that keep the dense SwiGLU MLP (``model.moe.first_k_dense``; DeepSeek-V3's and
+    LLaDA 2's ``first_k_dense_replace``); 0 for a model without the key."""
+    moe = moe_config(cfg)
+    if moe is None:
+        return 0
+    return int(_key(moe, "first_k_dense", 0))
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether block ``layer`` (0-based) has the mixture-of-experts MLP: an MoE model past its first
+    ``model.moe.first_k_dense`` blocks."""
+    return moe_config(cfg) is not None and layer >= first_k_dense(cfg)
+
+
 def moe_inactive_params(cfg) -> int:
-    """Parameters a token does not use: ``L * (E - k) * 3 d f`` (the routed experts it is not sent to).
+    """Parameters a token does not use: ``L_moe * (E - k) * 3 d f`` (the routed experts it is not sent to), with
+    ``L_moe = L - first_k_dense`` the blocks that hold experts.
 
     ``num_params - moe_inactive_params`` is the active parameter count N of an MoE model, which MFU counts
     (6 N FLOPs per token, :func:`difflm.training.flops.flops_per_token`); 0 for a dense model.
@@ -67,7 +98,8 @@ def moe_inactive_params(cfg) -> int:
     moe = moe_config(cfg)
     if moe is None:
         return 0
-    return cfg.num_layers * (int(moe.num_experts) - int(moe.top_k)) * 3 * cfg.hidden_size * expert_ffn_size(cfg)
+    moe_layers_n = cfg.num_layers - first_k_dense(cfg)
+    return moe_layers_n * (int(moe.num_experts) - int(moe.top_k)) * 3 * cfg.hidden_size * expert_ffn_size(cfg)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -108,21 +140,55 @@ class Routing:
     weights: torch.Tensor
 
 
+def grouped_topk(choice: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """Node-limited (group-limited) expert choice of DeepSeek-V3 (Liu et al. 2024, sec. 2.1.2, "node-limited
+    routing"; HF ``DeepseekV3TopkRouter.get_topk_indices``, as LLaDA 2's ``LLaDA2MoeGate`` uses it).
+
+    The E experts are split into ``n_group`` contiguous groups of E / n_group; each group scores the sum of its
+    2 highest ``choice`` values (its one value when a group holds one expert); the ``topk_group`` best groups are
+    kept and the top-k experts are taken among their experts only (the others are masked to -inf, so a negative
+    bias can never promote an expert of a dropped group).
+
+    Args:
+        choice: [T, E] float32 selection scores (scores + bias, eq. 16's ``s + b``).
+        top_k: k experts per token (<= topk_group * E / n_group).
+        n_group, topk_group: groups and groups kept (n_group divides E).
+    Returns: [T, k] int64 expert ids, ordered by descending choice.
+    """
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    keep = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, keep, True)  # [T, G]
+    masked = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(t, e)
+    return torch.topk(masked, top_k, dim=-1).indices
+
+
 class TopKRouter(nn.Module):
     """Token-choice top-k router (Shazeer et al. 2017; Fedus et al. 2021), computed in FP32.
 
     ``scores = softmax(x W^T)`` (Switch/GShard/OLMoE) or ``sigmoid(x W^T)`` (DeepSeek-V3 eq. 15); the experts
     are the top-k of ``scores + bias`` (DeepSeek-V3 eq. 16: the bias only steers the choice), the gating weights
-    the chosen ``scores``, divided by their sum with ``norm_topk_prob`` (DeepSeek-V3 eq. 13 for sigmoid).
+    the chosen ``scores``, divided by their sum with ``norm_topk_prob`` (DeepSeek-V3 eq. 13 for sigmoid), times
+    ``routed_scaling_factor`` (DeepSeek-V3's and LLaDA 2's released configs: 2.5). With ``n_group`` > 1 the
+    choice is group-limited (:func:`grouped_topk`; DeepSeek-V3 sec. 2.1.2 node-limited routing).
     Parameter ``weight`` [E, d]; buffer ``bias`` [E] float32 (zero unless ``model.moe.bias_update_rate`` > 0).
+
+    Raises: ValueError for an unknown ``score_func`` or ``n_group`` that does not divide E.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool,
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={score_func!r} is not one of {SCORE_FUNCS}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} "
+                             f"be in [1, n_group]")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.n_group, self.topk_group = int(n_group), int(topk_group)
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 
@@ -137,10 +203,15 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         choice = scores.detach() + self.bias  # the bias never receives gradient
-        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
+        if self.n_group > 1:
+            expert_ids = grouped_topk(choice, self.top_k, self.n_group, self.topk_group)
+        else:
+            expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return Routing(logits, probs, expert_ids, weights)
 
 
@@ -207,7 +278,8 @@ class GroupedExperts(nn.Module):
 
 class SharedExperts(nn.Module):
     """Always-on experts (DeepSeekMoE, Dai et al. 2024, sec. 3.2 "shared expert isolation"): the
-    ``num_shared_experts`` SwiGLU experts of width f fused into one of width f_s = n f (torchtitan's layout).
+    ``num_shared_experts`` SwiGLU experts of width f fused into one of width f_s = n f (torchtitan's layout), or
+    of their own width f_s = ``model.moe.shared_ffn_hidden_size`` (LLaDA-MoE's ``shared_expert_intermediate_size``).
     ``fc1_weight`` [2 f_s, d], ``fc2_weight`` [d, f_s]. Forward x [T, d] (already normalised) -> [T, d]."""
 
     def __init__(self, hidden: int, ffn: int):
@@ -306,10 +378,12 @@ class MoEMLP(nn.Module):
         self.balance_over = str(getattr(moe, "balance_over", "micro_batch") or "micro_batch")
         self.balance_group = None  # data / context parallel group of global_batch balancing (set_moe_balance_group)
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
-        self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob))
+        self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob),
+                                 n_group=int(_key(moe, "n_group", 1)), topk_group=int(_key(moe, "topk_group", 1)),
+                                 routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)))
         self.experts = GroupedExperts(self.num_experts, d, f)
-        n_shared = int(moe.num_shared_experts)
-        self.shared = SharedExperts(d, n_shared * f) if n_shared > 0 else None
+        f_s = shared_ffn_size(cfg)
+        self.shared = SharedExperts(d, f_s) if f_s > 0 else None
         self.dispatcher = LocalDispatcher()
         self.loss_scale = 1.0  # gradient of each forward's aux loss; set_moe_loss_scale
         e = self.num_experts
@@ -474,6 +548,7 @@ def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, fl
 
 __all__ = [
     "AttachAuxLoss", "GroupedExperts", "LocalDispatcher", "MoEMLP", "Routing", "SharedExperts", "TopKRouter",
-    "expert_ffn_size", "grouped_mm_supported", "load_balancing_loss", "moe_config",
+    "expert_ffn_size", "first_k_dense", "grouped_mm_supported", "grouped_topk", "is_moe_layer", "shared_ffn_size",
+    "load_balancing_loss", "moe_config",
     "moe_inactive_params", "moe_layers", "moe_metrics", "moe_step", "router_z_loss", "set_moe_loss_scale",
 ]

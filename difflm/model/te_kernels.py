@@ -69,12 +69,13 @@ def fp8_fits(num_tokens: int) -> bool:
 # ------------------------------------------------------------------ state-dict layout
 def te_module_names(cfg) -> list[str]:
     """Paths of the TE modules of a ``model`` config, i.e. the state-dict prefixes with an ``_extra_state``
-    (a mixture-of-experts MLP is the same torch module under both kernel sets: no TE module there)."""
-    from difflm.model.moe import moe_config
+    (a mixture-of-experts MLP is the same torch module under both kernel sets: no TE module there; the dense
+    blocks before it, ``model.moe.first_k_dense``, have TE's)."""
+    from difflm.model.moe import is_moe_layer
 
-    mlp = [] if moe_config(cfg) is not None else ["mlp"]
     names = []
     for i in range(cfg.num_layers):
+        mlp = [] if is_moe_layer(cfg, i) else ["mlp"]
         p = f"layers.{i}.attention."
         names.append(p + "qkv")
         if cfg.qk_norm:

@@ -39,7 +39,7 @@ from difflm.model.attention import attend, prepare_mask
 from difflm.model.init import megatron_init_
 from difflm.model.kernels import TorchKernels
 from difflm.model.loss_rows import LossRows, loss_rows
-from difflm.model.moe import MoEMLP, moe_config
+from difflm.model.moe import MoEMLP, is_moe_layer, moe_config
 from difflm.model.qkv import qkv_heads
 from difflm.kernels.qkv_flash import fused_qkv_flash_applies, qkv_flash_attention
 from difflm.model.rope import rope_angles
@@ -106,7 +106,7 @@ class Block(nn.Module):
     def __init__(self, cfg, causal: bool, kernels, layer_number: int):
         super().__init__()
         self.attention = Attention(cfg, causal, kernels, layer_number)
-        if moe_config(cfg) is not None:  # mixture of experts (model.moe.num_experts > 0; difflm.model.moe)
+        if is_moe_layer(cfg, layer_number - 1):  # mixture of experts past model.moe.first_k_dense (difflm.model.moe)
             with torch.device(kernels.device):
                 self.mlp = MoEMLP(cfg)  # the same torch modules under both kernel sets
         else:

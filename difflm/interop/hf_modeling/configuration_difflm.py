@@ -32,6 +32,9 @@ class DiffLMConfig(PretrainedConfig):
         moe_num_experts, moe_top_k, moe_intermediate_size, moe_num_shared_experts, moe_score_func,
         moe_norm_topk_prob: mixture of experts [model.moe.num_experts, top_k, ffn_hidden_size (resolved),
         num_shared_experts, score_func, norm_topk_prob]; ``moe_num_experts=0`` is the dense MLP.
+        moe_n_group, moe_topk_group, moe_routed_scaling_factor, moe_first_k_dense, moe_shared_intermediate_size:
+        [model.moe.n_group, topk_group, routed_scaling_factor, first_k_dense, the resolved shared-expert width]
+        (group-limited routing of DeepSeek-V3 sec. 2.1.2; the first blocks dense).
     """
 
     model_type = "difflm"
@@ -49,7 +52,8 @@ class DiffLMConfig(PretrainedConfig):
                  train_seq_len: int | None = None, train_step: int | None = None, initializer_range: float = 0.02,
                  moe_num_experts: int = 0, moe_top_k: int = 2, moe_intermediate_size: int | None = None,
                  moe_num_shared_experts: int = 0, moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False,
-                 **kwargs):
+                 moe_n_group: int = 1, moe_topk_group: int = 1, moe_routed_scaling_factor: float = 1.0,
+                 moe_first_k_dense: int = 0, moe_shared_intermediate_size: int | None = None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -87,5 +91,8 @@ class DiffLMConfig(PretrainedConfig):
         self.moe_num_shared_experts = moe_num_shared_experts
         self.moe_score_func = moe_score_func
         self.moe_norm_topk_prob = moe_norm_topk_prob
+        self.moe_n_group, self.moe_topk_group = moe_n_group, moe_topk_group
+        self.moe_routed_scaling_factor, self.moe_first_k_dense = moe_routed_scaling_factor, moe_first_k_dense
+        self.moe_shared_intermediate_size = moe_shared_intermediate_size
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.tie_word_embeddings = tie_word_embeddings

@@ -99,23 +99,35 @@ class LayerNormMLP(nn.Module):
 
 
 class MoERouter(nn.Module):
-    """Top-k router (FP32): scores = softmax or sigmoid of ``x W^T``; experts = top-k of scores + ``bias``; weights =
-    the chosen scores (renormalised with ``norm_topk_prob``). x [T, d] -> (ids [T, k] int64, weights [T, k] FP32)."""
+    """Top-k router (FP32): scores = softmax or sigmoid of ``x W^T``; experts = top-k of scores + ``bias`` (with
+    ``n_group`` > 1 among the ``topk_group`` groups whose 2 best scores + bias sum highest: DeepSeek-V3 sec. 2.1.2);
+    weights = the chosen scores (renormalised with ``norm_topk_prob``) times ``scale``.
+    x [T, d] -> (ids [T, k] int64, weights [T, k] FP32)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool,
+                 n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
         super().__init__()
         self.top_k, self.score_func, self.norm_topk_prob = top_k, score_func, norm_topk_prob
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("bias", torch.zeros(num_experts), persistent=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
-        ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1).indices
+        choice = scores + self.bias.float()
+        if self.n_group > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(min(2, e // self.n_group), dim=-1).values.sum(dim=-1)
+            keep = torch.topk(group_scores, self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(t, e)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        return ids, weights * self.scale if self.scale != 1.0 else weights
 
 
 class SharedExperts(nn.Module):
@@ -155,9 +167,11 @@ class MoEMLP(nn.Module):
         self.eps = config.rms_norm_eps
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
         self.router = MoERouter(d, config.moe_num_experts, config.moe_top_k, config.moe_score_func,
-                                config.moe_norm_topk_prob)
+                                config.moe_norm_topk_prob, getattr(config, "moe_n_group", 1),
+                                getattr(config, "moe_topk_group", 1), getattr(config, "moe_routed_scaling_factor", 1.0))
         self.experts = MoEExperts(config.moe_num_experts, d, f)
-        shared = config.moe_num_shared_experts * f
+        shared = (getattr(config, "moe_shared_intermediate_size", None) or config.moe_num_shared_experts * f
+                  if config.moe_num_shared_experts else 0)
         self.shared = SharedExperts(d, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,10 +242,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: DiffLMConfig):
+    def __init__(self, config: DiffLMConfig, layer: int = 0):
         super().__init__()
         self.attention = Attention(config)
-        self.mlp = (MoEMLP(config) if getattr(config, "moe_num_experts", 0) > 0
+        moe = getattr(config, "moe_num_experts", 0) > 0 and layer >= getattr(config, "moe_first_k_dense", 0)
+        self.mlp = (MoEMLP(config) if moe
                     else LayerNormMLP(config.hidden_size, config.intermediate_size, config.rms_norm_eps))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -288,7 +303,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
     def __init__(self, config: DiffLMConfig):
         super().__init__(config)
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                         bias=False)
