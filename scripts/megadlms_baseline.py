@@ -120,7 +120,7 @@ def model_config(preset: str = "1.7b", vocab_size: int = 50304):
     from difflm.config.compose import compose_train_config
     from difflm.model import resolve_model_config
 
-    cfg = compose_train_config([f"model={preset}"], device=torch.device("cpu"))  # an unknown preset: DifflmError naming the closest
+    cfg = compose_train_config([f"model={preset}"])  # an unknown preset: DifflmError naming the closest
     resolve_model_config(cfg.model, vocab_size)
     return cfg.model
 
@@ -131,8 +131,9 @@ def count_params(model_cfg) -> int:
     import torch
 
     from difflm.model import build_model
+    from difflm.model.auto_kernels import cpu_kernels
 
-    cfg = model_cfg.copy()
+    cfg = cpu_kernels(model_cfg)  # the same parameters under every kernel set
     cfg.backend, cfg.compile = "torch", False
     return build_model(cfg, causal=False, device=torch.device("meta"), seed=None).num_params()
 
