@@ -55,23 +55,26 @@ def test_generate_prints_decodable_continuation(trained_run):
 
 
 def test_generate_from_a_te_run_on_cpu_with_torch_kernels(trained_run, tmp_path):
-    """A run whose config says model.backend=te (trained on a GPU) samples on a CPU with kernels.backend=torch; without
-    the override the refusal names it."""
+    """A run trained with model.backend=te on a GPU samples on a CPU: when ``auto`` chose TE (model.auto_reason names
+    model.backend) the CPU's kernels are chosen again; when TE was set by hand, kernels.backend=torch is needed and
+    the refusal names it. Both give the torch run's text."""
     import shutil
 
     run_dir, _ = trained_run
-    te_run = tmp_path / "te_run"
-    shutil.copytree(run_dir, te_run, ignore=shutil.ignore_patterns("data_cache"))
-    rewrite_run_settings(te_run, "backend: torch", "backend: te")
-    args = ("difflm.generate", f"run.dir={te_run}", "prompt=ROMEO:", "gen.length=16", "gen.steps=8",
-            "gen.block_length=16", "device=cpu")
-    refused = run_cli(*args, timeout=300)
+    args = ("prompt=ROMEO:", "gen.length=16", "gen.steps=8", "gen.block_length=16", "device=cpu")
+    plain = run_cli("difflm.generate", f"run.dir={run_dir}", *args, timeout=300)
+    assert plain.returncode == 0 and plain.stdout.startswith("ROMEO:"), plain.stderr[-2000:]
+    chosen, by_hand = tmp_path / "auto_te", tmp_path / "hand_te"
+    for te_run in (chosen, by_hand):
+        shutil.copytree(run_dir, te_run, ignore=shutil.ignore_patterns("data_cache"))
+        rewrite_run_settings(te_run, "backend: torch", "backend: te")
+    rewrite_run_settings(by_hand, "kernels auto on cpu: model.backend=torch", "kernels auto on cpu: (backend given)")
+    again = run_cli("difflm.generate", f"run.dir={chosen}", *args, timeout=300)
+    assert again.returncode == 0 and again.stdout == plain.stdout, again.stderr[-2000:]
+    refused = run_cli("difflm.generate", f"run.dir={by_hand}", *args, timeout=300)
     assert refused.returncode == 2 and "kernels.backend=torch" in refused.stderr
-    out = run_cli(*args, "kernels.backend=torch", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    plain = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=16", "gen.steps=8",
-                    "gen.block_length=16", "device=cpu", timeout=300)
-    assert out.stdout == plain.stdout and out.stdout.startswith("ROMEO:")
+    out = run_cli("difflm.generate", f"run.dir={by_hand}", *args, "kernels.backend=torch", timeout=300)
+    assert out.returncode == 0 and out.stdout == plain.stdout, out.stderr[-2000:]
 
 
 def test_generate_takes_any_prompt_text_and_prompt_file(trained_run, tmp_path):
