@@ -313,7 +313,9 @@ def test_non_finite_step_is_skipped(fast_cfg, fused, lag):
     trainer.fit()
     assert trainer.step == 4 and trainer.skipped_steps == 1
     rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
-    assert math.isnan(rows[2]["loss"]) and rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
+    # metrics.jsonl is strict JSON: the NaN loss is null, named under "nonfinite"
+    assert rows[2]["loss"] is None and "loss" in rows[2]["nonfinite"]
+    assert rows[-1]["skipped_steps"] == 1 and math.isfinite(rows[-1]["loss"])
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -350,13 +352,14 @@ def test_settling_a_step_late_logs_the_same_rows(fast_cfg, tmp_path):
                                  ("settle", 3)] and order[6] == ("launch", 4)
         else:
             assert order[:4] == [("launch", 1), ("settle", 1), ("launch", 2), ("settle", 2)]
-        keep = ("step", "loss", "grad_norm", "lr", "skipped_steps", "val_nelbo", "data_epochs")
+        keep = ("step", "loss", "grad_norm", "lr", "skipped_steps", "val_nelbo", "data_epochs", "nonfinite")
         rows[lag] = [{k: r.get(k) for k in keep} for r in map(json.loads, (Path(cfg.run.dir) / "metrics.jsonl")
                                                               .read_text().splitlines())]
         checkpoints[lag] = [step for step, _ in list_checkpoints(cfg.run.dir)]
     assert [r["step"] for r in rows[1]] == [0, 2, 3, 4, 6, 7]  # every 2nd step, evaluations at 3 and 6, the last
-    assert rows[1][3]["step"] == 4 and rows[1][3]["skipped_steps"] == 1 and math.isnan(rows[1][3]["loss"])
-    assert str(rows[0]) == str(rows[1])  # NaN-aware equality of every value
+    assert rows[1][3]["step"] == 4 and rows[1][3]["skipped_steps"] == 1 and rows[1][3]["loss"] is None
+    assert "loss" in rows[1][3]["nonfinite"]  # strict JSON: the NaN is null, named under "nonfinite"
+    assert str(rows[0]) == str(rows[1])  # equality of every value
     assert checkpoints[0] == checkpoints[1] == [3, 6, 7]
 
 

@@ -24,7 +24,8 @@ def init_run(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("init")
     cfg = compose_train_config(["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
-                                "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}"])
+                                "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}"],
+                               device=torch.device("cpu"))  # the kernels difflm-train would choose here
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     resolve_model_config(cfg.model, tok.padded_vocab_size)
     model = build_model(cfg.model, causal=False, device=torch.device("cpu"), seed=0)
