@@ -64,13 +64,7 @@ def test_token_bytes_count_each_byte_once_at_every_cut(tok):
     assert token_bytes(tok, stream, len(ids)) == 0  # the EOS
 
 
-def _train(fast_cfg, *overrides):
-    from difflm.training.trainer import Trainer
-
-    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0", "device=cpu", *overrides)
-    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
-    trainer.fit()
-    return trainer
+from test_eval import _train  # noqa: E402 - the one-step run with a checkpoint
 
 
 def _evaluate(*overrides):
