@@ -387,7 +387,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
         from difflm.model.lora import check_lora, check_lora_layout
 
         check_lora(cfg.lora, cfg.model)
-        check_lora_layout(cfg.lora, dims)
+        check_lora_layout(cfg.lora, dims, cfg.model)
         _require(not (int(cfg.lora.rank) > 0 and cfg.train.cuda_graphs),
                  f"lora.rank={cfg.lora.rank} with train.cuda_graphs=true: the captured blocks are not built for "
                  "adapters; set train.cuda_graphs=false")

@@ -81,33 +81,35 @@ class LoraFactors(nn.Module):
         return (self.lora_B @ self.lora_A) * self.scaling
 
 
-def _active(module: nn.Module, name: str) -> Optional[LoraFactors]:
-    factors = module.lora[name] if name in module.lora else None
+def active_factors(module: nn.Module, name: str) -> Optional[LoraFactors]:
+    """The enabled :class:`LoraFactors` of ``module``'s parameter ``name``, or None (no adapter, or turned off)."""
+    adapters = module._modules.get("lora")
+    factors = adapters[name] if adapters is not None and name in adapters else None
     return factors if factors is not None and factors.enabled else None
 
 
 # ------------------------------------------------------------------ input-side forwards (torch kernels)
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     out = F.linear(x, self.weight, self.bias)
-    f = _active(self, "weight")
+    f = active_factors(self, "weight")
     return out if f is None else out + f(x)
 
 
 def _norm_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     h = rms_norm(x, self.layer_norm_weight, self.eps)
     out = F.linear(h, self.weight, self.bias)
-    f = _active(self, "weight")
+    f = active_factors(self, "weight")
     return out if f is None else out + f(h)
 
 
 def _swiglu_lora(self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
     a = F.linear(h, fc1)
-    if (f1 := _active(self, "fc1_weight")) is not None:
+    if (f1 := active_factors(self, "fc1_weight")) is not None:
         a = a + f1(h)
     gate, up = a.chunk(2, dim=-1)
     z = F.silu(gate) * up
     out = F.linear(z, fc2)
-    if (f2 := _active(self, "fc2_weight")) is not None:
+    if (f2 := active_factors(self, "fc2_weight")) is not None:
         out = out + f2(z)
     return out
 
@@ -215,17 +217,30 @@ def check_lora(cfg, model_cfg=None) -> None:
                           "weight update, where dropout cannot apply; set lora.dropout=0 or model.backend=torch")
 
 
-def check_lora_layout(cfg, dims) -> None:
-    """Refuse the layouts LoRA is not built for, in one line naming the key: data parallelism (DDP, FSDP2, HSDP)
-    shards or replicates the adapters like any parameter; ``parallel.tp``, ``parallel.pp``, ``parallel.cp`` and
-    ``parallel.ep`` are refused (their plans and stage splits name the base modules only)."""
+def check_lora_layout(cfg, dims, model_cfg=None) -> None:
+    """Refuse the layouts LoRA is not built for, in one line naming the key. Data parallelism (DDP, FSDP2, HSDP)
+    shards or replicates the adapters like any parameter; DTensor tensor (and sequence) parallelism of the torch
+    kernels lays them out with their weight (:mod:`difflm.parallel.tp_adapters`). Refused: ``parallel.pp``,
+    ``parallel.cp`` and ``parallel.ep`` (their stage splits and expert shards name the base modules only); and under
+    ``parallel.tp`` > 1 the TE kernels (``model_cfg.backend=te``: their TP shards are plain tensors, the adapters' would
+    need TE's own TP reductions) and ``lora.dropout`` > 0 (the masks of a sharded input differ from one process's)."""
     if not lora_enabled(cfg):
         return
-    for key in ("tp", "pp", "cp", "ep"):
+    for key in ("pp", "cp", "ep"):
         degree = int(getattr(dims, key, 1) or 1)
         if degree > 1:
-            raise DifflmError(f"lora.rank={cfg.rank} with parallel.{key}={degree}: LoRA runs under data parallelism "
-                              f"(parallel=single|ddp|fsdp|hsdp); set parallel.{key}=1")
+            raise DifflmError(f"lora.rank={cfg.rank} with parallel.{key}={degree}: LoRA runs under data and tensor "
+                              f"parallelism (parallel=single|ddp|fsdp|hsdp|tp2); set parallel.{key}=1")
+    tp = int(getattr(dims, "tp", 1) or 1)
+    if tp == 1:
+        return
+    if model_cfg is not None and model_cfg.get("backend", "torch") == "te":
+        raise DifflmError(f"lora.rank={cfg.rank} with parallel.tp={tp} and model.backend=te: LoRA under tensor "
+                          "parallelism runs on the torch kernels' DTensor layout; set model.backend=torch or "
+                          "parallel.tp=1")
+    if float(cfg.dropout) > 0:
+        raise DifflmError(f"lora.dropout={cfg.dropout} with parallel.tp={tp}: the adapters' dropout masks on TP-sharded "
+                          "inputs differ from one process's; set lora.dropout=0 or parallel.tp=1")
 
 
 def apply_lora(model: nn.Module, cfg, seed: Optional[int] = None) -> list[str]:
@@ -372,5 +387,5 @@ def expected_adapter_count(model_cfg, cfg) -> int:
     return int(model_cfg.num_layers) * per_layer
 
 
-__all__ = ["LoraFactors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora", "expected_adapter_count",
-           "init_adapters_", "is_adapter", "lora_enabled", "merged_state_dict", "trainable_parameter_count"]
+__all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
+           "check_lora_layout", "expected_adapter_count", "init_adapters_", "is_adapter", "lora_enabled", "merged_state_dict", "trainable_parameter_count"]

@@ -53,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from difflm.model.layers import LayerNormMLP, rms_norm
+from difflm.model.lora import active_factors
+from difflm.parallel.tp_adapters import FC1_ADAPTER_B, distribute_adapters
 from difflm.parallel.tp_layout import (  # noqa: F401  (the layout helpers, imported from here too)
     _local,
     clean_fqn,
@@ -77,6 +79,9 @@ class NormColwiseParallel(ColwiseParallel):
         super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
 
     def _partition_norm_linear_fn(self, name, module, device_mesh):
+        if name:  # the LoRA adapters' modules: laid out with their module's weight (difflm.parallel.tp_adapters)
+            return
+        distribute_adapters(module, device_mesh, {"weight": 0})
         for pname, param in list(module.named_parameters(recurse=False)):
             placement = Replicate() if pname == "layer_norm_weight" else Shard(0)
             module.register_parameter(pname, nn.Parameter(
@@ -88,6 +93,18 @@ class NormColwiseParallel(ColwiseParallel):
             module, device_mesh, self._partition_norm_linear_fn,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class AdaptedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` for an ``nn.Linear`` that may hold LoRA adapters (:mod:`difflm.model.lora`): weight
+    Shard(1), bias Replicate, the adapters A Shard(1), B Replicate (:mod:`difflm.parallel.tp_adapters`); the
+    adapter's partial sums join the base output's before its all-reduce / reduce-scatter."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # the adapters' modules: laid out with the weight below
+            return
+        super()._partition_linear_fn(name, module, device_mesh)
+        distribute_adapters(module, device_mesh, {"weight": 1})
 
 
 class GatherSequence(ParallelStyle):
@@ -124,10 +141,15 @@ class TensorParallelSwiGLU(LayerNormMLP):
         mesh, seq = self._tp_mesh, self._tp_sequence_parallel
         x = DTensor.from_local(x, mesh, [Shard(1) if seq else Replicate()], run_check=False)
         xn = rms_norm(x, self.layer_norm_weight, self.eps).redistribute(mesh, [Replicate()])
-        h = F.linear(xn, self.fc1_weight).redistribute(mesh, [Shard(-1)]).to_local()  # [.., 2f/tp] = gate_r|up_r
+        h = F.linear(xn, self.fc1_weight)
+        if (f1 := active_factors(self, "fc1_weight")) is not None:  # LoRA: A Replicate, B Shard(0) -> Shard(-1)
+            h = h + f1(xn)
+        h = h.redistribute(mesh, [Shard(-1)]).to_local()  # [.., 2f/tp] = gate_r|up_r
         gate, up = h.chunk(2, dim=-1)
         a = DTensor.from_local(F.silu(gate) * up, mesh, [Shard(-1)], run_check=False)  # [.., f] in true order
         out = F.linear(a, self.fc2_weight)  # Partial
+        if (f2 := active_factors(self, "fc2_weight")) is not None:  # LoRA: A Shard(1), B Replicate -> Partial
+            out = out + f2(a)
         return out.redistribute(mesh, [Shard(1) if seq else Replicate()]).to_local()
 
 
@@ -151,7 +173,10 @@ class SwiGLUParallel(ParallelStyle):
         placements = {"fc1_weight": (fc1, Shard(0)), "fc2_weight": (module.fc2_weight.detach(), Shard(1)),
                       "layer_norm_weight": (module.layer_norm_weight.detach(), Replicate())}
         for name, (value, placement) in placements.items():
-            module.register_parameter(name, nn.Parameter(distribute_tensor(value, device_mesh, [placement])))
+            frozen = not module._parameters[name].requires_grad  # LoRA runs keep the base frozen
+            module.register_parameter(name, nn.Parameter(distribute_tensor(value, device_mesh, [placement]),
+                                                         requires_grad=not frozen))
+        distribute_adapters(module, device_mesh, {"fc1_weight": 0, "fc2_weight": 1}, gate_up="fc1_weight")
         module.__class__ = TensorParallelSwiGLU
         module._tp_mesh, module._tp_sequence_parallel = device_mesh, self.sequence_parallel
         return module
@@ -167,13 +192,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     """
     tp = tp_mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # LoRA's base (torch's styles re-wrap)
     if getattr(model, "embedding", None) is not None:  # tied embeddings are refused by check_parallel
         parallelize_module(model.embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
     for block in _blocks(model):
         attn = block.attention
         plan = {
             "attention.qkv": NormColwiseParallel(),
-            "attention.proj": RowwiseParallel(output_layouts=seq),
+            "attention.proj": AdaptedRowwiseParallel(output_layouts=seq),
             "mlp": _mlp_style(block.mlp, sequence_parallel),
         }
         if attn.q_norm is not None:
@@ -191,6 +217,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         parallelize_module(model.final_norm, tp_mesh, EnterVocabParallel(sequence_parallel=sequence_parallel))
     if getattr(model, "output", None) is not None:
         parallelize_module(model.output, tp_mesh, VocabParallelStyle())
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     return model
 
 
@@ -248,6 +277,8 @@ def canonical_layouts(model_parts: Iterable[nn.Module]) -> dict:
             prefix = f"{name}." if name else ""
             if isinstance(module, TensorParallelSwiGLU):
                 out[clean_fqn(prefix + "fc1_weight")] = GateUpInterleave(module._tp_mesh.size())
+                if "fc1_weight" in getattr(module, "lora", {}):  # LoRA's B rows follow fc1's (tp_adapters.py)
+                    out[clean_fqn(prefix + FC1_ADAPTER_B)] = GateUpInterleave(module._tp_mesh.size())
             elif getattr(module, "tp_group", None) is not None and hasattr(module, "tp_shards"):
                 shards = module.tp_shards()
                 for pname, _ in module.named_parameters():
@@ -307,7 +338,7 @@ def finish_canonical_load(pending: list) -> None:
 
 
 __all__ = [
-    "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU", "apply_tensor_parallel", "canonical_state_dict",
+    "AdaptedRowwiseParallel", "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU", "apply_tensor_parallel", "canonical_state_dict",
     "GateUpInterleave", "canonical_layouts", "deinterleave_gate_up", "finish_canonical_load", "interleave_gate_up",
     "prepare_canonical_load",
 ]

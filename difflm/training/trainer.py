@@ -70,7 +70,7 @@ class Trainer:
         self.lora_base: Optional[int] = None  # LoRA: the step of the checkpoint holding the base (None: the keyed init)
         if self.lora:  # also in check_run; here for callers that build a Trainer directly
             check_lora(cfg.lora, cfg.model)
-            check_lora_layout(cfg.lora, self.dims)
+            check_lora_layout(cfg.lora, self.dims, cfg.model)
         self.mesh, self.pipeline, self.coords = None, None, {"dp": 0, "tp": 0, "pp": 0, "cp": 0}
         self.te_tp = None  # (TP group, sequence parallel, ids of TP-sharded params) of the TE backend under TP
         self.vocab_group = None  # TP group of the vocab-parallel LM head and cross-entropy (tp > 1)
