@@ -306,6 +306,8 @@ def canonical_state_dict(model_sd: dict, optim_sd: Optional[dict], layouts: dict
     entries are untouched (DCP saves DTensors sharded). Used before ``dcp.save``.
     """
     for fqn, layout in layouts.items():
+        if fqn not in model_sd:  # not saved (a LoRA checkpoint holds the adapters only)
+            continue
         for container, key in [(model_sd, fqn)] + _optim_entries(optim_sd, fqn):
             value = container[key]
             container[key] = layout.full(fqn, value.full_tensor() if isinstance(value, DTensor) else value)
@@ -316,6 +318,8 @@ def prepare_canonical_load(model_sd: dict, optim_sd: Optional[dict], layouts: di
     Returns what :func:`finish_canonical_load` needs to copy them back into this rank's (D)Tensors."""
     pending = []
     for fqn, layout in layouts.items():
+        if fqn not in model_sd:  # not read here (a LoRA checkpoint's base, or its adapters, read apart)
+            continue
         for container, key in [(model_sd, fqn)] + _optim_entries(optim_sd, fqn):
             dest = container[key]
             container[key] = torch.empty(layout.full_shape(fqn, dest.shape), dtype=dest.dtype,
