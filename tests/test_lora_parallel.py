@@ -19,6 +19,7 @@ from difflm.training.trainer import Trainer
 CPU = torch.device("cpu")
 LORA = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "objective.random_length_prob=0", "train.eval_every=0",
         "logger.log_every=1", "optim.lr=1e-2", "schedule.warmup_steps=0"]
+MOE = ["model=moe-tiny", "lora.moe=adapt_experts"]  # routed and shared experts adapted, replicated over TP
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -27,7 +28,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
-    """tp2 with sequence parallelism: 2 steps, saved, resumed by a new Trainer to step 4; then tp2 without it."""
+    """tp2 with sequence parallelism: 2 steps, saved, resumed by a new Trainer to step 4; then tp2 without it, and an
+    MoE model with adapted experts under tp2."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +41,8 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     common = [*FAST, *LORA, "parallel=tp2", f"data.cache_dir={out}/cache"]
     runs = [("tp", ["train.max_steps=4", "train.save_every=2"], 2), ("tp", ["train.max_steps=4", "train.save_every=2"], 0),
-            ("tp_nosp", ["train.max_steps=2", "train.save_every=0", "parallel.sequence_parallel=false"], 0)]
+            ("tp_nosp", ["train.max_steps=2", "train.save_every=0", "parallel.sequence_parallel=false"], 0),
+            ("tp_moe", [*MOE, "train.max_steps=2", "train.save_every=0"], 0)]
     trainable = {}
     for name, extra, stop_at in runs:  # one process group for all (the trainer keeps an initialised one)
         cfg = compose_run([*common, *extra, f"run.dir={out}/{name}"])
@@ -61,7 +64,8 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_tp2_adapters_equal_one_process_resume_and_export(fast_cfg, tmp_path):
-    """The adapters' column/row layout gives one process's losses under tp2 (with and without sequence parallelism),
+    """The adapters' column/row layout gives one process's losses under tp2 (with and without sequence parallelism;
+    an MoE model with adapted experts too),
     a TP checkpoint holds the single-process adapters, resumes exactly and exports the single-process merged model."""
     from safetensors.torch import load_file
 
@@ -72,15 +76,21 @@ def test_tp2_adapters_equal_one_process_resume_and_export(fast_cfg, tmp_path):
     single = fast_cfg(*LORA, "train.max_steps=4", "train.save_every=4", f"run.dir={tmp_path / 'single'}",
                       f"data.cache_dir={tmp_path / 'cache'}")
     Trainer(single, single.run.dir, CPU).fit()
+    moe = fast_cfg(*LORA, *MOE, "train.max_steps=2", "train.save_every=0", f"run.dir={tmp_path / 'single_moe'}",
+                   f"data.cache_dir={tmp_path / 'cache'}")
+    Trainer(moe, moe.run.dir, CPU).fit()
     ranks = spawn_ranks(_tp_worker, 2, tmp_path)
     for r in ranks:
         assert r["tp"] and all(is_adapter(n) for n in r["tp"])  # the base stays frozen through the TP styles
-        assert r["tp_optimizer_is_adapters"] and r["tp_nosp_optimizer_is_adapters"]
+        assert r["tp_optimizer_is_adapters"] and r["tp_nosp_optimizer_is_adapters"] and r["tp_moe_optimizer_is_adapters"]
+        assert any("experts.lora" in n for n in r["tp_moe"]) and not any("router" in n for n in r["tp_moe"])
         assert r["tp_resumed_from"] == 2
     one, tp, nosp = losses(tmp_path / "single"), losses(tmp_path / "tp"), losses(tmp_path / "tp_nosp")
     assert sorted(tp) == [3, 4] and one[1] != one[4]  # the steps the resumed Trainer logged
     assert [tp[s] for s in (3, 4)] == pytest.approx([one[s] for s in (3, 4)], rel=1e-5, abs=1e-6)
     assert [nosp[s] for s in (1, 2)] == pytest.approx([one[s] for s in (1, 2)], rel=1e-5, abs=1e-6)
+    one_moe, tp_moe = losses(tmp_path / "single_moe"), losses(tmp_path / "tp_moe")
+    assert [tp_moe[s] for s in (1, 2)] == pytest.approx([one_moe[s] for s in (1, 2)], rel=1e-5, abs=1e-6)
 
     _, ref, _, _ = load_run(str(tmp_path / "single"), 4, CPU)
     _, got, _, _ = load_run(str(tmp_path / "tp"), 4, CPU)  # the TP checkpoint read by one process

@@ -73,12 +73,22 @@ class LoraFactors(nn.Module):
         self.enabled = True  # adapters_disabled() turns it off
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``scaling * B A dropout(x)``: x [..., d_in] -> [..., d_out] (2-D factors only)."""
-        return F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
+        """``scaling * B A dropout(x)``: x [..., d_in] -> [..., d_out] (2-D factors only). DTensor factors meet a
+        DTensor x (TP layouts, :mod:`difflm.parallel.tp_adapters`); a plain x (a layer run replicated over TP, e.g.
+        the MoE's shared experts) takes their local tensors."""
+        a, b = _as_input(self.lora_A, x), _as_input(self.lora_B, x)
+        return F.linear(F.linear(self.dropout(x), a.to(x.dtype)), b.to(x.dtype)) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """``scaling * B @ A``: [d_out, d_in] (or [E, d_out, d_in]), in the factors' dtype."""
         return (self.lora_B @ self.lora_A) * self.scaling
+
+
+def _as_input(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t``, or its local tensor when ``t`` is a DTensor and ``x`` is not (the gradient keeps ``t``'s placements)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) and not isinstance(x, DTensor) else t
 
 
 def active_factors(module: nn.Module, name: str) -> Optional[LoraFactors]:
@@ -119,7 +129,7 @@ def _norm_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_experts_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return _swiglu_lora(self, x, self.fc1_weight, self.fc2_weight)
+    return _swiglu_lora(self, x, _as_input(self.fc1_weight, x), _as_input(self.fc2_weight, x))
 
 
 def _input_side_forwards() -> dict:
