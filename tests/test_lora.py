@@ -201,6 +201,38 @@ def test_base_from_import_merged_and_peft_exports_match_difflm(fast_cfg, tmp_pat
     assert not torch.allclose(plain, want)
 
 
+def test_moe_expert_adapters_export_as_a_peft_adapter(fast_cfg, tmp_path):
+    """lora.moe=adapt_experts: the routed experts' 3-D adapters go to peft's ParamWrapper expert layout; peft loads them
+    onto the exported MoE base with difflm's logits (and the merged export gives them too)."""
+    from peft import PeftModel
+    from transformers import AutoModelForMaskedLM
+
+    from difflm.generate import load_run
+    from difflm.interop.export import export_checkpoint
+
+    cfg = fast_cfg(*LORA, "model=moe-tiny", "lora.moe=adapt_experts", "train.max_steps=2", "train.save_every=2",
+                   "train.eval_every=0", "optim.lr=3e-2", "schedule.warmup_steps=0", f"run.dir={tmp_path / 'r'}")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    _, model, _, _ = load_run(str(tmp_path / "r"), None, CPU)
+    experts_b = [p for n, p in model.named_parameters() if "experts.lora" in n and n.endswith("lora_B")]
+    assert experts_b and all(p.dim() == 3 and p.abs().sum() > 0 for p in experts_b)  # trained expert adapters
+    x = ids(v=model.output.weight.shape[0])
+    with torch.no_grad():
+        want = model(x)
+    peft_dir, _ = export_checkpoint(tmp_path / "r", tmp_path / "peft", lora_format="peft")
+    merged_dir, _ = export_checkpoint(tmp_path / "r", tmp_path / "merged")
+    config = json.loads((peft_dir / "adapter" / "adapter_config.json").read_text())
+    assert "layers.0.mlp.experts.fc1_weight" in config["target_parameters"]
+    hf_base = AutoModelForMaskedLM.from_pretrained(str(peft_dir), dtype=torch.float32, trust_remote_code=True).eval()
+    merged = AutoModelForMaskedLM.from_pretrained(str(merged_dir), dtype=torch.float32, trust_remote_code=True).eval()
+    with torch.no_grad():
+        plain = hf_base(x).logits.clone()
+        torch.testing.assert_close(merged(x).logits, want, atol=1e-5, rtol=1e-5)
+        peft_model = PeftModel.from_pretrained(hf_base, str(peft_dir / "adapter")).eval()
+        torch.testing.assert_close(peft_model(x).logits, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain, want, atol=1e-4)
+
+
 def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     import sys
 

@@ -98,7 +98,9 @@ def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: 
     names are difflm's (``layers.0.mlp.fc1_weight``); its ``ParamWrapper`` adds ``lora_alpha / r B A`` to each, as
     difflm does. The factors are copied into a peft model built on ``base_dir`` and saved by peft itself.
 
-    Raises: DifflmError for adapted routed experts (3-D weights: peft's expert layout differs).
+    Routed experts (``lora.moe=adapt_experts``: 3-D weights [E, d_out, d_in], the layout peft's ``ParamWrapper``
+    takes for 3-D parameters without ``is_transposed``) go in peft's expert layout (:func:`peft_factor_weights`).
+    Raises: DifflmError without peft, or when peft adapts other parameters than difflm's adapters.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -109,9 +111,6 @@ def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: 
     from difflm.model.lora import adapter_factors
 
     factors = dict(adapter_factors(model))
-    if any(f.lora_A.dim() == 3 for f in factors.values()):
-        raise DifflmError("lora_format=peft with lora.moe=adapt_experts: the routed experts' adapters have no PEFT "
-                          "layout here; export with lora_format=merge")
     hf = AutoModelForMaskedLM.from_pretrained(str(base_dir), dtype=torch.float32, trust_remote_code=True)
     peft_cfg = LoraConfig(r=int(cfg.lora.rank), lora_alpha=float(cfg.lora.alpha), lora_dropout=0.0,
                           target_modules=[], target_parameters=sorted(factors), init_lora_weights=False)
@@ -123,13 +122,29 @@ def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: 
                 continue
             owner = name.removeprefix("base_model.model.").replace(".base_layer", "")
             key = f"{owner}.{module.parameter_name}"
-            module.lora_A["default"].weight.copy_(factors[key].lora_A)
-            module.lora_B["default"].weight.copy_(factors[key].lora_B)
+            lora_a, lora_b = peft_factor_weights(factors[key])
+            module.lora_A["default"].weight.copy_(lora_a)
+            module.lora_B["default"].weight.copy_(lora_b)
             filled.add(key)
     if filled != set(factors):
         raise DifflmError(f"peft adapted {sorted(filled)[:3]}..., not difflm's {sorted(factors)[:3]}...")
     peft_model.peft_config["default"].base_model_name_or_path = base_name or str(base_dir)
     peft_model.save_pretrained(str(adapter_dir))
+
+
+def peft_factor_weights(factors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``lora_A.weight``, ``lora_B.weight``) of peft's ``ParamWrapper`` for a difflm :class:`LoraFactors`.
+
+    2-D factors A [r, d_in], B [d_out, r] are peft's ``lora.Linear`` ones. For E experts (A [E, r, d_in],
+    B [E, d_out, r]) peft holds one ``nn.Linear`` pair of rank r E: ``lora_A.weight`` [E r, d_in] read back as
+    ``reshape(E, r, d_in)``, and ``lora_B.weight`` [d_out, r E] read back as ``reshape(d_out, r, E)``, so that its
+    delta ``einsum("o r e, e r i -> e o i")`` is difflm's ``B_e A_e`` per expert.
+    """
+    a, b = factors.lora_A.detach(), factors.lora_B.detach()
+    if a.dim() == 2:
+        return a, b
+    experts, rank, d_in = a.shape
+    return a.reshape(experts * rank, d_in), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
 
 
 def export_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
