@@ -70,6 +70,9 @@ def test_experiment_megadlm_picks_the_fastest_row_with_no_switch(machine):
      "parallel.cp>1 patches SDPA"),
     (["precision=bf16", "model.compile=true"], {}, ("torch", "flash", False, False), "model.compile=true"),
     (["precision=bf16", "train.cuda_graphs=true"], {}, ("te", "flash", False, False), "train.cuda_graphs=true"),
+    (["precision=bf16", "lora=attn_mlp"], {}, ("te", "flash", False, False), "lora.rank>0 (quack's kernels"),
+    (["precision=bf16", "lora=attn_mlp", "parallel=tp2"], {}, ("torch", "flash", False, False),
+     "LoRA under parallel.tp>1 runs on the torch kernels"),
 ])
 def test_fallbacks_and_run_needs(machine, overrides, missing, expected, needle):
     machine.update(missing)

@@ -126,6 +126,7 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     experts = int(moe.num_experts) if moe is not None else 0
     tp, cp = int(par.get("tp", 1)), int(par.get("cp", 1))
     fp8_attention = bool(p.get("fp8_attention", False))
+    lora = cfg.get("lora") is not None and int(cfg.lora.get("rank", 0) or 0) > 0  # difflm.model.lora.lora_enabled
 
     # --- model.backend
     backend = m.backend
@@ -142,6 +143,8 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
             backend, why = "torch", f"Transformer Engine does not import ({te_error.split(':')[0]})"
         elif tp > 1 and experts:
             backend, why = "torch", "MoE layers under parallel.tp>1 run on the torch kernels"
+        elif tp > 1 and lora:
+            backend, why = "torch", "LoRA under parallel.tp>1 runs on the torch kernels' DTensor layout"
         else:
             backend, why = "te", "Transformer Engine imports"
         m.backend = backend
@@ -159,7 +162,8 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     # --- model.fused_mlp
     fused = m.get("fused_mlp", False)
     if is_auto(fused):
-        fused, why = _fused_mlp(backend, cuda, precision, experts, tp, bool(t.get("cuda_graphs", False)), device)
+        fused, why = _fused_mlp(backend, cuda, precision, experts, tp, bool(t.get("cuda_graphs", False)), device,
+                                lora)
         choice.why["fused_mlp"] = why
     else:
         fused = _flag(fused, "fused_mlp")
@@ -209,10 +213,12 @@ def _attention(backend: str, cuda: bool, precision: str, objective: str, cp: int
 
 
 def _fused_mlp(backend: str, cuda: bool, precision: str, experts: int, tp: int, cuda_graphs: bool,
-               device: torch.device) -> tuple[bool, str]:
+               device: torch.device, lora: bool = False) -> tuple[bool, str]:
     """(fused MLP on, reason) for ``model.fused_mlp=auto``."""
     if not cuda:
         return False, f"{device.type}: quack runs CUDA kernels only"
+    if lora:
+        return False, "lora.rank>0 (quack's kernels read the MLP weights themselves, without the adapters)"
     if backend != "te":
         return False, "a slot of the TE kernel set"
     if precision != "bf16":
