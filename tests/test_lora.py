@@ -1,5 +1,6 @@
 """LoRA (difflm.model.lora, docs/lora.md): adapter counts, the base at B = 0, adapters-only optimizer and checkpoints,
-exact resume, merged and PEFT exports against difflm's logits, FSDP2 against one process, the TE stand-in, refusals."""
+exact resume, merged and PEFT exports (routed experts too) against difflm's logits, FSDP2 against one process, the TE
+stand-in, refusals. Tensor parallelism: tests/test_lora_parallel.py."""
 from __future__ import annotations
 
 import json
@@ -273,7 +274,7 @@ def test_fsdp2_two_ranks_equal_one_process(fast_cfg, tmp_path):
 def test_refusals_are_one_line(tmp_path):
     from difflm.parallel.mesh import ParallelDims
 
-    for key in ("tp", "pp", "cp"):
+    for key in ("pp", "cp"):  # tensor parallelism: tests/test_lora_parallel.py
         p = OmegaConf.create({"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1})
         p[key] = 2
         with pytest.raises(DifflmError, match=rf"^lora.rank=4 with parallel.{key}=2: .*set parallel.{key}=1$"):
