@@ -40,7 +40,8 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     common = [*FAST, *LORA, "parallel=tp2", f"data.cache_dir={out}/cache"]
-    runs = [("tp", ["train.max_steps=4", "train.save_every=2"], 2), ("tp", ["train.max_steps=4", "train.save_every=2"], 0),
+    steps = ["train.max_steps=4", "train.save_every=2"]
+    runs = [("tp", steps, 2), ("tp", steps, 0),
             ("tp_nosp", ["train.max_steps=2", "train.save_every=0", "parallel.sequence_parallel=false"], 0),
             ("tp_moe", [*MOE, "train.max_steps=2", "train.save_every=0"], 0)]
     trainable = {}
@@ -82,7 +83,7 @@ def test_tp2_adapters_equal_one_process_resume_and_export(fast_cfg, tmp_path):
     ranks = spawn_ranks(_tp_worker, 2, tmp_path)
     for r in ranks:
         assert r["tp"] and all(is_adapter(n) for n in r["tp"])  # the base stays frozen through the TP styles
-        assert r["tp_optimizer_is_adapters"] and r["tp_nosp_optimizer_is_adapters"] and r["tp_moe_optimizer_is_adapters"]
+        assert all(r[f"{run}_optimizer_is_adapters"] for run in ("tp", "tp_nosp", "tp_moe"))
         assert any("experts.lora" in n for n in r["tp_moe"]) and not any("router" in n for n in r["tp_moe"])
         assert r["tp_resumed_from"] == 2
     one, tp, nosp = losses(tmp_path / "single"), losses(tmp_path / "tp"), losses(tmp_path / "tp_nosp")

@@ -73,9 +73,8 @@ class LoraFactors(nn.Module):
         self.enabled = True  # adapters_disabled() turns it off
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``scaling * B A dropout(x)``: x [..., d_in] -> [..., d_out] (2-D factors only). DTensor factors meet a
-        DTensor x (TP layouts, :mod:`difflm.parallel.tp_adapters`); a plain x (a layer run replicated over TP, e.g.
-        the MoE's shared experts) takes their local tensors."""
+        """``scaling * B A dropout(x)``: x [..., d_in] -> [..., d_out] (2-D factors only). A plain x meeting DTensor
+        factors (a layer run replicated over TP: the MoE's shared experts) takes their local tensors."""
         a, b = _as_input(self.lora_A, x), _as_input(self.lora_B, x)
         return F.linear(F.linear(self.dropout(x), a.to(x.dtype)), b.to(x.dtype)) * self.scaling
 
@@ -228,12 +227,11 @@ def check_lora(cfg, model_cfg=None) -> None:
 
 
 def check_lora_layout(cfg, dims, model_cfg=None) -> None:
-    """Refuse the layouts LoRA is not built for, in one line naming the key. Data parallelism (DDP, FSDP2, HSDP)
-    shards or replicates the adapters like any parameter; DTensor tensor (and sequence) parallelism of the torch
-    kernels lays them out with their weight (:mod:`difflm.parallel.tp_adapters`). Refused: ``parallel.pp``,
-    ``parallel.cp`` and ``parallel.ep`` (their stage splits and expert shards name the base modules only); and under
-    ``parallel.tp`` > 1 the TE kernels (``model_cfg.backend=te``: their TP shards are plain tensors, the adapters' would
-    need TE's own TP reductions) and ``lora.dropout`` > 0 (the masks of a sharded input differ from one process's)."""
+    """Refuse, in one line naming the key, the layouts LoRA is not built for: ``parallel.pp``, ``parallel.cp`` and
+    ``parallel.ep`` (their stage splits and expert shards name the base modules only); under ``parallel.tp`` > 1 the
+    TE kernels (``model_cfg.backend=te``: plain local shards, no DTensor layout for the adapters) and dropout (the
+    masks of a sharded input are not one process's). DDP/FSDP2/HSDP and DTensor TP (torch kernels,
+    :mod:`difflm.parallel.tp_adapters`) take the adapters."""
     if not lora_enabled(cfg):
         return
     for key in ("pp", "cp", "ep"):
@@ -249,8 +247,8 @@ def check_lora_layout(cfg, dims, model_cfg=None) -> None:
                           "parallelism runs on the torch kernels' DTensor layout; set model.backend=torch or "
                           "parallel.tp=1")
     if float(cfg.dropout) > 0:
-        raise DifflmError(f"lora.dropout={cfg.dropout} with parallel.tp={tp}: the adapters' dropout masks on TP-sharded "
-                          "inputs differ from one process's; set lora.dropout=0 or parallel.tp=1")
+        raise DifflmError(f"lora.dropout={cfg.dropout} with parallel.tp={tp}: the adapters' dropout masks on "
+                          "TP-sharded inputs differ from one process's; set lora.dropout=0 or parallel.tp=1")
 
 
 def apply_lora(model: nn.Module, cfg, seed: Optional[int] = None) -> list[str]:
@@ -398,4 +396,5 @@ def expected_adapter_count(model_cfg, cfg) -> int:
 
 
 __all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
-           "check_lora_layout", "expected_adapter_count", "init_adapters_", "is_adapter", "lora_enabled", "merged_state_dict", "trainable_parameter_count"]
+           "check_lora_layout", "expected_adapter_count", "init_adapters_", "is_adapter", "lora_enabled",
+           "merged_state_dict", "trainable_parameter_count"]

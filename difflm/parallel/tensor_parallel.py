@@ -342,7 +342,8 @@ def finish_canonical_load(pending: list) -> None:
 
 
 __all__ = [
-    "AdaptedRowwiseParallel", "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU", "apply_tensor_parallel", "canonical_state_dict",
+    "AdaptedRowwiseParallel", "GatherSequence", "NormColwiseParallel", "SwiGLUParallel", "TensorParallelSwiGLU",
+    "apply_tensor_parallel", "canonical_state_dict",
     "GateUpInterleave", "canonical_layouts", "deinterleave_gate_up", "finish_canonical_load", "interleave_gate_up",
     "prepare_canonical_load",
 ]
