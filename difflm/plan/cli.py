@@ -68,7 +68,7 @@ def render(cand, rates: Rates, gpus: int) -> str:
     lay, mem, step = cand.layout, cand.memory, cand.step
     lines = [f"layout {lay.name()} on {gpus} x {rates.gpu}: micro-batch {lay.micro_batch} x {cand.n_micro} "
              f"accumulation steps, activation checkpointing {lay.activation_checkpointing}",
-             "memory per GPU (GiB, the most loaded rank):"]
+             f"memory per GPU (GiB, the most loaded rank, at the {mem.phase}):"]
     lines += [f"  {k:<12} {v / GIB:9.2f}" for k, v in mem.parts.items()]
     fits = "fits" if mem.total <= (rates.memory_gib - rates.reserve_gib) * GIB else "DOES NOT FIT"
     lines.append(f"  {'total':<12} {mem.total / GIB:9.2f}   of {rates.memory_gib:.0f} GiB "

@@ -14,7 +14,7 @@ The fake tensors live on the CPU (a CPU build of torch cannot run autograd on fa
 the CPU's kernels of the same operators: ``torch.autocast("cpu", bfloat16)``, whose casts and cache follow CUDA's
 for the GEMMs and norms; SDPA's CPU flash kernel, which saves what CUDA's flash / cuDNN kernels save (the output and
 an FP32 log-sum-exp per row); the unfused cross-entropy (TE's fused kernel needs CUDA). Not traced: ``precision=fp8`` and ``model.backend=te``
-(Transformer Engine's modules need a GPU), the CUDA allocator's rounding (512 bytes a block), its fragmentation and kernel workspaces (cuBLAS, cuDNN), which
+(Transformer Engine's modules need a GPU), mixtures of experts (the routing's counts are data), the CUDA allocator's rounding (512 bytes a block), its fragmentation and kernel workspaces (cuBLAS, cuDNN), which
 ``torch.cuda.max_memory_allocated`` partly counts.
 """
 from __future__ import annotations
@@ -47,6 +47,10 @@ def untraceable_reason(cfg) -> str | None:
         return "model.backend=te builds Transformer Engine modules, which need a GPU: trace model.backend=torch"
     from difflm.model.lora import lora_enabled
 
+    if int(cfg.model.moe.num_experts) > 0:
+        return ("model.moe.num_experts>0 is not traced: the router's token counts per expert are data, which fake "
+                "tensors do not carry; trace the dense model of the same width")
+
     if lora_enabled(cfg.get("lora")):
         return "lora.* is not traced: trace the full fine-tuning run"
     return None
@@ -69,18 +73,9 @@ class _FusedRMSNormTwin(torch.autograd.Function):
         return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
 
 
-class _CudaNorms(torch.overrides.TorchFunctionMode):
-    """Runs ``F.rms_norm`` over the last dimension as :class:`_FusedRMSNormTwin`."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.nn.functional.rms_norm, torch.rms_norm):
-            x, shape = args[0], args[1]
-            weight = args[2] if len(args) > 2 else kwargs.get("weight")
-            eps = args[3] if len(args) > 3 else kwargs.get("eps")
-            if len(shape) == 1:
-                return _FusedRMSNormTwin.apply(x, weight, eps)
-        return func(*args, **kwargs)
+def _rms_norm_twin(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`difflm.model.layers.rms_norm` as CUDA runs it (FP32 statistics, the fused kernel's saves)."""
+    return _FusedRMSNormTwin.apply(x.float(), weight.float(), eps).to(x.dtype)
 
 
 def _qkv_twin_forward(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, dense_v=True):
@@ -101,17 +96,18 @@ def cuda_kernel_twins():
     (:class:`_FusedRMSNormTwin`) and the Triton QKV split / QK-norm / RoPE (:mod:`difflm.kernels.qkv_triton`, which
     keeps only the QKV projection's output; the CPU's eager composition keeps the FP32 norm inputs too)."""
     from difflm.kernels import qkv_triton
-    from difflm.model import qkv
+    from difflm.model import layers, moe, qkv
 
-    saved = (qkv_triton.forward, qkv_triton.backward, qkv.triton_runs, qkv.plain_tensors)
+    saved = (qkv_triton.forward, qkv_triton.backward, qkv.triton_runs, qkv.plain_tensors, layers.rms_norm, moe.rms_norm)
     qkv_triton.forward, qkv_triton.backward = _qkv_twin_forward, _qkv_twin_backward
     qkv.triton_runs = lambda t, cos, sin, fused: bool(fused) and t.dim() == 3
     qkv.plain_tensors = lambda *ts: True  # fake parameters are tensor subclasses; no DTensor is traced
+    layers.rms_norm = moe.rms_norm = _rms_norm_twin  # what the norm modules call (module-level names)
     try:
-        with _CudaNorms():
-            yield
+        yield
     finally:
-        qkv_triton.forward, qkv_triton.backward, qkv.triton_runs, qkv.plain_tensors = saved
+        (qkv_triton.forward, qkv_triton.backward, qkv.triton_runs, qkv.plain_tensors, layers.rms_norm,
+         moe.rms_norm) = saved
 
 
 def _peak_tracker():
