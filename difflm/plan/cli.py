@@ -129,6 +129,14 @@ def _run(args, overrides: list[str]) -> int:
         return 0
     params = model_params(cfg.model, int(cfg.model.vocab_size))
     n_active = active_params(cfg)
+    from difflm.training.auto_batch import choose_micro_batch, is_auto
+
+    if is_auto(cfg) and not args.search:  # the size difflm-train would plan on this GPU (its whole memory free)
+        if cfg.train.get("auto_batch_budget_gib") is None:
+            cfg.train.auto_batch_budget_gib = rates.memory_gib - rates.reserve_gib
+        import torch
+
+        print(choose_micro_batch(cfg, torch.device("cuda"), args.gpus))
     if not args.search:
         layout = layout_of(cfg, args.gpus)
         gbs, per = int(cfg.train.global_batch_size), layout.dp * layout.micro_batch

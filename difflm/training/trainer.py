@@ -64,6 +64,11 @@ class Trainer:
         check_validation_split(cfg.data, t)  # before a possibly long tokenization
         use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
+        from difflm.training.auto_batch import choose_micro_batch, is_auto
+
+        auto_batch = is_auto(cfg)  # callers that build a Trainer directly skip check_run, which chooses it first
+        if (line := choose_micro_batch(cfg, device, pdist.world_size_from_env())) and pdist.is_rank0():
+            print(f"difflm: {line}", flush=True)
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.lora = lora_enabled(cfg.get("lora"))
@@ -116,6 +121,8 @@ class Trainer:
             self.model = self._build_single_model()
             self.model_parts = [self.model]
             num_params = self.model.num_params()
+        if (auto_batch or cfg.train.get("auto_batch_reason")) and device.type == "cuda" and self.pipeline is None:
+            self._probe_micro_batch()  # train.micro_batch_size=auto: the planned size confirmed by a step
         # each micro-batch's MoE aux loss enters the step's objective with weight micro / global (docs/moe.md)
         set_moe_loss_scale(self.model_parts, t.micro_batch_size / t.global_batch_size)
         self.moe_group = None
@@ -175,6 +182,36 @@ class Trainer:
         if cfg.parallel.compile or cfg.model.get("compile", False):
             apply_compile(model)
         return model
+
+    def _probe_micro_batch(self) -> None:
+        """``train.micro_batch_size=auto`` on CUDA: one forward and backward of a batch of random tokens at the planned
+        size, halving on out-of-memory (:func:`difflm.training.auto_batch.probe_micro_batch`); the ranks keep the
+        smallest size any of them could run, and the config (``config.yaml``) records it."""
+        from difflm.training.auto_batch import probe_micro_batch
+
+        t = self.cfg.train
+        per_rank = t.global_batch_size // self.dims.dp
+
+        def step(size: int) -> None:
+            tokens = torch.randint(0, self.tok.padded_vocab_size - 1, (size, self.cfg.data.seq_len))
+            batch = self.objective.noise(tokens, range(size), (t.seed, 0), t.global_batch_size).to(self.device)
+            try:
+                self._local_loss(batch, self.cfg.objective.loss_norm, 1.0, backward=True)
+                torch.cuda.synchronize(self.device)
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+
+        size, failed = probe_micro_batch(step, int(t.micro_batch_size), per_rank)
+        if self.dims.distributed:
+            agreed = torch.tensor(size, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            size = int(agreed)
+        if size != t.micro_batch_size:
+            t.micro_batch_size = size
+            self.accum_steps = check_batch(self.cfg, self.dims.world_size)
+            t.auto_batch_reason = f"{t.auto_batch_reason}; the probe ran out of memory at {failed}: {size}"
+            self._report(f"difflm: train.micro_batch_size=auto: out of memory at {failed}, the run takes {size} "
+                         f"({self.accum_steps} accumulation steps)")
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
