@@ -100,3 +100,14 @@ def test_the_run_config_records_the_choice(fast_cfg):
     assert recorded.train.micro_batch_size == 4
     assert recorded.train.auto_batch_reason.startswith("train.micro_batch_size=auto chose 4 on cpu")
     assert "train.auto_batch_budget_gib" in recorded.train.auto_batch_reason
+
+
+def test_difflm_plan_plans_auto_against_the_gpu(capsys):
+    """``difflm-plan ... train.micro_batch_size=auto`` plans the size against the GPU's memory less its reserve."""
+    from difflm.plan.cli import main
+
+    assert main(["model=tiny", "model.vocab_size=1000", "train.micro_batch_size=auto", "train.global_batch_size=8",
+                 "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "train.micro_batch_size=auto chose 8 on cuda" in out and "of a 75.6 GiB budget" in out
+    assert "micro-batch 8 x 1 accumulation steps" in out

@@ -110,7 +110,7 @@ def choose_micro_batch(cfg, device: torch.device, world_size: int = 1,
 
 def planned_peak(cfg, micro_batch: int, world_size: int = 1) -> float:
     """The planner's peak bytes per GPU of ``cfg`` at ``micro_batch`` (:func:`difflm.plan.memory.plan_memory`)."""
-    from difflm.plan.cli import layout_of, vocab_size
+    from difflm.plan.from_config import layout_of, vocab_size
     from difflm.plan.memory import plan_memory
     from difflm.plan.shapes import model_params
 
