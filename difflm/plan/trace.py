@@ -150,10 +150,10 @@ def _fake_model(cfg, causal: bool, mode):
     return model
 
 
-def _fake_batch(cfg, objective, mode, micro_batch: int, loss_fraction: float | None):
-    """A noised micro-batch of the run's shape, copied to fake tensors of the same shapes. Noised for real on the host
-    (the loss rows' count is data); with ``loss_fraction``, exactly that share of the noised positions (the first
-    ``data.seq_len`` of each row) carries the loss, the share :mod:`difflm.plan.memory` plans for."""
+def noised_batch(cfg, objective, micro_batch: int, loss_fraction: float | None = None):
+    """A noised micro-batch of random tokens of the run's shape on the host (a ``NoisedBatch``). With
+    ``loss_fraction``, exactly that share of the noised positions (the first ``data.seq_len`` of each row) carries
+    the loss: the share :mod:`difflm.plan.memory` plans for (:func:`difflm.plan.memory.peak_loss_fraction`)."""
     vocab, seq = int(cfg.model.vocab_size), int(cfg.data.seq_len)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab - 1, (micro_batch, seq), generator=g)
@@ -164,7 +164,12 @@ def _fake_batch(cfg, objective, mode, micro_batch: int, loss_fraction: float | N
         mask = torch.zeros_like(batch.loss_mask)
         mask[:, :seq] = rows.view(micro_batch, seq)  # bd3lm's [x_t ; x_0]: the loss rows lie in x_t
         batch = type(batch)(**{**batch.__dict__, "loss_mask": mask, "loss_index": None})
-    batch = batch.pinned(False)
+    return batch.pinned(False)
+
+
+def _fake_batch(cfg, objective, mode, micro_batch: int, loss_fraction: float | None):
+    """:func:`noised_batch` copied to fake tensors of the same shapes (the loss rows' count is data)."""
+    batch = noised_batch(cfg, objective, micro_batch, loss_fraction)
     with mode:
         fields = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.__dict__.items()}
     return type(batch)(**fields)

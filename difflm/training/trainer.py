@@ -121,8 +121,6 @@ class Trainer:
             self.model = self._build_single_model()
             self.model_parts = [self.model]
             num_params = self.model.num_params()
-        if (auto_batch or cfg.train.get("auto_batch_reason")) and device.type == "cuda" and self.pipeline is None:
-            self._probe_micro_batch()  # train.micro_batch_size=auto: the planned size confirmed by a step
         # each micro-batch's MoE aux loss enters the step's objective with weight micro / global (docs/moe.md)
         set_moe_loss_scale(self.model_parts, t.micro_batch_size / t.global_batch_size)
         self.moe_group = None
@@ -137,6 +135,8 @@ class Trainer:
         if (warning := short_run_warning(cfg.schedule, t.max_steps, cfg.optim.lr)) is not None:
             self._report(warning)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
+        if (auto_batch or cfg.train.get("auto_batch_reason")) and device.type == "cuda" and self.pipeline is None:
+            self._probe_micro_batch()  # train.micro_batch_size=auto: the planned size confirmed by a step
         # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops;
         # mixture of experts: the active parameters, docs/moe.md)
         self.flops_per_token = objective_flops_per_token(cfg.objective, cfg.model,
@@ -184,21 +184,30 @@ class Trainer:
         return model
 
     def _probe_micro_batch(self) -> None:
-        """``train.micro_batch_size=auto`` on CUDA: one forward and backward of a batch of random tokens at the planned
-        size, halving on out-of-memory (:func:`difflm.training.auto_batch.probe_micro_batch`); the ranks keep the
-        smallest size any of them could run, and the config (``config.yaml``) records it."""
+        """``train.micro_batch_size=auto`` on CUDA: forward and backward of a batch of random tokens at the planned size
+        (twice under gradient accumulation: the second with the first's gradients held), with as many loss rows as
+        the memory plan's heaviest micro-batch and AdamW's moments held, halving on out-of-memory
+        (:func:`difflm.training.auto_batch.probe_micro_batch`); the ranks keep the smallest size any of them could
+        run, and the config (``config.yaml``) records it."""
+        from difflm.plan.memory import peak_loss_fraction
+        from difflm.plan.trace import noised_batch
         from difflm.training.auto_batch import probe_micro_batch
 
         t = self.cfg.train
         per_rank = t.global_batch_size // self.dims.dp
+        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
 
-        def step(size: int) -> None:
-            tokens = torch.randint(0, self.tok.padded_vocab_size - 1, (size, self.cfg.data.seq_len))
-            batch = self.objective.noise(tokens, range(size), (t.seed, 0), t.global_batch_size).to(self.device)
+        def step(size: int) -> None:  # at the planned share of loss rows of the micro-batch that has the most
+            share = peak_loss_fraction(self.cfg.objective, size, t.global_batch_size, self.cfg.data.seq_len)
+            batch = noised_batch(self.cfg, self.objective, size, share).to(self.device)
+            moments = torch.empty(2 * local, dtype=torch.float32, device=self.device)  # AdamW's, from its 1st step
             try:
-                self._local_loss(batch, self.cfg.objective.loss_norm, 1.0, backward=True)
+                for _ in range(2 if per_rank // size > 1 else 1):
+                    self._local_loss(batch, self.cfg.objective.loss_norm, 1.0, backward=True)
                 torch.cuda.synchronize(self.device)
             finally:
+                del moments
                 self.optimizer.zero_grad(set_to_none=True)
 
         size, failed = probe_micro_batch(step, int(t.micro_batch_size), per_rank)
@@ -209,6 +218,7 @@ class Trainer:
         if size != t.micro_batch_size:
             t.micro_batch_size = size
             self.accum_steps = check_batch(self.cfg, self.dims.world_size)
+            set_moe_loss_scale(self.model_parts, size / t.global_batch_size)
             t.auto_batch_reason = f"{t.auto_batch_reason}; the probe ran out of memory at {failed}: {size}"
             self._report(f"difflm: train.micro_batch_size=auto: out of memory at {failed}, the run takes {size} "
                          f"({self.accum_steps} accumulation steps)")
