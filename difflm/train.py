@@ -41,6 +41,8 @@ def _main(cfg) -> None:
         raise
     if cfg.model.get("auto_reason") and launch_env()["rank"] == 0:
         print(f"difflm: {cfg.model.auto_reason}", flush=True)  # what model.*=auto chose, before anything is built
+    if cfg.train.get("auto_batch_reason") and launch_env()["rank"] == 0:
+        print(f"difflm: {cfg.train.auto_batch_reason}", flush=True)  # train.micro_batch_size=auto's plan
     if world_size > 1:
         device = init_distributed(device, timeout_s=cfg.train.collective_timeout)
     try:

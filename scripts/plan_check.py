@@ -10,6 +10,10 @@ Each row trains ``--steps`` optimizer steps of the Trainer (embedded corpus, no 
 of its own; the step time is the median of the logged steps after the first two (``tokens/s`` over the global
 batch's tokens), the memory the process's peak allocation. Rows that fail (a missing kernel set, out of memory) print
 their reason and the others go on. Prints predicted / measured / error for each and, at the end, the worst errors.
+Beside them, the peak of the same step traced on the host under fake tensors (:mod:`difflm.plan.trace`; ``-`` for
+what it cannot trace: FP8, TE, MoE; ``--no-trace`` skips it). The planner and the trace plan the micro-batch with the
+most loss rows (:func:`difflm.plan.memory.peak_loss_fraction`), a few steps of iid draws rarely reach it: a measured
+peak below both is expected, above both is a fault of the model.
 """
 from __future__ import annotations
 
@@ -75,7 +79,25 @@ def predict(overrides: list[str], calibration: str | None) -> dict:
     rates = Rates.from_json(calibration) if calibration else default_rates("H200")
     cand = evaluate(cfg, model_params(cfg.model, int(cfg.model.vocab_size)), active_params(cfg), layout_of(cfg, 1),
                     rates)
-    return {"peak_bytes": cand.memory.total, "step_s": cand.step.seconds, "parts": cand.memory.parts}
+    return {"peak_bytes": cand.memory.total, "step_s": cand.step.seconds, "parts": cand.memory.parts,
+            "phase": cand.memory.phase}
+
+
+def trace(overrides: list[str]) -> dict:
+    """The traced peak bytes of the row's step (:func:`difflm.plan.trace.traced_peak`), or its reason."""
+    from difflm.config.compose import compose_train_config
+    from difflm.errors import DifflmError
+    from difflm.plan.cli import vocab_size
+    from difflm.plan.trace import traced_peak
+
+    cfg = compose_train_config([*COMMON, *overrides])
+    cfg.model.vocab_size = vocab_size(cfg)
+    cfg.model.head_dim = cfg.model.head_dim or int(cfg.model.hidden_size) // int(cfg.model.num_heads)
+    try:
+        found = traced_peak(cfg)
+    except DifflmError as e:
+        return {"error": str(e)}
+    return {"peak_bytes": found.peak_bytes, "parts": found.parts, "phase": found.phase}
 
 
 def main(argv=None) -> int:
@@ -85,17 +107,22 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
+    ap.add_argument("--no-trace", action="store_true", help="skip the traced peak (host seconds to minutes per row)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure these overrides, print JSON
     args = ap.parse_args(argv)
     if args.one is not None:
         print("PLAN_CHECK " + strict_json.dumps(measure_one(args.one.split(), args.steps)))
         return 0
     results = []
-    print(f"{'row':<18} {'mem plan':>9} {'mem real':>9} {'err':>7}   {'step plan':>10} {'step real':>10} {'err':>7}")
+    print(f"{'row':<18} {'mem plan':>9} {'traced':>7} {'mem real':>9} {'err':>7}   {'step plan':>10} {'step real':>10} "
+          f"{'err':>7}")
     for spec in args.row or ROWS:
         name, _, over = spec.partition(":")
         overrides = over.split()
         row = {"name": name.strip(), "overrides": overrides, "plan": predict(overrides, args.calibration)}
+        row["traced"] = {"error": "skipped"} if args.no_trace else trace(overrides)
+        traced = row["traced"].get("peak_bytes")
+        traced_gib = f"{traced / 2**30:>7.1f}" if traced else f"{'-':>7}"
         try:
             out = subprocess.run([sys.executable, __file__, "--one", " ".join(overrides), "--steps", str(args.steps)],
                                  capture_output=True, text=True, timeout=args.timeout)
@@ -108,13 +135,13 @@ def main(argv=None) -> int:
         results.append(row)
         p = row["plan"]
         if "error" in row:
-            print(f"{row['name']:<18} {p['peak_bytes'] / 2**30:>9.1f} failed: {row['error']}")
+            print(f"{row['name']:<18} {p['peak_bytes'] / 2**30:>9.1f} {traced_gib} failed: {row['error']}")
             continue
         r = row["real"]
         row["mem_err"] = p["peak_bytes"] / r["peak_bytes"] - 1
         row["step_err"] = p["step_s"] / r["step_s"] - 1 if r["step_s"] else None
         step_err = f"{100 * row['step_err']:>+6.1f}%" if row["step_err"] is not None else "      -"
-        print(f"{row['name']:<18} {p['peak_bytes'] / 2**30:>9.1f} {r['peak_bytes'] / 2**30:>9.1f} "
+        print(f"{row['name']:<18} {p['peak_bytes'] / 2**30:>9.1f} {traced_gib} {r['peak_bytes'] / 2**30:>9.1f} "
               f"{100 * row['mem_err']:>+6.1f}%   {p['step_s'] * 1e3:>10.1f} {(r['step_s'] or 0) * 1e3:>10.1f} {step_err}",
               flush=True)
     if args.json:

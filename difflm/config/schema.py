@@ -243,7 +243,10 @@ class TrainConfig:
     max_steps: Optional[int] = 300
     epochs: Optional[float] = None  # passes over the training windows; sets max_steps = ceil(epochs * windows / batch)
     global_batch_size: int = 8
-    micro_batch_size: int = 8
+    micro_batch_size: Any = 8  # samples per micro-batch and rank, or auto (difflm.training.auto_batch)
+    auto_batch_budget_gib: Optional[float] = None  # micro_batch_size=auto: plan against this many GiB (null: free memory)
+    auto_batch_margin: float = 0.1  # micro_batch_size=auto: share of the free memory kept out of the budget
+    auto_batch_reason: Optional[str] = None  # written by micro_batch_size=auto: what it chose and why (read-only)
     eval_every: int = 100
     # validation windows per evaluation (however train.micro_batch_size batches them); null: 64 on a GPU, sized to
     # the run on a CPU (difflm.training.eval_size)

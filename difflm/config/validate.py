@@ -195,6 +195,9 @@ def check_batch(cfg, world_size: int = 1) -> int:
 
     t = cfg.train
     dp = ParallelDims.from_config(cfg.parallel, world_size).dp
+    _require(isinstance(t.micro_batch_size, int) and not isinstance(t.micro_batch_size, bool),
+             f"train.micro_batch_size={t.micro_batch_size!r} must be a positive number or auto (auto is chosen by "
+             "difflm.training.auto_batch.choose_micro_batch before this check)")
     for key in ("global_batch_size", "micro_batch_size", "max_steps"):
         _require((key == "max_steps" and t[key] is None) or t[key] > 0,  # null: train.epochs sets it (check_length)
                  f"train.{key}={t[key]} must be positive")
@@ -382,6 +385,9 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
     device = resolve_device(cfg.device)
     check_precision(cfg, device)
     check_length(cfg.train)
+    from difflm.training.auto_batch import choose_micro_batch
+
+    choose_micro_batch(cfg, device, world_size)  # train.micro_batch_size=auto: a number before the batch checks
     dims = check_parallel(cfg, world_size, device)
     if cfg.get("lora") is not None:  # lora.*: the keys, the model and the layout (difflm.model.lora)
         from difflm.model.lora import check_lora, check_lora_layout

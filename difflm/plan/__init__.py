@@ -5,5 +5,7 @@ search over layouts, from the same composed config as ``difflm-train`` and a cal
 * :mod:`difflm.plan.memory`: bytes per GPU by part (parameters, gradients, optimizer, activations, logits, buffers);
 * :mod:`difflm.plan.rates`: the GPU's rates (GEMM, attention, HBM, collectives) from a calibration file;
 * :mod:`difflm.plan.step_time`: compute and exposed communication of one optimizer step;
+* :mod:`difflm.plan.trace`: the peak memory of a real step traced under fake tensors, the memory model's reference;
+* :mod:`difflm.plan.from_config`: the vocabulary and layout of a composed train config;
 * :mod:`difflm.plan.search`: the layouts, micro-batch sizes and checkpointing choices that fit, ranked.
 """

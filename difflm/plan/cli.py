@@ -16,34 +16,9 @@ import argparse
 import sys
 
 from difflm.errors import DifflmError
-from difflm.plan.memory import GIB, Layout
+from difflm.plan.from_config import layout_of, vocab_size  # noqa: F401 (also read from here)
+from difflm.plan.memory import GIB
 from difflm.plan.rates import Rates, calibrate, default_rates
-
-
-def vocab_size(cfg) -> int:
-    """``model.vocab_size`` when given, else the run's tokenizer's padded vocabulary (as ``difflm-train`` sets it).
-    Raises DifflmError naming ``model.vocab_size=`` when the tokenizer cannot be loaded (a hub name offline)."""
-    if cfg.model.vocab_size:
-        return int(cfg.model.vocab_size)
-    from difflm.data.tokenizer import build_tokenizer
-
-    try:
-        return build_tokenizer(cfg.data.tokenizer, int(cfg.model.vocab_multiple)).padded_vocab_size
-    except Exception as e:  # noqa: BLE001 - any loader failure ends in the same advice
-        raise DifflmError(f"data.tokenizer={cfg.data.tokenizer} could not be loaded ({str(e).splitlines()[0][:120]}); "
-                          "pass model.vocab_size=N (e.g. 50304 for GPT-2/NeoX, 128256 for Llama 3)") from None
-
-
-def layout_of(cfg, gpus: int) -> Layout:
-    """The layout ``cfg.parallel`` gives on ``gpus`` ranks (``-1`` filled), with the run's micro-batch."""
-    from difflm.parallel.mesh import ParallelDims
-
-    dims = ParallelDims.from_config(cfg.parallel, gpus)
-    p = cfg.parallel
-    return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate,
-                  dp_shard=dims.dp_shard, micro_batch=int(cfg.train.micro_batch_size),
-                  activation_checkpointing=str(p.activation_checkpointing),
-                  sequence_parallel=bool(p.sequence_parallel), pp_schedule=str(p.pp_schedule))
 
 
 def active_params(cfg) -> int:
@@ -68,7 +43,7 @@ def render(cand, rates: Rates, gpus: int) -> str:
     lay, mem, step = cand.layout, cand.memory, cand.step
     lines = [f"layout {lay.name()} on {gpus} x {rates.gpu}: micro-batch {lay.micro_batch} x {cand.n_micro} "
              f"accumulation steps, activation checkpointing {lay.activation_checkpointing}",
-             "memory per GPU (GiB, the most loaded rank):"]
+             f"memory per GPU (GiB, the most loaded rank, at the {mem.phase}):"]
     lines += [f"  {k:<12} {v / GIB:9.2f}" for k, v in mem.parts.items()]
     fits = "fits" if mem.total <= (rates.memory_gib - rates.reserve_gib) * GIB else "DOES NOT FIT"
     lines.append(f"  {'total':<12} {mem.total / GIB:9.2f}   of {rates.memory_gib:.0f} GiB "
@@ -129,6 +104,14 @@ def _run(args, overrides: list[str]) -> int:
         return 0
     params = model_params(cfg.model, int(cfg.model.vocab_size))
     n_active = active_params(cfg)
+    from difflm.training.auto_batch import choose_micro_batch, is_auto
+
+    if is_auto(cfg) and not args.search:  # the size difflm-train would plan on this GPU (its whole memory free)
+        if cfg.train.get("auto_batch_budget_gib") is None:
+            cfg.train.auto_batch_budget_gib = rates.memory_gib - rates.reserve_gib
+        import torch
+
+        print(choose_micro_batch(cfg, torch.device("cuda"), args.gpus))
     if not args.search:
         layout = layout_of(cfg, args.gpus)
         gbs, per = int(cfg.train.global_batch_size), layout.dp * layout.micro_batch

@@ -8,20 +8,30 @@ scaled by the calibration's ``activation_scale``):
   Recomputation in Large Transformer Models", sec. 4, redone for this block: RMSNorm + fused QKV with QK-norm and RoPE,
   memory-efficient attention with no S x S scores, SwiGLU MLP, an FP32 residual stream under autocast)::
 
-      2 r h + 2 a h + a (2 (q + 2 kv) + q) + 3 a f
+      2 r h + 2 a h + a (2 (q + 2 kv) + q) + 4 a f
 
   with ``r`` = 4 (the FP32 residual), ``a`` the compute dtype's bytes, ``h`` hidden, ``q`` / ``kv`` the query and
-  key/value widths, ``f`` the MLP width (MoE: ``top_k x`` the expert width plus the shared experts). Under sequence
-  parallelism every term but the attention's is divided by ``tp``; the attention's is divided by ``tp`` always
+  key/value widths, ``f`` the MLP width (MoE: ``top_k x`` the expert width plus the shared experts): the norms' FP32
+  inputs, the GEMMs' inputs in the compute dtype, the QKV output and its dense heads, the attention output, and
+  the MLP's ``2 f`` wide first GEMM output with its SiLU and product (checked against the traced step,
+  :mod:`difflm.plan.trace`). Under sequence parallelism every term but the attention's is divided by ``tp``; the attention's is divided by ``tp`` always
   (heads), and everything by ``cp``. ``activation_checkpointing=full`` keeps the block input (``r h``) per block plus
   one block's activations; ``selective`` (every 2nd block) keeps half the blocks whole.
 * in-flight micro-batches: 1 without pipelining; the first stage of 1F1B holds ``pp`` (GPipe: all of them);
-* the logits of the loss rows (the LM head runs at masked positions only: ``E[p] = (1 + eps) / 2`` of the tokens for
-  a linear schedule; all of them for ``ar``): the logits and their gradient in the compute dtype, plus an FP32 copy,
-  FP32 log-probabilities and their FP32 gradient when TE's fused cross-entropy is off;
-* BF16 weight copies: autocast caches each weight's cast for the step (torch docs, "Automatic Mixed Precision"), so
-  without FSDP a stage's weights are held twice over; FSDP2 gathers BF16 blocks instead: the unsharded block in use,
-  the prefetched ones, and one block's gradient before its reduce-scatter.
+* the logits of the loss rows (the LM head runs at masked positions only), planned for the micro-batch with the
+  most of them (:func:`peak_loss_fraction`; all positions for ``ar``): with TE's fused cross-entropy the logits,
+  whose gradient overwrites them; unfused, the logits in the compute dtype, the FP32 log-probabilities, their FP32
+  gradient and the FP32 logits' gradient, which coexist at the start of the backward;
+* BF16 weight casts: autocast caches each weight's cast while it is on (torch docs, "Automatic Mixed Precision");
+  a GEMM saves its cast weight for the backward, so without checkpointing a stage's weights are held twice over
+  until their block's backward; a checkpointed block saves none, and its casts go when the forward's autocast
+  exits. FSDP2 gathers BF16 blocks instead: the unsharded block in use, the prefetched ones, and one block's
+  gradient before its reduce-scatter.
+
+These parts do not peak together (:func:`plan_memory` takes the largest phase): at the loss, the saved activations,
+logits and saved casts; in a checkpointed forward, every cast and one block's activations; at the end of the
+backward, all gradients with the first block's activations. Gradients set to None after each step exist before the
+backward only under gradient accumulation or pipelining.
 """
 from __future__ import annotations
 
@@ -71,9 +81,11 @@ class Layout:
 
 @dataclass
 class MemoryPlan:
-    """Predicted bytes on the most loaded GPU, by part (``parts``), and their sum (``total``)."""
+    """Predicted bytes on the most loaded GPU, by part (``parts``) at the peak, their sum (``total``), and the
+    ``phase`` of the step the peak falls in (``loss``, ``checkpointed forward`` or ``backward end``)."""
 
     parts: dict[str, float] = field(default_factory=dict)
+    phase: str = ""
 
     @property
     def total(self) -> float:
@@ -122,7 +134,7 @@ def activation_bytes_per_token(model_cfg, layout: Layout, act_bytes: int) -> flo
     f = mlp_width(model_cfg)
     r, a = 4, act_bytes
     attention = a * (2 * (q + 2 * kv) + q) / layout.tp
-    rest = (2 * r * h + 2 * a * h + 3 * a * f) / (layout.tp if layout.sequence_parallel and layout.tp > 1 else 1)
+    rest = (2 * r * h + 2 * a * h + 4 * a * f) / (layout.tp if layout.sequence_parallel and layout.tp > 1 else 1)
     return (attention + rest) / layout.cp
 
 
@@ -144,19 +156,51 @@ def loss_row_fraction(objective_cfg) -> float:
     return (1.0 + eps) / 2.0
 
 
+PEAK_Z = 3.0  # iid times: plan for the mean + 3 standard deviations of a micro-batch's masked share
+
+
+def peak_loss_fraction(objective_cfg, micro_batch: int, global_batch: int, seq_len: int) -> float:
+    """The fraction of a micro-batch's positions at which the LM head runs, in the micro-batch that has the most.
+
+    The memory peak is that of the micro-batch with the most loss rows, not of the average one. A position is masked
+    with probability ``p = eps + (1 - eps) t`` (linear schedule); a micro-batch's share is the mean of ``p`` over
+    its ``u`` time draws (``u`` = ``micro_batch`` samples; bd3lm draws one ``t`` per block: ``micro_batch x
+    seq_len / block_size``). ``objective.t_sampling=iid``: the mean of ``u`` uniforms, planned at ``1/2 + 3
+    sqrt(1 / (12 u))`` (at most 1). ``antithetic`` / ``stratified`` spread the times evenly over the global batch,
+    so one micro-batch of consecutive samples covers an interval of width ``w = micro_batch / global_batch`` of
+    ``[0, 1)``, the last of them ``[1 - w, 1)``: mean ``1 - w / 2``. ``ar``: 1.
+    """
+    if objective_cfg.name == "ar":
+        return 1.0
+    eps = float(objective_cfg.get("eps", 1e-3) or 0.0)
+    draws = micro_batch
+    if objective_cfg.name == "bd3lm":
+        draws *= max(seq_len // int(objective_cfg.get("block_size", 1) or 1), 1)
+    if str(objective_cfg.get("t_sampling", "iid")) in ("antithetic", "stratified"):
+        mean_t = 1.0 - min(micro_batch / max(global_batch, 1), 1.0) / 2
+    else:
+        mean_t = min(0.5 + PEAK_Z * (1.0 / (12.0 * draws)) ** 0.5, 1.0)
+    return eps + (1.0 - eps) * mean_t
+
+
 def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activation_scale: float = 1.0) -> MemoryPlan:
     """Predicted bytes on the most loaded GPU of ``layout`` for the run ``cfg`` (the composed train config).
+
+    The transient parts do not all peak together (module docstring): the plan is the largest of the loss phase (the
+    blocks' saved activations, the logits, the weight casts the GEMMs saved), the checkpointed forward (every cast
+    in autocast's cache, one block's activations), and the end of the backward (all gradients, one block's
+    activations and casts); gradients are held before the backward only when earlier micro-batches left them
+    (gradient accumulation, pipelining).
 
     Args:
         params: :func:`difflm.plan.shapes.model_params` of ``cfg.model``.
         n_micro: micro-batches per optimizer step and data-parallel rank (gradient accumulation steps).
         activation_scale: the calibration's factor on the activation model (1.0 uncalibrated).
-    Returns: the :class:`MemoryPlan` of the stage with the largest total.
+    Returns: the :class:`MemoryPlan` of the stage with the largest total, its ``phase`` naming the peak.
     """
     m = cfg.model
-    seq = int(cfg.data.seq_len)
-    if cfg.objective.name == "bd3lm":
-        seq *= 2  # [x_t ; x_0]
+    data_seq = int(cfg.data.seq_len)
+    seq = data_seq * (2 if cfg.objective.name == "bd3lm" else 1)  # bd3lm runs [x_t ; x_0]
     precision = cfg.precision.name
     act_bytes = 4 if precision == "fp32" else 2
     num_layers = int(m.num_layers)
@@ -165,43 +209,49 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
     layers_per_stage = [len(x) for x in _split(num_layers, layout.pp)]
     tokens = layout.micro_batch * seq
     per_token = activation_bytes_per_token(m, layout, act_bytes) * activation_scale
-    block_input = 4.0 * int(m.hidden_size) / layout.cp / (layout.tp if layout.sequence_parallel and layout.tp > 1 else 1)
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    block_input = 4.0 * int(m.hidden_size) / layout.cp / sp
+    fraction = peak_loss_fraction(cfg.objective, layout.micro_batch * layout.dp,
+                                  int(cfg.train.global_batch_size), data_seq)
     best = None
     for s, state in enumerate(persistent):
-        n = layers_per_stage[s]
+        n = max(layers_per_stage[s], 1)
         ac = layout.activation_checkpointing
-        if ac == "full":
-            act = tokens * (n * block_input + per_token)
-        elif ac == "selective":
-            kept = n - n // 2
-            act = tokens * (kept * per_token + (n // 2) * block_input + per_token)
-        else:
-            act = tokens * n * per_token
+        whole = {"full": 0, "selective": n - n // 2}.get(ac, n)  # blocks that keep their activations
         flights = in_flight(layout, n_micro) if s == 0 else max(1, in_flight(layout, n_micro) - s)
-        parts = dict(state)
-        parts["activations"] = act * flights
+        saved = tokens * (whole * per_token + (n - whole) * block_input) * flights
+        one_block = tokens * per_token
+        logits = 0.0
         if s == layout.pp - 1:
-            rows = tokens / layout.cp * loss_row_fraction(cfg.objective) if cfg.objective.name != "bd3lm" else \
-                layout.micro_batch * int(cfg.data.seq_len) / layout.cp * loss_row_fraction(cfg.objective)
+            rows = layout.micro_batch * data_seq / layout.cp * fraction
             fused = bool(m.get("fused_cross_entropy", True)) and m.get("backend") == "te"
-            # logits and their gradient in the compute dtype; unfused: an FP32 copy, log-probs and gradient too
-            per_row = 2 * act_bytes + (0 if fused else 12)
-            parts["logits"] = rows * vocab / layout.tp * per_row
-        else:
-            parts["logits"] = 0.0
+            # fused: the gradient overwrites the logits; unfused: the logits, the FP32 log-probabilities, their
+            # gradient and the FP32 logits' gradient at the log-softmax backward
+            logits = rows * vocab / layout.tp * (act_bytes if fused else act_bytes + 12)
         stage_elems = state["parameters"] / 4.0
-        if precision != "fp32":
-            if layout.fsdp > 1:
-                block = stage_elems / max(n, 1) * layout.fsdp  # one unsharded block
+        casts_all = casts_saved = casts_block = 0.0
+        if layout.fsdp > 1:  # FSDP2's gathered blocks: the one in use, the prefetched ones, one block's gradient
+            block = stage_elems / n * layout.fsdp
+            if precision != "fp32":
                 prefetch = 1 + int(cfg.parallel.get("fsdp_prefetch", 0) or 1)
-                parts["buffers"] = block * 2 * (1 + prefetch) + block * 4
+                casts_all = casts_saved = casts_block = block * 2 * (1 + prefetch) + block * 4
             else:
-                parts["buffers"] = 2.0 * stage_elems  # autocast's BF16 weight casts
-        else:
-            parts["buffers"] = (stage_elems / max(n, 1) * layout.fsdp * 8) if layout.fsdp > 1 else 0.0
-        plan = MemoryPlan(parts)
-        if best is None or plan.total > best.total:
-            best = plan
+                casts_all = casts_saved = casts_block = block * 8
+        elif precision != "fp32":  # autocast's BF16 casts; a checkpointed block's are dropped when autocast exits
+            casts_all = 2.0 * stage_elems
+            casts_saved = casts_all * whole / n
+            casts_block = casts_all / n
+        grads = state["gradients"]
+        held = grads if (n_micro > 1 or layout.pp > 1) else 0.0
+        phases = {"loss": (held, saved, logits, casts_saved), "backward end": (grads, one_block, 0.0, casts_block)}
+        if whole < n:
+            phases["checkpointed forward"] = (held, saved + one_block, 0.0, casts_all)
+        for phase, (g, act, lg, buf) in phases.items():
+            parts = {"parameters": state["parameters"], "gradients": g, "optimizer": state["optimizer"],
+                     "activations": act, "logits": lg, "buffers": buf}
+            plan = MemoryPlan(parts, phase)
+            if best is None or plan.total > best.total:
+                best = plan
     return best
 
 

@@ -6,9 +6,9 @@ process, NCCL all-reduce and all-gather bus bandwidth (the NCCL-tests definition
 for all-reduce, ``(n - 1) / n`` for all-gather). Defaults ship for the H100 and H200 (SXM): the rates measured
 under load in a training step on an H200 (docs/performance.md: GEMMs at ~720 TFLOP/s, FA4 attention at ~475),
 NVLink 4 at NCCL's typical ~360 GB/s bus bandwidth inside a node and 400 Gb/s InfiniBand (~45 GB/s) between nodes.
-``activation_scale`` and ``membound_passes_torch`` are fitted to ``scripts/plan_check.py``'s rows at 350m-8B on an
-H200 (docs/planner.md): the activation model's terms miss ~17 % of the measured peaks, and the torch kernel set's
-unfused elementwise kernels move ~3x the bytes of the fused ones.
+``membound_passes_torch`` is fitted to ``scripts/plan_check.py``'s rows at 350m-8B on an H200 (docs/planner.md): the
+torch kernel set's unfused elementwise kernels move ~3x the bytes of the fused ones. ``activation_scale`` is 1: the
+activation model's terms equal the bytes the traced step saves (:mod:`difflm.plan.trace`, ``tests/test_plan.py``).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Rates:
     inter_node_gbps: float = 45.0  # NCCL bus bandwidth across nodes (per GPU: one 400 Gb/s NIC)
     gpus_per_node: int = 8
     comm_overlap: float = 0.9  # fraction of FSDP / DDP / CP traffic hidden behind compute when compute is longer
-    activation_scale: float = 1.17  # factor on difflm.plan.memory's activation model, fitted to measured peaks
+    activation_scale: float = 1.0  # factor on difflm.plan.memory's activation model (1: its terms as traced)
     membound_passes_te: float = 3.0  # memory-bound bytes moved per saved activation byte: TE / fused kernels
     membound_passes_torch: float = 10.0  # the same for the torch kernel set (unfused norms, RoPE, SwiGLU, CE)
     reserve_gib: float = 4.0  # CUDA context, allocator slack and NCCL buffers kept free of the plan

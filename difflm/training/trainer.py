@@ -64,6 +64,11 @@ class Trainer:
         check_validation_split(cfg.data, t)  # before a possibly long tokenization
         use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
+        from difflm.training.auto_batch import choose_micro_batch, is_auto
+
+        auto_batch = is_auto(cfg)  # callers that build a Trainer directly skip check_run, which chooses it first
+        if (line := choose_micro_batch(cfg, device, pdist.world_size_from_env())) and pdist.is_rank0():
+            print(f"difflm: {line}", flush=True)
         self.dims = check_parallel(cfg, pdist.world_size_from_env(), device)
         self.accum_steps = check_batch(cfg, self.dims.world_size)
         self.lora = lora_enabled(cfg.get("lora"))
@@ -130,6 +135,8 @@ class Trainer:
         if (warning := short_run_warning(cfg.schedule, t.max_steps, cfg.optim.lr)) is not None:
             self._report(warning)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision.name == "fp16")
+        if (auto_batch or cfg.train.get("auto_batch_reason")) and device.type == "cuda" and self.pipeline is None:
+            self._probe_micro_batch()  # train.micro_batch_size=auto: the planned size confirmed by a step
         # MFU's FLOPs per data token, as the benchmark counts them (bd3lm runs [x_t ; x_0]: difflm.training.flops;
         # mixture of experts: the active parameters, docs/moe.md)
         self.flops_per_token = objective_flops_per_token(cfg.objective, cfg.model,
@@ -175,6 +182,46 @@ class Trainer:
         if cfg.parallel.compile or cfg.model.get("compile", False):
             apply_compile(model)
         return model
+
+    def _probe_micro_batch(self) -> None:
+        """``train.micro_batch_size=auto`` on CUDA: forward and backward of a batch of random tokens at the planned size
+        (twice under gradient accumulation: the second with the first's gradients held), with as many loss rows as
+        the memory plan's heaviest micro-batch and AdamW's moments held, halving on out-of-memory
+        (:func:`difflm.training.auto_batch.probe_micro_batch`); the ranks keep the smallest size any of them could
+        run, and the config (``config.yaml``) records it."""
+        from difflm.plan.memory import peak_loss_fraction
+        from difflm.plan.trace import noised_batch
+        from difflm.training.auto_batch import probe_micro_batch
+
+        t = self.cfg.train
+        per_rank = t.global_batch_size // self.dims.dp
+        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+
+        def step(size: int) -> None:  # at the planned share of loss rows of the micro-batch that has the most
+            share = peak_loss_fraction(self.cfg.objective, size, t.global_batch_size, self.cfg.data.seq_len)
+            batch = noised_batch(self.cfg, self.objective, size, share).to(self.device)
+            moments = torch.empty(2 * local, dtype=torch.float32, device=self.device)  # AdamW's, from its 1st step
+            try:
+                for _ in range(2 if per_rank // size > 1 else 1):
+                    self._local_loss(batch, self.cfg.objective.loss_norm, 1.0, backward=True)
+                torch.cuda.synchronize(self.device)
+            finally:
+                del moments
+                self.optimizer.zero_grad(set_to_none=True)
+
+        size, failed = probe_micro_batch(step, int(t.micro_batch_size), per_rank)
+        if self.dims.distributed:
+            agreed = torch.tensor(size, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            size = int(agreed)
+        if size != t.micro_batch_size:
+            t.micro_batch_size = size
+            self.accum_steps = check_batch(self.cfg, self.dims.world_size)
+            set_moe_loss_scale(self.model_parts, size / t.global_batch_size)
+            t.auto_batch_reason = f"{t.auto_batch_reason}; the probe ran out of memory at {failed}: {size}"
+            self._report(f"difflm: train.micro_batch_size=auto: out of memory at {failed}, the run takes {size} "
+                         f"({self.accum_steps} accumulation steps)")
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
