@@ -304,7 +304,8 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
 
 
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
-              "partial_rotary_factor", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits", "vocab_multiple")
+              "partial_rotary_factor", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits",
+              "vocab_multiple")
 
 
 MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "shared_ffn_hidden_size", "score_func",

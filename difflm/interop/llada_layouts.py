@@ -163,7 +163,8 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[tor
 
 def _glu(get, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(fc1 = [gate; up], fc2 = down) of the SwiGLU MLP whose ``gate_proj`` etc. live under ``prefix``."""
-    return torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")]), get(prefix + "down_proj.weight")
+    fc1 = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
+    return fc1, get(prefix + "down_proj.weight")
 
 
 def to_difflm(w: dict[str, torch.Tensor], dims: dict, layout: str) -> dict[str, torch.Tensor]:
@@ -337,5 +338,5 @@ def export_config(cfg, tok, layout: str, dtype: str, state: dict[str, torch.Tens
             "attention_dropout": 0.0}
 
 
-__all__ = ["AUTO_MAPS", "LAYOUTS", "NAMES", "export_config", "from_difflm", "fuse_qkv", "layout_of", "llada_dims", "split_qkv",
-           "to_difflm"]
+__all__ = ["AUTO_MAPS", "LAYOUTS", "NAMES", "export_config", "from_difflm", "fuse_qkv", "layout_of", "llada_dims",
+           "split_qkv", "to_difflm"]

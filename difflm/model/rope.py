@@ -1,8 +1,7 @@
 """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34), "rotate-half" layout as in GPT-NeoX/Llama/TE.
 
-One set of angles per forward (:func:`rope_angles`, from the positions of the tokens); each kernel set turns them into
-what its kernel takes: cos/sin tables for :func:`apply_rope` (:func:`rope_tables`), or Transformer Engine's fused
-kernel's ``freqs`` (:mod:`difflm.model.te_kernels`). Both rotate identically.
+One set of angles per forward (:func:`rope_angles`, from the positions of the tokens); both kernel sets turn them into
+cos/sin tables (:func:`rope_tables`) that :func:`apply_rope` or the fused QKV kernels (:mod:`difflm.model.qkv`) read.
 
 Partial rotary (``model.partial_rotary_factor`` f < 1, the name of transformers' configs; Ling/Bailing-MoE-V2 and
 LLaDA 2.0 release f = 0.5): only the first ``R = rotary_dim(D, f)`` dims of each head rotate, rotate-half within that
@@ -31,7 +30,8 @@ def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
     return r
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, base: float, partial_rotary_factor: float = 1.0) -> torch.Tensor:
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float,
+                partial_rotary_factor: float = 1.0) -> torch.Tensor:
     """Rotation angles of ``positions`` ([S] or [B, S] int): [S, R] or [B, S, R] float32 (R = :func:`rotary_dim`,
     D without partial rotary), the R/2 frequencies repeated for the two halves (rotate-half layout)."""
     r = rotary_dim(head_dim, partial_rotary_factor)
