@@ -62,6 +62,35 @@ def test_partial_rotary_factor_must_give_even_dims():
         check_model(cfg.model)
 
 
+def _partial_model(fraction: float):
+    from omegaconf import OmegaConf
+
+    from difflm.model.transformer import Transformer
+
+    cfg = OmegaConf.create(dict(
+        name="t", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, head_dim=8,
+        vocab_size=48, vocab_multiple=1, rope_base=10000.0, partial_rotary_factor=fraction, norm_eps=1e-5,
+        qk_norm=True, tie_embeddings=False, init_std=0.3, backend="torch", attention_backend="sdpa", compile=False))
+    model = Transformer(cfg, causal=False)
+    model.init_weights(0)
+    return model.eval()
+
+
+def test_partial_rope_kv_cached_forward_is_exact_and_the_factor_is_live():
+    from difflm.model.kv_cache import KVCache
+
+    model = _partial_model(0.5)
+    x = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache()
+        model(x, kv_cache=cache.write())
+        part = model(x[:, 4:8], position_ids=torch.arange(4, 8), kv_cache=cache.read(4, 8))
+        whole_head = _partial_model(1.0)(x)
+    assert torch.allclose(part, full[:, 4:8], atol=1e-5)
+    assert (whole_head - full).abs().max() > 1e-2  # same weights, RoPE on every dim: other logits
+
+
 # ------------------------------------------------------------------ tiny checkpoints in the releases' layouts
 def llada2_config(**extra) -> dict:
     """A 2-block LLaDA 2.0 config.json (block 0 dense, block 1 MoE), the release's keys."""
@@ -309,3 +338,21 @@ def test_layout_errors_name_the_key(tmp_path):
         export_checkpoint(tmp_path / "c" / "run", tmp_path / "c" / "out", format="llada2")
     with pytest.raises(DifflmError, match="format='nope' is not one of"):
         export_checkpoint(tmp_path / "c" / "run", tmp_path / "c" / "out", format="nope")
+
+
+def test_merged_experts_variant_maps_to_the_same_tensors(tmp_path):
+    """dFactory's ``llada2_moe_veomni`` checkpoints stack each projection of the experts ([E, f, d], [E, d, f])."""
+    from safetensors.torch import load_file
+
+    from difflm.interop.llada_layouts import llada_dims, to_difflm
+
+    c = llada2_config()
+    w = load_file(str(write_checkpoint(tmp_path, c, llada2_keys()) / "model.safetensors"))
+    merged = {k: v for k, v in w.items() if ".mlp.experts." not in k}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        merged[f"model.layers.1.mlp.experts.{proj}"] = torch.stack(
+            [w[f"model.layers.1.mlp.experts.{j}.{proj}.weight"] for j in range(E)])
+    dims = llada_dims(dict(c, model_type="llada2_moe_veomni"), "merged", "llada2")
+    a, b = to_difflm(w, dims, "llada2"), to_difflm(merged, dims, "llada2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["layers.1.mlp.experts.fc1_weight"].shape == (E, 2 * F_E, D)

@@ -273,7 +273,7 @@ def _check_exportable(cfg, layout: str, router_bias: Optional[torch.Tensor]) -> 
 
     if moe is None:
         no("the run's model is dense (model.moe.num_experts=0), the layout is a mixture of experts")
-    if cfg.objective.name not in ("mdlm",) or m.get("shift_logits", False):
+    if cfg.objective.name not in ("mdlm", "sft") or m.get("shift_logits", False):
         no(f"objective={cfg.objective.name}, shift_logits={m.get('shift_logits', False)}: the layout is a masked "
            "diffusion model with bidirectional attention and unshifted logits")
     if layout == "llada2":
