@@ -58,7 +58,6 @@ NAMES = {
                "k_norm": "attention.key_layernorm.weight", "o": "attention.dense.weight",
                "bias": "mlp.gate.expert_bias", "shared": "mlp.shared_experts."},
 }
-PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def layout_of(hf_cfg: dict) -> Optional[str]:
