@@ -71,6 +71,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # from the tokenizer, padded
     vocab_multiple: int = 128
     rope_base: float = 10000.0
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * f dims of each head (LLaDA 2.0: 0.5)
     norm_eps: float = 1e-5
     qk_norm: bool = True
     tie_embeddings: bool = False
@@ -383,6 +384,7 @@ class ExportRunConfig:
     max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json
     overwrite: bool = False  # replace a non-empty out directory
     lora_format: str = "merge"  # LoRA runs: merge (adapters into the weights) | peft (base + out/adapter, docs/lora.md)
+    format: str = "difflm"  # difflm (own names + modeling file) | llada_moe | llada2 (the releases' layouts, MoE runs)
 
 
 @dataclass

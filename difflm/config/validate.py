@@ -79,6 +79,12 @@ def check_model(m) -> None:
                  "change one of them or set model.head_dim")
     head_dim = m.head_dim or m.hidden_size // m.num_heads
     _require(head_dim % 2 == 0, f"head dim {head_dim} must be even for RoPE: set model.head_dim to an even value")
+    from difflm.model.rope import rotary_dim
+
+    try:  # partial rotary: head_dim * f rotated dims, positive and even
+        rotary_dim(head_dim, float(m.get("partial_rotary_factor", 1.0)))
+    except ValueError as e:
+        raise DifflmError(str(e)) from None
     if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
                           "pip install 'transformer-engine[pytorch]' on a CUDA machine, or use model.backend=torch")

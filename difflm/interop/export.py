@@ -1,6 +1,7 @@
 """``difflm-export``: a run's checkpoint -> a Hugging Face directory loadable with ``trust_remote_code=True``.
 
     difflm-export run.dir=DIR out=HF_DIR [step=N] [dtype=bf16] [max_shard_size=5GB] [overwrite=true]
+                  [format=difflm|llada_moe|llada2]
 
 Writes into ``out``:
     model.safetensors                      difflm's state dict, unchanged names (or shards
@@ -16,6 +17,9 @@ Writes into ``out``:
 
 so that ``AutoModel.from_pretrained(out, trust_remote_code=True)`` (or ``AutoModelForMaskedLM``) returns
 a model whose logits equal difflm's and whose ``generate`` is difflm's sampler (docs/hf_interop.md).
+``format=llada_moe`` / ``llada2`` write an MoE run in the LLaDA-MoE / LLaDA 2.0 releases' layout instead (their
+tensor names and ``config.json`` keys, :mod:`difflm.interop.llada_layouts`; their modeling files, not shipped here,
+load it with ``trust_remote_code``, and ``difflm-import`` reads it back).
 The checkpoint is read with :func:`difflm.checkpoint.store.load_checkpoint` (DCP, any sharding) into a
 pure-PyTorch model: TE-backend runs share its parameter names; their ``_extra_state`` entries are dropped.
 """
@@ -35,6 +39,7 @@ from difflm.cli import hydra_app, writable_output
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm import strict_json
 from difflm.errors import DifflmError
+from difflm.interop.llada_layouts import LAYOUTS, export_config, from_difflm
 from difflm.model import build_model
 
 TEMPLATES = Path(__file__).resolve().parent / "hf_modeling"
@@ -229,6 +234,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, intermediate_size=m.ffn_hidden_size,
         head_dim=m.head_dim, rope_theta=float(m.rope_base), rms_norm_eps=float(m.norm_eps), qk_norm=m.qk_norm,
+        partial_rotary_factor=float(m.get("partial_rotary_factor", 1.0)),
         qkv_bias=bool(m.get("qkv_bias", False)), tie_word_embeddings=m.tie_embeddings,
         causal=cfg.objective.name == "ar", shift_logits=bool(m.get("shift_logits", False)),
         mask_token_id=tok.mask_id, tokenizer_vocab_size=len(tok.tokenizer), initializer_range=m.init_std,
@@ -289,18 +295,25 @@ def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None,
 
 def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
                       max_shard_size: str | int = "5GB", overwrite: bool = False,
-                      lora_format: str = "merge") -> tuple[Path, int]:
+                      lora_format: str = "merge", format: str = "difflm") -> tuple[Path, int]:
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
 
     The directory is written under ``<out>.tmp`` and renamed at the end, so ``out`` is complete or absent.
     ``config.json`` records the checkpoint's step as ``train_step``. A LoRA run's adapters are merged into the
     weights (``lora_format=merge``), or (``peft``) ``out`` holds the base weights and ``out/adapter`` the PEFT adapter
     (:func:`save_peft_adapter`).
-    Returns (``out``, the step exported). Raises DifflmError for a bad ``dtype``/``max_shard_size``, a non-empty
-    ``out`` without ``overwrite``, a run without config/checkpoint, or an ``objective=bd3lm`` run.
+    ``format=llada_moe`` / ``llada2``: the release's tensor names and config.json (no modeling file; module docstring).
+    Returns (``out``, the step exported). Raises DifflmError for a bad ``dtype``/``max_shard_size``/``format``, a
+    non-empty ``out`` without ``overwrite``, a run without config/checkpoint, an ``objective=bd3lm`` run, or a model
+    the chosen layout cannot express.
     """
     if dtype not in DTYPES:
         raise DifflmError(f"dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
+    if format not in ("difflm", *LAYOUTS):
+        raise DifflmError(f"format={format!r} is not one of: difflm, {', '.join(LAYOUTS)}")
+    if format != "difflm" and lora_format == "peft":
+        raise DifflmError(f"format={format} with lora_format=peft: the adapters have no layout there; use "
+                          "lora_format=merge")
     max_bytes = parse_size(max_shard_size)
     if lora_format not in ("merge", "peft"):
         raise DifflmError(f"lora_format={lora_format!r} is not one of: merge, peft")
@@ -323,11 +336,17 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     if lora:  # a plain model with the exported weights: the modeling file has no adapters
         weights = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=None)
         weights.load_state_dict(lora_export_state(model, lora_format))
-    save_sharded(export_state_dict(weights, DTYPES[dtype]), tmp, max_bytes)
-    config = hf_config(cfg, tok, dtype, step)
-    config.save_pretrained(str(tmp))
-    for name in MODELING_FILES:
-        shutil.copyfile(TEMPLATES / name, tmp / name)
+    state = export_state_dict(weights, DTYPES[dtype])
+    if format == "difflm":
+        save_sharded(state, tmp, max_bytes)
+        config = hf_config(cfg, tok, dtype, step)
+        config.save_pretrained(str(tmp))
+        for name in MODELING_FILES:
+            shutil.copyfile(TEMPLATES / name, tmp / name)
+    else:  # the release's names and config.json keys (checked first: a model it cannot express fails here)
+        config = export_config(cfg, tok, format, dtype, state)
+        save_sharded(from_difflm(state, cfg.model, format), tmp, max_bytes)
+        (tmp / "config.json").write_text(strict_json.dumps(config, indent=2) + "\n")
     save_tokenizer_with_mask(tok, tmp)
     gen = {"bos_token_id": tok.tokenizer.bos_token_id, "eos_token_id": tok.eos_id, "mask_token_id": tok.mask_id,
            "max_new_tokens": cfg.gen.length, "gen_length": cfg.gen.length, "steps": cfg.gen.steps,
@@ -348,8 +367,13 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
 
 @hydra_app("export")
 def main(args) -> None:
+    fmt = args.get("format", "difflm")
     out, step = export_checkpoint(args.run.dir, args.out, args.step, args.dtype, args.max_shard_size, args.overwrite,
-                                  args.lora_format)
+                                  args.lora_format, fmt)
+    if fmt != "difflm":
+        print(f"exported {args.run.dir} checkpoint step {step} -> {out} in the {fmt} layout; copy the release's "
+              "configuration/modeling files there to load it with trust_remote_code=True, or difflm-import it")
+        return
     print(f"exported {args.run.dir} checkpoint step {step} -> {out}; load with "
           f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
 

@@ -3,8 +3,9 @@
     difflm-import hf=HF_DIR_OR_NAME run.dir=DIR [objective=mdlm|ar] [shift_logits=true] [revision=REV]
 
 Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
-(QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE) and difflm exports (``model_type`` difflm,
-:mod:`difflm.interop.export`). A local directory is read
+(QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE), LLaDA-MoE and LLaDA 2.0 (``LLaDAMoEModelLM``,
+``LLaDA2MoeModelLM``: :mod:`difflm.interop.llada_layouts` has their mapping) and difflm exports (``model_type``
+difflm, :mod:`difflm.interop.export`). A local directory is read
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
@@ -59,6 +60,7 @@ from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
+from difflm.interop.llada_layouts import layout_of, llada_dims, to_difflm
 from difflm.model import build_model
 from difflm.training.run_dir import held_run_dir, remove_path, run_records, set_aside_run_records
 
@@ -142,8 +144,11 @@ def _rope_base(hf_cfg: dict, hf: str) -> float:
 def model_dims(hf_cfg: dict, hf: str) -> dict:
     """difflm ``model.*`` values of an HF config (vocab set later). Raises DifflmError for unsupported features."""
     kind = hf_cfg.get("model_type")
+    if (layout := layout_of(hf_cfg)) is not None:
+        return llada_dims(hf_cfg, hf, layout)
     if kind not in SUPPORTED:
-        raise DifflmError(f"hf={hf!r} has model_type={kind!r}: difflm-import supports {', '.join(SUPPORTED)}")
+        raise DifflmError(f"hf={hf!r} has model_type={kind!r}: difflm-import supports {', '.join(SUPPORTED)}, "
+                          "and the LLaDA-MoE / LLaDA 2.0 layouts")
     if kind == "difflm" and hf_cfg.get("moe_num_experts", 0):
         raise DifflmError(f"hf={hf!r} is a mixture-of-experts difflm export (moe_num_experts="
                           f"{hf_cfg['moe_num_experts']}): difflm-import does not map MoE models yet; resume from the "
@@ -153,6 +158,7 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
                 "num_heads": hf_cfg["num_attention_heads"], "num_kv_heads": hf_cfg["num_key_value_heads"],
                 "ffn_hidden_size": hf_cfg["intermediate_size"], "head_dim": hf_cfg["head_dim"],
                 "rope_base": float(hf_cfg["rope_theta"]), "norm_eps": float(hf_cfg["rms_norm_eps"]),
+                "partial_rotary_factor": float(hf_cfg.get("partial_rotary_factor", 1.0)),
                 "qk_norm": bool(hf_cfg["qk_norm"]), "qkv_bias": bool(hf_cfg.get("qkv_bias", False)),
                 "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)),
                 "shift_logits": bool(hf_cfg.get("shift_logits", False)),
@@ -298,11 +304,13 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
 
 
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
-              "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits", "vocab_multiple")
+              "partial_rotary_factor", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits",
+              "vocab_multiple")
 
 
-MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "score_func", "norm_topk_prob",
-            "aux_loss_coeff", "z_loss_coeff")
+MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "shared_ffn_hidden_size", "score_func",
+            "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense", "aux_loss_coeff",
+            "z_loss_coeff", "bias_update_rate")
 
 
 def _override_value(value) -> str:
@@ -404,6 +412,8 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
 
         if hf_cfg.get("model_type") == "difflm":
             state = {k: v.float() for k, v in weights.items() if not k.endswith("_extra_state")}
+        elif (layout := layout_of(hf_cfg)) is not None:
+            state = to_difflm(weights, dims, layout)
         else:
             state = convert_llama_state(weights, dims)
         reinit = [tok.mask_id] if added_mask and tok.mask_id < state["embedding.weight"].shape[0] else []

@@ -144,6 +144,7 @@ def fused_qkv_flash_applies(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     q_weight, k_weight, _ = qk_norm_scales(q_norm, k_norm)
     return (backend == "flash" and layout == "bshd" and attn_mask is None and kv_cache is None
             and head_dim % 8 == 0 and qkv.dtype in (torch.bfloat16, torch.float16)
+            and rope[0].shape[-1] == head_dim  # partial rotary: the two-call path (the kernels rotate whole heads)
             and plain_tensors(q_weight, k_weight) and triton_runs(qkv, *rope, fused)
             and fa4_interface() is not None)
 

@@ -112,7 +112,8 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
             weights are read directly, unless they are DTensors (torch tensor parallelism): then the modules run,
             with the layout hooks they carry.
         fused: run the Triton kernels on CUDA (training, evaluation and sampling alike); the eager composition
-            otherwise (the CPU, DTensor inputs, inside ``torch.compile``), which computes the same.
+            otherwise (the CPU, DTensor inputs, inside ``torch.compile``, partial rotary tables narrower than D:
+            the kernels rotate whole heads), which computes the same.
     Raises: DifflmError naming ``model.fused_qkv`` when Triton is not installed.
     Returns: q [B, S, H, D], k and v [B, S, H_kv, D], each contiguous (what the attention kernels read without a
         copy), in ``qkv``'s dtype. The norm and the rotation are computed in float32 (the norm's output rounded to the
@@ -125,7 +126,7 @@ def qkv_heads(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], num_he
         q, k = apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)
         return q.contiguous(), k.contiguous(), v.contiguous()
     args = (qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
-    if triton_runs(qkv, cos, sin, fused):
+    if cos.shape[-1] == head_dim and triton_runs(qkv, cos, sin, fused):  # partial rotary: the eager path
         return qkv_heads_triton(qkv.contiguous(), *args[1:])
     return _qkv_heads(*args)
 

@@ -1,8 +1,13 @@
 """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34), "rotate-half" layout as in GPT-NeoX/Llama/TE.
 
-One set of angles per forward (:func:`rope_angles`, from the positions of the tokens); each kernel set turns them into
-what its kernel takes: cos/sin tables for :func:`apply_rope` (:func:`rope_tables`), or Transformer Engine's fused
-kernel's ``freqs`` (:mod:`difflm.model.te_kernels`). Both rotate identically.
+One set of angles per forward (:func:`rope_angles`, from the positions of the tokens); both kernel sets turn them into
+cos/sin tables (:func:`rope_tables`) that :func:`apply_rope` or the fused QKV kernels (:mod:`difflm.model.qkv`) read.
+
+Partial rotary (``model.partial_rotary_factor`` f < 1, the name of transformers' configs; Ling/Bailing-MoE-V2 and
+LLaDA 2.0 release f = 0.5): only the first ``R = rotary_dim(D, f)`` dims of each head rotate, rotate-half within that
+slice (pairs i and i + R/2), at frequencies ``base ** (-2i / R)``; dims R..D pass unchanged (transformers'
+``_compute_default_rope_parameters`` and Llama-style ``apply_rotary_pos_emb`` with ``rotary_dim = cos.shape[-1]``).
+The angle tables are then [.., R] wide and :func:`apply_rope` rotates as many dims as they hold.
 """
 from __future__ import annotations
 
@@ -14,26 +19,41 @@ def inverse_frequencies(head_dim: int, base: float, device) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
-    """Rotation angles of ``positions`` ([S] or [B, S] int): [S, D] or [B, S, D] float32, the D/2 frequencies repeated
-    for the two halves (rotate-half layout)."""
-    angles = positions.to(torch.float32)[..., None] * inverse_frequencies(head_dim, base, positions.device)
+def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
+    """R = ``int(head_dim * partial_rotary_factor)``, the rotated dims of a head (transformers' truncation).
+
+    Raises: ValueError naming ``model.partial_rotary_factor`` unless 0 < R <= head_dim and R is even."""
+    r = int(head_dim * float(partial_rotary_factor))
+    if not (0 < r <= head_dim and r % 2 == 0):
+        raise ValueError(f"model.partial_rotary_factor={partial_rotary_factor} gives {r} rotary dims of head dim "
+                         f"{head_dim}: pick a factor in (0, 1] that makes head_dim * factor a positive even integer")
+    return r
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float,
+                partial_rotary_factor: float = 1.0) -> torch.Tensor:
+    """Rotation angles of ``positions`` ([S] or [B, S] int): [S, R] or [B, S, R] float32 (R = :func:`rotary_dim`,
+    D without partial rotary), the R/2 frequencies repeated for the two halves (rotate-half layout)."""
+    r = rotary_dim(head_dim, partial_rotary_factor)
+    angles = positions.to(torch.float32)[..., None] * inverse_frequencies(r, base, positions.device)
     return torch.cat([angles, angles], dim=-1)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos and sin tables of positions ``0..seq_len-1``, each [seq_len, head_dim] float32."""
-    angles = rope_angles(torch.arange(seq_len, device=device), head_dim, base)
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device,
+                 partial_rotary_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin tables of positions ``0..seq_len-1``, each [seq_len, R] float32 (R = :func:`rotary_dim`)."""
+    angles = rope_angles(torch.arange(seq_len, device=device), head_dim, base, partial_rotary_factor)
     return angles.cos(), angles.sin()
 
 
-def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos and sin at explicit positions: ``position_ids`` [S] or [B, S] int -> [S, D] or [B, 1, S, D] float32.
+def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, base: float,
+                    partial_rotary_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin at explicit positions: ``position_ids`` [S] or [B, S] int -> [S, R] or [B, 1, S, R] float32.
 
     Equal to rows of :func:`rope_cos_sin` (same float32 arithmetic); the [B, 1, S, D] form broadcasts over heads
     in :func:`apply_rope` for [B, H, S, D] inputs.
     """
-    angles = rope_angles(position_ids, head_dim, base)
+    angles = rope_angles(position_ids, head_dim, base, partial_rotary_factor)
     cos, sin = angles.cos(), angles.sin()
     if position_ids.dim() == 2:
         cos, sin = cos[:, None], sin[:, None]
@@ -55,8 +75,12 @@ def rope_tables(angles: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` by position: ``x * cos + rotate_half(x) * sin`` in float32, returned in x's dtype.
 
-    Any layout, as long as ``cos``/``sin`` broadcast against ``x`` ([..., D]; see :func:`rope_tables`).
+    Any layout, as long as ``cos``/``sin`` broadcast against ``x`` ([..., D]; see :func:`rope_tables`). Tables of
+    R < D dims (partial rotary) rotate ``x[..., :R]`` and pass ``x[..., R:]`` through unchanged.
     """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)

@@ -255,7 +255,8 @@ class Transformer(nn.Module):
             x = input_ids if self.embedding is None else self.kernels.enter(self.embedding(input_ids))
             if position_ids is None:
                 position_ids = torch.arange(seq_len, device=x.device)
-            rope = self.kernels.rope(rope_angles(position_ids.to(x.device), self.cfg.head_dim, self.cfg.rope_base))
+            rope = self.kernels.rope(rope_angles(position_ids.to(x.device), self.cfg.head_dim, self.cfg.rope_base,
+                                                  getattr(self.cfg, "partial_rotary_factor", 1.0)))
             attn_mask = prepare_mask(attn_mask, getattr(self.cfg, "attention_backend", "sdpa"))  # once, not per layer
             blocks = self.blocks()
             rows = self._last_block_rows(x, logits_mask, kv_cache, blocks, batch, seq_len)

@@ -184,7 +184,8 @@ def capture_block_graphs(model, precision, micro_batch: int, seq_len: int) -> Bl
     blocks = model.blocks()
     enabled = tuple(fp8 and fp8_fits(micro_batch * seq_len) and i not in bf16_layers for i, _ in blocks)
     cache = any(enabled) and getattr(model.kernels, "fp8_weights_recipe", None) is None  # none for FP8 weights
-    rope = tuple(model.kernels.rope(rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_base)))
+    rope = tuple(model.kernels.rope(rope_angles(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_base,
+                                                 getattr(cfg, "partial_rotary_factor", 1.0))))
     shape = (micro_batch, seq_len, cfg.hidden_size)
     sample_args = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True), rope) for _ in blocks)
     start = time.perf_counter()

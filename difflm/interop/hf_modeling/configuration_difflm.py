@@ -16,6 +16,7 @@ class DiffLMConfig(PretrainedConfig):
         hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
         head_dim: dimensions [hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size, head_dim].
         rope_theta: RoPE base [rope_base]. rms_norm_eps: every RMSNorm's eps [norm_eps].
+        partial_rotary_factor: RoPE rotates the first ``int(head_dim * f)`` dims of each head [partial_rotary_factor].
         qk_norm: RMSNorm on queries and keys per head [qk_norm]. qkv_bias: bias on the fused QKV [qkv_bias].
         tie_word_embeddings: LM head = input embedding [tie_embeddings].
         causal: causal attention (an ``ar`` run) instead of bidirectional (masked diffusion).
@@ -42,7 +43,8 @@ class DiffLMConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 50304, hidden_size: int = 128, num_hidden_layers: int = 4,
                  num_attention_heads: int = 4, num_key_value_heads: int = 4, intermediate_size: int = 512,
                  head_dim: int | None = None, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-5,
-                 qk_norm: bool = True, qkv_bias: bool = False, tie_word_embeddings: bool = False,
+                 partial_rotary_factor: float = 1.0, qk_norm: bool = True, qkv_bias: bool = False,
+                 tie_word_embeddings: bool = False,
                  causal: bool = False, shift_logits: bool = False, mask_token_id: int | None = None,
                  tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int = 64,
                  gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
@@ -62,6 +64,7 @@ class DiffLMConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.rope_theta = rope_theta
+        self.partial_rotary_factor = partial_rotary_factor
         self.rms_norm_eps = rms_norm_eps
         self.qk_norm = qk_norm
         self.qkv_bias = qkv_bias

@@ -189,7 +189,8 @@ class MoEMLP(nn.Module):
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos/sin tables [S, hd] float32; pair i rotates at ``base ** (-2 i / hd)`` (RoFormer, rotate-half)."""
+    """Cos/sin tables [S, hd] float32 for ``hd`` rotated dims; pair i rotates at ``base ** (-2 i / hd)`` (RoFormer,
+    rotate-half). Partial rotary passes the rotated width R = int(head_dim * partial_rotary_factor) as ``head_dim``."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -206,7 +207,10 @@ def rope_cos_sin_at(position_ids: torch.Tensor, head_dim: int, base: float) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, S, hd] by position; returns x's dtype."""
+    """Rotate x [B, H, S, hd] by position; returns x's dtype. Tables of R < hd dims rotate ``x[..., :R]`` only."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return (x.float() * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
@@ -365,11 +369,11 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         valid = _valid_positions(attention_mask, input_ids)
         b, s = input_ids.shape
         mask = None
+        rotary = int(self.config.head_dim * float(getattr(self.config, "partial_rotary_factor", 1.0)))
         if valid is None:
-            cos, sin = rope_cos_sin(s, self.config.head_dim, self.config.rope_theta, input_ids.device)
+            cos, sin = rope_cos_sin(s, rotary, self.config.rope_theta, input_ids.device)
         else:  # every query sees the real keys and itself (no all-False row for SDPA)
-            cos, sin = rope_cos_sin_at((valid.long().cumsum(dim=1) - 1).clamp(min=0), self.config.head_dim,
-                                       self.config.rope_theta)
+            cos, sin = rope_cos_sin_at((valid.long().cumsum(dim=1) - 1).clamp(min=0), rotary, self.config.rope_theta)
             mask = (valid[:, None, :] | torch.eye(s, dtype=torch.bool, device=valid.device))[:, None]
             if self.config.causal:
                 mask = mask & torch.ones(s, s, dtype=torch.bool, device=valid.device).tril()
