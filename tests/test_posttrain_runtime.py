@@ -17,12 +17,16 @@ def completion_length_reward(prompt, completion, answer=None):
 @pytest.fixture(scope="module")
 def init_run(tmp_path_factory):
     """A difflm run dir holding a randomly initialised one-layer tiny model (config.yaml + checkpoint step 0)."""
+    return make_init_run(tmp_path_factory.mktemp("init"))
+
+
+def make_init_run(path):
+    """:func:`init_run` in ``path`` (also the start of tests/test_posttrain_layouts.py's runs)."""
     from difflm.checkpoint.store import save_checkpoint
     from difflm.config.compose import compose_train_config
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config
 
-    path = tmp_path_factory.mktemp("init")
     cfg = compose_train_config(["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
                                 "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}"],
                                device=torch.device("cpu"))  # the kernels difflm-train would choose here
