@@ -65,16 +65,24 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    from torch.distributed.tensor import DTensor
+
     spec = json.loads(Path(out, "spec.json").read_text())
+    layouts = {}
     for name, algo, overrides in spec["runs"]:
-        run_rl(spec["init"], Path(out) / name, algo, *overrides)
-    torch.save({}, Path(out) / f"rank{rank}.pt")
+        trainer = run_rl(spec["init"], Path(out) / name, algo, *overrides)
+        # how the policy's and the reference's weights are laid out: (mesh dimensions, placements) of each DTensor
+        layouts[name] = [sorted({(p.device_mesh.mesh_dim_names, str(p.placements)) for p in m.parameters()
+                                 if isinstance(p, DTensor)}) for m in trainer._modules()]
+    torch.save(layouts, Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
-def spawn(tmp_path, init, runs) -> None:
+def spawn(tmp_path, init, runs) -> dict:
+    """Run ``runs`` ([name, algorithm, overrides]) on 2 ranks; returns rank 0's {name: [policy, reference]
+    parameter layouts}."""
     (tmp_path / "spec.json").write_text(json.dumps({"init": str(init), "runs": runs}))
-    spawn_ranks(_worker, 2, tmp_path)
+    return spawn_ranks(_worker, 2, tmp_path)[0]
 
 
 def assert_same_run(one, two, algo, tol=1e-5):
@@ -93,9 +101,11 @@ def assert_same_run(one, two, algo, tol=1e-5):
 
 def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, tmp_path):
     single = run_rl(init_run, tmp_path / "single", "grpo")
-    spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
+    layouts = spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
                                ["cut", "grpo", ["parallel=fsdp", "train.max_steps=1"]],
                                ["cut", "grpo", ["parallel=fsdp"]]])
+    fsdp = [(("dp_shard_cp",), "(Shard(dim=0),)")]
+    assert layouts["fsdp"] == [fsdp, fsdp]  # the policy and the frozen reference, sharded over both ranks
     rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "grpo")
     assert rows[1]["reward_std"] > 0 and rows[2]["kl"] > 0  # the rewards vary and the steps move the policy
     assert "eval_reward" in rows[0] and "eval_reward" in rows[2]
@@ -112,14 +122,16 @@ def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, tmp_path):
 
 def test_grpo_tp2_equals_one_process(init_run, tmp_path):
     run_rl(init_run, tmp_path / "single", "grpo")
-    spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.dp_shard=1",
-                                               "parallel.sequence_parallel=false"]]])
+    layouts = spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false"]]])
+    for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
+        assert (("tp",), "(Shard(dim=0),)") in placements and (("tp",), "(Shard(dim=1),)") in placements
     assert_same_run(tmp_path / "single", tmp_path / "tp", "grpo")
 
 
 def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
     run_rl(init_run, tmp_path / "single", "dpo")
-    spawn(tmp_path, init_run, [["fsdp", "dpo", ["parallel=fsdp"]]])
+    layouts = spawn(tmp_path, init_run, [["fsdp", "dpo", ["parallel=fsdp"]]])
+    assert all(layouts["fsdp"])  # policy and reference sharded
     rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "dpo")
     assert rows[1]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # policy = reference at the first step
     assert rows[2]["loss"] != rows[1]["loss"]
