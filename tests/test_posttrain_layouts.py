@@ -74,6 +74,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         # how the policy's and the reference's weights are laid out: (mesh dimensions, placements) of each DTensor
         layouts[name] = [sorted({(p.device_mesh.mesh_dim_names, str(p.placements)) for p in m.parameters()
                                  if isinstance(p, DTensor)}) for m in trainer._modules()]
+        if name.startswith("lora"):  # its weights, whole (data parallel only: no TP row order to undo)
+            layouts[name + "_weights"] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                          for k, v in trainer.model.state_dict().items()}
     torch.save(layouts, Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -135,6 +138,25 @@ def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
     rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "dpo")
     assert rows[1]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # policy = reference at the first step
     assert rows[2]["loss"] != rows[1]["loss"]
+
+
+def test_grpo_lora_fsdp2_reference_is_the_base_with_adapters_off(tmp_path_factory, tmp_path):
+    from test_posttrain_runtime import make_init_run
+
+    init = make_init_run(tmp_path_factory.mktemp("init_lora"), "lora=attn_mlp")
+    lora = ["algorithm.reference=adapters_off", "train.eval_every=0"]
+    single = run_rl(init, tmp_path / "single", "grpo", *lora)
+    out = spawn(tmp_path, init, [["lora", "grpo", ["parallel=fsdp", *lora]]])
+    a, b = metrics(tmp_path / "single"), metrics(tmp_path / "lora")
+    for ra, rb in zip(a[1:], b[1:]):
+        for key in ("loss", "reward_mean", "reward_std", "kl", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-5), (ra["step"], key)
+    assert a[2]["kl"] > 0  # the adapters moved the policy away from the base
+    assert len(out["lora"]) == 1 and out["lora"][0]  # no second copy: the reference is the sharded policy itself
+    want = single.model.state_dict()
+    assert any(".lora." in k for k in want)
+    for name, value in out["lora_weights"].items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_per_row_generators_make_a_row_independent_of_its_batch():
