@@ -102,14 +102,21 @@ def assert_same_run(one, two, algo, tol=1e-5):
     return a
 
 
-def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, tmp_path):
-    single = run_rl(init_run, tmp_path / "single", "grpo")
+@pytest.fixture(scope="module")
+def single_grpo(init_run, tmp_path_factory):
+    """The one-process GRPO run the layouts are compared with: (trainer, run dir)."""
+    path = tmp_path_factory.mktemp("single_grpo") / "run"
+    return run_rl(init_run, path, "grpo"), path
+
+
+def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, single_grpo, tmp_path):
+    single, single_dir = single_grpo
     layouts = spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
                                ["cut", "grpo", ["parallel=fsdp", "train.max_steps=1"]],
                                ["cut", "grpo", ["parallel=fsdp"]]])
     fsdp = [(("dp_shard_cp",), "(Shard(dim=0),)")]
     assert layouts["fsdp"] == [fsdp, fsdp]  # the policy and the frozen reference, sharded over both ranks
-    rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "grpo")
+    rows = assert_same_run(single_dir, tmp_path / "fsdp", "grpo")
     assert rows[1]["reward_std"] > 0 and rows[2]["kl"] > 0  # the rewards vary and the steps move the policy
     assert "eval_reward" in rows[0] and "eval_reward" in rows[2]
     # the resumed FSDP2 run (rollouts keyed per sample, the reference from reference.pt) ends bit for bit where the
@@ -123,12 +130,11 @@ def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, tmp_path):
     assert ref.keys() == init.keys() and all(torch.equal(ref[k], init[k]) for k in ref)
 
 
-def test_grpo_tp2_equals_one_process(init_run, tmp_path):
-    run_rl(init_run, tmp_path / "single", "grpo")
+def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
     layouts = spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false"]]])
     for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
         assert (("tp",), "(Shard(dim=0),)") in placements and (("tp",), "(Shard(dim=1),)") in placements
-    assert_same_run(tmp_path / "single", tmp_path / "tp", "grpo")
+    assert_same_run(single_grpo[1], tmp_path / "tp", "grpo")
 
 
 def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
