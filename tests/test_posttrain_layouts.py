@@ -163,6 +163,11 @@ def test_grpo_lora_fsdp2_reference_is_the_base_with_adapters_off(tmp_path_factor
     assert any(".lora." in k for k in want)
     for name, value in out["lora_weights"].items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    # difflm-generate reads the LoRA run's checkpoint (base and adapters, written by both ranks)
+    read = final_weights(tmp_path / "lora")
+    assert read.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(read[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_per_row_generators_make_a_row_independent_of_its_batch():

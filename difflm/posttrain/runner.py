@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint, \
     trained_settings
 from difflm.errors import DifflmError
+from difflm.model.lora import lora_enabled
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
 from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
@@ -202,6 +203,8 @@ class PostTrainer:
 
     def save(self) -> Path:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "seed": self.cfg.train.seed}
+        if lora_enabled(self.init_cfg.get("lora")):  # the base and the adapters, both written here
+            state["lora_whole"] = True
         path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
                                config=OmegaConf.to_yaml(self.init_cfg))  # collective: every rank writes its shards
         if self.cfg.train.keep_last > 0:
