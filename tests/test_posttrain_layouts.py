@@ -150,7 +150,7 @@ def test_grpo_lora_fsdp2_reference_is_the_base_with_adapters_off(tmp_path_factor
     from test_posttrain_runtime import make_init_run
 
     init = make_init_run(tmp_path_factory.mktemp("init_lora"), "lora=attn_mlp")
-    lora = ["algorithm.reference=adapters_off", "train.eval_every=0"]
+    lora = ["algorithm.reference=adapters_off", "train.eval_every=0", "algorithm.loss_norm=sequence"]
     single = run_rl(init, tmp_path / "single", "grpo", *lora)
     out = spawn(tmp_path, init, [["lora", "grpo", ["parallel=fsdp", *lora]]])
     a, b = metrics(tmp_path / "single"), metrics(tmp_path / "lora")
