@@ -106,7 +106,8 @@ def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, m
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
-                 stats: dict | None = None, seq_multiple: int = 1, infill: bool = False) -> torch.Tensor:
+                 stats: dict | None = None, seq_multiple: int = 1, infill: bool = False,
+                 generator=None) -> torch.Tensor:
     """Generated ids only, [B, gen.length] int64, for a prompt [B, P] on the model's device; with ``infill``,
     [B, P + gen.length]: the prompt with its ``mask_id`` positions sampled, then the generated ids.
 
@@ -122,6 +123,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
         seq_multiple: every model call's length is padded to a multiple of this (:func:`pad_to_multiple`): the
             tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
         infill: sample the prompt's mask positions too (:attr:`GenerationOptions.infill`; diffusion samplers).
+        generator: in place of ``gen.seed``'s generator: one ``torch.Generator``, or a list of one per row (each row's
+            noise from its own, :func:`difflm.sampling.diffusion.uniform`; diffusion samplers).
     Raises: GenerationConfigError (a DifflmError) for a bad ``gen.*``, and for ``infill`` with an ``ar`` run.
     """
     device = prompt_ids.device
@@ -135,7 +138,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     opts = generation_options(model, tok, gen, causal, objective)
     if infill:
         opts = opts.replace(infill=True)
-    generator = torch.Generator(device=device).manual_seed(gen.seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(gen.seed)
     if causal:
         out = autoregressive_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask)
     elif opts.block_size is not None:

@@ -5,7 +5,8 @@
     difflm-rl init.run_dir=runs/sft estimator=one_step gen.threshold=0.9 gen.cache=dual            # d1, fast rollouts
 
 Config groups: ``algorithm`` (grpo, dpo), ``estimator`` (one_step, coupled, mc_elbo), ``reward`` (gsm8k, format,
-or terms naming any callable by ``_target_``), ``logger``; ``gen.*`` are the rollout sampler's settings (every
+or terms naming any callable by ``_target_``), ``logger``, ``parallel`` (single, ddp, fsdp, hsdp, or tp with
+``parallel.sequence_parallel=false``; launched with torchrun); ``gen.*`` are the rollout sampler's settings (every
 option of difflm-generate). See docs/post_training.md.
 """
 from __future__ import annotations
@@ -29,13 +30,18 @@ def pick_device(name: str) -> torch.device:
 
 @hydra_app("rl")
 def _main(cfg) -> None:
+    from difflm.parallel.distributed import destroy_distributed
     from difflm.posttrain.runner import PostTrainer
 
-    trainer = PostTrainer(cfg, pick_device(cfg.device))
-    if trainer.step > 0:
-        print(f"resuming {cfg.run.dir} from step {trainer.step}")
-    trainer.fit()
-    print(f"done: {cfg.run.dir}")
+    try:
+        trainer = PostTrainer(cfg, pick_device(cfg.device))
+        if trainer.step > 0 and trainer.is_rank0:
+            print(f"resuming {trainer.run_dir} from step {trainer.step}")
+        trainer.fit()
+        if trainer.is_rank0:
+            print(f"done: {trainer.run_dir}")
+    finally:
+        destroy_distributed()
 
 
 def main() -> None:

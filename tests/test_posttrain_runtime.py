@@ -17,14 +17,19 @@ def completion_length_reward(prompt, completion, answer=None):
 @pytest.fixture(scope="module")
 def init_run(tmp_path_factory):
     """A difflm run dir holding a randomly initialised one-layer tiny model (config.yaml + checkpoint step 0)."""
+    return make_init_run(tmp_path_factory.mktemp("init"))
+
+
+def make_init_run(path, *overrides):
+    """:func:`init_run` in ``path``, with extra training ``overrides`` (also the start of
+    tests/test_posttrain_layouts.py's runs)."""
     from difflm.checkpoint.store import save_checkpoint
     from difflm.config.compose import compose_train_config
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config
 
-    path = tmp_path_factory.mktemp("init")
     cfg = compose_train_config(["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
-                                "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}"],
+                                "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}", *overrides],
                                device=torch.device("cpu"))  # the kernels difflm-train would choose here
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     resolve_model_config(cfg.model, tok.padded_vocab_size)

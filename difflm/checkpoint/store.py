@@ -501,6 +501,10 @@ def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module
     lora = lora.copy()
     lora.dropout = 0.0  # no parameters; off for inference, so the TE kernels (weight-side adapters) take the run too
     state = read_trainer_state(checkpoint)
+    if state.get("lora_whole"):  # base and adapters in one checkpoint (difflm-rl's of a LoRA run)
+        apply_lora(model, lora, seed=int(cfg.train.seed))
+        load_checkpoint(checkpoint, model)
+        return
     if "lora_base" not in state:  # the base itself (no adapters trained yet): adapters start at B = 0
         load_checkpoint(checkpoint, model)
         apply_lora(model, lora, seed=int(cfg.train.seed))

@@ -549,6 +549,7 @@ class RLRunConfig:
     gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, steps=32, block_length=32,
                                                                        temperature=1.0))
     run: RunDirConfig = field(default_factory=RunDirConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout (docs/post_training.md "Layouts")
     device: str = "auto"
 
 

@@ -30,7 +30,7 @@ STREAM_EVAL_T = 4     # the NELBO estimate's per-sequence (or per-block) u: (see
 STREAM_EVAL_MASK = 5  # the NELBO estimate's mask row of one draw: (seed, draw, sample)
 STREAM_LOGLIK_T = 6   # a post-training log-likelihood estimate's t of one sample: (*estimate key, sample)
 STREAM_LOGLIK_MASK = 7  # its mask row of one draw: (*estimate key, draw, sample)
-STREAM_ROLLOUT = 8    # the seed of one prompt group's rollout sampler: (seed, step, prompt)
+STREAM_ROLLOUT = 8    # the seed of one rollout sample's sampler generator: (seed, step, sample)
 STREAM_ANNEAL = 9     # the annealed attention mask of a step, one row of keys per query: (seed, step, query)
 NUM_STREAMS = 10
 

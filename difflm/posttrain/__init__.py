@@ -7,5 +7,6 @@ Layout (one file per algorithm per concern):
   * :mod:`difflm.posttrain.dpo`: DPO on ELBO estimates (VRPO's shared noise);
   * :mod:`difflm.posttrain.rollout`: group rollouts from difflm's samplers;
   * :mod:`difflm.posttrain.reference`: the frozen reference model;
+  * :mod:`difflm.posttrain.layout`: the run's parallel layout (FSDP2, TP) and how a step is split over ranks;
   * :mod:`difflm.posttrain.rewards`: the ``reward`` config group's functions.
 """

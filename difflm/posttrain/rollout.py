@@ -3,9 +3,11 @@
 The prompts of a step are left-padded to one length (``prompt_mask``) and each repeated G times; one call of
 :func:`difflm.generate.generate_ids` samples every completion with the run's ``gen.*`` settings (LLaDA
 low-confidence / random / margin / entropy remasking, Fast-dLLM threshold decoding and prefix / dual KV cache,
-top-k / top-p, classifier-free guidance; BD3-LM block sampling for ``bd3lm`` runs). The sampler's generator is
-seeded by a keyed hash of (seed, step) (:mod:`difflm.objectives.keyed_rng`), so a resumed run draws the same
-rollouts at the same step without storing any generator state.
+top-k / top-p, classifier-free guidance; BD3-LM block sampling for ``bd3lm`` runs). Each row has its own
+generator, seeded by a keyed hash of (seed, step, sample) (:mod:`difflm.objectives.keyed_rng`; the sampler's
+per-row noise, :func:`difflm.sampling.diffusion.uniform`): a resumed run draws the same rollouts at the same step
+without storing any generator state, and a data-parallel rank draws its share of the step's samples as one process
+draws them.
 
 A completion runs up to and including its first EOS; the EOS padding after it stays in the sequence as clean
 context (LLaDA pads answers with EOS) but carries no loss.
@@ -49,14 +51,16 @@ class Rollouts:
         return self.completion.sum(dim=1)
 
 
-def rollout_seed(seed: int, step: int) -> int:
-    """The sampler's generator seed at ``step``: a keyed hash of (seed, step), below 2**63."""
-    return int(key_hash(STREAM_ROLLOUT, seed, step)) & (2**63 - 1)
+def rollout_seed(seed: int, step: int, sample: int) -> int:
+    """The generator seed of rollout sample ``sample`` (its row in the step's batch, counted over every rank) at
+    ``step``: a keyed hash of (seed, step, sample), below 2**63."""
+    return int(key_hash(STREAM_ROLLOUT, seed, step, sample)) & (2**63 - 1)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts [B, P] int64 left-padded with ``pad_id`` and their mask [B, P] bool (True at real tokens)."""
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [B, P] int64 left-padded with ``pad_id`` and their mask [B, P] bool (True at real tokens); P is the
+    longest prompt's length, or ``width`` when larger (a data-parallel rank pads to the whole step's longest)."""
+    width = max(width, max(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -93,15 +97,21 @@ def padded_logits_fn(model, valid: torch.Tensor, autocast=None):
 
 @torch.no_grad()
 def group_rollouts(model, tok, prompt_ids: Sequence[Sequence[int]], group_size: int, gen, *, seed: int, step: int,
-                   precision: str = "fp32", objective=None, device=None) -> Rollouts:
+                   precision: str = "fp32", objective=None, device=None, first_sample: int = 0,
+                   width: int = 0) -> Rollouts:
     """``group_size`` completions of each prompt with the run's sampler (module docstring).
 
     Args:
         model: the policy (switched to eval mode for sampling and back).
         tok: :class:`difflm.data.tokenizer.TokenizerInfo` (EOS, mask id, decoding).
         prompt_ids: token ids of each prompt.
-        gen: the ``gen`` config (its ``seed`` is replaced by :func:`rollout_seed`).
+        gen: the ``gen`` config (its ``seed`` is not read: each row has its own generator).
         objective: the run's ``objective`` config (``bd3lm`` samples block by block).
+        first_sample: the step-wide sample number of the first row (a data-parallel rank's share starts there): row
+            r is sample ``first_sample + r``, drawn from the generator seeded by :func:`rollout_seed` of it, so a
+            sample's completion is the same whichever rank, and whichever other rows, it is drawn with.
+        width: the prompts' padded width (:func:`left_pad`): the step's longest prompt, so that every rank's rows
+            are the one-process batch's rows.
     Returns: :class:`Rollouts`.
     """
     from omegaconf import OmegaConf
@@ -110,19 +120,19 @@ def group_rollouts(model, tok, prompt_ids: Sequence[Sequence[int]], group_size: 
 
     device = device or next(model.parameters()).device
     repeated = [list(p) for p in prompt_ids for _ in range(group_size)]
-    ids, mask = left_pad(repeated, tok.eos_id)
+    ids, mask = left_pad(repeated, tok.eos_id, width)
     ids, mask = ids.to(device), mask.to(device)
-    gen = OmegaConf.merge(gen, {"seed": rollout_seed(seed, step)}) if OmegaConf.is_config(gen) else \
-        {**dict(gen), "seed": rollout_seed(seed, step)}
     if not OmegaConf.is_config(gen):
-        gen = OmegaConf.create(gen)
+        gen = OmegaConf.create(dict(gen))
+    generators = [torch.Generator(device=device).manual_seed(rollout_seed(seed, step, first_sample + r))
+                  for r in range(len(repeated))]
     was_training = model.training
     model.eval()
     stats: dict = {}
     start = time.perf_counter()
     try:
         generated = generate_ids(model, tok, ids, gen, causal=False, precision=precision, objective=objective,
-                                 prompt_mask=None if bool(mask.all()) else mask, stats=stats)
+                                 prompt_mask=None if bool(mask.all()) else mask, stats=stats, generator=generators)
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start

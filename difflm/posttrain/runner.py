@@ -5,13 +5,18 @@ It reads the trained run (``init.run_dir``: model, tokenizer, precision, objecti
 :func:`difflm.generate.load_run`, and writes its own run directory: ``metrics.jsonl`` (one dict per logged step, also
 to the console and W&B), ``checkpoints/step_<n>`` (policy, optimizer, scheduler; the trained run's settings as the
 checkpoint's ``config.yaml``, so difflm-generate / -eval / -export read an RL run like any other),
-``reference.pt`` (the frozen reference, written once) and ``rl_config.yaml``. Randomness is keyed by
-(train.seed, step): the prompts of a step, its rollouts' sampler seed and its estimates' noise, so a resumed run
-repeats the uninterrupted one without storing generator state. One process (the layouts of difflm-train are not
-wired into the loop yet).
+``reference.pt`` (the frozen reference, written once, whole tensors) and ``rl_config.yaml``. Randomness is keyed by
+(train.seed, step): the prompts of a step, its rollouts' per-sample sampler seeds and its estimates' noise, so a
+resumed run repeats the uninterrupted one without storing generator state.
+
+Layouts (``parallel=``, launched with torchrun as difflm-train): data parallelism (FSDP2) and tensor parallelism,
+with the mesh and :func:`difflm.parallel.parallelize.parallelize` of difflm-train (:mod:`difflm.posttrain.layout`:
+how the step is split over ranks). Every rank loads the trained run whole and lays it out; rank 0 writes the run's
+files and metrics.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -20,9 +25,13 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint
+from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint, \
+    trained_settings
 from difflm.errors import DifflmError
+from difflm.model.lora import lora_enabled
+from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
+from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
 from difflm.posttrain.loglik import build_estimator
 from difflm.posttrain.reference import build_reference
 from difflm.posttrain.rewards import build_reward
@@ -66,14 +75,18 @@ class PostTrainer:
         from difflm.generate import load_run
 
         check_rl_config(cfg)
-        self.cfg, self.device = cfg, device
-        self.run_dir = Path(cfg.run.dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.init_cfg, self.model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
+        self.cfg = cfg
+        self.layout, device = build_layout(cfg, trained_settings(cfg.init.run_dir, cfg.init.step)[0], device)
+        self.device = device
+        self.is_rank0 = pdist.is_rank0()
+        self.run_dir = Path(pdist.agree_run_dir(cfg.run.dir))
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
         if self.init_cfg.objective.name == "ar":
             raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
                               "masked-diffusion models (mdlm, sft, bd3lm)")
-        self.model.train()
+        model.train()
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
         self.estimator = build_estimator(cfg.estimator)
@@ -82,13 +95,24 @@ class PostTrainer:
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
         self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
-        self.optimizer = build_optimizer(self.model, cfg.optim, device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
         self.step = 0
         self._reports: list[str] = []
         ref_path = self.run_dir / "reference.pt"
-        self.reference = build_reference(cfg.algorithm.reference, self.model, adapters_disabled)
-        found = resume_checkpoint(self.run_dir, report=print)
+        # a frozen copy is taken and saved / restored whole, before the layout: reference.pt is layout-free
+        frozen = cfg.algorithm.reference == "frozen_copy"
+        self.reference = build_reference("frozen_copy", model) if frozen else None
+        found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        if self.reference is not None:
+            if found is not None and ref_path.exists():
+                self.reference.load_state_dict(torch.load(ref_path, map_location=device, weights_only=True))
+            elif found is None and self.is_rank0:
+                torch.save(self.reference.state_dict(), ref_path)
+            self.reference.model = lay_out(self.reference.model, self.layout, cfg, self.init_cfg, device)
+        self.model = lay_out(model, self.layout, cfg, self.init_cfg, device)
+        if not frozen:
+            self.reference = build_reference(cfg.algorithm.reference, self.model, adapters_disabled)
+        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
         if found is not None:
             state = load_checkpoint(found[1], self.model, self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
@@ -96,13 +120,30 @@ class PostTrainer:
             if state.get("seed") != cfg.train.seed:
                 raise DifflmError(f"train.seed={cfg.train.seed} differs from the resumed run's {state.get('seed')}: "
                                   "keep the run's seed to resume it exactly")
-            if self.reference is not None and ref_path.exists():
-                self.reference.load_state_dict(torch.load(ref_path, map_location=device, weights_only=True))
-        elif self.reference is not None and self.reference.state_dict():
-            torch.save(self.reference.state_dict(), ref_path)
-        (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+        if self.is_rank0:
+            (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
+                (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    # ------------------------------------------------------------------ layout
+    def _modules(self) -> list:
+        """The laid-out modules the run calls: the policy and a frozen copy's model."""
+        ref = getattr(self.reference, "model", None)
+        return [self.model] + ([ref] if ref is not None else [])
+
+    def full_logits(self):
+        """Context: full-vocabulary logits from the policy and the reference (:func:`difflm.posttrain.layout.
+        full_logits`), what the estimators read."""
+        return full_logits(self._modules())
+
+    @contextlib.contextmanager
+    def whole_models(self):
+        """Context: the policy and the reference all-gathered and whole, with full logits (:func:`difflm.posttrain.
+        layout.sampling_view`): for rollouts and evaluations, whose number of model calls may differ between
+        ranks. Collective on entry."""
+        reshard = bool(self.cfg.parallel.get("reshard_after_forward", True))
+        with sampling_view(self._modules(), reshard):
+            yield
 
     # ------------------------------------------------------------------ data
     def prompt_ids(self, record: dict) -> list[int]:
@@ -130,10 +171,13 @@ class PostTrainer:
     def update(self, loss: torch.Tensor) -> float:
         """One optimizer update from ``loss``: backward, gradient clipping (``optim.grad_clip``), step. Returns the
         gradient norm before clipping (a non-finite norm skips the update)."""
+        from difflm.parallel.parallelize import grad_norm_and_clip
+
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        # the global norm of sharded (DTensor) and plain gradients alike, clipped as torch's clip_grad_norm_
+        norm = grad_norm_and_clip(self.model.parameters(), clip if clip > 0 else float("inf"))
         if torch.isfinite(norm):
             self.optimizer.step()
         else:
@@ -159,8 +203,10 @@ class PostTrainer:
 
     def save(self) -> Path:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "seed": self.cfg.train.seed}
+        if lora_enabled(self.init_cfg.get("lora")):  # the base and the adapters, both written here
+            state["lora_whole"] = True
         path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state,
-                               config=OmegaConf.to_yaml(self.init_cfg))
+                               config=OmegaConf.to_yaml(self.init_cfg))  # collective: every rank writes its shards
         if self.cfg.train.keep_last > 0:
             prune_checkpoints(self.run_dir, self.cfg.train.keep_last, 0)
         return path
@@ -172,8 +218,9 @@ class PostTrainer:
         from difflm.posttrain.grpo_step import grpo_step
 
         t, lg = self.cfg.train, self.cfg.logger
-        sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar), JsonlSink(self.run_dir, self.cfg.algorithm.name)]
-        if lg.name == "wandb":
+        sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar),
+                 JsonlSink(self.run_dir, self.cfg.algorithm.name)] if self.is_rank0 else []
+        if lg.name == "wandb" and self.is_rank0:
             wid = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
                                    wid.read_text().strip() if wid.exists() and self.step > 0 else None))

@@ -49,8 +49,26 @@ def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
     return base + (step_idx < remainder).long()
 
 
+def uniform(shape: Sequence[int], generator, device, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """U[0, 1) float64 numbers of ``shape`` ``[B, ...]`` from ``generator``: one ``torch.Generator`` (or None) for
+    the whole tensor, or a list of B generators, one per row, so that a row's numbers do not depend on the rows
+    sampled with it (post-training rollouts keyed per sample, :mod:`difflm.posttrain.rollout`). With a list,
+    ``rows`` ([B] bool) leaves the rows that have nothing to decode undrawn (zeros), so each row's generator
+    advances once per step in which that row decodes, whatever the other rows need."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(tuple(shape), generator=generator, dtype=torch.float64, device=device)
+    if len(generator) != shape[0]:
+        raise ValueError(f"{len(generator)} per-row generators for {shape[0]} rows")
+    out = torch.zeros(tuple(shape), dtype=torch.float64, device=device)
+    active = [True] * shape[0] if rows is None else rows.tolist()
+    for b, (g, on) in enumerate(zip(generator, active)):
+        if on:
+            out[b] = torch.rand(tuple(shape[1:]), generator=g, dtype=torch.float64, device=device)
+    return out
+
+
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
+    logits: torch.Tensor, temperature: float, generator=None, rows: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Sample ``argmax`` of ``logits`` with Gumbel noise at ``temperature`` (0 = plain argmax).
 
@@ -63,14 +81,15 @@ def gumbel_argmax(
     Args:
         logits: ``[..., V]`` float.
         temperature: >= 0.
-        generator: source of the uniform noise.
+        generator: source of the uniform noise (one generator, or one per row: :func:`uniform`).
+        rows: with per-row generators, the rows that draw (:func:`uniform`).
     Returns:
         ``[...]`` int64 token ids.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.to(torch.float64)
-    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    u = uniform(logits.shape, generator, logits.device, rows)
     return (logits - temperature * torch.log(-torch.log(u))).argmax(dim=-1)
 
 
@@ -165,8 +184,8 @@ def _validate(opts: GenerationOptions) -> int:
     return num_blocks
 
 
-def propose(logits: torch.Tensor, remasking: str, temperature: float, generator: torch.Generator | None,
-            top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def propose(logits: torch.Tensor, remasking: str, temperature: float, generator,
+            top_k: int = 0, top_p: float = 1.0, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
 
     ``x0 = gumbel_argmax(filter_top_k_top_p(logits, temperature=temperature), temperature)``; with
@@ -182,9 +201,9 @@ def propose(logits: torch.Tensor, remasking: str, temperature: float, generator:
     filtered distribution would be exactly 1 wherever the nucleus is one token (Dream's ``sample_tokens``
     computes it after filtering; difflm does not).
     """
-    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator)
+    x0 = gumbel_argmax(filter_top_k_top_p(logits, top_k, top_p, temperature), temperature, generator, rows)
     if remasking == "random":
-        return x0, torch.rand(x0.shape, generator=generator, dtype=torch.float64, device=x0.device)
+        return x0, uniform(x0.shape, generator, x0.device, rows)
     probs = torch.softmax(logits.double(), dim=-1)
     if remasking == "low_confidence":
         confidence = probs.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
@@ -361,7 +380,9 @@ def diffusion_generate(
             real prompt tokens masked), ``threshold`` (Fast-dLLM parallel decoding), ``cache`` (``none``,
             ``prefix`` or ``dual``, Fast-dLLM; approximate for bidirectional models), ``forbid_ids`` and
             ``shift_logits``.
-        generator: source of all randomness; the same seed reproduces the output.
+        generator: source of all randomness; the same seed reproduces the output. A list of B generators draws
+            each row's noise from its own (:func:`uniform`): a row's output then does not depend on the rows
+            sampled with it (up to floating-point rounding of the batched forward).
         prompt_mask: ``[B, P]`` bool, True at real prompt tokens, for batches of prompts of different lengths,
             left- or right-padded: pad keys are masked out of attention and RoPE positions skip them, so each
             row is generated as if alone (under ``shift_logits`` too).
@@ -404,7 +425,8 @@ def diffusion_generate(
         while (x[:, start:end] == mask_id).any() if threshold is not None else step < steps_per_block:
             candidates = x[:, start:end] == mask_id  # [B, N]
             logits = forward(x, start, end, first_of_block=step == 0)
-            x0, confidence = propose(logits, rule, opts.temperature, generator, opts.top_k, opts.top_p)
+            x0, confidence = propose(logits, rule, opts.temperature, generator, opts.top_k, opts.top_p,
+                                     rows=candidates.any(dim=1))
             count = schedule[:, min(step, steps_per_block - 1)]
             if remdm:  # ReMDM (count form): remask r decoded tokens, unmask k + r
                 remask, count = remdm_remask(to_decode & ~candidates, decoded_confidence, candidates.sum(dim=1),

@@ -1,0 +1,211 @@
+"""difflm-rl under parallel layouts (CPU, gloo, 2 ranks): GRPO under FSDP2 and TP and DPO (VRPO) under FSDP2 give
+one process's metrics and weights; a resume under FSDP2 repeats the uninterrupted run; per-row sampler generators
+make a row's rollout independent of the rows sampled with it; unsupported layouts are refused in one line."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import spawn_ranks
+
+HERE = Path(__file__).resolve().parent
+CPU = torch.device("cpu")
+# two prompt groups / pairs a step (one per rank under fsdp=2), three held-out records (an uneven split)
+COMMON = ["algorithm.prompts_per_step=2", "train.max_steps=2", "train.save_every=1", "train.eval_every=2",
+          "data.eval_records=3"]
+GRPO = ["estimator=coupled", "algorithm.beta=0.1", "algorithm.num_inner=2"]
+DPO = ["algorithm=dpo", "estimator=mc_elbo", "estimator.num_t=2", "data.prompt_field=prompt"]
+COMPARED = {"grpo": ("loss", "reward_mean", "reward_std", "kl", "clip_fraction", "completion_len", "grad_norm",
+                     "eval_reward"),
+            "dpo": ("loss", "margin", "accuracy", "elbo_margin", "grad_norm", "eval_elbo_margin")}
+
+
+@pytest.fixture(scope="module")
+def init_run(tmp_path_factory):
+    """A randomly initialised one-layer tiny model as a difflm run (TP-splittable: 2 heads, 2 KV heads), and a
+    preference file for DPO."""
+    from test_posttrain_runtime import make_init_run
+
+    path = make_init_run(tmp_path_factory.mktemp("init"))
+    with open(path / "prefs.jsonl", "w") as f:
+        for i in range(7):
+            f.write(json.dumps({"prompt": f"{i} + {i} =", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}{i}"})
+                    + "\n")
+    return path
+
+
+def run_rl(init, run_dir, algo, *overrides):
+    """One difflm-rl run (this process's part of it); returns the trainer."""
+    from test_posttrain_runtime import rl_config
+
+    from difflm.posttrain.runner import PostTrainer
+
+    extra = GRPO if algo == "grpo" else [*DPO, f"data.path={Path(init) / 'prefs.jsonl'}"]
+    trainer = PostTrainer(rl_config(init, run_dir, *COMMON, *extra, *overrides), CPU)
+    trainer.fit()
+    return trainer
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir) -> dict:
+    """The run's newest checkpoint read by one process (whole tensors, as difflm-generate reads it)."""
+    from difflm.generate import load_run
+
+    return {k: v.clone() for k, v in load_run(str(run_dir), None, CPU)[1].state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    sys.path.insert(0, str(HERE))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from torch.distributed.tensor import DTensor
+
+    spec = json.loads(Path(out, "spec.json").read_text())
+    layouts = {}
+    for name, algo, overrides in spec["runs"]:
+        trainer = run_rl(spec["init"], Path(out) / name, algo, *overrides)
+        # how the policy's and the reference's weights are laid out: (mesh dimensions, placements) of each DTensor
+        layouts[name] = [sorted({(p.device_mesh.mesh_dim_names, str(p.placements)) for p in m.parameters()
+                                 if isinstance(p, DTensor)}) for m in trainer._modules()]
+        if name.startswith("lora"):  # its weights, whole (data parallel only: no TP row order to undo)
+            layouts[name + "_weights"] = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                          for k, v in trainer.model.state_dict().items()}
+    torch.save(layouts, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def spawn(tmp_path, init, runs) -> dict:
+    """Run ``runs`` ([name, algorithm, overrides]) on 2 ranks; returns rank 0's {name: [policy, reference]
+    parameter layouts}."""
+    (tmp_path / "spec.json").write_text(json.dumps({"init": str(init), "runs": runs}))
+    return spawn_ranks(_worker, 2, tmp_path)[0]
+
+
+def assert_same_run(one, two, algo, tol=1e-5):
+    a, b = metrics(one), metrics(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
+    for ra, rb in zip(a, b):
+        for key in COMPARED[algo]:
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=tol, abs=tol), (ra["step"], key)
+    wa, wb = final_weights(one), final_weights(two)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=tol, atol=tol, msg=name)
+    return a
+
+
+@pytest.fixture(scope="module")
+def single_grpo(init_run, tmp_path_factory):
+    """The one-process GRPO run the layouts are compared with: (trainer, run dir)."""
+    path = tmp_path_factory.mktemp("single_grpo") / "run"
+    return run_rl(init_run, path, "grpo"), path
+
+
+def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, single_grpo, tmp_path):
+    single, single_dir = single_grpo
+    layouts = spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
+                               ["cut", "grpo", ["parallel=fsdp", "train.max_steps=1"]],
+                               ["cut", "grpo", ["parallel=fsdp"]]])
+    fsdp = [(("dp_shard_cp",), "(Shard(dim=0),)")]
+    assert layouts["fsdp"] == [fsdp, fsdp]  # the policy and the frozen reference, sharded over both ranks
+    rows = assert_same_run(single_dir, tmp_path / "fsdp", "grpo")
+    assert rows[1]["reward_std"] > 0 and rows[2]["kl"] > 0  # the rewards vary and the steps move the policy
+    assert "eval_reward" in rows[0] and "eval_reward" in rows[2]
+    # the resumed FSDP2 run (rollouts keyed per sample, the reference from reference.pt) ends bit for bit where the
+    # uninterrupted one does
+    full, resumed = final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "cut")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    last_full, last_cut = metrics(tmp_path / "fsdp")[-1], metrics(tmp_path / "cut")[-1]
+    assert all(last_cut[k] == last_full[k] for k in ("step", "lr", *COMPARED["grpo"]))
+    ref = torch.load(tmp_path / "cut" / "reference.pt", weights_only=True)
+    init = single.reference.model.state_dict()
+    assert ref.keys() == init.keys() and all(torch.equal(ref[k], init[k]) for k in ref)
+
+
+def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
+    layouts = spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false"]]])
+    for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
+        assert (("tp",), "(Shard(dim=0),)") in placements and (("tp",), "(Shard(dim=1),)") in placements
+    assert_same_run(single_grpo[1], tmp_path / "tp", "grpo")
+
+
+def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
+    run_rl(init_run, tmp_path / "single", "dpo")
+    layouts = spawn(tmp_path, init_run, [["fsdp", "dpo", ["parallel=fsdp"]]])
+    assert all(layouts["fsdp"])  # policy and reference sharded
+    rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "dpo")
+    assert rows[1]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # policy = reference at the first step
+    assert rows[2]["loss"] != rows[1]["loss"]
+
+
+def test_grpo_lora_fsdp2_reference_is_the_base_with_adapters_off(tmp_path_factory, tmp_path):
+    from test_posttrain_runtime import make_init_run
+
+    init = make_init_run(tmp_path_factory.mktemp("init_lora"), "lora=attn_mlp")
+    lora = ["algorithm.reference=adapters_off", "train.eval_every=0", "algorithm.loss_norm=sequence"]
+    single = run_rl(init, tmp_path / "single", "grpo", *lora)
+    out = spawn(tmp_path, init, [["lora", "grpo", ["parallel=fsdp", *lora]]])
+    a, b = metrics(tmp_path / "single"), metrics(tmp_path / "lora")
+    for ra, rb in zip(a[1:], b[1:]):
+        for key in ("loss", "reward_mean", "reward_std", "kl", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-5), (ra["step"], key)
+    assert a[2]["kl"] > 0  # the adapters moved the policy away from the base
+    assert len(out["lora"]) == 1 and out["lora"][0]  # no second copy: the reference is the sharded policy itself
+    want = single.model.state_dict()
+    assert any(".lora." in k for k in want)
+    for name, value in out["lora_weights"].items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    # difflm-generate reads the LoRA run's checkpoint (base and adapters, written by both ranks)
+    read = final_weights(tmp_path / "lora")
+    assert read.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(read[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_per_row_generators_make_a_row_independent_of_its_batch():
+    """A row sampled with others (its own generator) equals the row sampled alone, also with Fast-dLLM thresholds,
+    where a block takes as many steps as its slowest row needs."""
+    from difflm.sampling import GenerationOptions
+    from difflm.sampling.diffusion import diffusion_generate
+
+    vocab, mask_id = 8, 7
+    table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+
+    def logits_fn(x, **kw):  # each position's logits from its token and its left neighbour: rows are independent
+        return table[x] + 0.5 * table[torch.roll(x, 1, dims=1)]
+
+    prompts = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    for threshold in (None, 0.4):
+        opts = GenerationOptions(mask_id=mask_id, length=6, steps=6, block_length=3, temperature=1.0,
+                                 threshold=threshold, forbid_ids=(mask_id,))
+        gens = lambda rows: [torch.Generator().manual_seed(100 + r) for r in rows]  # noqa: E731
+        together = diffusion_generate(logits_fn, prompts, opts, generator=gens([0, 1, 2]))
+        for r in range(3):
+            alone = diffusion_generate(logits_fn, prompts[r:r + 1], opts, generator=gens([r]))
+            assert torch.equal(alone[0], together[r]), (threshold, r)
+    one = diffusion_generate(logits_fn, prompts, opts, generator=torch.Generator().manual_seed(100))
+    assert not torch.equal(one, together)  # one shared generator draws other noise
+
+
+@pytest.mark.parametrize("override, key", [("parallel.pp=2", "parallel.pp"), ("parallel.cp=2", "parallel.cp"),
+                                           ("parallel.tp=2", "parallel.sequence_parallel"),
+                                           ("algorithm.prompts_per_step=3", "algorithm.prompts_per_step")])
+def test_unsupported_layouts_are_refused_in_one_line(init_run, tmp_path, override, key):
+    from test_posttrain_runtime import rl_config
+
+    from difflm.checkpoint.store import trained_settings
+    from difflm.errors import DifflmError
+    from difflm.posttrain.layout import check_rl_layout
+
+    cfg = rl_config(init_run, tmp_path / "run", "parallel.dp_shard=-1", override)
+    with pytest.raises(DifflmError) as err:
+        check_rl_layout(cfg, trained_settings(str(init_run))[0], 4)
+    assert "\n" not in str(err.value) and key in str(err.value)
