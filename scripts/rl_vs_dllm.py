@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_SHARED = ROOT.parent / "shared" / "data" / "corpora" / "gsm8k" / "test.jsonl"
+GSM8K_SHARED = [base / "shared" / "data" / "corpora" / "gsm8k" / "test.jsonl" for base in (ROOT, ROOT.parent)]
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def gsm8k_prompts(tokenizer_encode, n_tokens: int, limit: int = 256) -> list[dic
     from difflm.posttrain.rewards.gsm8k import GSM8K_SAMPLE
 
     rows = []
-    for path in (GSM8K_SHARED, Path(GSM8K_SAMPLE)):
+    for path in (*GSM8K_SHARED, Path(GSM8K_SAMPLE)):  # the shared test split, else difflm's 32-row sample
         if path.is_file():
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             break
