@@ -181,7 +181,7 @@ def run_difflm(m: Matched, run: Path, prompts: Path, steps: int, work: Path, dev
            f"data.path={prompts}", "data.prompt_field=question", "data.answer_field=answer", "reward=gsm8k",
            f"train.max_steps={steps}", "train.save_every=0", "train.eval_every=0", "logger.progress_bar=false",
            "logger.log_every=1", *m.difflm_overrides(), *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) > 0 and "step_time_s" in r]
@@ -191,11 +191,25 @@ def run_difflm(m: Matched, run: Path, prompts: Path, steps: int, work: Path, dev
 
 
 # ------------------------------------------------------------------------------------------ dllm side
-def run_dllm(m: Matched, hf: Path, prompts: Path, steps: int, work: Path, args) -> dict:
+def probe_difference(run: Path, probe: list[int], dllm_logits: Path) -> float:
+    """Max |difference| of difflm's logits (the run's checkpoint, FP32, CPU) and the exported model's in the dllm
+    process (transformers 4.57, its modeling file) on the ``probe`` ids: 0 up to float rounding for the same model."""
+    import torch
+
+    from difflm.interop.export import load_run_for_export
+
+    _, model, _, _ = load_run_for_export(run)
+    with torch.no_grad():
+        ours = model(torch.tensor([probe])).float()
+    return float((ours - torch.load(dllm_logits).float()).abs().max())
+
+
+def run_dllm(m: Matched, hf: Path, prompts: Path, steps: int, work: Path, args, probe: list[int]) -> dict:
     spec = {"matched": dataclasses.asdict(m), "hf": str(hf), "prompts": str(prompts), "steps": steps,
-            "out": str(work / "dllm_result.json"), "output_dir": str(work / "dllm_out")}
+            "out": str(work / "dllm_result.json"), "output_dir": str(work / "dllm_out"), "probe": probe,
+            "probe_out": str(work / "dllm_probe_logits.pt")}
     (work / "dllm_spec.json").write_text(json.dumps(spec))
-    paths = [p for p in (args.dllm_site, args.dllm_path) if p]
+    paths = [p for p in (args.dllm_site, args.dllm_path) if p]  # nothing of difflm's environment
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(Path(p).resolve()) for p in paths))
     env.setdefault("WANDB_DISABLED", "true")
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dllm-worker", str(work / "dllm_spec.json")],
@@ -234,7 +248,7 @@ def dllm_worker(spec_path: str) -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, TrainerCallback
 
     from dllm.core.samplers import MDLMSampler, MDLMSamplerConfig
     from dllm.pipelines.rl import DiffuGRPOConfig, DiffuGRPOTrainer
@@ -243,13 +257,16 @@ def dllm_worker(spec_path: str) -> None:
     m = Matched(**spec["matched"])
     cuda = torch.cuda.is_available()
     tok = AutoTokenizer.from_pretrained(spec["hf"])
-    model = AutoModelForCausalLM.from_pretrained(spec["hf"], trust_remote_code=True, dtype=torch.float32)
+    model = AutoModelForMaskedLM.from_pretrained(spec["hf"], trust_remote_code=True, dtype=torch.float32)
     model.config.use_cache = False
     # Adapter (dllm registers its own diffusion models the same way): TRL 0.19 loads the frozen reference with
     # AutoModelForCausalLM.from_pretrained(path) and no trust_remote_code, so register the export's classes (a
     # bidirectional network whatever the auto class: forward(input_ids, attention_mask) -> .logits is all dllm calls).
     AutoConfig.register(model.config.model_type, type(model.config), exist_ok=True)
     AutoModelForCausalLM.register(type(model.config), type(model), exist_ok=True)
+    with torch.no_grad():  # the logits dllm's model gives, to compare with difflm's (same model?)
+        probe = torch.tensor([spec["probe"]])
+        torch.save(model(probe, attention_mask=torch.ones_like(probe)).logits, spec["probe_out"])
     records = [json.loads(x) for x in Path(spec["prompts"]).read_text().splitlines() if x.strip()]
     data = Dataset.from_list([{"prompt": r["question"], "answer": r["answer"]} for r in records])
     mu = m.num_inner
@@ -356,7 +373,9 @@ def main(argv=None) -> None:
                                for r in records))
     rows = [run_difflm(m, run, prompts, args.steps, work, device)]
     if not args.skip_dllm:
-        rows.append(run_dllm(m, hf, prompts, args.steps, work, args))
+        probe = tok.encode(records[0]["question"])[:16]
+        rows.append(run_dllm(m, hf, prompts, args.steps, work, args, probe))
+        same_model = probe_difference(run, probe, work / "dllm_probe_logits.pt")
     for extra in args.difflm_extra:
         rows.append(run_difflm(m, run, prompts, args.steps, work, device, tuple(extra.split()),
                                name=f"difflm-rl + {extra}") | {"unmatched": extra})
@@ -372,6 +391,8 @@ def main(argv=None) -> None:
               "matched": dataclasses.asdict(m), "rows": rows,
               "command": "PYTHONPATH=. python scripts/rl_vs_dllm.py " + " ".join(argv or sys.argv[1:])}
     if not args.skip_dllm:  # the headline: matched difflm-rl (row 0) over dllm (row 1)
+        result["export_logits_max_abs_diff"] = same_model
+        print(f"  same model: max |difflm logits - dllm-loaded export logits| = {same_model:.2e}")
         result["steps_per_h_ratio"] = rows[0]["steps_per_h"] / rows[1]["steps_per_h"]
         result["rollout_tokens_per_s_ratio"] = rows[0]["rollout_tokens_per_s"] / rows[1]["rollout_tokens_per_s"]
         print(f"  matched difflm-rl / dllm: {result['steps_per_h_ratio']:.2f}x steps/h, "
