@@ -7,7 +7,8 @@
 
 One call, one device, one process at a time:
 
-1. builds a randomly initialised difflm run of ``--model`` (``model=<name>``; BF16 autocast on CUDA, FP32 on CPU),
+1. builds a randomly initialised difflm run of ``--model`` (``model=<name>``, ``model.backend=<--backend>``; BF16
+   autocast on CUDA, FP32 on CPU),
    saves it as step 0 and exports it with ``difflm-export`` (:func:`difflm.interop.export.export_checkpoint`) to
    ``<work>/hf``;
 2. runs ``--steps`` GRPO steps of ``python -m difflm.rl`` on that run (the weights the export holds);
@@ -147,8 +148,9 @@ def gsm8k_prompts(tokenizer_encode, n_tokens: int, limit: int = 256) -> list[dic
     return keep
 
 
-def build_and_export(model: str, work: Path, device) -> tuple[Path, Path]:
-    """A random-init difflm run of ``model`` (step 0) under ``work/run`` and its export ``work/hf``."""
+def build_and_export(model: str, work: Path, device, backend: str = "torch") -> tuple[Path, Path]:
+    """A random-init difflm run of ``model`` (step 0, kernels ``model.backend=backend``) under ``work/run`` and its
+    export ``work/hf``."""
     import torch
     from omegaconf import OmegaConf
 
@@ -160,7 +162,8 @@ def build_and_export(model: str, work: Path, device) -> tuple[Path, Path]:
 
     run = work / "run"
     precision = "bf16" if device.type == "cuda" else "fp32"
-    cfg = compose_train_config([f"model={model}", f"precision={precision}", f"run.dir={run}"], device=device)
+    cfg = compose_train_config([f"model={model}", f"precision={precision}", f"model.backend={backend}",
+                                f"run.dir={run}"], device=device)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
     resolve_model_config(cfg.model, tok.padded_vocab_size)
     net = build_model(cfg.model, causal=False, device=device, seed=0)
@@ -331,6 +334,9 @@ def main(argv=None) -> None:
     p.add_argument("--dllm-path", default=None, help="a dllm checkout (the folder holding the dllm package)")
     p.add_argument("--dllm-site", default=None, help="a pip --target folder with TRL 0.19.1, transformers 4.57, ...")
     p.add_argument("--steps", type=int, default=3, help="RL steps per side (the first is warm-up)")
+    p.add_argument("--backend", default="torch",
+                   help="difflm's kernels (model.backend): torch (default; PyTorch + SDPA like the export's modeling "
+                        "file that dllm runs), auto or te")
     d = Matched()
     for f in dataclasses.fields(Matched):
         flag = {"prompts_per_step": "prompts", "group_size": "group"}.get(f.name, f.name).replace("_", "-")
@@ -362,7 +368,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = Path(args.work or tempfile.mkdtemp(prefix="rl_vs_dllm_"))
     work.mkdir(parents=True, exist_ok=True)
-    run, hf = build_and_export(args.model, work, device)
+    run, hf = build_and_export(args.model, work, device, args.backend)
     from omegaconf import OmegaConf
 
     tcfg = OmegaConf.load(run / "config.yaml")
@@ -387,7 +393,8 @@ def main(argv=None) -> None:
         print(f"  {r['name']:<24} step {r['median_step_s']:8.3f} s  ({r['steps_per_h']:9.1f} steps/h)  rollout "
               f"{r['median_rollout_s']:7.3f} s  ({r['rollout_tokens_per_s']:9.1f} tok/s, "
               f"{r['forwards_per_token']:.2f} forwards/token)  update {r['update_s']:.3f} s")
-    result = {"model": args.model, "device": dev, "smoke": device.type != "cuda", "steps": args.steps,
+    result = {"model": args.model, "backend": args.backend, "device": dev, "smoke": device.type != "cuda",
+              "steps": args.steps,
               "matched": dataclasses.asdict(m), "rows": rows,
               "command": "PYTHONPATH=. python scripts/rl_vs_dllm.py " + " ".join(argv or sys.argv[1:])}
     if not args.skip_dllm:  # the headline: matched difflm-rl (row 0) over dllm (row 1)
