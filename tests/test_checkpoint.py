@@ -244,3 +244,30 @@ def test_changed_settings_lists_every_differing_leaf():
     new = {"a": {"b": 2, "c": [1, 2]}, "d": "x", "new": {"e": None}}
     assert changed_settings(old, new) == [("a.b", 1, 2), ("gone", 3, "<absent>"), ("new.e", "<absent>", None)]
     assert changed_settings(old, old) == []
+
+
+def test_a_rank_of_several_pipeline_stages_saves_and_loads_them_under_full_model_names(tmp_path):
+    """Virtual stages / V schedules: a pipeline rank holds several stage modules; DCP's helpers take one module, so
+    the store saves them through one view under the full model's names, and a load fills the stages' own tensors."""
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from difflm.checkpoint.store import load_checkpoint, save_checkpoint
+    from difflm.config.schema import ModelConfig
+    from difflm.model import build_model
+
+    cfg = OmegaConf.structured(ModelConfig(num_layers=4, hidden_size=32, num_heads=2, num_kv_heads=2,
+                                           ffn_hidden_size=64, head_dim=16, vocab_size=64))
+    models = [build_model(cfg, causal=False, device=torch.device("cpu"), seed=s) for s in (0, 1)]
+    stages = [[m.pipeline_stage([0], first=True, last=False), m.pipeline_stage([3], first=False, last=True)]
+              for m in models]
+    save_checkpoint(tmp_path, 1, stages[0], None, {"step": 1})
+    keys = {k[len("model."):] for k in dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_1"))
+            .read_metadata().state_dict_metadata if k.startswith("model.")}
+    held = {k for part in stages[0] for k in part.state_dict()}
+    assert keys == held and "layers.3.attention.qkv.weight" in keys and not any(k.startswith("layers.1.") for k in keys)
+    load_checkpoint(tmp_path / "checkpoints" / "step_1", stages[1])
+    ref, got = models[0].state_dict(), models[1].state_dict()
+    for k in held:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)
+    assert not torch.equal(got["layers.1.attention.qkv.weight"], ref["layers.1.attention.qkv.weight"])

@@ -1,6 +1,7 @@
 """LoRA (difflm.model.lora, docs/lora.md): adapter counts, the base at B = 0, adapters-only optimizer and checkpoints,
 exact resume, merged and PEFT exports (routed experts too) against difflm's logits, FSDP2 against one process, the TE
-stand-in, refusals. Tensor parallelism: tests/test_lora_parallel.py."""
+stand-in, refusals. Tensor parallelism: tests/test_lora_parallel.py; pipeline, context and expert parallelism:
+tests/test_lora_layouts.py."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from difflm.config.schema import LoraConfig, ModelConfig, MoEConfig
 from difflm.errors import DifflmError
 from difflm.model import Transformer, build_model
-from difflm.model.lora import (adapters_disabled, apply_lora, check_lora_layout, expected_adapter_count,
+from difflm.model.lora import (adapters_disabled, apply_lora, check_lora, check_lora_layout, expected_adapter_count,
                                merged_state_dict, trainable_parameter_count)
 from difflm.training.trainer import Trainer
 
@@ -274,11 +275,17 @@ def test_fsdp2_two_ranks_equal_one_process(fast_cfg, tmp_path):
 def test_refusals_are_one_line(tmp_path):
     from difflm.parallel.mesh import ParallelDims
 
-    for key in ("pp", "cp"):  # tensor parallelism: tests/test_lora_parallel.py
-        p = OmegaConf.create({"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1})
-        p[key] = 2
-        with pytest.raises(DifflmError, match=rf"^lora.rank=4 with parallel.{key}=2: .*set parallel.{key}=1$"):
-            check_lora_layout(lora_cfg(), ParallelDims.from_config(p, 2))
+    moe = model_cfg(moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32))  # MoE blocks only
+    mlp_only = lora_cfg(targets=["fc1", "fc2"])  # lora.moe=freeze_experts: the MoE blocks get no adapter
+    with pytest.raises(DifflmError, match=r"^lora.targets=\['fc1', 'fc2'\] with lora.moe=freeze_experts adapts no "
+                                          r"weight .*set lora.moe=adapt_experts$"):
+        check_lora(mlp_only, moe)
+    moe.moe.first_k_dense = 1  # the dense block takes them: accepted in one process, refused under pipeline stages
+    check_lora(mlp_only, moe)
+    p = OmegaConf.create({"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2, "cp": 1, "ep": 1})
+    with pytest.raises(DifflmError, match=r"^lora.targets=.* and parallel.pp=2: the MoE blocks hold no adapter"):
+        check_lora_layout(mlp_only, ParallelDims.from_config(p, 2), moe)
+    check_lora_layout(lora_cfg(), ParallelDims.from_config(p, 2), moe)  # attention adapters in every block
     r = run_cli("difflm.train", "model=tiny", "lora=attn_mlp", "lora.targets=[qkv,attn]", f"run.dir={tmp_path / 'x'}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("difflm: error: lora.targets=['qkv', 'attn']")

@@ -146,9 +146,20 @@ def _parts(model) -> list[torch.nn.Module]:
 
 
 def _state_model(model):
-    """What DCP's state-dict helpers take: one module, or the list of a pipeline rank's stage modules."""
+    """What DCP's state-dict helpers take: one module. A pipeline rank holding several stages (virtual stages, V
+    schedules) gets one view over them: their children under their full-model names, the blocks' ``layers``
+    ModuleDicts merged (the modules are shared, so a load into the view loads the stages)."""
     parts = _parts(model)
-    return parts[0] if len(parts) == 1 else parts
+    if len(parts) == 1:
+        return parts[0]
+    view = torch.nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, torch.nn.ModuleDict):
+                view._modules.setdefault(name, torch.nn.ModuleDict()).update(child)
+            elif name not in view._modules:
+                view.add_module(name, child)
+    return view
 
 
 _ASYNC_GROUP = None

@@ -147,11 +147,11 @@ def _weight_side_forward(self, *args, **kwargs):
             if not factors.enabled:
                 continue
             weight = self._parameters[name]
-            saved[name] = weight
             merged = weight + factors.delta_weight().to(weight.dtype)
             del self._parameters[name]
             object.__setattr__(self, name, merged)
-        return super(type(self), self).forward(*args, **kwargs)
+            saved[name] = weight
+        return self.lora_base_class.forward(self, *args, **kwargs)  # not super(type(self)): FSDP2 subclasses it
     finally:
         for name, weight in saved.items():
             object.__delattr__(self, name)
@@ -166,8 +166,8 @@ def _lora_class(cls: type) -> type:
     subclass per base class, so ``isinstance`` checks and parameter names stay those of the base."""
     if cls not in _CLASSES:
         forward = _input_side_forwards().get(cls, _weight_side_forward)
-        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {"forward": forward, "lora_input_side":
-                                                              forward is not _weight_side_forward})
+        _CLASSES[cls] = type(f"Lora{cls.__name__}", (cls,), {"forward": forward, "lora_base_class": cls,
+                                                              "lora_input_side": forward is not _weight_side_forward})
     return _CLASSES[cls]
 
 
@@ -198,7 +198,8 @@ def check_lora(cfg, model_cfg=None) -> None:
     """The ``lora`` keys on their own and against ``model`` (one line each, naming the key).
 
     Raises: DifflmError for a negative rank, alpha <= 0, dropout outside [0, 1), an unknown target or MoE policy,
-    ``model.fused_mlp=true`` (quack's kernels read the weights themselves) or dropout with ``model.backend=te``.
+    ``model.fused_mlp=true`` (quack's kernels read the weights themselves), dropout with ``model.backend=te``, or
+    an MoE model with nothing adapted (``lora.moe=freeze_experts``, MLP targets only, no dense block).
     """
     if cfg is None:
         return
@@ -218,6 +219,9 @@ def check_lora(cfg, model_cfg=None) -> None:
         raise DifflmError(f"lora.moe={cfg.moe!r} is not one of: {', '.join(MOE_POLICIES)}")
     if model_cfg is None:
         return
+    if _moe_blocks_unadapted(cfg, model_cfg) and int(model_cfg.moe.get("first_k_dense", 0) or 0) == 0:
+        raise DifflmError(f"lora.targets={list(cfg.targets)} with lora.moe=freeze_experts adapts no weight of this "
+                          "MoE model; add qkv or proj to lora.targets, or set lora.moe=adapt_experts")
     if bool(model_cfg.get("fused_mlp", False)):
         raise DifflmError("lora.rank > 0 with model.fused_mlp=true: quack's fused MLP reads its weights inside its "
                           "kernels; set model.fused_mlp=false")
@@ -226,19 +230,27 @@ def check_lora(cfg, model_cfg=None) -> None:
                           "weight update, where dropout cannot apply; set lora.dropout=0 or model.backend=torch")
 
 
+def _moe_blocks_unadapted(cfg, model_cfg) -> bool:
+    """Whether the MoE blocks of ``model_cfg`` get no adapter (``lora.moe=freeze_experts``, MLP targets only)."""
+    moe = model_cfg.get("moe")
+    return (moe is not None and int(moe.get("num_experts", 0) or 0) > 0 and cfg.moe == "freeze_experts"
+            and not {"qkv", "proj"} & set(cfg.targets))
+
+
 def check_lora_layout(cfg, dims, model_cfg=None) -> None:
-    """Refuse, in one line naming the key, the layouts LoRA is not built for: ``parallel.pp``, ``parallel.cp`` and
-    ``parallel.ep`` (their stage splits and expert shards name the base modules only); under ``parallel.tp`` > 1 the
-    TE kernels (``model_cfg.backend=te``: plain local shards, no DTensor layout for the adapters) and dropout (the
-    masks of a sharded input are not one process's). DDP/FSDP2/HSDP and DTensor TP (torch kernels,
-    :mod:`difflm.parallel.tp_adapters`) take the adapters."""
+    """Refuse, in one line naming the key, what LoRA's layouts do not cover: pipeline stages of MoE blocks without
+    adapters (:func:`_moe_blocks_unadapted`: they would train nothing); under ``parallel.tp`` > 1 the TE kernels (plain
+    local shards, no DTensor layout for the adapters) and dropout (the masks of a sharded input are not one
+    process's). DDP/FSDP2/HSDP, DTensor TP (:mod:`difflm.parallel.tp_adapters`), pipeline stages (each holds its
+    blocks' adapters), context parallelism (per-token maps, replicated over cp) and expert parallelism (expert
+    adapters sharded with their experts, :func:`difflm.parallel.expert_parallel.apply_expert_parallel`) take them."""
     if not lora_enabled(cfg):
         return
-    for key in ("pp", "cp", "ep"):
-        degree = int(getattr(dims, key, 1) or 1)
-        if degree > 1:
-            raise DifflmError(f"lora.rank={cfg.rank} with parallel.{key}={degree}: LoRA runs under data and tensor "
-                              f"parallelism (parallel=single|ddp|fsdp|hsdp|tp2); set parallel.{key}=1")
+    pp = int(getattr(dims, "pp", 1) or 1)
+    if pp > 1 and model_cfg is not None and _moe_blocks_unadapted(cfg, model_cfg):
+        raise DifflmError(f"lora.targets={list(cfg.targets)} with lora.moe=freeze_experts and parallel.pp={pp}: the "
+                          "MoE blocks hold no adapter, so a stage of them would train nothing; add qkv or proj to "
+                          "lora.targets, or set lora.moe=adapt_experts")
     tp = int(getattr(dims, "tp", 1) or 1)
     if tp == 1:
         return

@@ -118,17 +118,18 @@ class AllToAllDispatcher:
 def apply_expert_parallel(model: nn.Module, param_mesh, ep_group) -> nn.Module:
     """Shard every MoE layer's routed experts over the expert-parallel ranks and route its tokens there, in place.
 
-    ``experts.fc1_weight`` / ``fc2_weight`` [E, ...] become DTensors ``Shard(0)`` on ``param_mesh`` (``ep``, or
-    ``(ep, tp)`` with ``Replicate`` on tp) holding this rank's ``E / ep`` experts (sliced locally: every rank
+    ``experts.fc1_weight`` / ``fc2_weight`` [E, ...] (and their LoRA factors [E, ...], ``lora.moe=adapt_experts``)
+    become DTensors ``Shard(0)`` on ``param_mesh`` (``ep``, or ``(ep, tp)`` with ``Replicate`` on tp) holding this
+    rank's ``E / ep`` experts (sliced locally: every rank
     built the same full weights); the dispatcher becomes :class:`AllToAllDispatcher` on ``ep_group``.
     Returns ``model``. Call before tensor parallelism and FSDP (:func:`difflm.parallel.parallelize.parallelize`).
     """
     placements = [Shard(0)] + [Replicate()] * (param_mesh.ndim - 1)
     for _, moe in moe_layers([model]):
-        experts = moe.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
-            value = distribute_tensor(param.detach(), param_mesh, placements, src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
+        for sub in moe.experts.modules():  # LoRA factors of the experts ([E, r, d_in], [E, d_out, r]) shard alike
+            for name, param in list(sub.named_parameters(recurse=False)):
+                value = distribute_tensor(param.detach(), param_mesh, placements, src_data_rank=None)
+                sub.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
         moe.dispatcher = AllToAllDispatcher(ep_group, moe.num_experts)
     return model
 
