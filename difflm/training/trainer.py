@@ -32,7 +32,7 @@ from difflm.training.schedule import build_scheduler, restore_scheduler, short_r
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest, process_age_s
 from difflm.training.profiling import Profiler
-from difflm.training.run_config import record_run_config
+from difflm.training.run_config import check_resume_tokenizer, record_run_config
 from difflm.training.run_dir import set_aside_run_records
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 from difflm.training.watchdog import StepWatchdog
@@ -90,6 +90,7 @@ class Trainer:
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+        check_resume_tokenizer(self.run_dir, cfg.data.tokenizer, self.tok, cfg.model.vocab_multiple)
         resolve_model_config(cfg.model, self.tok.padded_vocab_size)
         cache_dir = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         for turn in ((True, False) if self.dims.distributed else (True,)):  # rank 0 tokenizes and caches first
@@ -282,8 +283,10 @@ class Trainer:
         pending, self._prefetched = self._prefetched, None
         if pending is not None:  # let the data thread finish before the sampler state is replaced
             concurrent.futures.wait([pending[1]])
+        fresh_adapters = False
         if self.lora:
             state = self._load_lora(path)
+            fresh_adapters = "lora_base" not in state
         else:
             from difflm.checkpoint.store import read_trainer_state
 
@@ -292,7 +295,8 @@ class Trainer:
                                   "lora.* settings it was trained with, or export it merged (difflm-export) and "
                                   "difflm-import that export to train every weight")
             state = load_checkpoint(path, self.model_parts, self.optimizer)
-        self.sampler.check_state(state["sampler"])
+        if not fresh_adapters:  # adapters on a full run's weights start a new phase, usually on other data (SFT)
+            self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
