@@ -112,7 +112,12 @@ def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
     src = make_hf(tmp_path, "llama", 50280, False)
     imported = import_hf(str(src), tmp_path / "run", objective="mdlm")
     overrides = train_overrides(imported)
-    assert "objective=mdlm" in overrides and "model.num_kv_heads=2" in overrides
+    assert "model.num_kv_heads=2" in overrides
+    # difflm-train's defaults are left to an adaptation recipe added to the printed command
+    assert not any(o.startswith(("objective=", "model.shift_logits=")) for o in overrides)
+    for recipe, objective, shift in (("fast_dllm_v2_adapt", "bd3lm", False), ("dream_adapt", "mdlm", True)):
+        composed = compose_run([f"experiment={recipe}", *overrides])
+        assert (composed.objective.name, composed.model.shift_logits) == (objective, shift), recipe
     _, ref_model, _, _ = load_run_for_export(tmp_path / "run")
     cfg = compose_run([*FAST, *small_data, *overrides, "train.max_steps=1",
                        "train.save_every=1", "train.eval_every=0"])
