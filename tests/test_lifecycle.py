@@ -137,3 +137,18 @@ def test_resume_with_another_tokenizer_is_refused(tmp_path):
     save_checkpoint(run, 2, torch.nn.Linear(2, 2), None, {"step": 2},
                     config=OmegaConf.to_yaml({"data": {"tokenizer": neox}}))
     check_resume_tokenizer(run, str(copy), build_tokenizer(str(copy)), 128)  # the same definition elsewhere
+
+
+def test_answer_reward_without_answer_field_is_refused(tmp_path):
+    """reward=gsm8k (difflm-rl's default) compares with the reference answer: without data.answer_field every
+    completion would fail it and score 0, so the run is refused before its first rollout; reward=format is not."""
+    from difflm.posttrain.rewards import build_reward
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_config import compose_rl
+
+    assert build_reward(compose_rl(["reward=gsm8k"]).reward).needs_answer() == ["gsm8k_answer_match"]
+    assert build_reward(compose_rl(["reward=format"]).reward).needs_answer() == []
+    cfg = compose_rl([f"run.dir={tmp_path / 'rl'}", "data.path=x.jsonl"])
+    with pytest.raises(DifflmError, match="data.answer_field is null: set data.answer_field"):
+        PostTrainer(cfg, CPU)
+    assert not (tmp_path / "rl").exists()  # refused before anything is written

@@ -67,6 +67,10 @@ class PostTrainer:
 
         check_rl_config(cfg)
         self.cfg, self.device = cfg, device
+        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
+        if self.reward is not None and cfg.data.answer_field is None and (needs := self.reward.needs_answer()):
+            raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
+                              "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.init_cfg, self.model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
@@ -77,7 +81,6 @@ class PostTrainer:
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
         self.estimator = build_estimator(cfg.estimator)
-        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
