@@ -71,7 +71,7 @@ def test_rl_of_a_lora_run_keeps_and_exports_its_adapters(lora_sft_run, tmp_path)
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import rl_config
 
-    root, trainer, _ = lora_sft_run
+    root, trainer, common = lora_sft_run
     if trainer.step < 3:
         trainer.fit()
     _, sft_model, _, _ = load_run(str(root / "run"), None, CPU)
@@ -97,6 +97,17 @@ def test_rl_of_a_lora_run_keeps_and_exports_its_adapters(lora_sft_run, tmp_path)
     hf = AutoModelForMaskedLM.from_pretrained(str(out), dtype=torch.float32, trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, want, atol=1e-5, rtol=1e-5)
+    # difflm-train continues the RL run with LoRA: base and RL adapters read, a fresh optimizer, its own data
+    from conftest import compose_run
+
+    more = compose_run([*common, *LORA, "objective=sft", f"data.path={root / 'pairs.jsonl'}",
+                        "data.prompt_field=prompt", "train.max_steps=2", f"run.dir={tmp_path / 'rl'}"])
+    sft_again = Trainer(more, more.run.dir, CPU)
+    assert sft_again.resumed_from == 1 and sft_again.lora_base == 1 and not sft_again.optimizer.state
+    for k, v in sft_again.model.state_dict().items():
+        assert torch.equal(v, policy[k]), k
+    sft_again.fit()
+    assert sft_again.step == 2
 
 
 def test_adapters_off_reference_needs_adapters():
