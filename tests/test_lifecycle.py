@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from difflm.errors import DifflmError
 from difflm.training.trainer import Trainer
+from test_posttrain_runtime import init_run  # noqa: F401  (pytest fixture)
 
 CPU = torch.device("cpu")
 LORA = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "objective.random_length_prob=0"]
@@ -163,3 +164,18 @@ def test_answer_reward_without_answer_field_is_refused(tmp_path):
     with pytest.raises(DifflmError, match="data.answer_field is null: set data.answer_field"):
         PostTrainer(cfg, CPU)
     assert not (tmp_path / "rl").exists()  # refused before anything is written
+
+
+def test_rl_warns_beyond_the_trained_window(init_run, tmp_path):
+    """Prompts + gen.length (grpo) or prompt + response (dpo) past the init run's data.seq_len (128) are warned about
+    once, naming the keys that shorten them, as difflm-generate does; within the window nothing is said."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    quiet = PostTrainer(rl_config(init_run, tmp_path / "a"), CPU)  # 8 prompt tokens + gen.length=4
+    assert not any("warning" in r for r in quiet._reports)
+    loud = PostTrainer(rl_config(init_run, tmp_path / "b", "gen.length=128", "gen.block_length=128",
+                                 "gen.steps=64"), CPU)
+    warned = [r for r in loud._reports if "warning" in r]
+    assert len(warned) == 1 and "the longest prompt (8 tokens) and gen.length=128 make 136 positions, more than " \
+        "the data.seq_len=128" in warned[0] and warned[0].endswith("lower data.max_prompt_tokens or gen.length")

@@ -71,6 +71,7 @@ class PostTrainer:
         if self.reward is not None and cfg.data.answer_field is None and (needs := self.reward.needs_answer()):
             raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
                               "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
+        self._reports: list[str] = []
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.init_cfg, self.model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
@@ -85,10 +86,10 @@ class PostTrainer:
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
         self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
+        self._warn_beyond_window(records)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
         self.step = 0
-        self._reports: list[str] = []
         ref_path = self.run_dir / "reference.pt"
         self.reference = build_reference(cfg.algorithm.reference, self.model, adapters_disabled)
         found = resume_checkpoint(self.run_dir, report=print)
@@ -128,6 +129,22 @@ class PostTrainer:
             epoch, pos = divmod(j, n)
             ids.append(int(np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)[pos]))
         return [self.train_records[i] for i in ids], ids
+
+    def _warn_beyond_window(self, records: list[dict]) -> None:
+        """One warning (as difflm-generate's) when the longest prompt and ``gen.length`` (grpo), or prompt and
+        response (dpo), need more positions than the init run's ``data.seq_len``: positions its model never saw."""
+        grpo, seq_len = self.cfg.algorithm.name == "grpo", int(self.init_cfg.data.seq_len)
+        if grpo:
+            prompt, length = max(len(self.prompt_ids(r)) for r in records), int(self.cfg.gen.length)
+        else:
+            prompt, length = max(((len(p), max(len(c), len(r))) for p, c, r in map(self.preference_ids, records)),
+                                 key=sum)
+        if prompt + length > seq_len:
+            what = f"gen.length={length}" if grpo else f"the longest response ({length} tokens)"
+            self.report(f"difflm: warning: the longest prompt ({prompt} tokens) and {what} make {prompt + length} "
+                        f"positions, more than the data.seq_len={seq_len} init.run_dir was trained on: expect poor "
+                        f"{'rollouts' if grpo else 'likelihoods'}; lower data.max_prompt_tokens or "
+                        f"{'gen.length' if grpo else 'data.max_response_tokens'}")
 
     # ------------------------------------------------------------------ updates
     def update(self, loss: torch.Tensor) -> float:
