@@ -112,7 +112,14 @@ def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
     src = make_hf(tmp_path, "llama", 50280, False)
     imported = import_hf(str(src), tmp_path / "run", objective="mdlm")
     overrides = train_overrides(imported)
-    assert "objective=mdlm" in overrides and "model.num_kv_heads=2" in overrides
+    assert "model.num_kv_heads=2" in overrides
+    # difflm-train's defaults are left to an adaptation recipe added to the printed command
+    assert not any(o.startswith(("objective=", "model.shift_logits=", "data.seq_len=")) for o in overrides)
+    for recipe, objective, shift, seq_len in (("fast_dllm_v2_adapt", "bd3lm", False, 2048),
+                                              ("dream_adapt", "mdlm", True, 2048)):
+        composed = compose_run([f"experiment={recipe}", *overrides])
+        assert (composed.objective.name, composed.model.shift_logits, composed.data.seq_len) == \
+            (objective, shift, seq_len), recipe
     _, ref_model, _, _ = load_run_for_export(tmp_path / "run")
     cfg = compose_run([*FAST, *small_data, *overrides, "train.max_steps=1",
                        "train.save_every=1", "train.eval_every=0"])
@@ -238,7 +245,7 @@ def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
     (out / "config.json").write_text(json.dumps(config))
     plain = import_hf(str(out), tmp_path / "plain")
     assert plain.data.seq_len == 128 and plain.gen == compose_run([]).gen
-    assert "data.seq_len=128" in train_overrides(plain) and not any(o.startswith("gen.") for o in train_overrides(plain))
+    assert not any(o.startswith(("gen.", "data.seq_len=")) for o in train_overrides(plain))  # the defaults
     for bad, match in [({"train_seq_len": 0}, "train_seq_len=0"), ({"gen_temperature": -1.0}, "gen.temperature=-1"),
                        ({"gen_cache": "all"}, "gen.cache='all'")]:
         (out / "config.json").write_text(json.dumps({**config, **bad}))
@@ -421,7 +428,7 @@ def test_cli_import_prints_train_command(tmp_path):
     res = run_cli("difflm.interop.hf_import", f"hf={src}", f"run.dir={tmp_path / 'run'}", "objective=ar", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "difflm-train objective=ar" in res.stdout and "model.qkv_bias=true" in res.stdout
-    assert " data.seq_len=128 " in res.stdout  # the training window to set for the model's context
+    assert "data.seq_len=" not in res.stdout  # the default: left to the command (an adaptation recipe sets its own)
     with pytest.raises(DifflmError, match="already holds checkpoints"):
         import_hf(str(src), tmp_path / "run")
 

@@ -503,7 +503,7 @@ def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module
 
     Raises: DifflmError when a checkpoint does not match the model or a LoRA run's base checkpoint is gone.
     """
-    from difflm.model.lora import apply_lora, lora_enabled
+    from difflm.model.lora import apply_lora, is_adapter, lora_enabled
 
     lora = cfg.get("lora")
     if not lora_enabled(lora):
@@ -512,13 +512,15 @@ def load_trained_weights(run_dir: Path, checkpoint: Path, model: torch.nn.Module
     lora = lora.copy()
     lora.dropout = 0.0  # no parameters; off for inference, so the TE kernels (weight-side adapters) take the run too
     state = read_trainer_state(checkpoint)
-    if state.get("lora_whole"):  # base and adapters in one checkpoint (difflm-rl's of a LoRA run)
-        apply_lora(model, lora, seed=int(cfg.train.seed))
+    if "lora_base" not in state:
+        # the base itself (no adapters trained yet: they start at B = 0), or base and adapters in one checkpoint
+        # (a difflm-rl run of a LoRA run, whose run.dir holds no base checkpoint of its own)
+        inline = bool(state.get("lora_whole")) or any(is_adapter(k) for k in (checkpoint_keys(checkpoint) or ()))
+        if inline:
+            apply_lora(model, lora, seed=int(cfg.train.seed))
         load_checkpoint(checkpoint, model)
-        return
-    if "lora_base" not in state:  # the base itself (no adapters trained yet): adapters start at B = 0
-        load_checkpoint(checkpoint, model)
-        apply_lora(model, lora, seed=int(cfg.train.seed))
+        if not inline:
+            apply_lora(model, lora, seed=int(cfg.train.seed))
         return
     base = int(state["lora_base"])
     if base < 0:

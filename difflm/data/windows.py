@@ -254,7 +254,8 @@ def check_state_keys(sampler, mine: dict, state: dict) -> None:
             raise DifflmError(
                 f"{key} changed since the checkpoint ({state[key]} -> {value}), set by {made_by}: the resumed run "
                 "would read other data in another order; restore those settings as the checkpoint's config.yaml has "
-                "them, or start a new run.dir"
+                "them, or start a new run.dir (from these weights: difflm-export, then difflm-import the export; or "
+                "lora=... on them)"
             )
 
 

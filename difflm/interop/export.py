@@ -134,7 +134,8 @@ def save_peft_adapter(model: torch.nn.Module, cfg, base_dir: Path, adapter_dir: 
     if filled != set(factors):
         raise DifflmError(f"peft adapted {sorted(filled)[:3]}..., not difflm's {sorted(factors)[:3]}...")
     peft_model.peft_config["default"].base_model_name_or_path = base_name or str(base_dir)
-    peft_model.save_pretrained(str(adapter_dir))
+    # no embedding adapters: peft's "auto" would look for the base's config.json at `base_name`, not written yet
+    peft_model.save_pretrained(str(adapter_dir), save_embedding_layers=False)
 
 
 def peft_factor_weights(factors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -321,15 +321,21 @@ def _override_value(value) -> str:
 
 def train_overrides(cfg) -> list[str]:
     """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``data.seq_len`` (the
-    training window: restored from a difflm export, else the default, to set for the model's context), ``model.*``,
-    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export), run.dir."""
-    from difflm.config.schema import GenerateConfig
+    training window restored from a difflm export), ``model.*``,
+    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export), run.dir.
+
+    ``objective``, ``data.seq_len`` and ``model.shift_logits`` are left out at difflm-train's defaults (mdlm, 128,
+    false): an adaptation recipe added to the command (``experiment=fast_dllm_v2_adapt``: bd3lm; ``dream_adapt``:
+    L = 2048, shifted logits) sets them, and a command-line value would silently override the recipe's."""
+    from difflm.config.schema import DataConfig, GenerateConfig
 
     m, defaults = cfg.model, GenerateConfig()
     gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items() if v != getattr(defaults, k, v)]
-    return ([f"objective={cfg.objective.name}", f"data.tokenizer={cfg.data.tokenizer}",
-             f"data.seq_len={cfg.data.seq_len}", "model.name=imported"]
-            + [f"model.{k}={_override_value(m[k])}" for k in MODEL_KEYS]
+    keys = [k for k in MODEL_KEYS if k != "shift_logits" or m[k]]
+    return ([f"objective={cfg.objective.name}"] * (cfg.objective.name != "mdlm")
+            + [f"data.tokenizer={cfg.data.tokenizer}"]
+            + [f"data.seq_len={cfg.data.seq_len}"] * (cfg.data.seq_len != DataConfig.seq_len) + ["model.name=imported"]
+            + [f"model.{k}={_override_value(m[k])}" for k in keys]
             + [f"model.moe.{k}={_override_value(m.moe[k])}" for k in MOE_KEYS if m.moe.num_experts]
             + gen + [f"run.dir={cfg.run.dir}"])
 

@@ -48,10 +48,15 @@ class AdaptersOffReference:
     def __init__(self, policy: torch.nn.Module, adapters_disabled=None):
         if adapters_disabled is None:
             try:
-                adapters_disabled = importlib.import_module("difflm.model.lora").adapters_disabled
+                lora = importlib.import_module("difflm.model.lora")
+                adapters_disabled = lora.adapters_disabled
             except (ImportError, AttributeError):
                 raise DifflmError("algorithm.reference=adapters_off needs the LoRA converter (difflm.model.lora."
                                   "adapters_disabled), which this install lacks: use algorithm.reference=frozen_copy")
+            if not any(lora.is_adapter(name) for name, _ in policy.named_parameters()):
+                # nothing to switch off: the reference would be the policy itself, a KL of 0 whatever beta
+                raise DifflmError("algorithm.reference=adapters_off needs a LoRA run (init.run_dir trained with "
+                                  "lora.rank > 0) and this policy has no adapters: use algorithm.reference=frozen_copy")
         self.policy, self.adapters_disabled = policy, adapters_disabled
 
     @torch.no_grad()

@@ -76,6 +76,11 @@ class PostTrainer:
 
         check_rl_config(cfg)
         self.cfg = cfg
+        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
+        if self.reward is not None and cfg.data.answer_field is None and (needs := self.reward.needs_answer()):
+            raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
+                              "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
+        self._reports: list[str] = []
         self.layout, device = build_layout(cfg, trained_settings(cfg.init.run_dir, cfg.init.step)[0], device)
         self.device = device
         self.is_rank0 = pdist.is_rank0()
@@ -90,13 +95,12 @@ class PostTrainer:
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
         self.estimator = build_estimator(cfg.estimator)
-        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
         self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
+        self._warn_beyond_window(records)
         self.step = 0
-        self._reports: list[str] = []
         ref_path = self.run_dir / "reference.pt"
         # a frozen copy is taken and saved / restored whole, before the layout: reference.pt is layout-free
         frozen = cfg.algorithm.reference == "frozen_copy"
@@ -166,6 +170,22 @@ class PostTrainer:
             epoch, pos = divmod(j, n)
             ids.append(int(np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)[pos]))
         return [self.train_records[i] for i in ids], ids
+
+    def _warn_beyond_window(self, records: list[dict]) -> None:
+        """One warning (as difflm-generate's) when the longest prompt and ``gen.length`` (grpo), or prompt and
+        response (dpo), need more positions than the init run's ``data.seq_len``: positions its model never saw."""
+        grpo, seq_len = self.cfg.algorithm.name == "grpo", int(self.init_cfg.data.seq_len)
+        if grpo:
+            prompt, length = max(len(self.prompt_ids(r)) for r in records), int(self.cfg.gen.length)
+        else:
+            prompt, length = max(((len(p), max(len(c), len(r))) for p, c, r in map(self.preference_ids, records)),
+                                 key=sum)
+        if prompt + length > seq_len:
+            what = f"gen.length={length}" if grpo else f"the longest response ({length} tokens)"
+            self.report(f"difflm: warning: the longest prompt ({prompt} tokens) and {what} make {prompt + length} "
+                        f"positions, more than the data.seq_len={seq_len} init.run_dir was trained on: expect poor "
+                        f"{'rollouts' if grpo else 'likelihoods'}; lower data.max_prompt_tokens or "
+                        f"{'gen.length' if grpo else 'data.max_response_tokens'}")
 
     # ------------------------------------------------------------------ updates
     def update(self, loss: torch.Tensor) -> float:

@@ -9,7 +9,8 @@ autoregressive checkpoint continued with ``objective=mdlm`` as in AR-to-diffusio
 forgotten override, another experiment preset). The model's shape and the batch are checked by the checkpoint load;
 everything else is allowed, so it is made visible instead: the resume names every changed key with its old and new
 value, and the settings the earlier steps ran with stay next to the run as ``config.step_<N>.yaml`` (N: the step
-resumed from) rather than being overwritten.
+resumed from) rather than being overwritten. One exception: another tokenizer than the checkpoint's is refused
+(:func:`check_resume_tokenizer`), since its ids would silently mean other tokens in an embedding of the same shape.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from difflm.data.indexed_dataset import write_text_atomic
+from difflm.errors import DifflmError
 
 SHOWN = 8  # changed keys named in the report line; the rest are counted
 
@@ -81,3 +83,32 @@ def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int
                    f"step {resumed_from} was trained with are kept in {kept})")
     write_text_atomic(path, text)
     return kept
+
+
+def check_resume_tokenizer(run_dir: Path, name: str, tok, vocab_multiple: int) -> None:
+    """Refuse a resume whose ``data.tokenizer`` (``name``, loaded as ``tok``: a
+    :class:`difflm.data.tokenizer.TokenizerInfo`) is another tokenizer than the newest checkpoint of ``run_dir`` was
+    trained with (e.g. the default one where a
+    ``difflm-import`` run needs ``data.tokenizer=<run.dir>/tokenizer``). The same tokenizer under another path (a
+    copied or moved run) passes: definitions are compared (:func:`difflm.data.preprocess.tokenizer_fingerprint`).
+    A checkpoint whose tokenizer cannot be read any more is not judged.
+
+    Raises: DifflmError naming both tokenizers and the override that restores the checkpoint's."""
+    from difflm.checkpoint.store import checkpoint_config_path, latest_checkpoint
+    from difflm.data.preprocess import tokenizer_fingerprint
+    from difflm.data.tokenizer import build_tokenizer
+
+    found = latest_checkpoint(Path(run_dir), report=lambda _: None)
+    source = None if found is None else checkpoint_config_path(Path(run_dir), found[1])
+    if source is None or not source.is_file():
+        return
+    old = OmegaConf.select(OmegaConf.load(source), "data.tokenizer", default=None)
+    if not old or old == name:
+        return
+    try:
+        before = build_tokenizer(old, vocab_multiple)
+    except Exception:  # noqa: BLE001 - gone or unreadable: the resume report still names the change
+        return
+    if (before.mask_id, tokenizer_fingerprint(before)) != (tok.mask_id, tokenizer_fingerprint(tok)):
+        raise DifflmError(f"data.tokenizer={name} is another tokenizer than {found[1]} was trained with "
+                          f"({old}): its ids would mean other tokens; pass data.tokenizer={old}")

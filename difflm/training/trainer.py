@@ -32,7 +32,7 @@ from difflm.training.schedule import build_scheduler, restore_scheduler, short_r
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest, process_age_s
 from difflm.training.profiling import Profiler
-from difflm.training.run_config import record_run_config
+from difflm.training.run_config import check_resume_tokenizer, record_run_config
 from difflm.training.run_dir import set_aside_run_records
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 from difflm.training.watchdog import StepWatchdog
@@ -90,6 +90,7 @@ class Trainer:
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+        check_resume_tokenizer(self.run_dir, cfg.data.tokenizer, self.tok, cfg.model.vocab_multiple)
         resolve_model_config(cfg.model, self.tok.padded_vocab_size)
         cache_dir = cfg.data.cache_dir or str(self.run_dir / "data_cache")
         for turn in ((True, False) if self.dims.distributed else (True,)):  # rank 0 tokenizes and caches first
@@ -282,8 +283,10 @@ class Trainer:
         pending, self._prefetched = self._prefetched, None
         if pending is not None:  # let the data thread finish before the sampler state is replaced
             concurrent.futures.wait([pending[1]])
+        fresh_adapters = False
         if self.lora:
             state = self._load_lora(path)
+            fresh_adapters = "lora_base" not in state
         else:
             from difflm.checkpoint.store import read_trainer_state
 
@@ -292,11 +295,15 @@ class Trainer:
                                   "lora.* settings it was trained with, or export it merged (difflm-export) and "
                                   "difflm-import that export to train every weight")
             state = load_checkpoint(path, self.model_parts, self.optimizer)
-        self.sampler.check_state(state["sampler"])
+        # adapters on a full run's weights start a new phase, usually on other data (SFT); a difflm-rl checkpoint
+        # (its trainer state: step, scheduler, seed) was trained on prompts, not on this run's windows
+        if not fresh_adapters and "sampler" in state:
+            self.sampler.check_state(state["sampler"])
         restore_scheduler(self.scheduler, state["scheduler"])
-        if state["scaler"]:
+        if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["torch_rng"])
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
         self.step = self.resumed_from = state["step"]
         self.data_offset = state.get("data_offset", 0)
         self.skipped_steps = state.get("skipped_steps", 0)
@@ -305,8 +312,10 @@ class Trainer:
         """A LoRA run's load (docs/lora.md): a LoRA checkpoint holds the adapters and their optimizer state and names
         its base (``lora_base``: the step of a checkpoint in this run.dir, -1 for the keyed init of train.seed, which
         the model was built with); any other checkpoint (``difflm-import``'s step_0, a full run's) is the base
-        itself, read model-only, and the adapters start fresh. Returns the trainer state."""
-        from difflm.checkpoint.store import load_base_weights, read_trainer_state
+        itself, read model-only, and the adapters start fresh, or from the adapters it holds as well (a difflm-rl run
+        of a LoRA run). Returns the trainer state."""
+        from difflm.checkpoint.store import checkpoint_keys, load_base_weights, read_trainer_state
+        from difflm.model.lora import is_adapter
 
         state = read_trainer_state(path)
         if "lora_base" in state:
@@ -317,6 +326,7 @@ class Trainer:
             return load_checkpoint(path, self.model_parts, self.optimizer, trainable_only=True)
         load_base_weights(path, self.model_parts)
         self.lora_base = int(state["step"])
+        inline = any(is_adapter(k) for k in (checkpoint_keys(path) or ()))  # a difflm-rl run's: base and adapters
         locate = None
         if self.dims.distributed:
             from difflm.parallel.materialize import ShardLocator
@@ -324,6 +334,8 @@ class Trainer:
             locate = ShardLocator(self.model_parts)
         for part in self.model_parts:  # fresh adapters (also when a loss spike rolls back to the base)
             init_adapters_(part, self.cfg.train.seed, locate)
+        if inline:  # the adapters trained there go on training
+            load_checkpoint(path, self.model_parts, None)
         self.optimizer.state.clear()  # and a fresh optimizer
         return state
 

@@ -11,7 +11,8 @@ A reward function is any Python callable ``fn(prompt: str, completion: str, answ
 
 The reward of a completion is sum_j w_j r_j. A term that raises or returns a non-finite value scores 0 for that
 completion, and the failure is reported with its prompt (:class:`WeightedReward`), so one bad completion or one
-buggy reward never stops the step.
+buggy reward never stops the step. A function that needs the reference answer says so with ``fn.needs_answer = True``
+(difflm-rl then refuses a run without ``data.answer_field`` before its first rollout).
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ class WeightedReward:
                 total += weight * value
             out.append(total)
         return out
+
+    def needs_answer(self) -> list[str]:
+        """Names of the terms that compare with the reference answer (their function has ``needs_answer = True``):
+        without ``data.answer_field`` every completion would fail them and score 0."""
+        return [name for name, fn, _ in self.terms if getattr(getattr(fn, "func", fn), "needs_answer", False)]
 
     def take_failures(self) -> list:
         """The failures since the last call, cleared."""

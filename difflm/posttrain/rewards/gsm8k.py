@@ -45,4 +45,7 @@ def gsm8k_answer_match(prompt: str, completion: str, answer: Optional[str] = Non
     return float(got is not None and abs(got - want) < 1e-6)
 
 
+gsm8k_answer_match.needs_answer = True  # difflm-rl refuses it without data.answer_field (WeightedReward.needs_answer)
+
+
 __all__ = ["extract_number", "gsm8k_answer_match"]

@@ -1,0 +1,181 @@
+"""The post-training lifecycle across entry points (docs/adaptation.md, lora.md, post_training.md, hf_interop.md):
+a full run continued by LoRA SFT on other data, difflm-rl on that LoRA run (its checkpoints and export keep the
+adapters), the adapters-off reference, and a resume that would read the ids with another tokenizer."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from difflm.errors import DifflmError
+from difflm.training.trainer import Trainer
+from test_posttrain_runtime import init_run  # noqa: F401  (pytest fixture)
+
+CPU = torch.device("cpu")
+LORA = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "objective.random_length_prob=0"]
+
+
+def write_pairs(path, n=12):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "response": f" {i} + {i} = {2 * i}. #### {2 * i}"})
+                    + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_sft_run(tmp_path_factory):
+    """A full run (1 step on the embedded corpus), continued in the same run.dir by LoRA SFT on pairs (2 steps)."""
+    from conftest import FAST, compose_run
+
+    root = tmp_path_factory.mktemp("lifecycle")
+    common = [*FAST, f"run.dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "train.eval_every=0",
+              "train.save_every=1"]
+    full = compose_run([*common, "train.max_steps=1"])
+    Trainer(full, full.run.dir, CPU).fit()
+    pairs = write_pairs(root / "pairs.jsonl")
+    sft = compose_run([*common, *LORA, "objective=sft", f"data.path={pairs}", "data.prompt_field=prompt",
+                       "train.max_steps=3", "optim.lr=3e-2", "schedule.warmup_steps=0"])
+    trainer = Trainer(sft, sft.run.dir, CPU)
+    return root, trainer, common
+
+
+def test_lora_sft_on_a_full_run_reads_its_own_data(lora_sft_run):
+    """Adapters on a full run's weights start a new phase on other data (the window count differs from the base's);
+    once the LoRA run has checkpoints, its own data is checked on resume as for any run."""
+    from conftest import compose_run
+
+    root, trainer, common = lora_sft_run
+    assert trainer.resumed_from == 1 and trainer.lora_base == 1
+    trainer.fit()
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    sft_losses = [r["loss"] for r in rows if r.get("objective") == "sft" and r.get("loss") is not None]
+    assert sft_losses and all(v > 0 for v in sft_losses)  # the responses carry the loss
+    other = write_pairs(root / "other.jsonl", n=40)
+    again = compose_run([*common, *LORA, "objective=sft", f"data.path={other}", "data.prompt_field=prompt",
+                         "train.max_steps=4"])
+    with pytest.raises(DifflmError, match="num_windows changed since the checkpoint"):
+        Trainer(again, again.run.dir, CPU)
+
+
+def test_rl_of_a_lora_run_keeps_and_exports_its_adapters(lora_sft_run, tmp_path):
+    """difflm-rl on a LoRA run (reference: adapters off) trains the adapters only; its checkpoint holds base and
+    adapters, and difflm-generate's load / difflm-export give the policy's logits (the adapters are not dropped)."""
+    from transformers import AutoModelForMaskedLM
+
+    from difflm.generate import load_run
+    from difflm.interop.export import export_checkpoint
+    from difflm.model.lora import adapters_disabled
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    root, trainer, common = lora_sft_run
+    if trainer.step < 3:
+        trainer.fit()
+    _, sft_model, _, _ = load_run(str(root / "run"), None, CPU)
+    rl = PostTrainer(rl_config(root / "run", tmp_path / "rl", "algorithm.reference=adapters_off", "optim.lr=5e-2",
+                               "train.max_steps=1"), CPU)
+    assert {n for n, p in rl.model.named_parameters() if p.requires_grad} == \
+        {n for n, _ in rl.model.named_parameters() if ".lora." in n}
+    rl.fit()
+    policy = {k: v.clone() for k, v in rl.model.state_dict().items()}
+    _, loaded, _, step = load_run(str(tmp_path / "rl"), None, CPU)
+    assert step == 1 and loaded.state_dict().keys() == policy.keys()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, policy[k]), k
+    moved = [k for k in policy if ".lora." in k and not torch.equal(policy[k], sft_model.state_dict()[k])]
+    assert moved  # RL moved the adapters ...
+    assert all(torch.equal(policy[k], v) for k, v in sft_model.state_dict().items() if ".lora." not in k)  # not W
+    x = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = loaded(x)
+        with adapters_disabled(loaded):
+            assert not torch.allclose(loaded(x), want)
+    out, _ = export_checkpoint(tmp_path / "rl", tmp_path / "merged")
+    hf = AutoModelForMaskedLM.from_pretrained(str(out), dtype=torch.float32, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, want, atol=1e-5, rtol=1e-5)
+    # difflm-train continues the RL run with LoRA: base and RL adapters read, a fresh optimizer, its own data
+    from conftest import compose_run
+
+    more = compose_run([*common, *LORA, "objective=sft", f"data.path={root / 'pairs.jsonl'}",
+                        "data.prompt_field=prompt", "train.max_steps=2", f"run.dir={tmp_path / 'rl'}"])
+    sft_again = Trainer(more, more.run.dir, CPU)
+    assert sft_again.resumed_from == 1 and sft_again.lora_base == 1 and not sft_again.optimizer.state
+    for k, v in sft_again.model.state_dict().items():
+        assert torch.equal(v, policy[k]), k
+    sft_again.fit()
+    assert sft_again.step == 2
+
+
+def test_adapters_off_reference_needs_adapters():
+    from difflm.config.schema import ModelConfig
+    from difflm.model import build_model
+    from difflm.posttrain.reference import build_reference
+
+    model = build_model(OmegaConf.structured(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2,
+                                                         ffn_hidden_size=64, head_dim=16, vocab_size=128)),
+                        causal=False, device=CPU, seed=0)
+    with pytest.raises(DifflmError, match="algorithm.reference=adapters_off needs a LoRA run"):
+        build_reference("adapters_off", model)
+
+
+def test_resume_with_another_tokenizer_is_refused(tmp_path):
+    """The default tokenizer where the run's checkpoint used another one (e.g. a difflm-import run's own) is
+    refused; the same tokenizer under another path (a copied run) is not."""
+    from transformers import AutoTokenizer
+
+    from difflm.checkpoint.store import save_checkpoint
+    from difflm.config import asset_path
+    from difflm.data import build_tokenizer
+    from difflm.training.run_config import check_resume_tokenizer
+
+    neox = str(asset_path("tokenizers/gpt-neox-20b"))
+    other = tmp_path / "other_tok"
+    tok = AutoTokenizer.from_pretrained(neox)
+    tok.add_tokens(["<|extra|>"])  # the same embedding shape (50304 rows), other ids: the mask moves by one
+    tok.save_pretrained(str(other))
+    copy = tmp_path / "copy_tok"
+    shutil.copytree(neox, copy)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, torch.nn.Linear(2, 2), None, {"step": 1},
+                    config=OmegaConf.to_yaml({"data": {"tokenizer": str(other)}}))
+    check_resume_tokenizer(run, str(other), build_tokenizer(str(other)), 128)  # unchanged
+    with pytest.raises(DifflmError, match=f"pass data.tokenizer={other}$"):
+        check_resume_tokenizer(run, neox, build_tokenizer(neox), 128)
+    save_checkpoint(run, 2, torch.nn.Linear(2, 2), None, {"step": 2},
+                    config=OmegaConf.to_yaml({"data": {"tokenizer": neox}}))
+    check_resume_tokenizer(run, str(copy), build_tokenizer(str(copy)), 128)  # the same definition elsewhere
+
+
+def test_answer_reward_without_answer_field_is_refused(tmp_path):
+    """reward=gsm8k (difflm-rl's default) compares with the reference answer: without data.answer_field every
+    completion would fail it and score 0, so the run is refused before its first rollout; reward=format is not."""
+    from difflm.posttrain.rewards import build_reward
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_config import compose_rl
+
+    assert build_reward(compose_rl(["reward=gsm8k"]).reward).needs_answer() == ["gsm8k_answer_match"]
+    assert build_reward(compose_rl(["reward=format"]).reward).needs_answer() == []
+    cfg = compose_rl([f"run.dir={tmp_path / 'rl'}", "data.path=x.jsonl"])
+    with pytest.raises(DifflmError, match="data.answer_field is null: set data.answer_field"):
+        PostTrainer(cfg, CPU)
+    assert not (tmp_path / "rl").exists()  # refused before anything is written
+
+
+def test_rl_warns_beyond_the_trained_window(init_run, tmp_path):
+    """Prompts + gen.length (grpo) or prompt + response (dpo) past the init run's data.seq_len (128) are warned about
+    once, naming the keys that shorten them, as difflm-generate does; within the window nothing is said."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    quiet = PostTrainer(rl_config(init_run, tmp_path / "a"), CPU)  # 8 prompt tokens + gen.length=4
+    assert not any("warning" in r for r in quiet._reports)
+    loud = PostTrainer(rl_config(init_run, tmp_path / "b", "gen.length=128", "gen.block_length=128",
+                                 "gen.steps=64"), CPU)
+    warned = [r for r in loud._reports if "warning" in r]
+    assert len(warned) == 1 and "the longest prompt (8 tokens) and gen.length=128 make 136 positions, more than " \
+        "the data.seq_len=128" in warned[0] and warned[0].endswith("lower data.max_prompt_tokens or gen.length")
