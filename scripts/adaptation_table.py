@@ -9,8 +9,13 @@ The recipes are the objective settings of conf/experiment/*_adapt.yaml with thei
 ``--adapt-steps`` and their block sizes to ``data.seq_len`` (:data:`RECIPES`). Everything after the options is a
 Hydra override of the runs (model, data, batch, device, precision).
 
-CPU (a few minutes; model=tiny on the embedded corpus):
+``--seeds`` repeats the whole table (AR checkpoint included) for each ``train.seed``; the table then gives each
+recipe's mean final NELBOs, adapted - scratch as mean ± sample standard deviation, each seed's difference and the
+number of seeds in which the adapted run ends lower (``--jobs``: seeds in parallel processes).
+
+CPU (a few minutes per seed; model=tiny on the embedded corpus; docs/adaptation.md's table is the second command):
     python scripts/adaptation_table.py
+    python scripts/adaptation_table.py --seeds 0,1,2 --jobs 3 --json benchmarks/results/adaptation_tiny_cpu.json
 
 One H200 (model=125m on a real corpus; only torch, hydra, omegaconf and datasets are needed, no Transformer Engine):
     python scripts/adaptation_table.py --ar-steps 2000 --adapt-steps 500 --eval-every 50 --target-nelbo scratch \\
