@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -73,8 +74,8 @@ def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
     if name == "fast_dllm_v2":
         return ["objective=bd3lm", f"objective.block_size={block}", "objective.complementary_masks=true"]
     if name == "megatron_bridge_hybrid":
-        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}", "objective.ar_loss_weight=1.0",
-                "objective.diffusion_loss_weight=0.3"]
+        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}",
+                "objective.diffusion_loss_weight=0.3", "objective.ar_loss_weight=1.0"]
     raise SystemExit(f"adaptation_table: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
 
 
@@ -117,6 +118,8 @@ def run_seed(seed: int, args, overrides: list[str], out: Path) -> dict:
     ar = make_trainer([*overrides, "objective=ar", f"train.max_steps={args.ar_steps}"], out / "ar", cache)
     ar_nll = train(ar, args.ar_steps, None)[-1][1]
     seq_len = ar.cfg.data.seq_len
+    cpu = f"CPU ({torch.get_num_threads()} torch threads)"
+    device = torch.cuda.get_device_name(ar.device) if ar.device.type == "cuda" else cpu
     weights = {k: v.detach().clone() for k, v in ar.model.state_dict().items()}
     print(f"seed {seed}: AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
     del ar
@@ -132,7 +135,7 @@ def run_seed(seed: int, args, overrides: list[str], out: Path) -> dict:
             print(f"  seed {seed}: {name} {start}: val NELBO {result[start][-1][1]:.4f}", flush=True)
             del trainer
         rows.append(result)
-    return {"seed": seed, "ar_nll": ar_nll, "rows": rows}
+    return {"seed": seed, "device": device, "ar_nll": ar_nll, "rows": rows}
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -202,7 +205,8 @@ def main(argv=None) -> int:
         per_seed = ", ".join(f"{d:+.3f}" for d in s["diffs"])
         print(f"| {s['recipe']} | {s['scratch_mean']:.4f} | {s['adapted_mean']:.4f} | "
               f"{s['diff_mean']:+.4f} ± {s['diff_sd']:.4f} | {per_seed} | {s['lower_in']}/{len(runs)}{extra} |")
-    result = {"command": "python scripts/adaptation_table.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": runs[0]["device"],
+              "command": "python scripts/adaptation_table.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "ar_steps": args.ar_steps, "adapt_steps": args.adapt_steps, "seeds": seeds, "runs": runs,
               "summary": summary}
     text = strict_json.dumps(result, indent=1)
