@@ -9,8 +9,13 @@ The recipes are the objective settings of conf/experiment/*_adapt.yaml with thei
 ``--adapt-steps`` and their block sizes to ``data.seq_len`` (:data:`RECIPES`). Everything after the options is a
 Hydra override of the runs (model, data, batch, device, precision).
 
-CPU (a few minutes; model=tiny on the embedded corpus):
+``--seeds`` repeats the whole table (AR checkpoint included) for each ``train.seed``; the table then gives each
+recipe's mean final NELBOs, adapted - scratch as mean ± sample standard deviation, each seed's difference and the
+number of seeds in which the adapted run ends lower (``--jobs``: seeds in parallel processes).
+
+CPU (a few minutes per seed; model=tiny on the embedded corpus; docs/adaptation.md's table is the second command):
     python scripts/adaptation_table.py
+    python scripts/adaptation_table.py --seeds 0,1,2 --jobs 3 --json benchmarks/results/adaptation_tiny_cpu.json
 
 One H200 (model=125m on a real corpus; only torch, hydra, omegaconf and datasets are needed, no Transformer Engine):
     python scripts/adaptation_table.py --ar-steps 2000 --adapt-steps 500 --eval-every 50 --target-nelbo scratch \\
@@ -26,6 +31,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -68,8 +74,8 @@ def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
     if name == "fast_dllm_v2":
         return ["objective=bd3lm", f"objective.block_size={block}", "objective.complementary_masks=true"]
     if name == "megatron_bridge_hybrid":
-        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}", "objective.ar_loss_weight=1.0",
-                "objective.diffusion_loss_weight=0.3"]
+        return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}",
+                "objective.diffusion_loss_weight=0.3", "objective.ar_loss_weight=1.0"]
     raise SystemExit(f"adaptation_table: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
 
 
@@ -102,28 +108,21 @@ def tokens_to(curve: list[tuple[int, float]], target: float) -> Optional[int]:
     return next((tokens for tokens, nelbo in curve if nelbo <= target), None)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--ar-steps", type=int, default=60, help="AR pre-training steps of the checkpoint to adapt")
-    ap.add_argument("--adapt-steps", type=int, default=30, help="steps of each recipe, adapted and from scratch")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: only at the end)")
-    ap.add_argument("--target-nelbo", default=None, help="report the tokens each run needs to reach this NELBO; "
-                    "'scratch': each recipe's from-scratch final NELBO")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
-    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
-    args = ap.parse_args(argv)
-    overrides = [*(args.overrides or CPU_DEFAULTS), *COMMON]
-    out = Path(args.out or tempfile.mkdtemp(prefix="adaptation_"))
-    cache = out / "data_cache"
-
+def run_seed(seed: int, args, overrides: list[str], out: Path) -> dict:
+    """One seed of the table (``train.seed=seed`` in every run): the AR checkpoint, then each recipe from scratch and
+    adapted. Returns {"seed", "ar_nll", "rows": [{"recipe", "scratch", "adapted": curves}]}."""
+    overrides = [*overrides, f"train.seed={seed}"]
+    # parallel seeds each tokenise into their own cache (no two processes write one file)
+    cache = out / (f"seed_{seed}" if args.jobs > 1 else "") / "data_cache"
+    out = out / f"seed_{seed}"
     ar = make_trainer([*overrides, "objective=ar", f"train.max_steps={args.ar_steps}"], out / "ar", cache)
     ar_nll = train(ar, args.ar_steps, None)[-1][1]
     seq_len = ar.cfg.data.seq_len
+    cpu = f"CPU ({torch.get_num_threads()} torch threads)"
+    device = torch.cuda.get_device_name(ar.device) if ar.device.type == "cuda" else cpu
     weights = {k: v.detach().clone() for k, v in ar.model.state_dict().items()}
-    print(f"AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
+    print(f"seed {seed}: AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
     del ar
-
     rows = []
     for name in args.recipes.split(","):
         recipe = [*overrides, *recipe_overrides(name, args.adapt_steps, seq_len), f"train.max_steps={args.adapt_steps}"]
@@ -133,27 +132,88 @@ def main(argv=None) -> int:
             if start == "adapted":
                 trainer.model.load_state_dict(weights)
             result[start] = train(trainer, args.adapt_steps, args.eval_every)
-            print(f"  {name} {start}: val NELBO {result[start][-1][1]:.4f}", flush=True)
+            print(f"  seed {seed}: {name} {start}: val NELBO {result[start][-1][1]:.4f}", flush=True)
             del trainer
         rows.append(result)
+    return {"seed": seed, "device": device, "ar_nll": ar_nll, "rows": rows}
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per recipe over the seeds of ``runs``: the final NELBOs' means and adapted - scratch per seed, its mean and
+    sample standard deviation (0 for one seed)."""
+    summary = []
+    for i, name in enumerate(r["recipe"] for r in runs[0]["rows"]):
+        scratch = [run["rows"][i]["scratch"][-1][1] for run in runs]
+        adapted = [run["rows"][i]["adapted"][-1][1] for run in runs]
+        diffs = [a - s for a, s in zip(adapted, scratch)]
+        mean = sum(diffs) / len(diffs)
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
+        summary.append({"recipe": name, "scratch_mean": sum(scratch) / len(scratch),
+                        "adapted_mean": sum(adapted) / len(adapted), "diff_mean": mean, "diff_sd": sd,
+                        "diffs": diffs, "lower_in": sum(d < 0 for d in diffs)})
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--ar-steps", type=int, default=200, help="AR pre-training steps of the checkpoint to adapt")
+    ap.add_argument("--adapt-steps", type=int, default=30, help="steps of each recipe, adapted and from scratch")
+    ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: the whole table (AR checkpoint "
+                    "included) runs once per seed; the table gives the mean and the per-seed differences")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel, one process each")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: only at the end)")
+    ap.add_argument("--target-nelbo", default=None, help="report the tokens each run needs to reach this NELBO; "
+                    "'scratch': each recipe's from-scratch final NELBO")
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
+    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
+    ap.add_argument("--json", default=None, help="also write the table's JSON (every curve, the summary) here")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
+    args = ap.parse_args(argv)
+    overrides = [*(args.overrides or CPU_DEFAULTS), *COMMON]
+    out = Path(args.out or tempfile.mkdtemp(prefix="adaptation_"))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.jobs > 1 and len(seeds) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs = list(pool.map(run_seed, seeds, [args] * len(seeds), [overrides] * len(seeds), [out] * len(seeds)))
+    else:
+        runs = [run_seed(seed, args, overrides, out) for seed in seeds]
 
     def millions(value) -> str:
         return "not reached" if value is None else f"{value / 1e6:.2f}M"
 
+    for run in runs:
+        for r in run["rows"]:
+            if args.target_nelbo is not None:
+                r["target"] = r["scratch"][-1][1] if args.target_nelbo == "scratch" else float(args.target_nelbo)
+    summary = summarise(runs)
+    ar = ", ".join(f"{run['ar_nll']:.4f}" for run in runs)
+    print(f"\nval NELBO (nats/token) after {args.adapt_steps} steps; adapted = from {args.ar_steps} AR steps "
+          f"(AR validation NLL {ar}); seeds {args.seeds}: mean over seeds, sd = sample standard deviation")
     target = "" if args.target_nelbo is None else " | target | tokens scratch | tokens adapted"
-    print(f"\nval NELBO (nats/token) after {args.adapt_steps} steps; adapted = from {args.ar_steps} AR steps")
-    print(f"| recipe | scratch | adapted | adapted - scratch{target} |")
-    print("|---|---|---|---|" + ("---|---|---|" if target else ""))
-    for r in rows:
-        s_nelbo, a_nelbo = r["scratch"][-1][1], r["adapted"][-1][1]
+    print(f"| recipe | scratch | adapted | adapted - scratch (mean ± sd) | per seed | lower in{target} |")
+    print("|---|---|---|---|---|---|" + ("---|---|---|" if target else ""))
+    for i, s in enumerate(summary):
         extra = ""
-        if args.target_nelbo is not None:
-            goal = s_nelbo if args.target_nelbo == "scratch" else float(args.target_nelbo)
-            r["target"] = goal
-            extra = f" | {goal:.4f} | {millions(tokens_to(r['scratch'], goal))} | {millions(tokens_to(r['adapted'], goal))}"
-        print(f"| {r['recipe']} | {s_nelbo:.4f} | {a_nelbo:.4f} | {a_nelbo - s_nelbo:+.4f}{extra} |")
-    (out / "adaptation_table.json").write_text(strict_json.dumps({"ar_nll": ar_nll, "rows": rows}, indent=1))
-    return 0 if all(math.isfinite(r["adapted"][-1][1]) for r in rows) else 1
+        if args.target_nelbo is not None:  # per seed, " / "-separated
+            rows = [run["rows"][i] for run in runs]
+            extra = (" | " + " / ".join(f"{r['target']:.4f}" for r in rows)
+                     + " | " + " / ".join(millions(tokens_to(r["scratch"], r["target"])) for r in rows)
+                     + " | " + " / ".join(millions(tokens_to(r["adapted"], r["target"])) for r in rows))
+        per_seed = ", ".join(f"{d:+.3f}" for d in s["diffs"])
+        print(f"| {s['recipe']} | {s['scratch_mean']:.4f} | {s['adapted_mean']:.4f} | "
+              f"{s['diff_mean']:+.4f} ± {s['diff_sd']:.4f} | {per_seed} | {s['lower_in']}/{len(runs)}{extra} |")
+    result = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "device": runs[0]["device"],
+              "command": "python scripts/adaptation_table.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "ar_steps": args.ar_steps, "adapt_steps": args.adapt_steps, "seeds": seeds, "runs": runs,
+              "summary": summary}
+    text = strict_json.dumps(result, indent=1)
+    (out / "adaptation_table.json").write_text(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if all(math.isfinite(r["adapted"][-1][1]) for run in runs for r in run["rows"]) else 1
 
 
 if __name__ == "__main__":

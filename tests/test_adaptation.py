@@ -302,3 +302,37 @@ def test_complementary_masks_sft_keep_prompts_clean(model):
                 row, w = (b, 1 / p) if first[b, i] else (B + b, 1 / max(1 - p, 1e-3))
                 total += 0.5 * w * float(lp[row, i, x0[b, i]]) / n
     assert difflm_loss(model, obj, batch, tb, "sequence") == pytest.approx(total / B, abs=1e-6)
+
+
+def test_adaptation_table_hybrid_row_keeps_the_recipe_weights():
+    """The table's hybrid row trains the recipe's loss weights (diffusion 0.3, AR 1.0, as Megatron-Bridge's
+    NemotronLabsDiffusion provider sets dlm_loss_weight / ar_loss_weight), not swapped ones."""
+    from conftest import load_script
+
+    table = load_script("adaptation_table")
+    recipe = OmegaConf.load(table.difflm.config.CONF_DIR / "experiment" / "megatron_bridge_hybrid_adapt.yaml")
+    row = dict(o.split("=", 1) for o in table.recipe_overrides("megatron_bridge_hybrid", 30, 32))
+    assert (float(row["objective.diffusion_loss_weight"]), float(row["objective.ar_loss_weight"])) == \
+        (recipe.objective.diffusion_loss_weight, recipe.objective.ar_loss_weight) == (0.3, 1.0)
+
+
+def test_adaptation_table_summary_over_seeds():
+    """Per recipe: the mean of the final NELBOs, adapted - scratch per seed, its mean and sample standard deviation
+    and the number of seeds in which the adapted run ends lower."""
+    import statistics
+
+    from conftest import load_script
+
+    finals = {"a": [(6.0, 5.5), (6.2, 6.3), (5.9, 5.6)], "b": [(7.0, 6.0), (7.1, 6.4), (7.3, 6.2)]}
+    runs = [{"seed": s, "ar_nll": 5.0, "rows": [{"recipe": name, "scratch": [(0, 9.0), (1, pairs[s][0])],
+                                                  "adapted": [(0, 8.0), (1, pairs[s][1])]}
+                                                 for name, pairs in finals.items()]} for s in range(3)]
+    summary = load_script("adaptation_table").summarise(runs)
+    for row, (name, pairs) in zip(summary, finals.items()):
+        diffs = [a - s for s, a in pairs]
+        assert row["recipe"] == name and row["diffs"] == pytest.approx(diffs, abs=1e-12)
+        assert row["diff_mean"] == pytest.approx(statistics.mean(diffs), abs=1e-12)
+        assert row["diff_sd"] == pytest.approx(statistics.stdev(diffs), abs=1e-12)
+        assert row["scratch_mean"] == pytest.approx(statistics.mean(s for s, _ in pairs), abs=1e-12)
+        assert row["adapted_mean"] == pytest.approx(statistics.mean(a for _, a in pairs), abs=1e-12)
+    assert [row["lower_in"] for row in summary] == [2, 3]

@@ -5,7 +5,10 @@ block size 64).
     L = w_diff * L_diffusion(x_t) + w_ar * (1 / N_ar) sum_j -log p_theta(x_0^{j+1} | x_0^{<=j})   (causal attention)
 
 The AR term runs as a second forward of the same model over the clean tokens under a causal mask (the batch's
-``aux``); the trainer adds its loss to the diffusion loss of the same micro-batch.
+``aux``); the trainer adds its loss to the diffusion loss of the same micro-batch. The weights are the recipe's
+``dlm_loss_weight = 0.3`` and ``ar_loss_weight = 1.0`` (its NemotronLabsDiffusion model provider). The recipe takes
+both terms from one forward of ``[x_t ; x_0]`` whose clean half attends fully causally; here the diffusion forward
+keeps BD3-LM's block-causal clean half, the mask that evaluation and block-by-block sampling use.
 """
 from __future__ import annotations
 
