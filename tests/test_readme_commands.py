@@ -66,7 +66,11 @@ def check_hydra_command(config_name: str, argv: list[str]) -> None:
     overrides = [a for a in args.overrides if not a.startswith("hydra")]
     if not args.multirun and not args.help:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            compose(config_name, overrides)
+            cfg = compose(config_name, overrides)
+        if config_name == "rl":  # difflm-rl's cross-key checks (a reward that needs data.answer_field, ...)
+            from difflm.posttrain.runner import check_rl_config
+
+            check_rl_config(cfg)
 
 
 def check(command: str) -> None:
@@ -135,6 +139,8 @@ def test_a_broken_command_is_caught():
 
     with pytest.raises(DifflmError, match="did you mean model.hidden_size"):
         check("difflm-train model.hiden_size=64")
+    with pytest.raises(DifflmError, match="set data.answer_field"):
+        check("difflm-rl init.run_dir=runs/sft data.path=prompts.jsonl reward=gsm8k")
     with pytest.raises(AssertionError, match="no such target"):
         check("make instal")
     with pytest.raises(AssertionError, match="no such script"):

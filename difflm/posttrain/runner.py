@@ -64,6 +64,9 @@ def check_rl_config(cfg) -> None:
         raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
     if cfg.train.max_steps < 1:
         raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
+    if a.name == "grpo" and cfg.data.answer_field is None and (needs := build_reward(cfg.reward).needs_answer()):
+        raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
+                          "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
 
 
 class PostTrainer:
@@ -77,9 +80,6 @@ class PostTrainer:
         check_rl_config(cfg)
         self.cfg = cfg
         self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
-        if self.reward is not None and cfg.data.answer_field is None and (needs := self.reward.needs_answer()):
-            raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
-                              "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
         self._reports: list[str] = []
         self.layout, device = build_layout(cfg, trained_settings(cfg.init.run_dir, cfg.init.step)[0], device)
         self.device = device
