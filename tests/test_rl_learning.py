@@ -41,8 +41,14 @@ def test_batch_layout_and_decode():
 
 @pytest.mark.slow  # SFT to the point where the model half knows the task, then GRPO and VRPO: minutes on 2 cores
 def test_grpo_and_vrpo_learn_on_held_out_problems():
-    r = rl.run(quick=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the script's main: the figures of docs/post_training.md
+    try:
+        r = rl.run(quick=True)
+    finally:
+        torch.set_num_threads(threads)
     assert 0.1 < r["sft_exact"] < 0.6  # SFT leaves room to learn
-    assert r["grpo_exact"] >= r["sft_exact"] + 0.1
+    assert r["grpo_exact"] >= r["sft_exact"] + 0.15  # docs/post_training.md: 0.380 -> 0.630
     assert r["grpo_digits"] > r["sft_digits"]
+    assert r["grpo_exact"] > r["sft_more_exact"] + 0.05  # more than SFT gains in as many updates
     assert r["vrpo_margin"] > r["sft_margin"] + 1.0
