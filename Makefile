@@ -18,10 +18,11 @@ train:              ## train model=tiny on the embedded tinyshakespeare corpus (
 generate:           ## continue a prompt with the run trained by `make train`
 	difflm-generate run.dir=$(RUN_DIR) prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32
 
-# pytest-xdist: one worker per logical CPU (TEST_WORKERS=1 runs in one process); a file's tests stay on one worker,
-# so a module's shared fixture (a trained run, a torchrun launch) is built once.
+# pytest-xdist: one worker per logical CPU (TEST_WORKERS=0: no workers, one process); a file's tests stay on one worker,
+# so a module's shared fixture (a trained run, a torchrun launch) is built once; files are handed out in the order
+# tests/conftest.py sorts them (the longest first), not by test count.
 TEST_WORKERS ?= logical
-PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test:               ## the whole test suite (CPU), on every core
 	$(PYTHON) -m pytest tests -q $(PYTEST_PARALLEL) --durations=20
