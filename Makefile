@@ -18,11 +18,17 @@ train:              ## train model=tiny on the embedded tinyshakespeare corpus (
 generate:           ## continue a prompt with the run trained by `make train`
 	difflm-generate run.dir=$(RUN_DIR) prompt="ROMEO:" gen.length=64 gen.steps=64 gen.block_length=32
 
-test:               ## the whole test suite (CPU)
-	$(PYTHON) -m pytest tests -q --durations=20
+# pytest-xdist: one worker per logical CPU (TEST_WORKERS=0: no workers, one process); a file's tests stay on one worker,
+# so a module's shared fixture (a trained run, a torchrun launch) is built once; files are handed out in the order
+# tests/conftest.py sorts them (the longest first), not by test count.
+TEST_WORKERS ?= logical
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test-fast:          ## everything but the end-to-end CLI runs
-	$(PYTHON) -m pytest tests -q --ignore=tests/test_end_to_end.py
+test:               ## the whole test suite (CPU), on every core
+	$(PYTHON) -m pytest tests -q $(PYTEST_PARALLEL) --durations=20
+
+test-fast:          ## the unit tests: no end-to-end CLI runs and no multi-process launches marked slow
+	$(PYTHON) -m pytest tests -q $(PYTEST_PARALLEL) -m "not slow" --ignore=tests/test_end_to_end.py
 
 clean:              ## remove the outputs of make train and of the README's examples
 	rm -rf outputs multirun runs sweeps hf .pytest_cache

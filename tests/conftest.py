@@ -16,6 +16,36 @@ import difflm.config
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# Under pytest-xdist (`make test`: one worker per core) each worker and every process it starts runs torch on one
+# thread: N workers x N intra-op threads on N cores would oversubscribe them.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+# The files that take longest (process launches, end-to-end CLI runs; measured in docs/testing.md), started first so
+# that the workers of `--dist loadfile` end together rather than one waiting on a long file begun last.
+LONGEST_FIRST = [
+    "test_operations.py", "test_parallel.py", "test_end_to_end.py", "test_cli.py", "test_eval.py",
+    "test_moe_parallel.py", "test_config.py", "test_hf_interop.py", "test_checkpoint.py", "test_benchmark.py",
+    "test_qkv.py", "test_preprocess.py", "test_materialize.py", "test_sft.py", "test_eval_harness.py",
+    "test_layout_check.py", "test_slurm.py", "test_plan.py", "test_lora.py",
+]
+
+
+def pytest_configure(config):
+    if XDIST_WORKER:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put the files of :data:`LONGEST_FIRST` first (in that order), each file's tests keeping their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 # A model small enough for many CPU steps in a test; the data is the embedded corpus.
 FAST = [
     "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",

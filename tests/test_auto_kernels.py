@@ -130,6 +130,7 @@ def test_sampling_chooses_again_for_its_device(machine):
         apply_kernel_overrides(cfg, None, torch.device("cpu"))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cpu_run_with_defaults_trains_and_records_the_choice(tmp_path):
     out = run_cli("difflm.train", "model=tiny", "train.max_steps=2", "train.eval_every=0", "train.save_every=0",
                   "train.sample_at_end=false", "data.seq_len=32", "train.global_batch_size=2",
@@ -143,6 +144,7 @@ def test_cpu_run_with_defaults_trains_and_records_the_choice(tmp_path):
     assert saved.auto_reason.startswith("kernels auto on cpu")
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cfg_job_shows_the_choice_as_yaml_comments():
     out = run_cli("difflm.train", "--cfg", "job", "model=tiny", "precision=bf16")
     assert out.returncode == 0, out.stderr[-2000:]

@@ -173,6 +173,7 @@ def test_plan_orders_rows_by_megadlms_shape(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # a plan writes nothing, not even an empty log directory
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_megadlms_rows_and_ratios_in_one_call(tmp_path, capsys):
     """Fake MegaDLMs export (scripts print Megatron's iteration lines under torchrun) next to CPU difflm rows:
     the ratio is difflm tokens/s over MegaDLMs' at the same shape and precision, from this call."""
@@ -250,6 +251,7 @@ def test_unknown_profile_row_fails_before_any_row_runs(capsys):
     assert captured.err == "difflm: error: --profile nosuch: no such row; the rows are: reference, a, b\n"
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_bad_base_override_is_one_line_exit_2(capsys):
     from conftest import REPO
 

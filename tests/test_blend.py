@@ -129,6 +129,7 @@ def test_blend_resume_is_bit_exact_with_per_source_val_nelbo(corpora, fast_cfg, 
     assert 0 < last["val_nelbo/a"] < 20 and ra[0]["val_nelbo/a"] > 0  # the step-0 evaluation has them too
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_every_layout_sees_the_same_windows(corpora, tmp_path):
     """tp2pp2, dp2 x tp2 and fsdp (dp4) on 4 gloo ranks: each rank's data-parallel slice of every step holds the
     windows of the same slice of the single-process batch."""

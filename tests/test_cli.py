@@ -45,6 +45,7 @@ def test_prompt_is_the_text_as_typed(typed):
     assert OmegaConf.create({"p": value}).p == typed
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_a_bad_interpolation_is_one_line():
     out = run_cli("difflm.generate", "run.dir=nowhere", "prompt=${nokey}", timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
@@ -78,6 +79,7 @@ REQUIRED = [("difflm.evaluate", [], "data.path, run.dir are required"),
             ("difflm.preprocess", ["input=x.txt"], "output is required")]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,args,message", REQUIRED, ids=[f"{m}-{len(a)}" for m, a, _ in REQUIRED])
 def test_entry_points_name_their_missing_keys(module, args, message, tmp_path):
     out = run_cli(module, *args, cwd=tmp_path, timeout=120)
@@ -94,6 +96,7 @@ UNKNOWN = [("difflm.train", ["+train.max_stepz=5"], "+train.max_stepz: train has
             "(GenerateConfig)")]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,args,message", UNKNOWN, ids=[m for m, _, _ in UNKNOWN])
 def test_entry_points_refuse_a_key_added_with_plus_that_the_schema_lacks(module, args, message, tmp_path):
     out = run_cli(module, f"run.dir={tmp_path / 'run'}", *args, cwd=tmp_path, timeout=120)
@@ -139,6 +142,7 @@ def test_forward_only_reads_leave_the_training_kernels_out():
     assert (cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune) == (False, False, False)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}],
                          ids=["torchrun", "srun"])
 def test_a_multirun_under_a_multi_process_launch_is_refused(env, tmp_path):
@@ -193,6 +197,7 @@ def test_a_mistyped_key_or_preset_is_one_line_before_hydra(module, args, message
     assert capsys.readouterr().err == f"difflm: error: {message}\n"
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_a_mistyped_key_on_the_command_line_is_all_that_is_printed(tmp_path):
     out = run_cli("difflm.train", "model.hiden_size=64", f"run.dir={tmp_path / 'run'}", timeout=120)
     assert (out.returncode, out.stdout) == (2, "")
@@ -217,6 +222,7 @@ def test_command_lines_with_known_keys_and_presets_pass(config_name, argv):
     check_overrides(argv, config_name)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_a_correct_command_line_reaches_hydra_unchanged(tmp_path):
     out = run_cli("difflm.train", "--cfg", "job", "model=125m", "model.hidden_size=64", "logger.sample_prompt=a=b",
                   f"run.dir={tmp_path}", timeout=120)
@@ -236,6 +242,7 @@ def _errors_said_by_ranks(monkeypatch, rank_variable: str, *args) -> list[int]:
     return counts
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
     """Every rank checks the same command line and config: rank 0 says what is wrong, the others exit 2 without a
     word (a 2-rank launch printed each line twice, and two ranks' lines could run together)."""
@@ -247,6 +254,7 @@ def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
         assert _errors_said_by_ranks(monkeypatch, "RANK", *args) == [1, 0], args
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
     """srun sets SLURM_PROCID, not RANK: the rank is read the one way the launch is (launch_env), so a mistyped key
     is said once there too, also by an entry point that does not set RANK itself (difflm-eval)."""
@@ -256,6 +264,7 @@ def test_errors_under_srun_are_said_once_by_task_0(monkeypatch):
     assert _errors_said_by_ranks(monkeypatch, "SLURM_PROCID", "difflm.evaluate", "eval.mc_sample=4") == [1, 0]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_hydra_job_chdir_keeps_relative_paths_relative_to_the_launch_folder(tmp_path):
     """``hydra.job.chdir=true`` moved the job into run.dir, so a relative ``data.path`` or ``data.tokenizer`` (in the
     launch folder) was reported missing. Every path is read from the launch folder, for train and preprocess alike."""

@@ -37,6 +37,7 @@ def test_an_unquoted_prompt_split_by_the_shell_says_quote_the_prompt():
                                                   """data.path='"a: (b)"'""")
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,key", [("difflm.generate", "gen:"), ("difflm.evaluate", "eval:")])
 def test_help_lists_only_what_the_command_takes(module, key):
     out = run_cli(module, "--help", timeout=120)

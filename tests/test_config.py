@@ -147,6 +147,7 @@ def test_validation_errors_name_the_key(overrides, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_ar_with_shift_logits_is_one_line_exit_2(tmp_path):
     """A fault report: ``objective=ar model.shift_logits=true`` trained (exit 0) though difflm-import refuses it."""
     out = run_cli("difflm.train", "objective=ar", "model.shift_logits=true", f"run.dir={tmp_path / 'run'}", timeout=120)
@@ -176,12 +177,14 @@ def test_accumulation_steps():
     assert check_batch(compose_run(["train.global_batch_size=32", "train.micro_batch_size=8"])) == 4
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cfg_job_prints_composed_run():
     out = run_cli("difflm.train", "--cfg", "job", "model=1.7b", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "num_layers: 28" in out.stdout and "hidden_size: 2048" in out.stdout
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cli_typo_is_one_line_without_traceback():
     out = run_cli("difflm.train", "model.num_layer=3", timeout=120)
     assert out.returncode != 0
@@ -296,6 +299,7 @@ def test_a_tiny_valid_fraction_still_evaluates_one_window_and_zero_is_refused_by
     assert not (tmp_path / "unread").exists()  # refused before any tokenization
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
     """``experiment=megadlm_1.7b model=tiny``: num_kv_heads=16 comes from the recipe and num_heads=4 from the tiny
     preset; the error said neither. Sources come from Hydra's defaults list; a key typed on the command line is the

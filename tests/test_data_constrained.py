@@ -71,6 +71,7 @@ def test_sweep_and_plot_end_to_end_on_cpu(tmp_path):
     assert (out / "data_constrained.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_experiment_without_data_path_is_one_line(tmp_path):
     from conftest import run_cli
 

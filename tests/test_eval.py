@@ -90,6 +90,7 @@ def test_ar_estimate_is_the_exact_nll():
     assert torch.allclose(est[0].float(), ref, rtol=1e-5)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("objective", ["bd3lm"])
 def test_eval_cli_on_trained_run(tmp_path, objective):
     text = tmp_path / "held_out.txt"

@@ -34,6 +34,7 @@ def test_recipe_without_its_corpus_refuses_to_start(name):
     assert check_run(with_hub, world_size=8).type == "cpu"
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_recipe_without_its_corpus_is_one_line_from_the_command_line(tmp_path):
     out = run_cli("difflm.train", "experiment=megadlm_1.7b", f"run.dir={tmp_path / 'run'}", timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -90,6 +91,7 @@ def test_recipe_values_are_the_published_ones():
         (2e-4, pytest.approx(2e-5), 256)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_recipe_on_the_command_line_and_overridable():
     out = run_cli("difflm.train", "--cfg", "job", "experiment=megadlm_1.7b", "train.max_steps=20000", timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -254,6 +254,7 @@ def test_export_import_round_trip_keeps_seq_len_and_gen(tmp_path, small_data):
         assert not (tmp_path / "bad").exists()  # refused before anything is written
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_export_says_which_checkpoint_step_it_holds(trained_run, tmp_path):
     """The export's config.json records the checkpoint's step, and difflm-export's message names it."""
     from difflm.interop.export import export_checkpoint
@@ -423,6 +424,7 @@ def test_shift_logits_moves_logits_right():
     assert torch.allclose(b[:, 1:], a[:, :-1], atol=1e-6) and torch.allclose(b[:, 0], a[:, 0], atol=1e-6)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cli_import_prints_train_command(tmp_path):
     src = make_hf(tmp_path, "qwen2", 50432, True)
     res = run_cli("difflm.interop.hf_import", f"hf={src}", f"run.dir={tmp_path / 'run'}", "objective=ar", timeout=300)

@@ -21,6 +21,7 @@ SHARED = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.gl
 lc = load_script("layout_check")
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cpu_correctness_and_reshard(tmp_path):
     out = tmp_path / "lc"
     cmd = [sys.executable, str(ROOT / "scripts" / "layout_check.py"), "--device", "cpu", "--gpus", "2",

@@ -255,6 +255,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_fsdp2_two_ranks_equal_one_process(fast_cfg, tmp_path):
     overrides = [*LORA, "train.max_steps=3", "train.save_every=0", "train.eval_every=0", "logger.log_every=1",
                  "optim.lr=1e-2", "lora.targets=[qkv,fc1]"]
@@ -272,6 +273,7 @@ def test_fsdp2_two_ranks_equal_one_process(fast_cfg, tmp_path):
     assert one[0] != one[-1]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_refusals_are_one_line(tmp_path):
     from difflm.parallel.mesh import ParallelDims
 

@@ -174,6 +174,7 @@ def layout_weights(tmp_path_factory):
     return spawn_ranks(_layouts_worker, 4, out)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_starts_from_the_single_process_weights(name, layout_weights):
     from difflm.model import build_model
@@ -192,6 +193,7 @@ def test_every_layout_starts_from_the_single_process_weights(name, layout_weight
     assert seen == set(expected), sorted(set(expected) ^ seen)
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 def test_data_parallel_levers_reach_fsdp2(layout_weights):
     """parallel.reduce_dtype / reshard_after_forward / fsdp_prefetch set FSDP2's policy; the defaults keep FP32
     reduction, resharding after forward and FSDP2's implicit prefetching."""

@@ -170,6 +170,7 @@ def make_fake_export(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_run_row_under_torchrun_ok_crash_and_hang(tmp_path, monkeypatch):
     mb = load_script("megadlms_baseline")
     export = make_fake_export(tmp_path / "export")

@@ -423,6 +423,7 @@ def _balance_worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_global_batch_balancing_sums_the_counts_of_data_parallel_ranks(tmp_path):
     """With a data-parallel group, each rank's f_i is from the counts of every rank's tokens (2 gloo ranks with 8 and
     12 tokens), its P_i from its own: computed here by hand from each rank's router."""

@@ -58,23 +58,27 @@ def assert_same_curve(run_dir: Path, reference: dict[int, dict], steps) -> None:
             assert got[s][key] == pytest.approx(reference[s][key], rel=LOSS_RTOL), (s, key)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_ep2_matches_single_process(work, reference):
     run(2, work / "ep2", work, "parallel=ep2", f"train.max_steps={STEPS}", "train.save_every=5")
     assert_same_curve(work / "ep2", reference, range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_ep2_dp2_matches_single_process(work, reference):
     """4 ranks: dp_shard=4 split into efsdp=2 x ep=2 for the experts."""
     run(4, work / "ep2dp2", work, "parallel=ep2", f"train.max_steps={STEPS}", "train.save_every=0")
     assert_same_curve(work / "ep2dp2", reference, range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_ep2_tp2_matches_single_process(work, reference):
     """4 ranks: tp=2 with sequence parallelism, dp_shard=2 = ep=2 (the MoE layers run replicated over TP)."""
     run(4, work / "ep2tp2", work, "parallel=ep2", "parallel.tp=2", "train.max_steps=4", "train.save_every=0")
     assert_same_curve(work / "ep2tp2", reference, range(1, 5))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_pp2_matches_single_process(work, reference):
     """2 pipeline stages of one MoE block each: the stages' shape-inference forwards must not count as training
     forwards (routing statistics, aux-free bias)."""
@@ -82,6 +86,7 @@ def test_pp2_matches_single_process(work, reference):
     assert_same_curve(work / "pp2", reference, range(1, 5))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_resharded_resume_ep2_to_single_to_ep2(work, reference):
     """ep2's step-5 checkpoint resumes in one process (steps 6-10, saved at 7); its step 7 resumes under ep2 (8-10)."""
     from difflm.training.trainer import Trainer
@@ -117,6 +122,7 @@ def test_all_to_all_reorders_rank_major_to_expert_major():
     assert _rank_major_to_expert_major(recv).tolist() == [0, 3, 4, 5, 1, 2]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_ep2_of_dense_first_block_and_grouped_routing_matches_single_process(work):
     """``model=llada2-tiny`` (dense block 0, group-limited sigmoid routing with a moving bias, a shared expert):
     ep2 over 2 ranks follows the one-process curve and MoE metrics for 3 steps."""

@@ -53,6 +53,7 @@ def train_cmd(run_dir: Path, cache: Path, *extra: str) -> list[str]:
             f"data.cache_dir={cache}", f"run.dir={run_dir}", *extra]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_sigkill_at_random_moments_then_resume_matches(tmp_path):
     cache = tmp_path / "cache"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -90,6 +91,7 @@ def test_damaged_latest_checkpoint_falls_back(fast_cfg, capsys):
     assert "step_4 is incomplete or corrupt" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock(tmp_path):
     """A fault report: two runs with one run.dir interleaved their metrics and one crashed. The second now stops at
     start with one line (exit 2) and changes nothing; after kill -9 of the first, a resume is not blocked."""
@@ -119,6 +121,7 @@ def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock
     assert f"from step {step}" in resumed.stdout and (run_dir / ".difflm.lock").exists()
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("kind", ["existing file", "file as parent", "checkpoints is a file", "read-only"])
 def test_run_dir_problems_are_one_line(tmp_path, kind):
     """A fault report: run.dir problems ended in tracebacks. Each is one line naming run.dir, exit 2, nothing
@@ -152,6 +155,7 @@ def test_run_dir_problems_are_one_line(tmp_path, kind):
         assert target.read_text() == "my notes\n"
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_default_run_dirs_of_jobs_started_together_differ(tmp_path):
     """A fault report: the default run.dir resolved ${now:} to the second, so two jobs started in the same second
     shared it. Now it carries a per-process random id."""
@@ -169,6 +173,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_checkpoints_missing_their_data_stop_the_run_without_touching_them(fast_cfg, tmp_path):
     """A fault report: when no checkpoint is complete (a step dir without manifest.json, one whose .distcp is
     gone), the run started afresh and later replaced them. Now: one line naming run.dir, exit 2, files untouched."""
@@ -228,6 +233,7 @@ def _started_run(run_dir: Path, cache: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, EXIT_REQUEUE), (signal.SIGINT, EXIT_INTERRUPTED)])
 def test_sigterm_and_ctrl_c_save_and_exit(tmp_path, sig, status):
     run_dir = tmp_path / "run"
@@ -333,6 +339,7 @@ def test_too_many_non_finite_steps_stop_the_run(fast_cfg, lag):
     assert trainer.skipped_steps == 3 + lag
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_settling_a_step_late_logs_the_same_rows(fast_cfg, tmp_path):
     """The GPU's way of reading each step's outcome after launching the next (``settle_lag`` 1) writes the same
     metrics rows as reading it at once: same steps, losses, gradient norms, skips, evaluations and checkpoints."""
@@ -518,6 +525,7 @@ def test_saved_stop_requests_a_slurm_requeue(tmp_path, monkeypatch):
     assert log.read_text().split() == ["requeue", "4242"]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_signal_to_one_rank_stops_every_rank_and_resume_matches(tmp_path):
     """DDP on 2 gloo ranks: SIGUSR1 to rank 1 only; the stop is collective (both ranks save the same step),
     and the resumed run reproduces the uninterrupted one."""
@@ -662,6 +670,7 @@ def test_next_steps_data_is_prepared_on_the_data_thread_and_equals_the_inline_ba
     assert trainer.step == 2 and trainer._prefetched[0] == 2
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_time_limit_counts_from_the_process_start():
     """A fault report: train.time_limit counted from the start of the training loop, so imports, the model build
     and the data (which a SLURM job's time includes) were not counted and a run set to its job's length overran

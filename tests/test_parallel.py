@@ -89,6 +89,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, work, reference, tmp_path):
     nproc, overrides = LAYOUTS[name]
@@ -106,6 +107,7 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
     assert list(cwd.iterdir()) == []
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_end_of_training_samples_under_sequence_parallelism(work, tmp_path):
     """A fault report: objective=ar under parallel=tp2 (sequence parallel) trained, saved, then crashed in gloo at
     the end-of-training samples, since left-to-right decoding calls the model at every length and the sequence
@@ -119,6 +121,7 @@ def test_end_of_training_samples_under_sequence_parallelism(work, tmp_path):
     assert (tmp_path / "tp2" / "samples.txt").read_text() == single
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
     """parallel.reduce_dtype=bf16 rounds the summed gradients to BF16 (8 bits of mantissa): the curve moves, a little."""
     run_dir = work / "ddp_bf16_reduce"
@@ -131,6 +134,7 @@ def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
     assert any(got[s]["grad_norm"] != reference[s]["grad_norm"] for s in (1, 2, 3))  # it did reduce in BF16
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
     """Pipeline stages carry BD3-LM's block-causal mask and repeated positions (shared by all micro-batches)."""
     bd3lm = ["objective=bd3lm", "objective.block_size=8", "train.max_steps=2", "train.save_every=0"]
@@ -139,6 +143,7 @@ def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
     assert_same_curve(tmp_path / "pp2", rows(tmp_path / "single"), [1, 2])
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_tp2pp2_saves_and_fsdp4_resumes_from_it(work, reference):
     """tp2 x pp2 on 4 ranks (steps 1-3, checkpoint at 2); its step-2 checkpoint resumes under fsdp on 4 ranks."""
     src = work / "tp2pp2"
@@ -155,6 +160,7 @@ def test_tp2pp2_saves_and_fsdp4_resumes_from_it(work, reference):
     assert_same_curve(dst, reference, [3, 4])
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 def test_single_process_resumes_a_tp2pp2_checkpoint(work, reference, fast_cfg):
     """...and back: the sharded tp2pp2 checkpoint loads in one process (in-process Trainer)."""
     from difflm.training.trainer import Trainer
@@ -173,6 +179,7 @@ def test_single_process_resumes_a_tp2pp2_checkpoint(work, reference, fast_cfg):
     assert_same_curve(dst, reference, [3, 4])
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_single_process_checkpoint_resumes_under_dp2_tp2(work, reference):
     """FSDP2 x TP (sequence parallel) on 4 ranks, from the reference's step-2 checkpoint."""
     dst = work / "single_to_dp2tp2"
@@ -203,6 +210,7 @@ def sft_pairs(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("overrides", [["parallel=ddp"], ["parallel=pp2"]], ids=["ddp", "pp2"])
 def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
     """A fault report: the ``loss_norm=token`` normaliser is the response-token count of the GLOBAL batch on every
@@ -217,6 +225,7 @@ def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
     assert_same_curve(run_dir, rows(work / "sft_single"), [1, 2])
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="context parallelism runs on CUDA only (ring attention / TE kernels); CPU has no CP path")
 def test_cp2_matches_single_process(work, reference):

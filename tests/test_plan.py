@@ -66,6 +66,7 @@ def measured(tmp_path_factory):
     return spawn_ranks(_worker, 2, tmp_path_factory.mktemp("plan"))
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_persistent_bytes_equal_the_built_model(measured, name):
     from difflm.plan.cli import layout_of
@@ -132,6 +133,7 @@ def test_step_plan_parts_follow_the_flop_count():
     assert step2.bubble == pytest.approx(busy * 1 / 4, rel=1e-12)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_plan_prints_parts_and_search_ranks(tmp_path):
     r = run_cli("difflm.plan.cli", "model=1.7b", "precision=bf16", "data.seq_len=4096", "train.global_batch_size=64",
                 "model.vocab_size=50304", "--gpus", "8", "--search", "--top", "3", cwd=tmp_path)

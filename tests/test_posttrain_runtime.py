@@ -103,6 +103,7 @@ def test_dpo_runs(init_run, tmp_path):
     assert abs(first["loss"] - 0.693147) < 1e-5 and abs(first["margin"]) < 1e-6
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cli_grpo_and_errors(init_run, tmp_path):
     out = run_cli("difflm.rl", f"init.run_dir={init_run}", f"run.dir={tmp_path / 'cli'}", "device=cpu",
                   f"data.path={GSM8K}", "data.prompt_field=question", "data.answer_field=answer",

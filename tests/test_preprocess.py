@@ -86,6 +86,7 @@ def test_shards_hold_the_in_trainer_tokens(tmp_path, tok):
     assert find_shards(str(out / "shard_00000")) == [str(out / "shard_00000")]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_gutenberg_shards_train(tmp_path, tok, fast_cfg):
     if not GUTENBERG.is_dir():
         pytest.skip(f"shared Gutenberg corpus not found at {GUTENBERG}")
@@ -131,6 +132,7 @@ def test_workers_write_identical_shards(tmp_path):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_crash_mid_shard_then_resume_gives_identical_shards(tmp_path):
     corpus = make_corpus(tmp_path / "corpus", copies=3)
     args = [f"input={corpus}", "workers=1", "shard_mb=0.0003", "progress_bar=false"]
@@ -163,6 +165,7 @@ def test_crash_mid_shard_then_resume_gives_identical_shards(tmp_path):
         assert a == b, name
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_preprocess_errors_are_one_line(tmp_path):
     corpus = make_corpus(tmp_path / "corpus", copies=1)
     out = tmp_path / "out"
@@ -204,6 +207,7 @@ def test_hf_dataset_input_matches_the_in_trainer_path(tmp_path, tok):
     assert all_tokens(open_all(out)) == all_tokens([cache])
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_unwritable_output_is_one_line_naming_output(tmp_path):
     """An output that cannot be written ends, before the tokenizer loads, in one line naming output= and the fix."""
     corpus = make_corpus(tmp_path / "corpus", copies=1)
@@ -311,6 +315,7 @@ def test_messages_name_the_preprocess_keys(tmp_path):
                               "set text_field to one of them")
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_final_hint_names_the_real_tokenizer(tmp_path):
     """The last line is a command to copy: data.path=<output> data.tokenizer=<the tokenizer the shards were made
     with>, the default tokenizer's resolved path when none was given."""

@@ -154,6 +154,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     """The Triton kernels, run on the CPU by Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
     imported, so in a process of its own), against the eager composition in float32: both layouts, MHA and GQA,

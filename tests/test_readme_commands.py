@@ -129,6 +129,7 @@ def test_the_readme_commands_are_found():
     assert len(COMMANDS) >= 25
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("line,command", COMMANDS, ids=[f"README:{n}" for n, _ in COMMANDS])
 def test_readme_command_runs_as_written(line, command):
     check(command)

@@ -28,6 +28,20 @@ def test_install_is_the_runtime_and_install_dev_adds_the_test_tools():
     assert ci.index("make install-dev") < ci.index("make test")
 
 
+def test_make_test_spreads_files_over_xdist_workers_and_test_fast_leaves_out_the_slow_runs():
+    """`make test` runs every test (no marker filter) on pytest-xdist workers, a file per worker (its module fixtures
+    built once); pytest-xdist comes with the dev extra. `make test-fast` leaves out the end-to-end file and the tests
+    marked slow, nothing else."""
+    text = (ROOT / "Makefile").read_text()
+    assert re.search(r"^PYTEST_PARALLEL = -n \$\(TEST_WORKERS\) --dist loadfile --no-loadscope-reorder$", text, re.M)
+    full, fast = recipe("test"), recipe("test-fast")
+    assert "$(PYTEST_PARALLEL)" in full and "-m \"" not in full and "--ignore" not in full and "-k " not in full
+    assert "$(PYTEST_PARALLEL)" in fast and '-m "not slow"' in fast
+    assert re.findall(r"--ignore=(\S+)", fast) == ["tests/test_end_to_end.py"]
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(d.startswith("pytest-xdist") for d in dev)
+
+
 def test_the_license_is_apache_2_as_pyproject_says():
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text

@@ -99,6 +99,7 @@ def test_chat_template_keeps_special_token_text_of_the_prompt_as_text():
     assert tricky[5 + len(text_ids):] == plain[-7:]  # '\n<|assistant|>\n'
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_chat_template_sft_cli_run_ends_well(tmp_path):
     """``difflm-train objective=sft data.chat_template=true`` with a tokenizer whose config holds a chat template."""
     import json

@@ -39,6 +39,7 @@ def _records(run_dir):
     return offline, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_offline_wandb_run_holds_config_metrics_throughput_and_samples(wandb_run):
     _, run_dir = wandb_run
     offline, records = _records(run_dir)

@@ -158,6 +158,7 @@ def tp2_results(tmp_path_factory):
     return out, spawn_ranks(_worker, TP, out)
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_sequence_scatter_gather_values_and_gradients(tp2_results):
     _, results = tp2_results
     x = torch.arange(24, dtype=torch.float64).reshape(8, 3)
@@ -168,6 +169,7 @@ def test_sequence_scatter_gather_values_and_gradients(tp2_results):
         torch.testing.assert_close(res["x_grad"], 8 * x * torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 def test_shard_roundtrip_partial_grads_and_norm(tp2_results):
     _, results = tp2_results
     ranks_sum = 1.0 + 2.0
@@ -183,6 +185,7 @@ def test_shard_roundtrip_partial_grads_and_norm(tp2_results):
         assert res["norm"] == pytest.approx((sharded + replicated) ** 0.5, rel=1e-6)
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 def test_tp2_checkpoint_holds_single_process_tensors(tp2_results):
     from difflm.checkpoint.store import load_checkpoint
 

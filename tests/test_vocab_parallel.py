@@ -162,6 +162,7 @@ def single():
             "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_vocab_parallel_cross_entropy_matches_one_process(tp2):
     logits, targets, upstream = ce_inputs()
     full = logits.clone().requires_grad_()
@@ -172,6 +173,7 @@ def test_vocab_parallel_cross_entropy_matches_one_process(tp2):
         torch.testing.assert_close(res["ce_grad"], full.grad.chunk(TP, dim=-1)[rank], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_tp2_model_loss_and_gradients_match_one_process(kind, tp2, single):
     for res in tp2:
@@ -185,6 +187,7 @@ def test_tp2_model_loss_and_gradients_match_one_process(kind, tp2, single):
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=f"{kind}: {name}")
 
 
+@pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out
 def test_te_userbuffers_are_created_once_and_passed_to_the_modules(tp2):
     got = tp2[0]["te_sp"]
     assert got["ub_calls"] == [dict(shape=[16, 32], tp_size=TP, quantization_modes=["NONE"],
