@@ -30,6 +30,8 @@ LONGEST_FIRST = [
     "test_moe_parallel.py", "test_config.py", "test_hf_interop.py", "test_checkpoint.py", "test_benchmark.py",
     "test_qkv.py", "test_preprocess.py", "test_materialize.py", "test_sft.py", "test_eval_harness.py",
     "test_layout_check.py", "test_slurm.py", "test_plan.py", "test_lora.py",
+    "test_posttrain_layouts.py", "test_llada_interop.py", "test_lora_parallel.py", "test_lora_layouts.py",
+    "test_adaptation.py", "test_rl_learning.py", "test_auto_batch.py", "test_plan_trace.py",
 ]
 
 

@@ -120,6 +120,7 @@ def _assert_same_adapters(run, ref_run, step):
     return ref
 
 
+@pytest.mark.slow
 def test_pp2_cp2_ep2_adapters_equal_one_process(fast_cfg, tmp_path):
     """Each pp2 stage trains the adapters of its own blocks (only those in its optimizer), cp2 and ep2 (routed
     experts' adapters sharded with the experts) give one process's losses; their checkpoints hold the single-process

@@ -64,6 +64,7 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save(trainable, Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_tp2_adapters_equal_one_process_resume_and_export(fast_cfg, tmp_path):
     """The adapters' column/row layout gives one process's losses under tp2 (with and without sequence parallelism;
     an MoE model with adapted experts too),

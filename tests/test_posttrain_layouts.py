@@ -109,6 +109,7 @@ def single_grpo(init_run, tmp_path_factory):
     return run_rl(init_run, path, "grpo"), path
 
 
+@pytest.mark.slow
 def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, single_grpo, tmp_path):
     single, single_dir = single_grpo
     layouts = spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
@@ -130,6 +131,7 @@ def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, single_grpo
     assert ref.keys() == init.keys() and all(torch.equal(ref[k], init[k]) for k in ref)
 
 
+@pytest.mark.slow
 def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
     layouts = spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false"]]])
     for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
@@ -137,6 +139,7 @@ def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
     assert_same_run(single_grpo[1], tmp_path / "tp", "grpo")
 
 
+@pytest.mark.slow
 def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
     run_rl(init_run, tmp_path / "single", "dpo")
     layouts = spawn(tmp_path, init_run, [["fsdp", "dpo", ["parallel=fsdp"]]])
@@ -146,6 +149,7 @@ def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
     assert rows[2]["loss"] != rows[1]["loss"]
 
 
+@pytest.mark.slow
 def test_grpo_lora_fsdp2_reference_is_the_base_with_adapters_off(tmp_path_factory, tmp_path):
     from test_posttrain_runtime import make_init_run
 
