@@ -33,7 +33,7 @@ def test_rl_presets_compose_and_build():
         r = build_reward(compose_rl([f"reward={reward}"]).reward)
         assert r(["q"], ["so #### 4"], ["#### 4"]) == [1.1 if reward == "gsm8k" else 1.0]
     for algo in RL_GROUPS["algorithm"]:
-        cfg = compose_rl([f"algorithm={algo}"])
+        cfg = compose_rl([f"algorithm={algo}", "data.answer_field=answer"])  # reward=gsm8k compares answers
         check_rl_config(cfg)
         assert cfg.algorithm.name == algo
 

@@ -25,7 +25,7 @@ def test_matched_settings_reach_both_trainers():
     m = script.Matched(prompts_per_step=3, group_size=4, prompt_tokens=48, gen_length=64, gen_steps=32,
                        block_length=16, num_inner=3, temperature=0.7, prompt_mask_prob=0.3, beta=0.02, clip=0.3,
                        lr=2e-6).check()
-    cfg = compose_rl(m.difflm_overrides())
+    cfg = compose_rl(m.difflm_overrides() + ["data.answer_field=answer"])  # as run_difflm passes it
     check_rl_config(cfg)
     a, g, d = cfg.algorithm, cfg.gen, m.dllm_args()
     assert (a.prompts_per_step, a.group_size, a.num_inner) == (3, 4, 3)
