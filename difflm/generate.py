@@ -326,12 +326,17 @@ def read_prompt(args) -> str:
     """The prompt text: ``prompt=`` or the UTF-8 contents of ``prompt_file=`` (one trailing newline dropped).
 
     Raises:
-        DifflmError: both are given, or ``prompt_file`` cannot be read.
+        DifflmError: both are given, ``prompt_file`` is a ``.jsonl`` / ``.json`` / ``.parquet`` file (records, not
+        a prompt), or it cannot be read.
     """
     if not args.get("prompt_file"):
         return args.prompt
     if args.prompt:
         raise DifflmError("give prompt= or prompt_file=, not both")
+    suffix = Path(args.prompt_file).suffix.lower()
+    if suffix in (".jsonl", ".json", ".parquet"):  # its whole text would become one prompt, braces and all
+        raise DifflmError(f"prompt_file={args.prompt_file!r} is a {suffix} file: prompt_file is one prompt as plain "
+                          "text (the whole file): give a .txt file holding the prompt, or prompt=TEXT")
     try:
         text = Path(args.prompt_file).read_text(encoding="utf-8-sig")  # a byte-order mark is not prompt text
     except (OSError, UnicodeDecodeError) as err:

@@ -46,3 +46,42 @@ def test_help_lists_only_what_the_command_takes(module, key):
     assert "Configuration groups" not in out.stdout
     keys = {line.strip().split(":")[0] for line in out.stdout.splitlines() if ":" in line}  # each line's key
     assert not keys & {"parallel", "objective", "optim", "schedule"}, keys
+
+
+@pytest.mark.parametrize("config_name,argv,message", [
+    ("rl", ["algorithm=dpo", "algorithm.group_size=8"],
+     "algorithm.group_size is a grpo key; algorithm=dpo does not use it: drop it (or set algorithm=grpo)"),
+    ("rl", ["algorithm=dpo", "algorithm.num_inner=3"],
+     "algorithm.num_inner is a grpo key; algorithm=dpo does not use it: drop it (or set algorithm=grpo)"),
+    ("rl", ["algorithm=dpo", "algorithm.scale_rewards=false"],
+     "algorithm.scale_rewards is a grpo key; algorithm=dpo does not use it: drop it (or set algorithm=grpo)"),
+    ("rl", ["estimator=mc_elbo", "estimator.prompt_mask_prob=0.3"],
+     "estimator.prompt_mask_prob is a one_step key; estimator=mc_elbo does not use it: drop it "
+     "(or set estimator=one_step)"),
+    ("rl", ["estimator.num_t=4"],  # the default estimator is coupled
+     "estimator.num_t is a mc_elbo key; estimator=coupled does not use it: drop it (or set estimator=mc_elbo)"),
+    ("rl", ["estimator=one_step", "estimator.t_min=0.1"],
+     "estimator.t_min is a coupled key; estimator=one_step does not use it: drop it (or set estimator=coupled)"),
+    ("train", ["objective=mdlm", "objective.block_size=8"],
+     "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
+    ("train", ["objective=ar", "objective.schedule=cosine"],
+     "objective.schedule is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=bd3lm)"),
+    ("train", ["experiment=mdlm_owt", "objective.block_size=8"],  # the preset a recipe selects counts
+     "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
+])
+def test_a_key_of_another_preset_is_refused_naming_key_and_preset(config_name, argv, message):
+    assert refusal(argv, config_name) == message
+
+
+@pytest.mark.parametrize("config_name,argv", [
+    ("rl", ["algorithm=dpo", "algorithm.beta=0.2", "algorithm.prompts_per_step=2", "algorithm.reference=none"]),
+    ("rl", ["algorithm.group_size=8", "algorithm.beta=0"]),
+    ("rl", ["estimator=mc_elbo", "estimator.num_t=4", "estimator.eps=0.01"]),
+    ("rl", ["estimator=one_step", "estimator.prompt_mask_prob=0.3"]),
+    ("train", ["objective=bd3lm", "objective.block_size=8"]),
+    ("train", ["objective=ar", "objective.loss_norm=sequence", "objective.length_multiple=2"]),
+    ("train", ["objective=sft", "objective.loss_norm=token"]),
+    ("rl", ["-m", "algorithm=grpo,dpo", "algorithm.group_size=8"]),  # a sweep is Hydra's to compose
+])
+def test_keys_the_selected_preset_reads_are_accepted(config_name, argv):
+    check_overrides(argv, config_name)

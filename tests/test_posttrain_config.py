@@ -33,7 +33,8 @@ def test_rl_presets_compose_and_build():
         r = build_reward(compose_rl([f"reward={reward}"]).reward)
         assert r(["q"], ["so #### 4"], ["#### 4"]) == [1.1 if reward == "gsm8k" else 1.0]
     for algo in RL_GROUPS["algorithm"]:
-        cfg = compose_rl([f"algorithm={algo}", "data.answer_field=answer"])  # reward=gsm8k compares answers
+        # reward=gsm8k compares grpo's completions with the answer; dpo reads no answer
+        cfg = compose_rl([f"algorithm={algo}"] + (["data.answer_field=answer"] if algo == "grpo" else []))
         check_rl_config(cfg)
         assert cfg.algorithm.name == algo
 
@@ -86,3 +87,32 @@ def test_reference_is_pluggable():
     assert build_reference("none", model) is None
     with pytest.raises(DifflmError, match="algorithm.reference='lora'"):
         build_reference("lora", model)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm=dpo", "data.answer_field=answer"],
+     "data.answer_field='answer' is a grpo key (the reward's reference answer); algorithm=dpo does not use it: drop it"),
+    (["data.answer_field=answer", "data.chosen_field=good"],
+     "data.chosen_field='good' is a dpo key; algorithm=grpo does not use it: drop it (or set algorithm=dpo)"),
+    (["data.answer_field=answer", "data.rejected_field=bad"],
+     "data.rejected_field='bad' is a dpo key; algorithm=grpo does not use it: drop it (or set algorithm=dpo)"),
+])
+def test_data_fields_of_the_other_algorithm_are_refused(overrides, message):
+    with pytest.raises(DifflmError) as info:
+        check_rl_config(compose_rl(overrides))
+    assert str(info.value) == message
+    check_rl_config(compose_rl(["algorithm=dpo", "data.chosen_field=good", "data.rejected_field=bad"]))
+
+
+@pytest.mark.parametrize("algorithm,fields", [("grpo", "data.prompt_field, data.answer_field"),
+                                              ("dpo", "data.prompt_field, data.chosen_field, data.rejected_field")])
+def test_rl_data_path_of_plain_text_names_the_records_it_needs(tmp_path, algorithm, fields):
+    from difflm.posttrain.data import read_records
+    from difflm.posttrain.runner import DPO_FIELDS, GRPO_FIELDS
+
+    (tmp_path / "prompts.txt").write_text("What is 2 + 2?\n")
+    cfg = compose_rl([f"algorithm={algorithm}", f"data.path={tmp_path / 'prompts.txt'}"])
+    with pytest.raises(DifflmError) as info:
+        read_records(cfg.data, GRPO_FIELDS if algorithm == "grpo" else DPO_FIELDS)
+    assert str(info.value) == (f"data.path: {tmp_path / 'prompts.txt'} is not .jsonl: difflm-rl reads one JSON record "
+                               f"a line with the fields {fields}: convert the file to JSONL or set data.hf_dataset")

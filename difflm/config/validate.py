@@ -564,6 +564,10 @@ def check_objective_data(cfg) -> None:
         _require(d.get("hf_dataset") is None and bool(d.path),
                  f"objective=sft reads prompt/response pairs from the .jsonl files of data.path (data.path="
                  f"{d.path!r}, data.hf_dataset={d.get('hf_dataset')!r}): set data.path and data.hf_dataset=null")
+        kind = next((e for e in (".txt", ".parquet") if str(d.path).lower().endswith(e)), None)
+        _require(kind is None, f"data.path={d.path!r} is a {kind} file: objective=sft trains on prompt/response pairs, "
+                 f"one JSON record a line with the fields data.prompt_field / data.response_field: set data.path to "
+                 "such a .jsonl file (plain text trains with objective=mdlm)")
     elif d.get("messages_field") is not None:
         raise DifflmError(f"data.messages_field={d.messages_field!r} makes conversation data, which only objective=sft "
                           "uses: set objective=sft or data.messages_field=null")

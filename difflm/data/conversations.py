@@ -43,7 +43,9 @@ def read_conversations(cfg) -> list[list[dict]]:
     out = []
     for path in resolve_sources(cfg.path):
         if not path.endswith(".jsonl"):
-            raise DifflmError(f"data.path: {path} is not .jsonl: {key} reads conversations from JSONL")
+            raise DifflmError(f"data.path: {path} is not .jsonl: {key}={field!r} reads conversations, one JSON "
+                              "record a line holding a list of {role, content} turns: set data.path to such a .jsonl "
+                              "file")
         for where, rec in read_jsonl(path, DocFormat.of(cfg)):
             if not isinstance(rec, dict) or field not in rec:
                 keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__

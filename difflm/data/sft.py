@@ -69,7 +69,10 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
     fmt = DocFormat.of(cfg)
     for path in resolve_sources(cfg.path):
         if not path.endswith(".jsonl"):
-            raise DifflmError(f"data.path: {path} is not .jsonl: objective=sft reads prompt/response pairs from JSONL")
+            raise DifflmError(f"data.path: {path} is not .jsonl: objective=sft runs train and evaluate on "
+                              f"prompt/response pairs, one JSON record a line with the fields data.prompt_field="
+                              f"{cfg.prompt_field!r} and data.response_field={cfg.response_field!r}: set data.path to "
+                              "such a .jsonl file (plain text trains with objective=mdlm)")
         for where, rec in read_jsonl(path, fmt):
             for key in ("prompt_field", "response_field"):
                 if not isinstance(rec, dict) or cfg[key] not in rec:

@@ -35,7 +35,9 @@ def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
     elif cfg.path:
         for path in resolve_sources(cfg.path):
             if not path.endswith(".jsonl"):
-                raise DifflmError(f"data.path: {path} is not .jsonl: post-training reads JSONL records")
+                raise DifflmError(f"data.path: {path} is not .jsonl: difflm-rl reads one JSON record a line with the "
+                                  f"fields {', '.join(f'data.{k}' for k in fields)}: convert the file to JSONL "
+                                  "or set data.hf_dataset")
             rows.extend(read_jsonl(path, DocFormat()))
     else:
         raise DifflmError("set data.path (JSONL records) or data.hf_dataset")

@@ -64,6 +64,15 @@ def check_rl_config(cfg) -> None:
         raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
     if cfg.train.max_steps < 1:
         raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
+    # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
+    if a.name == "dpo" and cfg.data.answer_field is not None:
+        raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
+                          "algorithm=dpo does not use it: drop it")
+    if a.name == "grpo":
+        for key, default in (("chosen_field", "chosen"), ("rejected_field", "rejected")):
+            if cfg.data[key] != default:
+                raise DifflmError(f"data.{key}={cfg.data[key]!r} is a dpo key; algorithm=grpo does not use it: drop "
+                                  "it (or set algorithm=dpo)")
     if a.name == "grpo" and cfg.data.answer_field is None and (needs := build_reward(cfg.reward).needs_answer()):
         raise DifflmError(f"reward term {needs[0]} compares completions with the reference answer and "
                           "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
