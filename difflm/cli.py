@@ -226,7 +226,8 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     Checked: ``a.b=value`` (the key must exist, unless a node on its way is an open dict, a list or a value) and
     ``group=option`` (the option must be a preset of the group; under ``-m`` every option of a sweep), and, without
     ``-m``, that a key of ``algorithm``, ``estimator`` or ``objective`` is read by the selected preset
-    (:func:`difflm.config.preset_keys.foreign_key`: ``algorithm=dpo algorithm.group_size=8`` is refused). Values are
+    (:func:`difflm.config.preset_keys.foreign_key`: ``algorithm=dpo algorithm.group_size=8`` is refused) and that
+    ``reward`` is read by the algorithm (:func:`~difflm.config.preset_keys.unused_group`). Values are
     not checked. Left to Hydra: ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``,
     overrides Hydra cannot parse, and command lines naming another config (``--config-name``, ``--config-path``,
     ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs a compose or two (~0.2 s).
@@ -241,7 +242,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     from hydra.errors import HydraException
 
     from difflm.config import CONF_DIR
-    from difflm.config.preset_keys import foreign_key
+    from difflm.config.preset_keys import foreign_key, unused_group
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:  # Hydra's own argument parser: the overrides are its positional arguments
@@ -282,9 +283,13 @@ def check_overrides(argv: list[str], config_name: str) -> None:
                         selections.append(f"{override.key_or_group}={options[0]}")
                 else:
                     keys.append(override)
-            cfg = compose(config_name, selections, return_hydra_config=True) if selections and keys else base
+            cfg = compose(config_name, selections, return_hydra_config=True) if selections else base
             if not any(o.is_sweep_override() for o in overrides):
                 choices = cfg.hydra.runtime.choices
+                for override in overrides:
+                    message = unused_group(choices, override.key_or_group)
+                    if message:
+                        raise DifflmError(message)
                 for override in keys:
                     group = override.key_or_group.partition(".")[0]
                     message = foreign_key(loader, group, choices[group], override.key_or_group) \

@@ -68,6 +68,12 @@ def test_help_lists_only_what_the_command_takes(module, key):
      "objective.schedule is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=bd3lm)"),
     ("train", ["experiment=mdlm_owt", "objective.block_size=8"],  # the preset a recipe selects counts
      "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
+    ("rl", ["algorithm=dpo", "reward=format"],
+     "reward is a grpo setting; algorithm=dpo does not use it (it learns from preference pairs, not rewards): drop it "
+     "(or set algorithm=grpo)"),
+    ("rl", ["reward.terms=[]", "algorithm=dpo"],
+     "reward.terms is a grpo setting; algorithm=dpo does not use it (it learns from preference pairs, not rewards): "
+     "drop it (or set algorithm=grpo)"),
 ])
 def test_a_key_of_another_preset_is_refused_naming_key_and_preset(config_name, argv, message):
     assert refusal(argv, config_name) == message
@@ -81,6 +87,7 @@ def test_a_key_of_another_preset_is_refused_naming_key_and_preset(config_name, a
     ("train", ["objective=bd3lm", "objective.block_size=8"]),
     ("train", ["objective=ar", "objective.loss_norm=sequence", "objective.length_multiple=2"]),
     ("train", ["objective=sft", "objective.loss_norm=token"]),
+    ("rl", ["reward=format", "algorithm.group_size=8"]),
     ("rl", ["-m", "algorithm=grpo,dpo", "algorithm.group_size=8"]),  # a sweep is Hydra's to compose
 ])
 def test_keys_the_selected_preset_reads_are_accepted(config_name, argv):

@@ -43,4 +43,22 @@ def foreign_key(loader, group: str, option: str, key: str) -> Optional[str]:
             f"drop it (or set {group}={users[0]})")
 
 
-__all__ = ["SCOPED_GROUPS", "foreign_key"]
+# groups only some presets of another group read: {group: (that group, the presets that read it, why not the rest)}
+GROUP_USERS = {"reward": ("algorithm", ("grpo",), "it learns from preference pairs, not rewards")}
+
+
+def unused_group(choices, override_key: str) -> Optional[str]:
+    """The one-line error for a command-line ``reward=...`` or ``reward.*`` (:data:`GROUP_USERS`) when the run's
+    ``algorithm`` (``choices``: Hydra's ``runtime.choices``) does not read it; None otherwise."""
+    group = override_key.partition(".")[0]
+    if group not in GROUP_USERS:
+        return None
+    owner, users, why = GROUP_USERS[group]
+    chosen = choices.get(owner)
+    if chosen is None or chosen in users:
+        return None
+    return (f"{override_key} is a {'/'.join(users)} setting; {owner}={chosen} does not use it ({why}): drop it "
+            f"(or set {owner}={users[0]})")
+
+
+__all__ = ["GROUP_USERS", "SCOPED_GROUPS", "foreign_key", "unused_group"]
