@@ -263,7 +263,8 @@ def test_epochs_set_the_length_in_place_of_a_null_or_default_max_steps(fast_cfg,
         Trainer(fast_cfg("train.epochs=1.5", "train.max_steps=7"), cfg.run.dir, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("extra", [[], ["objective=sft", "data.prompt_field=q", "data.response_field=a"],
+@pytest.mark.parametrize("extra", [[], ["objective=sft", "data.prompt_field=q", "data.response_field=a",
+                                        "data.path=pairs.jsonl"],
                                    ["data.blend=[{path: a.txt, weight: 1}]"]], ids=["text", "sft", "blend"])
 def test_evaluation_without_validation_windows_is_refused(extra):
     """data.valid_fraction=0 with train.eval_every > 0 used to train without a word and never evaluate (every data
