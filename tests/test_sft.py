@@ -332,11 +332,13 @@ def test_sft_packing_config_checks(fast_cfg):
     from difflm.config.validate import check_objective_data
 
     with pytest.raises(DifflmError, match="add data.sft_packing=true"):
-        check_objective_data(fast_cfg("objective=sft", "data.prompt_field=q", "data.intra_document_attention=true",
+        check_objective_data(fast_cfg("objective=sft", "data.path=pairs.jsonl",
+                                      "data.prompt_field=q", "data.intra_document_attention=true",
                                       "objective.random_length_prob=0"))
     with pytest.raises(DifflmError, match="data.sft_packing=true packs prompt/response pairs"):
         check_objective_data(fast_cfg("data.sft_packing=true"))
-    check_objective_data(fast_cfg("objective=sft", "data.prompt_field=q", "data.intra_document_attention=true",
+    check_objective_data(fast_cfg("objective=sft", "data.path=pairs.jsonl",
+                                  "data.prompt_field=q", "data.intra_document_attention=true",
                                   "data.sft_packing=true", "objective.random_length_prob=0"))
 
 
@@ -498,9 +500,11 @@ def test_messages_field_config_checks(fast_cfg):
     objective takes it."""
     from difflm.config.validate import check_objective_data
 
-    check_objective_data(fast_cfg("objective=sft", "data.messages_field=messages", "objective.random_length_prob=0"))
+    check_objective_data(fast_cfg("objective=sft", "data.path=pairs.jsonl",
+                                  "data.messages_field=messages", "objective.random_length_prob=0"))
     with pytest.raises(DifflmError, match="name two kinds of SFT data: set one of them to null"):
-        check_objective_data(fast_cfg("objective=sft", "data.messages_field=messages", "data.prompt_field=q",
+        check_objective_data(fast_cfg("objective=sft", "data.path=pairs.jsonl",
+                                      "data.messages_field=messages", "data.prompt_field=q",
                                       "objective.random_length_prob=0"))
     with pytest.raises(DifflmError, match="data.messages_field='messages' makes conversation data, which only "
                                           "objective=sft uses"):

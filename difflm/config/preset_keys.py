@@ -35,7 +35,8 @@ def foreign_key(loader, group: str, option: str, key: str) -> Optional[str]:
     name = key[len(group) + 1:].split(".")[0]
     if name in _preset_keys(loader, group, option):
         return None
-    users = [o for o in sorted(loader.get_group_options(group)) if o != option and name in _preset_keys(loader, group, o)]
+    users = [o for o in sorted(loader.get_group_options(group))
+             if o != option and name in _preset_keys(loader, group, o)]
     if not users:
         return None
     owner = "/".join(users)
