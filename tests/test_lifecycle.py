@@ -159,6 +159,8 @@ def test_lora_rl_on_a_full_run(init_run, tmp_path):  # noqa: F811  (the imported
     straight.fit()
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+    with pytest.raises(DifflmError, match="holds LoRA adapters and lora.rank=0 here: pass the lora=..."):
+        PostTrainer(rl_config(init_run, tmp_path / "cut", "algorithm.reference=adapters_off", "train.max_steps=4"), CPU)
 
 
 def test_lora_rl_on_a_lora_run_is_refused(tmp_path):

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint, \
-    trained_settings
+from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
+    save_checkpoint, trained_settings
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, lora_enabled
 from difflm.parallel import distributed as pdist
@@ -129,6 +129,8 @@ class PostTrainer:
         frozen = cfg.algorithm.reference == "frozen_copy"
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        if found is not None:
+            self._check_resume_lora(found[1])
         if self.reference is not None:
             if found is not None and ref_path.exists():
                 self.reference.load_state_dict(torch.load(ref_path, map_location=device, weights_only=True))
@@ -151,6 +153,15 @@ class PostTrainer:
             (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
             if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    def _check_resume_lora(self, path: Path) -> None:
+        """Refuse resuming ``path`` with other adapters than it holds: ``lora=...`` given or dropped against the run's
+        first start on a full init run (DifflmError naming the key and the fix)."""
+        held, wanted = bool(read_trainer_state(path).get("lora_whole")), lora_enabled(self.init_cfg.get("lora"))
+        if held != wanted:
+            fix = "drop lora=..." if wanted else "pass the lora=... (and lora.*) it was started with"
+            raise DifflmError(f"run.dir={self.run_dir}: checkpoint {path.name} holds {'' if held else 'no '}LoRA "
+                              f"adapters and lora.rank={int(self.cfg.lora.rank)} here: {fix} to resume it")
 
     # ------------------------------------------------------------------ layout
     def _modules(self) -> list:
