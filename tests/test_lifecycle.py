@@ -111,6 +111,69 @@ def test_rl_of_a_lora_run_keeps_and_exports_its_adapters(lora_sft_run, tmp_path)
     assert sft_again.step == 2
 
 
+def test_lora_rl_on_a_full_run(init_run, tmp_path):  # noqa: F811  (the imported fixture)
+    """difflm-rl lora=attn_mlp on a full run: fresh adapters (B = 0) train, the base stays bit-equal to the init
+    checkpoint, the reference is the base (adapters off, no copy), 2 steps + a resumed 3rd equal 3 straight, and
+    difflm-generate's load and difflm-export's merged model of the RL run give the policy's logits."""
+    from transformers import AutoModelForMaskedLM
+
+    from difflm.generate import load_run
+    from difflm.interop.export import export_checkpoint
+    from difflm.model.lora import expected_adapter_count, trainable_parameter_count
+    from difflm.posttrain.reference import AdaptersOffReference
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    lora = ["lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "algorithm.reference=adapters_off", "optim.lr=5e-2"]
+    _, init_model, _, _ = load_run(str(init_run), None, CPU)
+    init = {k: v.clone() for k, v in init_model.state_dict().items()}
+    cut = PostTrainer(rl_config(init_run, tmp_path / "cut", *lora), CPU)
+    lora_params = {n: p.numel() for n, p in cut.model.named_parameters() if ".lora." in n}
+    assert {n for n, p in cut.model.named_parameters() if p.requires_grad} == set(lora_params)
+    assert trainable_parameter_count(cut.model) == sum(lora_params.values()) == \
+        expected_adapter_count(cut.init_cfg.model, cut.init_cfg.lora) == 1 * 4 * (32 + 96 + 32 + 32 + 32 + 128 + 64 + 32)
+    assert sum(p.numel() for g in cut.optimizer.param_groups for p in g["params"]) == sum(lora_params.values())
+    assert isinstance(cut.reference, AdaptersOffReference) and not (tmp_path / "cut" / "reference.pt").exists()
+    cut.fit()
+    x = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(cut.reference(x), init_model(x), atol=0, rtol=0)  # the base, after 2 steps
+    policy = {k: v.clone() for k, v in cut.model.state_dict().items()}
+    assert all(torch.equal(policy[k], v) for k, v in init.items())  # the base weights: bit-equal to the init run's
+    assert any(".lora_B" in k and v.abs().max() > 0 for k, v in policy.items())  # the adapters moved
+    _, loaded, _, step = load_run(str(tmp_path / "cut"), None, CPU)  # difflm-generate's read: base + adapters
+    assert step == 2 and loaded.state_dict().keys() == policy.keys()
+    assert all(torch.equal(v, policy[k]) for k, v in loaded.state_dict().items())
+    with torch.no_grad():
+        want = loaded(x)
+        assert not torch.allclose(want, init_model(x))
+    out, _ = export_checkpoint(tmp_path / "cut", tmp_path / "merged")
+    hf = AutoModelForMaskedLM.from_pretrained(str(out), dtype=torch.float32, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, want, atol=1e-5, rtol=1e-5)
+    # exact resume: the 2-step run continued to 3 equals 3 straight steps
+    resumed = PostTrainer(rl_config(init_run, tmp_path / "cut", *lora, "train.max_steps=3"), CPU)
+    assert resumed.step == 2
+    resumed.fit()
+    straight = PostTrainer(rl_config(init_run, tmp_path / "straight", *lora, "train.max_steps=3"), CPU)
+    straight.fit()
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(DifflmError, match="holds LoRA adapters and lora.rank=0 here: pass the lora=..."):
+        PostTrainer(rl_config(init_run, tmp_path / "cut", "algorithm.reference=adapters_off", "train.max_steps=4"), CPU)
+
+
+def test_lora_rl_on_a_lora_run_is_refused(tmp_path):
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import make_init_run, rl_config
+
+    (tmp_path / "init").mkdir()
+    init = make_init_run(tmp_path / "init", "lora=attn")
+    with pytest.raises(DifflmError, match="lora=attn_mlp with init.run_dir=.*a LoRA run .lora.rank=16.: difflm-rl "
+                                          "trains that run's adapters; drop lora="):
+        PostTrainer(rl_config(init, tmp_path / "rl", "lora=attn_mlp"), CPU)
+
+
 def test_adapters_off_reference_needs_adapters():
     from difflm.config.schema import ModelConfig
     from difflm.model import build_model

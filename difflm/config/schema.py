@@ -550,6 +550,7 @@ class RLRunConfig:
                                                                        temperature=1.0))
     run: RunDirConfig = field(default_factory=RunDirConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout (docs/post_training.md "Layouts")
+    lora: LoraConfig = field(default_factory=LoraConfig)  # fresh adapters on a full init run (rank 0: none)
     device: str = "auto"
 
 

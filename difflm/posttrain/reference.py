@@ -56,7 +56,8 @@ class AdaptersOffReference:
             if not any(lora.is_adapter(name) for name, _ in policy.named_parameters()):
                 # nothing to switch off: the reference would be the policy itself, a KL of 0 whatever beta
                 raise DifflmError("algorithm.reference=adapters_off needs a LoRA run (init.run_dir trained with "
-                                  "lora.rank > 0) and this policy has no adapters: use algorithm.reference=frozen_copy")
+                                  "lora.rank > 0) and this policy has no adapters: add fresh ones (lora=attn_mlp) or "
+                                  "use algorithm.reference=frozen_copy")
         self.policy, self.adapters_disabled = policy, adapters_disabled
 
     @torch.no_grad()

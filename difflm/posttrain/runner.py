@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, resume_checkpoint, save_checkpoint, \
-    trained_settings
+from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
+    save_checkpoint, trained_settings
 from difflm.errors import DifflmError
-from difflm.model.lora import lora_enabled
+from difflm.model.lora import apply_lora, check_lora, lora_enabled
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
 from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
@@ -78,6 +78,25 @@ def check_rl_config(cfg) -> None:
                           "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
 
 
+def with_rl_lora(cfg, init_cfg):
+    """The init run's settings ``init_cfg`` with the adapters difflm-rl adds (``lora=attn|attn_mlp`` on a full
+    run: :func:`difflm.model.lora.apply_lora` after the init weights load, before the layout); ``init_cfg`` itself
+    when ``lora`` is off. What the RL run's checkpoints carry as their ``config.yaml``, so difflm-generate / -export
+    add the adapters and read them with the base from the checkpoint (``lora_whole``).
+
+    Raises: DifflmError for ``lora`` on a LoRA init run (its adapters already train) or bad ``lora`` keys."""
+    lora = cfg.get("lora")
+    if not lora_enabled(lora):
+        return init_cfg
+    own = init_cfg.get("lora")
+    if lora_enabled(own):
+        raise DifflmError(f"lora={lora.name} with init.run_dir={cfg.init.run_dir}, a LoRA run (lora.rank={own.rank}):"
+                          " difflm-rl trains that run's adapters; drop lora=..., or post-train its difflm-export "
+                          "merged model")
+    check_lora(lora, init_cfg.model)
+    return OmegaConf.merge(init_cfg, {"lora": OmegaConf.to_container(lora, resolve=True)})
+
+
 class PostTrainer:
     """Builds the policy, reference, estimator, reward, data and optimizer from an ``rl`` config, then runs
     :meth:`fit` (module docstring). ``adapters_disabled``: the LoRA converter's context manager for
@@ -90,13 +109,17 @@ class PostTrainer:
         self.cfg = cfg
         self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         self._reports: list[str] = []
-        self.layout, device = build_layout(cfg, trained_settings(cfg.init.run_dir, cfg.init.step)[0], device)
+        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir,
+                                                                                 cfg.init.step)[0]), device)
         self.device = device
         self.is_rank0 = pdist.is_rank0()
         self.run_dir = Path(pdist.agree_run_dir(cfg.run.dir))
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
+        if lora_enabled(cfg.get("lora")):  # fresh adapters (B = 0: the init model's outputs) on a full run
+            self.init_cfg = with_rl_lora(cfg, self.init_cfg)
+            apply_lora(model, self.init_cfg.lora, seed=int(cfg.train.seed))
         if self.init_cfg.objective.name == "ar":
             raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
                               "masked-diffusion models (mdlm, sft, bd3lm)")
@@ -115,6 +138,8 @@ class PostTrainer:
         frozen = cfg.algorithm.reference == "frozen_copy"
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        if found is not None:
+            self._check_resume_lora(found[1])
         if self.reference is not None:
             if found is not None and ref_path.exists():
                 self.reference.load_state_dict(torch.load(ref_path, map_location=device, weights_only=True))
@@ -137,6 +162,15 @@ class PostTrainer:
             (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
             if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    def _check_resume_lora(self, path: Path) -> None:
+        """Refuse resuming ``path`` with other adapters than it holds: ``lora=...`` given or dropped against the run's
+        first start on a full init run (DifflmError naming the key and the fix)."""
+        held, wanted = bool(read_trainer_state(path).get("lora_whole")), lora_enabled(self.init_cfg.get("lora"))
+        if held != wanted:
+            fix = "drop lora=..." if wanted else "pass the lora=... (and lora.*) it was started with"
+            raise DifflmError(f"run.dir={self.run_dir}: checkpoint {path.name} holds {'' if held else 'no '}LoRA "
+                              f"adapters and lora.rank={int(self.cfg.lora.rank)} here: {fix} to resume it")
 
     # ------------------------------------------------------------------ layout
     def _modules(self) -> list:
@@ -285,4 +319,4 @@ class PostTrainer:
         return last
 
 
-__all__ = ["ALGORITHMS", "PostTrainer", "check_rl_config"]
+__all__ = ["ALGORITHMS", "PostTrainer", "check_rl_config", "with_rl_lora"]
