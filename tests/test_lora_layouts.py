@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import spawn_ranks
-from test_lora_parallel import LORA, MOE, losses
+from test_lora_parallel import LORA, MOE, losses, run_trainers
 from torch.overrides import TorchFunctionMode
 
 from difflm.model.lora import is_adapter
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import FAST, compose_run
+    from conftest import FAST
 
     import difflm.parallel.context_parallel as context_parallel
 
@@ -86,24 +86,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     pp = ["parallel=pp2", "train.max_steps=4", "train.save_every=2"]
     runs = [("pp", pp, 2), ("pp", pp, 0), ("cp", ["parallel=cp2", "train.max_steps=4", "train.save_every=4"], 0),
             ("ep", ["parallel=ep2", *MOE, "train.max_steps=2", "train.save_every=2"], 0)]
-    seen = {}
-    for name, extra, stop_at in runs:  # one process group for all (the trainer keeps an initialised one)
-        cfg = compose_run([*common, *extra, f"run.dir={out}/{name}"])
-        trainer = Trainer(cfg, cfg.run.dir, CPU)
-        named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters()]
-        seen[name] = sorted(n for n, p in named if p.requires_grad)
-        optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
-        seen[name + "_optimizer_is_adapters"] = optimized == {id(p) for n, p in named if is_adapter(n)}
-        seen[name + "_resumed_from"] = trainer.resumed_from
-        if stop_at:  # interrupted after stop_at steps, saved; the next Trainer resumes it
-            for _ in range(stop_at):
-                trainer.train_step()
-            trainer.save()
-        else:
-            trainer.fit()
-        del trainer
-    dist.destroy_process_group()
-    torch.save(seen, Path(out) / f"rank{rank}.pt")
+    run_trainers(runs, common, out, rank)
 
 
 def _assert_same_adapters(run, ref_run, step):

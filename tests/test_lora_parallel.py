@@ -27,14 +27,41 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
 
 
+def run_trainers(runs, common: list[str], out: str, rank: int) -> None:
+    """Each ``(name, overrides, stop_at)`` of ``runs`` as a Trainer in this rank's process group (one group for all:
+    the trainer keeps an initialised one), then the group is destroyed. ``stop_at`` > 0: that many steps, then a save
+    (the next Trainer of the same name resumes it); 0: ``fit``. Writes ``rank{rank}.pt`` under ``out``: per run, its
+    trainable names, whether the optimizer holds exactly the adapters, and the step it resumed from."""
+    import torch.distributed as dist
+    from conftest import compose_run
+
+    seen = {}
+    for name, extra, stop_at in runs:
+        cfg = compose_run([*common, *extra, f"run.dir={out}/{name}"])
+        trainer = Trainer(cfg, cfg.run.dir, CPU)
+        named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters()]
+        seen[name] = sorted(n for n, p in named if p.requires_grad)
+        optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        seen[name + "_optimizer_is_adapters"] = optimized == {id(p) for n, p in named if is_adapter(n)}
+        seen[name + "_resumed_from"] = trainer.resumed_from
+        if stop_at:
+            for _ in range(stop_at):
+                trainer.train_step()
+            trainer.save()
+        else:
+            trainer.fit()
+        del trainer
+    dist.destroy_process_group()
+    torch.save(seen, Path(out) / f"rank{rank}.pt")
+
+
 def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
     """tp2 with sequence parallelism: 2 steps, saved, resumed by a new Trainer to step 4; then tp2 without it, and an
     MoE model with adapted experts under tp2."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import torch.distributed as dist
-    from conftest import FAST, compose_run
+    from conftest import FAST
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -44,24 +71,7 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
     runs = [("tp", steps, 2), ("tp", steps, 0),
             ("tp_nosp", ["train.max_steps=2", "train.save_every=0", "parallel.sequence_parallel=false"], 0),
             ("tp_moe", [*MOE, "train.max_steps=2", "train.save_every=0"], 0)]
-    trainable = {}
-    for name, extra, stop_at in runs:  # one process group for all (the trainer keeps an initialised one)
-        cfg = compose_run([*common, *extra, f"run.dir={out}/{name}"])
-        trainer = Trainer(cfg, cfg.run.dir, CPU)
-        trainable[name] = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
-        optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
-        trainable[name + "_optimizer_is_adapters"] = optimized == {
-            id(p) for n, p in trainer.model.named_parameters() if is_adapter(n)}
-        trainable[name + "_resumed_from"] = trainer.resumed_from
-        if stop_at:  # interrupted after stop_at steps, saved; the next Trainer resumes it
-            for _ in range(stop_at):
-                trainer.train_step()
-            trainer.save()
-        else:
-            trainer.fit()
-        del trainer
-    dist.destroy_process_group()
-    torch.save(trainable, Path(out) / f"rank{rank}.pt")
+    run_trainers(runs, common, out, rank)
 
 
 @pytest.mark.slow
