@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
+from difflm.config.schema import PosttrainDataConfig
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, lora_enabled
 from difflm.parallel import distributed as pdist
@@ -69,8 +70,8 @@ def check_rl_config(cfg) -> None:
         raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
                           "algorithm=dpo does not use it: drop it")
     if a.name == "grpo":
-        for key, default in (("chosen_field", "chosen"), ("rejected_field", "rejected")):
-            if cfg.data[key] != default:
+        for key in ("chosen_field", "rejected_field"):
+            if cfg.data[key] != getattr(PosttrainDataConfig, key):
                 raise DifflmError(f"data.{key}={cfg.data[key]!r} is a dpo key; algorithm=grpo does not use it: drop "
                                   "it (or set algorithm=dpo)")
     if a.name == "grpo" and cfg.data.answer_field is None and (needs := build_reward(cfg.reward).needs_answer()):
