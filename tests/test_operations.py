@@ -254,12 +254,20 @@ def test_second_ctrl_c_stops_at_once_in_one_line(capsys):
 
     stop = StopRequest()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler runs at the next bytecode
+        # To the main thread itself: os.kill may land on another thread (pytest-xdist's I/O thread), and the handler
+        # then runs only after a long sleep has ended, possibly outside pytest.raises. Python runs handlers between
+        # bytecodes, so short sleeps in a loop give it those points.
+        main = threading.main_thread().ident
+        signal.pthread_kill(main, signal.SIGINT)
+        for _ in range(500):
+            if stop.reason:
+                break
+            time.sleep(0.01)
         assert stop.should_stop() and exit_status(stop.reason) == EXIT_INTERRUPTED and stop.reason == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
+            signal.pthread_kill(main, signal.SIGINT)
+            for _ in range(500):
+                time.sleep(0.01)
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
