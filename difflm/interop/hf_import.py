@@ -5,7 +5,7 @@
 Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
 (QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE), LLaDA-MoE and LLaDA 2.0 (``LLaDAMoEModelLM``,
 ``LLaDA2MoeModelLM``: :mod:`difflm.interop.llada_layouts` has their mapping) and difflm exports (``model_type``
-difflm, :mod:`difflm.interop.export`). A local directory is read
+difflm, dense or MoE: :mod:`difflm.interop.difflm_format`). A local directory is read
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
