@@ -343,7 +343,7 @@ def test_llada_moe_expert_bias_picks_and_weights_the_experts(tmp_path):
     """LLaDA-MoE's ``topk(softmax(logits) + expert_bias)``: the bias picks the experts and stays in their weights.
     difflm-import (``model.moe.bias_in_weights``) gives the float64 reference's logits; the bias changes the routing
     (other experts, other logits than bias 0), and a steering-only bias would not give these logits; format=llada_moe
-    writes the bias back and re-imports to the same logits."""
+    writes the bias back and re-imports to the same logits, and so does difflm's own format."""
     from safetensors.torch import load_file
 
     src, c, keys = biased_llada_moe(tmp_path)
@@ -383,38 +383,40 @@ def test_llada_moe_expert_bias_picks_and_weights_the_experts(tmp_path):
     again = import_hf(str(out), tmp_path / "again")
     assert again.model.moe == cfg.model.moe
     assert torch.equal(_difflm_logits(tmp_path / "again", ids), ours)
+    _difflm_format_round_trip(tmp_path, cfg, ids, ours)
 
 
-@pytest.mark.parametrize("layout", ["llada2", "llada_moe"])
-def test_difflm_format_export_loads_in_transformers_and_reimports(tmp_path, layout):
-    """difflm-export's own format of an MoE run with a dense first block, a shared expert and a non-zero router bias
-    (llada2: group-limited sigmoid, the bias picks only, partial RoPE; llada_moe: the bias also weights): the shipped
-    modeling file gives difflm's logits, and difflm-import of the export rebuilds the run (same ``model.moe``,
-    identical logits)."""
+def _difflm_format_round_trip(tmp: Path, cfg, ids: torch.Tensor, ours: torch.Tensor) -> None:
+    """difflm-export's own format of the run ``tmp/run`` (config ``cfg``, logits ``ours`` for ``ids``): the shipped
+    modeling file gives difflm's logits, and difflm-import of the export rebuilds the run (the same ``model.*``,
+    widths resolved; identical logits)."""
     from difflm.model.moe import expert_ffn_size, shared_ffn_size
 
-    if layout == "llada2":
-        src = write_checkpoint(tmp_path, llada2_config(), llada2_keys())
-    else:
-        src = biased_llada_moe(tmp_path)[0]
-    cfg = import_hf(str(src), tmp_path / "run")
-    out = export_checkpoint(tmp_path / "run", tmp_path / "hf")[0]
+    out = export_checkpoint(tmp / "run", tmp / "hf")[0]
     written = json.loads((out / "config.json").read_text())
-    assert written["moe_first_k_dense"] == 1 and written["moe_bias_in_weights"] == (layout == "llada_moe")
-    assert written["partial_rotary_factor"] == (0.5 if layout == "llada2" else 1.0)
-    ids = torch.randint(0, N_TOK, (2, 10), generator=torch.Generator().manual_seed(1))
-    ours = _difflm_logits(tmp_path / "run", ids)
+    assert written["moe_first_k_dense"] == cfg.model.moe.first_k_dense
+    assert written["moe_bias_in_weights"] == cfg.model.moe.bias_in_weights
+    assert written["partial_rotary_factor"] == cfg.model.partial_rotary_factor
     theirs = hf_logits(out, ids, trust=True, auto="AutoModelForMaskedLM")
     assert (theirs - ours).abs().max() < 1e-5
-
-    again = import_hf(str(out), tmp_path / "again")
+    again = import_hf(str(out), tmp / "difflm_again")
     a, b = again.model, cfg.model
     assert {k: a.moe[k] for k in b.moe if "ffn_hidden_size" not in k} == {
         k: b.moe[k] for k in b.moe if "ffn_hidden_size" not in k}
     assert (expert_ffn_size(a), shared_ffn_size(a)) == (expert_ffn_size(b), shared_ffn_size(b))
     assert all(a[k] == b[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "head_dim", "qkv_bias",
                                       "partial_rotary_factor", "rope_base", "norm_eps"))
-    assert torch.equal(_difflm_logits(tmp_path / "again", ids), ours)
+    assert torch.equal(_difflm_logits(tmp / "difflm_again", ids), ours)
+
+
+def test_difflm_format_export_of_llada2_loads_in_transformers_and_reimports(tmp_path):
+    """An imported LLaDA 2.0 model (dense first block, shared expert, group-limited sigmoid routing with a non-zero
+    bias that picks only, partial RoPE) through difflm's own format and back."""
+    src = write_checkpoint(tmp_path, llada2_config(), llada2_keys())
+    cfg = import_hf(str(src), tmp_path / "run")
+    assert cfg.model.partial_rotary_factor == 0.5
+    ids = torch.randint(0, N_TOK, (2, 10), generator=torch.Generator().manual_seed(1))
+    _difflm_format_round_trip(tmp_path, cfg, ids, _difflm_logits(tmp_path / "run", ids))
 
 
 def test_layout_errors_name_the_key(tmp_path):
