@@ -136,14 +136,21 @@ def llada2_keys() -> set[str]:
     return set(keys + _mlp_keys("model.layers.1.mlp.shared_experts."))
 
 
-def llada_moe_keys() -> set[str]:
-    """The release's tensor names of :func:`llada_moe_config` (LLaDAMoEModelLM's state dict)."""
+def llada_moe_keys(dense: tuple[int, ...] = (), shared: bool = False, bias: bool = False) -> set[str]:
+    """The release's tensor names of :func:`llada_moe_config` (LLaDAMoEModelLM's state dict): blocks ``dense`` with
+    the dense MLP, the others MoE with ``shared_expert`` and ``mlp.expert_bias`` (moe_router_enable_expert_bias) when
+    asked."""
     keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for i in range(2):
         p = f"model.layers.{i}."
-        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight"]
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         keys += [f"{p}self_attn.{x}.weight" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
-        keys += [k for j in range(E) for k in _mlp_keys(f"{p}mlp.experts.{j}.")]
+        if i in dense:
+            keys += _mlp_keys(p + "mlp.")
+            continue
+        keys += [p + "mlp.gate.weight"] + [k for j in range(E) for k in _mlp_keys(f"{p}mlp.experts.{j}.")]
+        keys += _mlp_keys(p + "shared_expert.") if shared else []
+        keys += [p + "mlp.expert_bias"] if bias else []
     return set(keys)
 
 
@@ -204,12 +211,14 @@ def _swiglu(x, w, p):
     return (F.silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) @ w[p + "down_proj.weight"].T
 
 
-def reference_logits(src: Path, ids: torch.Tensor) -> torch.Tensor:
-    """Bidirectional forward of the checkpoint in ``src`` by the release's names and keys, float64."""
+def reference_logits(src: Path, ids: torch.Tensor, routes: list | None = None,
+                     weights: dict | None = None) -> torch.Tensor:
+    """Bidirectional forward of the checkpoint in ``src`` (or of its tensors ``weights``) by the release's names and
+    keys, float64. ``routes`` collects each MoE block's chosen experts [T, k]."""
     from safetensors.torch import load_file
 
     c = json.loads((src / "config.json").read_text())
-    w = {k: v.double() for k, v in load_file(str(src / "model.safetensors")).items()}
+    w = {k: v.double() for k, v in (weights or load_file(str(src / "model.safetensors"))).items()}
     two = c["model_type"] == "llada2_moe"
     eps, h, kv = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or D // h
@@ -236,12 +245,13 @@ def reference_logits(src: Path, ids: torch.Tensor) -> torch.Tensor:
         x = x + torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, h * hd) @ w[p + o + ".weight"].T
         m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
         dense = i < c["first_k_dense_replace"] if two else c["moe_layer_freq"][i] == 0
-        x = x + (_swiglu(m, w, p + "mlp.") if dense else _moe(m.reshape(b * s, -1), w, p, c, two).view(b, s, -1))
+        mlp = _swiglu(m, w, p + "mlp.") if dense else _moe(m.reshape(b * s, -1), w, p, c, two, routes).view(b, s, -1)
+        x = x + mlp
     x = _rms(x, w["model.norm.weight"], eps)
     return x @ w["lm_head.weight"].T
 
 
-def _moe(t, w, p, c, two):
+def _moe(t, w, p, c, two, routes=None):
     logits = t @ w[p + "mlp.gate.weight"].T
     k = c["num_experts_per_tok"]
     if two:  # sigmoid; group-limited choice on scores + bias; renormalised chosen scores x routed_scaling_factor
@@ -252,9 +262,13 @@ def _moe(t, w, p, c, two):
         idx = choice.masked_fill(~keep[..., None], float("-inf")).view(t.shape[0], -1).topk(k, -1).indices
         weights = scores.gather(1, idx)
         weights = weights / weights.sum(-1, keepdim=True) * c["routed_scaling_factor"]
-    else:  # softmax top-k, not renormalised
+    else:  # softmax (+ expert_bias, when the flag builds it) top-k: experts and weights; not renormalised
         probs = torch.softmax(logits, dim=-1)
+        if c.get("moe_router_enable_expert_bias"):
+            probs = probs + w[p + "mlp.expert_bias"]
         weights, idx = probs.topk(k, dim=-1)
+    if routes is not None:
+        routes.append(idx)
     y = torch.zeros_like(t)
     for n in range(t.shape[0]):
         for j in range(k):
@@ -310,27 +324,119 @@ def test_import_gives_the_release_logits_and_export_writes_its_layout(tmp_path, 
     assert torch.equal(_difflm_logits(tmp_path / "again", ids), ours)  # import(export(run)) is the run
 
 
-def test_partial_rotary_export_in_difflms_format_gives_the_same_logits(tmp_path):
-    """The difflm-format export of a partial-rotary model: its modeling file rotates as difflm does."""
-    src = write_checkpoint(tmp_path, llada2_config(), llada2_keys())
-    import_hf(str(src), tmp_path / "run")
-    out = export_checkpoint(tmp_path / "run", tmp_path / "hf")[0]
-    assert json.loads((out / "config.json").read_text())["partial_rotary_factor"] == 0.5
-    ids = torch.randint(0, N_TOK, (2, 10), generator=torch.Generator().manual_seed(1))
+def biased_llada_moe(tmp: Path, scale: float = 0.05) -> tuple[Path, dict, set[str]]:
+    """A LLaDA-MoE checkpoint with ``moe_router_enable_expert_bias``, a dense first block and a shared expert; its
+    ``expert_bias`` is ``scale`` x N(0, 1), comparable with the softmax probabilities (1/E on average), so that it
+    changes the chosen experts of some tokens (a third of those of the tests' ids)."""
+    from safetensors.torch import load_file, save_file
+
+    c = llada_moe_config(moe_router_enable_expert_bias=True, moe_layer_freq=[0, 1], shared_expert_intermediate_size=F_E)
+    keys = llada_moe_keys(dense=(0,), shared=True, bias=True)
+    src = write_checkpoint(tmp, c, keys)
+    w = load_file(str(src / "model.safetensors"))
+    w["model.layers.1.mlp.expert_bias"] = scale * torch.randn(E, generator=torch.Generator().manual_seed(5))
+    save_file(w, str(src / "model.safetensors"))
+    return src, c, keys
+
+
+def test_llada_moe_expert_bias_picks_and_weights_the_experts(tmp_path):
+    """LLaDA-MoE's ``topk(softmax(logits) + expert_bias)``: the bias picks the experts and stays in their weights.
+    difflm-import (``model.moe.bias_in_weights``) gives the float64 reference's logits; the bias changes the routing
+    (other experts, other logits than bias 0), and a steering-only bias would not give these logits; format=llada_moe
+    writes the bias back and re-imports to the same logits, and so does difflm's own format."""
+    from safetensors.torch import load_file
+
+    src, c, keys = biased_llada_moe(tmp_path)
+    cfg = import_hf(str(src), tmp_path / "run")
+    moe = cfg.model.moe
+    assert moe.bias_in_weights and moe.first_k_dense == 1 and moe.shared_ffn_hidden_size == F_E
+    assert "model.moe.bias_in_weights=true" in train_overrides(cfg)
+    ids = torch.randint(0, N_TOK, (2, 12), generator=torch.Generator().manual_seed(0))
+    routes, unbiased_routes = [], []
+    ref = reference_logits(src, ids, routes)
+    w = load_file(str(src / "model.safetensors"))
+    w["model.layers.1.mlp.expert_bias"] = torch.zeros(E)
+    unbiased = reference_logits(src, ids, unbiased_routes, weights=w)
+    moved = (routes[0] != unbiased_routes[0]).any(dim=-1).float().mean().item()
+    assert 0.2 < moved < 1, moved  # the bias changes the experts of many tokens, and the gate still matters
+    assert (ref - unbiased).abs().max() > 0.05
+
+    _, model, _, _ = load_run_for_export(tmp_path / "run")
+    with torch.no_grad():
+        ours = model(ids)
+        model.layers[1].mlp.router.bias_in_weights = False  # DeepSeek-V3's bias: the choice only
+        steering = model(ids)
+    diff = (ours[..., :N_TOK].double() - ref[..., :N_TOK]).abs().max().item()
+    print(f"llada_moe with expert_bias: max |logit diff| vs the reference = {diff:.2e} (scale "
+          f"{ref.abs().max().item():.2f}; {moved:.0%} of tokens routed elsewhere than with bias 0)")
+    assert diff < 4e-6  # float32 rounding: difflm runs FP32 against the float64 reference
+    assert (steering[..., :N_TOK].double() - ref[..., :N_TOK]).abs().max() > 1e-3
+
+    out = export_checkpoint(tmp_path / "run", tmp_path / "out", format="llada_moe")[0]
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == keys
+    assert torch.equal(exported["model.layers.1.mlp.expert_bias"], load_file(str(src / "model.safetensors"))[
+        "model.layers.1.mlp.expert_bias"])
+    written = json.loads((out / "config.json").read_text())
+    assert written["moe_router_enable_expert_bias"] and written["moe_layer_freq"] == [0, 1]
+    assert written["shared_expert_intermediate_size"] == F_E
+    again = import_hf(str(out), tmp_path / "again")
+    assert again.model.moe == cfg.model.moe
+    assert torch.equal(_difflm_logits(tmp_path / "again", ids), ours)
+    _difflm_format_round_trip(tmp_path, cfg, ids, ours)
+
+
+def _difflm_format_round_trip(tmp: Path, cfg, ids: torch.Tensor, ours: torch.Tensor) -> None:
+    """difflm-export's own format of the run ``tmp/run`` (config ``cfg``, logits ``ours`` for ``ids``): the shipped
+    modeling file gives difflm's logits, and difflm-import of the export rebuilds the run (the same ``model.*``,
+    widths resolved; identical logits)."""
+    from difflm.model.moe import expert_ffn_size, shared_ffn_size
+
+    out = export_checkpoint(tmp / "run", tmp / "hf")[0]
+    written = json.loads((out / "config.json").read_text())
+    assert written["moe_first_k_dense"] == cfg.model.moe.first_k_dense
+    assert written["moe_bias_in_weights"] == cfg.model.moe.bias_in_weights
+    assert written["partial_rotary_factor"] == cfg.model.partial_rotary_factor
     theirs = hf_logits(out, ids, trust=True, auto="AutoModelForMaskedLM")
-    assert (theirs - _difflm_logits(tmp_path / "run", ids)).abs().max() < 1e-5
+    assert (theirs - ours).abs().max() < 1e-5
+    again = import_hf(str(out), tmp / "difflm_again")
+    a, b = again.model, cfg.model
+    assert {k: a.moe[k] for k in b.moe if "ffn_hidden_size" not in k} == {
+        k: b.moe[k] for k in b.moe if "ffn_hidden_size" not in k}
+    assert (expert_ffn_size(a), shared_ffn_size(a)) == (expert_ffn_size(b), shared_ffn_size(b))
+    assert all(a[k] == b[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "head_dim", "qkv_bias",
+                                      "partial_rotary_factor", "rope_base", "norm_eps"))
+    assert torch.equal(_difflm_logits(tmp / "difflm_again", ids), ours)
+
+
+def test_difflm_format_export_of_llada2_loads_in_transformers_and_reimports(tmp_path):
+    """An imported LLaDA 2.0 model (dense first block, shared expert, group-limited sigmoid routing with a non-zero
+    bias that picks only, partial RoPE) through difflm's own format and back."""
+    src = write_checkpoint(tmp_path, llada2_config(), llada2_keys())
+    cfg = import_hf(str(src), tmp_path / "run")
+    assert cfg.model.partial_rotary_factor == 0.5
+    ids = torch.randint(0, N_TOK, (2, 10), generator=torch.Generator().manual_seed(1))
+    _difflm_format_round_trip(tmp_path, cfg, ids, _difflm_logits(tmp_path / "run", ids))
 
 
 def test_layout_errors_name_the_key(tmp_path):
+    from difflm.interop.llada_layouts import export_config
+
+    # without moe_router_enable_expert_bias the release builds no expert_bias buffer: a stored one is not used
     c = llada_moe_config()
-    keys = llada_moe_keys() | {"model.layers.1.mlp.expert_bias"}
-    src = write_checkpoint(tmp_path, c, keys)
-    with pytest.raises(DifflmError, match="non-zero model.layers.1.mlp.expert_bias"):
-        import_hf(str(src), tmp_path / "run")
+    src = write_checkpoint(tmp_path, c, llada_moe_keys(bias=True))
+    cfg = import_hf(str(src), tmp_path / "run")
+    assert not cfg.model.moe.bias_in_weights
+    ids = torch.randint(0, N_TOK, (1, 8), generator=torch.Generator().manual_seed(2))
+    assert (_difflm_logits(tmp_path / "run", ids)[..., :N_TOK].double() - reference_logits(src, ids)[..., :N_TOK]
+            ).abs().max() < 2e-5
+    moved = {"layers.1.mlp.router.bias": torch.full((E,), 0.01)}
+    with pytest.raises(DifflmError, match="format=llada_moe: .*bias_in_weights=false"):
+        export_config(cfg, None, "llada_moe", "fp32", moved)
     (tmp_path / "b").mkdir()
     src = write_checkpoint(tmp_path / "b", llada2_config(use_bias=True), llada2_keys())
     with pytest.raises(DifflmError, match="use_bias=True"):
-        import_hf(str(src), tmp_path / "run")
+        import_hf(str(src), tmp_path / "b" / "run")
     (tmp_path / "c").mkdir()
     src = write_checkpoint(tmp_path / "c", llada_moe_config(), llada_moe_keys())
     import_hf(str(src), tmp_path / "c" / "run")
@@ -338,6 +444,9 @@ def test_layout_errors_name_the_key(tmp_path):
         export_checkpoint(tmp_path / "c" / "run", tmp_path / "c" / "out", format="llada2")
     with pytest.raises(DifflmError, match="format='nope' is not one of"):
         export_checkpoint(tmp_path / "c" / "run", tmp_path / "c" / "out", format="nope")
+    cfg.model.moe.score_func, cfg.model.moe.norm_topk_prob, cfg.model.moe.bias_in_weights = "sigmoid", True, True
+    with pytest.raises(DifflmError, match="format=llada2: .*LLaDA 2.0's bias only picks the experts"):
+        export_config(cfg, None, "llada2", "fp32", moved)
 
 
 def test_merged_experts_variant_maps_to_the_same_tensors(tmp_path):

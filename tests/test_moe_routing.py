@@ -92,6 +92,30 @@ def test_expert_bias_steers_the_choice_but_not_the_weight():
     assert sorted(ids[0].tolist()) == [4, 5] and abs(sorted(w[0])[0] - float(s[5])) < 1e-6
 
 
+def test_bias_in_weights_keeps_the_bias_in_the_gating_weights():
+    """``bias_in_weights`` (LLaDA-MoE's ``topk(softmax(u) + b)``): the same experts as the steering-only bias, the
+    weights the chosen ``softmax(u) + b`` (by hand here, not renormalised); the router weight gets the gradient of
+    the softmax part, the bias none."""
+    torch.manual_seed(1)
+    e, d, t = 8, 6, 32
+    steer = TopKRouter(d, e, 2, "softmax", False)
+    both = TopKRouter(d, e, 2, "softmax", False, bias_in_weights=True)
+    with torch.no_grad():
+        steer.weight.normal_(0.0, 1.0)
+        steer.bias.copy_(0.2 * torch.randn(e))
+    both.load_state_dict(steer.state_dict())
+    x = torch.randn(t, d)
+    a, b = steer(x), both(x)
+    assert torch.equal(a.expert_ids, b.expert_ids)
+    p = torch.softmax(x.double() @ both.weight.detach().double().T, dim=-1) + both.bias.double()
+    ref_w, ref_ids = p.topk(2, dim=-1)
+    assert torch.equal(b.expert_ids, ref_ids)
+    assert torch.allclose(b.weights.double(), ref_w, atol=1e-6)
+    assert (b.weights - a.weights - both.bias[b.expert_ids]).abs().max() < 1e-6
+    b.weights.sum().backward()
+    assert both.weight.grad is not None and both.bias.grad is None and not both.bias.requires_grad
+
+
 def model_cfg():
     """moe-tiny with 3 blocks, the first dense (ffn 48), 8 experts of width 24 in 4 groups, a shared expert of 40."""
     from difflm.model import resolve_model_config

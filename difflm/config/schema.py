@@ -51,6 +51,9 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # gate weights x this (DeepSeek-V3 / LLaDA 2 configs: 2.5)
     first_k_dense: int = 0  # first k blocks keep the dense SwiGLU of model.ffn_hidden_size (HF first_k_dense_replace)
     shared_ffn_hidden_size: int = 0  # width of the fused shared experts; 0 = num_shared_experts * expert width
+    # the gating weights are the chosen (scores + bias), not the scores alone: LLaDA-MoE's expert_bias (its
+    # OLMoE-style block adds the bias to the softmax probabilities before top-k and keeps it in the weights)
+    bias_in_weights: bool = False
 
 
 @dataclass

@@ -39,6 +39,7 @@ from difflm.cli import hydra_app, writable_output
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm import strict_json
 from difflm.errors import DifflmError
+from difflm.interop.difflm_format import moe_fields
 from difflm.interop.llada_layouts import LAYOUTS, export_config, from_difflm
 from difflm.model import build_model
 
@@ -248,23 +249,8 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
         bos_token_id=tok.tokenizer.bos_token_id, eos_token_id=tok.eos_id,
         pad_token_id=tok.tokenizer.pad_token_id, architectures=["DiffLMForMaskedLM"], auto_map=dict(AUTO_MAP),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-        **_moe_fields(m),
+        **moe_fields(m),
     )
-
-
-def _moe_fields(m) -> dict:
-    """The ``moe_*`` fields of :class:`DiffLMConfig` for ``model.moe`` (empty for a dense model)."""
-    from difflm.model.moe import expert_ffn_size, first_k_dense, moe_config, shared_ffn_size
-
-    moe = moe_config(m)
-    if moe is None:
-        return {}
-    return {"moe_n_group": int(moe.get("n_group", 1)), "moe_topk_group": int(moe.get("topk_group", 1)),
-            "moe_routed_scaling_factor": float(moe.get("routed_scaling_factor", 1.0)),
-            "moe_first_k_dense": first_k_dense(m), "moe_shared_intermediate_size": shared_ffn_size(m),
-            "moe_num_experts": int(moe.num_experts), "moe_top_k": int(moe.top_k),
-            "moe_intermediate_size": expert_ffn_size(m), "moe_num_shared_experts": int(moe.num_shared_experts),
-            "moe_score_func": str(moe.score_func), "moe_norm_topk_prob": bool(moe.norm_topk_prob)}
 
 
 def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:

@@ -5,7 +5,7 @@
 Sources: Llama-family (``model_type`` llama, mistral without sliding window), Qwen2 (QKV bias), Qwen3
 (QK-norm), Qwen3-MoE (``model_type`` qwen3_moe: every block MoE), LLaDA-MoE and LLaDA 2.0 (``LLaDAMoEModelLM``,
 ``LLaDA2MoeModelLM``: :mod:`difflm.interop.llada_layouts` has their mapping) and difflm exports (``model_type``
-difflm, :mod:`difflm.interop.export`). A local directory is read
+difflm, dense or MoE: :mod:`difflm.interop.difflm_format`). A local directory is read
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
@@ -60,6 +60,7 @@ from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
+from difflm.interop.difflm_format import difflm_dims
 from difflm.interop.llada_layouts import layout_of, llada_dims, to_difflm
 from difflm.model import build_model
 from difflm.training.run_dir import held_run_dir, remove_path, run_records, set_aside_run_records
@@ -149,20 +150,8 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
     if kind not in SUPPORTED:
         raise DifflmError(f"hf={hf!r} has model_type={kind!r}: difflm-import supports {', '.join(SUPPORTED)}, "
                           "and the LLaDA-MoE / LLaDA 2.0 layouts")
-    if kind == "difflm" and hf_cfg.get("moe_num_experts", 0):
-        raise DifflmError(f"hf={hf!r} is a mixture-of-experts difflm export (moe_num_experts="
-                          f"{hf_cfg['moe_num_experts']}): difflm-import does not map MoE models yet; resume from the "
-                          "run's own checkpoints instead")
     if kind == "difflm":
-        return {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"],
-                "num_heads": hf_cfg["num_attention_heads"], "num_kv_heads": hf_cfg["num_key_value_heads"],
-                "ffn_hidden_size": hf_cfg["intermediate_size"], "head_dim": hf_cfg["head_dim"],
-                "rope_base": float(hf_cfg["rope_theta"]), "norm_eps": float(hf_cfg["rms_norm_eps"]),
-                "partial_rotary_factor": float(hf_cfg.get("partial_rotary_factor", 1.0)),
-                "qk_norm": bool(hf_cfg["qk_norm"]), "qkv_bias": bool(hf_cfg.get("qkv_bias", False)),
-                "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)),
-                "shift_logits": bool(hf_cfg.get("shift_logits", False)),
-                "init_std": float(hf_cfg.get("initializer_range", 0.02))}
+        return difflm_dims(hf_cfg, hf)
     act = hf_cfg.get("hidden_act", "silu")
     if act != "silu":
         raise DifflmError(f"hf={hf!r} has hidden_act={act!r}: difflm's MLP is SwiGLU (silu)")
@@ -310,7 +299,7 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hid
 
 MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "shared_ffn_hidden_size", "score_func",
             "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense", "aux_loss_coeff",
-            "z_loss_coeff", "bias_update_rate")
+            "z_loss_coeff", "bias_update_rate", "bias_in_weights", "capacity_factor", "balance_over")
 
 
 def _override_value(value) -> str:

@@ -18,16 +18,19 @@ E experts of width f, f_s shared width, f_d dense width; "gate; up" are difflm's
     mlp.layer_norm_weight                post_attention_layernorm.weight        post_attention_layernorm.weight
     mlp.fc1_weight / fc2_weight (dense)  mlp.{gate,up,down}_proj.weight         mlp.{gate,up,down}_proj.weight
     mlp.router.weight [E, d]             mlp.gate.weight                        mlp.gate.weight
-    mlp.router.bias [E]                  mlp.expert_bias (must be 0, below)     mlp.gate.expert_bias
+    mlp.router.bias [E]                  mlp.expert_bias (below)                mlp.gate.expert_bias
     mlp.experts.fc1_weight[j] [2f, d]    mlp.experts.j.{gate,up}_proj.weight    mlp.experts.j.{gate,up}_proj.weight
     mlp.experts.fc2_weight[j] [d, f]     mlp.experts.j.down_proj.weight         mlp.experts.j.down_proj.weight
     mlp.shared.fc1_weight / fc2_weight   shared_expert.{gate,up,down}_proj      mlp.shared_experts.{gate,up,down}_proj
     final_norm.weight                    model.norm.weight                      model.norm.weight
     output.weight                        lm_head.weight (absent when tied)      lm_head.weight
 
-Routing. LLaDA-MoE: softmax over the E logits, top-k, weights not renormalised (its block fixes
-``norm_topk_prob = False``); its optional ``expert_bias`` is added to the probabilities *and* kept in the weights,
-which difflm's steering-only bias cannot express, so a non-zero one is refused. LLaDA 2.0: sigmoid scores, the top-k
+Routing. LLaDA-MoE (``LLaDAMoESparseMoeBlock``): ``p = softmax(logits)`` over the E experts, then
+``weights, experts = topk(p + expert_bias, k)``: the bias (a buffer, present when ``moe_router_enable_expert_bias``)
+picks the experts *and* stays in the weights, which are not renormalised (the block fixes ``norm_topk_prob = False``)
+nor scaled. difflm computes this with ``model.moe.bias_in_weights=true``, which the import sets from
+``moe_router_enable_expert_bias`` (without that flag the release builds no buffer and ignores a stored
+``expert_bias``, and so does the import). LLaDA 2.0: sigmoid scores, the top-k
 of ``scores + expert_bias`` among the ``topk_group`` best of ``n_group`` groups (group score: the sum of its top 2,
 DeepSeek-V3 sec. 2.1.2), weights = the chosen scores renormalised (when k > 1) times ``routed_scaling_factor``.
 RoPE: both rotate the first ``int(hd * partial_rotary_factor)`` dims rotate-half (:mod:`difflm.model.rope`).
@@ -134,6 +137,7 @@ def llada_dims(c: dict, hf: str, layout: str) -> dict:
                "num_shared_experts": 1 if shared > 0 else 0, "shared_ffn_hidden_size": int(shared),
                "score_func": "softmax", "norm_topk_prob": False, "n_group": 1, "topk_group": 1,
                "routed_scaling_factor": 1.0, "first_k_dense": first,
+               "bias_in_weights": bool(c.get("moe_router_enable_expert_bias")),
                "aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.01)), "z_loss_coeff": 0.0,
                "bias_update_rate": 0.0}
         dense_ffn = int(c.get("dense_intermediate_size") or moe["ffn_hidden_size"])
@@ -200,10 +204,9 @@ def to_difflm(w: dict[str, torch.Tensor], dims: dict, layout: str) -> dict[str, 
             out[d + "mlp.fc1_weight"], out[d + "mlp.fc2_weight"] = _glu(get, p + "mlp.")
             continue
         e = moe["num_experts"]
-        bias = w[p + names["bias"]].float() if p + names["bias"] in w else torch.zeros(e)
-        if layout == "llada_moe" and bias.abs().max() > 0:  # it would also enter the gating weights
-            raise DifflmError(f"the llada_moe checkpoint has a non-zero {p + names['bias']}: LLaDA-MoE adds it to the "
-                              "gating weights too, which difflm's routing bias (choice only) cannot reproduce")
+        # LLaDA-MoE without moe_router_enable_expert_bias has no bias buffer: a stored one is not used (module docstring)
+        used = layout == "llada2" or moe["bias_in_weights"]
+        bias = w[p + names["bias"]].float() if used and p + names["bias"] in w else torch.zeros(e)
         out[d + "mlp.router.weight"], out[d + "mlp.router.bias"] = get(p + "mlp.gate.weight"), bias
         if p + "mlp.experts.gate_proj" in w:  # the merged-experts (veomni) variant: stacked [E, f, d] / [E, d, f]
             fc1 = torch.cat([get(p + "mlp.experts.gate_proj"), get(p + "mlp.experts.up_proj")], dim=1)
@@ -251,7 +254,7 @@ def from_difflm(state: dict[str, torch.Tensor], m, layout: str) -> dict[str, tor
             _put_glu(out, p + "mlp.", state[d + "mlp.fc1_weight"], state[d + "mlp.fc2_weight"])
             continue
         out[p + "mlp.gate.weight"] = state[d + "mlp.router.weight"]
-        if layout == "llada2":
+        if layout == "llada2" or m.moe.get("bias_in_weights", False):
             out[p + names["bias"]] = state[d + "mlp.router.bias"]
         fc1, fc2 = state[d + "mlp.experts.fc1_weight"], state[d + "mlp.experts.fc2_weight"]
         for j in range(fc1.shape[0]):
@@ -275,7 +278,10 @@ def _check_exportable(cfg, layout: str, router_bias: Optional[torch.Tensor]) -> 
     if cfg.objective.name not in ("mdlm", "sft") or m.get("shift_logits", False):
         no(f"objective={cfg.objective.name}, shift_logits={m.get('shift_logits', False)}: the layout is a masked "
            "diffusion model with bidirectional attention and unshifted logits")
+    bias_in_weights = bool(moe.get("bias_in_weights", False))
     if layout == "llada2":
+        if bias_in_weights and router_bias is not None and router_bias.abs().max() > 0:
+            no("model.moe.bias_in_weights=true with a non-zero routing bias: LLaDA 2.0's bias only picks the experts")
         if moe.score_func != "sigmoid" or (int(moe.top_k) > 1 and not moe.norm_topk_prob):
             no(f"model.moe.score_func={moe.score_func}, norm_topk_prob={moe.norm_topk_prob}: LLaDA 2.0's gate is "
                "sigmoid with renormalised top-k weights")
@@ -290,8 +296,9 @@ def _check_exportable(cfg, layout: str, router_bias: Optional[torch.Tensor]) -> 
             or int(moe.get("n_group", 1)) != 1):
         no("LLaDA-MoE routes softmax top-k without renormalising, scaling or groups (model.moe.score_func=softmax, "
            "norm_topk_prob=false, routed_scaling_factor=1, n_group=1)")
-    if router_bias is not None and router_bias.abs().max() > 0:
-        no("the routing bias (model.moe.bias_update_rate > 0) is non-zero: LLaDA-MoE adds it to the gating weights")
+    if not bias_in_weights and router_bias is not None and router_bias.abs().max() > 0:
+        no("the routing bias (model.moe.bias_update_rate > 0) is non-zero and model.moe.bias_in_weights=false: "
+           "LLaDA-MoE adds its expert_bias to the gating weights too")
 
 
 def export_config(cfg, tok, layout: str, dtype: str, state: dict[str, torch.Tensor]) -> dict:
@@ -331,7 +338,8 @@ def export_config(cfg, tok, layout: str, dtype: str, state: dict[str, torch.Tens
             "expert_intermediate_size": expert_ffn_size(m),
             "shared_expert_intermediate_size": shared_ffn_size(m) or None,
             "moe_layer_freq": [0] * k_dense + [1] * (layers - k_dense), "qk_layernorm": bool(m.qk_norm),
-            "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False, "norm_topk_prob": False,
+            "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": bool(moe.get("bias_in_weights", False)), "norm_topk_prob": False,
             "routed_scaling_factor": 1.0, "router_num_group": None, "router_topk_group": None,
             "router_aux_loss_coef": float(moe.aux_loss_coeff), "attention_bias": False, "clip_qkv": None,
             "attention_dropout": 0.0}

@@ -131,7 +131,8 @@ class Routing:
         probs: [T, E] float32 per-token distribution over experts for the balancing loss: the softmax scores,
             or the sigmoid scores normalised to sum to 1 (DeepSeek-V3 eq. 19).
         expert_ids: [T, k] int64 chosen experts (top-k of scores + bias).
-        weights: [T, k] float32 gating weights (the chosen experts' scores, optionally renormalised).
+        weights: [T, k] float32 gating weights (the chosen experts' scores, + their bias with ``bias_in_weights``,
+            optionally renormalised and scaled).
     """
 
     logits: torch.Tensor
@@ -172,13 +173,18 @@ class TopKRouter(nn.Module):
     the chosen ``scores``, divided by their sum with ``norm_topk_prob`` (DeepSeek-V3 eq. 13 for sigmoid), times
     ``routed_scaling_factor`` (DeepSeek-V3's and LLaDA 2's released configs: 2.5). With ``n_group`` > 1 the
     choice is group-limited (:func:`grouped_topk`; DeepSeek-V3 sec. 2.1.2 node-limited routing).
-    Parameter ``weight`` [E, d]; buffer ``bias`` [E] float32 (zero unless ``model.moe.bias_update_rate`` > 0).
+    ``bias_in_weights``: the gating weights are the chosen ``scores + bias`` instead (LLaDA-MoE's
+    ``LLaDAMoESparseMoeBlock``: ``topk(softmax(logits) + expert_bias)`` gives both the experts and the weights);
+    the bias still gets no gradient.
+    Parameter ``weight`` [E, d]; buffer ``bias`` [E] float32 (zero unless ``model.moe.bias_update_rate`` > 0 or
+    loaded from a checkpoint).
 
     Raises: ValueError for an unknown ``score_func`` or ``n_group`` that does not divide E.
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool,
-                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0):
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 bias_in_weights: bool = False):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={score_func!r} is not one of {SCORE_FUNCS}")
@@ -189,6 +195,7 @@ class TopKRouter(nn.Module):
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
         self.n_group, self.topk_group = int(n_group), int(topk_group)
         self.routed_scaling_factor = float(routed_scaling_factor)
+        self.bias_in_weights = bool(bias_in_weights)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 
@@ -208,6 +215,8 @@ class TopKRouter(nn.Module):
         else:
             expert_ids = torch.topk(choice, self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(-1, expert_ids)
+        if self.bias_in_weights:
+            weights = weights + self.bias[expert_ids]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.routed_scaling_factor != 1.0:
@@ -380,7 +389,8 @@ class MoEMLP(nn.Module):
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
         self.router = TopKRouter(d, self.num_experts, self.top_k, moe.score_func, bool(moe.norm_topk_prob),
                                  n_group=int(_key(moe, "n_group", 1)), topk_group=int(_key(moe, "topk_group", 1)),
-                                 routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)))
+                                 routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)),
+                                 bias_in_weights=bool(_key(moe, "bias_in_weights", False)))
         self.experts = GroupedExperts(self.num_experts, d, f)
         f_s = shared_ffn_size(cfg)
         self.shared = SharedExperts(d, f_s) if f_s > 0 else None

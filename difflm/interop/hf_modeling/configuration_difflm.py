@@ -36,6 +36,9 @@ class DiffLMConfig(PretrainedConfig):
         moe_n_group, moe_topk_group, moe_routed_scaling_factor, moe_first_k_dense, moe_shared_intermediate_size:
         [model.moe.n_group, topk_group, routed_scaling_factor, first_k_dense, the resolved shared-expert width]
         (group-limited routing of DeepSeek-V3 sec. 2.1.2; the first blocks dense).
+        moe_bias_in_weights: the gating weights are the chosen scores + router bias [model.moe.bias_in_weights].
+        moe_aux_loss_coeff, moe_z_loss_coeff, moe_bias_update_rate, moe_capacity_factor, moe_balance_over: the run's
+        balancing settings [model.moe.*], unused here, kept so that ``difflm-import`` restores the run's ``model.moe``.
     """
 
     model_type = "difflm"
@@ -55,7 +58,10 @@ class DiffLMConfig(PretrainedConfig):
                  moe_num_experts: int = 0, moe_top_k: int = 2, moe_intermediate_size: int | None = None,
                  moe_num_shared_experts: int = 0, moe_score_func: str = "softmax", moe_norm_topk_prob: bool = False,
                  moe_n_group: int = 1, moe_topk_group: int = 1, moe_routed_scaling_factor: float = 1.0,
-                 moe_first_k_dense: int = 0, moe_shared_intermediate_size: int | None = None, **kwargs):
+                 moe_first_k_dense: int = 0, moe_shared_intermediate_size: int | None = None,
+                 moe_bias_in_weights: bool = False, moe_aux_loss_coeff: float | None = None,
+                 moe_z_loss_coeff: float | None = None, moe_bias_update_rate: float | None = None,
+                 moe_capacity_factor: float | None = None, moe_balance_over: str | None = None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -97,5 +103,9 @@ class DiffLMConfig(PretrainedConfig):
         self.moe_n_group, self.moe_topk_group = moe_n_group, moe_topk_group
         self.moe_routed_scaling_factor, self.moe_first_k_dense = moe_routed_scaling_factor, moe_first_k_dense
         self.moe_shared_intermediate_size = moe_shared_intermediate_size
+        self.moe_bias_in_weights = moe_bias_in_weights
+        self.moe_aux_loss_coeff, self.moe_z_loss_coeff = moe_aux_loss_coeff, moe_z_loss_coeff
+        self.moe_bias_update_rate, self.moe_capacity_factor = moe_bias_update_rate, moe_capacity_factor
+        self.moe_balance_over = moe_balance_over
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.tie_word_embeddings = tie_word_embeddings

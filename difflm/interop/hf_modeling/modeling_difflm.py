@@ -23,7 +23,8 @@ with its parameter names, so ``model.safetensors`` holds difflm's state dict unc
     (mixture of experts, ``moe_num_experts`` E > 0: the MLP slot is ``MoEMLP``, expert width f_e, f_s = shared x f_e)
     layers.{i}.mlp.layer_norm_weight              [d]
     layers.{i}.mlp.router.weight                  [E, d]
-    layers.{i}.mlp.router.bias                    [E]        buffer: added to the scores for the top-k choice only
+    layers.{i}.mlp.router.bias                    [E]        buffer: added to the scores for the top-k choice
+                                                             (and to the weights with moe_bias_in_weights)
     layers.{i}.mlp.experts.fc1_weight             [E, 2 f_e, d]
     layers.{i}.mlp.experts.fc2_weight             [E, d, f_e]
     layers.{i}.mlp.shared.fc{1,2}_weight          [2 f_s, d], [d, f_s]  (moe_num_shared_experts > 0)
@@ -101,14 +102,15 @@ class LayerNormMLP(nn.Module):
 class MoERouter(nn.Module):
     """Top-k router (FP32): scores = softmax or sigmoid of ``x W^T``; experts = top-k of scores + ``bias`` (with
     ``n_group`` > 1 among the ``topk_group`` groups whose 2 best scores + bias sum highest: DeepSeek-V3 sec. 2.1.2);
-    weights = the chosen scores (renormalised with ``norm_topk_prob``) times ``scale``.
-    x [T, d] -> (ids [T, k] int64, weights [T, k] FP32)."""
+    weights = the chosen scores (+ their bias with ``bias_in_weights``: LLaDA-MoE's ``expert_bias``; renormalised
+    with ``norm_topk_prob``) times ``scale``. x [T, d] -> (ids [T, k] int64, weights [T, k] FP32)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: str, norm_topk_prob: bool,
-                 n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
+                 n_group: int = 1, topk_group: int = 1, scale: float = 1.0, bias_in_weights: bool = False):
         super().__init__()
         self.top_k, self.score_func, self.norm_topk_prob = top_k, score_func, norm_topk_prob
         self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
+        self.bias_in_weights = bias_in_weights
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("bias", torch.zeros(num_experts), persistent=True)
 
@@ -125,6 +127,8 @@ class MoERouter(nn.Module):
             choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(t, e)
         ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
+        if self.bias_in_weights:
+            weights = weights + self.bias.float()[ids]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights * self.scale if self.scale != 1.0 else weights
@@ -168,7 +172,8 @@ class MoEMLP(nn.Module):
         self.layer_norm_weight = nn.Parameter(torch.ones(d))
         self.router = MoERouter(d, config.moe_num_experts, config.moe_top_k, config.moe_score_func,
                                 config.moe_norm_topk_prob, getattr(config, "moe_n_group", 1),
-                                getattr(config, "moe_topk_group", 1), getattr(config, "moe_routed_scaling_factor", 1.0))
+                                getattr(config, "moe_topk_group", 1), getattr(config, "moe_routed_scaling_factor", 1.0),
+                                bool(getattr(config, "moe_bias_in_weights", False)))
         self.experts = MoEExperts(config.moe_num_experts, d, f)
         shared = (getattr(config, "moe_shared_intermediate_size", None) or config.moe_num_shared_experts * f
                   if config.moe_num_shared_experts else 0)
