@@ -149,8 +149,8 @@ def test_grpo_ddp_hsdp_and_fsdp2_x_tp_on_4_ranks_equal_one_process(init_run, tmp
     # optim.eps=1e-3 keeps Adam's updates lr * m / (sqrt(v) + eps) near linear in the gradient: a gradient here is
     # a sum over completions weighted by advantages that cancel within each group, so its small components are
     # mostly the rounding of the reduction order, which differs between layouts; with the default eps=1e-8 Adam
-    # scales those components up to updates of order lr (measured: weights apart by up to 1e-3 under DDP and 7e-3
-    # under FSDP2 x TP after two steps, with the metrics still equal to 1e-6)
+    # scales those components up to updates of order lr (measured with it: weights apart by up to 1e-3 under DDP
+    # and 7e-3 under FSDP2 x TP after two steps, at embedding rows)
     four = ["algorithm.prompts_per_step=4", "optim.eps=1e-3"]
     run_rl(init_run, tmp_path / "single", "grpo", *four)
     layouts = spawn(tmp_path, init_run, [["ddp", "grpo", ["parallel=ddp", *four]],
