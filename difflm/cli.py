@@ -224,16 +224,17 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     """Check the keys and group selections of a Hydra command line against the config ``config_name`` composes.
 
     Checked: ``a.b=value`` (the key must exist, unless a node on its way is an open dict, a list or a value) and
-    ``group=option`` (the option must be a preset of the group; under ``-m`` every option of a sweep), and, without
-    ``-m``, that a key of ``algorithm``, ``estimator`` or ``objective`` is read by the selected preset
-    (:func:`difflm.config.preset_keys.foreign_key`: ``algorithm=dpo algorithm.group_size=8`` is refused) and that
-    ``reward`` is read by the algorithm (:func:`~difflm.config.preset_keys.unused_group`). Values are
-    not checked. Left to Hydra: ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``,
-    overrides Hydra cannot parse, and command lines naming another config (``--config-name``, ``--config-path``,
-    ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs a compose or two (~0.2 s).
+    ``group=option`` (the option must be a preset of the group; under ``-m`` every option of a sweep), then each run
+    the command line makes, one or every job of a ``-m`` sweep (expanded as Hydra's basic sweeper does), by
+    :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra:
+    ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``, overrides Hydra cannot parse,
+    sweeps its basic sweeper cannot expand (intervals), and command lines naming another config (``--config-name``,
+    ``--config-path``, ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs a compose
+    or two, and one per run (~0.1-0.3 s each).
 
     Raises: DifflmError naming the first unknown key or preset, with the closest key or preset when there is one
-    (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``).
+    (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), or ``check_job``'s refusal
+    (for a sweep, with the job it refuses).
     """
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
@@ -242,7 +243,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     from hydra.errors import HydraException
 
     from difflm.config import CONF_DIR
-    from difflm.config.preset_keys import foreign_key, unused_group
+    from difflm.config.job_check import check_job, jobs_to_check, sweep_jobs
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:  # Hydra's own argument parser: the overrides are its positional arguments
@@ -265,6 +266,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     if not overrides:
         return
     prog = f"difflm-{config_name}"
+    sweep = any(o.is_sweep_override() for o in overrides)
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             base = compose(config_name, return_hydra_config=True)
@@ -284,18 +286,8 @@ def check_overrides(argv: list[str], config_name: str) -> None:
                 else:
                     keys.append(override)
             cfg = compose(config_name, selections, return_hydra_config=True) if selections else base
-            if not any(o.is_sweep_override() for o in overrides):
-                choices = cfg.hydra.runtime.choices
-                for override in overrides:
-                    message = unused_group(choices, override.key_or_group)
-                    if message:
-                        raise DifflmError(message)
-                for override in keys:
-                    group = override.key_or_group.partition(".")[0]
-                    message = foreign_key(loader, group, choices[group], override.key_or_group) \
-                        if choices.get(group) else None
-                    if message:
-                        raise DifflmError(message)
+            jobs = sweep_jobs([o.input_line for o in overrides], loader) if sweep else \
+                [[o.input_line for o in overrides]]
     except DifflmError:
         raise
     except Exception:  # a config this check cannot compose: Hydra composes it and reports why
@@ -304,10 +296,12 @@ def check_overrides(argv: list[str], config_name: str) -> None:
         message = _unknown_key(cfg, override, groups, prog)
         if message:
             raise DifflmError(message)
-    if not any(o.is_sweep_override() for o in overrides):
-        message = _wrong_type(config_name, [o.input_line for o in overrides], base)
-        if message:
-            raise DifflmError(message)
+    swept = {o.get_key_element() for o in overrides if o.is_sweep_override()}
+    for job in jobs_to_check(jobs, groups) if jobs else ():
+        message = check_job(job, config_name)
+        if message:  # a sweep's job named by its swept values
+            which = " ".join(line for line in job if line.partition("=")[0] in swept)
+            raise DifflmError(f"{message} (in the sweep's job {which})" if sweep else message)
 
 
 def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:
@@ -337,34 +331,6 @@ def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:
     reason = str(err).strip().splitlines()[-1] if str(err).strip() else "a syntax error"
     return (f"{arg}: Hydra cannot parse this value ({reason}); quote it inside shell quotes as Hydra's grammar "
             f"says: {key}='\"{value}\"'")
-
-
-def _wrong_type(config_name: str, overrides: list[str], base) -> str | None:
-    """The one-line error for an override whose value the schema's type refuses (``train.max_steps=abc``), found by
-    composing the command line once; None when it composes or fails for another reason (Hydra reports those)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    from difflm.config import CONF_DIR
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-                compose(config_name, overrides)
-        return None
-    except Exception as err:  # noqa: BLE001 - only a ValidationError in the chain is ours to say
-        cause = err
-        while cause is not None and not isinstance(cause, ValidationError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            return None
-        key = getattr(cause, "full_key", None) or "a key"
-        given = next((o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == key), "")
-        default = OmegaConf.select(base, key, default=None, throw_on_missing=False) if key != "a key" else None
-        reason = str(cause).strip().splitlines()[0]
-        example = f" (e.g. {key}={default}, the default)" if default is not None else ""
-        return f"{key}={given}: {reason}; give a value of the key's type{example}"
 
 
 def _selected_options(override) -> list[str]:

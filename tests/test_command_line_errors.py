@@ -68,14 +68,47 @@ def test_help_lists_only_what_the_command_takes(module, key):
      "objective.schedule is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=bd3lm)"),
     ("train", ["experiment=mdlm_owt", "objective.block_size=8"],  # the preset a recipe selects counts
      "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
-    ("rl", ["algorithm=dpo", "reward=format"],
-     "reward is a grpo setting; algorithm=dpo does not use it (it learns from preference pairs, not rewards): drop it "
-     "(or set algorithm=grpo)"),
-    ("rl", ["reward.terms=[]", "algorithm=dpo"],
-     "reward.terms is a grpo setting; algorithm=dpo does not use it (it learns from preference pairs, not rewards): "
-     "drop it (or set algorithm=grpo)"),
 ])
 def test_a_key_of_another_preset_is_refused_naming_key_and_preset(config_name, argv, message):
+    assert refusal(argv, config_name) == message
+
+
+NO_ROLLOUTS = "has no effect with algorithm=dpo (no rollouts: it scores given preference pairs); remove it or use " \
+    "algorithm=grpo"
+NO_PAIRS = "has no effect with algorithm=grpo (no preference pairs: it samples completions of the prompts); remove " \
+    "it or use algorithm=dpo"
+NO_ADAPTERS = "has no effect with lora=none (no adapters: lora.rank=0); remove it or choose lora=attn or lora=attn_mlp"
+
+
+@pytest.mark.parametrize("config_name,argv,message", [
+    ("rl", ["algorithm=dpo", "gen.steps=64"], f"gen.steps=64 {NO_ROLLOUTS}"),
+    ("rl", ["gen.threshold=0.9", "algorithm=dpo", "estimator=mc_elbo"], f"gen.threshold=0.9 {NO_ROLLOUTS}"),
+    ("rl", ["algorithm=dpo", "reward=format"],
+     "reward=format has no effect with algorithm=dpo (no rewards: it learns from preference pairs); remove it or use "
+     "algorithm=grpo"),
+    ("rl", ["reward.terms=[]", "algorithm=dpo"],
+     "reward.terms=[] has no effect with algorithm=dpo (no rewards: it learns from preference pairs); remove it or "
+     "use algorithm=grpo"),
+    ("rl", ["algorithm=dpo", "data.answer_field=answer"],
+     "data.answer_field=answer has no effect with algorithm=dpo (no reward reads a reference answer); remove it or "
+     "use algorithm=grpo"),
+    ("rl", ["data.chosen_field=good"], f"data.chosen_field=good {NO_PAIRS}"),
+    ("rl", ["algorithm=grpo", "data.rejected_field=bad"], f"data.rejected_field=bad {NO_PAIRS}"),
+    ("rl", ["data.max_response_tokens=64"], f"data.max_response_tokens=64 {NO_PAIRS}"),
+    ("rl", ["algorithm.beta=0", "algorithm.reference=frozen_copy"],
+     "algorithm.reference=frozen_copy has no effect with algorithm.beta=0 (no KL term: no reference is built or "
+     "read); remove it or set algorithm.beta > 0"),
+    ("rl", ["lora.alpha=32"], f"lora.alpha=32 {NO_ADAPTERS}"),
+    ("rl", ["lora=none", "lora.targets=[qkv]"], f"lora.targets=[qkv] {NO_ADAPTERS}"),
+    ("train", ["model=tiny", "lora.dropout=0.1"], f"lora.dropout=0.1 {NO_ADAPTERS}"),
+    ("train", ["logger.project=mine"],
+     "logger.project=mine has no effect with logger=console (no W&B run); remove it or use logger=wandb"),
+    ("rl", ["logger=wandb", "logger.num_samples=4"],
+     "logger.num_samples=4 has no effect with difflm-rl (it logs no generated samples; its rollouts use gen.*); "
+     "remove it"),
+])
+def test_a_key_the_chosen_settings_never_read_is_refused(config_name, argv, message):
+    """A key that composes but that the run, as the other keys set it, never reads: one line naming it and the fix."""
     assert refusal(argv, config_name) == message
 
 
@@ -88,7 +121,61 @@ def test_a_key_of_another_preset_is_refused_naming_key_and_preset(config_name, a
     ("train", ["objective=ar", "objective.loss_norm=sequence", "objective.length_multiple=2"]),
     ("train", ["objective=sft", "objective.loss_norm=token"]),
     ("rl", ["reward=format", "algorithm.group_size=8"]),
-    ("rl", ["-m", "algorithm=grpo,dpo", "algorithm.group_size=8"]),  # a sweep is Hydra's to compose
+    ("rl", ["gen.steps=64", "gen.threshold=0.9"]),  # grpo rolls out
+    ("rl", ["algorithm=dpo", "data.chosen_field=good", "data.max_response_tokens=64"]),
+    ("rl", ["algorithm.beta=0", "algorithm.reference=none"]),
+    ("rl", ["algorithm.beta=0.1", "algorithm.reference=frozen_copy"]),
+    ("rl", ["lora=attn", "lora.alpha=8"]),
+    ("rl", ["lora.rank=4", "lora.alpha=8"]),  # a rank turns adapters on
+    ("rl", ["logger=wandb", "logger.project=mine", "logger.mode=offline"]),
+    ("train", ["logger.num_samples=0"]),  # the trainer logs samples with either logger
+    ("rl", ["-m", "algorithm=grpo,dpo", "algorithm.prompts_per_step=2,4"]),
+    ("rl", ["-m", "gen.steps=16,32", "algorithm.group_size=range(2,4)"]),
 ])
 def test_keys_the_selected_preset_reads_are_accepted(config_name, argv):
     check_overrides(argv, config_name)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-m", "algorithm=grpo,dpo", "gen.steps=64"],
+     f"gen.steps=64 {NO_ROLLOUTS} (in the sweep's job algorithm=dpo)"),
+    (["-m", "algorithm=glob(*)", "algorithm.group_size=8"],  # Hydra expands the glob to dpo and grpo
+     "algorithm.group_size is a grpo key; algorithm=dpo does not use it: drop it (or set algorithm=grpo) "
+     "(in the sweep's job algorithm=dpo)"),
+    (["--multirun", "algorithm.beta=0.1,0", "algorithm.reference=frozen_copy"],
+     "algorithm.reference=frozen_copy has no effect with algorithm.beta=0 (no KL term: no reference is built or "
+     "read); remove it or set algorithm.beta > 0 (in the sweep's job algorithm.beta=0)"),
+    (["-m", "train.max_steps=2,x"],
+     "train.max_steps=x: Value 'x' of type 'str' could not be converted to Integer; give a value of the key's type "
+     "(e.g. train.max_steps=100, the default) (in the sweep's job train.max_steps=x)"),
+])
+def test_a_sweep_is_refused_when_one_of_its_jobs_would_be(argv, message):
+    """Every job of a -m sweep passes the single run's checks before Hydra launches the first."""
+    assert refusal(argv, "rl") == message
+
+
+def test_a_sweep_is_expanded_into_hydras_jobs():
+    from difflm.config.job_check import check_job, jobs_to_check, sweep_jobs
+
+    assert sweep_jobs(["algorithm=grpo,dpo", "gen.steps=range(1,3)"]) == [
+        ["algorithm=grpo", "gen.steps=1"], ["algorithm=grpo", "gen.steps=2"],
+        ["algorithm=dpo", "gen.steps=1"], ["algorithm=dpo", "gen.steps=2"]]
+    assert sweep_jobs(["optim.lr=interval(0.1,0.2)"]) is None  # the basic sweeper takes no interval: Hydra says so
+    assert check_job(["algorithm=grpo", "gen.steps=1"], "rl") is None
+    # composed: every override once and every combination of what decides whether a key is read (the algorithm)
+    jobs = sweep_jobs(["algorithm=grpo,dpo", "train.seed=1,2,3", "optim.lr=0.1,0.2"])
+    assert jobs_to_check(jobs, ["algorithm", "estimator"]) == [
+        ["algorithm=grpo", "train.seed=1", "optim.lr=0.1"], ["algorithm=grpo", "train.seed=1", "optim.lr=0.2"],
+        ["algorithm=grpo", "train.seed=2", "optim.lr=0.1"], ["algorithm=grpo", "train.seed=3", "optim.lr=0.1"],
+        ["algorithm=dpo", "train.seed=1", "optim.lr=0.1"]]
+    assert check_job(["algorithm=dpo", "gen.steps=1"], "rl") == f"gen.steps=1 {NO_ROLLOUTS}"
+
+
+@pytest.mark.slow  # starts a process: make test-fast leaves it out
+def test_a_sweep_with_a_dead_key_ends_before_any_job_starts(tmp_path):
+    r = run_cli("difflm.rl", "-m", "algorithm=grpo,dpo", "gen.steps=64", f"init.run_dir={tmp_path / 'none'}",
+                f"run.dir={tmp_path / 'rl'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"difflm: error: gen.steps=64 {NO_ROLLOUTS} (in the sweep's job "
+                                                 "algorithm=dpo)")
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "rl").exists()  # no job was launched

@@ -172,6 +172,8 @@ def test_lora_rl_on_a_lora_run_is_refused(tmp_path):
     with pytest.raises(DifflmError, match="lora=attn_mlp with init.run_dir=.*a LoRA run .lora.rank=16.: difflm-rl "
                                           "trains that run's adapters; drop lora="):
         PostTrainer(rl_config(init, tmp_path / "rl", "lora=attn_mlp"), CPU)
+    with pytest.raises(DifflmError, match=r"^lora.rank=4 with init.run_dir=.*drop lora=... and lora.\*"):
+        PostTrainer(rl_config(init, tmp_path / "rl", "lora.rank=4"), CPU)  # a rank alone adds adapters too
 
 
 def test_adapters_off_reference_needs_adapters():

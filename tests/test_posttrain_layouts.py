@@ -1,6 +1,7 @@
-"""difflm-rl under parallel layouts (CPU, gloo, 2 ranks): GRPO under FSDP2 and TP and DPO (VRPO) under FSDP2 give
-one process's metrics and weights; a resume under FSDP2 repeats the uninterrupted run; per-row sampler generators
-make a row's rollout independent of the rows sampled with it; unsupported layouts are refused in one line."""
+"""difflm-rl under parallel layouts (CPU, gloo, 2 and 4 ranks): GRPO under FSDP2, TP, DDP, HSDP and FSDP2 x TP and
+DPO (VRPO) under FSDP2 give one process's metrics and weights; a resume under FSDP2 repeats the uninterrupted run;
+per-row sampler generators make a row's rollout independent of the rows sampled with it; unsupported layouts are
+refused in one line."""
 import json
 import os
 import sys
@@ -74,6 +75,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         # how the policy's and the reference's weights are laid out: (mesh dimensions, placements) of each DTensor
         layouts[name] = [sorted({(p.device_mesh.mesh_dim_names, str(p.placements)) for p in m.parameters()
                                  if isinstance(p, DTensor)}) for m in trainer._modules()]
+        layouts[name + "_mesh"] = sorted({tuple(p.device_mesh.shape) for p in trainer.model.parameters()
+                                          if isinstance(p, DTensor)})
         if name.startswith("lora"):  # its weights, whole (data parallel only: no TP row order to undo)
             layouts[name + "_weights"] = {k: v.full_tensor() if isinstance(v, DTensor) else v
                                           for k, v in trainer.model.state_dict().items()}
@@ -81,11 +84,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def spawn(tmp_path, init, runs) -> dict:
-    """Run ``runs`` ([name, algorithm, overrides]) on 2 ranks; returns rank 0's {name: [policy, reference]
+def spawn(tmp_path, init, runs, world: int = 2) -> dict:
+    """Run ``runs`` ([name, algorithm, overrides]) on ``world`` ranks; returns rank 0's {name: [policy, reference]
     parameter layouts}."""
     (tmp_path / "spec.json").write_text(json.dumps({"init": str(init), "runs": runs}))
-    return spawn_ranks(_worker, 2, tmp_path)[0]
+    return spawn_ranks(_worker, world, tmp_path)[0]
 
 
 def assert_same_run(one, two, algo, tol=1e-5):
@@ -137,6 +140,34 @@ def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
     for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
         assert (("tp",), "(Shard(dim=0),)") in placements and (("tp",), "(Shard(dim=1),)") in placements
     assert_same_run(single_grpo[1], tmp_path / "tp", "grpo")
+
+
+@pytest.mark.slow
+def test_grpo_ddp_hsdp_and_fsdp2_x_tp_on_4_ranks_equal_one_process(init_run, tmp_path):
+    """One 4-rank launch: DDP (4 replicas), HSDP (2 replicas x 2 shards) and FSDP2 x TP (2 x 2), each against one
+    process on the same 4 prompt groups a step (one per data-parallel rank under DDP and HSDP, two under FSDP2 x TP)."""
+    # optim.eps=1e-3 keeps Adam's updates lr * m / (sqrt(v) + eps) near linear in the gradient: a gradient here is
+    # a sum over completions weighted by advantages that cancel within each group, so its small components are
+    # mostly the rounding of the reduction order, which differs between layouts; with the default eps=1e-8 Adam
+    # scales those components up to updates of order lr (measured with it: weights apart by up to 1e-3 under DDP
+    # and 7e-3 under FSDP2 x TP after two steps, at embedding rows)
+    four = ["algorithm.prompts_per_step=4", "optim.eps=1e-3"]
+    run_rl(init_run, tmp_path / "single", "grpo", *four)
+    layouts = spawn(tmp_path, init_run, [["ddp", "grpo", ["parallel=ddp", *four]],
+                                         ["hsdp", "grpo", ["parallel=hsdp", *four]],
+                                         ["fsdp_tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false",
+                                                              *four]]], world=4)
+    # DDP is FSDP2 on a (4 replicas, shards of 1 rank) mesh, HSDP on (2, 2): the policy and the frozen reference alike
+    hsdp = [(("dp_replicate", "dp_shard_cp"), "(Replicate(), Shard(dim=0))")]
+    assert layouts["ddp"] == layouts["hsdp"] == [hsdp, hsdp], layouts
+    assert layouts["ddp_mesh"] == [(4, 1)] and layouts["hsdp_mesh"] == [(2, 2)]
+    for placements in layouts["fsdp_tp"]:  # the matrices split over the TP ranks, all sharded over the other two
+        assert {dims for dims, _ in placements} == {("dp_shard_cp",), ("dp_shard_cp", "tp")}, layouts
+        assert (("dp_shard_cp", "tp"), "(_StridedShard(dim=0, sf=2), Shard(dim=0))") in placements
+    assert layouts["fsdp_tp_mesh"] == [(2,), (2, 2)]
+    for name in ("ddp", "hsdp", "fsdp_tp"):
+        rows = assert_same_run(tmp_path / "single", tmp_path / name, "grpo")
+    assert rows[1]["reward_std"] > 0 and rows[2]["kl"] > 0  # the rewards vary and the steps move the policy
 
 
 @pytest.mark.slow

@@ -85,6 +85,17 @@ def test_grpo_runs_logs_and_resumes_exactly(init_run, tmp_path):
     assert all(torch.equal(ref[k], init[k]) for k in init)  # the reference stays the initial policy
 
 
+def test_grpo_without_kl_holds_no_reference(init_run, tmp_path):
+    """``algorithm.beta=0``: no KL term, so the default ``frozen_copy`` is neither built, saved nor laid out."""
+    from difflm.posttrain.runner import PostTrainer
+
+    run = PostTrainer(rl_config(init_run, tmp_path / "run", "algorithm.beta=0", "train.max_steps=1"),
+                      torch.device("cpu"))
+    assert run.reference is None and run._modules() == [run.model]
+    last = run.fit()
+    assert last["kl"] == 0 and not (tmp_path / "run" / "reference.pt").exists()
+
+
 def test_dpo_runs(init_run, tmp_path):
     from difflm.posttrain.runner import PostTrainer
 

@@ -79,6 +79,14 @@ def check_rl_config(cfg) -> None:
                           "data.answer_field is null: set data.answer_field (GSM8K: data.answer_field=answer)")
 
 
+def reference_in_use(algorithm) -> str:
+    """The reference the run builds (``algorithm.reference``), ``none`` for GRPO with ``algorithm.beta=0``: without
+    the KL term no reference is read, so no frozen copy is held, saved or laid out."""
+    if algorithm.name == "grpo" and algorithm.beta == 0:
+        return "none"
+    return str(algorithm.reference)
+
+
 def with_rl_lora(cfg, init_cfg):
     """The init run's settings ``init_cfg`` with the adapters difflm-rl adds (``lora=attn|attn_mlp`` on a full
     run: :func:`difflm.model.lora.apply_lora` after the init weights load, before the layout); ``init_cfg`` itself
@@ -91,9 +99,10 @@ def with_rl_lora(cfg, init_cfg):
         return init_cfg
     own = init_cfg.get("lora")
     if lora_enabled(own):
-        raise DifflmError(f"lora={lora.name} with init.run_dir={cfg.init.run_dir}, a LoRA run (lora.rank={own.rank}):"
-                          " difflm-rl trains that run's adapters; drop lora=..., or post-train its difflm-export "
-                          "merged model")
+        given = f"lora={lora.name}" if lora.name != "none" else f"lora.rank={lora.rank}"
+        raise DifflmError(f"{given} with init.run_dir={cfg.init.run_dir}, a LoRA run (lora.rank={own.rank}): "
+                          "difflm-rl trains that run's adapters; drop lora=... and lora.*, or post-train its "
+                          "difflm-export merged model")
     check_lora(lora, init_cfg.model)
     return OmegaConf.merge(init_cfg, {"lora": OmegaConf.to_container(lora, resolve=True)})
 
@@ -136,7 +145,8 @@ class PostTrainer:
         self.step = 0
         ref_path = self.run_dir / "reference.pt"
         # a frozen copy is taken and saved / restored whole, before the layout: reference.pt is layout-free
-        frozen = cfg.algorithm.reference == "frozen_copy"
+        reference = reference_in_use(cfg.algorithm)
+        frozen = reference == "frozen_copy"
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is not None:
@@ -149,7 +159,7 @@ class PostTrainer:
             self.reference.model = lay_out(self.reference.model, self.layout, cfg, self.init_cfg, device)
         self.model = lay_out(model, self.layout, cfg, self.init_cfg, device)
         if not frozen:
-            self.reference = build_reference(cfg.algorithm.reference, self.model, adapters_disabled)
+            self.reference = build_reference(reference, self.model, adapters_disabled)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
         if found is not None:
