@@ -45,7 +45,7 @@ def forbidden_ids(tok: TokenizerInfo, vocab_size: int) -> list[int]:
 def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: bool = False,
                        objective=None) -> GenerationOptions:
     """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
-    (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size``.
+    (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size`` and ``objective.clean_attention``.
 
     Raises: GenerationConfigError for a bad ``gen.*``, for settings a ``bd3lm`` run cannot sample with
     (:meth:`GenerationOptions.check_block_diffusion`) and, for an ``ar`` (``causal``) run, for a diffusion-only
@@ -55,7 +55,8 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     opts = GenerationOptions.from_config(
         gen, mask_id=tok.mask_id, forbid_ids=forbidden_ids(tok, model.cfg.vocab_size),
         shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
-        block_size=objective.block_size if bd3lm else None)
+        block_size=objective.block_size if bd3lm else None,
+        causal_prefix=bd3lm and getattr(objective, "clean_attention", "block_causal") == "causal")
     if causal:
         opts.check_autoregressive()
     elif bd3lm:

@@ -75,7 +75,7 @@ def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
         return ["objective=bd3lm", f"objective.block_size={block}", "objective.complementary_masks=true"]
     if name == "megatron_bridge_hybrid":
         return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}",
-                "objective.diffusion_loss_weight=0.3", "objective.ar_loss_weight=1.0"]
+                "objective.diffusion_loss_weight=0.3", "objective.ar_loss_weight=1.0", "objective.clean_attention=causal"]
     raise SystemExit(f"adaptation_table: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
 
 

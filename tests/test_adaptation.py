@@ -306,7 +306,8 @@ def test_complementary_masks_sft_keep_prompts_clean(model):
 
 def test_adaptation_table_hybrid_row_keeps_the_recipe_weights():
     """The table's hybrid row trains the recipe's loss weights (diffusion 0.3, AR 1.0, as Megatron-Bridge's
-    NemotronLabsDiffusion provider sets dlm_loss_weight / ar_loss_weight), not swapped ones."""
+    NemotronLabsDiffusion provider sets dlm_loss_weight / ar_loss_weight), not swapped ones, and its causal clean
+    half (the sbd_block_diff mask)."""
     from conftest import load_script
 
     table = load_script("adaptation_table")
@@ -314,6 +315,7 @@ def test_adaptation_table_hybrid_row_keeps_the_recipe_weights():
     row = dict(o.split("=", 1) for o in table.recipe_overrides("megatron_bridge_hybrid", 30, 32))
     assert (float(row["objective.diffusion_loss_weight"]), float(row["objective.ar_loss_weight"])) == \
         (recipe.objective.diffusion_loss_weight, recipe.objective.ar_loss_weight) == (0.3, 1.0)
+    assert row["objective.clean_attention"] == recipe.objective.clean_attention == "causal"
 
 
 def test_adaptation_table_summary_over_seeds():

@@ -198,6 +198,8 @@ class ObjectiveConfig:
     cart_p: float = 0.1  # CART's geometric parameter p in (0, 1]
     diffusion_loss_weight: float = 1.0  # hybrid: weight of the diffusion CE on x_t
     ar_loss_weight: float = 0.0  # hybrid (Megatron-Bridge ar_to_dlm): weight of the AR CE on the clean copy x_0
+    # bd3lm: how the clean half x_0 of [x_t ; x_0] attends: block_causal (BD3-LM) | causal (Megatron-Bridge sbd_block_diff)
+    clean_attention: str = "block_causal"
     t_lo: float = 0.0  # truncated noise range: t ~ U(t_lo, t_hi) in training (evaluation keeps U(0, 1))
     t_hi: float = 1.0
 

@@ -581,6 +581,11 @@ def check_objective_data(cfg) -> None:
                  "from the previous block's noisy half: drop model.shift_logits or use objective=mdlm or sft")
     from difflm.model.attention import CAPABILITIES, refuse
 
+    clean = o.get("clean_attention", "block_causal")
+    _require(clean in ("block_causal", "causal"), f"objective.clean_attention={clean!r} is not one of: block_causal, "
+             "causal")
+    _require(clean == "block_causal" or o.name == "bd3lm", f"objective.clean_attention=causal sets how the clean half "
+             f"of bd3lm's [x_t ; x_0] attends (this run is objective={o.name}, which has no clean half): drop it")
     if o.name == "bd3lm" and not CAPABILITIES[m.attention_backend].block_diffusion:
         raise refuse(m.attention_backend, "block_diffusion")
     if d.get("intra_document_attention", False) and not CAPABILITIES[m.attention_backend].documents:
@@ -647,7 +652,8 @@ def check_adaptation(cfg) -> None:
     if o.ar_loss_weight > 0:
         _require(o.name in ("mdlm", "bd3lm"), f"objective.ar_loss_weight adds next-token CE on clean pre-training "
                  f"windows (objective=mdlm or bd3lm; this run is objective={o.name}): set it to 0")
-        _require(p.pp == 1, "objective.ar_loss_weight runs a second forward per micro-batch: set parallel.pp=1")
+        _require(p.pp == 1, "objective.ar_loss_weight needs parallel.pp=1 (its AR term is a second forward, or "
+                 "next-token targets on bd3lm's clean half, which pipeline stages do not carry)")
         _require(not m.get("shift_logits", False), "objective.ar_loss_weight with model.shift_logits=true would read "
                  "the next token's logits one position late on the clean copy: drop one of them")
         _require(o.random_length_prob == 0, "objective.ar_loss_weight needs equal-length windows: set "

@@ -4,8 +4,10 @@ Convention everywhere: ``True`` = the query may attend to the key (``F.scaled_do
 boolean ``attn_mask`` and FlexAttention's ``mask_mod``). Dense masks are ``[B | 1, 1, S_q, S_kv]`` bool.
 
 * :func:`block_causal_mask` - BD3-LM's training mask over ``[x_t ; x_0]`` (Arriola et al. 2025,
-  "Block Diffusion", sec. 3.2 / their ``block_diff_mask``).
-* :func:`block_causal_inference_mask` - the same pattern over one (clean prefix + noisy block) sequence.
+  "Block Diffusion", sec. 3.2 / their ``block_diff_mask``), or with ``clean_causal`` Megatron-Bridge's
+  ``sbd_block_diff`` mask, whose clean half attends causally.
+* :func:`block_causal_inference_mask` - the same pattern over one (clean prefix + noisy block) sequence;
+  :func:`causal_prefix_inference_mask` - its ``clean_causal`` counterpart.
 * :func:`document_mask` - block-diagonal mask of packed documents (intra-document attention).
 * :func:`key_padding_mask` - padded batches: every query sees the real keys (and itself).
 * :func:`to_block_mask` - any dense mask as a ``BlockMask`` (for ``model.attention_backend=flex``).
@@ -33,36 +35,41 @@ from difflm.errors import DifflmError
 FLEX_BLOCK_SIZE = 128
 
 
-def block_causal_mask(seq_len: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def block_causal_mask(seq_len: int, block_size: int, device: torch.device | str = "cpu",
+                      clean_causal: bool = False) -> torch.Tensor:
     """BD3-LM training mask over the ``2 L`` tokens ``[x_t ; x_0]``, ``[1, 1, 2L, 2L]`` bool.
 
     With ``b(i) = (i mod L) // block_size`` the block of position i and ``noisy(i) = i < L``:
 
     * noisy -> noisy: same block only (block-diagonal, ``M_BD``),
     * noisy -> clean: strictly earlier blocks (offset block-causal, ``M_OBC``),
-    * clean -> clean: same or earlier blocks (block-causal, ``M_BC``),
+    * clean -> clean: same or earlier blocks (block-causal, ``M_BC``); with ``clean_causal`` the same or earlier
+      positions (fully causal, ``M_FC``), so the clean half's logit at i is a next-token prediction from x_0^{<=i},
     * clean -> noisy: never.
 
-    Arriola et al. 2025, eq. 8-9 and Fig. 3 (the ``block_diff_mask`` of kuleshov-group/bd3lms).
+    Arriola et al. 2025, eq. 8-9 and Fig. 3 (the ``block_diff_mask`` of kuleshov-group/bd3lms); ``clean_causal``:
+    the ``sbd_block_diff`` mask of NVIDIA Megatron-Bridge's NemotronLabsDiffusion (``M_BD | M_OBC | M_FC``).
     Raises: DifflmError when ``block_size`` does not divide ``seq_len`` (names ``objective.block_size``).
     """
     _check_blocks(seq_len, block_size)
     idx = torch.arange(2 * seq_len, device=device)
-    return _block_causal_rule(idx[:, None], idx[None, :], seq_len, block_size)[None, None]
+    return _block_causal_rule(idx[:, None], idx[None, :], seq_len, block_size, clean_causal)[None, None]
 
 
-def _block_causal_rule(q_idx, kv_idx, seq_len: int, block_size: int):
+def _block_causal_rule(q_idx, kv_idx, seq_len: int, block_size: int, clean_causal: bool = False):
     """The rule of :func:`block_causal_mask` on index tensors (shared with the FlexAttention ``mask_mod``)."""
     q_noisy, kv_noisy = q_idx < seq_len, kv_idx < seq_len
     q_block = torch.where(q_noisy, q_idx, q_idx - seq_len) // block_size
     kv_block = torch.where(kv_noisy, kv_idx, kv_idx - seq_len) // block_size
     diagonal = q_noisy & kv_noisy & (q_block == kv_block)
     offset_causal = q_noisy & ~kv_noisy & (q_block > kv_block)
-    causal = ~q_noisy & ~kv_noisy & (q_block >= kv_block)
+    earlier = (q_idx >= kv_idx) if clean_causal else (q_block >= kv_block)  # both clean: same offset
+    causal = ~q_noisy & ~kv_noisy & earlier
     return diagonal | offset_causal | causal
 
 
-def block_causal_block_mask(seq_len: int, block_size: int, device: torch.device | str = "cpu"):
+def block_causal_block_mask(seq_len: int, block_size: int, device: torch.device | str = "cpu",
+                            clean_causal: bool = False):
     """:func:`block_causal_mask` as a FlexAttention ``BlockMask`` built from its ``mask_mod``, no dense tensor.
 
     ``BLOCK_SIZE`` is passed explicitly (:data:`FLEX_BLOCK_SIZE`, capped to the padded length): the mask
@@ -73,7 +80,7 @@ def block_causal_block_mask(seq_len: int, block_size: int, device: torch.device 
     _check_blocks(seq_len, block_size)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _block_causal_rule(q_idx, kv_idx, seq_len, block_size)
+        return _block_causal_rule(q_idx, kv_idx, seq_len, block_size, clean_causal)
 
     n = 2 * seq_len
     return create_block_mask(mask_mod, None, None, n, n, device=str(device), BLOCK_SIZE=FLEX_BLOCK_SIZE)
@@ -89,6 +96,16 @@ def block_causal_inference_mask(seq_len: int, block_size: int, device: torch.dev
     """
     idx = torch.arange(seq_len, device=device) // block_size
     return (idx[:, None] >= idx[None, :])[None, None]
+
+
+def causal_prefix_inference_mask(seq_len: int, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sampling mask of a model trained with a causal clean half, ``[1, 1, S, S]`` bool: positions before ``start``
+    (the finished clean blocks) attend causally, positions from ``start`` on (the noisy block being denoised) see the
+    whole prefix and each other: each position's training context under ``block_causal_mask(clean_causal=True)``,
+    the order of Megatron-Bridge's ``generate_dllm`` (causal prefill of the prefix, a bidirectional block over it).
+    """
+    idx = torch.arange(seq_len, device=device)
+    return ((idx[:, None] >= idx[None, :]) | (idx[:, None] >= start))[None, None]
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -208,7 +225,8 @@ class BlockDiffusionMask:
     """BD3-LM's training mask over the ``2 L`` tokens ``[x_t ; x_0]`` (:func:`block_causal_mask`), within documents
     when ``doc_ids`` [B, L] is given (packed windows: both halves keep their tokens' documents).
 
-    ``device`` is where the dense or block form is built (``doc_ids``' device when given).
+    ``device`` is where the dense or block form is built (``doc_ids``' device when given). ``clean_causal``: the
+    clean half attends causally instead of block-causally (``objective.clean_attention=causal``).
     Raises: DifflmError when ``block_size`` does not divide ``seq_len``.
     """
 
@@ -216,6 +234,7 @@ class BlockDiffusionMask:
     block_size: int
     doc_ids: Optional[torch.Tensor] = None
     device: torch.device = torch.device("cpu")
+    clean_causal: bool = False
 
     def __post_init__(self):
         _check_blocks(self.seq_len, self.block_size)
@@ -224,11 +243,11 @@ class BlockDiffusionMask:
 
     def to(self, device) -> "BlockDiffusionMask":
         ids = None if self.doc_ids is None else to_device(self.doc_ids, device)
-        return BlockDiffusionMask(self.seq_len, self.block_size, ids, torch.device(device))
+        return BlockDiffusionMask(self.seq_len, self.block_size, ids, torch.device(device), self.clean_causal)
 
     def dense(self) -> torch.Tensor:
         """[1 | B, 1, 2L, 2L] bool."""
-        mask = block_causal_mask(self.seq_len, self.block_size, self.device)
+        mask = block_causal_mask(self.seq_len, self.block_size, self.device, self.clean_causal)
         if self.doc_ids is not None:
             doc = torch.cat([self.doc_ids, self.doc_ids], dim=1)
             mask = mask & (doc[:, :, None] == doc[:, None, :])[:, None]
@@ -238,16 +257,16 @@ class BlockDiffusionMask:
         """The FlexAttention ``BlockMask`` (from the ``mask_mod``; cached per length, block size and device when the
         mask has no documents, since it is then the same for every step)."""
         if self.doc_ids is None:
-            return _cached_block_causal_block_mask(self.seq_len, self.block_size, str(self.device))
+            return _cached_block_causal_block_mask(self.seq_len, self.block_size, str(self.device), self.clean_causal)
         from torch.nn.attention.flex_attention import create_block_mask
 
-        ids, length, size = self.doc_ids, self.seq_len, self.block_size
+        ids, length, size, clean_causal = self.doc_ids, self.seq_len, self.block_size, self.clean_causal
         b = ids.shape[0]
 
         def mask_mod(bi, h, q_idx, kv_idx):
             qd = ids[bi, torch.where(q_idx < length, q_idx, q_idx - length)]
             kd = ids[bi, torch.where(kv_idx < length, kv_idx, kv_idx - length)]
-            return _block_causal_rule(q_idx, kv_idx, length, size) & (qd == kd)
+            return _block_causal_rule(q_idx, kv_idx, length, size, clean_causal) & (qd == kd)
 
         n = 2 * length
         return create_block_mask(mask_mod, b, None, n, n, device=str(ids.device), BLOCK_SIZE=FLEX_BLOCK_SIZE)
@@ -263,8 +282,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_block_causal_block_mask(seq_len: int, block_size: int, device: str):
-    return block_causal_block_mask(seq_len, block_size, device)
+def _cached_block_causal_block_mask(seq_len: int, block_size: int, device: str, clean_causal: bool):
+    return block_causal_block_mask(seq_len, block_size, device, clean_causal)
 
 
 def _check_blocks(seq_len: int, block_size: int) -> None:
@@ -273,4 +292,4 @@ def _check_blocks(seq_len: int, block_size: int) -> None:
 
 
 __all__ = ["BlockDiffusionMask", "DocumentMask", "FLEX_BLOCK_SIZE", "block_causal_block_mask", "block_causal_inference_mask", "block_causal_mask",
-           "document_ids", "document_mask", "key_padding_mask", "to_block_mask"]
+           "causal_prefix_inference_mask", "document_ids", "document_mask", "key_padding_mask", "to_block_mask"]

@@ -8,7 +8,8 @@ Each option is one ``objective.*`` key (docs/adaptation.md); :func:`adapts` says
 * ``block_schedule``: bd3lm's block size per phase (:mod:`difflm.objectives.block_schedule`).
 * ``complementary_masks``: each row under M and ~M (:mod:`difflm.objectives.complementary`).
 * ``weighting=cart``: Dream's context-adaptive weights (:mod:`difflm.objectives.cart`).
-* ``ar_loss_weight`` / ``diffusion_loss_weight``: the hybrid loss (:mod:`difflm.objectives.hybrid`).
+* ``ar_loss_weight`` / ``diffusion_loss_weight``: the hybrid loss (:mod:`difflm.objectives.hybrid`); under
+  ``clean_attention=causal`` its AR term is on the clean half of bd3lm's batch, else a second forward.
 * ``t_lo`` / ``t_hi``: t ~ U(t_lo, t_hi) in training (:func:`truncate_t`).
 
 Evaluation (``eval_noise``) keeps the model's target: full t range, bidirectional attention, the final block size
@@ -29,7 +30,7 @@ from difflm.objectives.base import NoisedBatch
 from difflm.objectives.block_schedule import block_size_at
 from difflm.objectives.cart import cart_weights
 from difflm.objectives.complementary import cat_batches, complement_weight
-from difflm.objectives.hybrid import clean_ar_batch
+from difflm.objectives.hybrid import add_clean_half_ar, clean_ar_batch
 from difflm.objectives.keyed_rng import STREAM_EVAL_MASK, STREAM_EVAL_T, keyed_uniforms
 from difflm.objectives.mdlm import draw_mask, noise_batch, sample_t
 
@@ -138,6 +139,9 @@ class AdaptedObjective:
         w_ar = float(self.cfg.get("ar_loss_weight", 0.0))
         if w_ar > 0:
             n = self.base.num_tokens(tokens)  # what the step's normaliser counts for these samples
+            if getattr(base, "clean_causal", False):  # the recipe's one forward: AR CE on the causal clean half
+                return add_clean_half_ar(batch, w_ar, self.cfg.loss_norm, n.numel(), float(n.sum()),
+                                         share=0.5 if self.pair else 1.0)
             batch.aux = clean_ar_batch(raw, None if extras is None else extras.doc_ids, w_ar, self.cfg.loss_norm,
                                        n.numel(), float(n.sum()))
         return batch

@@ -12,6 +12,10 @@ Training runs every block in one forward (their "vectorised training", sec. 3.2)
 :func:`difflm.model.masks.block_causal_mask` (a noisy block attends to itself and the clean blocks before
 it; clean blocks attend block-causally). Loss and logits only at masked positions of the noisy half.
 
+``objective.clean_attention=causal`` makes the clean half attend causally instead (Megatron-Bridge's
+``sbd_block_diff`` mask, :mod:`difflm.objectives.hybrid`): the noisy half's context is the same clean tokens, encoded
+left to right, as a KV-cached sampler with a causal prefill encodes them.
+
 Limits: ``block_size = 1`` is next-token prediction (each token predicted from the clean prefix with only
 a mask token at its own position: the AR NLL in expectation, exactly so per masked token);
 ``block_size = L`` is MDLM (the noisy half sees only itself).
@@ -31,12 +35,26 @@ from difflm.objectives.keyed_rng import STREAM_EVAL_MASK, STREAM_EVAL_T, STREAM_
 from difflm.objectives.mdlm import MDLMObjective, draw_mask, sample_t
 
 
+CLEAN_ATTENTION = ("block_causal", "causal")
+
+
+def clean_causal(cfg) -> bool:
+    """Whether the ``objective`` config's clean half attends causally (``objective.clean_attention``, default
+    ``block_causal``). Raises: DifflmError for any other value."""
+    value = cfg.get("clean_attention", "block_causal")
+    if value not in CLEAN_ATTENTION:
+        raise DifflmError(f"objective.clean_attention={value!r} is not one of: {', '.join(CLEAN_ATTENTION)}")
+    return value == "causal"
+
+
 class BD3LMObjective(MDLMObjective):
     """Block diffusion with keyed noise (one t per block). ``causal = False``: the mask comes with the batch.
 
     Args:
-        cfg: the ``objective`` config; reads ``block_size``, ``eps``, ``schedule``, ``t_sampling``.
+        cfg: the ``objective`` config; reads ``block_size``, ``eps``, ``schedule``, ``t_sampling``,
+            ``clean_attention``.
         mask_id: id of the [MASK] token.
+    Raises: DifflmError for ``block_size < 1`` or an unknown ``clean_attention``.
     """
 
     causal = False
@@ -46,6 +64,7 @@ class BD3LMObjective(MDLMObjective):
         self.block_size = int(cfg.block_size)
         if self.block_size < 1:
             raise DifflmError(f"objective.block_size={self.block_size} must be >= 1")
+        self.clean_causal = clean_causal(cfg)
 
     def _blocks(self, seq_len: int) -> int:
         if seq_len % self.block_size != 0:
@@ -68,7 +87,7 @@ class BD3LMObjective(MDLMObjective):
             weights=torch.cat([torch.where(mask, w_pos, torch.zeros(())), torch.zeros_like(w_pos)], dim=1).float(),
             t=t.mean(dim=1).float(),
             num_tokens=torch.full((b,), float(length)),
-            attn_mask=BlockDiffusionMask(length, self.block_size, doc_ids),
+            attn_mask=BlockDiffusionMask(length, self.block_size, doc_ids, clean_causal=self.clean_causal),
             position_ids=torch.arange(length).repeat(2),
         )
 

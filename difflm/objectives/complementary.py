@@ -28,7 +28,7 @@ def _cat_mask(a, b):
     if isinstance(a, BlockDiffusionMask):
         if a.doc_ids is None:
             return a
-        return BlockDiffusionMask(a.seq_len, a.block_size, torch.cat([a.doc_ids, b.doc_ids]))
+        return BlockDiffusionMask(a.seq_len, a.block_size, torch.cat([a.doc_ids, b.doc_ids]), clean_causal=a.clean_causal)
     if isinstance(a, torch.Tensor) and a.shape[0] == 1 and torch.equal(a, b):
         return a
     return torch.cat([a, b])

@@ -10,6 +10,11 @@ With ``gen.cache`` other than ``none`` finished blocks are encoded once into a
 :class:`difflm.model.kv_cache.KVCache` and each step runs only the current block (from the position before it
 under ``model.shift_logits``). Because clean blocks never attend to later blocks this is exact: the cached and
 uncached paths compute the same function (Arriola et al. 2025, sec. 3.3, "KV caching").
+
+A model trained with a causal clean half (``objective.clean_attention=causal``, ``opts.causal_prefix``) samples under
+:func:`~difflm.model.masks.causal_prefix_inference_mask`: finished blocks attend causally, the block being denoised
+sees them and itself (Megatron-Bridge's ``generate_dllm``); finished blocks still never attend to later positions, so
+the cache stays exact.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Optional
 import torch
 
 from difflm.model.kv_cache import KVCache
-from difflm.model.masks import block_causal_inference_mask
+from difflm.model.masks import block_causal_inference_mask, causal_prefix_inference_mask
 from difflm.sampling.diffusion import (
     LogitsFn,
     apply_forbid,
@@ -89,6 +94,8 @@ def block_diffusion_generate(
     while pos < total:
         block_start = pos // block_size * block_size
         end = min(block_start + block_size, total)
+        if opts.causal_prefix:  # the current block is the noisy one: causal before it
+            full_mask = causal_prefix_inference_mask(total, block_start, device)
         if opts.infill:  # the whole block: its masked prompt positions are sampled, its given tokens kept
             pos = block_start
         masked = (x[:, pos:end] == mask_id).sum(dim=1)

@@ -54,6 +54,8 @@ class GenerationOptions:
             come from the hidden state at i - 1); the samplers then give position i the logits of the state
             at the previous *real* position, also under padding and the KV cache (diffusion samplers).
         block_size: the bd3lm model's ``objective.block_size`` (block sampler only; None elsewhere).
+        causal_prefix: the bd3lm model was trained with ``objective.clean_attention=causal``: finished blocks attend
+            causally, as its clean half did (block sampler only).
         infill: the prompt's ``mask_id`` positions are sampled too (infilling, as Dream's ``diffusion_generate``
             with mask tokens in its input), the given prompt tokens kept; False: the prompt is kept whole, mask ids
             included (diffusion samplers; the autoregressive one refuses it). ``difflm-generate`` sets it for a
@@ -79,6 +81,7 @@ class GenerationOptions:
     forbid_ids: Sequence[int] = ()
     shift_logits: bool = False
     block_size: Optional[int] = None
+    causal_prefix: bool = False
     infill: bool = False
 
     def __post_init__(self) -> None:
@@ -117,7 +120,7 @@ class GenerationOptions:
 
     @classmethod
     def from_config(cls, gen: Any, *, mask_id: int, forbid_ids: Sequence[int] = (), shift_logits: bool = False,
-                    block_size: Optional[int] = None) -> "GenerationOptions":
+                    block_size: Optional[int] = None, causal_prefix: bool = False) -> "GenerationOptions":
         """Options from a ``gen`` config (:class:`difflm.config.schema.GenerateConfig`, a DictConfig or a dict;
         missing optional keys take the defaults above) and the model's facts."""
         get = gen.get if hasattr(gen, "get") else lambda k, d=None: getattr(gen, k, d)
@@ -125,7 +128,7 @@ class GenerationOptions:
                 "threshold", "cache", "remdm_sigma", "remdm_schedule")
         values = {k: v for k in keys if (v := get(k, None)) is not None}
         return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
-                   block_size=block_size, **values)
+                   block_size=block_size, causal_prefix=bool(causal_prefix), **values)
 
     def diffusion_settings(self, prefix: str = "gen.") -> list[str]:
         """``<prefix><key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that
