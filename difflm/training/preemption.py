@@ -69,7 +69,9 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.reason = signal.Signals(signum).name
         if signum == signal.SIGINT:  # Ctrl-C: save like SIGTERM; a second Ctrl-C interrupts at once
-            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+            # Python's own handler, whatever was there before: a process started in the background inherits SIGINT
+            # ignored, and chaining to that would make the second Ctrl-C do nothing. restore() puts the old one back.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             print("\ndifflm: Ctrl-C: saving at the end of this step and exiting (Ctrl-C again stops at once, "
                   "without saving)", file=sys.stderr, flush=True)
 
