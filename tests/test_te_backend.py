@@ -454,6 +454,46 @@ def test_build_model_dispatch(fake_te):
     assert isinstance(torch_model, Transformer) and torch_model.kernels.name == "torch"
 
 
+@pytest.mark.parametrize("mode,wrapped", [("full", [0, 1, 2]), ("selective", [0, 2])])
+def test_activation_checkpointing_recomputes_te_blocks_through_te_checkpoint(fake_te, mode, wrapped):
+    """TE blocks are checkpointed by ``transformer_engine.pytorch.checkpoint`` (which replays the forward's FP8
+    state; torch's checkpoint fails the backward of an FP8 block), torch blocks by ``torch.utils.checkpoint``; the
+    gradients equal the unwrapped model's."""
+    import transformer_engine.pytorch as te
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from difflm.model.te_kernels import TEKernels
+    from difflm.parallel.fsdp import apply_activation_checkpointing
+
+    cfg = small_cfg(backend="te")
+    ref = build_model(replace(cfg, backend="torch"), causal=False, device=torch.device("cpu"), seed=0)
+    models = {}
+    for name in ("plain", "ac"):
+        m = Transformer(cfg, causal=False, kernels=TEKernels(cfg, device="meta"))
+        m.to_empty(device=torch.device("cpu"))
+        m.load_state_dict(torch_to_te_state_dict(ref.state_dict(), cfg), strict=False)
+        models[name] = m
+    apply_activation_checkpointing(models["ac"], mode)
+    blocks = list(models["ac"].layers)
+    assert [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)] == wrapped
+    assert all(blocks[i].checkpoint_fn.func is te.checkpoint for i in wrapped)
+    torch_ac = apply_activation_checkpointing(
+        build_model(replace(cfg, backend="torch"), causal=False, device=torch.device("cpu"), seed=0), mode)
+    assert all(b.checkpoint_fn.func is torch.utils.checkpoint.checkpoint
+               for b in torch_ac.layers if isinstance(b, CheckpointWrapper))
+    ids = torch.randint(0, cfg.vocab_size - 1, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    calls = te.checkpoint.calls
+    for name, m in models.items():
+        m(ids).float().square().mean().backward()
+        grads[name] = {k.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                       for k, p in m.named_parameters() if p.grad is not None}
+    assert te.checkpoint.calls - calls == len(wrapped)
+    assert set(grads["ac"]) == set(grads["plain"])
+    for k in grads["plain"]:
+        torch.testing.assert_close(grads["ac"][k], grads["plain"][k], atol=1e-6, rtol=1e-5)
+
+
 def test_build_model_compiles_blocks_in_place():
     model = build_model(small_cfg(compile=True), causal=False, device=torch.device("cpu"), seed=0)
     assert all(layer._compiled_call_impl is not None for layer in model.layers)
@@ -642,6 +682,41 @@ def test_fp8_step_tracks_bf16_and_state_dict_goes_back(recipe, monkeypatch):
     monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     fresh = build_te_model(cfg, causal=False, device=dev, seed=1)
     fresh.load_state_dict(sd)
+
+
+@cuda_te
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_fp8_step_with_activation_checkpointing_equals_without(mode):
+    """An FP8 (current scaling) step of a checkpointed TE model: the backward runs (TE's checkpoint replays the FP8
+    state) and the loss and gradients equal the unchecked model's."""
+    from difflm.config.schema import PrecisionConfig
+    from difflm.parallel.fsdp import apply_activation_checkpointing
+    from difflm.training.precision import autocast_context, device_fp8_unsupported_reason
+
+    dev = torch.device("cuda")
+    if device_fp8_unsupported_reason("current", dev):
+        pytest.skip(device_fp8_unsupported_reason("current", dev))
+    cfg = replace(te_tiny_cfg(), attention_backend="te")
+    prec = PrecisionConfig(name="fp8", fp8_recipe="current")
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size - 1, (4, 128), device=dev, generator=g)
+    out = {}
+    for name in ("plain", "ac"):
+        model = build_te_model(cfg, causal=False, device=dev, seed=0, precision=prec)
+        if name == "ac":
+            apply_activation_checkpointing(model, mode)
+        for _ in range(2):  # the second step runs on cached FP8 weights of the first, as training does
+            model.zero_grad()
+            with autocast_context(prec, dev):
+                logits = model(ids)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+            loss.backward()
+        out[name] = (float(loss), {k.replace("_checkpoint_wrapped_module.", ""): p.grad.float().clone()
+                                   for k, p in model.named_parameters() if p.grad is not None})
+    (lp, gp), (la, ga) = out["plain"], out["ac"]
+    grad_rel = max(float((ga[k] - gp[k]).norm() / gp[k].norm().clamp_min(1e-12)) for k in gp)
+    report("fp8_activation_checkpointing", mode=mode, loss_plain=lp, loss_ac=la, max_grad_rel=grad_rel)
+    assert set(ga) == set(gp) and abs(la - lp) <= 1e-3 * abs(lp) and grad_rel < 1e-2
 
 
 @cuda_te

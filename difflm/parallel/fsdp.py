@@ -31,12 +31,20 @@ def _set_block(model: nn.Module, key: str, block: nn.Module) -> None:
         model.layers[int(key)] = block
 
 
+def has_te_modules(block: nn.Module) -> bool:
+    """Whether ``block`` holds Transformer Engine modules (the ``te`` kernel set)."""
+    return any(type(m).__module__.startswith("transformer_engine.") for m in block.modules())
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     """Recompute activations in the backward pass (Chen et al. 2016), per transformer block.
 
-    ``full`` wraps every block with ``checkpoint_wrapper`` (non-reentrant ``torch.utils.checkpoint``);
-    ``selective`` wraps every second block (torchtitan's layer-selective AC with frequency 2); ``none``
-    leaves the model alone. State-dict keys are unchanged (the wrapper strips its prefix).
+    ``full`` wraps every block with ``checkpoint_wrapper`` (non-reentrant); ``selective`` wraps every second block
+    (torchtitan's layer-selective AC with frequency 2); ``none`` leaves the model alone. State-dict keys are
+    unchanged (the wrapper strips its prefix). Blocks of TE modules recompute through Transformer Engine's own
+    ``transformer_engine.pytorch.checkpoint`` (non-reentrant), which replays the forward's FP8 state (recipe,
+    scales, cached FP8 weights): under ``torch.utils.checkpoint`` an FP8 block saves a different set of tensors in
+    the recomputation than in the forward and the backward fails. Other blocks use ``torch.utils.checkpoint``.
     """
     if mode == "none":
         return model
@@ -44,7 +52,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
 
     for index, (key, block) in enumerate(_block_items(model)):
         if mode == "full" or index % 2 == 0:
-            _set_block(model, key, checkpoint_wrapper(block, preserve_rng_state=False))
+            if has_te_modules(block):
+                from transformer_engine.pytorch import checkpoint as te_checkpoint
+
+                wrapped = checkpoint_wrapper(block, checkpoint_fn=te_checkpoint, use_reentrant=False)
+            else:
+                wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            _set_block(model, key, wrapped)
     return model
 
 
