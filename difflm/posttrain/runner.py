@@ -38,6 +38,7 @@ from difflm.posttrain.reference import build_reference
 from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
+from difflm.training.run_config import record_rl_config
 from difflm.training.schedule import build_scheduler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
@@ -107,6 +108,23 @@ def with_rl_lora(cfg, init_cfg):
     return OmegaConf.merge(init_cfg, {"lora": OmegaConf.to_container(lora, resolve=True)})
 
 
+def check_resume_init(run_dir: Path, cfg) -> None:
+    """Refuse resuming ``run_dir`` from another ``init.run_dir`` than the one its ``rl_config.yaml`` names (while
+    that one still exists): the checkpoints and ``reference.pt`` hold that run's model, whose shape, tokenizer and
+    objective the new one need not share (DifflmError naming the key and the fix)."""
+    import os
+
+    path = Path(run_dir) / "rl_config.yaml"
+    if not path.is_file():
+        return
+    old = OmegaConf.select(OmegaConf.load(path), "init.run_dir", default=None)
+    new = str(cfg.init.run_dir)
+    if old and old != new and Path(old).is_dir() and not os.path.samefile(old, new):
+        raise DifflmError(f"init.run_dir={new}: run.dir={run_dir} was started from init.run_dir={old} (its "
+                          f"rl_config.yaml), whose model its checkpoints hold: pass init.run_dir={old} to resume it, "
+                          "or start a new run.dir")
+
+
 class PostTrainer:
     """Builds the policy, reference, estimator, reward, data and optimizer from an ``rl`` config, then runs
     :meth:`fit` (module docstring). ``adapters_disabled``: the LoRA converter's context manager for
@@ -133,6 +151,8 @@ class PostTrainer:
         if self.init_cfg.objective.name == "ar":
             raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
                               "masked-diffusion models (mdlm, sft, bd3lm)")
+        self._resolve_chat_template()
+        self._check_gen(model)
         model.train()
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
@@ -150,6 +170,7 @@ class PostTrainer:
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is not None:
+            check_resume_init(self.run_dir, cfg)
             self._check_resume_lora(found[1])
         if self.reference is not None:
             if found is not None and ref_path.exists():
@@ -170,9 +191,43 @@ class PostTrainer:
                 raise DifflmError(f"train.seed={cfg.train.seed} differs from the resumed run's {state.get('seed')}: "
                                   "keep the run's seed to resume it exactly")
         if self.is_rank0:
-            (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            record_rl_config(self.run_dir, cfg, self.step if found is not None else None, report=self.report)
             if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    def _resolve_chat_template(self) -> None:
+        """``data.chat_template``: null takes the init run's (:func:`difflm.generate.run_chat_template`), so the
+        rollouts and scores see prompts as that run's SFT saw them. A value that differs from an ``objective=sft``
+        init run's goes into the RL run's ``config.yaml`` (difflm-generate / -eval then prompt as the RL run trained);
+        ``true`` on another objective, which that file cannot express, is reported."""
+        from difflm.generate import run_chat_template
+
+        data, own = self.cfg.data, run_chat_template(self.init_cfg)
+        if data.get("chat_template") is None:
+            data.chat_template = own
+        elif bool(data.chat_template) != own:
+            if self.init_cfg.objective.name == "sft":
+                self.init_cfg = OmegaConf.merge(self.init_cfg, {"data": {"chat_template": bool(data.chat_template)}})
+            else:
+                self.report(f"difflm: notice: data.chat_template=true on an objective={self.init_cfg.objective.name} "
+                            "init run: difflm-generate and difflm-eval of this run read raw prompts unless given "
+                            "chat_template=true")
+
+    def _check_gen(self, model) -> None:
+        """The rollout sampler's ``gen.*`` (grpo), checked before anything runs as difflm-generate checks them
+        (:func:`difflm.generate.generation_options`). On a ``bd3lm`` init run, which samples in its own blocks of
+        ``objective.block_size``, difflm-rl's default ``gen.block_length`` stands for those blocks (as
+        difflm-generate's default does); another value is refused in one line."""
+        from difflm.config.schema import RLRunConfig
+        from difflm.generate import generation_options
+
+        if self.cfg.algorithm.name != "grpo":
+            return
+        obj, gen = self.init_cfg.objective, self.cfg.gen
+        if obj.name == "bd3lm" and gen.block_length == RLRunConfig.__dataclass_fields__["gen"].default_factory(
+        ).block_length:
+            gen.block_length = int(obj.block_size)
+        generation_options(model, self.tok, gen, objective=obj)
 
     def _check_resume_lora(self, path: Path) -> None:
         """Refuse resuming ``path`` with other adapters than it holds: ``lora=...`` given or dropped against the run's
@@ -330,4 +385,4 @@ class PostTrainer:
         return last
 
 
-__all__ = ["ALGORITHMS", "PostTrainer", "check_rl_config", "with_rl_lora"]
+__all__ = ["ALGORITHMS", "PostTrainer", "check_resume_init", "check_rl_config", "with_rl_lora"]
