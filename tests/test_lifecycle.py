@@ -348,3 +348,16 @@ def test_rl_multirun_gives_each_job_its_run_dir(init_run, tmp_path):
         assert [r["step"] for r in rows] == [0, 1] and rows[1]["lr"] == lr
         assert (tmp_path / "sweep" / job / "checkpoints" / "step_1").is_dir()
     assert "resuming" not in out.stdout and not (tmp_path / "multirun").exists()
+
+
+def test_peft_export_message_names_the_adapter_folder():
+    """difflm-export lora_format=peft writes the base model and its adapters in out/adapter: its last line says both,
+    where a merged export's line names the model only."""
+    from pathlib import Path
+
+    from difflm.interop.export import export_peft_hint
+
+    assert export_peft_hint(Path("hf/base"), "peft") == (" (the base, without the adapters), then "
+                                                         "PeftModel.from_pretrained(model, 'hf/base/adapter') for the "
+                                                         "adapters")
+    assert export_peft_hint(Path("hf/merged"), "merge") == ""
