@@ -361,3 +361,25 @@ def test_peft_export_message_names_the_adapter_folder():
                                                          "PeftModel.from_pretrained(model, 'hf/base/adapter') for the "
                                                          "adapters")
     assert export_peft_hint(Path("hf/merged"), "merge") == ""
+
+
+def test_a_sweep_over_a_run_with_checkpoints_is_refused(tmp_path, capsys):
+    """``difflm-train -m lora.rank=4,8 run.dir=<a difflm-import run>`` ran each job in <run.dir>/<n>, which holds no
+    checkpoint: the LoRA jobs trained adapters on the keyed random init (``lora_base: -1``) instead of the imported
+    weights, without a word. A sweep whose run.dir holds checkpoints is refused before any job starts; a sweep
+    directory of earlier jobs (their checkpoints in <run.dir>/<n>) is not."""
+    from difflm.checkpoint.store import save_checkpoint
+    from difflm.training.run_dir import RunDirGuard, check_sweep_dir
+
+    sweep = tmp_path / "sweep"
+    save_checkpoint(sweep / "0", 1, torch.nn.Linear(2, 2), None, {"step": 1})  # a job of an earlier sweep
+    check_sweep_dir(sweep)
+    base = tmp_path / "imported"
+    save_checkpoint(base, 0, torch.nn.Linear(2, 2), None, {"step": 0})
+    with pytest.raises(DifflmError, match=f"^run.dir='{base}' holds checkpoints .step_0., and under -m each job runs "
+                                          "in <run.dir>/<job number> without them"):
+        check_sweep_dir(base)
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(base)}}})
+    with pytest.raises(SystemExit) as exit_:
+        RunDirGuard().on_multirun_start(config)
+    assert exit_.value.code == 2 and "holds checkpoints (step_0)" in capsys.readouterr().err
