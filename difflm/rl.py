@@ -57,7 +57,13 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
-    """Entry point."""
+    """Entry point: ``data.prompt_template=`` takes any text (``Question: {prompt} Answer:``; see
+    :func:`difflm.cli.quote_free_text`)."""
+    import sys
+
+    from difflm.cli import quote_free_text
+
+    sys.argv[1:] = quote_free_text(sys.argv[1:], ("data.prompt_template",))
     _main()
 
 

@@ -383,3 +383,15 @@ def test_a_sweep_over_a_run_with_checkpoints_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         RunDirGuard().on_multirun_start(config)
     assert exit_.value.code == 2 and "holds checkpoints (step_0)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts a process
+def test_rl_prompt_template_takes_any_text(tmp_path):
+    """``data.prompt_template=Question: {prompt}, in short. Answer:`` is a prompt's text as typed, as ``prompt=`` of
+    difflm-generate: Hydra would read the braces as a dict and the comma as a sweep and refuse the line."""
+    from conftest import run_cli
+
+    out = run_cli("difflm.rl", f"init.run_dir={tmp_path}", "data.prompt_template=Question: {prompt}, in short. Answer:",
+                  "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "prompt_template: 'Question: {prompt}, in short. Answer:'" in out.stdout
