@@ -395,3 +395,22 @@ def test_rl_prompt_template_takes_any_text(tmp_path):
                   "--cfg", "job", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "prompt_template: 'Question: {prompt}, in short. Answer:'" in out.stdout
+
+
+def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    """``difflm-train data.tokenizer=runs/x/tokenizer`` (the commands of docs/adaptation.md) wrote the relative path
+    to config.yaml, so difflm-generate, -eval, -export and -rl of the run from any other folder could not load the
+    tokenizer (it read as a hub name). The run records the absolute path; a hub name stays as it is."""
+    from conftest import FAST, compose_run
+
+    from difflm.config import asset_path
+    from difflm.data.tokenizer import tokenizer_reference
+
+    shutil.copytree(asset_path("tokenizers/gpt-neox-20b"), tmp_path / "runs" / "x" / "tokenizer")
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_run([*FAST, "run.dir=runs/x", "data.tokenizer=runs/x/tokenizer", "train.max_steps=1",
+                       "train.eval_every=0"])
+    Trainer(cfg, cfg.run.dir, CPU)
+    recorded = OmegaConf.load(tmp_path / "runs" / "x" / "config.yaml").data.tokenizer
+    assert recorded == str(tmp_path / "runs" / "x" / "tokenizer")
+    assert tokenizer_reference("EleutherAI/gpt-neox-20b") == "EleutherAI/gpt-neox-20b"
