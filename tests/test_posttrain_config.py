@@ -44,6 +44,21 @@ def test_rl_presets_compose_and_build():
     (["algorithm.reference=none"], "algorithm.beta=0.04 needs a reference"),
     (["algorithm=dpo", "algorithm.reference=none"], "algorithm=dpo needs a reference"),
     (["algorithm.name=ppo"], "algorithm='ppo' is unknown"),
+    # values that ran without a word (a negative clip or KL weight, all of a prompt kept for 0 tokens) or ended in a
+    # traceback (an unknown loss_norm, a negative learning rate in AdamW)
+    (["algorithm.loss_norm=mean"], r"^algorithm.loss_norm='mean' is not one of token, sequence$"),
+    (["algorithm.clip_low=-1"], r"^algorithm.clip_low=-1.0, algorithm.clip_high=0.2: the ratio is clipped to "
+                                r"\[1 - clip_low, 1 \+ clip_high\]"),
+    (["algorithm.clip_high=-0.1"], "so 0 <= clip_low < 1 and clip_high >= 0"),
+    (["algorithm.beta=-0.5"], r"^algorithm.beta=-0.5 must be >= 0 \(grpo: the KL weight"),
+    (["algorithm=dpo", "algorithm.beta=0"], r"^algorithm.beta=0.0 must be > 0 .*the loss at log 2"),
+    (["data.max_prompt_tokens=0"], r"^data.max_prompt_tokens=0 must be >= 1 \(the tokens kept\)$"),
+    (["algorithm=dpo", "data.max_response_tokens=0"], r"^data.max_response_tokens=0 must be >= 1"),
+    (["data.eval_records=-1"], r"^data.eval_records=-1 must be >= 0"),
+    (["train.save_every=-1"], r"^train.save_every=-1 must be >= 0 \(0 = never\)$"),
+    (["train.keep_last=-2"], r"^train.keep_last=-2 must be >= 0"),
+    (["optim.lr=-1e-5"], r"^optim.lr=-1e-05 must be positive$"),
+    (["schedule.warmup_steps=-3"], r"^schedule.warmup_steps=-3 must be >= 0"),
 ])
 def test_rl_config_errors_name_the_key(overrides, message):
     with pytest.raises(DifflmError, match=message):

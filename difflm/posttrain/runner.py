@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
+from difflm.config.validate import check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, lora_enabled
 from difflm.parallel import distributed as pdist
@@ -44,6 +45,7 @@ from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
 ALGORITHMS = ("grpo", "dpo")
 GRPO_FIELDS = ("prompt_field", "answer_field")
+LOSS_NORMS = ("token", "sequence")
 DPO_FIELDS = ("prompt_field", "chosen_field", "rejected_field")
 
 
@@ -62,10 +64,31 @@ def check_rl_config(cfg) -> None:
         if a.beta > 0 and a.reference == "none":
             raise DifflmError(f"algorithm.beta={a.beta} needs a reference: set algorithm.reference=frozen_copy, "
                               "or algorithm.beta=0")
+        if a.loss_norm not in LOSS_NORMS:
+            raise DifflmError(f"algorithm.loss_norm={a.loss_norm!r} is not one of {', '.join(LOSS_NORMS)}")
+        if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
+            raise DifflmError(f"algorithm.clip_low={a.clip_low}, algorithm.clip_high={a.clip_high}: the ratio is "
+                              "clipped to [1 - clip_low, 1 + clip_high], so 0 <= clip_low < 1 and clip_high >= 0 "
+                              "(PPO: 0.2 and 0.2)")
+    if a.beta < 0 or (a.name == "dpo" and a.beta == 0):
+        raise DifflmError(f"algorithm.beta={a.beta} must be {'> 0' if a.name == 'dpo' else '>= 0'} (grpo: the KL "
+                          "weight, 0 = none; dpo: the DPO temperature, whose 0 leaves the loss at log 2: e.g. 0.1)")
     if a.name == "dpo" and a.reference == "none":
         raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
     if cfg.train.max_steps < 1:
         raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
+    for key in ("save_every", "eval_every", "keep_last"):
+        if cfg.train[key] < 0:
+            raise DifflmError(f"train.{key}={cfg.train[key]} must be >= 0 (0 = never)" if key != "keep_last" else
+                              f"train.keep_last={cfg.train.keep_last} must be >= 0 (0 = keep every checkpoint)")
+    for key in ("max_prompt_tokens", "max_response_tokens"):
+        if cfg.data[key] < 1:
+            raise DifflmError(f"data.{key}={cfg.data[key]} must be >= 1 (the tokens kept)")
+    if cfg.data.eval_records < 0:
+        raise DifflmError(f"data.eval_records={cfg.data.eval_records} must be >= 0 (0 = no held-out evaluation)")
+    if not cfg.optim.lr > 0:
+        raise DifflmError(f"optim.lr={cfg.optim.lr} must be positive")
+    check_schedule(cfg.schedule)
     # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
     if a.name == "dpo" and cfg.data.answer_field is not None:
         raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
