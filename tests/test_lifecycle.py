@@ -176,6 +176,16 @@ def test_lora_rl_on_a_lora_run_is_refused(tmp_path):
         PostTrainer(rl_config(init, tmp_path / "rl", "lora.rank=4"), CPU)  # a rank alone adds adapters too
 
 
+def test_rl_negative_lora_rank_is_refused(init_run, tmp_path):
+    """``difflm-rl lora=attn lora.rank=-1`` read the rank as "no adapters" and trained every weight without a word;
+    it is refused as difflm-train refuses it."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    with pytest.raises(DifflmError, match=r"^lora.rank=-1 must be >= 0 \(0 turns LoRA off\)$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "lora=attn", "lora.rank=-1"), CPU)
+
+
 def test_adapters_off_reference_needs_adapters():
     from difflm.config.schema import ModelConfig
     from difflm.model import build_model
