@@ -131,3 +131,24 @@ def test_rl_data_path_of_plain_text_names_the_records_it_needs(tmp_path, algorit
         read_records(cfg.data, GRPO_FIELDS if algorithm == "grpo" else DPO_FIELDS)
     assert str(info.value) == (f"data.path: {tmp_path / 'prompts.txt'} is not .jsonl: difflm-rl reads one JSON record "
                                f"a line with the fields {fields}: convert the file to JSONL or set data.hf_dataset")
+
+
+def test_rl_hf_dataset_dict_reads_its_split(tmp_path):
+    """A ``save_to_disk`` DatasetDict as data.hf_dataset: data.hf_split picks its split; a split it lacks (the default
+    ``train`` of a test-only dict) is refused in one line naming the splits, not a ValueError from iterating the
+    dict's split names as records."""
+    import datasets
+
+    from difflm.posttrain.data import read_records
+    from difflm.posttrain.runner import GRPO_FIELDS
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(4)]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    base = [f"data.hf_dataset={tmp_path / 'dd'}", "data.prompt_field=question", "data.answer_field=answer",
+            "data.eval_records=1"]
+    records = read_records(compose_rl([*base, "data.hf_split=test"]).data, GRPO_FIELDS)
+    assert records[3] == {"prompt_field": "What is 3 + 3?", "answer_field": "#### 6"}
+    with pytest.raises(DifflmError) as info:
+        read_records(compose_rl(base).data, GRPO_FIELDS)
+    assert str(info.value) == (f"data.hf_split='train' is not a split of data.hf_dataset='{tmp_path / 'dd'}': set "
+                               "data.hf_split to one of ['test']")
