@@ -177,8 +177,8 @@ def test_lora_rl_on_a_lora_run_is_refused(tmp_path):
 
 
 def test_rl_negative_lora_rank_is_refused(init_run, tmp_path):
-    """``difflm-rl lora=attn lora.rank=-1`` read the rank as "no adapters" and trained every weight without a word;
-    it is refused as difflm-train refuses it."""
+    """``difflm-rl lora=attn lora.rank=-1`` is refused as difflm-train refuses it, rather than read as "no
+    adapters" (which would train every weight without a word)."""
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import rl_config
 
@@ -297,8 +297,8 @@ def test_rl_prompts_as_a_chat_sft_run_by_default(tmp_path):
 
 def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
     """difflm-rl's default gen.block_length (32) on a bd3lm run with other blocks stands for the run's own blocks,
-    as difflm-generate's default does, instead of failing at the first rollout; a block length given on the command
-    line that the run does not sample with is refused in one line before anything is written."""
+    as difflm-generate's default does; a block length given on the command line that the run does not sample with is
+    refused in one line before anything is written."""
     from difflm.config.schema import RLRunConfig
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import make_init_run, rl_config
@@ -320,7 +320,7 @@ def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
 def test_rl_resume_reports_changes_and_refuses_another_init(init_run, tmp_path):
     """A resumed difflm-rl run with other settings names each changed key and keeps the earlier rl_config.yaml as
     rl_config.step_<N>.yaml (as difflm-train keeps config.step_<N>.yaml); a resume from another init.run_dir, whose
-    model the checkpoints and reference.pt do not hold, is refused in one line instead of failing in load_state_dict."""
+    model the checkpoints and reference.pt do not hold, is refused in one line."""
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import make_init_run, rl_config
 
@@ -343,7 +343,7 @@ def test_rl_resume_reports_changes_and_refuses_another_init(init_run, tmp_path):
 @pytest.mark.slow  # starts a process
 def test_rl_multirun_gives_each_job_its_run_dir(init_run, tmp_path):
     """``difflm-rl -m optim.lr=a,b run.dir=D`` runs each job in D/<job number>, as difflm-train does: the second
-    job trains with its own learning rate instead of resuming the first job's finished run."""
+    job trains with its own learning rate and does not resume the first job's finished run."""
     from conftest import run_cli
     from test_posttrain_runtime import GSM8K
 
@@ -374,9 +374,9 @@ def test_peft_export_message_names_the_adapter_folder():
 
 
 def test_a_sweep_over_a_run_with_checkpoints_is_refused(tmp_path, capsys):
-    """``difflm-train -m lora.rank=4,8 run.dir=<a difflm-import run>`` ran each job in <run.dir>/<n>, which holds no
-    checkpoint: the LoRA jobs trained adapters on the keyed random init (``lora_base: -1``) instead of the imported
-    weights, without a word. A sweep whose run.dir holds checkpoints is refused before any job starts; a sweep
+    """``difflm-train -m lora.rank=4,8 run.dir=<a difflm-import run>`` would run each job in <run.dir>/<n>, which
+    holds no checkpoint, so the LoRA jobs would train adapters on the keyed random init (``lora_base: -1``) instead
+    of the imported weights. A sweep whose run.dir holds checkpoints is refused before any job starts; a sweep
     directory of earlier jobs (their checkpoints in <run.dir>/<n>) is not."""
     from difflm.checkpoint.store import save_checkpoint
     from difflm.training.run_dir import RunDirGuard, check_sweep_dir
@@ -408,9 +408,9 @@ def test_rl_prompt_template_takes_any_text(tmp_path):
 
 
 def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
-    """``difflm-train data.tokenizer=runs/x/tokenizer`` (the commands of docs/adaptation.md) wrote the relative path
-    to config.yaml, so difflm-generate, -eval, -export and -rl of the run from any other folder could not load the
-    tokenizer (it read as a hub name). The run records the absolute path; a hub name stays as it is."""
+    """``difflm-train data.tokenizer=runs/x/tokenizer`` (the commands of docs/adaptation.md) records the absolute
+    path in config.yaml: difflm-generate, -eval, -export and -rl read the run from any folder, where the relative
+    path would name nothing (or a hub repository). A hub name stays as it is."""
     from conftest import FAST, compose_run
 
     from difflm.config import asset_path

@@ -44,8 +44,8 @@ def test_rl_presets_compose_and_build():
     (["algorithm.reference=none"], "algorithm.beta=0.04 needs a reference"),
     (["algorithm=dpo", "algorithm.reference=none"], "algorithm=dpo needs a reference"),
     (["algorithm.name=ppo"], "algorithm='ppo' is unknown"),
-    # values that ran without a word (a negative clip or KL weight, all of a prompt kept for 0 tokens) or ended in a
-    # traceback (an unknown loss_norm, a negative learning rate in AdamW)
+    # values out of range, each named in one line (a negative clip or KL weight, 0 prompt tokens, an unknown
+    # loss_norm, a negative learning rate)
     (["algorithm.loss_norm=mean"], r"^algorithm.loss_norm='mean' is not one of token, sequence$"),
     (["algorithm.clip_low=-1"], r"^algorithm.clip_low=-1.0, algorithm.clip_high=0.2: the ratio is clipped to "
                                 r"\[1 - clip_low, 1 \+ clip_high\]"),
@@ -135,8 +135,7 @@ def test_rl_data_path_of_plain_text_names_the_records_it_needs(tmp_path, algorit
 
 def test_rl_hf_dataset_dict_reads_its_split(tmp_path):
     """A ``save_to_disk`` DatasetDict as data.hf_dataset: data.hf_split picks its split; a split it lacks (the default
-    ``train`` of a test-only dict) is refused in one line naming the splits, not a ValueError from iterating the
-    dict's split names as records."""
+    ``train`` of a test-only dict) is refused in one line naming the splits."""
     import datasets
 
     from difflm.posttrain.data import read_records

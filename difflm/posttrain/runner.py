@@ -121,7 +121,7 @@ def with_rl_lora(cfg, init_cfg):
     lora = cfg.get("lora")
     if not lora_enabled(lora):
         if lora is not None and int(lora.get("rank", 0) or 0) < 0:
-            check_lora(lora, init_cfg.model)  # a negative rank is refused, not read as "off"
+            check_lora(lora, init_cfg.model)  # refuses a negative rank (0 is "off")
         return init_cfg
     own = init_cfg.get("lora")
     if lora_enabled(own):
