@@ -126,7 +126,7 @@ def launch_folder_cwd() -> None:
 
 
 # keys whose value is any text: the entry points quote them for Hydra (quote_free_text) before composing
-FREE_TEXT_KEYS = ("prompt", "logger.sample_prompt")
+FREE_TEXT_KEYS = ("prompt", "logger.sample_prompt", "data.prompt_template")
 
 
 def _say(message: str) -> None:

@@ -28,12 +28,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def run_dir_of_job(cfg) -> str:
+    """``run.dir``, or under a Hydra multirun (``-m``) the job's own ``<run.dir>/<job number>`` (Hydra's job output
+    dir, ``hydra.sweep`` of conf/rl.yaml), so that the jobs of a sweep never resume one another's run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return HydraConfig.get().runtime.output_dir
+    except ValueError:  # called outside a Hydra job (tests)
+        return cfg.run.dir
+
+
 @hydra_app("rl")
 def _main(cfg) -> None:
     from difflm.parallel.distributed import destroy_distributed
     from difflm.posttrain.runner import PostTrainer
 
     try:
+        cfg.run.dir = run_dir_of_job(cfg)
         trainer = PostTrainer(cfg, pick_device(cfg.device))
         if trainer.step > 0 and trainer.is_rank0:
             print(f"resuming {trainer.run_dir} from step {trainer.step}")
@@ -45,7 +57,13 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
-    """Entry point."""
+    """Entry point: ``data.prompt_template=`` takes any text (``Question: {prompt} Answer:``; see
+    :func:`difflm.cli.quote_free_text`)."""
+    import sys
+
+    from difflm.cli import quote_free_text
+
+    sys.argv[1:] = quote_free_text(sys.argv[1:], ("data.prompt_template",))
     _main()
 
 

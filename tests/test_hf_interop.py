@@ -16,11 +16,12 @@ from omegaconf import OmegaConf
 from conftest import FAST, compose_run, rewrite_run_settings, run_cli
 from difflm.checkpoint.store import list_checkpoints
 from difflm.config import ASSETS
+from difflm.data.documents import resolve_sources
 from difflm.data import build_tokenizer
 from difflm.errors import DifflmError
 from difflm.generate import generate_ids
 from difflm.interop.export import export_run, load_run_for_export, parse_size
-from difflm.interop.hf_import import fuse_qkv, import_hf, train_overrides
+from difflm.interop.hf_import import continue_command, fuse_qkv, import_hf, train_overrides
 
 CPU = torch.device("cpu")
 NEOX = ASSETS / "tokenizers" / "gpt-neox-20b"
@@ -113,6 +114,11 @@ def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
     imported = import_hf(str(src), tmp_path / "run", objective="mdlm")
     overrides = train_overrides(imported)
     assert "model.num_kv_heads=2" in overrides
+    # the printed command names the corpus to choose (difflm-train refuses the placeholder) and no optim.lr
+    printed = continue_command(imported).split()
+    assert printed == ["difflm-train", *overrides, "data.path=CORPUS"]
+    with pytest.raises(DifflmError, match="data.path='CORPUS' does not exist"):
+        resolve_sources(compose_run(printed[1:]).data.path)
     # difflm-train's defaults are left to an adaptation recipe added to the printed command
     assert not any(o.startswith(("objective=", "model.shift_logits=", "data.seq_len=")) for o in overrides)
     for recipe, objective, shift, seq_len in (("fast_dllm_v2_adapt", "bd3lm", False, 2048),

@@ -176,6 +176,16 @@ def test_lora_rl_on_a_lora_run_is_refused(tmp_path):
         PostTrainer(rl_config(init, tmp_path / "rl", "lora.rank=4"), CPU)  # a rank alone adds adapters too
 
 
+def test_rl_negative_lora_rank_is_refused(init_run, tmp_path):
+    """``difflm-rl lora=attn lora.rank=-1`` is refused as difflm-train refuses it, rather than read as "no
+    adapters" (which would train every weight without a word)."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    with pytest.raises(DifflmError, match=r"^lora.rank=-1 must be >= 0 \(0 turns LoRA off\)$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "lora=attn", "lora.rank=-1"), CPU)
+
+
 def test_adapters_off_reference_needs_adapters():
     from difflm.config.schema import ModelConfig
     from difflm.model import build_model
@@ -244,3 +254,173 @@ def test_rl_warns_beyond_the_trained_window(init_run, tmp_path):
     warned = [r for r in loud._reports if "warning" in r]
     assert len(warned) == 1 and "the longest prompt (8 tokens) and gen.length=128 make 136 positions, more than " \
         "the data.seq_len=128" in warned[0] and warned[0].endswith("lower data.max_prompt_tokens or gen.length")
+
+
+def chat_tokenizer(path):
+    """The embedded GPT-NeoX tokenizer with a small chat template, saved at ``path``."""
+    from transformers import AutoTokenizer
+
+    from difflm.config import asset_path
+
+    tok = AutoTokenizer.from_pretrained(str(asset_path("tokenizers/gpt-neox-20b")))
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+def test_rl_prompts_as_a_chat_sft_run_by_default(tmp_path):
+    """difflm-rl's data.chat_template defaults to the init run's: an SFT run trained with data.chat_template=true has
+    its rollout prompts wrapped in the template (as difflm-generate wraps them), not raw; false given on the command
+    line reaches the RL run's config.yaml, so difflm-generate of that run prompts raw as the RL run trained."""
+    from difflm.data.sft import chat_prompt_ids
+    from difflm.generate import run_chat_template
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import make_init_run, rl_config
+
+    tokdir = chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "init").mkdir()
+    init = make_init_run(tmp_path / "init", "objective=sft", "data.chat_template=true", f"data.tokenizer={tokdir}")
+    record = {"prompt_field": "What is 2 plus 3?", "answer_field": "5"}
+    rl = PostTrainer(rl_config(init, tmp_path / "rl", "data.max_prompt_tokens=64"), CPU)
+    assert rl.cfg.data.chat_template is True
+    wrapped = chat_prompt_ids(rl.tok.tokenizer, "What is 2 plus 3?")
+    assert rl.prompt_ids(record) == wrapped and wrapped != rl.tok.encode("What is 2 plus 3?")
+    assert run_chat_template(OmegaConf.load(tmp_path / "rl" / "config.yaml"))
+    raw = PostTrainer(rl_config(init, tmp_path / "raw", "data.chat_template=false", "data.max_prompt_tokens=64"), CPU)
+    assert raw.prompt_ids(record) == raw.tok.encode("What is 2 plus 3?")
+    assert not run_chat_template(OmegaConf.load(tmp_path / "raw" / "config.yaml"))
+    (tmp_path / "plain").mkdir()
+    plain = make_init_run(tmp_path / "plain")  # an mdlm run: raw prompts by default
+    assert PostTrainer(rl_config(plain, tmp_path / "p"), CPU).cfg.data.chat_template is False
+
+
+def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
+    """difflm-rl's default gen.block_length (32) on a bd3lm run with other blocks stands for the run's own blocks,
+    as difflm-generate's default does; a block length given on the command line that the run does not sample with is
+    refused in one line before anything is written."""
+    from difflm.config.schema import RLRunConfig
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import make_init_run, rl_config
+
+    (tmp_path / "init").mkdir()
+    init = make_init_run(tmp_path / "init", "objective=bd3lm", "objective.block_size=2")
+    cfg = rl_config(init, tmp_path / "rl", "train.max_steps=1")
+    cfg.gen.block_length = RLRunConfig().gen.block_length  # what difflm-rl gets without gen.block_length=
+    assert cfg.gen.block_length == 32
+    rl = PostTrainer(cfg, CPU)
+    assert rl.cfg.gen.block_length == 2
+    assert rl.fit()["completion_len"] > 0
+    with pytest.raises(DifflmError, match="gen.block_length=4 is not read by objective=bd3lm runs, which sample in "
+                                          "the model's blocks of objective.block_size=2"):
+        PostTrainer(rl_config(init, tmp_path / "bad"), CPU)  # rl_config gives gen.block_length=4
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_rl_resume_reports_changes_and_refuses_another_init(init_run, tmp_path):
+    """A resumed difflm-rl run with other settings names each changed key and keeps the earlier rl_config.yaml as
+    rl_config.step_<N>.yaml (as difflm-train keeps config.step_<N>.yaml); a resume from another init.run_dir, whose
+    model the checkpoints and reference.pt do not hold, is refused in one line."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import make_init_run, rl_config
+
+    run = tmp_path / "rl"
+    PostTrainer(rl_config(init_run, run, "train.max_steps=1"), CPU).fit()
+    resumed = PostTrainer(rl_config(init_run, run, "algorithm.group_size=3"), CPU)
+    assert resumed.step == 1
+    said = [r for r in resumed._reports if "changed settings" in r]
+    assert len(said) == 1 and said[0].startswith("difflm: resuming at step 1 with changed settings: "
+                                                 "algorithm.group_size: 2 -> 3, train.max_steps: 1 -> 2")
+    assert OmegaConf.load(run / "rl_config.step_1.yaml").algorithm.group_size == 2
+    assert OmegaConf.load(run / "rl_config.yaml").algorithm.group_size == 3
+    (tmp_path / "other").mkdir()
+    other = make_init_run(tmp_path / "other", "model.hidden_size=64")
+    with pytest.raises(DifflmError, match=f"^init.run_dir={other}: run.dir={run} was started from "
+                                          f"init.run_dir={init_run} .*pass init.run_dir={init_run} to resume it"):
+        PostTrainer(rl_config(other, run), CPU)
+
+
+@pytest.mark.slow  # starts a process
+def test_rl_multirun_gives_each_job_its_run_dir(init_run, tmp_path):
+    """``difflm-rl -m optim.lr=a,b run.dir=D`` runs each job in D/<job number>, as difflm-train does: the second
+    job trains with its own learning rate and does not resume the first job's finished run."""
+    from conftest import run_cli
+    from test_posttrain_runtime import GSM8K
+
+    out = run_cli("difflm.rl", "-m", "optim.lr=1e-3,1e-2", f"run.dir={tmp_path / 'sweep'}",
+                  f"init.run_dir={init_run}", "device=cpu", f"data.path={GSM8K}", "data.prompt_field=question",
+                  "data.answer_field=answer", "data.eval_records=1", "data.max_prompt_tokens=8", "gen.length=4",
+                  "gen.steps=2", "gen.block_length=4", "algorithm.prompts_per_step=1", "algorithm.group_size=2",
+                  "estimator=one_step", "train.max_steps=1", "logger.progress_bar=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job, lr in (("0", 1e-3), ("1", 1e-2)):
+        rows = [json.loads(line) for line in open(tmp_path / "sweep" / job / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [0, 1] and rows[1]["lr"] == lr
+        assert (tmp_path / "sweep" / job / "checkpoints" / "step_1").is_dir()
+    assert "resuming" not in out.stdout and not (tmp_path / "multirun").exists()
+
+
+def test_peft_export_message_names_the_adapter_folder():
+    """difflm-export lora_format=peft writes the base model and its adapters in out/adapter: its last line says both,
+    where a merged export's line names the model only."""
+    from pathlib import Path
+
+    from difflm.interop.export import export_peft_hint
+
+    assert export_peft_hint(Path("hf/base"), "peft") == (" (the base, without the adapters), then "
+                                                         "PeftModel.from_pretrained(model, 'hf/base/adapter') for the "
+                                                         "adapters")
+    assert export_peft_hint(Path("hf/merged"), "merge") == ""
+
+
+def test_a_sweep_over_a_run_with_checkpoints_is_refused(tmp_path, capsys):
+    """``difflm-train -m lora.rank=4,8 run.dir=<a difflm-import run>`` would run each job in <run.dir>/<n>, which
+    holds no checkpoint, so the LoRA jobs would train adapters on the keyed random init (``lora_base: -1``) instead
+    of the imported weights. A sweep whose run.dir holds checkpoints is refused before any job starts; a sweep
+    directory of earlier jobs (their checkpoints in <run.dir>/<n>) is not."""
+    from difflm.checkpoint.store import save_checkpoint
+    from difflm.training.run_dir import RunDirGuard, check_sweep_dir
+
+    sweep = tmp_path / "sweep"
+    save_checkpoint(sweep / "0", 1, torch.nn.Linear(2, 2), None, {"step": 1})  # a job of an earlier sweep
+    check_sweep_dir(sweep)
+    base = tmp_path / "imported"
+    save_checkpoint(base, 0, torch.nn.Linear(2, 2), None, {"step": 0})
+    with pytest.raises(DifflmError, match=f"^run.dir='{base}' holds checkpoints .step_0., and under -m each job runs "
+                                          "in <run.dir>/<job number> without them"):
+        check_sweep_dir(base)
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(base)}}})
+    with pytest.raises(SystemExit) as exit_:
+        RunDirGuard().on_multirun_start(config)
+    assert exit_.value.code == 2 and "holds checkpoints (step_0)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts a process
+def test_rl_prompt_template_takes_any_text(tmp_path):
+    """``data.prompt_template=Question: {prompt}, in short. Answer:`` is a prompt's text as typed, as ``prompt=`` of
+    difflm-generate: Hydra would read the braces as a dict and the comma as a sweep and refuse the line."""
+    from conftest import run_cli
+
+    out = run_cli("difflm.rl", f"init.run_dir={tmp_path}", "data.prompt_template=Question: {prompt}, in short. Answer:",
+                  "--cfg", "job", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "prompt_template: 'Question: {prompt}, in short. Answer:'" in out.stdout
+
+
+def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    """``difflm-train data.tokenizer=runs/x/tokenizer`` (the commands of docs/adaptation.md) records the absolute
+    path in config.yaml: difflm-generate, -eval, -export and -rl read the run from any folder, where the relative
+    path would name nothing (or a hub repository). A hub name stays as it is."""
+    from conftest import FAST, compose_run
+
+    from difflm.config import asset_path
+    from difflm.data.tokenizer import tokenizer_reference
+
+    shutil.copytree(asset_path("tokenizers/gpt-neox-20b"), tmp_path / "runs" / "x" / "tokenizer")
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_run([*FAST, "run.dir=runs/x", "data.tokenizer=runs/x/tokenizer", "train.max_steps=1",
+                       "train.eval_every=0"])
+    Trainer(cfg, cfg.run.dir, CPU)
+    recorded = OmegaConf.load(tmp_path / "runs" / "x" / "config.yaml").data.tokenizer
+    assert recorded == str(tmp_path / "runs" / "x" / "tokenizer")
+    assert tokenizer_reference("EleutherAI/gpt-neox-20b") == "EleutherAI/gpt-neox-20b"

@@ -44,6 +44,21 @@ def test_rl_presets_compose_and_build():
     (["algorithm.reference=none"], "algorithm.beta=0.04 needs a reference"),
     (["algorithm=dpo", "algorithm.reference=none"], "algorithm=dpo needs a reference"),
     (["algorithm.name=ppo"], "algorithm='ppo' is unknown"),
+    # values out of range, each named in one line (a negative clip or KL weight, 0 prompt tokens, an unknown
+    # loss_norm, a negative learning rate)
+    (["algorithm.loss_norm=mean"], r"^algorithm.loss_norm='mean' is not one of token, sequence$"),
+    (["algorithm.clip_low=-1"], r"^algorithm.clip_low=-1.0, algorithm.clip_high=0.2: the ratio is clipped to "
+                                r"\[1 - clip_low, 1 \+ clip_high\]"),
+    (["algorithm.clip_high=-0.1"], "so 0 <= clip_low < 1 and clip_high >= 0"),
+    (["algorithm.beta=-0.5"], r"^algorithm.beta=-0.5 must be >= 0 \(grpo: the KL weight"),
+    (["algorithm=dpo", "algorithm.beta=0"], r"^algorithm.beta=0.0 must be > 0 .*the loss at log 2"),
+    (["data.max_prompt_tokens=0"], r"^data.max_prompt_tokens=0 must be >= 1 \(the tokens kept\)$"),
+    (["algorithm=dpo", "data.max_response_tokens=0"], r"^data.max_response_tokens=0 must be >= 1"),
+    (["data.eval_records=-1"], r"^data.eval_records=-1 must be >= 0"),
+    (["train.save_every=-1"], r"^train.save_every=-1 must be >= 0 \(0 = never\)$"),
+    (["train.keep_last=-2"], r"^train.keep_last=-2 must be >= 0"),
+    (["optim.lr=-1e-5"], r"^optim.lr=-1e-05 must be positive$"),
+    (["schedule.warmup_steps=-3"], r"^schedule.warmup_steps=-3 must be >= 0"),
 ])
 def test_rl_config_errors_name_the_key(overrides, message):
     with pytest.raises(DifflmError, match=message):
@@ -116,3 +131,23 @@ def test_rl_data_path_of_plain_text_names_the_records_it_needs(tmp_path, algorit
         read_records(cfg.data, GRPO_FIELDS if algorithm == "grpo" else DPO_FIELDS)
     assert str(info.value) == (f"data.path: {tmp_path / 'prompts.txt'} is not .jsonl: difflm-rl reads one JSON record "
                                f"a line with the fields {fields}: convert the file to JSONL or set data.hf_dataset")
+
+
+def test_rl_hf_dataset_dict_reads_its_split(tmp_path):
+    """A ``save_to_disk`` DatasetDict as data.hf_dataset: data.hf_split picks its split; a split it lacks (the default
+    ``train`` of a test-only dict) is refused in one line naming the splits."""
+    import datasets
+
+    from difflm.posttrain.data import read_records
+    from difflm.posttrain.runner import GRPO_FIELDS
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(4)]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    base = [f"data.hf_dataset={tmp_path / 'dd'}", "data.prompt_field=question", "data.answer_field=answer",
+            "data.eval_records=1"]
+    records = read_records(compose_rl([*base, "data.hf_split=test"]).data, GRPO_FIELDS)
+    assert records[3] == {"prompt_field": "What is 3 + 3?", "answer_field": "#### 6"}
+    with pytest.raises(DifflmError) as info:
+        read_records(compose_rl(base).data, GRPO_FIELDS)
+    assert str(info.value) == (f"data.hf_split='train' is not a split of data.hf_dataset='{tmp_path / 'dd'}': set "
+                               "data.hf_split to one of ['test']")

@@ -521,7 +521,9 @@ class PosttrainDataConfig:
     chosen_field: str = "chosen"  # dpo
     rejected_field: str = "rejected"  # dpo
     prompt_template: str = "{prompt}"  # the prompt text; {prompt} is the record's prompt
-    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (as data.chat_template of sft)
+    # wrap prompts in the tokenizer's chat template (as data.chat_template of sft); null: as init.run_dir was trained
+    # (difflm.generate.run_chat_template: an objective=sft run with data.chat_template=true)
+    chat_template: Optional[bool] = None
     max_prompt_tokens: int = 256  # prompts keep their last tokens
     max_response_tokens: int = 256  # dpo: responses are cut to this
     eval_records: int = 8  # the first records are held out for evaluation (held-out reward / ELBO margin)

@@ -362,7 +362,16 @@ def main(args) -> None:
               "configuration/modeling files there to load it with trust_remote_code=True, or difflm-import it")
         return
     print(f"exported {args.run.dir} checkpoint step {step} -> {out}; load with "
-          f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)")
+          f"AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True)" + export_peft_hint(out, args.lora_format))
+
+
+def export_peft_hint(out: Path, lora_format: str) -> str:
+    """The rest of difflm-export's last line for ``lora_format=peft``: that ``out`` is the base model without the
+    adapters, and how peft adds ``out/adapter`` to it (docs/lora.md)."""
+    if lora_format != "peft":
+        return ""
+    return (f" (the base, without the adapters), then PeftModel.from_pretrained(model, "
+            f"{str(Path(out) / 'adapter')!r}) for the adapters")
 
 
 if __name__ == "__main__":

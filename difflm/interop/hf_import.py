@@ -463,7 +463,15 @@ def main(args) -> None:
     cfg = import_hf(args.hf, args.run.dir, objective, args.shift_logits, args.vocab_multiple, args.mask_token,
                     args.revision, args.overwrite)
     print(f"imported {args.hf} -> {cfg.run.dir} (checkpoints/step_0, objective={cfg.objective.name}); continue with:")
-    print("difflm-train " + " ".join(shlex.quote(o) for o in train_overrides(cfg)), flush=True)
+    print(continue_command(cfg), flush=True)
+
+
+def continue_command(cfg) -> str:
+    """The ``difflm-train`` command difflm-import prints: :func:`train_overrides`, then ``data.path=CORPUS``, a
+    placeholder that difflm-train refuses until it names the corpus (its default is the embedded tinyshakespeare
+    corpus, which a copied command would otherwise train on without a word). No ``optim.lr``: an adaptation recipe
+    added to the command sets its own."""
+    return "difflm-train " + " ".join(shlex.quote(o) for o in train_overrides(cfg)) + " data.path=CORPUS"
 
 
 if __name__ == "__main__":

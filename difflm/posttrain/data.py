@@ -23,13 +23,17 @@ def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
     if cfg.hf_dataset:
         import datasets
 
+        local = os.path.expanduser(cfg.hf_dataset)
         try:
-            ds = datasets.load_from_disk(cfg.hf_dataset) if os.path.isdir(cfg.hf_dataset) else \
+            ds = datasets.load_from_disk(local) if os.path.isdir(local) else \
                 datasets.load_dataset(cfg.hf_dataset, split=cfg.hf_split)
         except Exception as e:  # noqa: BLE001 - datasets raises many types; one line names the key
             raise DifflmError(f"data.hf_dataset={cfg.hf_dataset!r} cannot be loaded "
                               f"({type(e).__name__}: {e})") from None
-        if hasattr(ds, "keys") and cfg.hf_split in ds:
+        if isinstance(ds, datasets.DatasetDict):  # a save_to_disk DatasetDict: its split, or the ones it has
+            if cfg.hf_split not in ds:
+                raise DifflmError(f"data.hf_split={cfg.hf_split!r} is not a split of data.hf_dataset="
+                                  f"{cfg.hf_dataset!r}: set data.hf_split to one of {sorted(ds)}")
             ds = ds[cfg.hf_split]
         rows = [(f"{cfg.hf_dataset}[{i}]", dict(r)) for i, r in enumerate(ds)]
     elif cfg.path:

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
+from difflm.config.validate import check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, lora_enabled
 from difflm.parallel import distributed as pdist
@@ -38,11 +39,13 @@ from difflm.posttrain.reference import build_reference
 from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
+from difflm.training.run_config import record_rl_config
 from difflm.training.schedule import build_scheduler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
 ALGORITHMS = ("grpo", "dpo")
 GRPO_FIELDS = ("prompt_field", "answer_field")
+LOSS_NORMS = ("token", "sequence")
 DPO_FIELDS = ("prompt_field", "chosen_field", "rejected_field")
 
 
@@ -61,10 +64,31 @@ def check_rl_config(cfg) -> None:
         if a.beta > 0 and a.reference == "none":
             raise DifflmError(f"algorithm.beta={a.beta} needs a reference: set algorithm.reference=frozen_copy, "
                               "or algorithm.beta=0")
+        if a.loss_norm not in LOSS_NORMS:
+            raise DifflmError(f"algorithm.loss_norm={a.loss_norm!r} is not one of {', '.join(LOSS_NORMS)}")
+        if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
+            raise DifflmError(f"algorithm.clip_low={a.clip_low}, algorithm.clip_high={a.clip_high}: the ratio is "
+                              "clipped to [1 - clip_low, 1 + clip_high], so 0 <= clip_low < 1 and clip_high >= 0 "
+                              "(PPO: 0.2 and 0.2)")
+    if a.beta < 0 or (a.name == "dpo" and a.beta == 0):
+        raise DifflmError(f"algorithm.beta={a.beta} must be {'> 0' if a.name == 'dpo' else '>= 0'} (grpo: the KL "
+                          "weight, 0 = none; dpo: the DPO temperature, whose 0 leaves the loss at log 2: e.g. 0.1)")
     if a.name == "dpo" and a.reference == "none":
         raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
     if cfg.train.max_steps < 1:
         raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
+    for key in ("save_every", "eval_every", "keep_last"):
+        if cfg.train[key] < 0:
+            raise DifflmError(f"train.{key}={cfg.train[key]} must be >= 0 (0 = never)" if key != "keep_last" else
+                              f"train.keep_last={cfg.train.keep_last} must be >= 0 (0 = keep every checkpoint)")
+    for key in ("max_prompt_tokens", "max_response_tokens"):
+        if cfg.data[key] < 1:
+            raise DifflmError(f"data.{key}={cfg.data[key]} must be >= 1 (the tokens kept)")
+    if cfg.data.eval_records < 0:
+        raise DifflmError(f"data.eval_records={cfg.data.eval_records} must be >= 0 (0 = no held-out evaluation)")
+    if not cfg.optim.lr > 0:
+        raise DifflmError(f"optim.lr={cfg.optim.lr} must be positive")
+    check_schedule(cfg.schedule)
     # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
     if a.name == "dpo" and cfg.data.answer_field is not None:
         raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
@@ -96,6 +120,8 @@ def with_rl_lora(cfg, init_cfg):
     Raises: DifflmError for ``lora`` on a LoRA init run (its adapters already train) or bad ``lora`` keys."""
     lora = cfg.get("lora")
     if not lora_enabled(lora):
+        if lora is not None and int(lora.get("rank", 0) or 0) < 0:
+            check_lora(lora, init_cfg.model)  # refuses a negative rank (0 is "off")
         return init_cfg
     own = init_cfg.get("lora")
     if lora_enabled(own):
@@ -105,6 +131,23 @@ def with_rl_lora(cfg, init_cfg):
                           "difflm-export merged model")
     check_lora(lora, init_cfg.model)
     return OmegaConf.merge(init_cfg, {"lora": OmegaConf.to_container(lora, resolve=True)})
+
+
+def check_resume_init(run_dir: Path, cfg) -> None:
+    """Refuse resuming ``run_dir`` from another ``init.run_dir`` than the one its ``rl_config.yaml`` names (while
+    that one still exists): the checkpoints and ``reference.pt`` hold that run's model, whose shape, tokenizer and
+    objective the new one need not share (DifflmError naming the key and the fix)."""
+    import os
+
+    path = Path(run_dir) / "rl_config.yaml"
+    if not path.is_file():
+        return
+    old = OmegaConf.select(OmegaConf.load(path), "init.run_dir", default=None)
+    new = str(cfg.init.run_dir)
+    if old and old != new and Path(old).is_dir() and not os.path.samefile(old, new):
+        raise DifflmError(f"init.run_dir={new}: run.dir={run_dir} was started from init.run_dir={old} (its "
+                          f"rl_config.yaml), whose model its checkpoints hold: pass init.run_dir={old} to resume it, "
+                          "or start a new run.dir")
 
 
 class PostTrainer:
@@ -133,6 +176,8 @@ class PostTrainer:
         if self.init_cfg.objective.name == "ar":
             raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
                               "masked-diffusion models (mdlm, sft, bd3lm)")
+        self._resolve_chat_template()
+        self._check_gen(model)
         model.train()
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
@@ -150,6 +195,7 @@ class PostTrainer:
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is not None:
+            check_resume_init(self.run_dir, cfg)
             self._check_resume_lora(found[1])
         if self.reference is not None:
             if found is not None and ref_path.exists():
@@ -170,9 +216,43 @@ class PostTrainer:
                 raise DifflmError(f"train.seed={cfg.train.seed} differs from the resumed run's {state.get('seed')}: "
                                   "keep the run's seed to resume it exactly")
         if self.is_rank0:
-            (self.run_dir / "rl_config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            record_rl_config(self.run_dir, cfg, self.step if found is not None else None, report=self.report)
             if not (self.run_dir / "config.yaml").exists():  # the model's settings: difflm-generate reads the run
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.init_cfg))
+
+    def _resolve_chat_template(self) -> None:
+        """``data.chat_template``: null takes the init run's (:func:`difflm.generate.run_chat_template`), so the
+        rollouts and scores see prompts as that run's SFT saw them. A value that differs from an ``objective=sft``
+        init run's goes into the RL run's ``config.yaml`` (difflm-generate / -eval then prompt as the RL run trained);
+        ``true`` on another objective, which that file cannot express, is reported."""
+        from difflm.generate import run_chat_template
+
+        data, own = self.cfg.data, run_chat_template(self.init_cfg)
+        if data.get("chat_template") is None:
+            data.chat_template = own
+        elif bool(data.chat_template) != own:
+            if self.init_cfg.objective.name == "sft":
+                self.init_cfg = OmegaConf.merge(self.init_cfg, {"data": {"chat_template": bool(data.chat_template)}})
+            else:
+                self.report(f"difflm: notice: data.chat_template=true on an objective={self.init_cfg.objective.name} "
+                            "init run: difflm-generate and difflm-eval of this run read raw prompts unless given "
+                            "chat_template=true")
+
+    def _check_gen(self, model) -> None:
+        """The rollout sampler's ``gen.*`` (grpo), checked before anything runs as difflm-generate checks them
+        (:func:`difflm.generate.generation_options`). On a ``bd3lm`` init run, which samples in its own blocks of
+        ``objective.block_size``, difflm-rl's default ``gen.block_length`` stands for those blocks (as
+        difflm-generate's default does); another value is refused in one line."""
+        from difflm.config.schema import RLRunConfig
+        from difflm.generate import generation_options
+
+        if self.cfg.algorithm.name != "grpo":
+            return
+        obj, gen = self.init_cfg.objective, self.cfg.gen
+        if obj.name == "bd3lm" and gen.block_length == RLRunConfig.__dataclass_fields__["gen"].default_factory(
+        ).block_length:
+            gen.block_length = int(obj.block_size)
+        generation_options(model, self.tok, gen, objective=obj)
 
     def _check_resume_lora(self, path: Path) -> None:
         """Refuse resuming ``path`` with other adapters than it holds: ``lora=...`` given or dropped against the run's
@@ -330,4 +410,4 @@ class PostTrainer:
         return last
 
 
-__all__ = ["ALGORITHMS", "PostTrainer", "check_rl_config", "with_rl_lora"]
+__all__ = ["ALGORITHMS", "PostTrainer", "check_resume_init", "check_rl_config", "with_rl_lora"]

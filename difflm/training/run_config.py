@@ -43,12 +43,12 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
             if a.get(k, missing) != b.get(k, missing)]
 
 
-def _keep(run_dir: Path, step: int, text: str) -> Path:
-    """The file holding ``text`` among ``config.step_<step>[.<k>].yaml``, written under the first free name if none
+def _keep(run_dir: Path, step: int, text: str, stem: str = "config") -> Path:
+    """The file holding ``text`` among ``<stem>.step_<step>[.<k>].yaml``, written under the first free name if none
     does."""
     k = 1
     while True:
-        path = run_dir / (f"config.step_{step}.yaml" if k == 1 else f"config.step_{step}.{k}.yaml")
+        path = run_dir / (f"{stem}.step_{step}.yaml" if k == 1 else f"{stem}.step_{step}.{k}.yaml")
         if not path.exists():
             write_text_atomic(path, text)
             return path
@@ -81,6 +81,30 @@ def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int
             more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
             report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings "
                    f"step {resumed_from} was trained with are kept in {kept})")
+    write_text_atomic(path, text)
+    return kept
+
+
+def record_rl_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int] = None,
+                     report: Callable[[str], None] = print) -> Optional[Path]:
+    """Write a difflm-rl command line ``cfg`` as ``run_dir/rl_config.yaml``, as :func:`record_run_config` writes
+    difflm-train's: on a resume (``resumed_from``: the step) with other settings than the earlier ``rl_config.yaml``,
+    report the changed keys in one line and keep the earlier file as ``rl_config.step_<resumed_from>.yaml``. Returns
+    the path of the kept file, or None."""
+    run_dir = Path(run_dir)
+    path = run_dir / "rl_config.yaml"
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    kept = None
+    if resumed_from is not None and path.exists():
+        earlier = path.read_text()
+        changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier), resolve=True) or {},
+                                   OmegaConf.to_container(OmegaConf.create(text)) or {})
+        if changes:
+            kept = _keep(run_dir, resumed_from, earlier, stem="rl_config")
+            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
+            more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
+            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings of "
+                   f"the steps before are kept in {kept})")
     write_text_atomic(path, text)
     return kept
 

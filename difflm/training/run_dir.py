@@ -54,6 +54,22 @@ def check_run_dir(run_dir: str | Path) -> None:
                           "goes: move it away or choose another run.dir")
 
 
+def check_sweep_dir(run_dir: str | Path) -> None:
+    """Refuse a ``-m`` sweep whose ``run.dir`` holds checkpoints of its own (e.g. a ``difflm-import`` base, or a run
+    to fine-tune): every job runs in ``<run.dir>/<job number>``, which holds none, so each job would start without
+    them (a LoRA job on the keyed init instead of the imported weights) and nothing would say so.
+
+    Raises: DifflmError naming ``run.dir``, its newest checkpoint and what to do instead."""
+    from difflm.checkpoint.store import list_checkpoints
+
+    found = list_checkpoints(Path(run_dir))
+    if found:
+        raise DifflmError(f"run.dir={str(run_dir)!r} holds checkpoints ({found[-1][1].name}), and under -m each job "
+                          "runs in <run.dir>/<job number> without them (it would not start from these weights): run "
+                          "each setting as its own command on its own copy of the run (cp -r RUN RUN-a; ... "
+                          "run.dir=RUN-a), or sweep into a new run.dir")
+
+
 def claim_run_dir(run_dir: str | Path) -> IO[str]:
     """Create ``run_dir`` if needed and take its exclusive lock; returns the open lock file (keep it open: closing
     it, or the process ending, releases the lock).
@@ -199,6 +215,7 @@ class RunDirGuard(Callback):
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         if _global_rank() == 0:
             _exit_on_error(check_run_dir, str(config.hydra.sweep.dir))
+            _exit_on_error(check_sweep_dir, str(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         pass

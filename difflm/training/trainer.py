@@ -18,6 +18,7 @@ from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_ch
     resume_checkpoint, save_checkpoint
 from difflm.config.validate import check_batch, check_length, check_parallel, check_validation_split
 from difflm.data import build_datasets, build_sampler, build_tokenizer
+from difflm.data.tokenizer import tokenizer_reference
 from difflm.model import build_model, resolve_model_config
 from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_adapters_, lora_enabled
 from difflm.model.masks import to_device
@@ -89,6 +90,9 @@ class Trainer:
         self.is_rank0 = pdist.is_rank0()
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        # a local tokenizer directory is recorded by its absolute path: config.yaml is read by difflm-generate, -eval,
+        # -export and -rl from any folder, where a relative one would name nothing (or a hub repository)
+        cfg.data.tokenizer = tokenizer_reference(cfg.data.tokenizer)
         self.tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
         check_resume_tokenizer(self.run_dir, cfg.data.tokenizer, self.tok, cfg.model.vocab_multiple)
         resolve_model_config(cfg.model, self.tok.padded_vocab_size)
