@@ -1,5 +1,7 @@
 """What a newcomer's command-line mistakes and --help give: one line with the fix, and help that lists only what the
 command takes."""
+import functools
+
 import pytest
 
 from conftest import run_cli
@@ -64,8 +66,12 @@ def test_help_lists_only_what_the_command_takes(module, key):
      "estimator.t_min is a coupled key; estimator=one_step does not use it: drop it (or set estimator=coupled)"),
     ("train", ["objective=mdlm", "objective.block_size=8"],
      "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
-    ("train", ["objective=ar", "objective.schedule=cosine"],
-     "objective.schedule is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=bd3lm)"),
+    ("train", ["objective=ar", "objective.schedule=cosine"],  # the fix offered: the default objective first
+     "objective.schedule is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=mdlm)"),
+    ("train", ["objective=ar", "objective.weighting=cart"],  # not bd3lm, which refuses cart
+     "objective.weighting is a bd3lm/mdlm/sft key; objective=ar does not use it: drop it (or set objective=mdlm)"),
+    ("train", ["objective=sft", "objective.block_size=8"],  # the only preset that reads it, default or not
+     "objective.block_size is a bd3lm key; objective=sft does not use it: drop it (or set objective=bd3lm)"),
     ("train", ["experiment=mdlm_owt", "objective.block_size=8"],  # the preset a recipe selects counts
      "objective.block_size is a bd3lm key; objective=mdlm does not use it: drop it (or set objective=bd3lm)"),
 ])
@@ -78,6 +84,24 @@ NO_ROLLOUTS = "has no effect with algorithm=dpo (no rollouts: it scores given pr
 NO_PAIRS = "has no effect with algorithm=grpo (no preference pairs: it samples completions of the prompts); remove " \
     "it or use algorithm=dpo"
 NO_ADAPTERS = "has no effect with lora=none (no adapters: lora.rank=0); remove it or choose lora=attn or lora=attn_mlp"
+
+
+def test_the_fix_offered_is_a_preset_that_accepts_the_value():
+    """The presets a key-of-another-preset message may offer: those under which the rest of the command line composes
+    and passes the group's checks, the default first (``objective.weighting=cart`` is refused under bd3lm)."""
+    from hydra import initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from difflm.config import CONF_DIR
+    from difflm.config.job_check import _presets_that_accept
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        parser = OverridesParser.create()
+        offer = functools.partial(_presets_that_accept, "train", group="objective", parser=parser,
+                                  presets=["bd3lm", "mdlm", "sft"])
+        assert offer(["objective=ar", "objective.weighting=cart"]) == ["mdlm", "sft"]
+        assert offer(["objective=ar", "objective.schedule=cosine"]) == ["mdlm", "bd3lm", "sft"]
+        assert offer(["objective=ar", "objective.weighting=cart", "objective.block_schedule=[[10,4]]"]) == []
 
 
 @pytest.mark.parametrize("config_name,argv,message", [

@@ -4,6 +4,7 @@ the first starts). :func:`difflm.cli.check_overrides` calls :func:`check_job` fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 
 
@@ -72,13 +73,46 @@ def check_job(overrides: list[str], config_name: str) -> str | None:
                 for line in overrides:
                     key = parser.parse_override(line).key_or_group
                     group = key.partition(".")[0]
+                    suggest = functools.partial(_presets_that_accept, config_name, overrides, group, parser)
                     message = unread_key(cfg, config_name, line) or (
-                        foreign_key(loader, group, choices[group], key) if choices.get(group) else None)
+                        foreign_key(loader, group, choices[group], key, suggest) if choices.get(group) else None)
                     if message:
                         return message
     except Exception:  # noqa: BLE001 - a config this check cannot compose: Hydra composes it and reports why
         return None
     return None
+
+
+def _presets_that_accept(config_name: str, overrides: list[str], group: str, parser, presets: list[str]) -> list[str]:
+    """``presets`` of ``group`` under which the run's other overrides compose and pass the group's own checks
+    (:data:`PRESET_CHECKS`), the group's default preset first, then in the given order. Inside an initialised Hydra.
+    For the fix a key-of-another-preset message offers: ``objective=ar objective.weighting=cart`` names
+    ``objective=mdlm`` (cart is refused under bd3lm), not the first preset alphabetically."""
+    from hydra import compose
+
+    others = [o for o in overrides if parser.parse_override(o).key_or_group != group]
+    default = compose(config_name, [], return_hydra_config=True).hydra.runtime.choices.get(group)
+    check = PRESET_CHECKS.get((config_name, group))
+    accepted = []
+    for preset in sorted(presets, key=lambda p: p != default):  # stable: the default first
+        try:
+            cfg = compose(config_name, [*others, f"{group}={preset}"])
+            if check is not None:
+                check(cfg)
+        except Exception:  # noqa: BLE001 - refused under this preset: not a fix to offer
+            continue
+        accepted.append(preset)
+    return accepted
+
+
+def _check_objective(cfg) -> None:
+    from difflm.config.validate import check_adaptation
+
+    check_adaptation(cfg)
+
+
+# (config name, group) -> the checks of that group's settings that need no data, device or model
+PRESET_CHECKS = {("train", "objective"): _check_objective}
 
 
 def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str | None:

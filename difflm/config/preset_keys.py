@@ -17,7 +17,7 @@ of a ``-m`` sweep.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 # groups whose presets are variants of one thing, each file listing the keys its variant reads
 SCOPED_GROUPS = ("algorithm", "estimator", "objective")
@@ -31,12 +31,15 @@ def _preset_keys(loader, group: str, option: str) -> set[str]:
     return {str(k) for k in loaded.config.keys() if k != "defaults"}
 
 
-def foreign_key(loader, group: str, option: str, key: str) -> Optional[str]:
+def foreign_key(loader, group: str, option: str, key: str,
+                suggest: Optional[Callable[[list[str]], list[str]]] = None) -> Optional[str]:
     """The one-line error for ``key`` (dotted, ``algorithm.group_size``) set on the command line of a run whose
     ``group`` is ``option``, when ``conf/<group>/<option>.yaml`` lacks the key and another preset of ``group`` has
     it; None otherwise (``group`` not in :data:`SCOPED_GROUPS`, the preset reads the key, or no preset names it).
 
     ``loader``: Hydra's config loader (``GlobalHydra.instance().config_loader()`` of an initialised Hydra).
+    ``suggest``: orders the presets that read the key, best first, for the fix the message offers (e.g. those that
+    accept the typed value first: :func:`difflm.config.job_check.check_job`); alphabetical without it.
     """
     if group not in SCOPED_GROUPS or not key.startswith(group + "."):
         return None
@@ -48,8 +51,9 @@ def foreign_key(loader, group: str, option: str, key: str) -> Optional[str]:
     if not users:
         return None
     owner = "/".join(users)
+    best = (suggest(users) if suggest else None) or users
     return (f"{group}.{name} is a {owner} key; {group}={option} does not use it: "
-            f"drop it (or set {group}={users[0]})")
+            f"drop it (or set {group}={best[0]})")
 
 
 def _only_under(users: tuple[str, ...], why: str):
