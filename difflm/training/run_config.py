@@ -57,6 +57,27 @@ def _keep(run_dir: Path, step: int, text: str, stem: str = "config") -> Path:
         k += 1
 
 
+def _record(run_dir: Path, stem: str, text: str, earlier_path: Optional[Path], resumed_from: Optional[int],
+            kept_as: str, report: Callable[[str], None]) -> Optional[Path]:
+    """Write ``text`` as ``run_dir/<stem>.yaml``; on a resume (``resumed_from``: the step) whose settings differ from
+    ``earlier_path``'s, first report the changed keys in one line and keep the earlier text as
+    ``<stem>.step_<resumed_from>[.<k>].yaml`` (:func:`_keep`), the report calling it ``kept_as``. Returns the path of
+    the kept file, or None."""
+    kept = None
+    if resumed_from is not None and earlier_path is not None and earlier_path.exists():
+        earlier = earlier_path.read_text()
+        changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier)) or {},
+                                   OmegaConf.to_container(OmegaConf.create(text)) or {})
+        if changes:
+            kept = _keep(run_dir, resumed_from, earlier, stem=stem)
+            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
+            more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
+            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} ({kept_as} are "
+                   f"kept in {kept})")
+    write_text_atomic(run_dir / f"{stem}.yaml", text)
+    return kept
+
+
 def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int] = None,
                       checkpoint: Optional[Path] = None, report: Callable[[str], None] = print) -> Optional[Path]:
     """Write ``cfg`` (resolved) as ``run_dir/config.yaml``. On a resume (``resumed_from``: the step, ``checkpoint``:
@@ -67,22 +88,9 @@ def record_run_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int
     from difflm.checkpoint.store import checkpoint_config_path
 
     run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    kept = None
-    source = None if resumed_from is None else (checkpoint_config_path(run_dir, checkpoint) if checkpoint else path)
-    if source is not None and source.exists():
-        earlier = source.read_text()
-        changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier)) or {},
-                                   OmegaConf.to_container(OmegaConf.create(text)) or {})
-        if changes:
-            kept = _keep(run_dir, resumed_from, earlier)
-            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
-            more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
-            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings "
-                   f"step {resumed_from} was trained with are kept in {kept})")
-    write_text_atomic(path, text)
-    return kept
+    source = checkpoint_config_path(run_dir, checkpoint) if checkpoint else run_dir / "config.yaml"
+    return _record(run_dir, "config", OmegaConf.to_yaml(cfg, resolve=True), source, resumed_from,
+                   f"the settings step {resumed_from} was trained with", report)
 
 
 def record_rl_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int] = None,
@@ -92,21 +100,8 @@ def record_rl_config(run_dir: Path, cfg: DictConfig, resumed_from: Optional[int]
     report the changed keys in one line and keep the earlier file as ``rl_config.step_<resumed_from>.yaml``. Returns
     the path of the kept file, or None."""
     run_dir = Path(run_dir)
-    path = run_dir / "rl_config.yaml"
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    kept = None
-    if resumed_from is not None and path.exists():
-        earlier = path.read_text()
-        changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier), resolve=True) or {},
-                                   OmegaConf.to_container(OmegaConf.create(text)) or {})
-        if changes:
-            kept = _keep(run_dir, resumed_from, earlier, stem="rl_config")
-            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
-            more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
-            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} (the settings of "
-                   f"the steps before are kept in {kept})")
-    write_text_atomic(path, text)
-    return kept
+    return _record(run_dir, "rl_config", OmegaConf.to_yaml(cfg, resolve=True), run_dir / "rl_config.yaml",
+                   resumed_from, "the settings of the steps before", report)
 
 
 def check_resume_tokenizer(run_dir: Path, name: str, tok, vocab_multiple: int) -> None:
