@@ -364,6 +364,9 @@ KERNEL_CLASSES = (  # first match wins: quack's and FA4's kernels all carry "cut
     ("other", ("rmsnorm", "layernorm", "layer_norm")),  # quack's norm kernels are CuTe DSL, not GEMMs
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "sm90_", "wgmma")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
+    # MoE dispatch: top-k, sort, the gathers and scatters that permute tokens by expert
+    ("routing", ("topk", "sort", "radix", "gather", "scatter", "index", "cumsum")),
+    ("cast/copy", ("copy",)),  # dtype casts (FP32 weights to BF16) and copies
 )
 
 

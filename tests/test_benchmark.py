@@ -304,3 +304,9 @@ def test_kernel_classes_of_a_real_profile():
     assert bench.kernel_class("qkv_heads_bwd_kernel") == "other"
     assert bench.kernel_class("Optimizer.step#AdamW.step") is None
     assert bench.kernel_class("some_range", user_annotation=True) is None
+    # the MoE step's dispatch and casts (names of PyTorch's CUDA kernels)
+    assert bench.kernel_class("void at::native::index_elementwise_kernel<128, 4, gpu_index_kernel>") == "routing"
+    assert bench.kernel_class("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>") == "routing"
+    assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>") == \
+        "cast/copy"
+    assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>") == "other"

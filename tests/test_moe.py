@@ -95,6 +95,163 @@ def test_grouped_mm_matches_the_loop():
     assert torch.allclose(got.float(), ref, atol=3e-2, rtol=3e-2), (got.float() - ref).abs().max()
 
 
+def _main_grad_experts_against_autograd(device):
+    """Two micro-batches through GroupedSwiGLUMainGrad (BF16 copies, gradients added into FP32 main_grad) against
+    autograd through the same torch._grouped_mm calls (gradients cast to FP32 and summed into .grad); one expert
+    gets no rows. Returns the relative errors of the outputs, dx and the two accumulated weight gradients."""
+    from difflm.model.grouped_experts import GroupedSwiGLUMainGrad
+
+    gen = torch.Generator().manual_seed(0)
+    e, d, f = 4, 64, 48
+    w1 = (torch.randn(e, 2 * f, d, generator=gen) * 0.1).to(device)
+    w2 = (torch.randn(e, d, f, generator=gen) * 0.1).to(device)
+    masters = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    for p in masters:
+        p.main_grad = torch.zeros_like(p)
+    ref = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    errors = {}
+    for micro, counts in enumerate(([24, 0, 40, 16], [8, 32, 0, 40])):
+        counts = torch.tensor(counts, device=device)
+        x = torch.randn(int(counts.sum()), d, generator=gen).to(device).bfloat16()
+        dy = torch.randn(x.shape[0], d, generator=gen).to(device).bfloat16()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        w1b, w2b = (p.detach().bfloat16() for p in masters)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        out = GroupedSwiGLUMainGrad.apply(xa, offs, *masters, w1b, w2b)
+        out.backward(dy)
+        want = GroupedExperts._grouped_mm(xb, counts, *ref)
+        want.backward(dy)
+        assert all(p.grad is None for p in masters)  # the gradients went to main_grad only
+
+        def rel(a, b):
+            return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+        errors[f"out{micro}"], errors[f"dx{micro}"] = rel(out, want), rel(xa.grad, xb.grad)
+    errors["dW1"], errors["dW2"] = rel(masters[0].main_grad, ref[0].grad), rel(masters[1].main_grad, ref[1].grad)
+    assert masters[0].main_grad.dtype == torch.float32
+    return errors
+
+
+def test_main_grad_experts_equal_autograd_on_cpu():
+    """The experts' main_grad path (its backward written out: both weight gradients, SwiGLU's derivative, dx) equals
+    autograd through torch._grouped_mm, over two accumulated micro-batches and an empty expert (CPU kernels)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing in this PyTorch")
+    try:
+        torch._grouped_mm(torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(1, 16, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([8], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm does not run on CPU here: {e}")
+    errors = _main_grad_experts_against_autograd(CPU)
+    assert all(v < 1e-2 for v in errors.values()), errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (torch._grouped_mm)")
+def test_main_grad_experts_equal_autograd_on_cuda():
+    """The same on the GPU's grouped GEMM kernels (column-major views for the weight gradients, an empty group)."""
+    errors = _main_grad_experts_against_autograd(torch.device("cuda"))
+    report("moe_main_grad_vs_autograd", **errors)
+    assert all(v < 1e-2 for v in errors.values()), errors
+
+
+def _fp8_experts_against_bf16(device, monkeypatch=None):
+    """One micro-batch through GroupedSwiGLUFP8 and through GroupedSwiGLUMainGrad (BF16) with the same FP32 masters,
+    rows and output gradient, an empty expert and groups not a multiple of 16 included: relative errors of y, dx and
+    both weight gradients (FP8 against BF16)."""
+    from difflm.model import grouped_experts as ge
+
+    if monkeypatch is not None:  # CPU: the FP8 GEMM emulated by dequantising to BF16 (same scales, same layout)
+        def emulated(a, b, scale_a, scale_b, offs):
+            assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride(-2) == 1  # b column-major, as the kernel needs
+            return torch._grouped_mm((a.float() * scale_a[:, None]).bfloat16(),
+                                     (b.float() * scale_b[:, None, :]).bfloat16(), offs=offs)
+        monkeypatch.setattr(ge, "scaled_grouped_mm", emulated)
+    gen = torch.Generator().manual_seed(0)
+    e, d, f = 4, 64, 48
+    w1 = (torch.randn(e, 2 * f, d, generator=gen) * 0.1).to(device)
+    w2 = (torch.randn(e, d, f, generator=gen) * 0.1).to(device)
+    counts = torch.tensor([21, 0, 37, 6], device=device)
+    x = torch.randn(int(counts.sum()), d, generator=gen).to(device).bfloat16()
+    dy = torch.randn(x.shape[0], d, generator=gen).to(device).bfloat16()
+    results = []
+    for fp8 in (True, False):
+        masters = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+        for p in masters:
+            p.main_grad = torch.zeros_like(p)
+        xi = x.clone().requires_grad_()
+        if fp8:
+            y = ge.GroupedSwiGLUFP8.apply(xi, counts, *masters, *ge.fp8_expert_weights(*masters))
+        else:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            y = ge.GroupedSwiGLUMainGrad.apply(xi, offs, *masters, *(p.detach().bfloat16() for p in masters))
+        y.backward(dy)
+        results.append((y, xi.grad, masters[0].main_grad, masters[1].main_grad))
+
+    def rel(a, b):
+        return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+    return {name: rel(a, b) for name, a, b in zip(("y", "dx", "dW1", "dW2"), *results)}
+
+
+def test_fp8_experts_pad_groups_and_track_bf16_on_cpu(monkeypatch):
+    """The FP8 experts' padding, scales and backward (the FP8 GEMM emulated on CPU): groups padded to multiples of 16
+    without a host sync, every row back in place, and values within FP8's error of the BF16 path."""
+    from difflm.model.grouped_experts import fp8_rows, padded_groups
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing in this PyTorch")
+    dest, offs, total = padded_groups(torch.tensor([21, 0, 37, 6]), 64)
+    assert total == 128 and offs.tolist() == [32, 32, 80, 128]  # 21 -> 32, 0, 37 -> 48; the last takes the slack
+    assert dest.tolist() == list(range(21)) + list(range(32, 69)) + list(range(80, 86))
+    t = torch.randn(5, 64)
+    q, scale = fp8_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5,)
+    assert torch.allclose(q.float().abs().amax(-1), torch.full((5,), 448.0))  # each row's largest value at FP8's max
+    assert float(((q.float() * scale[:, None] - t).norm() / t.norm())) < 0.05
+    errors = _fp8_experts_against_bf16(CPU, monkeypatch)
+    assert all(v < 0.1 for v in errors.values()), errors  # E4M3 keeps 3 mantissa bits: ~5 % measured
+    assert all(v > 1e-4 for v in errors.values()), errors  # FP8 really ran (not the BF16 path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (torch._scaled_grouped_mm)")
+def test_fp8_experts_track_bf16_on_cuda():
+    """The FP8 expert GEMMs (torch._scaled_grouped_mm, row-wise scales) against the BF16 grouped GEMMs on the GPU:
+    outputs, input gradients and both weight gradients within FP8's error."""
+    from difflm.model.grouped_experts import fp8_grouped_mm_supported
+
+    if not fp8_grouped_mm_supported(torch.zeros(1, device="cuda")):
+        pytest.skip("no FP8 grouped GEMM on this GPU (compute capability 9.0+)")
+    errors = _fp8_experts_against_bf16(torch.device("cuda"))
+    report("moe_fp8_experts_vs_bf16", **errors)
+    assert all(v < 0.1 for v in errors.values()), errors
+
+
+def test_te_kernel_set_accumulates_expert_grads_in_main_grad(fake_te):
+    """Under the TE kernel set (one process, model.fuse_wgrad_accumulation) the experts' weights accumulate in FP32
+    main_grad like the TE modules', so the grouped GEMMs can add into it; the torch set leaves them to autograd.
+    Two micro-batches on CPU give the gradients of the torch set's model summed over both."""
+    from difflm.model import Transformer, resolve_model_config
+    from difflm.model.te_kernels import TEKernels, torch_to_te_state_dict
+
+    cfg = compose_run(["model=moe-tiny"]).model
+    resolve_model_config(cfg, 128)
+    ref = Transformer(cfg)
+    ref.init_weights(3)
+    te_model = Transformer(cfg, kernels=TEKernels(cfg, device="cpu"))
+    te_model.load_state_dict(torch_to_te_state_dict(ref.state_dict(), cfg))
+    experts = te_model.layers[0].mlp.experts
+    assert getattr(experts, "main_grad_weight_names", ()) == ("fc1_weight", "fc2_weight")
+    assert getattr(ref.layers[0].mlp.experts, "main_grad_weight_names", ()) == ()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 16), generator=gen)
+        te_model.train()(x).float().square().mean().backward()
+        ref.train()(x).float().square().mean().backward()
+    w = experts.fc1_weight
+    assert w.grad is w.main_grad and w.accumulates_in_main_grad
+    torch.testing.assert_close(w.main_grad, ref.layers[0].mlp.experts.fc1_weight.grad, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (torch._grouped_mm)")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_cuda_expert_kernels_match_the_loop(precision):

@@ -54,6 +54,9 @@ class MoEConfig:
     # the gating weights are the chosen (scores + bias), not the scores alone: LLaDA-MoE's expert_bias (its
     # OLMoE-style block adds the bias to the softmax probabilities before top-k and keeps it in the weights)
     bias_in_weights: bool = False
+    # with precision=fp8, the routed experts' forward and input-gradient GEMMs in FP8 (row-wise scales, through
+    # torch._scaled_grouped_mm; weight gradients BF16); false: the experts run BF16 inside the FP8 region
+    fp8_experts: bool = False
 
 
 @dataclass

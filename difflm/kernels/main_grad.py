@@ -113,15 +113,25 @@ def weights_cast_once_per_step(owner, weights, dtype: torch.dtype) -> tuple:
     one copy per weight (half the FP32 size in BF16) between steps."""
     if not torch.is_grad_enabled() or not all(getattr(w, "accumulates_in_main_grad", False) for w in weights):
         return tuple(w.to(dtype) for w in weights)
-    key = (_optimizer_steps(), tuple((w._version, w.data_ptr(), w.device) for w in weights), dtype)
+    return converted_once_per_step(owner, weights, dtype, lambda ws: tuple(w.detach().to(dtype) for w in ws))
+
+
+def converted_once_per_step(owner, weights, tag, convert) -> tuple:
+    """``convert(weights)`` (a tuple of tensors derived from the FP32 masters ``weights``: their BF16 copies, FP8
+    copies with scales), computed once and kept on ``owner`` until the weights may have changed (an optimizer step,
+    an in-place write, new storage) or ``tag`` differs. For forwards that record gradients of weights whose
+    gradients accumulate in ``main_grad`` (:func:`accumulate_into_grad`): the caller checks that; see
+    :func:`weights_cast_once_per_step`. The cache holds one result per owner."""
+    key = (_optimizer_steps(), tuple((w._version, w.data_ptr(), w.device) for w in weights), tag)
     cached = getattr(owner, "_cast_weights", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    owner._cast_weights = None  # release the stale copies before casting the new ones
-    cast = tuple(w.detach().to(dtype) for w in weights)
-    owner._cast_weights = (key, cast)
-    return cast
+    owner._cast_weights = None  # release the stale copies before converting the new ones
+    with torch.no_grad():
+        result = tuple(convert(weights))
+    owner._cast_weights = (key, result)
+    return result
 
 
-__all__ = ["MAIN_GRAD_NAMES", "accumulate_into_grad", "attach_main_grads", "main_grad_weights",
+__all__ = ["MAIN_GRAD_NAMES", "accumulate_into_grad", "attach_main_grads", "converted_once_per_step", "main_grad_weights",
            "weights_cast_once_per_step", "weights_changed_since_cast"]

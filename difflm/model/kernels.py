@@ -70,6 +70,12 @@ class TorchKernels:
         with torch.device(self.device):
             return LayerNormMLP(hidden, ffn, eps)
 
+    def accumulate_weight_grads(self, module: nn.Module, *names: str) -> nn.Module:
+        """``module`` (built outside the kernel set: the MoE experts) with the weights ``names`` given the kernel set's
+        weight-gradient handling. The torch set leaves the gradients to autograd and returns ``module`` as it is; the
+        TE set accumulates them in FP32 ``main_grad`` where it does for its own modules."""
+        return module
+
     def norm(self, dim: int, *, eps: float, residual: bool = False) -> nn.Module:
         """RMSNorm over the last ``dim`` features; ``residual``: it normalises the residual stream (final norm)."""
         with torch.device(self.device):

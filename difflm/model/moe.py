@@ -17,8 +17,9 @@ pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f``
     mlp.shared.fc2_weight     [d, f_s]
 
 Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+) under
-either kernel set and every precision (under ``precision=fp8`` the experts stay BF16), and a loop over experts
-elsewhere (CPU, the reference for tests). Transformer Engine's ``te.GroupedLinear`` is not used: fed the stacked
+either kernel set and every precision (under ``precision=fp8`` the experts stay BF16 unless
+``model.moe.fp8_experts``; with FP32 ``main_grad`` accumulation the BF16 / FP8 kernels of
+:mod:`difflm.model.grouped_experts`), and a loop over experts elsewhere (CPU, the reference for tests). Transformer Engine's ``te.GroupedLinear`` is not used: fed the stacked
 expert weights, its FP8 backward returned zero weight gradients on an H200 (TE 2.20.2, tests/test_moe.py's CUDA
 test), and its per-expert splits are a host list (one sync per layer). All three hold the same two stacked parameters.
 
@@ -42,7 +43,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from difflm.kernels.main_grad import converted_once_per_step, weights_cast_once_per_step
+from difflm.model.grouped_experts import (
+    GroupedSwiGLUFP8,
+    GroupedSwiGLUMainGrad,
+    fp8_expert_weights,
+    fp8_grouped_mm_supported,
+    swiglu as _swiglu,
+)
 from difflm.model.layers import rms_norm
+from difflm.training.precision import fp8_is_active
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -225,11 +235,6 @@ class TopKRouter(nn.Module):
 
 
 # ------------------------------------------------------------------ experts
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -247,23 +252,41 @@ class GroupedExperts(nn.Module):
     Args:
         num_experts: experts held here (all of them; :mod:`difflm.parallel.expert_parallel` shards dim 0).
         hidden, ffn: d and f.
+        fp8: ``model.moe.fp8_experts``: inside an FP8 region, the FP8 grouped GEMMs below.
     Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
     Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
         (local) expert -> [R, d].
-    Kernels (the same under both kernel sets): ``torch._grouped_mm`` where :func:`grouped_mm_supported` (BF16 on sm90+, no host
-    sync), else a loop over experts (the CPU reference).
+    Kernels (the same under both kernel sets), where :func:`grouped_mm_supported` (BF16 on sm90+, no host sync):
+    in training forwards whose weights accumulate in FP32 ``main_grad`` (the TE kernel set on one GPU), BF16 weight
+    copies cast once per step and gradients added into ``main_grad``, or with ``fp8`` in an FP8 region the FP8
+    forward and input-gradient GEMMs (:mod:`difflm.model.grouped_experts`); otherwise autograd through
+    ``torch._grouped_mm``. Elsewhere a loop over experts (the CPU reference).
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, fp8: bool = False):
         super().__init__()
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.fp8 = fp8
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)  # [E_local, 2f, d], [E_local, d, f]
         if grouped_mm_supported(x):
+            masters = (self.fc1_weight, self.fc2_weight)
+            if torch.is_grad_enabled() and all(getattr(w, "accumulates_in_main_grad", False) for w in masters):
+                return self._main_grad(x, counts, masters).to(_compute_dtype(x))
             return self._grouped_mm(x, counts, w1, w2).to(_compute_dtype(x))
         return self._loop(x, counts.tolist(), w1, w2)
+
+    def _main_grad(self, x: torch.Tensor, counts: torch.Tensor, masters) -> torch.Tensor:
+        """Training forward with the weight gradients into FP32 ``main_grad`` (:mod:`difflm.model.grouped_experts`):
+        FP8 when ``fp8`` is set, an FP8 region is active and the GPU has the FP8 grouped GEMM, else BF16."""
+        if self.fp8 and fp8_is_active() and fp8_grouped_mm_supported(x):
+            fp8 = converted_once_per_step(self, masters, "fp8", lambda ws: fp8_expert_weights(*ws))
+            return GroupedSwiGLUFP8.apply(x.bfloat16(), counts, *masters, *fp8)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        w1b, w2b = weights_cast_once_per_step(self, masters, torch.bfloat16)
+        return GroupedSwiGLUMainGrad.apply(x.bfloat16(), offs, *masters, w1b, w2b)
 
     @staticmethod
     def _grouped_mm(x, counts: torch.Tensor, w1, w2) -> torch.Tensor:
@@ -391,7 +414,7 @@ class MoEMLP(nn.Module):
                                  n_group=int(_key(moe, "n_group", 1)), topk_group=int(_key(moe, "topk_group", 1)),
                                  routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)),
                                  bias_in_weights=bool(_key(moe, "bias_in_weights", False)))
-        self.experts = GroupedExperts(self.num_experts, d, f)
+        self.experts = GroupedExperts(self.num_experts, d, f, fp8=bool(_key(moe, "fp8_experts", False)))
         f_s = shared_ffn_size(cfg)
         self.shared = SharedExperts(d, f_s) if f_s > 0 else None
         self.dispatcher = LocalDispatcher()

@@ -201,11 +201,14 @@ class TEKernels(TorchKernels):
         args = dict(tp_group=self.tp_group, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel)
         return dict(args, parallel_mode=mode if self.tp_group is not None else None)
 
-    def _wgrad(self, module, *names):
-        """``module`` with its weight gradients accumulated in FP32 in place (see ``fuse_wgrad_accumulation``)."""
+    def accumulate_weight_grads(self, module, *names):
+        """``module`` with the gradients of its weights ``names`` accumulated in FP32 in place (see
+        ``fuse_wgrad_accumulation``): this set's own modules, and the MoE experts (whose grouped GEMMs then add into
+        ``main_grad``: :class:`difflm.model.moe.GroupedSwiGLUMainGrad`)."""
         if self.fuse_wgrad:
             accumulate_into_grad(module, names)
         return module
+
 
     # ------------------------------------------------------------------ slots
     def norm_linear(self, in_features, out_features, *, eps, bias=False):
@@ -214,13 +217,13 @@ class TEKernels(TorchKernels):
 
             module = ResidualNormLinear(in_features, out_features, eps,
                                         autotune=getattr(self.cfg, "fused_mlp_autotune", False), device=self.device)
-            return self._wgrad(module, "weight")
-        return self._wgrad(self.te.LayerNormLinear(
+            return self.accumulate_weight_grads(module, "weight")
+        return self.accumulate_weight_grads(self.te.LayerNormLinear(
             in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm", device=self.device,
             fuse_wgrad_accumulation=self.fuse_wgrad, **self._tp("column"), **self.ub.get("qkv", {})), "weight")
 
     def linear(self, in_features, out_features):
-        return self._wgrad(self.te.Linear(
+        return self.accumulate_weight_grads(self.te.Linear(
             in_features, out_features, bias=False, device=self.device, fuse_wgrad_accumulation=self.fuse_wgrad,
             **self._tp("row"), **self.ub.get("proj", {})), "weight")
 
@@ -230,8 +233,8 @@ class TEKernels(TorchKernels):
 
             mlp = ResidualNormMLP(hidden, ffn, eps, autotune=getattr(self.cfg, "fused_mlp_autotune", False),
                                   device=self.device)
-            return self._wgrad(mlp, "fc1_weight", "fc2_weight")
-        return self._wgrad(self.te.LayerNormMLP(
+            return self.accumulate_weight_grads(mlp, "fc1_weight", "fc2_weight")
+        return self.accumulate_weight_grads(self.te.LayerNormMLP(
             hidden, ffn, eps=eps, bias=False, normalization="RMSNorm", activation="swiglu", tp_group=self.tp_group,
             tp_size=self.tp_size, set_parallel_mode=self.tp_group is not None, sequence_parallel=self.sequence_parallel,
             device=self.device, fuse_wgrad_accumulation=self.fuse_wgrad, **self.ub.get("mlp", {})),
@@ -248,7 +251,7 @@ class TEKernels(TorchKernels):
             return super().embedding(vocab, hidden)
         from difflm.kernels.embedding import Embedding
 
-        return self._wgrad(Embedding(vocab, hidden, device=self.device), "weight")
+        return self.accumulate_weight_grads(Embedding(vocab, hidden, device=self.device), "weight")
 
     def lm_head(self, hidden, vocab):
         """A plain torch head (kept in BF16 under FP8, as Megatron-LM's); under TP this rank's rows of a vocab-parallel

@@ -109,6 +109,7 @@ class Block(nn.Module):
         if is_moe_layer(cfg, layer_number - 1):  # mixture of experts past model.moe.first_k_dense (difflm.model.moe)
             with torch.device(kernels.device):
                 self.mlp = MoEMLP(cfg)  # the same torch modules under both kernel sets
+            kernels.accumulate_weight_grads(self.mlp.experts, "fc1_weight", "fc2_weight")
         else:
             self.mlp = kernels.norm_mlp(cfg.hidden_size, cfg.ffn_hidden_size, eps=cfg.norm_eps)
 
