@@ -2,8 +2,9 @@
 """The planner against measured runs: ``difflm-plan``'s per-GPU peak memory and step time beside the real
 ``torch.cuda.max_memory_allocated`` and step time of ``difflm-train``'s Trainer, row by row, on the GPU at hand.
 
-    python scripts/plan_check.py                         # the default rows (125m to 8b; BF16 / FP8; checkpointing on
-                                                         # and off; mdlm and bd3lm; MoE), one process each
+    python scripts/plan_check.py                         # the default rows (125m to 8b on the torch kernels,
+                                                         # checkpointing on and off, mdlm and bd3lm, MoE; 1.7B on
+                                                         # TE's: FP8, and BF16 with FA4 + quack), one process each
     python scripts/plan_check.py --row "NAME: overrides" --steps 8 --calibration h200.json --json plan_check.json
 
 Each row trains ``--steps`` optimizer steps of the Trainer (embedded corpus, no evaluation or checkpoint) in a process
@@ -28,20 +29,27 @@ from difflm import strict_json
 
 COMMON = ["logger.progress_bar=false", "logger.num_samples=0", "train.eval_every=0", "train.save_every=0",
           "data.valid_fraction=0", "logger.log_every=1"]
+TORCH = "model.backend=torch model.attention_backend=sdpa"  # model.*=auto would pick TE's kernels on a GPU with TE
 ROWS = [
-    "125m-bf16: model=125m precision=bf16 data.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=16",
-    "125m-bf16-ac: model=125m precision=bf16 data.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=16 "
-    "parallel.activation_checkpointing=full",
-    "350m-bf16-bd3lm: model=350m precision=bf16 objective=bd3lm data.seq_len=1024 train.global_batch_size=32 "
-    "train.micro_batch_size=8",
-    "1.7b-bf16: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=4",
-    "1.7b-bf16-ac: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=8 "
-    "parallel.activation_checkpointing=full",
-    "moe-1b-7b-bf16: model=moe-1b-7b precision=bf16 data.seq_len=2048 train.global_batch_size=8 train.micro_batch_size=4",
-    "8b-bf16-ac: model=8b precision=bf16 data.seq_len=2048 train.global_batch_size=2 train.micro_batch_size=1 "
-    "parallel.activation_checkpointing=full",
-    "1.7b-fp8-te: model=1.7b precision=fp8 model.backend=te data.seq_len=4096 train.global_batch_size=8 "
-    "train.micro_batch_size=4",
+    f"125m-bf16: model=125m precision=bf16 data.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=16 "
+    f"{TORCH}",
+    f"125m-bf16-ac: model=125m precision=bf16 data.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=16 "
+    f"parallel.activation_checkpointing=full {TORCH}",
+    f"350m-bf16-bd3lm: model=350m precision=bf16 objective=bd3lm data.seq_len=1024 train.global_batch_size=32 "
+    f"train.micro_batch_size=8 {TORCH}",
+    f"1.7b-bf16: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=4 "
+    f"{TORCH}",
+    f"1.7b-bf16-ac: model=1.7b precision=bf16 data.seq_len=4096 train.global_batch_size=8 train.micro_batch_size=8 "
+    f"parallel.activation_checkpointing=full {TORCH}",
+    f"moe-1b-7b-bf16: model=moe-1b-7b precision=bf16 data.seq_len=2048 train.global_batch_size=8 "
+    f"train.micro_batch_size=4 {TORCH}",
+    f"8b-bf16-ac: model=8b precision=bf16 data.seq_len=2048 train.global_batch_size=2 train.micro_batch_size=1 "
+    f"parallel.activation_checkpointing=full {TORCH}",
+    "1.7b-fp8-te: model=1.7b precision=fp8 model.backend=te model.attention_backend=te data.seq_len=4096 "
+    "train.global_batch_size=8 train.micro_batch_size=4",
+    # the benchmark's fastest BF16 kernels (autotuning off here: the tiles change the time, not the saved tensors)
+    "1.7b-bf16-te-fused: model=1.7b precision=bf16 model.backend=te model.attention_backend=flash model.fused_mlp=true "
+    "model.fused_mlp_autotune=false data.seq_len=4096 train.global_batch_size=16 train.micro_batch_size=4",
 ]
 
 
@@ -76,11 +84,17 @@ def predict(overrides: list[str], calibration: str | None) -> dict:
     cfg = compose_train_config([*COMMON, *overrides])
     cfg.model.vocab_size = vocab_size(cfg)
     cfg.model.head_dim = cfg.model.head_dim or int(cfg.model.hidden_size) // int(cfg.model.num_heads)
+    import torch
+
+    if torch.cuda.is_available():  # model.*=auto as the measured run resolves it here (else: difflm.plan.activations)
+        from difflm.model.auto_kernels import choose_kernels
+
+        choose_kernels(cfg, torch.device("cuda"))
     rates = Rates.from_json(calibration) if calibration else default_rates("H200")
     cand = evaluate(cfg, model_params(cfg.model, int(cfg.model.vocab_size)), active_params(cfg), layout_of(cfg, 1),
                     rates)
     return {"peak_bytes": cand.memory.total, "step_s": cand.step.seconds, "parts": cand.memory.parts,
-            "phase": cand.memory.phase}
+            "phase": cand.memory.phase, "kernels": cand.memory.kernels}
 
 
 def trace(overrides: list[str]) -> dict:

@@ -26,7 +26,8 @@ what ran) together with :attr:`KernelChoice.line` in ``model.auto_reason``; the 
 prints first.
 
 The probes (:func:`te_import_error`, :func:`fa4_installed`, :func:`quack_reason`) are module-level so tests can
-pretend any installation.
+pretend any installation; ``choose_kernels(..., installed=...)`` answers them for a machine that is not this one
+(:data:`FULL_INSTALL`: what ``difflm-plan`` assumes of the GPU it plans for).
 """
 from __future__ import annotations
 
@@ -62,6 +63,20 @@ def quack_reason(device: torch.device) -> Optional[str]:
     from difflm.kernels.quack_mlp import quack_unavailable_reason
 
     return quack_unavailable_reason(device)
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The probes' answers for a machine other than this one: ``te_error`` (:func:`te_import_error`, None: Transformer
+    Engine imports), ``fa4`` (:func:`fa4_installed`), ``quack_error`` (:func:`quack_reason`, None: quack runs)."""
+
+    te_error: Optional[str] = None
+    fa4: bool = True
+    quack_error: Optional[str] = None
+
+
+# a Hopper or Blackwell GPU with difflm's te, flash and quack extras installed (pyproject.toml)
+FULL_INSTALL = Installed()
 
 
 @dataclass
@@ -100,7 +115,8 @@ def _flag(value, key: str) -> bool:
     raise DifflmError(f"model.{key}={value!r} is not one of: auto, true, false")
 
 
-def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only: bool = False) -> KernelChoice:
+def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only: bool = False,
+                   installed: Optional[Installed] = None) -> KernelChoice:
     """Resolve the ``auto`` values of ``cfg.model`` (see the module docstring) for a run on ``device``, in place.
 
     Args:
@@ -109,6 +125,8 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
         world_size: processes of the run (unused by the rules today; the layout comes from ``parallel``).
         forward_only: sampling and evaluation (``difflm-generate``, ``difflm-eval``): attention through SDPA, which
             takes the dense masks of padded prompts and cached blocks.
+        installed: the probes' answers for another machine (:class:`Installed`; ``difflm-plan`` passes
+            :data:`FULL_INSTALL` with a CUDA ``device``); None: probe this one.
     Returns: the :class:`KernelChoice`; ``cfg.model`` then holds concrete values and ``model.auto_reason`` its line
         (unchanged when nothing was ``auto``; calling again is a no-op).
     Raises: DifflmError for ``precision=fp8`` when Transformer Engine, the only FP8 path, cannot be imported, and for a
@@ -131,7 +149,7 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     # --- model.backend
     backend = m.backend
     if is_auto(backend):
-        te_error = te_import_error() if cuda else None
+        te_error = (te_import_error() if installed is None else installed.te_error) if cuda else None
         if not cuda:
             backend, why = "torch", f"{device.type}: Transformer Engine runs CUDA kernels only"
         elif m.get("compile", False):
@@ -154,7 +172,8 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     # --- model.attention_backend
     attention = m.attention_backend
     if is_auto(attention):
-        attention, why = _attention(backend, cuda, precision, o.name, cp, fp8_attention, device, forward_only)
+        attention, why = _attention(backend, cuda, precision, o.name, cp, fp8_attention, device, forward_only,
+                                    installed)
         m.attention_backend = attention
         choice.why["attention_backend"] = why
     choice.values["attention_backend"] = attention
@@ -163,7 +182,7 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     fused = m.get("fused_mlp", False)
     if is_auto(fused):
         fused, why = _fused_mlp(backend, cuda, precision, experts, tp, bool(t.get("cuda_graphs", False)), device,
-                                lora)
+                                lora, installed)
         choice.why["fused_mlp"] = why
     else:
         fused = _flag(fused, "fused_mlp")
@@ -191,7 +210,8 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
 
 
 def _attention(backend: str, cuda: bool, precision: str, objective: str, cp: int, fp8_attention: bool,
-               device: torch.device, forward_only: bool = False) -> tuple[str, str]:
+               device: torch.device, forward_only: bool = False,
+               installed: Optional[Installed] = None) -> tuple[str, str]:
     """(attention backend, reason) for ``model.attention_backend=auto``."""
     if not cuda:
         return "sdpa", f"{device.type}: PyTorch's SDPA"
@@ -204,7 +224,7 @@ def _attention(backend: str, cuda: bool, precision: str, objective: str, cp: int
         return "te", "precision=fp8: TE's attention (FP8 with precision.fp8_attention)"
     if objective == "bd3lm":
         return "sdpa", "objective=bd3lm needs the block-diffusion mask, which FlashAttention and TE do not take"
-    if precision in ("bf16", "fp16") and fa4_installed():
+    if precision in ("bf16", "fp16") and (fa4_installed() if installed is None else installed.fa4):
         return "flash", f"FlashAttention 4 imports, {precision}, no mask it cannot take"
     missing = "FlashAttention 4 not installed" if precision in ("bf16", "fp16") else f"precision={precision}"
     if backend == "te":
@@ -213,7 +233,7 @@ def _attention(backend: str, cuda: bool, precision: str, objective: str, cp: int
 
 
 def _fused_mlp(backend: str, cuda: bool, precision: str, experts: int, tp: int, cuda_graphs: bool,
-               device: torch.device, lora: bool = False) -> tuple[bool, str]:
+               device: torch.device, lora: bool = False, installed: Optional[Installed] = None) -> tuple[bool, str]:
     """(fused MLP on, reason) for ``model.fused_mlp=auto``."""
     if not cuda:
         return False, f"{device.type}: quack runs CUDA kernels only"
@@ -229,7 +249,7 @@ def _fused_mlp(backend: str, cuda: bool, precision: str, experts: int, tp: int, 
         return False, "parallel.tp>1 (TE's LayerNormMLP splits over TP)"
     if cuda_graphs:
         return False, "train.cuda_graphs=true graphs TE's own modules"
-    reason = quack_reason(device)
+    reason = quack_reason(device) if installed is None else installed.quack_error
     if reason is not None:
         return False, "quack cannot run here"
     return True, "quack on a Hopper/Blackwell GPU, BF16, dense"
@@ -254,4 +274,5 @@ def cpu_kernels(model_cfg):
     return out
 
 
-__all__ = ["AUTO", "CPU_CHOICE", "KEYS", "KernelChoice", "choose_kernels", "cpu_kernels", "is_auto", "unresolved"]
+__all__ = ["AUTO", "CPU_CHOICE", "FULL_INSTALL", "KEYS", "Installed", "KernelChoice", "choose_kernels", "cpu_kernels",
+           "is_auto", "unresolved"]

@@ -3,6 +3,7 @@ search over layouts, from the same composed config as ``difflm-train`` and a cal
 
 * :mod:`difflm.plan.shapes`: the model's parameters (names, shapes) and how each layout places them;
 * :mod:`difflm.plan.memory`: bytes per GPU by part (parameters, gradients, optimizer, activations, logits, buffers);
+* :mod:`difflm.plan.activations`: the bytes a block saves for its backward under the run's kernel set (torch, TE);
 * :mod:`difflm.plan.rates`: the GPU's rates (GEMM, attention, HBM, collectives) from a calibration file;
 * :mod:`difflm.plan.step_time`: compute and exposed communication of one optimizer step;
 * :mod:`difflm.plan.trace`: the peak memory of a real step traced under fake tensors, the memory model's reference;

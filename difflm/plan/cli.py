@@ -8,7 +8,9 @@
 
 The overrides are ``difflm-train``'s (the same config tree, composed and checked the same way); ``parallel.*``
 gives the layout, ``-1`` filling the GPUs left (``parallel=fsdp``). ``--search`` ignores ``parallel`` and
-``train.micro_batch_size`` and ranks every layout that fits (:mod:`difflm.plan.search`).
+``train.micro_batch_size`` and ranks every layout that fits (:mod:`difflm.plan.search`). ``model.*=auto`` kernels
+are planned as they resolve on a CUDA GPU with the te, flash and quack extras installed
+(:mod:`difflm.plan.activations`); the plan prints the kernel set it counted.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def render(cand, rates: Rates, gpus: int) -> str:
     lay, mem, step = cand.layout, cand.memory, cand.step
     lines = [f"layout {lay.name()} on {gpus} x {rates.gpu}: micro-batch {lay.micro_batch} x {cand.n_micro} "
              f"accumulation steps, activation checkpointing {lay.activation_checkpointing}",
+             f"kernels: {mem.kernels}",
              f"memory per GPU (GiB, the most loaded rank, at the {mem.phase}):"]
     lines += [f"  {k:<12} {v / GIB:9.2f}" for k, v in mem.parts.items()]
     fits = "fits" if mem.total <= (rates.memory_gib - rates.reserve_gib) * GIB else "DOES NOT FIT"
@@ -104,6 +107,14 @@ def _run(args, overrides: list[str]) -> int:
         return 0
     params = model_params(cfg.model, int(cfg.model.vocab_size))
     n_active = active_params(cfg)
+    from difflm.model.auto_kernels import unresolved
+
+    still = unresolved(cfg)
+    if still:  # the plan prints the kernel set it counted (render's "kernels:" line)
+        torch_hint = "; model.backend=torch model.attention_backend=sdpa plans the torch kernels"
+        hint = torch_hint if "model.backend" in still else ""
+        print(f"{', '.join(k + '=auto' for k in still)} planned as chosen on a CUDA GPU with difflm's te, flash and "
+              f"quack extras installed (difflm.plan.activations){hint}")
     from difflm.training.auto_batch import choose_micro_batch, is_auto
 
     if is_auto(cfg) and not args.search:  # the size difflm-train would plan on this GPU (its whole memory free)

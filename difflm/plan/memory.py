@@ -14,9 +14,12 @@ scaled by the calibration's ``activation_scale``):
   key/value widths, ``f`` the MLP width (MoE: ``top_k x`` the expert width plus the shared experts): the norms' FP32
   inputs, the GEMMs' inputs in the compute dtype, the QKV output and its dense heads, the attention output, and
   the MLP's ``2 f`` wide first GEMM output with its SiLU and product (checked against the traced step,
-  :mod:`difflm.plan.trace`). Under sequence parallelism every term but the attention's is divided by ``tp``; the attention's is divided by ``tp`` always
-  (heads), and everything by ``cp``. ``activation_checkpointing=full`` keeps the block input (``r h``) per block plus
-  one block's activations; ``selective`` (every 2nd block) keeps half the blocks whole.
+  :mod:`difflm.plan.trace`). Under sequence parallelism every term but the attention's is divided by ``tp``; the
+  attention's is divided by ``tp`` always (heads), and everything by ``cp``. That is the torch kernel set's count;
+  Transformer Engine's (``model.backend=te``: a residual stream in the compute dtype, fewer saved tensors, FP8
+  copies under ``precision=fp8``) is written from its modules in :mod:`difflm.plan.activations`, which also says
+  how ``model.*=auto`` is planned. ``activation_checkpointing=full`` keeps the block input (``r h``; ``a h`` under
+  TE) per block plus one block's activations; ``selective`` (every 2nd block) keeps half the blocks whole.
 * in-flight micro-batches: 1 without pipelining; the first stage of 1F1B holds ``pp`` (GPipe: all of them);
 * the logits of the loss rows (the LM head runs at masked positions only), planned for the micro-batch with the
   most of them (:func:`peak_loss_fraction`; all positions for ``ar``): with TE's fused cross-entropy the logits,
@@ -36,7 +39,10 @@ backward only under gradient accumulation or pipelining.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from difflm.plan.activations import KernelSet, block_bytes_per_token, kernel_set, residual_bytes, torch_bytes_per_token
+from difflm.plan.activations import mlp_width  # noqa: F401  (also read from here: difflm.plan.step_time)
 from difflm.plan.shapes import Param, local_numel, stage_of
 
 GIB = 1024 ** 3
@@ -81,11 +87,13 @@ class Layout:
 
 @dataclass
 class MemoryPlan:
-    """Predicted bytes on the most loaded GPU, by part (``parts``) at the peak, their sum (``total``), and the
-    ``phase`` of the step the peak falls in (``loss``, ``checkpointed forward`` or ``backward end``)."""
+    """Predicted bytes on the most loaded GPU, by part (``parts``) at the peak, their sum (``total``), the
+    ``phase`` of the step the peak falls in (``loss``, ``checkpointed forward`` or ``backward end``), and the kernel
+    set whose saved tensors were counted (``kernels``, :meth:`difflm.plan.activations.KernelSet.describe`)."""
 
     parts: dict[str, float] = field(default_factory=dict)
     phase: str = ""
+    kernels: str = ""
 
     @property
     def total(self) -> float:
@@ -117,25 +125,12 @@ def persistent_bytes(params: list[Param], layout: Layout, num_layers: int) -> li
     return out
 
 
-def mlp_width(model_cfg) -> int:
-    """Per-token MLP width: the dense ``ffn_hidden_size``, or for MoE ``top_k`` experts plus the shared ones."""
-    moe = model_cfg.moe
-    if int(moe.num_experts) > 0:
-        width = int(moe.ffn_hidden_size) or int(model_cfg.ffn_hidden_size)
-        return int(moe.top_k) * width + int(moe.num_shared_experts) * width
-    return int(model_cfg.ffn_hidden_size)
-
-
 def activation_bytes_per_token(model_cfg, layout: Layout, act_bytes: int) -> float:
-    """Bytes one block saves for its backward per token of the full sequence (module docstring's formula)."""
-    h = int(model_cfg.hidden_size)
-    hd = int(model_cfg.head_dim or h // int(model_cfg.num_heads))
-    q, kv = int(model_cfg.num_heads) * hd, int(model_cfg.num_kv_heads) * hd
-    f = mlp_width(model_cfg)
-    r, a = 4, act_bytes
-    attention = a * (2 * (q + 2 * kv) + q) / layout.tp
-    rest = (2 * r * h + 2 * a * h + 4 * a * f) / (layout.tp if layout.sequence_parallel and layout.tp > 1 else 1)
-    return (attention + rest) / layout.cp
+    """Bytes one block of the torch kernel set saves for its backward per token of the full sequence (module
+    docstring's formula; :func:`difflm.plan.activations.torch_bytes_per_token`). The step-time model reads it as the
+    block's activation traffic whatever the kernel set; the memory plan counts the run's own set
+    (:func:`difflm.plan.activations.block_bytes_per_token`)."""
+    return torch_bytes_per_token(model_cfg, layout, act_bytes)
 
 
 def in_flight(layout: Layout, n_micro: int) -> int:
@@ -183,7 +178,8 @@ def peak_loss_fraction(objective_cfg, micro_batch: int, global_batch: int, seq_l
     return eps + (1.0 - eps) * mean_t
 
 
-def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activation_scale: float = 1.0) -> MemoryPlan:
+def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activation_scale: float = 1.0,
+                kernels: Optional[KernelSet] = None) -> MemoryPlan:
     """Predicted bytes on the most loaded GPU of ``layout`` for the run ``cfg`` (the composed train config).
 
     The transient parts do not all peak together (module docstring): the plan is the largest of the loss phase (the
@@ -196,6 +192,8 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
         params: :func:`difflm.plan.shapes.model_params` of ``cfg.model``.
         n_micro: micro-batches per optimizer step and data-parallel rank (gradient accumulation steps).
         activation_scale: the calibration's factor on the activation model (1.0 uncalibrated).
+        kernels: the run's kernel set under ``layout``, whose saved tensors are counted (default:
+            :func:`difflm.plan.activations.kernel_set`, which plans ``model.*=auto`` as on a fully installed GPU).
     Returns: the :class:`MemoryPlan` of the stage with the largest total, its ``phase`` naming the peak.
     """
     m = cfg.model
@@ -208,9 +206,10 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
     persistent = persistent_bytes(params, layout, num_layers)
     layers_per_stage = [len(x) for x in _split(num_layers, layout.pp)]
     tokens = layout.micro_batch * seq
-    per_token = activation_bytes_per_token(m, layout, act_bytes) * activation_scale
+    kernels = kernels or kernel_set(cfg, layout)
+    per_token = block_bytes_per_token(m, kernels, layout, act_bytes) * activation_scale
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    block_input = 4.0 * int(m.hidden_size) / layout.cp / sp
+    block_input = residual_bytes(kernels, act_bytes) * int(m.hidden_size) / layout.cp / sp
     fraction = peak_loss_fraction(cfg.objective, layout.micro_batch * layout.dp,
                                   int(cfg.train.global_batch_size), data_seq)
     best = None
@@ -224,7 +223,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
         logits = 0.0
         if s == layout.pp - 1:
             rows = layout.micro_batch * data_seq / layout.cp * fraction
-            fused = bool(m.get("fused_cross_entropy", True)) and m.get("backend") == "te"
+            fused = bool(m.get("fused_cross_entropy", True)) and kernels.backend == "te"
             # fused: the gradient overwrites the logits; unfused: the logits, the FP32 log-probabilities, their
             # gradient and the FP32 logits' gradient at the log-softmax backward
             logits = rows * vocab / layout.tp * (act_bytes if fused else act_bytes + 12)
@@ -249,7 +248,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
         for phase, (g, act, lg, buf) in phases.items():
             parts = {"parameters": state["parameters"], "gradients": g, "optimizer": state["optimizer"],
                      "activations": act, "logits": lg, "buffers": buf}
-            plan = MemoryPlan(parts, phase)
+            plan = MemoryPlan(parts, phase, kernels.describe())
             if best is None or plan.total > best.total:
                 best = plan
     return best

@@ -10,7 +10,9 @@ when its planned peak leaves the calibration's ``reserve_gib`` of the GPU free.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
+from difflm.plan.activations import KernelSet, kernel_set
 from difflm.plan.memory import Layout, MemoryPlan, plan_memory, stage_params
 from difflm.plan.rates import Rates
 from difflm.plan.step_time import StepPlan, plan_step
@@ -71,18 +73,28 @@ def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
     return out
 
 
-def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates) -> Candidate:
-    """The memory and step plans of one layout."""
+def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates,
+             kernels: Optional[KernelSet] = None) -> Candidate:
+    """The memory and step plans of one layout; ``kernels``: the run's kernel set under it (default:
+    :func:`difflm.plan.activations.kernel_set`)."""
     n_micro = int(cfg.train.global_batch_size) // (layout.dp * layout.micro_batch)
-    memory = plan_memory(cfg, params, layout, n_micro, rates.activation_scale)
-    step = plan_step(cfg, num_params, layout, n_micro, rates, stage_params(params, layout, int(cfg.model.num_layers)))
+    kernels = kernels or kernel_set(cfg, layout)
+    memory = plan_memory(cfg, params, layout, n_micro, rates.activation_scale, kernels)
+    step = plan_step(cfg, num_params, layout, n_micro, rates, stage_params(params, layout, int(cfg.model.num_layers)),
+                     kernels)
     return Candidate(layout, n_micro, memory, step)
 
 
 def search(cfg, params, num_params: int, gpus: int, rates: Rates) -> tuple[list[Candidate], list[Candidate]]:
     """(the candidates that fit, ranked fastest first; all candidates, smallest peak first)."""
     budget = (rates.memory_gib - rates.reserve_gib) * 1024 ** 3
-    every = [evaluate(cfg, params, num_params, lay, rates) for lay in candidates(cfg, gpus, rates)]
+    sets: dict[tuple, KernelSet] = {}  # the kernel set depends on the layout through tp, cp and SP only
+    every = []
+    for lay in candidates(cfg, gpus, rates):
+        key = (lay.tp, lay.cp, lay.sequence_parallel)
+        if key not in sets:
+            sets[key] = kernel_set(cfg, lay)
+        every.append(evaluate(cfg, params, num_params, lay, rates, sets[key]))
     fits = sorted((c for c in every if c.memory.total <= budget), key=lambda c: -c.step.tokens_per_s)
     return fits, sorted(every, key=lambda c: c.memory.total)
 

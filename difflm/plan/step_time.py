@@ -29,7 +29,9 @@ Communication (bytes per GPU at the NCCL bus bandwidth of the group: inside a no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
+from difflm.plan.activations import KernelSet, kernel_set
 from difflm.plan.memory import Layout, activation_bytes_per_token, loss_row_fraction, mlp_width
 from difflm.plan.rates import Rates
 
@@ -64,13 +66,16 @@ def _bw(rates: Rates, group: int, span: int) -> float:
     return (rates.intra_node_gbps if span <= rates.gpus_per_node else rates.inter_node_gbps) * 1e9
 
 
-def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, stage_elems: list[int]) -> StepPlan:
+def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, stage_elems: list[int],
+              kernels: Optional[KernelSet] = None) -> StepPlan:
     """Predicted step of the run ``cfg`` under ``layout`` on GPUs with ``rates``.
 
     Args:
         num_params: the model's parameters without the input embedding (PaLM's N; the active ones for MoE).
         n_micro: micro-batches per step and data-parallel rank.
         stage_elems: local parameter elements per pipeline stage (:func:`difflm.plan.memory.stage_params`).
+        kernels: the run's kernel set (default :func:`difflm.plan.activations.kernel_set`): TE's fused kernels move
+            each activation byte ``membound_passes_te`` times, the torch set's ``membound_passes_torch``.
     """
     from difflm.training.flops import objective_flops_per_token
 
@@ -100,7 +105,8 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     attn_flops = per_gpu_tokens * attn_per_tok * (1 + ac / 3) / layout.tp / layout.pp
     act_bytes = 4 if cfg.precision.name == "fp32" else 2
     per_token = activation_bytes_per_token(m, layout, act_bytes) * layout.cp  # per token of the full sequence
-    passes = rates.membound_passes_te if m.get("backend") == "te" else rates.membound_passes_torch
+    te = (kernels or kernel_set(cfg, layout)).backend == "te"
+    passes = rates.membound_passes_te if te else rates.membound_passes_torch
     membound = tokens_rank * copies * per_token * passes * L / layout.pp / layout.cp + 28.0 * max(stage_elems)
     plan = StepPlan(world=layout.world, tokens_per_step=tokens_rank * layout.dp, flops_per_token=flops_tok,
                     peak_flops=rates.peak_tflops * 1e12)

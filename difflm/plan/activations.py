@@ -1,0 +1,210 @@
+"""Bytes one block saves for its backward, per token, for the kernel set a run uses.
+
+Which modules fill a block's slots (:mod:`difflm.model.kernels`) decides what stays in memory between the forward and
+the backward, so the planner counts each kernel set's saved tensors from its code:
+
+* ``model.backend=torch`` (:func:`torch_bytes_per_token`): the formula of :mod:`difflm.plan.memory`'s docstring
+  (FP32 residual stream, ``q, k, v`` before and after RoPE, four ``f``-wide MLP tensors), checked against the traced
+  step (:mod:`difflm.plan.trace`).
+* ``model.backend=te`` (:func:`te_saved_bytes`): Transformer Engine's modules, or quack's fused ones with
+  ``model.fused_mlp``, with the residual stream in the compute dtype (:meth:`difflm.model.te_kernels.TEKernels.enter`)
+  and, under ``precision=fp8``, FP8 copies of the GEMM inputs in place of BF16 ones. Written from TE 2.20's
+  ``_LayerNormLinear.forward`` / ``_LayerNormMLP._forward`` / ``_linear_forward_impl`` (``transformer_engine/pytorch/
+  module/layernorm_linear.py``, ``layernorm_mlp.py``, ``linear.py``: what they pass to ``prepare_for_saving``), its
+  ``FusedAttnFunc.forward`` (``attention/dot_product_attention/backends.py``), and difflm's own autograd functions
+  (below). The FP8 byte counts are those of the per-tensor recipes (``delayed``, ``current``) on Hopper, where an
+  FP8 GEMM input kept for the weight gradient is stored transposed ("columnwise").
+
+``model.*=auto`` is planned as :func:`difflm.model.auto_kernels.choose_kernels` resolves it on a CUDA GPU with
+difflm's ``te``, ``flash`` and ``quack`` extras installed (:func:`kernel_set`), the machine the shipped rates (H100,
+H200) describe; ``difflm-plan`` prints the set it planned. Give ``model.backend=torch`` (etc.) to plan another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP32, FP8 = 4, 1  # bytes per element: RMSNorm's saved 1/rms and the log-sum-exp; an FP8 copy
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernels that decide a block's saved tensors.
+
+    Attributes:
+        backend: ``torch`` or ``te`` (``model.backend``).
+        attention: ``sdpa``, ``te``, ``flash`` or ``flex`` (``model.attention_backend``).
+        fused_mlp: quack's norm + GEMM modules in the QKV and MLP slots (``model.fused_mlp``, TE kernel set only).
+        fp8: TE's GEMMs in FP8 (``precision=fp8``, TE kernel set only).
+        fp8_recipe: ``precision.fp8_recipe`` (``block`` / ``mxfp8`` keep the SwiGLU output both ways).
+        qkv_flash: attention through :func:`difflm.kernels.qkv_flash.qkv_flash_attention` (FlashAttention 4 reads
+            the value heads in place, so no dense ``v`` is saved).
+    """
+
+    backend: str = "torch"
+    attention: str = "sdpa"
+    fused_mlp: bool = False
+    fp8: bool = False
+    fp8_recipe: str = "delayed"
+    qkv_flash: bool = False
+
+    def describe(self) -> str:
+        """One line: ``te kernels, flash attention (FA4 over the QKV output), quack fused MLP, FP8 (delayed)``."""
+        parts = [f"{self.backend} kernels", f"{self.attention} attention" + (" (FA4 over the QKV output)"
+                                                                             if self.qkv_flash else "")]
+        if self.fused_mlp:
+            parts.append("quack fused MLP")
+        if self.fp8:
+            parts.append(f"FP8 ({self.fp8_recipe})")
+        return ", ".join(parts)
+
+
+def _flag(value) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() == "true"
+
+
+def kernel_set(cfg, layout) -> KernelSet:
+    """The :class:`KernelSet` of the run ``cfg`` (the composed train config) under ``layout`` (a
+    :class:`difflm.plan.memory.Layout`). ``model.*=auto`` values are resolved on a copy as ``choose_kernels`` would on
+    a CUDA GPU with the te, flash and quack extras (:data:`difflm.model.auto_kernels.FULL_INSTALL`), with the
+    layout's ``tp`` and ``cp``; ``cfg`` itself is left as it is.
+
+    FlashAttention is taken to be FA4 (what ``auto`` picks ``flash`` for); it reads the QKV output in place when
+    :func:`difflm.kernels.qkv_flash.fused_qkv_flash_applies` would: ``model.fused_qkv``, a batch-first layout (not
+    TE's sequence-parallel ``sbhd``), no mask (not packed documents), whole-head RoPE and ``head_dim % 8 == 0``.
+    """
+    from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels, unresolved
+
+    if unresolved(cfg):
+        cfg = cfg.copy()
+        cfg.parallel.tp, cfg.parallel.cp = layout.tp, layout.cp
+        choose_kernels(cfg, torch.device("cuda"), installed=FULL_INSTALL)
+    m = cfg.model
+    backend, attention = str(m.backend), str(m.attention_backend)
+    te = backend == "te"
+    head_dim = int(m.head_dim or int(m.hidden_size) // int(m.num_heads))
+    sbhd = te and layout.tp > 1 and layout.sequence_parallel
+    documents = bool(cfg.data.get("intra_document_attention", False)) if "data" in cfg else False
+    qkv_flash = (attention == "flash" and _flag(m.get("fused_qkv", True)) and not sbhd and not documents
+                 and head_dim % 8 == 0 and float(m.get("partial_rotary_factor", 1.0) or 1.0) == 1.0)
+    fp8 = te and cfg.precision.name == "fp8"
+    return KernelSet(backend=backend, attention=attention, fused_mlp=te and _flag(m.get("fused_mlp", False)),
+                     fp8=fp8, fp8_recipe=str(cfg.precision.get("fp8_recipe", "delayed")) if fp8 else "delayed",
+                     qkv_flash=qkv_flash)
+
+
+def mlp_width(model_cfg) -> int:
+    """Per-token MLP width: the dense ``ffn_hidden_size``, or for MoE ``top_k`` experts plus the shared ones."""
+    moe = model_cfg.moe
+    if int(moe.num_experts) > 0:
+        width = int(moe.ffn_hidden_size) or int(model_cfg.ffn_hidden_size)
+        return int(moe.top_k) * width + int(moe.num_shared_experts) * width
+    return int(model_cfg.ffn_hidden_size)
+
+
+def _widths(model_cfg) -> tuple[int, int, int, int, int]:
+    """(h, q, kv, f, heads): hidden, query width, key/value width, MLP width, query heads."""
+    h = int(model_cfg.hidden_size)
+    hd = int(model_cfg.head_dim or h // int(model_cfg.num_heads))
+    return h, int(model_cfg.num_heads) * hd, int(model_cfg.num_kv_heads) * hd, mlp_width(model_cfg), \
+        int(model_cfg.num_heads)
+
+
+def _split(attention: float, rest: float, layout) -> float:
+    """Bytes per token on one rank: the attention's terms over ``tp`` (heads), the others over ``tp`` under
+    sequence parallelism only, everything over ``cp``."""
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    return (attention / layout.tp + rest / sp) / layout.cp
+
+
+def torch_bytes_per_token(model_cfg, layout, act_bytes: int) -> float:
+    """Bytes one block of the torch kernel set saves for its backward per token of the full sequence, on one rank of
+    ``layout`` (:mod:`difflm.plan.memory`'s formula ``2 r h + 2 a h + a (2 (q + 2 kv) + q) + 4 a f``, ``r`` = 4 the
+    FP32 residual, ``a`` = ``act_bytes`` the compute dtype's)."""
+    h, q, kv, f, _ = _widths(model_cfg)
+    r, a = 4, act_bytes
+    return _split(a * (2 * (q + 2 * kv) + q), 2 * r * h + 2 * a * h + 4 * a * f, layout)
+
+
+def te_saved_bytes(model_cfg, kernels: KernelSet, act_bytes: int) -> dict[str, tuple[str, float]]:
+    """What one block of the TE kernel set saves for its backward, per token, whole (before any split over ranks).
+
+    Args:
+        model_cfg: the ``model`` config (widths; ``moe.num_experts > 0``: a torch MoE slot in the MLP's place).
+        kernels: the run's :class:`KernelSet` (``backend == "te"``).
+        act_bytes: the compute dtype's bytes ``a`` (2 for BF16, FP16 and FP8 runs, 4 for FP32).
+    Returns: tensor -> (``"attention"`` or ``"rest"``: how tensor parallelism splits it, bytes per token). With ``h``
+        hidden, ``q`` / ``kv`` the query and key/value widths, ``f`` the MLP width, ``H`` the query heads, BF16
+        without fused MLP that is ``4 a h + 8 + 3 a f`` (rest) and ``2 a (q + 2 kv) + a q + 4 H`` (attention).
+
+    Sources, slot by slot:
+
+    * QKV: ``te.LayerNormLinear`` saves ``inputmat`` (the block input, the residual stream in the compute dtype),
+      ``ln_out`` and ``rsigma`` (FP32 per token); under FP8 ``ln_out`` is the FP8 copy, its row-wise data dropped
+      before saving (``ln_out.update_usage(rowwise_usage=False)``: the transposed copy the weight gradient reads).
+      quack's ``ResidualNormLinear`` (``difflm/kernels/quack_norm_linear.py``, ``_NormLinearFunction.forward``)
+      saves ``x``, ``rstd`` and the normed ``h``: the same bytes as BF16.
+    * heads: ``_QKVHeadsTriton.forward`` (``difflm/model/qkv.py``) saves the QKV output ``qkv``; the attention
+      kernel saves the dense ``q, k, v``, its output and an FP32 log-sum-exp per head (``FusedAttnFunc`` for
+      ``te``; FlashAttention's and PyTorch's cuDNN / flash kernels the same). ``_QKVFlashAttention.forward``
+      (``difflm/kernels/qkv_flash.py``) saves ``qkv, q, k, out, lse``: no dense ``v``.
+    * proj: ``te.Linear`` saves its input, the attention output already saved (no new bytes); under FP8 its FP8
+      copy, column-wise only (``inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)``).
+    * MLP: ``te.LayerNormMLP`` saves ``inputmat`` (the residual after attention), ``ln_out``, ``fc1_out`` (``2 f``,
+      compute dtype), ``act_out`` (the SwiGLU output, ``f``) and ``rsigma``; under FP8 ``ln_out`` is FP8 with both
+      usages (row-wise for the forward GEMM, column-wise set by ``fc1_input_quantizer``, no usage update before
+      saving: 2 bytes) and ``act_out`` is FP8 row-wise (``fc2_input_quantizer``; ``block`` / ``mxfp8`` recipes
+      also column-wise). quack's ``ResidualNormMLP`` (``difflm/kernels/quack_mlp.py``,
+      ``_ResidualNormMLPFunction.forward``) saves ``s`` (the residual after attention), ``rstd``, ``h`` and the
+      pre-activation ``preact`` (``2 f``); the SwiGLU output is recomputed in the backward's ``gemm_dgated``.
+      A mixture-of-experts slot is the torch module under both kernel sets: its norm's input and output and
+      ``4 a f`` (the torch count) on the compute-dtype residual.
+    """
+    h, q, kv, f, heads = _widths(model_cfg)
+    a, fp8 = act_bytes, kernels.fp8
+    gemm_in = FP8 if fp8 else a
+    out = {
+        "qkv norm input": ("rest", a * h),
+        "qkv norm output": ("rest", gemm_in * h),
+        "qkv norm 1/rms": ("rest", FP32),
+        "qkv output": ("attention", a * (q + 2 * kv)),
+        "q, k, v heads": ("attention", a * (q + kv if kernels.qkv_flash else q + 2 * kv)),
+        "attention output": ("attention", a * q),
+        "attention log-sum-exp": ("attention", FP32 * heads),
+        "proj input (FP8 copy)": ("attention", FP8 * q if fp8 else 0),
+        "mlp norm input": ("rest", a * h),
+    }
+    if int(model_cfg.moe.num_experts) > 0:
+        out.update({"mlp norm output": ("rest", a * h), "mlp (torch MoE slot)": ("rest", 4 * a * f)})
+        return out
+    out.update({
+        "mlp norm output": ("rest", 2 * FP8 * h if fp8 else a * h),
+        "mlp norm 1/rms": ("rest", FP32),
+        "fc1 output": ("rest", 2 * a * f),
+        "swiglu output": ("rest", 0 if kernels.fused_mlp else
+                          (FP8 * (2 if kernels.fp8_recipe in ("block", "mxfp8") else 1) if fp8 else a) * f),
+    })
+    return out
+
+
+def block_bytes_per_token(model_cfg, kernels: KernelSet, layout, act_bytes: int) -> float:
+    """Bytes one block saves for its backward per token of the full sequence, on one rank of ``layout``, under
+    ``kernels`` (:func:`kernel_set`): :func:`torch_bytes_per_token`, or the sum of :func:`te_saved_bytes` split as
+    the torch count is (the attention's terms over ``tp``, the others over ``tp`` under sequence parallelism only,
+    everything over ``cp``)."""
+    if kernels.backend != "te":
+        return torch_bytes_per_token(model_cfg, layout, act_bytes)
+    terms = te_saved_bytes(model_cfg, kernels, act_bytes).values()
+    return _split(sum(b for kind, b in terms if kind == "attention"), sum(b for kind, b in terms if kind == "rest"),
+                  layout)
+
+
+def residual_bytes(kernels: KernelSet, act_bytes: int) -> int:
+    """Bytes per element of the residual stream between blocks (what a checkpointed block keeps): FP32 under the
+    torch kernel set (autocast leaves the residual adds in FP32), the compute dtype under TE's."""
+    return act_bytes if kernels.backend == "te" else 4
+
+
+__all__ = ["KernelSet", "block_bytes_per_token", "kernel_set", "mlp_width", "residual_bytes", "te_saved_bytes",
+           "torch_bytes_per_token"]
