@@ -269,7 +269,9 @@ class GroupedExperts(nn.Module):
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.fp8 = fp8
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
+        """``is_first_microbatch``: passed in FP8 regions by the ``main_grad`` hook (TE's contract); unused, the
+        weight copies know when the weights changed (:func:`difflm.kernels.main_grad.converted_once_per_step`)."""
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)  # [E_local, 2f, d], [E_local, d, f]
         if grouped_mm_supported(x):
             masters = (self.fc1_weight, self.fc2_weight)
