@@ -10,6 +10,7 @@
 #   bash scripts/bench_suites.sh moe                      # moe-1b-7b against dense-1b (its active size), BF16 / FP8
 #   bash scripts/bench_suites.sh layouts                  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU
 #   bash scripts/bench_suites.sh scaling                  # 2 GPUs: weak scaling, DP levers, tp2, 8b under fsdp
+#   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES]  # AR-to-diffusion recipes at model=125m: adapted vs scratch
 #   bash scripts/bench_suites.sh sampling RUN_DIR         # Fast-dLLM decoding (threshold, KV caches) against LLaDA's
 #   bash scripts/bench_suites.sh kernels                  # attention, QKV, MLP half block, FA4 tiles, optimizer alone
 #   bash scripts/bench_suites.sh profile                  # the 1.7B BF16 row profiled (kernel classes, busy share)
@@ -19,7 +20,7 @@
 # scripts/gpu_env.sh. The fastest rows use model.backend=te model.attention_backend=flash model.fused_mlp=true
 # model.fused_mlp_autotune=true at micro-batch 8 (BF16) and TE FP8 with FP8 attention at micro-batch 8 (FP8).
 set -u
-suite=${1:?usage: bench_suites.sh megadlms|trainer|small|moe|layouts|scaling|sampling|kernels|profile|gputests}
+suite=${1:?usage: bench_suites.sh megadlms|trainer|small|moe|layouts|scaling|adaptation|sampling|kernels|profile|gputests}
 shift
 . "$(dirname "$0")/gpu_env.sh"
 
@@ -83,13 +84,16 @@ small)
   ;;
 moe)
   export CUDA_VISIBLE_DEVICES=0
-  timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -4
+  timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
   # 8 micro-batches per optimizer step, as a training run accumulates: the AdamW update of moe-1b-7b's 6.9B FP32
   # parameters is paid once per 8 sequences, not once per sequence
   timeout 560 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8 \
     precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 --row-timeout 130 \
     --time-budget 550 --json "$OUT/bench_moe.json" \
+    --profile moe-1b-7b-te-bf16 --profile-rows 25 \
     --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
+    --variant "moe-1b-7b-te-bf16-fused: model=moe-1b-7b $T model.moe.fused_experts=true" \
+    --variant "moe-1b-7b-te-bf16-mb2: model=moe-1b-7b $T train.micro_batch_size=2" \
     --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
     --variant "dense-1b-te-fp8: model=dense-1b $T precision=fp8" 2>&1 | tail -30
   ;;
@@ -109,6 +113,17 @@ scaling)
     --tput-accum 4 --tput-steps 8 --warmup 3 --dp-layout ddp --tp-layouts bf16@tp2 \
     --tput-variants ddp:parallel.reduce_dtype=bf16,tp2:parallel.tp_comm_overlap=true \
     --big-model 8b --big-layout fsdp --big-micro 1 --big-precisions bf16 2>&1 | tail -40
+  ;;
+adaptation)
+  # a 400-step AR checkpoint, then each recipe 150 steps adapted and from scratch (docs/adaptation.md); ~3 min per
+  # recipe on an H100, so two or three recipes per call
+  corpus=${1:?usage: bench_suites.sh adaptation CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]}
+  CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/adaptation_table.py --ar-steps 400 --adapt-steps 150 \
+    --eval-every 50 --target-nelbo scratch --recipes "${2:-fast_dllm_v2,megatron_bridge_hybrid}" \
+    --json "$OUT/adaptation_125m.json" -- model=125m data.path="$corpus" data.seq_len=1024 device=cuda precision=bf16 \
+    model.backend=torch model.attention_backend=sdpa model.fused_cross_entropy=false model.fused_qkv=false \
+    train.global_batch_size=64 train.micro_batch_size=16 optim.lr=6e-4 train.eval_windows=128 \
+    train.eval_mc_samples=2 2>&1 | grep -v Warning | tail -20
   ;;
 sampling)
   run_dir=${1:?usage: bench_suites.sh sampling RUN_DIR (a trained run, e.g. from make train)}

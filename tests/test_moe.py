@@ -226,6 +226,53 @@ def test_fp8_experts_track_bf16_on_cuda():
     assert all(v < 0.1 for v in errors.values()), errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="quack's CUDA kernels")
+def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda():
+    """model.moe.fused_experts: quack's variable-length grouped GEMMs (SwiGLU and its derivative in the epilogues,
+    weight gradients accumulated into main_grad by the GEMM) against GroupedSwiGLUMainGrad over two micro-batches with
+    an empty expert: outputs, input gradients and the accumulated FP32 weight gradients."""
+    from difflm.kernels.quack_mlp import quack_unavailable_reason
+    from difflm.model.grouped_experts import GroupedSwiGLUMainGrad
+
+    if quack_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(quack_unavailable_reason(torch.device("cuda")))
+    from difflm.kernels.quack_experts import QuackGroupedSwiGLU, row_groups
+
+    gen = torch.Generator().manual_seed(0)
+    e, d, f, dev = 4, 128, 64, torch.device("cuda")
+    w1, w2 = (torch.randn(e, 2 * f, d, generator=gen) * 0.1).to(dev), (torch.randn(e, d, f, generator=gen) * 0.1).to(dev)
+    sides = []
+    for _ in range(2):
+        masters = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+        for p in masters:
+            p.main_grad = torch.zeros_like(p)
+        sides.append(masters)
+    errors = {}
+
+    def rel(a, b):
+        return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+    for micro, counts in enumerate(([48, 0, 80, 32], [16, 64, 0, 80])):
+        counts = torch.tensor(counts, device=dev)
+        x = torch.randn(int(counts.sum()), d, generator=gen).to(dev).bfloat16()
+        dy = torch.randn(x.shape[0], d, generator=gen).to(dev).bfloat16()
+        outs = []
+        for fused, masters in zip((True, False), sides):
+            xi = x.clone().requires_grad_()
+            w1b, w2b = (p.detach().bfloat16() for p in masters)
+            if fused:
+                y = QuackGroupedSwiGLU.apply(xi, row_groups(counts), *masters, w1b, w2b)
+            else:
+                y = GroupedSwiGLUMainGrad.apply(xi, torch.cumsum(counts, 0, dtype=torch.int32), *masters, w1b, w2b)
+            y.backward(dy)
+            outs.append((y, xi.grad))
+        errors[f"y{micro}"], errors[f"dx{micro}"] = rel(outs[0][0], outs[1][0]), rel(outs[0][1], outs[1][1])
+    errors["dW1"] = rel(sides[0][0].main_grad, sides[1][0].main_grad)
+    errors["dW2"] = rel(sides[0][1].main_grad, sides[1][1].main_grad)
+    report("moe_quack_experts_vs_grouped_mm", **errors)
+    assert all(v < 2e-2 for v in errors.values()), errors
+
+
 def test_te_kernel_set_accumulates_expert_grads_in_main_grad(fake_te):
     """Under the TE kernel set (one process, model.fuse_wgrad_accumulation) the experts' weights accumulate in FP32
     main_grad like the TE modules', so the grouped GEMMs can add into it; the torch set leaves them to autograd.
@@ -451,6 +498,8 @@ def test_every_objective_trains_a_step_with_moe(objective, fast_cfg, tmp_path):
     (["parallel=ep2", "parallel.ep=4"], 2, "parallel.ep=4 does not divide parallel.dp_shard=2"),
     (["parallel=ep2", "model=tiny"], 2, "parallel.ep=2 needs a mixture-of-experts model"),
     (["parallel=cp2"], 2, "parallel.cp=2 with model.moe.num_experts=8 is not supported"),
+    (["model.moe.fp8_experts=true", "model.moe.fused_experts=true"], 1, "two kernels for the same GEMMs"),
+    (["model.moe.fused_experts=true", "model.backend=torch"], 1, "this run has model.backend=torch: set model.backend=te"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, world, needle):
     from difflm.config.validate import check_choices, check_model, check_parallel, resolve_device
@@ -462,6 +511,29 @@ def test_bad_moe_settings_are_one_line_errors(overrides, world, needle):
         check_model(cfg.model)
         check_parallel(cfg, world, resolve_device("cpu"))
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    (["model.moe.fp8_experts=true", "precision=bf16"], 1, "inside an FP8 run and this run is precision=bf16"),
+    (["model.moe.fused_experts=true", "parallel=fsdp"], 2, "FSDP2, pipelines, LoRA"),
+    (["model.moe.fused_experts=true", "model.fuse_wgrad_accumulation=false"], 1, "FSDP2, pipelines"),
+    (["model.moe.fp8_experts=true", "precision=fp8", "lora=attn_mlp"], 1, "FSDP2, pipelines, LoRA"),
+    (["model.moe.fused_experts=true"], 1, "model.moe.fused_experts=true runs quack's CUDA kernels and this run is on cpu"),
+    (["model=tiny", "model.moe.fused_experts=true"], 1, "model.moe.num_experts=0: drop it"),
+])
+def test_moe_expert_kernels_are_refused_where_they_cannot_run(overrides, world, needle):
+    """fp8_experts / fused_experts run on the TE kernel set's FP32 main_grad accumulation: each layout, precision or
+    device that cannot run them is one line naming the key (checked on the resolved layout, before any kernel)."""
+    from difflm.config.validate import check_moe_kernels, resolve_device
+    from difflm.parallel.mesh import ParallelDims
+
+    cfg = compose_run(["model=moe-tiny", "model.backend=te", "data.seq_len=32", "train.global_batch_size=12",
+                       "train.micro_batch_size=1", *overrides])
+    with pytest.raises(DifflmError) as err:
+        check_moe_kernels(cfg, ParallelDims.from_config(cfg.parallel, world), resolve_device("cpu"))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    ok = compose_run(["model=moe-tiny", "model.backend=te", "precision=fp8", "model.moe.fp8_experts=true"])
+    check_moe_kernels(ok, ParallelDims.from_config(ok.parallel, 1), resolve_device("cpu"))  # one GPU, FP8: accepted
 
 
 def test_moe_model_under_te_kernels_matches_torch_kernels(fake_te):

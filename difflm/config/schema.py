@@ -57,6 +57,9 @@ class MoEConfig:
     # with precision=fp8, the routed experts' forward and input-gradient GEMMs in FP8 (row-wise scales, through
     # torch._scaled_grouped_mm; weight gradients BF16); false: the experts run BF16 inside the FP8 region
     fp8_experts: bool = False
+    # the routed experts on quack's variable-length grouped GEMMs: SwiGLU and its derivative in the GEMM epilogues,
+    # the weight gradients accumulated into FP32 main_grad by the GEMMs (Hopper/Blackwell, quack, the TE kernel set)
+    fused_experts: bool = False
 
 
 @dataclass

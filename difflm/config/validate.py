@@ -191,6 +191,36 @@ def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
     _require(reason is None, reason or "")
 
 
+def check_moe_kernels(cfg, dims, device: torch.device) -> None:
+    """What the MoE expert kernels ``model.moe.fp8_experts`` / ``model.moe.fused_experts`` need
+    (:mod:`difflm.model.grouped_experts`, :mod:`difflm.kernels.quack_experts`): the TE kernel set's FP32 ``main_grad``
+    accumulation (one GPU or tensor parallelism, no FSDP2 or pipeline, no LoRA, ``model.fuse_wgrad_accumulation``);
+    FP8 experts an FP8 run; fused experts quack on a Hopper/Blackwell GPU; not both. ``dims``: the resolved layout."""
+    m = cfg.model
+    moe = m.get("moe")
+    chosen = [k for k in ("fp8_experts", "fused_experts") if moe is not None and moe.get(k, False)]
+    if not chosen:
+        return
+    key = f"model.moe.{chosen[0]}"
+    _require(len(chosen) == 1, "model.moe.fp8_experts and model.moe.fused_experts are two kernels for the same GEMMs: "
+             "set one of them to false")
+    _require(int(moe.num_experts) > 0, f"{key}=true is a kernel of the MoE experts and model.moe.num_experts=0: drop it")
+    _require(m.backend == "te", f"{key}=true runs on the TE kernel set's FP32 main_grad accumulation and this run has "
+             f"model.backend={m.backend}: set model.backend=te, or {key}=false")
+    _require(m.get("fuse_wgrad_accumulation", True) and not (dims.fsdp_enabled or dims.pp_enabled)
+             and int((cfg.get("lora") or {}).get("rank", 0) or 0) == 0,
+             f"{key}=true needs the experts' gradients accumulated in FP32 main_grad, which FSDP2, pipelines, LoRA and "
+             f"model.fuse_wgrad_accumulation=false turn off: set {key}=false for this layout")
+    if chosen[0] == "fp8_experts":
+        _require(cfg.precision.name == "fp8", f"{key}=true runs the experts in FP8 inside an FP8 run and this run is "
+                 f"precision={cfg.precision.name}: set precision=fp8, or {key}=false")
+    else:
+        from difflm.kernels.quack_mlp import quack_unavailable_reason
+
+        reason = quack_unavailable_reason(device, key=key)
+        _require(reason is None, reason or "")
+
+
 def check_batch(cfg, world_size: int = 1) -> int:
     """Global batch = micro batch x accumulation steps x data-parallel ranks. Returns the accumulation steps.
 
@@ -291,6 +321,7 @@ def check_parallel(cfg, world_size: int, device: torch.device):
         _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: under TP the LM head is "
                  "vocab-parallel with its own weight (output.weight); set model.tie_embeddings=false or parallel.tp=1")
     dims = ParallelDims.from_config(p, world_size)
+    check_moe_kernels(cfg, dims, device)
     accum = check_batch(cfg, world_size)
     if dims.pp_enabled:
         virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)

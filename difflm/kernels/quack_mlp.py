@@ -42,10 +42,10 @@ from difflm.kernels.main_grad import weights_cast_once_per_step
 # The fc1 weight [2f, d] holds [gate; up] halves (TE's swiglu split). quack's gated epilogue pairs neighbouring
 # columns, so it reads this "concat" layout through its concat_layout option and keeps the pre-activation and its
 # gradient interleaved in between (the composition of quack.linear's gated ops).
-_FC1_FWD = ("B", "bias")
-_FC1_DGRAD = ("B",)
-_FC1_WGRAD_INTO = ("C", "out")
-_FC1_WGRAD = ("out",)
+FC1_FWD = ("B", "bias")
+FC1_DGRAD = ("B",)
+FC1_WGRAD_INTO = ("C", "out")
+FC1_WGRAD = ("out",)
 # quack keeps autotuning results on disk (~/.quack/cache, QUACK_CACHE_DIR) only when asked, and reads the switch when
 # quack.gemm_interface is imported: a shape is then tuned once per machine, not once per run.
 os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
@@ -164,7 +164,7 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
         h, s, rstd = rmsnorm_fwd(_flat(branch), norm_weight, residual=_flat(residual.to(dtype)), eps=eps,
                                  store_rstd=need_grad)
         preact, postact = gemm_gated(h, w1.T, activation="swiglu", store_preact=need_grad, tuned=tuned,
-                                     concat_layout=_FC1_FWD)
+                                     concat_layout=FC1_FWD)
         out = gemm_add(postact, w2.T, s, tuned=tuned)
         if need_grad:
             ctx.save_for_backward(s, norm_weight, rstd, h, preact, w1, w2)
@@ -183,8 +183,8 @@ class _ResidualNormMLPFunction(torch.autograd.Function):
         # dpreact = swiglu'(preact) * (dy @ W2), and the activation recomputed for fc2's weight gradient
         dpreact, postact = gemm_dgated(dy, w2, preact, activation="swiglu", dynamic_scheduler=True, tuned=tuned)
         dw2 = _weight_grad(fc2_weight, dy.T, postact, (), (), tuned) if ctx.needs_input_grad[4] else None
-        dh = gemm(dpreact, w1, dynamic_scheduler=True, tuned=tuned, concat_layout=_FC1_DGRAD)
-        dw1 = (_weight_grad(fc1_weight, dpreact.T, h, _FC1_WGRAD_INTO, _FC1_WGRAD, tuned)
+        dh = gemm(dpreact, w1, dynamic_scheduler=True, tuned=tuned, concat_layout=FC1_DGRAD)
+        dw1 = (_weight_grad(fc1_weight, dpreact.T, h, FC1_WGRAD_INTO, FC1_WGRAD, tuned)
                if ctx.needs_input_grad[3] else None)
         # ds = dy (the residual path) + the norm's input gradient, in one kernel
         ds, dnorm, _, _ = rmsnorm_bwd(s, norm_weight, dh, rstd, dresidual_out=dy, has_residual=True)

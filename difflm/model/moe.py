@@ -253,6 +253,8 @@ class GroupedExperts(nn.Module):
         num_experts: experts held here (all of them; :mod:`difflm.parallel.expert_parallel` shards dim 0).
         hidden, ffn: d and f.
         fp8: ``model.moe.fp8_experts``: inside an FP8 region, the FP8 grouped GEMMs below.
+        fused: ``model.moe.fused_experts``: quack's grouped GEMMs with fused epilogues
+            (:mod:`difflm.kernels.quack_experts`) on the ``main_grad`` path.
     Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
     Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
         (local) expert -> [R, d].
@@ -263,11 +265,11 @@ class GroupedExperts(nn.Module):
     ``torch._grouped_mm``. Elsewhere a loop over experts (the CPU reference).
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, fp8: bool = False):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, fp8: bool = False, fused: bool = False):
         super().__init__()
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
-        self.fp8 = fp8
+        self.fp8, self.fused = fp8, fused
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
         """``is_first_microbatch``: passed in FP8 regions by the ``main_grad`` hook (TE's contract); unused, the
@@ -282,12 +284,17 @@ class GroupedExperts(nn.Module):
 
     def _main_grad(self, x: torch.Tensor, counts: torch.Tensor, masters) -> torch.Tensor:
         """Training forward with the weight gradients into FP32 ``main_grad`` (:mod:`difflm.model.grouped_experts`):
-        FP8 when ``fp8`` is set, an FP8 region is active and the GPU has the FP8 grouped GEMM, else BF16."""
+        FP8 when ``fp8`` is set, an FP8 region is active and the GPU has the FP8 grouped GEMM; else BF16, on quack's
+        fused grouped GEMMs when ``fused`` is set."""
         if self.fp8 and fp8_is_active() and fp8_grouped_mm_supported(x):
             fp8 = converted_once_per_step(self, masters, "fp8", lambda ws: fp8_expert_weights(*ws))
             return GroupedSwiGLUFP8.apply(x.bfloat16(), counts, *masters, *fp8)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         w1b, w2b = weights_cast_once_per_step(self, masters, torch.bfloat16)
+        if self.fused:  # checked by difflm.config.validate.check_moe_kernels
+            from difflm.kernels.quack_experts import QuackGroupedSwiGLU, row_groups
+
+            return QuackGroupedSwiGLU.apply(x.bfloat16(), row_groups(counts), *masters, w1b, w2b)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return GroupedSwiGLUMainGrad.apply(x.bfloat16(), offs, *masters, w1b, w2b)
 
     @staticmethod
@@ -416,7 +423,8 @@ class MoEMLP(nn.Module):
                                  n_group=int(_key(moe, "n_group", 1)), topk_group=int(_key(moe, "topk_group", 1)),
                                  routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)),
                                  bias_in_weights=bool(_key(moe, "bias_in_weights", False)))
-        self.experts = GroupedExperts(self.num_experts, d, f, fp8=bool(_key(moe, "fp8_experts", False)))
+        self.experts = GroupedExperts(self.num_experts, d, f, fp8=bool(_key(moe, "fp8_experts", False)),
+                                      fused=bool(_key(moe, "fused_experts", False)))
         f_s = shared_ffn_size(cfg)
         self.shared = SharedExperts(d, f_s) if f_s > 0 else None
         self.dispatcher = LocalDispatcher()
