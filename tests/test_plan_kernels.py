@@ -164,3 +164,63 @@ def test_measured_te_rows_are_planned_within_five_percent(overrides, measured_gi
     n_micro = int(cfg.train.global_batch_size) // 4
     plan = plan_memory(cfg, model_params(cfg.model, 50304), layout, n_micro)
     assert plan.total / GIB == pytest.approx(measured_gib, rel=0.05), plan.parts
+
+
+# weights of TINY's two blocks whose gradients go to main_grad under TE: qkv [q + 2 kv, h], proj [h, q], fc1 [2 f, h],
+# fc2 [h, f]; the embedding [vocab, h]; not the LM head, the norms
+GEMM = 2 * ((q + 2 * kv) * h + h * q + 2 * f * h + h * f)  # 61,440
+TABLE = 1000 * h  # 64,000
+
+
+@pytest.mark.parametrize("overrides, layout, main_grad, copies", [
+    # FP32 main_grad for the GEMMs and the embedding; FP8 workspaces of the TE GEMMs (data + transpose, 2 bytes),
+    # the embedding's BF16 table
+    (TE_FP8, {}, 4 * (GEMM + TABLE), 2 * GEMM + 2 * TABLE),
+    # BF16: TE casts its weights at every forward (no copy kept), the embedding keeps its table
+    (TE_BF16, {}, 4 * (GEMM + TABLE), 2 * TABLE),
+    # quack's QKV and MLP modules keep BF16 copies (the output projection stays te.Linear)
+    (TE_FUSED, {}, 4 * (GEMM + TABLE), 2 * (GEMM - 2 * h * q) + 2 * TABLE),
+    # blocks 0 and L-1 in BF16 inside the FP8 region: no FP8 workspace (here: both blocks)
+    ([*TE_FP8, "precision.fp8_skip_first_last=true"], {}, 4 * (GEMM + TABLE), 2 * TABLE),
+    # tensor parallelism: each rank's GEMM shards; the embedding is a plain nn.Embedding there
+    (TE_FP8, {"tp": 2}, 4 * GEMM // 2, 2 * GEMM // 2),
+    # FSDP2 (or DDP, context parallelism, pipeline stages): autograd's gradients, no main_grad, no cached copies
+    (TE_FP8, {"dp_shard": 2}, 0, 0),
+    (TE_FP8, {"pp": 2}, 0, 0),
+    ([*TE_FP8, "model.fuse_wgrad_accumulation=false"], {}, 0, 0),
+    (SETS["torch"], {}, 0, 0),
+])
+def test_main_grad_buffers_and_step_copies_equal_the_hand_count(overrides, layout, main_grad, copies):
+    """The weight state the TE kernel set keeps through the whole step (difflm.plan.activations.step_state_bytes):
+    the FP32 main_grad buffers, which zero_grad(set_to_none=True) does not free, and the weight copies cast once per
+    step."""
+    from difflm.plan.activations import kernel_set
+    from difflm.plan.memory import Layout, step_state
+    from difflm.plan.shapes import model_params
+
+    cfg = compose_run([*TINY, *overrides])
+    lay = Layout(**layout)
+    kept = step_state(cfg, model_params(cfg.model, 1000), lay, 2, kernel_set(cfg, lay))
+    assert sum(s["main_grad"] for s in kept) == main_grad
+    assert sum(s["copies"] for s in kept) == copies
+
+
+def test_fp8_checkpointed_step_holds_main_grad_and_the_fp8_copies():
+    """1.7B FP8 with full checkpointing, one micro-batch a step (benchmarks/results/plan_check_h100_fp8_ac.json,
+    measured 38.1 GiB): the loss holds the main_grad buffers of the GEMMs and the embedding, the FP8 workspaces (with
+    transposes) of every block, the embedding's BF16 table and the head's cast, beside the blocks' BF16 inputs and
+    the logits. Before, the plan held no gradients and dropped the checkpointed blocks' casts: 28.4 GiB."""
+    from difflm.plan.cli import layout_of
+    from difflm.plan.memory import plan_memory
+    from difflm.plan.shapes import model_params
+
+    cfg = compose_run(["model=1.7b", "model.vocab_size=50304", "data.seq_len=4096", "train.global_batch_size=8",
+                       "train.micro_batch_size=8", "parallel.activation_checkpointing=full", *TE_FP8])
+    plan = plan_memory(cfg, model_params(cfg.model, 50304), layout_of(cfg, 1), 1)
+    gemm = 28 * (3 * 2048 * 2048 + 2048 * 2048 + 2 * 6144 * 2048 + 2048 * 6144)  # 54,525,952 a block
+    table = 50304 * 2048
+    assert plan.phase == "loss"
+    assert plan.parts["gradients"] == 4 * (gemm + table)
+    assert plan.parts["buffers"] == 2 * gemm + 2 * table + 2 * (table + 2048)  # + the head's and final norm's casts
+    assert plan.parts["activations"] == 28 * 8 * 4096 * 2 * 2048
+    assert plan.total / GIB == pytest.approx(34.64, abs=0.01)

@@ -15,6 +15,10 @@ the backward, so the planner counts each kernel set's saved tensors from its cod
   (below). The FP8 byte counts are those of the per-tensor recipes (``delayed``, ``current``) on Hopper, where an
   FP8 GEMM input kept for the weight gradient is stored transposed ("columnwise").
 
+Beside the activations, the weight state the TE kernel set keeps through every phase of a step
+(:func:`step_state_bytes`): the FP32 ``main_grad`` buffers of the weights whose gradients accumulate in place, and
+their copies cast once per step (FP8 workspaces with their transposes, BF16 tables).
+
 ``model.*=auto`` is planned as :func:`difflm.model.auto_kernels.choose_kernels` resolves it on a CUDA GPU with
 difflm's ``te``, ``flash`` and ``quack`` extras installed (:func:`kernel_set`), the machine the shipped rates (H100,
 H200) describe; ``difflm-plan`` prints the set it planned. Give ``model.backend=torch`` (etc.) to plan another.
@@ -200,11 +204,78 @@ def block_bytes_per_token(model_cfg, kernels: KernelSet, layout, act_bytes: int)
                   layout)
 
 
+MAIN_GRAD_SLOTS = (".attention.qkv.weight", ".attention.proj.weight", ".mlp.fc1_weight", ".mlp.fc2_weight",
+                   ".mlp.experts.fc1_weight", ".mlp.experts.fc2_weight")  # what TEKernels hands accumulate_into_grad
+
+
+def accumulates_in_main_grad(cfg, kernels: KernelSet, layout) -> bool:
+    """Whether the run ``cfg`` under ``layout`` builds its TE kernel set with ``fuse_wgrad_accumulation``, i.e. with
+    the weight gradients of its GEMMs in FP32 ``main_grad`` buffers (:func:`difflm.kernels.main_grad.
+    accumulate_into_grad`): the TE kernel set on a layout without FSDP2, context or data parallelism and pipeline
+    stages (``difflm.parallel.parallelize.build_parallel_model``: ``not (dims.fsdp_enabled or dims.pp_enabled)``;
+    one process builds with the default, on), ``model.fuse_wgrad_accumulation`` on, no LoRA (the trainer and
+    ``build_parallel_model`` turn it off) and no FP8 weights (``TEKernels.__init__`` leaves it off under
+    ``precision.fp8_weights``)."""
+    if kernels.backend != "te" or layout.dp_replicate * layout.dp_shard * layout.cp > 1 or layout.pp > 1:
+        return False
+    if not _flag(cfg.model.get("fuse_wgrad_accumulation", True)):
+        return False
+    lora = cfg.get("lora") if "lora" in cfg else None
+    if lora is not None and int(lora.get("rank", 0) or 0) > 0:
+        return False
+    return not (kernels.fp8 and _flag(cfg.precision.get("fp8_weights", False)))
+
+
+def step_state_bytes(cfg, kernels: KernelSet, layout, name: str) -> tuple[int, int]:
+    """Bytes per element of the state a weight ``name`` (:func:`difflm.plan.shapes.model_params`' names) keeps from
+    the first forward of a step to the end of the step, and on into the next one, under the TE kernel set with
+    ``main_grad`` (:func:`accumulates_in_main_grad`; (0, 0) otherwise, and for the torch kernel set):
+    (its FP32 gradient buffer, its low-precision weight copy).
+
+    * The gradient buffer, 4 bytes: ``difflm.kernels.main_grad.attach_main_grads`` creates ``p.main_grad`` in the
+      forward pre-hook of the step's first micro-batch and sets it as ``p.grad``; the trainer's
+      ``optimizer.zero_grad(set_to_none=True)`` drops ``p.grad`` but the module keeps ``p.main_grad``, zeroed in
+      place at the next step. So unlike autograd's ``.grad`` (None between steps) these buffers are held in every
+      phase of every step, also without gradient accumulation. Which weights: the TE GEMMs' (``TEKernels.
+      norm_linear`` / ``linear`` / ``norm_mlp``, the quack modules in their slots), the MoE experts'
+      (``accumulate_weight_grads(self.mlp.experts, ...)``) and, on one TP rank, the embedding's
+      (``TEKernels.embedding``: :class:`difflm.kernels.embedding.Embedding`). Not the LM head, the norms, the router
+      or the shared experts: autograd's ``.grad``.
+    * The weight copy, 2 bytes, cast at the step's first forward and kept by its module until the weights change:
+      under FP8, TE 2.20's weight workspace of ``te.LayerNormLinear`` / ``te.Linear`` / ``te.LayerNormMLP``
+      (``module/base.py``: ``quantize_weight(..., cache=True)`` stored in ``self._fp8_workspaces`` when the
+      module gets an ``is_first_microbatch``, which ``accumulate_into_grad``'s pre-hook passes in FP8 regions):
+      the FP8 data and, on Hopper, its FP8 transpose for the input-gradient GEMM (the quantizer's column-wise usage
+      is set while gradients are on: ``columnwise=is_grad_enabled`` in ``_linear_forward_impl``,
+      ``_LayerNormLinear.forward``, ``_LayerNormMLP._forward``); not for the blocks that
+      ``precision.fp8_skip_first_last`` runs in BF16. The BF16 copies of
+      :func:`difflm.kernels.main_grad.weights_cast_once_per_step`: the quack modules' (``model.fused_mlp``), the
+      experts' (their FP8 copies under ``model.moe.fp8_experts``: data both ways, the same 2 bytes) and the
+      embedding's table (:class:`difflm.kernels.embedding.Embedding`). TE's BF16 modules cast their weights at every
+      forward (``cast_if_needed``): no copy kept.
+    """
+    if not accumulates_in_main_grad(cfg, kernels, layout):
+        return 0, 0
+    if name == "embedding.weight":
+        return (4, 2) if layout.tp == 1 else (0, 0)
+    if not (name.startswith("layers.") and name.endswith(MAIN_GRAD_SLOTS)):
+        return 0, 0
+    if ".experts." in name:
+        return 4, 2
+    if kernels.fused_mlp and not name.endswith(".attention.proj.weight"):
+        return 4, 2  # quack's ResidualNormLinear / ResidualNormMLP
+    if not kernels.fp8:
+        return 4, 0
+    layer, last = int(name.split(".")[1]), int(cfg.model.num_layers) - 1
+    skipped = _flag(cfg.precision.get("fp8_skip_first_last", False)) and layer in (0, last)
+    return 4, 0 if skipped else 2 * FP8
+
+
 def residual_bytes(kernels: KernelSet, act_bytes: int) -> int:
     """Bytes per element of the residual stream between blocks (what a checkpointed block keeps): FP32 under the
     torch kernel set (autocast leaves the residual adds in FP32), the compute dtype under TE's."""
     return act_bytes if kernels.backend == "te" else 4
 
 
-__all__ = ["KernelSet", "block_bytes_per_token", "kernel_set", "mlp_width", "residual_bytes", "te_saved_bytes",
-           "torch_bytes_per_token"]
+__all__ = ["KernelSet", "accumulates_in_main_grad", "block_bytes_per_token", "kernel_set", "mlp_width",
+           "residual_bytes", "step_state_bytes", "te_saved_bytes", "torch_bytes_per_token"]

@@ -29,19 +29,22 @@ scaled by the calibration's ``activation_scale``):
   a GEMM saves its cast weight for the backward, so without checkpointing a stage's weights are held twice over
   until their block's backward; a checkpointed block saves none, and its casts go when the forward's autocast
   exits. FSDP2 gathers BF16 blocks instead: the unsharded block in use, the prefetched ones, and one block's
-  gradient before its reduce-scatter.
+  gradient before its reduce-scatter. The TE kernel set with ``main_grad`` keeps some copies through the whole step
+  instead (:func:`step_state`): FP8 weight workspaces with their transposes, BF16 tables cast once per step.
 
 These parts do not peak together (:func:`plan_memory` takes the largest phase): at the loss, the saved activations,
 logits and saved casts; in a checkpointed forward, every cast and one block's activations; at the end of the
 backward, all gradients with the first block's activations. Gradients set to None after each step exist before the
-backward only under gradient accumulation or pipelining.
+backward only under gradient accumulation or pipelining; the TE kernel set's FP32 ``main_grad`` buffers
+(:func:`difflm.plan.activations.step_state_bytes`) are never freed, so they are held in every phase.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from difflm.plan.activations import KernelSet, block_bytes_per_token, kernel_set, residual_bytes, torch_bytes_per_token
+from difflm.plan.activations import KernelSet, block_bytes_per_token, kernel_set, residual_bytes, step_state_bytes
+from difflm.plan.activations import torch_bytes_per_token
 from difflm.plan.activations import mlp_width  # noqa: F401  (also read from here: difflm.plan.step_time)
 from difflm.plan.shapes import Param, local_numel, stage_of
 
@@ -125,6 +128,28 @@ def persistent_bytes(params: list[Param], layout: Layout, num_layers: int) -> li
     return out
 
 
+def step_state(cfg, params: list[Param], layout: Layout, num_layers: int, kernels: KernelSet) -> list[dict[str, float]]:
+    """Per stage, the bytes of the weight state the kernel set keeps through every phase of a step (and between
+    steps): ``main_grad``, the FP32 gradient buffers of the weights that accumulate in place, and ``copies``, their
+    weight copies cast once per step (FP8 workspaces with their transposes, BF16 tables); from
+    :func:`difflm.plan.activations.step_state_bytes`, on this rank's shards. Zero for the torch kernel set, whose
+    gradients are ``.grad`` (None between steps) and whose casts live in autocast's cache. Beside them,
+    ``outside``: the elements of the weights outside the blocks that have no such copy (the LM head, the final
+    norm), which autocast casts in the forward and their backward keeps until it runs (counted only where
+    ``copies`` are)."""
+    efsdp = max(layout.fsdp // layout.ep, 1)
+    out = [{"main_grad": 0.0, "copies": 0.0, "outside": 0.0} for _ in range(layout.pp)]
+    for p in params:
+        grad, copy = step_state_bytes(cfg, kernels, layout, p.name)
+        n = local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
+        stage = out[stage_of(p, num_layers, layout.pp)]
+        stage["main_grad"] += float(grad * n)
+        stage["copies"] += float(copy * n)
+        if p.layer is None and not copy:
+            stage["outside"] += float(n)
+    return out
+
+
 def activation_bytes_per_token(model_cfg, layout: Layout, act_bytes: int) -> float:
     """Bytes one block of the torch kernel set saves for its backward per token of the full sequence (module
     docstring's formula; :func:`difflm.plan.activations.torch_bytes_per_token`). The step-time model reads it as the
@@ -186,7 +211,8 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
     blocks' saved activations, the logits, the weight casts the GEMMs saved), the checkpointed forward (every cast
     in autocast's cache, one block's activations), and the end of the backward (all gradients, one block's
     activations and casts); gradients are held before the backward only when earlier micro-batches left them
-    (gradient accumulation, pipelining).
+    (gradient accumulation, pipelining), except the TE kernel set's ``main_grad`` buffers, held in every phase with
+    the weight copies cast once per step (:func:`step_state`).
 
     Args:
         params: :func:`difflm.plan.shapes.model_params` of ``cfg.model``.
@@ -212,6 +238,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
     block_input = residual_bytes(kernels, act_bytes) * int(m.hidden_size) / layout.cp / sp
     fraction = peak_loss_fraction(cfg.objective, layout.micro_batch * layout.dp,
                                   int(cfg.train.global_batch_size), data_seq)
+    kept = step_state(cfg, params, layout, num_layers, kernels)
     best = None
     for s, state in enumerate(persistent):
         n = max(layers_per_stage[s], 1)
@@ -238,10 +265,19 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
                 casts_all = casts_saved = casts_block = block * 8
         elif precision != "fp32":  # autocast's BF16 casts; a checkpointed block's are dropped when autocast exits
             casts_all = 2.0 * stage_elems
-            casts_saved = casts_all * whole / n
-            casts_block = casts_all / n
+            copies = kept[s]["copies"]
+            if copies:  # copies cast once per step stay in every phase; the other weights are cast per forward:
+                outside = 2.0 * kept[s]["outside"]  # the head's cast, saved until its backward, checkpointed or not
+                per_block = casts_all - copies - outside  # the blocks' casts, saved by the whole blocks only
+                casts_saved = copies + outside + per_block * whole / n
+                casts_block = copies + per_block / n
+            else:
+                casts_saved = casts_all * whole / n
+                casts_block = casts_all / n
         grads = state["gradients"]
-        held = grads if (n_micro > 1 or layout.pp > 1) else 0.0
+        # main_grad buffers are never freed; the other gradients exist before the backward only when earlier
+        # micro-batches left them
+        held = grads if (n_micro > 1 or layout.pp > 1) else kept[s]["main_grad"]
         phases = {"loss": (held, saved, logits, casts_saved), "backward end": (grads, one_block, 0.0, casts_block)}
         if whole < n:
             phases["checkpointed forward"] = (held, saved + one_block, 0.0, casts_all)
