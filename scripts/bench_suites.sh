@@ -8,6 +8,8 @@
 #   bash scripts/bench_suites.sh trainer                  # difflm-train at the 1.7B BF16 row's shape: median tokens/s
 #   bash scripts/bench_suites.sh small                    # model=125m (S=1024) and model=350m (S=2048), BF16 and FP8
 #   bash scripts/bench_suites.sh moe                      # moe-1b-7b against dense-1b (its active size), BF16 / FP8
+#   bash scripts/bench_suites.sh moe megadlms             # moe-1b-7b TE BF16 against MegaDLMs' Megatron-Core MoE, same
+#                                                          # call and shape (needs .megadlms; both need an H200)
 #   bash scripts/bench_suites.sh layouts                  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU
 #   bash scripts/bench_suites.sh scaling                  # 2 GPUs: weak scaling, DP levers, tp2, 8b under fsdp
 #   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES]  # AR-to-diffusion recipes at model=125m: adapted vs scratch
@@ -84,18 +86,30 @@ small)
   ;;
 moe)
   export CUDA_VISIBLE_DEVICES=0
-  timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
-  # 8 micro-batches per optimizer step, as a training run accumulates: the AdamW update of moe-1b-7b's 6.9B FP32
-  # parameters is paid once per 8 sequences, not once per sequence
-  timeout 560 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8 \
-    precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 --row-timeout 130 \
-    --time-budget 550 --json "$OUT/bench_moe.json" \
-    --profile moe-1b-7b-te-bf16 --profile-rows 25 \
-    --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
-    --variant "moe-1b-7b-te-bf16-fused: model=moe-1b-7b $T model.moe.fused_experts=true" \
-    --variant "moe-1b-7b-te-bf16-mb2: model=moe-1b-7b $T train.micro_batch_size=2" \
-    --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
-    --variant "dense-1b-te-fp8: model=dense-1b $T precision=fp8" 2>&1 | tail -30
+  if [ "${1:-}" = megadlms ]; then
+    # model=moe-1b-7b at the rows' shape below; MegaDLMs' row follows the base model=: Megatron-Core's MoE with the
+    # preset's routing (scripts/megadlms_baseline.py moe_flags), MFU over the active parameters on both sides.
+    # ~104 GiB each (6.9B parameters, FP32 master weights and AdamW state): one H200.
+    timeout 570 python3 scripts/benchmark.py model=moe-1b-7b data.seq_len=4096 train.micro_batch_size=1 \
+      train.global_batch_size=8 precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 \
+      --row-timeout 240 --time-budget 555 --json "$OUT/bench_moe_megadlms.json" \
+      --megadlms .megadlms --megadlms-precisions bf16 --megadlms-timeout 270 \
+      --variant "moe-1b-7b-te-bf16: $T" > "$OUT/bench_moe_megadlms.log" 2>&1
+    tail -20 "$OUT/bench_moe_megadlms.log"
+  else
+    timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
+    # 8 micro-batches per optimizer step, as a training run accumulates: the AdamW update of moe-1b-7b's 6.9B FP32
+    # parameters is paid once per 8 sequences, not once per sequence
+    timeout 560 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8 \
+      precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 --row-timeout 130 \
+      --time-budget 550 --json "$OUT/bench_moe.json" \
+      --profile moe-1b-7b-te-bf16 --profile-rows 25 \
+      --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
+      --variant "moe-1b-7b-te-bf16-fused: model=moe-1b-7b $T model.moe.fused_experts=true" \
+      --variant "moe-1b-7b-te-bf16-mb2: model=moe-1b-7b $T train.micro_batch_size=2" \
+      --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
+      --variant "dense-1b-te-fp8: model=dense-1b $T precision=fp8" 2>&1 | tail -30
+  fi
   ;;
 layouts)
   timeout 400 python3 scripts/layout_check.py --gpus 2 --parts correctness,reshard --out "$OUT/lc" --time-budget 390 \

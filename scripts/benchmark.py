@@ -47,9 +47,13 @@ only for rows with a process of their own (``--isolate``), ``-`` for rows sharin
 table is of CPU ops.
 
 MegaDLMs in the same call (``--megadlms DIR``, an export made by ``scripts/megadlms_baseline.py export``):
-its own pretraining at the base model's dimensions and micro-batch, one GPU, for each ``--megadlms-shapes``
-(``S x global batch``) and ``--megadlms-precisions`` (bf16, FP8 hybrid), timed from its log (median of
-iterations 6-16; scripts/megadlms_baseline.py). Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
+its own pretraining at the base model's dimensions (``--megadlms-model PRESET``: that preset's, composed with the
+base overrides) and the base micro-batch, one GPU, for each ``--megadlms-shapes`` (``S x global batch``) and
+``--megadlms-precisions`` (bf16, FP8 hybrid), timed from its log (median of iterations 6-16;
+scripts/megadlms_baseline.py). A mixture-of-experts model runs as Megatron-Core's MoE (rows
+``megadlms-moe-<precision>-s<S>-gb<GB>``, MFU over the active parameters as difflm's rows; docs/moe.md); a model
+the baseline cannot express (sigmoid router scores, shared experts, token dropping, ...) stops the call before
+any row with one ``difflm: error:`` line. Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
 MegaDLMs' at the same model, S, global and micro batch and precision (bf16 or fp8) measured in this call,
 and the end of the output has the comparison table (MegaDLMs BF16 / FP8 | difflm TE BF16 / FP8, tokens/s,
 MFU, ratio; the fastest TE mdlm row of each precision, named). bd3lm rows are compared with the mdlm row of
@@ -597,9 +601,16 @@ MIN_ROW_S = 30.0  # with --time-budget, a row needs at least this much time left
 
 
 def model_key(m) -> tuple:
-    """The dimensions that make two models the same size (MegaDLMs rows match difflm rows on these)."""
+    """The dimensions that make two models the same size (MegaDLMs rows match difflm rows on these); for a
+    mixture of experts also the experts (number, top-k, width, shared, leading dense blocks), so that ``moe-1b-7b``
+    and ``dense-1b`` (the same dense dimensions) differ."""
+    from difflm.model.moe import expert_ffn_size, first_k_dense, moe_config, shared_ffn_size
+
+    moe = moe_config(m)
+    experts = None if moe is None else (int(moe.num_experts), int(moe.top_k), expert_ffn_size(m), shared_ffn_size(m),
+                                        first_k_dense(m))
     return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, bool(m.qk_norm),
-            bool(m.tie_embeddings), m.vocab_size)
+            bool(m.tie_embeddings), m.vocab_size, experts)
 
 
 def plan_rows(args, base, vocab_size: int) -> list[dict]:
@@ -611,10 +622,12 @@ def plan_rows(args, base, vocab_size: int) -> list[dict]:
     if not args.no_reference:
         plan.append({"name": "reference", "kind": "reference", "extra": [], "cfg": compose(args.overrides)})
     pending = []
+    if args.megadlms_shapes:
+        mb = load_sibling("megadlms_baseline")
     for seq, gb in args.megadlms_shapes:
         for prec in args.megadlms_precisions:
-            pending.append({"name": f"megadlms-{prec}-s{seq}-gb{gb}", "kind": "megadlms", "seq_len": seq,
-                            "global_batch": gb, "precision": prec})
+            name = mb.row_name(mb.Shape(seq, gb, precision=prec), args.megadlms_model)  # megadlms[-moe]-<prec>-s-gb
+            pending.append({"name": name, "kind": "megadlms", "seq_len": seq, "global_batch": gb, "precision": prec})
     for name, extra in args.variants:
         try:
             cfg = compose(args.overrides + extra)
@@ -646,14 +659,31 @@ def check_row(cfg, device) -> None:
     check_cuda_graphs(cfg, 1, device)
 
 
+def megadlms_model(args, base, vocab_size: int):
+    """The resolved model config MegaDLMs' rows run: ``--megadlms-model PRESET`` composed with the base overrides,
+    else the base model. Raises DifflmError (one line) for a model scripts/megadlms_baseline.py cannot express
+    (e.g. sigmoid router scores, shared experts, token dropping), before any row runs."""
+    if args.megadlms_model_preset:
+        m = compose(args.overrides + [f"model={args.megadlms_model_preset}"]).model
+        resolve_model_config(m, vocab_size)
+    else:
+        m = base.model
+    try:
+        load_sibling("megadlms_baseline").check_model(m)
+    except DifflmError as e:
+        raise DifflmError(f"--megadlms: model={m.name}: {e}") from None
+    return m
+
+
 def megadlms_row(p: dict, base, args, timeout: float) -> dict:
-    """Run one MegaDLMs row of the plan (scripts/megadlms_baseline.py) at the base model and micro-batch."""
+    """Run one MegaDLMs row of the plan (scripts/megadlms_baseline.py) at the MegaDLMs model (:func:`megadlms_model`)
+    and the base micro-batch."""
     mb = load_sibling("megadlms_baseline")
     shape = mb.Shape(p["seq_len"], p["global_batch"], base.train.micro_batch_size, 1, p["precision"])
-    row = mb.run_row(Path(args.megadlms), shape, model_cfg=base.model, iters=args.megadlms_iters,
+    row = mb.run_row(Path(args.megadlms), shape, model_cfg=args.megadlms_model, iters=args.megadlms_iters,
                      timeout=timeout, log_dir=args.log_dir)
     row.update(name=p["name"], objective="mdlm", backend="megadlms", attention="fused", compile=False,
-               fp8_recipe="delayed" if p["precision"] == "fp8" else None, model=base.model.name)
+               fp8_recipe="delayed" if p["precision"] == "fp8" else None, model=args.megadlms_model.name)
     return row
 
 
@@ -746,12 +776,13 @@ def lora_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def add_ratios(rows: list[dict], plan: list[dict]) -> None:
-    """``ratio_to_reference`` (same shape and objective as ``reference``), ``ratio_to_megadlms`` (same model,
-    S, global and micro batch, precision) and, for bd3lm rows, ``ratio_to_mdlm`` (the mdlm row of the same
-    shape, backend, precision, recipe, attention and compile), all from rows of this call."""
+def add_ratios(rows: list[dict], plan: list[dict], megadlms_key: tuple | None = None) -> None:
+    """``ratio_to_reference`` (same shape and objective as ``reference``), ``ratio_to_megadlms`` (same model as
+    MegaDLMs' rows, ``megadlms_key`` = :func:`model_key` of it, default: the first row's model; S, global and micro
+    batch, precision) and, for bd3lm rows, ``ratio_to_mdlm`` (the mdlm row of the same shape, backend, precision,
+    recipe, attention and compile), all from rows of this call."""
     keys = {p["name"]: model_key(p["cfg"].model) for p in plan if "cfg" in p}
-    base_key = next(iter(keys.values()), None)
+    base_key = megadlms_key if megadlms_key is not None else next(iter(keys.values()), None)
     ok = [r for r in rows if "tokens_per_s" in r]
 
     def shape(r):
@@ -860,6 +891,7 @@ def result_record(args, base, device_name: str, vocab_size: int, rows: list[dict
         "accumulation": base.train.global_batch_size // base.train.micro_batch_size, "seq_len": base.data.seq_len,
         "vocab_size": vocab_size, "model": base.model.name, "objective": base.objective.name,
         "megadlms": args.megadlms, "megadlms_shapes": [list(s) for s in args.megadlms_shapes],
+        "megadlms_model": args.megadlms_model.name if args.megadlms_model is not None else None,
         "rows": [{k: v for k, v in r.items() if k != "profile_table"} for r in rows],
     }
 
@@ -901,6 +933,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--megadlms-precisions", default="bf16,fp8")
     ap.add_argument("--megadlms-timeout", type=float, default=180, help="seconds per MegaDLMs row")
     ap.add_argument("--megadlms-iters", type=int, default=16)
+    ap.add_argument("--megadlms-model", default=None, dest="megadlms_model_preset",
+                    help="difflm model preset MegaDLMs' rows run (default: the base overrides' model=), e.g. moe-1b-7b")
     ap.add_argument("--plan", action="store_true", help="print the rows (and child commands) and exit")
     args = ap.parse_args(argv)
     args.profile = {p for p in args.profile.split(",") if p}
@@ -927,6 +961,7 @@ def main(argv=None) -> dict:
 
     tok = build_tokenizer(base.data.tokenizer, base.model.vocab_multiple)
     resolve_model_config(base.model, tok.padded_vocab_size)
+    args.megadlms_model = megadlms_model(args, base, tok.padded_vocab_size) if args.megadlms_shapes else None
     plan = plan_rows(args, base, tok.padded_vocab_size)
     profilable = [p["name"] for p in plan if p["kind"] != "megadlms"]  # MegaDLMs rows run its own code
     unknown = sorted(args.profile - set(profilable))
@@ -970,7 +1005,7 @@ def main(argv=None) -> dict:
         else:
             row = run_in_process(p, args, device, tok, cache)
         rows.append(row)
-        add_ratios(rows, plan)
+        add_ratios(rows, plan, model_key(args.megadlms_model) if args.megadlms_model is not None else None)
         if args.only is None:
             print(format_row_line(row), flush=True)
             if "log_tail" in row and "tokens_per_s" not in row:
@@ -992,7 +1027,7 @@ def main(argv=None) -> dict:
     for line in lora_lines(rows):
         print(line)
     if args.megadlms_shapes:
-        print(f"\nMegaDLMs vs difflm, model={base.model.name}, micro-batch {base.train.micro_batch_size}, "
+        print(f"\nMegaDLMs vs difflm, model={args.megadlms_model.name}, micro-batch {base.train.micro_batch_size}, "
               f"{device_name}, same call (tokens/s, MFU, ratio to MegaDLMs at the same precision):")
         print(megadlms_table(rows, args.megadlms_shapes))
     write_json(args, result, rows)

@@ -35,10 +35,23 @@ S - 1 rows that leaves, so every row runs ``--seq-length S+1 --difflm-varilen-pr
 exactly S tokens per sequence (its ``real input length`` log entry says so; the parser checks it) and never a
 random shorter one. With 2+ GPUs, MegaDLMs' ``--overlap-grad-reduce --overlap-param-gather`` are added.
 
+Mixture of experts (``--model moe-1b-7b``; :func:`moe_flags`): every MLP is Megatron-Core's ``MoELayer`` with
+its ``TopKRouter`` (``--moe-router-type topk``), ``--num-experts``, ``--moe-ffn-hidden-size``,
+``--moe-router-topk``, ``--moe-router-pre-softmax`` (top-k of the softmax over all experts, not renormalised, as
+difflm's router without ``norm_topk_prob``), the aux loss (``aux_loss``, ``--moe-aux-loss-coeff``) and z-loss
+(``--moe-z-loss-coeff``) of the preset, TE's grouped GEMM (``--moe-grouped-gemm``), no capacity factor, no shared
+experts, EP 1 (``allgather`` dispatcher, local on one GPU). Rows are named ``megadlms-moe-...``; N is the active
+count (:func:`count_params`: difflm's parameters minus :func:`difflm.model.moe.moe_inactive_params`), so MFU
+compares with difflm's MoE rows. An MoE feature this Megatron lacks (sigmoid scores, the auxiliary-loss-free
+bias, group-limited routing, shared experts, leading dense blocks, token dropping, global-batch balancing, scaled
+gating weights) raises DifflmError with one line naming the key; docs/moe.md lists what else differs.
+
 Compatibility with the GPU image (TE 2.20, no apex), without editing MegaDLMs' files:
 ``scripts/megadlms_shim`` goes first on the child's PYTHONPATH. Its ``sitecustomize.py`` installs an import
 hook that adds TE 1.x's ``transformer_engine.pytorch.attention._SplitAlongDim`` and ``FusedRoPEFunc`` (TE 2.x
-argument order, :mod:`megadlms_te_compat`); ``fused_weight_gradient_mlp_cuda.py`` stands in for apex's
+argument order, :mod:`megadlms_te_compat`), and one that adds ``--moe-router-type`` to MegaDLMs' parser
+(``pretrain_difflm.py`` reads it for every MoE run, no parser defines it; :mod:`megadlms_args_compat`);
+``fused_weight_gradient_mlp_cuda.py`` stands in for apex's
 extension (a ``torch.matmul`` wgrad accumulation, used by the LM head only). Every other import on the
 pretraining path is present on the image or guarded by MegaDLMs itself (apex, amp_C -> TE's multi-tensor
 kernels and FusedAdam; flash_attn, grouped_gemm, modelopt, boto3, one_logger, wandb, tensorboard, nltk and
@@ -125,17 +138,97 @@ def model_config(preset: str = "1.7b", vocab_size: int = 50304):
     return cfg.model
 
 
-def count_params(model_cfg) -> int:
+def count_params(model_cfg, active: bool = True) -> int:
     """N of PaLM's MFU formula: parameters without the input embedding, from difflm's model of ``model_cfg``
-    built on the meta device (no memory, no initialisation)."""
+    built on the meta device (no memory, no initialisation). For a mixture-of-experts model (``active``, the
+    default) the active count, as difflm's trainer and benchmark take it: minus the routed experts a token is not
+    sent to (:func:`difflm.model.moe.moe_inactive_params`); ``active=False``: every parameter."""
     import torch
 
     from difflm.model import build_model
     from difflm.model.auto_kernels import cpu_kernels
+    from difflm.model.moe import moe_inactive_params
 
     cfg = cpu_kernels(model_cfg)  # the same parameters under every kernel set
     cfg.backend, cfg.compile = "torch", False
-    return build_model(cfg, causal=False, device=torch.device("meta"), seed=None).num_params()
+    n = build_model(cfg, causal=False, device=torch.device("meta"), seed=None).num_params()
+    return n - moe_inactive_params(model_cfg) if active else n
+
+
+def moe_flags(m) -> list[str]:
+    """Megatron-Core MoE arguments (MegaDLMs' copy) of difflm model config ``m``; ``[]`` for a dense model.
+
+    Every MoE block: ``--num-experts E`` SwiGLU experts of width ``--moe-ffn-hidden-size f`` (TE's grouped GEMM,
+    ``--moe-grouped-gemm``), ``--moe-router-topk k`` chosen per token; gating weights = the top-k of
+    ``softmax(logits)`` not renormalised (``--moe-router-pre-softmax``: softmax over all E, then top-k, as
+    difflm's ``softmax(logits)[topk]``) or, with ``model.moe.norm_topk_prob``, Megatron's default softmax over the
+    k chosen logits (= the chosen softmax scores divided by their sum); Switch's load-balancing loss per
+    micro-batch (``--moe-router-load-balancing-type aux_loss``, ``--moe-aux-loss-coeff``) and the ST-MoE z-loss
+    (``--moe-z-loss-coeff``); no capacity factor (no token dropped), no shared experts, every block MoE,
+    experts on the local GPU (``--expert-model-parallel-size 1``, local ``allgather`` dispatcher). MegaDLMs'
+    ``pretrain_difflm.py`` reads ``args.moe_router_type`` (``topk``: Megatron's ``MoELayer`` + ``TopKRouter``;
+    ``expert_choice``: its own expert-choice layer), which none of its parsers defines: the shim adds
+    ``--moe-router-type`` (``megadlms_shim/megadlms_args_compat.py``). Raises DifflmError naming the key when
+    ``m``'s MoE has no equivalent there."""
+    from difflm.errors import DifflmError
+    from difflm.model.moe import expert_ffn_size, first_k_dense, moe_config
+
+    moe = moe_config(m)
+    if moe is None:
+        return []
+
+    def get(key, default):
+        return moe.get(key, default) if hasattr(moe, "get") else getattr(moe, key, default)
+
+    why = "MegaDLMs' Megatron-Core MoE has no equivalent"
+    refusals = [
+        (get("score_func", "softmax") != "softmax", f"model.moe.score_func={get('score_func', None)}: {why} "
+         "(softmax router scores only)"),
+        (float(get("bias_update_rate", 0.0)) > 0, f"model.moe.bias_update_rate={get('bias_update_rate', None)}: "
+         f"{why} (no auxiliary-loss-free bias)"),
+        (int(get("n_group", 1)) > 1, f"model.moe.n_group={get('n_group', None)}: {why} (no group-limited routing)"),
+        (float(get("routed_scaling_factor", 1.0)) != 1.0,
+         f"model.moe.routed_scaling_factor={get('routed_scaling_factor', None)}: {why} (unscaled gating weights "
+         "only)"),
+        (int(get("num_shared_experts", 0)) > 0, f"model.moe.num_shared_experts={get('num_shared_experts', None)}: "
+         f"{why} (no shared experts)"),
+        (first_k_dense(m) > 0, f"model.moe.first_k_dense={first_k_dense(m)}: {why} (every block MoE)"),
+        (get("capacity_factor", None) is not None, f"model.moe.capacity_factor={get('capacity_factor', None)}: "
+         f"{why} (no token dropping)"),
+        (str(get("balance_over", "micro_batch")) != "micro_batch",
+         f"model.moe.balance_over={get('balance_over', None)}: {why} (per-micro-batch load balancing only)"),
+        (float(get("aux_loss_coeff", 0.0)) <= 0, f"model.moe.aux_loss_coeff={get('aux_loss_coeff', None)}: {why} "
+         "(its top-k router without the load-balancing loss, type 'none', does not run in MegaDLMs)"),
+        (bool(get("norm_topk_prob", False)) and int(moe.top_k) == 1,
+         f"model.moe.norm_topk_prob=true with top_k=1: {why} (Megatron refuses softmax after a top-1 choice)"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise DifflmError(message)
+    flags = [
+        "--num-experts", str(int(moe.num_experts)), "--moe-ffn-hidden-size", str(expert_ffn_size(m)),
+        "--moe-router-topk", str(int(moe.top_k)), "--moe-router-type", "topk",
+    ]
+    if not bool(get("norm_topk_prob", False)):
+        flags.append("--moe-router-pre-softmax")
+    flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(float(moe.aux_loss_coeff))]
+    if float(get("z_loss_coeff", 0.0)) > 0:
+        flags += ["--moe-z-loss-coeff", repr(float(moe.z_loss_coeff))]
+    flags += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "allgather", "--expert-model-parallel-size", "1"]
+    return flags
+
+
+def check_model(m) -> None:
+    """Raises DifflmError (one line, naming the key) when difflm model config ``m`` has no MegaDLMs equivalent:
+    a vocabulary Megatron would pad differently, QKV biases, shifted logits, or an MoE :func:`moe_flags` refuses
+    (tied embeddings are allowed)."""
+    from difflm.errors import DifflmError
+
+    if m.vocab_size % 128:
+        raise DifflmError(f"model.vocab_size={m.vocab_size} must be a multiple of 128 (Megatron pads to 128)")
+    if getattr(m, "qkv_bias", False) or getattr(m, "shift_logits", False):
+        raise DifflmError("MegaDLMs rows need model.qkv_bias=false and model.shift_logits=false")
+    moe_flags(m)
 
 
 def megadlms_flags(m, shape: Shape, iters: int = 16) -> list[str]:
@@ -143,14 +236,10 @@ def megadlms_flags(m, shape: Shape, iters: int = 16) -> list[str]:
 
     ``--seq-length`` is S + 1: MegaDLMs feeds ``tokens[:, 1:]``. The NullTokenizer's ``--vocab-size V-1``
     (its end-of-document id is V - 1) makes Megatron's padded vocabulary exactly ``m.vocab_size`` (a multiple
-    of 128). Raises DifflmError when ``m`` has no MegaDLMs equivalent (tied embeddings are allowed).
+    of 128). A mixture-of-experts ``m`` adds :func:`moe_flags` after the model flags. Raises DifflmError when
+    ``m`` has no MegaDLMs equivalent (:func:`check_model`).
     """
-    from difflm.errors import DifflmError
-
-    if m.vocab_size % 128:
-        raise DifflmError(f"model.vocab_size={m.vocab_size} must be a multiple of 128 (Megatron pads to 128)")
-    if getattr(m, "qkv_bias", False) or getattr(m, "shift_logits", False):
-        raise DifflmError("MegaDLMs rows need model.qkv_bias=false and model.shift_logits=false")
+    check_model(m)
     head_dim = m.head_dim or m.hidden_size // m.num_heads
     flags = [
         "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
@@ -169,6 +258,7 @@ def megadlms_flags(m, shape: Shape, iters: int = 16) -> list[str]:
         flags.append("--qk-layernorm")
     if not m.tie_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += moe_flags(m)  # mixture of experts: every MLP an MoE layer; nothing for a dense model
     flags += [  # MegaDLMs' diffusion mode (LLaDA loss, bidirectional attention)
         "--model-running-mode", "difflm-noshift", "--base-model", "vanilla", "--mask-token", str(MASK_TOKEN),
         "--attention-mask-type", "no_mask", "--difflm-varilen-prob", "0", "--attention-backend", "fused",
@@ -400,8 +490,17 @@ def log_tail(text: str, lines: int = 25) -> str:
     return "\n".join(rows[max(0, cut - lines):cut + 1])
 
 
-def row_name(shape: Shape) -> str:
-    return f"megadlms-{shape.precision}-s{shape.seq_len}-gb{shape.global_batch}"
+def is_moe(m) -> bool:
+    """Whether difflm model config ``m`` is a mixture of experts (``model.moe.num_experts`` > 0)."""
+    from difflm.model.moe import moe_config
+
+    return m is not None and moe_config(m) is not None
+
+
+def row_name(shape: Shape, m=None) -> str:
+    """``megadlms-<precision>-s<S>-gb<global batch>``; ``megadlms-moe-...`` for a mixture-of-experts ``m``."""
+    kind = "moe-" if is_moe(m) else ""
+    return f"megadlms-{kind}{shape.precision}-s{shape.seq_len}-gb{shape.global_batch}"
 
 
 def run_row(megadlms: Path, shape: Shape, *, model_cfg=None, preset: str = "1.7b", vocab_size: int = 50304,
@@ -415,17 +514,20 @@ def run_row(megadlms: Path, shape: Shape, *, model_cfg=None, preset: str = "1.7b
     from difflm.training.flops import flops_per_token
 
     megadlms = Path(megadlms).resolve()  # the run's cwd is its log folder
-    row = {"name": row_name(shape), "system": "megadlms", "precision": shape.precision, "seq_len": shape.seq_len,
-           "global_batch": shape.global_batch, "micro_batch": shape.micro_batch, "gpus": shape.gpus,
-           "model": model_cfg.name if model_cfg is not None else preset}
+    row = {"name": row_name(shape, model_cfg), "system": "megadlms", "precision": shape.precision,
+           "seq_len": shape.seq_len, "global_batch": shape.global_batch, "micro_batch": shape.micro_batch,
+           "gpus": shape.gpus, "model": model_cfg.name if model_cfg is not None else preset}
     try:
         shape.check()
         if window[1] > iters or window[0] < 1 or window[0] > window[1]:
             raise DifflmError(f"--window {window[0]},{window[1]} must lie within iterations 1..--iters {iters}")
         m = model_cfg if model_cfg is not None else model_config(preset, vocab_size)
-        n = count_params(m)
+        row["name"] = row_name(shape, m)
+        n = count_params(m)  # MoE: the active parameters, as difflm counts them
         row.update(n_params_non_embedding=n, flops_per_token=flops_per_token(n, m.num_layers, m.hidden_size,
                                                                              shape.seq_len))
+        if is_moe(m):
+            row["n_params_non_embedding_total"] = count_params(m, active=False)
         flags = megadlms_flags(m, shape, iters) + list(extra or [])
         cmd = torchrun_command(megadlms, flags, shape.gpus)
         row["command"] = shlex.join(cmd)
@@ -558,7 +660,7 @@ def main(argv=None) -> int:
 
         m = model_config(args.model, args.vocab_size)
         n = count_params(m)
-        row = {"name": row_name(shape), "system": "megadlms", "precision": shape.precision, "seq_len": shape.seq_len,
+        row = {"name": row_name(shape, m), "system": "megadlms", "precision": shape.precision, "seq_len": shape.seq_len,
                "global_batch": shape.global_batch, "gpus": shape.gpus, "log": args.log}
         row.update(summarize(parse_iterations(Path(args.log).read_text(errors="replace")), shape,
                              flops_per_token(n, m.num_layers, m.hidden_size, shape.seq_len), args.peak_tflops, args.window))

@@ -173,6 +173,65 @@ def test_plan_orders_rows_by_megadlms_shape(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # a plan writes nothing, not even an empty log directory
 
 
+def test_megadlms_rows_follow_the_megadlms_model(capsys, tmp_path, monkeypatch):
+    """--megadlms-model PRESET: MegaDLMs' rows run that preset (composed with the base overrides), named
+    megadlms-moe-... for a mixture of experts; without it they follow the base overrides' model=."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    bench = load_script("benchmark")
+    small = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu",
+             "model.moe.num_shared_experts=0", "--no-reference", "--plan", "--megadlms", "/nonexistent"]
+    out = bench.main([*small, "--megadlms-model", "moe-tiny", "--variant", "moe: model=moe-tiny", "--variant", "d: "])
+    assert out["plan"] == ["megadlms-moe-bf16-s32-gb4", "megadlms-moe-fp8-s32-gb4", "moe", "d"]
+    assert "megadlms-moe-bf16-s32-gb4: MegaDLMs S=32 global batch 4 bf16" in capsys.readouterr().out
+    base_moe = bench.main(["model=moe-tiny", *small[1:], "--megadlms-precisions", "bf16"])
+    assert base_moe["plan"] == ["megadlms-moe-bf16-s32-gb4", "difflm"]
+    assert bench.main([*small, "--megadlms-precisions", "bf16"])["plan"] == ["megadlms-bf16-s32-gb4", "difflm"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_megadlms_model_it_cannot_express_is_one_line_exit_2(capsys, tmp_path):
+    bench = load_script("benchmark")
+    small = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu",
+             "--no-reference", "--megadlms", str(tmp_path / "none"), "--log-dir", str(tmp_path / "logs")]
+    assert bench.cli([*small, "--megadlms-model", "moe-tiny"]) == 2  # one shared expert per block
+    err = capsys.readouterr().err
+    assert err == ("difflm: error: --megadlms: model=moe-tiny: model.moe.num_shared_experts=1: MegaDLMs' Megatron-Core "
+                   "MoE has no equivalent (no shared experts)\n")
+    assert bench.cli([*small, "--megadlms-model", "llada2-mini"]) == 2
+    assert capsys.readouterr().err.startswith("difflm: error: --megadlms: model=llada2-mini: model.moe.score_func=")
+    assert bench.cli([*small, "--megadlms-model", "moe-tinyy"]) == 2
+    assert capsys.readouterr().err.startswith("difflm: error: model=moe-tinyy is not a model preset")
+    assert not (tmp_path / "logs").exists()  # refused before any row ran
+
+
+def test_megadlms_ratio_only_for_rows_of_its_model():
+    """moe-1b-7b and dense-1b share every dense dimension: the MoE MegaDLMs row is compared with the MoE row only."""
+    bench = load_script("benchmark")
+    from difflm.model import resolve_model_config
+
+    plan = []
+    for name, preset in (("dense", "dense-1b"), ("moe", "moe-1b-7b")):
+        cfg = bench.compose([f"model={preset}"])
+        resolve_model_config(cfg.model, 50304)
+        plan.append({"name": name, "kind": "variant", "cfg": cfg})
+    assert bench.model_key(plan[0]["cfg"].model)[:-1] == bench.model_key(plan[1]["cfg"].model)[:-1]
+    assert bench.model_key(plan[1]["cfg"].model)[-1] == (64, 8, 1024, 0, 0)  # experts, top-k, width, shared, dense
+    assert bench.model_key(plan[0]["cfg"].model)[-1] is None
+    shape = {"seq_len": 4096, "global_batch": 8, "micro_batch": 1, "precision": "bf16"}
+    rows = [{"name": "megadlms-moe-bf16-s4096-gb8", "system": "megadlms", "tokens_per_s": 20000.0, **shape},
+            *({"name": n, "system": "difflm", "objective": "mdlm", "tokens_per_s": t, **shape}
+              for n, t in (("dense", 50000.0), ("moe", 30000.0)))]
+    bench.add_ratios(rows, plan, bench.model_key(plan[1]["cfg"].model))
+    assert rows[2]["ratio_to_megadlms"] == 1.5 and "ratio_to_megadlms" not in rows[1]
+    rows = [dict(r) for r in rows]
+    for r in rows:
+        r.pop("ratio_to_megadlms", None)
+    bench.add_ratios(rows, plan)  # without a MegaDLMs model: the first row's, as before
+    assert rows[1]["ratio_to_megadlms"] == 2.5 and "ratio_to_megadlms" not in rows[2]
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_megadlms_rows_and_ratios_in_one_call(tmp_path, capsys):
     """Fake MegaDLMs export (scripts print Megatron's iteration lines under torchrun) next to CPU difflm rows:

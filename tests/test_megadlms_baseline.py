@@ -199,13 +199,9 @@ def test_missing_export_is_one_line(tmp_path):
     assert "no MegaDLMs export there" in row["error"] and "export --git-dir" in row["error"]
 
 
-@pytest.mark.skipif(not (EXPORT / "megatron" / "training" / "arguments.py").exists(),
-                    reason="no MegaDLMs export (scripts/megadlms_baseline.py export; MEGADLMS_EXPORT)")
-def test_megatron_accepts_the_flags(tmp_path):
-    """MegaDLMs' own parse_args / validate_args / NullTokenizer / TransformerConfig take our flags, and with the
-    shim its TE extension finds FusedRoPEFunc (apply_rope_fusion) and SplitAlongDim, over a stub TE 2.x
-    package (CPU: every other TE name is a placeholder class, never called)."""
-    mb = load_script("megadlms_baseline")
+def write_stub_te(root: Path) -> None:
+    """A stub Transformer Engine 2.x package under ``root`` for importing Megatron on a CPU: the TE 2.20 layout of
+    SplitAlongDim and FusedRoPEFunc (which records its calls), every other TE name a placeholder class."""
     auto = textwrap.dedent("""
         def __getattr__(name):
             if name.startswith("__"):
@@ -228,9 +224,30 @@ def test_megatron_accepts_the_flags(tmp_path):
         "pytorch/optimizers/__init__.py": auto, "pytorch/module/__init__.py": auto, "pytorch/module/base.py": auto,
     }
     for name, text in files.items():
-        path = tmp_path / "transformer_engine" / name
+        path = root / "transformer_engine" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+
+
+def run_megatron(code: str, stub_root: Path) -> subprocess.CompletedProcess:
+    """``code`` in a child with the environment of MegaDLMs' processes (shim, export) over the stub TE."""
+    mb = load_script("megadlms_baseline")
+    env = mb.child_env(EXPORT)
+    env.update(PYTHONPATH=env["PYTHONPATH"] + f":{stub_root}", WORLD_SIZE="1", RANK="0")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+needs_export = pytest.mark.skipif(not (EXPORT / "megatron" / "training" / "arguments.py").exists(),
+                                  reason="no MegaDLMs export (scripts/megadlms_baseline.py export; MEGADLMS_EXPORT)")
+
+
+@needs_export
+def test_megatron_accepts_the_flags(tmp_path):
+    """MegaDLMs' own parse_args / validate_args / NullTokenizer / TransformerConfig take our flags, and with the
+    shim its TE extension finds FusedRoPEFunc (apply_rope_fusion) and SplitAlongDim, over a stub TE 2.x
+    package (CPU: every other TE name is a placeholder class, never called)."""
+    mb = load_script("megadlms_baseline")
+    write_stub_te(tmp_path)
     flags = mb.megadlms_flags(mb.model_config("1.7b", 50304), mb.Shape(4096, 16, 4, 1, "fp8"))
     code = textwrap.dedent(f"""
         import sys, warnings
@@ -251,10 +268,230 @@ def test_megatron_accepts_the_flags(tmp_path):
               cfg.gradient_accumulation_fusion, layers._grad_accum_fusion_available, ext.SplitAlongDim is not None,
               rope.calls[-1][2:], args.model_running_mode, args.attention_mask_type, args.difflm_varilen_prob)
         """)
-    env = mb.child_env(EXPORT)
-    env.update(PYTHONPATH=env["PYTHONPATH"] + f":{tmp_path}", WORLD_SIZE="1", RANK="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_megatron(code, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
     assert result.split(" ", 1)[1] == ("4097 50304 16 hybrid True True True True (None, 'sbhd', False, None, 1, 0) "
                                        "difflm-noshift no_mask 0.0")
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+DENSE_1P7B_FLAGS = [  # model=1.7b at S 4096, global batch 16, micro-batch 4, one GPU, BF16: the dense row's command
+    "--num-layers", "28", "--hidden-size", "2048", "--num-attention-heads", "16", "--kv-channels", "128",
+    "--ffn-hidden-size", "6144", "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-06",
+    "--position-embedding-type", "rope", "--rotary-base", "10000", "--disable-bias-linear", "--attention-dropout",
+    "0.0", "--hidden-dropout", "0.0", "--attention-softmax-in-fp32", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--seq-length", "4097", "--max-position-embeddings", "4097",
+    "--init-method-std", "0.02", "--qk-layernorm", "--untie-embeddings-and-output-weights", "--model-running-mode",
+    "difflm-noshift", "--base-model", "vanilla", "--mask-token", "50277", "--attention-mask-type", "no_mask",
+    "--difflm-varilen-prob", "0", "--attention-backend", "fused", "--micro-batch-size", "4", "--global-batch-size",
+    "16", "--train-iters", "16", "--lr", "2e-4", "--min-lr", "2e-5", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--bf16",
+    "--use-distributed-optimizer", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50303", "--eval-iters", "0",
+    "--eval-interval", "160", "--log-interval", "1", "--log-throughput", "--seed", "1234",
+]
+
+MOE_1B_7B_FLAGS = [  # model=moe-1b-7b (OLMoE-1B-7B): what follows the model flags of its dense twin
+    "--num-experts", "64", "--moe-ffn-hidden-size", "1024", "--moe-router-topk", "8", "--moe-router-type", "topk",
+    "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+    "--moe-z-loss-coeff", "0.001", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "allgather",
+    "--expert-model-parallel-size", "1",
+]
+
+
+def test_dense_flags_are_unchanged():
+    mb = load_script("megadlms_baseline")
+    m = mb.model_config("1.7b", 50304)
+    assert mb.megadlms_flags(m, mb.Shape(4096, 16, 4, 1, "bf16"), iters=16) == DENSE_1P7B_FLAGS
+    assert mb.moe_flags(m) == [] and not mb.is_moe(m)
+    assert mb.row_name(mb.Shape(4096, 16), m) == "megadlms-bf16-s4096-gb16" == mb.row_name(mb.Shape(4096, 16))
+
+
+def test_moe_1b_7b_flags():
+    """moe-1b-7b: the MoE flags right after the model flags, everything else as for dense-1b (the same 16 x 2048
+    blocks and attention; its unused ffn_hidden_size 8192 is dense-1b's)."""
+    mb = load_script("megadlms_baseline")
+    shape = mb.Shape(4096, 8, 1, 1, "bf16")
+    m = mb.model_config("moe-1b-7b", 50304)
+    flags = mb.megadlms_flags(m, shape)
+    assert mb.moe_flags(m) == MOE_1B_7B_FLAGS
+    at = flags.index("--untie-embeddings-and-output-weights") + 1
+    assert flags[at:at + len(MOE_1B_7B_FLAGS)] == MOE_1B_7B_FLAGS
+    assert flags[:at] + flags[at + len(MOE_1B_7B_FLAGS):] == mb.megadlms_flags(mb.model_config("dense-1b", 50304),
+                                                                               shape)
+    for absent in ("--moe-expert-capacity-factor", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+                   "--moe-router-topk-scaling-factor", "--moe-use-legacy-grouped-gemm"):
+        assert absent not in flags  # no token dropping, no shared experts, every block MoE, weights unscaled
+    assert mb.row_name(shape, m) == "megadlms-moe-bf16-s4096-gb8"
+    m.moe.norm_topk_prob = True  # renormalised top-k = Megatron's softmax over the k chosen logits
+    assert "--moe-router-pre-softmax" not in mb.moe_flags(m)
+    m.moe.z_loss_coeff = 0.0
+    assert "--moe-z-loss-coeff" not in mb.moe_flags(m)
+
+
+def test_moe_flops_count_the_active_parameters_as_difflm():
+    """N of a MegaDLMs MoE row = difflm's active count (num_params - moe_inactive_params, what difflm's trainer and
+    benchmark use), so the two MFUs compare."""
+    mb = load_script("megadlms_baseline")
+    from difflm.config.compose import compose_train_config
+    from difflm.model import build_model, resolve_model_config
+    from difflm.model.moe import moe_inactive_params
+    from difflm.training.flops import objective_flops_per_token
+
+    m = mb.model_config("moe-1b-7b", 50304)
+    inactive = 16 * (64 - 8) * 3 * 2048 * 1024  # 16 MoE blocks x 56 experts a token skips x SwiGLU 3 d f
+    assert moe_inactive_params(m) == inactive == 5_637_144_576
+    assert mb.count_params(m, active=False) == 6_816_077_824
+    assert mb.count_params(m) == 6_816_077_824 - inactive == 1_178_933_248
+    row = mb.run_row(Path("/nonexistent"), mb.Shape(4096, 8, 1, 1, "bf16"), model_cfg=m, dry_run=True)
+    assert row["name"] == "megadlms-moe-bf16-s4096-gb8" and "error" not in row
+    assert row["n_params_non_embedding"] == 1_178_933_248 and row["n_params_non_embedding_total"] == 6_816_077_824
+    assert row["flops_per_token"] == 6 * 1_178_933_248 + 12 * 16 * 2048 * 4096
+    # difflm's own count for its rows (scripts/benchmark.py: model.num_params() - moe_inactive_params)
+    cfg = compose_train_config(["model=moe-1b-7b", "data.seq_len=4096"], device=torch.device("cpu"))
+    resolve_model_config(cfg.model, 50304)
+    n = build_model(cfg.model, causal=False, device=torch.device("meta"), seed=None).num_params()
+    difflm_n = n - moe_inactive_params(cfg.model)
+    assert row["flops_per_token"] == objective_flops_per_token(cfg.objective, cfg.model, difflm_n, 4096)
+    dense = mb.run_row(Path("/nonexistent"), mb.Shape(4096, 8, 1, 1, "bf16"), preset="dense-1b", dry_run=True)
+    assert "n_params_non_embedding_total" not in dense and dense["name"] == "megadlms-bf16-s4096-gb8"
+    assert dense["n_params_non_embedding"] == mb.count_params(mb.model_config("dense-1b", 50304), active=False)
+
+
+@pytest.mark.parametrize("preset,override,message", [
+    ("llada2-mini", None, "model.moe.score_func=sigmoid: MegaDLMs' Megatron-Core MoE has no equivalent (softmax "
+                          "router scores only)"),
+    ("moe-tiny", None, "model.moe.num_shared_experts=1: MegaDLMs' Megatron-Core MoE has no equivalent (no shared "
+                       "experts)"),
+    ("moe-1b-7b", ("capacity_factor", 1.25), "model.moe.capacity_factor=1.25: MegaDLMs' Megatron-Core MoE has no "
+                                             "equivalent (no token dropping)"),
+    ("moe-1b-7b", ("bias_update_rate", 0.001), "model.moe.bias_update_rate=0.001: MegaDLMs' Megatron-Core MoE has no "
+                                               "equivalent (no auxiliary-loss-free bias)"),
+    ("moe-1b-7b", ("first_k_dense", 1), "model.moe.first_k_dense=1: MegaDLMs' Megatron-Core MoE has no equivalent "
+                                        "(every block MoE)"),
+    ("moe-1b-7b", ("balance_over", "global_batch"), "model.moe.balance_over=global_batch: MegaDLMs' Megatron-Core MoE "
+                                                    "has no equivalent (per-micro-batch load balancing only)"),
+])
+def test_moe_without_an_equivalent_is_refused_in_one_line(preset, override, message):
+    mb = load_script("megadlms_baseline")
+    m = mb.model_config(preset, 50304)
+    if override:
+        setattr(m.moe, *override)
+    with pytest.raises(DifflmError) as err:
+        mb.megadlms_flags(m, mb.Shape(4096, 8, 1, 1, "bf16"))
+    assert str(err.value) == message
+    row = mb.run_row(Path("/nonexistent"), mb.Shape(4096, 8, 1, 1, "bf16"), model_cfg=m, dry_run=True)
+    assert row["error"] == message and "command" not in row
+
+
+ARGS_PROVIDER = '''
+def extra_args_provider(parser):
+    """difflm arguments."""
+    group = parser.add_argument_group(title="difflm")
+    group.add_argument("--model-running-mode", type=str, default="difflm-noshift")
+    return parser
+'''
+
+
+def test_shim_adds_moe_router_type_to_megadlms_parser(tmp_path):
+    """MegaDLMs' pretrain_difflm.py reads args.moe_router_type, which no parser of it defines: the shim's hook adds
+    --moe-router-type to custom_args.difflm's extra_args_provider when that module is imported, once."""
+    (tmp_path / "custom_args").mkdir()
+    (tmp_path / "custom_args" / "__init__.py").write_text("")
+    (tmp_path / "custom_args" / "difflm.py").write_text(ARGS_PROVIDER)
+    code = textwrap.dedent("""
+        import argparse, sys
+        assert "custom_args.difflm" not in sys.modules
+        from custom_args.difflm import extra_args_provider
+        import megadlms_args_compat, custom_args.difflm as module
+        megadlms_args_compat.patch(module)  # a second patch changes nothing
+        assert module.extra_args_provider is extra_args_provider
+        parser = extra_args_provider(argparse.ArgumentParser())
+        print(parser.parse_args(["--moe-router-type", "topk"]).moe_router_type, parser.parse_args([]).moe_router_type)
+        try:
+            parser.parse_args(["--moe-router-type", "sinkhorn"])
+        except SystemExit as e:
+            print("refused", e.code)
+        """)
+    env = dict(os.environ, PYTHONPATH=f"{SHIM}:{tmp_path}")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["topk expert_choice", "refused 2"]
+
+
+@needs_export
+def test_megatron_builds_the_moe_1b_7b_layer_and_routes_as_difflm(tmp_path):
+    """MegaDLMs' own parser and config take the MoE flags (--moe-router-type through the shim); its block spec is
+    Megatron-Core's MoELayer (TopKRouter) with TE's grouped experts in all 16 blocks; and its routing functions,
+    run on CPU, give difflm's router: pre-softmax top-8 = difflm's softmax(logits)[topk] (norm_topk_prob false),
+    Megatron's default softmax after top-k = difflm's renormalised top-k, the aux loss and the z-loss equal."""
+    from difflm.model.moe import TopKRouter, load_balancing_loss, router_z_loss
+
+    mb = load_script("megadlms_baseline")
+    write_stub_te(tmp_path)
+    flags = mb.megadlms_flags(mb.model_config("moe-1b-7b", 50304), mb.Shape(4096, 8, 1, 1, "bf16"))
+    saved = tmp_path / "megatron_routing.pt"
+    code = textwrap.dedent(f"""
+        import sys, warnings, torch
+        warnings.filterwarnings("ignore")
+        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # validate_args asks for --moe-grouped-gemm
+        sys.argv = ["pretrain_difflm.py"] + {flags!r}
+        from megatron.training.arguments import parse_args, validate_args, core_transformer_config_from_args
+        from custom_args.difflm import extra_args_provider
+        args = parse_args(extra_args_provider)
+        validate_args(args, {{"tokenizer_type": "HuggingFaceTokenizer"}})
+        cfg = core_transformer_config_from_args(args)
+        from megatron.core import parallel_state
+        parallel_state.set_pipeline_model_parallel_rank(0)
+        parallel_state.set_pipeline_model_parallel_world_size(1)
+        from megatron.core.models.difflm.gpt_layer_specs import get_difflm_decoder_block_spec
+        spec = get_difflm_decoder_block_spec(cfg, use_transformer_engine=True, attn_mask_type=args.attention_mask_type,
+                                             core_attn_implementation=args.core_attn_implementation,
+                                             moe_router_type=args.moe_router_type)
+        kinds = {{(s.submodules.mlp.module.__name__, s.submodules.mlp.submodules.experts.module.__name__,
+                   s.submodules.pre_mlp_layernorm.__name__) for s in spec.layer_specs}}
+        print("RESULT", len(spec.layer_specs), sorted(kinds), args.moe_router_type, cfg.num_moe_experts,
+              cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.moe_router_pre_softmax,
+              cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, cfg.moe_grouped_gemm,
+              cfg.moe_token_dispatcher_type, cfg.expert_model_parallel_size, cfg.moe_expert_capacity_factor,
+              cfg.moe_shared_expert_intermediate_size, cfg.moe_layer_freq, cfg.moe_router_topk_scaling_factor,
+              cfg.moe_router_activation_function, cfg.gated_linear_unit, cfg.add_bias_linear)
+        from megatron.core.transformer.moe.moe_utils import (switch_load_balancing_loss_func,
+                                                             topk_softmax_with_capacity, z_loss_func)
+        logits = torch.randn(512, 64, generator=torch.Generator().manual_seed(0)) * 2
+        out = {{"logits": logits}}
+        for pre in (True, False):
+            probs, routing_map, tokens_per_expert = topk_softmax_with_capacity(
+                cfg, logits, cfg.moe_router_topk, capacity_factor=cfg.moe_expert_capacity_factor, use_pre_softmax=pre,
+                moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
+            out[pre] = (probs, routing_map, tokens_per_expert)
+        out["aux"] = switch_load_balancing_loss_func(torch.softmax(logits, dim=-1), out[True][2], cfg.moe_router_topk,
+                                                     cfg.moe_aux_loss_coeff)
+        out["z"] = z_loss_func(logits, cfg.moe_z_loss_coeff)
+        torch.save(out, {str(saved)!r})
+        """)
+    out = run_megatron(code, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    assert result.split(" ", 1)[1] == ("16 [('MoELayer', 'TEGroupedMLP', 'TENorm')] topk 64 8 1024 True aux_loss 0.01 "
+                                       "0.001 True allgather 1 None None 1 None softmax True False")
+    meg = torch.load(saved)
+    logits = meg["logits"]
+    for norm_topk_prob, pre in ((False, True), (True, False)):
+        router = TopKRouter(64, 64, 8, "softmax", norm_topk_prob)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(64))  # the router's logits are the input
+        routing = router(logits)
+        probs, routing_map, tokens_per_expert = meg[pre]
+        ours = torch.zeros_like(logits).scatter(-1, routing.expert_ids, routing.weights)
+        assert torch.equal(routing_map, ours > 0) and routing_map.sum(-1).eq(8).all()
+        torch.testing.assert_close(probs, ours)
+        counts = torch.zeros(64, dtype=torch.long).scatter_add_(0, routing.expert_ids.flatten(),
+                                                                torch.ones(512 * 8, dtype=torch.long))
+        assert torch.equal(tokens_per_expert, counts)
+        if not norm_topk_prob:
+            torch.testing.assert_close(meg["aux"], 0.01 * load_balancing_loss(routing.probs, counts, 8))
+            torch.testing.assert_close(meg["z"], 0.001 * router_z_loss(routing.logits))
+    assert not torch.allclose(meg[True][0], meg[False][0])  # the two gating rules differ: the flag matters

@@ -55,23 +55,28 @@ def patch(attention_module) -> list[str]:
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, patch_fn):
+        self.loader, self.patch_fn = loader, patch_fn
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        patch(module)
+        self.patch_fn(module)
 
     def __getattr__(self, name):  # get_filename, is_package, get_source, ... of the real loader
         return getattr(self.loader, name)
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Finds module ``target`` with the other finders and runs ``patch_fn(module)`` right after it executes."""
+
+    def __init__(self, target: str = TARGET, patch_fn=patch):
+        self.target, self.patch_fn = target, patch_fn
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self.target:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -79,14 +84,19 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(name, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader)
+                    spec.loader = _PatchingLoader(spec.loader, self.patch_fn)
                 return spec
         return None
 
 
+def install_hook(target: str, patch_fn) -> None:
+    """Run ``patch_fn(module)`` on module ``target`` now if it is already imported, else when it is (idempotent)."""
+    if target in sys.modules:
+        patch_fn(sys.modules[target])
+    elif not any(isinstance(f, _PatchingFinder) and f.target == target for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchingFinder(target, patch_fn))
+
+
 def install() -> None:
     """Patch TE now if it is already imported, else when it is (idempotent)."""
-    if TARGET in sys.modules:
-        patch(sys.modules[TARGET])
-    elif not any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchingFinder())
+    install_hook(TARGET, patch)
