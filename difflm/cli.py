@@ -64,7 +64,7 @@ def exits_cleanly(fn):
     (KeyboardInterrupt) prints ``difflm: interrupted`` and exits 130, as a shell reports it. On such a refusal
     (status 2) the folders Hydra created for this invocation that hold only its own records (a fresh default
     ``outputs/<time>/``, a new sweep folder) are removed first
-    (:func:`difflm.training.run_dir.remove_refused_run_dirs`).
+    (:func:`difflm.hydra_folders.remove_refused_run_dirs`).
 
     A config passed as the first argument is checked first by :func:`difflm.config.schema.check_known_keys` (a key
     added with ``+`` that its schema lacks) and :func:`check_required`; a mandatory value read later (a ``???`` that
@@ -95,7 +95,7 @@ def exits_cleanly(fn):
         except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
             message, status = "\ndifflm: interrupted", EXIT_INTERRUPTED
         if status == 2:  # a refusal: the run or sweep folders Hydra just made for it hold nothing to keep
-            from difflm.training.run_dir import remove_refused_run_dirs
+            from difflm.hydra_folders import remove_refused_run_dirs
 
             remove_refused_run_dirs()
         _say(message)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from difflm.cli import multirun_flag
-from difflm.training import run_dir as run_dir_module
-from difflm.training.run_dir import LOCK_FILE, note_created, remove_refused_run_dirs
+from difflm import hydra_folders
+from difflm.hydra_folders import note_created, remove_refused_run_dirs
+from difflm.training.run_dir import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +104,7 @@ def test_a_refused_run_in_an_existing_run_dir_keeps_it(tmp_path):
 
 
 def test_only_folders_holding_nothing_but_hydras_records_are_taken_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_dir_module, "_CREATED", [])
+    monkeypatch.setattr(hydra_folders, "_CREATED", [])
     records = (".hydra", LOCK_FILE, "train.log")
     plain, written, elsewhere = tmp_path / "out" / "a", tmp_path / "out" / "b", tmp_path / "kept" / "c"
     for path in (plain, written, elsewhere):

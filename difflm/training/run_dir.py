@@ -11,7 +11,8 @@ across NFS clients on Linux >= 2.6.12, where flock is emulated with POSIX byte-r
 ``.hydra/`` into it. Under torchrun or SLURM only global rank 0 claims it (the other ranks take rank 0's ``run.dir``;
 when rank 0 stops, the launcher ends them). The guard also notes which folders Hydra created for this invocation, so
 that a run refused after Hydra made them (a one-line error, exit status 2) takes back those that hold nothing but
-Hydra's records (:func:`remove_refused_run_dirs`): a refused run leaves no empty ``outputs/<time>/`` behind.
+Hydra's records (:func:`difflm.hydra_folders.remove_refused_run_dirs`): a refused run leaves no empty
+``outputs/<time>/`` behind.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
 from difflm.errors import DifflmError
+from difflm.hydra_folders import forget_created, note_created, outermost_missing
 
 LOCK_FILE = ".difflm.lock"
 
@@ -176,75 +178,6 @@ def remove_path(path: Path, what: str) -> None:
                           "it yourself and rerun") from None
 
 
-# folders Hydra created for this invocation, noted by RunDirGuard (rank 0): (folder, the outermost folder its
-# creation made, the names in it that only Hydra and the guard write)
-_CREATED: list[tuple[Path, Path, frozenset]] = []
-
-
-def _outermost_missing(path: Path) -> Optional[Path]:
-    """The outermost folder of ``path`` (itself included) that does not exist yet, i.e. what creating ``path`` with
-    its parents makes; None when ``path`` exists."""
-    path = Path(path).absolute()
-    if path.exists():
-        return None
-    top = path
-    while not top.parent.exists():
-        top = top.parent
-    return top
-
-
-def note_created(path, records, top: Optional[Path] = None) -> None:
-    """Note ``path`` as a folder this invocation creates, for :func:`remove_refused_run_dirs`. ``records``: the
-    names in it that only Hydra and the guard write; ``top``: the outermost folder its creation made (default: found
-    now, before ``path`` is created; nothing is noted when ``path`` exists already)."""
-    top = _outermost_missing(Path(path)) if top is None else top
-    if top is not None:
-        _CREATED.append((Path(path).absolute(), Path(top).absolute(), frozenset(records)))
-
-
-def forget_created(path) -> None:
-    """Drop ``path`` from the folders :func:`remove_refused_run_dirs` may take back (its run or job ended)."""
-    path = Path(path).absolute()
-    _CREATED[:] = [entry for entry in _CREATED if entry[0] != path]
-
-
-def _holds_only(path: Path, records: frozenset) -> bool:
-    """Whether the folder ``path`` holds nothing but ``records`` (by name) and folders without files."""
-    for entry in path.iterdir():
-        if entry.name in records:
-            continue
-        if entry.is_dir() and not entry.is_symlink() and all(p.is_dir() and not p.is_symlink()
-                                                             for p in entry.rglob("*")):
-            continue
-        return False
-    return True
-
-
-def remove_refused_run_dirs() -> list[Path]:
-    """After a refusal (:func:`difflm.cli.exits_cleanly`: one line, exit status 2), remove the folders noted by
-    :func:`note_created` that still hold only Hydra's records (``.hydra/``, the job's log, the ``run.dir`` lock, a
-    sweep's ``multirun.yaml``) and folders without files, newest first (a sweep's job before the sweep), then the
-    parents that their creation made once they are empty (``outputs/`` of the default ``run.dir``). A folder that
-    existed before the command, or in which anything else was written, is left as it is. Returns the removed
-    folders; a folder that cannot be removed is left (the refusal is what the user needs to read)."""
-    removed = []
-    for path, top, records in reversed(_CREATED):
-        try:
-            if not path.is_dir() or not _holds_only(path, records):
-                continue
-            shutil.rmtree(path)
-            removed.append(path)
-            parent = path
-            while parent != top and top in parent.parents:
-                parent = parent.parent
-                parent.rmdir()  # only when empty: OSError otherwise, which ends the climb
-                removed.append(parent)
-        except OSError:
-            continue
-    _CREATED.clear()
-    return removed
-
-
 def _global_rank() -> int:
     from difflm.parallel.distributed import launch_env
 
@@ -288,7 +221,7 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         run_dir = str(config.hydra.run.dir)
-        top = _outermost_missing(Path(run_dir))  # before the claim creates it
+        top = outermost_missing(Path(run_dir))  # before the claim creates it
         self._claim(run_dir)
         if top is not None and _global_rank() == 0:
             note_created(run_dir, self._records(config), top)
@@ -301,7 +234,7 @@ class RunDirGuard(Callback):
         if _global_rank() == 0:
             _exit_on_error(check_run_dir, str(config.hydra.sweep.dir))
             _exit_on_error(check_sweep_dir, str(config.hydra.sweep.dir))
-            self._sweep_created = _outermost_missing(Path(str(config.hydra.sweep.dir))) is not None
+            self._sweep_created = outermost_missing(Path(str(config.hydra.sweep.dir))) is not None
             note_created(str(config.hydra.sweep.dir), ("multirun.yaml",))
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
