@@ -61,7 +61,10 @@ def check_required(cfg) -> None:
 
 def exits_cleanly(fn):
     """Wrap a Hydra task function: a :class:`DifflmError` prints ``difflm: error: <message>`` and exits 2, Ctrl-C
-    (KeyboardInterrupt) prints ``difflm: interrupted`` and exits 130, as a shell reports it.
+    (KeyboardInterrupt) prints ``difflm: interrupted`` and exits 130, as a shell reports it. On such a refusal
+    (status 2) the folders Hydra created for this invocation that hold only its own records (a fresh default
+    ``outputs/<time>/``, a new sweep folder) are removed first
+    (:func:`difflm.hydra_folders.remove_refused_run_dirs`).
 
     A config passed as the first argument is checked first by :func:`difflm.config.schema.check_known_keys` (a key
     added with ``+`` that its schema lacks) and :func:`check_required`; a mandatory value read later (a ``???`` that
@@ -91,6 +94,10 @@ def exits_cleanly(fn):
             status = 2
         except KeyboardInterrupt:  # a second Ctrl-C during training, or one in any other command
             message, status = "\ndifflm: interrupted", EXIT_INTERRUPTED
+        if status == 2:  # a refusal: the run or sweep folders Hydra just made for it hold nothing to keep
+            from difflm.hydra_folders import remove_refused_run_dirs
+
+            remove_refused_run_dirs()
         _say(message)
         sys.exit(status)
 
@@ -161,10 +168,10 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
     ``Pay ${name}`` as an interpolation. A prompt is always the text as typed, so such values are quoted with
     :func:`hydra_quoted` (which also escapes ``${``). Left as they are: values Hydra already reads as exactly the
     typed string, a value quoted in Hydra's syntax (``'...'`` or ``"..."``), a value that is one interpolation as a
-    whole (``${oc.env:PROMPT}``, on purpose), and every argument under ``-m``/``--multirun`` (where a comma list is a
-    sweep on purpose).
+    whole (``${oc.env:PROMPT}``, on purpose), and every argument of a multirun (``-m``/``--multirun`` or
+    ``hydra.mode=MULTIRUN``, :func:`multirun_flag`), where a comma list is a sweep on purpose.
     """
-    if "-m" in argv or "--multirun" in argv:
+    if multirun_flag(argv) is not None:
         return list(argv)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -189,12 +196,14 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
     return out
 
 
-def hydra_app(config_name: str):
+def hydra_app(config_name: str, sweeps: bool = False):
     """Decorator of a difflm entry point: ``hydra.main`` over ``conf/<config_name>.yaml`` around
-    :func:`exits_cleanly`, preceded by :func:`check_overrides` on the command line.
+    :func:`exits_cleanly`, preceded by :func:`check_overrides` on the command line and, for a command that runs one
+    job (``sweeps`` false: all but difflm-train and difflm-rl), :func:`refuse_multirun`.
 
-    The returned function takes no arguments (it reads ``sys.argv``). A mistyped key or preset ends it before Hydra
-    composes: ``difflm: error: <message>`` on stderr, exit status 2.
+    The returned function takes no arguments (it reads ``sys.argv``). A mistyped key or preset, or ``-m`` on a command
+    that does not sweep, ends it before Hydra composes or creates a folder: ``difflm: error: <message>`` on stderr,
+    exit status 2.
     """
     import hydra
 
@@ -206,6 +215,8 @@ def hydra_app(config_name: str):
         @functools.wraps(task)
         def entry() -> None:
             try:
+                if not sweeps:
+                    refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
                 check_overrides(sys.argv[1:], config_name)
             except DifflmError as err:
                 from difflm.parallel.distributed import launch_env
@@ -218,6 +229,46 @@ def hydra_app(config_name: str):
         return entry
 
     return decorate
+
+
+def _hydra_args(argv: list[str]):
+    """Hydra's own reading of a command line (its flags, ``overrides`` the positional arguments); None where Hydra
+    would print something and stop (``--version``, a flag it refuses)."""
+    from hydra._internal.utils import get_args_parser
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return get_args_parser().parse_args(argv)
+        except SystemExit:
+            return None
+
+
+def multirun_flag(argv: list[str]) -> str | None:
+    """How a Hydra command line asks for a multirun, as typed: ``-m`` / ``--multirun``, or a ``hydra.mode=MULTIRUN``
+    override (Hydra 1.3 takes either); None for a single run, and for ``--help`` / ``--hydra-help`` / ``--version``
+    / shell completion, which print and run nothing."""
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help or args.shell_completion:
+        return None
+    if args.multirun:
+        return next((a for a in argv if a in ("-m", "--multirun")), "-m")
+    for override in args.overrides:
+        key, sep, value = override.partition("=")
+        mode = value.strip().strip("'\"").upper()
+        if sep and key.lstrip("+~") == "hydra.mode" and mode.rpartition(".")[2] == "MULTIRUN":
+            return override
+    return None
+
+
+def refuse_multirun(argv: list[str], prog: str) -> None:
+    """Refuse a multirun (:func:`multirun_flag`) of a command that runs one job (difflm-generate, -eval, -export,
+    -import, -preprocess), before Hydra starts: Hydra's launcher would create ``multirun/<date>/<time>/`` (and a job
+    folder per job) in the working directory before the command's own checks ran, and the command writes nothing
+    there. Raises: DifflmError naming the flag and the fix."""
+    flag = multirun_flag(argv)
+    if flag is not None:
+        raise DifflmError(f"{prog} takes no {flag}: it runs one job (only difflm-train and difflm-rl sweep); drop "
+                          f"{flag} and run {prog} once per setting")
 
 
 def check_overrides(argv: list[str], config_name: str) -> None:
@@ -237,7 +288,6 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     (for a sweep, with the job it refuses).
     """
     from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -245,11 +295,9 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     from difflm.config import CONF_DIR
     from difflm.config.job_check import check_job, jobs_to_check, sweep_jobs
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:  # Hydra's own argument parser: the overrides are its positional arguments
-            args = get_args_parser().parse_args(argv)
-        except SystemExit:  # --version, or a flag Hydra refuses: Hydra prints it
-            return
+    args = _hydra_args(argv)  # Hydra's own argument parser: the overrides are its positional arguments
+    if args is None:  # --version, or a flag Hydra refuses: Hydra prints it
+        return
     if args.config_name or args.config_path or args.config_dir or args.experimental_rerun or args.shell_completion:
         return
     parser, overrides = OverridesParser.create(), []

@@ -65,7 +65,8 @@ except ImportError as _err:
     raise DifflmError(LM_EVAL_MISSING) from _err
 from difflm.generate import (beyond_trained_length, decode_generated, encode_prompt, forbidden_ids, generate_ids,
                              load_run, run_chat_template)
-from difflm.sampling.options import DIFFUSION_DEFAULTS, GenerationConfigError, GenerationOptions
+from difflm.sampling.options import (GenerationConfigError, GenerationOptions, resolve_block_length,
+                                    run_block_size, unread_stored_settings)
 from difflm.training.precision import autocast_context
 
 eval_logger = logging.getLogger(__name__)
@@ -228,9 +229,11 @@ class DifflmHarnessLM(LM):
         unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
         if unknown:
             raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")
-        # an ar run's own diffusion-only gen.* never reached its left-to-right decoding: only the caller's count,
-        # and those are refused now, not at the first generate_until
-        self.gen = OmegaConf.merge(self.cfg.gen, *([DIFFUSION_DEFAULTS] if self.causal else []), gen_kwargs)
+        # the run's own gen.* its sampler never read (an ar run's diffusion-only keys, a bd3lm run's block_length)
+        # do not count: only the caller's, and those are refused now, not at the first generate_until
+        self.gen = OmegaConf.merge(self.cfg.gen, unread_stored_settings(self.objective), gen_kwargs)
+        # block_length null: the run's block size (a bd3lm run's objective.block_size, else 64), as difflm-generate
+        self.gen.block_length = resolve_block_length(self.gen.get("block_length"), run_block_size(self.cfg.objective))
         if self.causal:
             try:
                 GenerationOptions.from_config(self.gen, mask_id=self.tok.mask_id).check_autoregressive(prefix="")
@@ -399,7 +402,7 @@ class DifflmHarnessLM(LM):
 
         ``max_gen_toks`` is the most tokens a request returns: the LLaDA sampler generates ``gen.length`` rounded up
         to whole blocks and the surplus is cut; a ``bd3lm`` run samples in its model's blocks and generates exactly
-        ``max_gen_toks`` (its ``gen.block_length`` is left as the run has it)."""
+        ``max_gen_toks`` (its ``gen.block_length`` is its block size, resolved at construction)."""
         kwargs = dict(kwargs or {})
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)

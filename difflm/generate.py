@@ -46,16 +46,20 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
                        objective=None) -> GenerationOptions:
     """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
     (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size`` and ``objective.clean_attention``.
+    ``gen.block_length=null`` is the run's block size (:func:`difflm.sampling.options.resolve_block_length`: a bd3lm
+    run's ``objective.block_size``, else 64).
 
     Raises: GenerationConfigError for a bad ``gen.*``, for settings a ``bd3lm`` run cannot sample with
     (:meth:`GenerationOptions.check_block_diffusion`) and, for an ``ar`` (``causal``) run, for a diffusion-only
     ``gen.*`` setting it would ignore.
     """
+    from difflm.sampling.options import run_block_size
+
     bd3lm = not causal and objective is not None and objective.name == "bd3lm"
     opts = GenerationOptions.from_config(
         gen, mask_id=tok.mask_id, forbid_ids=forbidden_ids(tok, model.cfg.vocab_size),
         shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
-        block_size=objective.block_size if bd3lm else None,
+        block_size=run_block_size(objective) if bd3lm else None,
         causal_prefix=bd3lm and getattr(objective, "clean_attention", "block_causal") == "causal")
     if causal:
         opts.check_autoregressive()
@@ -308,18 +312,21 @@ def typed_keys(overrides: list[str], group: str) -> set[str]:
     return {k[len(prefix):] for k in keys if k.startswith(prefix)}
 
 
-def run_generation_config(run_gen, cli_gen, typed: set[str], causal: bool):
+def run_generation_config(run_gen, cli_gen, typed: set[str], causal: bool, objective: str | None = None):
     """The ``gen.*`` a command samples a run with: the run's own settings (its ``config.yaml``, as the HF export and
     the lm-eval harness read them), the keys typed on the command line (``typed``, values in ``cli_gen``) over them.
-    For an ``ar`` run (``causal``) the run's diffusion-only keys are left at their defaults: its left-to-right
-    decoding never read them (typed ones are kept, for :meth:`GenerationOptions.check_autoregressive` to refuse)."""
+    Keys the run's own sampler never read are reset first (:func:`difflm.sampling.options.unread_stored_settings`):
+    for an ``ar`` run (``causal``) its diffusion-only keys, left at their defaults (typed ones are kept, for
+    :meth:`GenerationOptions.check_autoregressive` to refuse); for a ``bd3lm`` run (``objective``, the run's
+    objective name) its ``block_length``, null: its own block size (a typed one is kept, for
+    :meth:`GenerationOptions.check_block_diffusion` to judge)."""
     from omegaconf import OmegaConf
 
-    from difflm.sampling.options import DIFFUSION_DEFAULTS
+    from difflm.sampling.options import unread_stored_settings
 
     stored = {k: v for k, v in (run_gen or {}).items() if k in cli_gen}  # keys this schema still has
-    # the lm-eval harness's order too: the run's, an ar run's diffusion-only keys reset, then the caller's
-    return OmegaConf.merge(cli_gen, stored, *([DIFFUSION_DEFAULTS] if causal else []),
+    # the lm-eval harness's order too: the run's, the keys its sampler never read reset, then the caller's
+    return OmegaConf.merge(cli_gen, stored, unread_stored_settings("ar" if causal else objective),
                            {k: cli_gen[k] for k in typed})
 
 
@@ -363,7 +370,7 @@ def generate_text(args, typed_gen: set[str]) -> str:
     # which checkpoint wrote the text (the newest when step= is not given); stderr: stdout is the text alone
     print(f"difflm-generate: {args.run.dir} at checkpoint step {step}", file=sys.stderr, flush=True)
     causal = cfg.objective.name == "ar"
-    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal)
+    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal, cfg.objective.name)
     chat = run_chat_template(cfg) if args.get("chat_template") is None else bool(args.chat_template)
     if chat and not run_chat_template(cfg) and not getattr(tok.tokenizer, "chat_template", None):
         raise DifflmError(f"chat_template=true but the run's tokenizer ({cfg.data.tokenizer}) has no chat template: "

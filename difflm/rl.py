@@ -39,7 +39,7 @@ def run_dir_of_job(cfg) -> str:
         return cfg.run.dir
 
 
-@hydra_app("rl")
+@hydra_app("rl", sweeps=True)
 def _main(cfg) -> None:
     from difflm.parallel.distributed import destroy_distributed
     from difflm.posttrain.runner import PostTrainer

@@ -13,7 +13,7 @@ import sys
 
 from hydra.core.hydra_config import HydraConfig
 
-from difflm.cli import hydra_app, quote_free_text
+from difflm.cli import hydra_app, multirun_flag, quote_free_text
 from difflm.config.validate import check_run
 from difflm.errors import DifflmError
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
@@ -30,7 +30,7 @@ def run_dir_of_job(cfg) -> str:
         return cfg.run.dir
 
 
-@hydra_app("train")
+@hydra_app("train", sweeps=True)
 def _main(cfg) -> None:
     world_size = world_size_from_env()
     try:
@@ -77,7 +77,7 @@ def main() -> None:
     rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``.
     ``logger.sample_prompt=`` takes any text (:func:`difflm.cli.quote_free_text`)."""
     sys.argv[1:] = quote_free_text(sys.argv[1:], ("logger.sample_prompt",))
-    multirun = "-m" in sys.argv or "--multirun" in sys.argv
+    multirun = multirun_flag(sys.argv[1:]) is not None  # -m, --multirun or hydra.mode=MULTIRUN
     env = launch_env()
     if multirun and env["world_size"] > 1:  # every rank would run its own sweep: the jobs' collectives never meet
         print(f"difflm: error: a multirun (-m) under torchrun/srun ({env['world_size']} processes) would start one "

@@ -296,25 +296,34 @@ def test_rl_prompts_as_a_chat_sft_run_by_default(tmp_path):
 
 
 def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
-    """difflm-rl's default gen.block_length (32) on a bd3lm run with other blocks stands for the run's own blocks,
-    as difflm-generate's default does; a block length given on the command line that the run does not sample with is
-    refused in one line before anything is written."""
+    """difflm-rl's gen.block_length=null (its default) on a bd3lm run is the run's own block size, as difflm-generate's
+    null is; a value given is taken as given: the run's block size is honoured, another one (32, the former default,
+    included: it used to stand for the run's blocks whatever they were) is refused in one line before anything is
+    written. On an mdlm run null is 32, as the former default was."""
     from difflm.config.schema import RLRunConfig
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import make_init_run, rl_config
 
+    assert RLRunConfig().gen.block_length is None
     (tmp_path / "init").mkdir()
     init = make_init_run(tmp_path / "init", "objective=bd3lm", "objective.block_size=2")
-    cfg = rl_config(init, tmp_path / "rl", "train.max_steps=1")
-    cfg.gen.block_length = RLRunConfig().gen.block_length  # what difflm-rl gets without gen.block_length=
-    assert cfg.gen.block_length == 32
-    rl = PostTrainer(cfg, CPU)
+    rl = PostTrainer(rl_config(init, tmp_path / "rl", "train.max_steps=1", "gen.block_length=null"), CPU)
     assert rl.cfg.gen.block_length == 2
     assert rl.fit()["completion_len"] > 0
-    with pytest.raises(DifflmError, match="gen.block_length=4 is not read by objective=bd3lm runs, which sample in "
-                                          "the model's blocks of objective.block_size=2"):
-        PostTrainer(rl_config(init, tmp_path / "bad"), CPU)  # rl_config gives gen.block_length=4
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+    assert OmegaConf.load(tmp_path / "rl" / "rl_config.yaml").gen.block_length == 2  # what the rollouts decoded in
+    assert PostTrainer(rl_config(init, tmp_path / "own", "gen.block_length=2"), CPU).cfg.gen.block_length == 2
+    for given in (32, 4):
+        with pytest.raises(DifflmError, match=f"^gen.block_length={given} is not read by objective=bd3lm runs, which "
+                                              "sample in the model's blocks of objective.block_size=2: drop "
+                                              "gen.block_length$"):
+            PostTrainer(rl_config(init, tmp_path / f"bad{given}", f"gen.block_length={given}"), CPU)
+        assert not (tmp_path / f"bad{given}" / "checkpoints").exists()
+    (tmp_path / "plain").mkdir()
+    plain = make_init_run(tmp_path / "plain")
+    null = PostTrainer(rl_config(plain, tmp_path / "p", "gen.length=64", "gen.steps=2", "gen.block_length=null"), CPU)
+    assert null.cfg.gen.block_length == 32
+    explicit = PostTrainer(rl_config(plain, tmp_path / "e", "gen.length=64", "gen.steps=4", "gen.block_length=16"), CPU)
+    assert explicit.cfg.gen.block_length == 16
 
 
 def test_rl_resume_reports_changes_and_refuses_another_init(init_run, tmp_path):

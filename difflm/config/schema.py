@@ -305,7 +305,10 @@ class GenerateConfig:
 
     length: int = 64
     steps: int = 64
-    block_length: int = 64
+    # LLaDA's semi-autoregressive blocks; null: the run's block size, i.e. objective.block_size of a bd3lm run (which
+    # decodes only in its own blocks: another value is refused), else 64 (difflm-rl: 32, RL_BLOCK_LENGTH); a value
+    # given is honoured (difflm.sampling.options.resolve_block_length)
+    block_length: Optional[int] = None
     remasking: str = "low_confidence"  # low_confidence | random | margin | entropy | remdm
     # remasking=remdm (ReMDM, Wang et al. 2025, arXiv:2503.00307, difflm.sampling.remdm): eta of the sigma_t schedule,
     # the cap of sigma_t (cap) or its share of sigma_t^max (rescale, <= 1); 0 = no remasking
@@ -546,6 +549,11 @@ class PosttrainRunConfig:
     keep_last: int = 0
 
 
+# difflm-rl's gen.block_length=null on an init run without blocks of its own (mdlm, sft): the rollouts' LLaDA blocks
+# (a bd3lm init run's are its objective.block_size)
+RL_BLOCK_LENGTH = 32
+
+
 @dataclass
 class RLRunConfig:
     """Command line of ``difflm-rl`` (:mod:`difflm.rl`): GRPO or DPO on a trained run."""
@@ -559,8 +567,7 @@ class RLRunConfig:
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", warmup_steps=0))
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: PosttrainRunConfig = field(default_factory=PosttrainRunConfig)
-    gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, steps=32, block_length=32,
-                                                                       temperature=1.0))
+    gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, steps=32, temperature=1.0))
     run: RunDirConfig = field(default_factory=RunDirConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout (docs/post_training.md "Layouts")
     lora: LoraConfig = field(default_factory=LoraConfig)  # fresh adapters on a full init run (rank 0: none)

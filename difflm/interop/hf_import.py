@@ -311,15 +311,21 @@ def _override_value(value) -> str:
 def train_overrides(cfg) -> list[str]:
     """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``data.seq_len`` (the
     training window restored from a difflm export), ``model.*``,
-    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export), run.dir.
+    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export; a block length
+    equal to what ``gen.block_length=null`` gives the run is left out), run.dir.
 
     ``objective``, ``data.seq_len`` and ``model.shift_logits`` are left out at difflm-train's defaults (mdlm, 128,
     false): an adaptation recipe added to the command (``experiment=fast_dllm_v2_adapt``: bd3lm; ``dream_adapt``:
     L = 2048, shifted logits) sets them, and a command-line value would silently override the recipe's."""
     from difflm.config.schema import DataConfig, GenerateConfig
+    from difflm.sampling.options import resolve_block_length, run_block_size
 
     m, defaults = cfg.model, GenerateConfig()
-    gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items() if v != getattr(defaults, k, v)]
+    # an export records the block length its run decoded in (gen.block_length=null resolved): left out when it is
+    # what null gives this run too, so that a recipe added to the command (a bd3lm one) decodes in its own blocks
+    same = {"block_length": resolve_block_length(None, run_block_size(cfg.objective))}
+    gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items()
+           if v != getattr(defaults, k, v) and (k not in same or v != same[k])]
     keys = [k for k in MODEL_KEYS if k != "shift_logits" or m[k]]
     return ([f"objective={cfg.objective.name}"] * (cfg.objective.name != "mdlm")
             + [f"data.tokenizer={cfg.data.tokenizer}"]

@@ -88,12 +88,14 @@ def main(argv=None) -> int:
 
 
 def _run(args, overrides: list[str]) -> int:
+    from difflm.cli import refuse_multirun
     from difflm.config.compose import compose_train_config
     from difflm.plan.search import evaluate, search
     from difflm.plan.shapes import model_params
 
     if args.gpus < 1:
         raise DifflmError(f"--gpus {args.gpus}: pass a positive number of GPUs")
+    refuse_multirun(overrides, "difflm-plan")  # Hydra's grammar would refuse -m as an override, naming no fix
     cfg = compose_train_config(overrides)
     cfg.model.vocab_size = vocab_size(cfg)
     if cfg.model.head_dim is None:

@@ -239,20 +239,20 @@ class PostTrainer:
                             "chat_template=true")
 
     def _check_gen(self, model) -> None:
-        """The rollout sampler's ``gen.*`` (grpo), checked before anything runs as difflm-generate checks them
-        (:func:`difflm.generate.generation_options`). On a ``bd3lm`` init run, which samples in its own blocks of
-        ``objective.block_size``, difflm-rl's default ``gen.block_length`` stands for those blocks (as
-        difflm-generate's default does); another value is refused in one line."""
-        from difflm.config.schema import RLRunConfig
+        """The rollout sampler's ``gen.*``: ``gen.block_length=null`` resolved to the init run's block size (a
+        ``bd3lm`` run's ``objective.block_size``, else :data:`difflm.config.schema.RL_BLOCK_LENGTH`; a value given
+        is kept as given, :func:`difflm.sampling.options.resolve_block_length`, the rule difflm-generate follows), so
+        ``rl_config.yaml`` records what the rollouts decode in; then (grpo) checked before anything runs as
+        difflm-generate checks them (:func:`difflm.generate.generation_options`): a ``bd3lm`` init run samples only
+        in its own blocks, and another ``gen.block_length`` is refused in one line."""
+        from difflm.config.schema import RL_BLOCK_LENGTH
         from difflm.generate import generation_options
+        from difflm.sampling.options import resolve_block_length, run_block_size
 
-        if self.cfg.algorithm.name != "grpo":
-            return
         obj, gen = self.init_cfg.objective, self.cfg.gen
-        if obj.name == "bd3lm" and gen.block_length == RLRunConfig.__dataclass_fields__["gen"].default_factory(
-        ).block_length:
-            gen.block_length = int(obj.block_size)
-        generation_options(model, self.tok, gen, objective=obj)
+        gen.block_length = resolve_block_length(gen.get("block_length"), run_block_size(obj), RL_BLOCK_LENGTH)
+        if self.cfg.algorithm.name == "grpo":
+            generation_options(model, self.tok, gen, objective=obj)
 
     def _check_resume_lora(self, path: Path) -> None:
         """Refuse resuming ``path`` with other adapters than it holds: ``lora=...`` given or dropped against the run's

@@ -26,6 +26,43 @@ class GenerationConfigError(DifflmError, ValueError):
     """A bad ``gen.*`` setting (a ``ValueError`` that the CLI prints as one line)."""
 
 
+# gen.block_length=null on a run without blocks of its own (every objective but bd3lm): LLaDA's semi-autoregressive
+# blocks of this many tokens (difflm-rl's rollouts: difflm.config.schema.RL_BLOCK_LENGTH)
+DEFAULT_BLOCK_LENGTH = 64
+
+
+def run_block_size(objective) -> Optional[int]:
+    """The block size a run decodes in by construction: ``objective.block_size`` of a ``bd3lm`` run (an objective
+    config, or anything with ``name`` and ``block_size``); None for the other objectives and for None."""
+    if objective is None or getattr(objective, "name", None) != "bd3lm":
+        return None
+    return int(objective.block_size)
+
+
+def resolve_block_length(block_length: Optional[int], block_size: Optional[int] = None,
+                         default: int = DEFAULT_BLOCK_LENGTH) -> int:
+    """The block length a sampler decodes in for ``gen.block_length``: a value given is that value (the LLaDA
+    sampler honours it; on a ``bd3lm`` run :meth:`GenerationOptions.check_block_diffusion` refuses one other than the
+    run's block size); null is the run's block size: ``block_size`` (:func:`run_block_size`) for a ``bd3lm`` run,
+    else ``default``. What every sampler entry point reads ``gen.block_length`` through (difflm-generate, difflm-rl,
+    the end-of-training samples, the lm-eval harness, the HF export)."""
+    if block_length is not None:
+        return int(block_length)
+    return int(block_size) if block_size is not None else int(default)
+
+
+def unread_stored_settings(objective: Optional[str]) -> dict:
+    """What a run's stored ``gen.*`` (its ``config.yaml``) is reset to before a caller's keys are laid over it, for
+    the keys that run's own sampler never read: an ``ar`` run's diffusion-only keys (their defaults; left-to-right
+    decoding), a ``bd3lm`` run's ``block_length`` (null: it decodes in its ``objective.block_size``, and its record
+    may hold the schema's former default 64). ``objective``: the run's objective name."""
+    if objective == "ar":
+        return dict(DIFFUSION_DEFAULTS)
+    if objective == "bd3lm":
+        return {"block_length": None}
+    return {}
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """Sampler settings: the ``gen.*`` keys plus the facts of the model and tokenizer that a sampler needs.
@@ -35,7 +72,8 @@ class GenerationOptions:
         length: tokens to generate [``gen.length``] (all).
         steps: denoising steps in all [``gen.steps``]; bd3lm spreads them over its blocks,
             ``max(1, steps * block_size // length)`` per block (diffusion samplers).
-        block_length: LLaDA's semi-autoregressive block [``gen.block_length``] (LLaDA sampler).
+        block_length: LLaDA's semi-autoregressive block [``gen.block_length``, null: the run's block size,
+            :func:`resolve_block_length`] (LLaDA sampler; a bd3lm run's must be its ``block_size``).
         remasking: confidence rule, one of :data:`REMASKING`, or ``remdm``: ``low_confidence`` unmasking plus
             ReMDM's remasking of decoded tokens (:mod:`difflm.sampling.remdm`) [``gen.remasking``] (diffusion
             samplers).
@@ -68,7 +106,7 @@ class GenerationOptions:
     mask_id: int
     length: int = 64
     steps: int = 64
-    block_length: int = 64
+    block_length: int = DEFAULT_BLOCK_LENGTH
     remasking: str = "low_confidence"
     remdm_sigma: float = 0.0
     remdm_schedule: str = "cap"
@@ -122,11 +160,14 @@ class GenerationOptions:
     def from_config(cls, gen: Any, *, mask_id: int, forbid_ids: Sequence[int] = (), shift_logits: bool = False,
                     block_size: Optional[int] = None, causal_prefix: bool = False) -> "GenerationOptions":
         """Options from a ``gen`` config (:class:`difflm.config.schema.GenerateConfig`, a DictConfig or a dict;
-        missing optional keys take the defaults above) and the model's facts."""
+        missing optional keys take the defaults above) and the model's facts. ``block_length`` null (or missing) is
+        the run's block size (:func:`resolve_block_length`): ``block_size`` for a bd3lm run, else
+        :data:`DEFAULT_BLOCK_LENGTH`."""
         get = gen.get if hasattr(gen, "get") else lambda k, d=None: getattr(gen, k, d)
-        keys = ("length", "steps", "block_length", "remasking", "temperature", "top_k", "top_p", "cfg_scale",
+        keys = ("length", "steps", "remasking", "temperature", "top_k", "top_p", "cfg_scale",
                 "threshold", "cache", "remdm_sigma", "remdm_schedule")
         values = {k: v for k in keys if (v := get(k, None)) is not None}
+        values["block_length"] = resolve_block_length(get("block_length", None), block_size)
         return cls(mask_id=int(mask_id), forbid_ids=tuple(forbid_ids), shift_logits=bool(shift_logits),
                    block_size=block_size, causal_prefix=bool(causal_prefix), **values)
 
@@ -149,12 +190,13 @@ class GenerationOptions:
     def check_block_diffusion(self, prefix: str = "gen.") -> None:
         """Raises GenerationConfigError for settings a ``bd3lm`` run (block size :attr:`block_size`, its
         ``objective.block_size``) cannot sample with: ``cfg_scale`` (not implemented there), a ``block_length`` other
-        than the default or the model's block size (the blocks are the model's, so it would be ignored), and more
-        ``steps`` than tokens (as for the LLaDA sampler: at least one token a step)."""
+        than the model's block size (the blocks are the model's, so it would be ignored; ``gen.block_length=null``
+        is the model's, :meth:`from_config`), and more ``steps`` than tokens (as for the LLaDA sampler: at least one
+        token a step)."""
         if self.cfg_scale > 0:
             raise GenerationConfigError(f"{prefix}cfg_scale is not implemented for objective=bd3lm runs: set "
                                         f"{prefix}cfg_scale=0")
-        if self.block_length not in (DIFFUSION_DEFAULTS["block_length"], self.block_size):
+        if self.block_length != self.block_size:
             raise GenerationConfigError(
                 f"{prefix}block_length={self.block_length} is not read by objective=bd3lm runs, which sample in the "
                 f"model's blocks of objective.block_size={self.block_size}: drop {prefix}block_length")
@@ -170,5 +212,6 @@ class GenerationOptions:
 # their defaults: a run's stored gen.* reset to these is what an ``ar`` run's decoding reads
 DIFFUSION_DEFAULTS = {k: GenerationOptions.__dataclass_fields__[k].default for k in DIFFUSION_ONLY}
 
-__all__ = ["CACHES", "DIFFUSION_DEFAULTS", "DIFFUSION_ONLY", "GenerationConfigError", "GenerationOptions", "REMASKING",
-           "REMDM", "REMDM_SCHEDULES"]
+__all__ = ["CACHES", "DEFAULT_BLOCK_LENGTH", "DIFFUSION_DEFAULTS", "DIFFUSION_ONLY", "GenerationConfigError",
+           "GenerationOptions", "REMASKING", "REMDM", "REMDM_SCHEDULES", "resolve_block_length", "run_block_size",
+           "unread_stored_settings"]

@@ -6,10 +6,13 @@ ends; a second run finds it held and stops with one line. The kernel drops a flo
 (exit, crash, ``kill -9``), so a stale lock file never blocks a resume (Linux ``flock(2)``; it also holds
 across NFS clients on Linux >= 2.6.12, where flock is emulated with POSIX byte-range locks).
 
-``difflm-train`` claims the directory in a Hydra callback (:class:`RunDirGuard`, listed under
-``hydra.callbacks`` in ``conf/train.yaml``) *before* Hydra creates the directory and writes ``.hydra/`` into
-it, so a refused run changes nothing. Under torchrun or SLURM only global rank 0 claims it (the other ranks
-take rank 0's ``run.dir``; when rank 0 stops, the launcher ends them).
+``difflm-train`` and ``difflm-rl`` claim the directory in a Hydra callback (:class:`RunDirGuard`, listed under
+``hydra.callbacks`` in ``conf/train.yaml`` and ``conf/rl.yaml``) *before* Hydra creates the directory and writes
+``.hydra/`` into it. Under torchrun or SLURM only global rank 0 claims it (the other ranks take rank 0's ``run.dir``;
+when rank 0 stops, the launcher ends them). The guard also notes which folders Hydra created for this invocation, so
+that a run refused after Hydra made them (a one-line error, exit status 2) takes back those that hold nothing but
+Hydra's records (:func:`difflm.hydra_folders.remove_refused_run_dirs`): a refused run leaves no empty
+``outputs/<time>/`` behind.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
 from difflm.errors import DifflmError
+from difflm.hydra_folders import forget_created, note_created, outermost_missing
 
 LOCK_FILE = ".difflm.lock"
 
@@ -197,6 +201,7 @@ class RunDirGuard(Callback):
 
     def __init__(self) -> None:
         self._handle: Optional[IO[str]] = None
+        self._sweep_created = False  # this invocation created the sweep directory (its jobs' folders are new too)
 
     def _claim(self, run_dir: str) -> None:
         if _global_rank() == 0:
@@ -206,24 +211,43 @@ class RunDirGuard(Callback):
         release_run_dir(self._handle)
         self._handle = None
 
+    @staticmethod
+    def _records(config) -> tuple[str, ...]:
+        """What Hydra and the guard write into a run or job folder: ``.hydra/``, the job's log, the lock."""
+        from omegaconf import OmegaConf
+
+        name = OmegaConf.select(config, "hydra.job.name", default=None)
+        return (".hydra", LOCK_FILE) + ((f"{name}.log",) if name else ())
+
     def on_run_start(self, config, **kwargs: Any) -> None:
-        self._claim(str(config.hydra.run.dir))
+        run_dir = str(config.hydra.run.dir)
+        top = outermost_missing(Path(run_dir))  # before the claim creates it
+        self._claim(run_dir)
+        if top is not None and _global_rank() == 0:
+            note_created(run_dir, self._records(config), top)
 
     def on_run_end(self, config, **kwargs: Any) -> None:
         self._release()
+        forget_created(str(config.hydra.run.dir))
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         if _global_rank() == 0:
             _exit_on_error(check_run_dir, str(config.hydra.sweep.dir))
             _exit_on_error(check_sweep_dir, str(config.hydra.sweep.dir))
+            self._sweep_created = outermost_missing(Path(str(config.hydra.sweep.dir))) is not None
+            note_created(str(config.hydra.sweep.dir), ("multirun.yaml",))
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
-        pass
+        forget_created(str(config.hydra.sweep.dir))
 
     def on_job_start(self, config, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
-            self._claim(str(config.hydra.runtime.output_dir))
+            job_dir = str(config.hydra.runtime.output_dir)
+            if self._sweep_created and _global_rank() == 0:  # Hydra made it inside the new sweep folder
+                note_created(job_dir, self._records(config), Path(job_dir))
+            self._claim(job_dir)
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
             self._release()
+            forget_created(str(config.hydra.runtime.output_dir))

@@ -1,0 +1,125 @@
+"""What Hydra leaves in the working directory: a command that runs one job refuses ``-m`` before Hydra's launcher
+creates ``multirun/<date>/<time>/``, and a refused difflm-train / difflm-rl run takes back the ``outputs/<time>/`` (or
+sweep) folders Hydra made for it while they hold only Hydra's records. Sweeps of difflm-train and difflm-rl keep
+their folders (tests/test_end_to_end.py, tests/test_lifecycle.py)."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from difflm.cli import multirun_flag
+from difflm import hydra_folders
+from difflm.hydra_folders import note_created, remove_refused_run_dirs
+from difflm.training.run_dir import LOCK_FILE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (module, the command's name, arguments that would otherwise pass its own checks or fail only inside the job)
+SINGLE_JOB = [("difflm.generate", "difflm-generate", ["run.dir=r", "prompt=a,b"]),
+              ("difflm.evaluate", "difflm-eval", ["run.dir=r", "data.path=x"]),
+              ("difflm.interop.export", "difflm-export", ["run.dir=r", "out=o"]),
+              ("difflm.interop.hf_import", "difflm-import", ["hf=h", "run.dir=r"]),
+              ("difflm.preprocess", "difflm-preprocess", ["input=i", "output=o"])]
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m <args>`` in ``tmp_path`` with this tree on PYTHONPATH."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("argv,flag", [(["-m", "a=1"], "-m"), (["a=1", "--multirun"], "--multirun"),
+                                       (["hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN"),
+                                       (["++hydra.mode=multirun"], "++hydra.mode=multirun"),
+                                       (["hydra.mode=RUN", "a=1"], None), (["a=1"], None), (["--help", "-m"], None),
+                                       (["-c", "job", "prompt=-m"], None)])
+def test_multirun_flag(argv, flag):
+    assert multirun_flag(argv) == flag
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun", "hydra.mode=MULTIRUN"])
+@pytest.mark.parametrize("module,prog,args", SINGLE_JOB, ids=[m for m, _, _ in SINGLE_JOB])
+def test_a_single_job_command_refuses_a_multirun_before_hydra(module, prog, args, flag, tmp_path, monkeypatch,
+                                                              capsys):
+    """The entry point itself, in this process: one line naming the fix, exit status 2, nothing created."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [module, flag, *args])
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"difflm: error: {prog} takes no {flag}: it runs one job (only difflm-train "
+                                       f"and difflm-rl sweep); drop {flag} and run {prog} once per setting\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_planner_refuses_a_multirun(capsys):
+    from difflm.plan.cli import main
+
+    assert main(["-m", "model=tiny", "optim.lr=1e-4,3e-4"]) == 2
+    assert capsys.readouterr().err == ("difflm: error: difflm-plan takes no -m: it runs one job (only difflm-train "
+                                       "and difflm-rl sweep); drop -m and run difflm-plan once per setting\n")
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("module,prog,args", SINGLE_JOB, ids=[m for m, _, _ in SINGLE_JOB])
+def test_no_multirun_folder_is_left_by_a_single_job_command(module, prog, args, tmp_path):
+    """A fault report: ``difflm-generate -m ...`` (and -eval, -export, -import, -preprocess) ran a one-job sweep
+    whose launcher created ``multirun/<date>/<time>/`` with ``multirun.yaml`` and an empty job folder before the
+    command's own refusal. Now: one line on stderr, exit status 2, the working directory untouched."""
+    out = _cli(tmp_path, module, "-m", *args)
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr[-2000:]
+    assert out.stderr.splitlines() == [f"difflm: error: {prog} takes no -m: it runs one job (only difflm-train and "
+                                       f"difflm-rl sweep); drop -m and run {prog} once per setting"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("args", [["difflm.train", "model.hidden_size=-3"],
+                                  ["difflm.rl"],
+                                  ["difflm.rl", "-m", "init.run_dir=nowhere"],
+                                  ["difflm.rl", "-m", "init.run_dir=nowhere", "run.dir=sweeps/rl"]],
+                         ids=["train", "rl", "rl-sweep", "rl-sweep-run-dir"])
+def test_a_refused_train_or_rl_run_leaves_no_folder(args, tmp_path):
+    """A run refused inside its job (after Hydra made ``outputs/<time>/``, or a sweep folder and its job's) takes
+    those folders back: they held only ``.hydra/``, the job's log, the lock and ``multirun.yaml``."""
+    out = _cli(tmp_path, *args)
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("difflm: error: "), out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_a_refused_run_in_an_existing_run_dir_keeps_it(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine\n")
+    out = _cli(tmp_path, "difflm.rl", f"run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine\n" and (tmp_path / "run" / ".hydra").is_dir()
+
+
+def test_only_folders_holding_nothing_but_hydras_records_are_taken_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(hydra_folders, "_CREATED", [])
+    records = (".hydra", LOCK_FILE, "train.log")
+    plain, written, elsewhere = tmp_path / "out" / "a", tmp_path / "out" / "b", tmp_path / "kept" / "c"
+    for path in (plain, written, elsewhere):
+        if path is not elsewhere:
+            note_created(path, records)
+        (path / ".hydra").mkdir(parents=True)
+        (path / ".hydra" / "config.yaml").write_text("x: 1\n")
+        (path / "train.log").write_text("")
+        (path / LOCK_FILE).write_text("pid 1\n")
+        (path / "data_cache" / "empty").mkdir(parents=True)  # folders without files count as nothing
+    (written / "metrics.jsonl").write_text("{}\n")
+    assert remove_refused_run_dirs() == [plain]  # out/ still holds b: it stays
+    assert not plain.exists() and written.is_dir() and elsewhere.is_dir()
+    note_created(tmp_path / "new" / "deeper" / "run", records)
+    (tmp_path / "new" / "deeper" / "run").mkdir(parents=True)
+    assert remove_refused_run_dirs() == [tmp_path / "new" / "deeper" / "run", tmp_path / "new" / "deeper",
+                                         tmp_path / "new"]
+    assert remove_refused_run_dirs() == []  # each noted folder is judged once
