@@ -982,7 +982,8 @@ def main(argv=None) -> dict:
                 what = shlex.join(child_command(args, p, Path(args.log_dir) / f"{p['name']}.json"))
             print(f"{p['name']}: {what}")
         return {"plan": [p["name"] for p in plan]}
-    if args.log_dir is None:
+    made_log_dir = args.log_dir is None  # removed at the end if no row wrote a log into it
+    if made_log_dir:
         args.log_dir = tempfile.mkdtemp(prefix="difflm_bench_")
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
@@ -1031,6 +1032,8 @@ def main(argv=None) -> dict:
               f"{device_name}, same call (tokens/s, MFU, ratio to MegaDLMs at the same precision):")
         print(megadlms_table(rows, args.megadlms_shapes))
     write_json(args, result, rows)
+    if made_log_dir and not any(Path(args.log_dir).iterdir()):
+        Path(args.log_dir).rmdir()
     return result
 
 

@@ -93,9 +93,11 @@ def test_reference_block_is_a_standard_llama_block():
     torch.testing.assert_close(ref(ids), ours(ids), atol=1e-4, rtol=1e-4)
 
 
-def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
+def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys, monkeypatch):
     bench = load_script("benchmark")
     out = tmp_path / "bench.json"
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path / "tmp"))  # where it makes its row-log folder
+    (tmp_path / "tmp").mkdir()
     start = time.perf_counter()
     result = bench.main(["model=tiny", "data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu",
                          "--steps", "1", "--warmup", "0", "--batches", "2", "--json", str(out),
@@ -104,6 +106,7 @@ def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys):
     assert elapsed < 120, elapsed  # ~15 s on an idle 2-core CI runner; a generous bound for busy ones
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["reference", "torch", "te"]
+    assert list((tmp_path / "tmp").iterdir()) == []  # rows in one process write no log: the folder is gone
     ref, ours = rows["reference"], rows["torch"]
     for r in (ref, ours):
         assert "error" not in r, r
