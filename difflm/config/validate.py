@@ -204,13 +204,15 @@ def check_moe_kernels(cfg, dims, device: torch.device) -> None:
     key = f"model.moe.{chosen[0]}"
     _require(len(chosen) == 1, "model.moe.fp8_experts and model.moe.fused_experts are two kernels for the same GEMMs: "
              "set one of them to false")
-    _require(int(moe.num_experts) > 0, f"{key}=true is a kernel of the MoE experts and model.moe.num_experts=0: drop it")
+    _require(int(moe.num_experts) > 0,
+             f"{key}=true is a kernel of the MoE experts and model.moe.num_experts=0: drop it")
     _require(m.backend == "te", f"{key}=true runs on the TE kernel set's FP32 main_grad accumulation and this run has "
              f"model.backend={m.backend}: set model.backend=te, or {key}=false")
-    _require(m.get("fuse_wgrad_accumulation", True) and not (dims.fsdp_enabled or dims.pp_enabled)
-             and int((cfg.get("lora") or {}).get("rank", 0) or 0) == 0,
-             f"{key}=true needs the experts' gradients accumulated in FP32 main_grad, which FSDP2, pipelines, LoRA and "
-             f"model.fuse_wgrad_accumulation=false turn off: set {key}=false for this layout")
+    from difflm.kernels.main_grad import accumulates_in_main_grad
+
+    _require(accumulates_in_main_grad(cfg, sharded=dims.fsdp_enabled, pipelined=dims.pp_enabled),
+             f"{key}=true needs the experts' gradients accumulated in FP32 main_grad, which FSDP2, pipelines, LoRA, "
+             f"precision.fp8_weights and model.fuse_wgrad_accumulation=false turn off: set {key}=false for this layout")
     if chosen[0] == "fp8_experts":
         _require(cfg.precision.name == "fp8", f"{key}=true runs the experts in FP8 inside an FP8 run and this run is "
                  f"precision={cfg.precision.name}: set precision=fp8, or {key}=false")

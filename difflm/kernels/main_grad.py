@@ -31,6 +31,18 @@ def _optimizer_steps() -> int:
     return _STEPS[0]
 
 
+def accumulates_in_main_grad(cfg, *, sharded: bool, pipelined: bool) -> bool:
+    """Whether a run on the TE kernel set builds it with ``fuse_wgrad_accumulation`` (its GEMMs' weight gradients in
+    FP32 ``main_grad``, :func:`accumulate_into_grad`; the MoE experts' kernels need it):
+    ``model.fuse_wgrad_accumulation`` on, no FSDP2 (``sharded``: data or context parallel ranks; its reduce-scatter hooks and the pipeline schedules
+    (``pipelined``) read the gradients autograd hands back), no LoRA (frozen weights have no gradient to accumulate)
+    and no ``precision.fp8_weights`` (``TEKernels`` leaves it off). ``cfg``: the run config."""
+    lora = cfg.get("lora")
+    return (bool(cfg.model.get("fuse_wgrad_accumulation", True)) and not sharded and not pipelined
+            and not (lora is not None and int(lora.get("rank", 0) or 0) > 0)
+            and not bool(cfg.precision.get("fp8_weights", False)))
+
+
 def accumulate_into_grad(module: torch.nn.Module, names) -> None:
     """Give the weights ``names`` of a TE module built with ``fuse_wgrad_accumulation=True`` the buffer (in the
     parameters' dtype, FP32) its weight-gradient GEMMs accumulate into (``main_grad``, TE docs:
@@ -133,5 +145,5 @@ def converted_once_per_step(owner, weights, tag, convert) -> tuple:
     return result
 
 
-__all__ = ["MAIN_GRAD_NAMES", "accumulate_into_grad", "attach_main_grads", "converted_once_per_step", "main_grad_weights",
-           "weights_cast_once_per_step", "weights_changed_since_cast"]
+__all__ = ["MAIN_GRAD_NAMES", "accumulate_into_grad", "accumulates_in_main_grad", "attach_main_grads",
+           "converted_once_per_step", "main_grad_weights", "weights_cast_once_per_step", "weights_changed_since_cast"]

@@ -29,8 +29,8 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`swiglu` at ``h`` [R, 2f] for the output gradient ``da`` [R, f] -> [R, 2f] BF16, computed in
-    FP32: d/dgate = da * up * s (1 + gate (1 - s)) with s = sigmoid(gate), d/dup = da * SiLU(gate)."""
+    """The gradient of :func:`swiglu` at ``h`` [R, 2f] for the output gradient ``da`` [R, f] -> [R, 2f] BF16,
+    computed in FP32: d/dgate = da * up * s (1 + gate (1 - s)) with s = sigmoid(gate), d/dup = da * SiLU(gate)."""
     gate, up = (t.float() for t in h.chunk(2, dim=-1))
     s = torch.sigmoid(gate)
     da = da.float()

@@ -19,7 +19,8 @@ pre-norm lives inside the slot. Parameter and buffer names (``E`` experts, ``f``
 Experts run as one grouped GEMM over the expert-sorted tokens: ``torch._grouped_mm`` on CUDA (BF16, sm90+) under
 either kernel set and every precision (under ``precision=fp8`` the experts stay BF16 unless
 ``model.moe.fp8_experts``; with FP32 ``main_grad`` accumulation the BF16 / FP8 kernels of
-:mod:`difflm.model.grouped_experts`), and a loop over experts elsewhere (CPU, the reference for tests). Transformer Engine's ``te.GroupedLinear`` is not used: fed the stacked
+:mod:`difflm.model.grouped_experts`), and a loop over experts elsewhere (CPU, the reference for tests).
+Transformer Engine's ``te.GroupedLinear`` is not used: fed the stacked
 expert weights, its FP8 backward returned zero weight gradients on an H200 (TE 2.20.2, tests/test_moe.py's CUDA
 test), and its per-expert splits are a host list (one sync per layer). All three hold the same two stacked parameters.
 

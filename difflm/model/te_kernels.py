@@ -204,7 +204,7 @@ class TEKernels(TorchKernels):
     def accumulate_weight_grads(self, module, *names):
         """``module`` with the gradients of its weights ``names`` accumulated in FP32 in place (see
         ``fuse_wgrad_accumulation``): this set's own modules, and the MoE experts (whose grouped GEMMs then add into
-        ``main_grad``: :class:`difflm.model.moe.GroupedSwiGLUMainGrad`)."""
+        ``main_grad``: :mod:`difflm.model.grouped_experts`)."""
         if self.fuse_wgrad:
             accumulate_into_grad(module, names)
         return module

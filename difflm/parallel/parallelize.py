@@ -99,6 +99,7 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
     Returns (model parts, pipeline or None, the full model's parameter count without the input embedding (for MFU),
     the TE process-group arguments the kernels got (empty for the torch backend)).
     """
+    from difflm.kernels.main_grad import accumulates_in_main_grad
     from difflm.model import build_model
     from difflm.model.lora import apply_lora, lora_enabled
     from difflm.parallel.materialize import materialize
@@ -111,10 +112,8 @@ def build_parallel_model(cfg, mesh, dims: ParallelDims, device: torch.device, ca
         te_groups = te_process_groups(mesh, dims, sequence_parallel_enabled(cfg.parallel, dims))
         if dims.tp_enabled and cfg.parallel.get("tp_comm_overlap", False):
             te_groups["ub_tokens"] = cfg.data.seq_len * cfg.train.micro_batch_size // dims.cp
-        # FSDP2's reduce-scatter hooks and the pipeline schedules read the gradients autograd hands back
-        te_groups["fuse_wgrad_accumulation"] = not (dims.fsdp_enabled or dims.pp_enabled)
-        if lora_enabled(cfg.get("lora")):  # frozen weights have no gradient for TE to accumulate in place
-            te_groups["fuse_wgrad_accumulation"] = False
+        te_groups["fuse_wgrad_accumulation"] = accumulates_in_main_grad(cfg, sharded=dims.fsdp_enabled,
+                                                                        pipelined=dims.pp_enabled)
     model = build_model(model_cfg, causal=causal, device=device, seed=cfg.train.seed, precision=cfg.precision,
                         meta=True, **te_groups)
     num_params = model.num_params()

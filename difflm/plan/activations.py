@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from difflm.kernels import main_grad
+
 FP32, FP8 = 4, 1  # bytes per element: RMSNorm's saved 1/rms and the log-sum-exp; an FP8 copy
 
 
@@ -216,14 +218,8 @@ def accumulates_in_main_grad(cfg, kernels: KernelSet, layout) -> bool:
     one process builds with the default, on), ``model.fuse_wgrad_accumulation`` on, no LoRA (the trainer and
     ``build_parallel_model`` turn it off) and no FP8 weights (``TEKernels.__init__`` leaves it off under
     ``precision.fp8_weights``)."""
-    if kernels.backend != "te" or layout.dp_replicate * layout.dp_shard * layout.cp > 1 or layout.pp > 1:
-        return False
-    if not _flag(cfg.model.get("fuse_wgrad_accumulation", True)):
-        return False
-    lora = cfg.get("lora") if "lora" in cfg else None
-    if lora is not None and int(lora.get("rank", 0) or 0) > 0:
-        return False
-    return not (kernels.fp8 and _flag(cfg.precision.get("fp8_weights", False)))
+    return kernels.backend == "te" and main_grad.accumulates_in_main_grad(
+        cfg, sharded=layout.dp_replicate * layout.dp_shard * layout.cp > 1, pipelined=layout.pp > 1)
 
 
 def step_state_bytes(cfg, kernels: KernelSet, layout, name: str) -> tuple[int, int]:
