@@ -116,11 +116,21 @@ def run_seed(seed: int, args, overrides: list[str], out: Path) -> dict:
     cache = out / (f"seed_{seed}" if args.jobs > 1 else "") / "data_cache"
     out = out / f"seed_{seed}"
     ar = make_trainer([*overrides, "objective=ar", f"train.max_steps={args.ar_steps}"], out / "ar", cache)
-    ar_nll = train(ar, args.ar_steps, None)[-1][1]
+    # the AR checkpoint of an earlier call with the same --out, overrides and --ar-steps is reused (a table split over
+    # several calls adapts one checkpoint); anything else trains it again
+    saved = out / "ar_weights.pt"
+    key = {"overrides": overrides, "ar_steps": args.ar_steps}
+    kept = torch.load(saved, map_location=ar.device, weights_only=True) if saved.exists() else None
+    if kept is not None and kept["key"] == key:
+        ar_nll, weights = kept["ar_nll"], kept["weights"]
+        print(f"seed {seed}: AR checkpoint reused from {saved}", flush=True)
+    else:
+        ar_nll = train(ar, args.ar_steps, None)[-1][1]
+        weights = {k: v.detach().clone() for k, v in ar.model.state_dict().items()}
+        torch.save({"key": key, "ar_nll": ar_nll, "weights": weights}, saved)
     seq_len = ar.cfg.data.seq_len
     cpu = f"CPU ({torch.get_num_threads()} torch threads)"
     device = torch.cuda.get_device_name(ar.device) if ar.device.type == "cuda" else cpu
-    weights = {k: v.detach().clone() for k, v in ar.model.state_dict().items()}
     print(f"seed {seed}: AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
     del ar
     rows = []
@@ -165,7 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target-nelbo", default=None, help="report the tokens each run needs to reach this NELBO; "
                     "'scratch': each recipe's from-scratch final NELBO")
     ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
-    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
+    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory); an AR checkpoint "
+                    "trained there with the same overrides and --ar-steps is reused")
     ap.add_argument("--json", default=None, help="also write the table's JSON (every curve, the summary) here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
     args = ap.parse_args(argv)

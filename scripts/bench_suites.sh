@@ -130,10 +130,12 @@ scaling)
   ;;
 adaptation)
   # a 400-step AR checkpoint, then each recipe 150 steps adapted and from scratch (docs/adaptation.md); ~3 min per
-  # recipe on an H100, so two or three recipes per call
+  # recipe on an H100, so one or two recipes per call. The AR checkpoint stays in ADAPT_OUT (default
+  # /root/adaptation) and later calls on the same machine adapt it without training it again.
   corpus=${1:?usage: bench_suites.sh adaptation CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]}
   CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/adaptation_table.py --ar-steps 400 --adapt-steps 150 \
     --eval-every 50 --target-nelbo scratch --recipes "${2:-fast_dllm_v2,megatron_bridge_hybrid}" \
+    --out "${ADAPT_OUT:-/root/adaptation}" \
     --json "$OUT/adaptation_125m.json" -- model=125m data.path="$corpus" data.seq_len=1024 device=cuda precision=bf16 \
     model.backend=torch model.attention_backend=sdpa model.fused_cross_entropy=false model.fused_qkv=false \
     train.global_batch_size=64 train.micro_batch_size=16 optim.lr=6e-4 train.eval_windows=128 \

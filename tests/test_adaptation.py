@@ -338,3 +338,23 @@ def test_adaptation_table_summary_over_seeds():
         assert row["scratch_mean"] == pytest.approx(statistics.mean(s for s, _ in pairs), abs=1e-12)
         assert row["adapted_mean"] == pytest.approx(statistics.mean(a for _, a in pairs), abs=1e-12)
     assert [row["lower_in"] for row in summary] == [2, 3]
+
+
+def test_adaptation_table_reuses_its_ar_checkpoint(tmp_path, capsys):
+    """A second table in the same --out with the same overrides and --ar-steps adapts the saved AR checkpoint (the same
+    AR NLL, no AR training); other --ar-steps train it again."""
+    import json
+
+    from conftest import load_script
+
+    table = load_script("adaptation_table")
+    args = ["--ar-steps", "2", "--adapt-steps", "1", "--recipes", "dream", "--out", str(tmp_path)]
+    assert table.main([*args, "--json", str(tmp_path / "a.json")]) == 0
+    assert "reused" not in capsys.readouterr().out
+    assert table.main([*args, "--json", str(tmp_path / "b.json")]) == 0
+    assert "AR checkpoint reused" in capsys.readouterr().out
+    first, second = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert first["runs"][0]["ar_nll"] == second["runs"][0]["ar_nll"]
+    args[1] = "3"
+    assert table.main([*args, "--json", str(tmp_path / "c.json")]) == 0
+    assert "reused" not in capsys.readouterr().out
