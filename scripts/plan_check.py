@@ -74,9 +74,11 @@ def timed_steps(step_seconds: list[float], warmup: int) -> dict:
             "spread": max(timed) / min(timed) - 1 if timed else None}
 
 
-def steady(real: dict) -> bool:
+def steady(real: dict) -> bool | None:
     """Whether a measured row's step time is one the planner should match: no allocator retries, and a spread of
-    the timed steps of at most :data:`UNSTEADY` (rows measured before these were recorded count as steady)."""
+    the timed steps of at most :data:`UNSTEADY`; None for rows measured before these were recorded."""
+    if "spread" not in real and "alloc_retries" not in real:
+        return None
     return not real.get("alloc_retries") and (real.get("spread") or 0.0) <= UNSTEADY
 
 
@@ -227,11 +229,11 @@ def main(argv=None) -> int:
             continue
         r = errors(row)["real"]
         step_err = f"{100 * row['step_err']:>+6.1f}%" if row["step_err"] is not None else "      -"
-        note = "" if row["steady"] else (f"   unsteady: spread {100 * (r['spread'] or 0):.0f} %, "
+        note = "" if row["steady"] is not False else (f"   unsteady: spread {100 * (r['spread'] or 0):.0f} %, "
                                          f"{r['alloc_retries']} allocator retries")
         print(f"{row['name']:<18} {p['peak_bytes'] / 2**30:>9.1f} {traced_gib} {r['peak_bytes'] / 2**30:>9.1f} "
-              f"{100 * row['mem_err']:>+6.1f}%   {p['step_s'] * 1e3:>10.1f} {(r['step_s'] or 0) * 1e3:>10.1f} {step_err}"
-              f"{note}", flush=True)
+              f"{100 * row['mem_err']:>+6.1f}%   {p['step_s'] * 1e3:>10.1f} {(r['step_s'] or 0) * 1e3:>10.1f} "
+              f"{step_err}{note}", flush=True)
     if args.json:
         Path(args.json).write_text(strict_json.dumps(results, indent=2, default=str) + "\n")
     return 0
