@@ -210,6 +210,9 @@ MOE8 = f"model=moe-1b-7b {S8}"
 S4096 = "model=1.7b data.seq_len=4096 train.global_batch_size=16"
 S2048 = "model=1.7b data.seq_len=2048 train.global_batch_size=32"
 NO_AC = "parallel.activation_checkpointing=none"
+S1024 = "data.seq_len=1024 train.global_batch_size=64"
+S2048_32 = "data.seq_len=2048 train.global_batch_size=32"
+FA4 = "model.backend=te model.attention_backend=flash"
 ROWS = {
     "125m torch": ("plan_check_h200_uncalibrated.json", "125m-bf16", "H200", T),
     "125m torch (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "125m-bf16-ac", "H200", f"{T} {NO_AC}"),
@@ -244,14 +247,11 @@ ROWS = {
     "1.7b fp8 S 2048": ("megadlms_h200.json", "rows/3/difflm/tokens_per_s", "H200",
                         f"{S2048} precision=fp8 train.micro_batch_size=8 {TE}"),
     "125m te + fa4": ("small_models_h200.json", "rows/0/tokens_per_s", "H200",
-                      "model=125m data.seq_len=1024 train.global_batch_size=64 train.micro_batch_size=64 precision=bf16 "
-                      "model.backend=te model.attention_backend=flash"),
+                      f"model=125m {S1024} train.micro_batch_size=64 precision=bf16 {FA4}"),
     "350m te + fa4": ("small_models_h200.json", "rows/1/tokens_per_s", "H200",
-                      "model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16 precision=bf16 "
-                      "model.backend=te model.attention_backend=flash"),
+                      f"model=350m {S2048_32} train.micro_batch_size=16 precision=bf16 {FA4}"),
     "350m fp8 + fa4": ("small_models_h200.json", "rows/2/tokens_per_s", "H200",
-                       "model=350m data.seq_len=2048 train.global_batch_size=32 train.micro_batch_size=16 precision=fp8 "
-                       "model.backend=te model.attention_backend=flash"),
+                       f"model=350m {S2048_32} train.micro_batch_size=16 precision=fp8 {FA4}"),
 }
 # rows outside 15 %, and why (docs/planner.md, "Checked against measured runs")
 OUTSIDE = {

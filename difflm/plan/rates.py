@@ -115,9 +115,10 @@ def calibrate(model_cfg, seq_len: int, micro_batch: int, base: Rates) -> Rates:
     """Measure ``base``'s rates on the current CUDA device at the shapes of ``model_cfg`` (BF16).
 
     GEMM: ``[micro_batch x seq_len, hidden] @ [hidden, ffn]`` forward, and in FP32 (the MoE router's precision);
-    attention: SDPA forward + backward at ``[micro_batch, heads, seq_len, head_dim]`` (the model-FLOPs count 12 B H S^2 D
-    of forward + backward, as MFU counts it); HBM: a 1 GiB device-to-device copy (bytes read + written); the kernel
-    floor: 1,000 one-element kernels replayed from a CUDA graph (launch to launch on the device, no host in between);
+    attention: SDPA forward + backward at ``[micro_batch, heads, seq_len, head_dim]`` (the model-FLOPs count
+    12 B H S^2 D of forward + backward, as MFU counts it); HBM: a 1 GiB device-to-device copy (bytes read + written);
+    the kernel floor: 1,000 one-element kernels replayed from a CUDA graph (launch to launch on the device, no host
+    in between);
     for a mixture of experts, ``torch._grouped_mm`` forward + backward over its experts at the micro-batch's rows
     per expert and four times as many, whose two rates give ``grouped_gemm_tflops`` and ``grouped_gemm_rows``
     (``1 / rate = (1 + rows_half / rows) / rate_max``, :func:`difflm.plan.step_time.grouped_gemm_rate`). Under

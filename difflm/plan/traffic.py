@@ -211,5 +211,6 @@ def kernels_per_block(kernels: KernelSet, moe_layer: bool = False, main_grad: bo
     return attention + table["mlp"] + (4 if kernels.fp8 else 0)
 
 
-__all__ = ["MOE_KERNELS", "OPTIMIZER_BYTES", "TE_KERNELS", "TORCH_KERNELS", "expert_rows", "fp8_cast_bytes_per_token", "kernels_per_block", "loss_bytes_per_row",
+__all__ = ["MOE_KERNELS", "OPTIMIZER_BYTES", "TE_KERNELS", "TORCH_KERNELS", "expert_rows", "fp8_cast_bytes_per_token",
+           "kernels_per_block", "loss_bytes_per_row",
            "moe_bytes_per_token", "moe_widths", "step_weight_bytes", "weight_bytes"]
