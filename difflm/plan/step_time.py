@@ -1,16 +1,22 @@
 """Predicted time of one optimizer step: compute by kind, exposed communication by collective, the pipeline bubble.
 
-Compute (per GPU, over the step's ``n_micro`` micro-batches of ``micro_batch x seq_len`` tokens):
+Compute (per GPU, over the step's ``n_micro`` micro-batches of ``micro_batch x seq_len`` tokens; docs/planner.md,
+"The step's parts", lists them with their sources):
 
 * GEMMs: ``6 N_linear`` FLOPs per token (forward + backward; Kaplan et al. 2020, PaLM appendix B), with the LM head's
   share at the loss rows only, divided by ``tp`` and ``cp``, at the calibrated GEMM rate (FP8 rate under
   ``precision=fp8``); activation checkpointing adds a forward (``+2 N`` of ``6 N``; ``selective``: half of that);
+  a mixture of experts' routed experts at the grouped-GEMM rate of their rows per expert (:func:`grouped_gemm_rate`);
 * attention: ``12 L d S`` FLOPs per token for bidirectional attention (half for causal ``ar``: the kernels skip the
-  masked half), :func:`difflm.training.flops.bd3lm_flops_per_token`'s mask for ``bd3lm``, at the attention rate;
-* memory-bound kernels (norms, RoPE, SwiGLU, residual adds, casts): each saved activation byte is moved the rates'
-  ``membound_passes_te`` times across forward and backward by the fused TE kernels (written once, read about twice:
-  3), ``membound_passes_torch`` times by the torch kernel set's unfused ones, plus
-  AdamW's 28 bytes per local parameter (read param, grad, two moments; write param, two moments), at the HBM rate.
+  masked half), :func:`difflm.training.flops.bd3lm_flops_per_token`'s mask for ``bd3lm`` (every pair of
+  ``[x_t ; x_0]`` under SDPA, which takes the mask dense), at the attention rate;
+* memory-bound kernels of the blocks (norms, RoPE, SwiGLU, residual adds, casts): each saved activation byte is moved
+  the rates' ``membound_passes_te`` times across forward and backward by the fused TE kernels (written once, read
+  about twice: 3), ``membound_passes_torch`` times by the torch kernel set's unfused ones, at the HBM rate;
+* bytes counted from the code that moves them (:mod:`difflm.plan.traffic`), at the HBM rate: FP8 casts, the MoE
+  slot's routing, permutation and SwiGLU, the weights' casts and gradient accumulation, AdamW and the gradient norm
+  (32 bytes per local parameter), the loss's logits;
+* a floor per launched kernel (:func:`difflm.plan.traffic.kernels_per_block` x ``Rates.kernel_floor_us``).
 
 Communication (bytes per GPU at the NCCL bus bandwidth of the group: inside a node or across nodes):
 
@@ -142,7 +148,8 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     ac = {"full": 1.0, "selective": 0.5}.get(layout.activation_checkpointing, 0.0)
     kernels = kernels or kernel_set(cfg, layout)
     moe_blocks = L - first_k_dense(m) if int(m.moe.num_experts) > 0 else 0
-    experts = moe_blocks * expert_params_per_token(m)  # routed experts' weights a token multiplies
+    # the routed experts' weights a token multiplies and the router's (FP32): their own parts (_moe_parts)
+    experts = moe_blocks * (expert_params_per_token(m) + h * int(m.moe.num_experts))
     body = num_params - head - experts
     gemm_flops = per_gpu_tokens * (copies * body * (6 + 2 * ac) + 6 * head * rows) / layout.tp / layout.pp
     fp8 = cfg.precision.name == "fp8"
