@@ -9,6 +9,11 @@ NVLink 4 at NCCL's typical ~360 GB/s bus bandwidth inside a node and 400 Gb/s In
 ``membound_passes_torch`` is fitted to ``scripts/plan_check.py``'s rows at 350m-8B on an H200 (docs/planner.md): the
 torch kernel set's unfused elementwise kernels move ~3x the bytes of the fused ones. ``activation_scale`` is 1: the
 activation model's terms equal the bytes the traced step saves (:mod:`difflm.plan.trace`, ``tests/test_plan.py``).
+Measured on an H200 with PyTorch 2.11 (docs/planner.md, "The step's parts"): FP32 GEMMs without TF32 at 50 TFLOP/s
+(8,192 x 2,048 x 2,048); ``torch._grouped_mm`` forward + backward over 64 experts of ``[rows, 2048] @ [2048, 2048]``
+at 349 / 472 / 552 / 583 TFLOP/s for 256 / 512 / 1,024 / 2,048 rows each, ``1 / rate`` a line in ``1 / rows``:
+640 TFLOP/s at many rows, half that at 216; a one-element kernel 0.93 us launch to launch from a CUDA graph. The
+H100 shares them (the same SMs and clocks) but for its HBM (about 3.0 TB/s for the same copy).
 """
 from __future__ import annotations
 
@@ -38,7 +43,11 @@ class Rates:
     comm_overlap: float = 0.9  # fraction of FSDP / DDP / CP traffic hidden behind compute when compute is longer
     activation_scale: float = 1.0  # factor on difflm.plan.memory's activation model (1: its terms as traced)
     membound_passes_te: float = 3.0  # memory-bound bytes moved per saved activation byte: TE / fused kernels
-    membound_passes_torch: float = 10.0  # the same for the torch kernel set (unfused norms, RoPE, SwiGLU, CE)
+    membound_passes_torch: float = 10.0  # the same for the torch kernel set (unfused norms, casts, SwiGLU, residual)
+    fp32_gemm_tflops: float = 50.0  # FP32 GEMMs without TF32 (the MoE router's)
+    grouped_gemm_tflops: float = 640.0  # torch._grouped_mm forward + backward with many rows per expert ...
+    grouped_gemm_rows: float = 216.0  # ... and the rows per expert at which it runs at half that
+    kernel_floor_us: float = 0.93  # device time of a kernel beyond its bytes and FLOPs (launch to launch)
     reserve_gib: float = 4.0  # CUDA context, allocator slack and NCCL buffers kept free of the plan
 
     def to_json(self, path: str | Path) -> None:
@@ -90,14 +99,31 @@ def _time_cuda(fn, iters: int = 20) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def _grouped_rate(experts: int, rows: int, d: int, n: int, dev) -> float:
+    """FLOP/s of ``torch._grouped_mm`` forward + backward over ``experts`` groups of ``rows`` rows, ``[rows, d] @
+    [d, n]`` each (the MoE experts' GEMM, :class:`difflm.model.moe.GroupedExperts`)."""
+    import torch
+
+    x = torch.randn(experts * rows, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(experts, d, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.arange(1, experts + 1, device=dev, dtype=torch.int32) * rows
+    grad = torch.randn(experts * rows, n, device=dev, dtype=torch.bfloat16)
+    return 6 * experts * rows * d * n / _time_cuda(lambda: torch._grouped_mm(x, w, offs=offs).backward(grad), 10)
+
+
 def calibrate(model_cfg, seq_len: int, micro_batch: int, base: Rates) -> Rates:
     """Measure ``base``'s rates on the current CUDA device at the shapes of ``model_cfg`` (BF16).
 
-    GEMM: ``[micro_batch x seq_len, hidden] @ [hidden, ffn]`` forward; attention: SDPA forward + backward at
-    ``[micro_batch, heads, seq_len, head_dim]`` (the model-FLOPs count 12 B H S^2 D of forward + backward, as MFU counts it);
-    HBM: a 1 GiB device-to-device copy (bytes read + written). Under ``torch.distributed`` with more than one rank,
-    the bus bandwidth of a 256 MiB all-reduce (intra-node when the world fits in one node).
-    Raises DifflmError without CUDA.
+    GEMM: ``[micro_batch x seq_len, hidden] @ [hidden, ffn]`` forward, and in FP32 (the MoE router's precision);
+    attention: SDPA forward + backward at ``[micro_batch, heads, seq_len, head_dim]`` (the model-FLOPs count
+    12 B H S^2 D of forward + backward, as MFU counts it); HBM: a 1 GiB device-to-device copy (bytes read + written);
+    the kernel floor: 1,000 one-element kernels replayed from a CUDA graph (launch to launch on the device, no host
+    in between);
+    for a mixture of experts, ``torch._grouped_mm`` forward + backward over its experts at the micro-batch's rows
+    per expert and four times as many, whose two rates give ``grouped_gemm_tflops`` and ``grouped_gemm_rows``
+    (``1 / rate = (1 + rows_half / rows) / rate_max``, :func:`difflm.plan.step_time.grouped_gemm_rate`). Under
+    ``torch.distributed`` with more than one rank, the bus bandwidth of a 256 MiB all-reduce (intra-node when the
+    world fits in one node). Raises DifflmError without CUDA.
     """
     import torch
     import torch.nn.functional as F
@@ -113,6 +139,9 @@ def calibrate(model_cfg, seq_len: int, micro_batch: int, base: Rates) -> Rates:
     a = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
     w = torch.randn(h, f, device=dev, dtype=torch.bfloat16)
     out.gemm_tflops = 2 * t * h * f / _time_cuda(lambda: a @ w) / 1e12
+    a32, w32 = a.float(), w.float()
+    out.fp32_gemm_tflops = 2 * t * h * f / _time_cuda(lambda: a32 @ w32, 5) / 1e12
+    del a32, w32
     heads = int(model_cfg.num_heads)
     hd = int(model_cfg.head_dim or h // heads)
     q = torch.randn(micro_batch, heads, seq_len, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -126,6 +155,21 @@ def calibrate(model_cfg, seq_len: int, micro_batch: int, base: Rates) -> Rates:
     src = torch.empty(1024 ** 3 // 2, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     out.hbm_gbps = 2 * src.numel() * 2 / _time_cuda(lambda: dst.copy_(src)) / 1e9
+    del src, dst
+    one = torch.zeros(1, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(1000):
+            one.add_(1)
+    out.kernel_floor_us = _time_cuda(graph.replay, 5) / 1000 * 1e6
+    experts = int(model_cfg.moe.num_experts) if "moe" in model_cfg else 0
+    if experts:
+        ef = int(model_cfg.moe.ffn_hidden_size) or f
+        rows = max(t * int(model_cfg.moe.top_k) // experts, 16)
+        near, far = (_grouped_rate(experts, r, h, 2 * ef, dev) for r in (rows, 4 * rows))
+        slope = (1 / near - 1 / far) / (1 / rows - 1 / (4 * rows))  # 1 / rate against 1 / rows: a line
+        rate_max = 1 / (1 / far - slope / (4 * rows))
+        out.grouped_gemm_tflops, out.grouped_gemm_rows = rate_max / 1e12, max(slope * rate_max, 0.0)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -81,7 +81,7 @@ def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates,
     kernels = kernels or kernel_set(cfg, layout)
     memory = plan_memory(cfg, params, layout, n_micro, rates.activation_scale, kernels)
     step = plan_step(cfg, num_params, layout, n_micro, rates, stage_params(params, layout, int(cfg.model.num_layers)),
-                     kernels)
+                     kernels, params)
     return Candidate(layout, n_micro, memory, step)
 
 
