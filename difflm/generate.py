@@ -108,6 +108,41 @@ def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, m
                       "parallel.sequence_parallel=false")
 
 
+def padded_block_generate(logits_fn, prompt_ids: torch.Tensor, opts: GenerationOptions, generator,
+                          prompt_mask: torch.Tensor | None, stats: dict | None) -> torch.Tensor:
+    """:func:`difflm.sampling.block_diffusion_generate` of a batch of prompts padded to one width (``prompt_mask``
+    [B, P], True at real tokens, each row's real tokens contiguous: left or right padding): a bd3lm model's blocks
+    sit at absolute positions, so the rows of each prompt length are sampled together without their padding, and put
+    back in the batch's layout ([B, P + gen.length], the padding kept). ``generator``: one generator (drawn from group
+    by group, in the order of the prompt lengths) or a list of one per row (each row's noise its own, so a row samples
+    as it would alone). ``stats["nfe"]`` counts the model calls of every group."""
+    if prompt_mask is None or bool(prompt_mask.all()):
+        return block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
+    lengths = prompt_mask.sum(dim=1)
+    starts = prompt_mask.long().argmax(dim=1)
+    span = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]
+    if not bool((prompt_mask == ((span >= starts[:, None]) & (span < (starts + lengths)[:, None]))).all()):
+        raise DifflmError("objective=bd3lm samples blocks at absolute positions: pad each prompt on one side only "
+                          "(its real tokens contiguous)")
+    width = prompt_ids.shape[1]
+    out = torch.cat([prompt_ids, prompt_ids.new_full((prompt_ids.shape[0], opts.length), opts.mask_id)], dim=1)
+    nfe = 0
+    for n in sorted(set(lengths.tolist())):
+        rows = (lengths == n).nonzero().flatten()
+        cols = starts[rows, None] + torch.arange(n, device=prompt_ids.device)[None]
+        gens = generator if generator is None or isinstance(generator, torch.Generator) else [
+            generator[int(r)] for r in rows]
+        group: dict = {}
+        sampled = block_diffusion_generate(logits_fn, prompt_ids[rows[:, None], cols], opts, generator=gens,
+                                           stats=group)
+        nfe += int(group.get("nfe", 0))
+        out[rows[:, None], cols] = sampled[:, :n]
+        out[rows, width:] = sampled[:, n:]
+    if stats is not None:
+        stats["nfe"] = nfe
+    return out
+
+
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
@@ -123,7 +158,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
         objective: the run's ``objective`` config; ``bd3lm`` runs sample block by block
             (:func:`difflm.sampling.block_diffusion_generate`, ``gen.steps * block_size / gen.length`` steps
             per block, exact KV cache unless ``gen.cache=none``).
-        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts.
+        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts (``bd3lm``: the rows of each
+            prompt length are sampled together, :func:`padded_block_generate`).
         stats: receives ``nfe`` (model calls) when given (diffusion samplers).
         seq_multiple: every model call's length is padded to a multiple of this (:func:`pad_to_multiple`): the
             tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
@@ -148,10 +184,7 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     if causal:
         out = autoregressive_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask)
     elif opts.block_size is not None:
-        if prompt_mask is not None and not bool(prompt_mask.all()):
-            raise DifflmError("objective=bd3lm samples blocks at absolute positions: give prompts of equal length "
-                              "(no padding)")
-        out = block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
+        out = padded_block_generate(logits_fn, prompt_ids, opts, generator, prompt_mask, stats)
     else:
         out = diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask,
                                  stats=stats)
