@@ -265,15 +265,17 @@ def infilled_text(tok: TokenizerInfo, text: str, placeholders: Sequence[str], fi
     return pieces[0] + "".join(tok.decode([f]) + p for f, p in zip(fills, pieces[1:]))
 
 
-def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
+def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None,
+             keys: tuple[str, str] = ("run.dir", "step")):
     """(run config, model with checkpoint weights in eval mode, tokenizer info, checkpoint step) of a trained run:
     checkpoint ``step``, or the newest when None (the step is returned so that results can say which one was read).
 
     ``kernels`` (:class:`difflm.config.schema.KernelOverrides`) replaces the run's ``model.backend`` /
     ``model.attention_backend`` where set; the checkpoint loads into either kernel set.
-    Raises: DifflmError without config.yaml or checkpoint, or when the kernels cannot run on ``device``.
+    Raises: DifflmError without config.yaml or checkpoint (naming ``keys``, the command's keys of the run directory
+    and the step), or when the kernels cannot run on ``device``.
     """
-    cfg, ckpt, step = trained_settings(run_dir, step)
+    cfg, ckpt, step = trained_settings(run_dir, step, keys)
     # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
     use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)

@@ -433,3 +433,21 @@ def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path, monkeyp
     recorded = OmegaConf.load(tmp_path / "runs" / "x" / "config.yaml").data.tokenizer
     assert recorded == str(tmp_path / "runs" / "x" / "tokenizer")
     assert tokenizer_reference("EleutherAI/gpt-neox-20b") == "EleutherAI/gpt-neox-20b"
+
+
+def test_rl_names_init_keys_for_a_missing_init_run_or_step(init_run, tmp_path):  # noqa: F811
+    """difflm-rl's trained run is init.run_dir (run.dir is the RL run's own folder), its checkpoint init.step: a
+    folder without a run or a step without a checkpoint is refused naming those keys; difflm-generate's names stay
+    run.dir / step."""
+    from difflm.generate import load_run
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    missing = tmp_path / "nope"
+    with pytest.raises(DifflmError, match=f"^init.run_dir='{missing}' has no config.yaml: point init.run_dir at a "
+                                          "difflm-train output directory"):
+        PostTrainer(rl_config(missing, tmp_path / "rl"), CPU)
+    with pytest.raises(DifflmError, match=rf"^init.step=7 has no checkpoint in {init_run}: choose one of \[0\]$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "init.step=7"), CPU)
+    with pytest.raises(DifflmError, match=rf"^step=7 has no checkpoint in {init_run}: choose one of \[0\]$"):
+        load_run(str(init_run), 7, CPU)

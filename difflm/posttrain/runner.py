@@ -162,14 +162,16 @@ class PostTrainer:
         self.cfg = cfg
         self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         self._reports: list[str] = []
-        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir,
-                                                                                 cfg.init.step)[0]), device)
+        init_keys = ("init.run_dir", "init.step")
+        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step,
+                                                                                 init_keys)[0]), device)
         self.device = device
         self.is_rank0 = pdist.is_rank0()
         self.run_dir = Path(pdist.agree_run_dir(cfg.run.dir))
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
+        self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device,
+                                                                  keys=init_keys)
         if lora_enabled(cfg.get("lora")):  # fresh adapters (B = 0: the init model's outputs) on a full run
             self.init_cfg = with_rl_lora(cfg, self.init_cfg)
             apply_lora(model, self.init_cfg.lora, seed=int(cfg.train.seed))
