@@ -297,6 +297,27 @@ def test_refusals_are_one_line(tmp_path):
         apply_lora(model, lora_cfg(), seed=0)
 
 
+def test_a_rank_above_the_narrowest_adapted_weight_is_refused():
+    """B A has rank at most min(d_in, d_out): a lora.rank above the narrowest adapted weight's side (the width of a
+    small model) only adds parameters, and is refused in one line naming that weight and the largest rank it takes.
+    Width 64, 4 heads of 16, 2 KV heads: qkv [128, 64], proj [64, 64], fc1 [192, 64], fc2 [64, 96]; the routed
+    experts of width 24 narrow it to 24 under lora.moe=adapt_experts only."""
+    dense = model_cfg()
+    check_lora(lora_cfg(rank=64), dense)
+    with pytest.raises(DifflmError, match=r"^lora.rank=65 is above the width of attention.qkv \[128, 64\] \(64\): B A "
+                                          r"cannot have a rank above 64, .*; set lora.rank <= 64$"):
+        check_lora(lora_cfg(rank=65), dense)
+    narrow_mlp = model_cfg(ffn_hidden_size=40)
+    with pytest.raises(DifflmError, match=r"^lora.rank=48 is above the width of mlp.fc2_weight \[64, 40\] \(40\)"):
+        check_lora(lora_cfg(rank=48), narrow_mlp)
+    check_lora(lora_cfg(rank=48, targets=["qkv", "proj"]), narrow_mlp)  # the MLP is not adapted
+    moe = model_cfg(moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=24))
+    check_lora(lora_cfg(rank=32), moe)  # freeze_experts: attention adapters only
+    with pytest.raises(DifflmError, match=r"^lora.rank=32 is above the width of the routed experts' "
+                                          r"mlp.fc2_weight \[64, 24\] \(24\)"):
+        check_lora(lora_cfg(rank=32, moe="adapt_experts"), moe)
+
+
 def test_benchmark_lora_rows_report_params_optimizer_and_speed(capsys):
     """scripts/benchmark.py with a LoRA row beside a full fine-tuning row in one process (model=tiny, CPU)."""
     from conftest import load_script
