@@ -49,9 +49,9 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     ``gen.block_length=null`` is the run's block size (:func:`difflm.sampling.options.resolve_block_length`: a bd3lm
     run's ``objective.block_size``, else 64).
 
-    Raises: GenerationConfigError for a bad ``gen.*``, for settings a ``bd3lm`` run cannot sample with
-    (:meth:`GenerationOptions.check_block_diffusion`) and, for an ``ar`` (``causal``) run, for a diffusion-only
-    ``gen.*`` setting it would ignore.
+    Raises: GenerationConfigError for a bad ``gen.*``: settings a ``bd3lm`` run cannot sample with
+    (:meth:`GenerationOptions.check_block_diffusion`), block and step counts the LLaDA sampler refuses (the other
+    diffusion objectives) and, for an ``ar`` (``causal``) run, a diffusion-only ``gen.*`` setting it would ignore.
     """
     from difflm.sampling.options import run_block_size
 
@@ -65,6 +65,10 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
         opts.check_autoregressive()
     elif bd3lm:
         opts.check_block_diffusion()
+    else:  # the LLaDA sampler's block and step counts, checked here for callers that check before sampling
+        from difflm.sampling.diffusion import _validate
+
+        _validate(opts)
     return opts
 
 

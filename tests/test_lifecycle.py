@@ -451,3 +451,23 @@ def test_rl_names_init_keys_for_a_missing_init_run_or_step(init_run, tmp_path): 
         PostTrainer(rl_config(init_run, tmp_path / "rl", "init.step=7"), CPU)
     with pytest.raises(DifflmError, match=rf"^step=7 has no checkpoint in {init_run}: choose one of \[0\]$"):
         load_run(str(init_run), 7, CPU)
+
+
+def test_rl_checks_the_rollout_block_and_step_counts_before_it_starts(init_run, tmp_path):  # noqa: F811
+    """docs/post_training.md: the rollouts' gen.* are checked before the run starts. A gen.length that the LLaDA
+    sampler's blocks (gen.block_length=null: 32 on an mdlm init run) do not divide, or a step count that does not
+    fit them, is refused in one line with a consistent setting, before the frozen reference or rl_config.yaml is
+    written (the same rule as difflm-train's end-of-training samples)."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    for i, (overrides, message) in enumerate([(("gen.length=16", "gen.steps=8", "gen.block_length=null"),
+                                "gen.length=16 must be a multiple of gen.block_length=32; e.g. gen.length=16 "
+                                "gen.block_length=16 gen.steps=8"),
+                               (("gen.length=8", "gen.steps=3", "gen.block_length=4"),
+                                "gen.steps=3 must be a multiple of the number of blocks gen.length/gen.block_length=2"
+                                "; e.g. gen.length=8 gen.block_length=4 gen.steps=2")]):
+        run_dir = tmp_path / f"rl{i}"
+        with pytest.raises(DifflmError, match=f"^{message}$"):
+            PostTrainer(rl_config(init_run, run_dir, *overrides), CPU)
+        assert not (run_dir / "reference.pt").exists() and not (run_dir / "rl_config.yaml").exists()
