@@ -471,3 +471,19 @@ def test_rl_checks_the_rollout_block_and_step_counts_before_it_starts(init_run, 
         with pytest.raises(DifflmError, match=f"^{message}$"):
             PostTrainer(rl_config(init_run, run_dir, *overrides), CPU)
         assert not (run_dir / "reference.pt").exists() and not (run_dir / "rl_config.yaml").exists()
+
+
+def test_rl_resume_with_other_adapter_shapes_is_refused(init_run, tmp_path):  # noqa: F811
+    """difflm-rl lora=... on a full run: its checkpoints and reference.pt hold adapters of the lora.rank / targets
+    its rl_config.yaml names; a resume with another rank is refused in one line naming it (not a state-dict
+    traceback from reference.pt)."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    first = ("lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "train.max_steps=1")
+    PostTrainer(rl_config(init_run, tmp_path / "rl", *first), CPU).fit()
+    with pytest.raises(DifflmError, match=rf"^lora.rank=2: run.dir={tmp_path / 'rl'} \(its rl_config.yaml\) holds "
+                                          r"the adapters of lora.rank=4; resume with lora.rank=4, or start a new "
+                                          r"run.dir$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "lora=attn_mlp", "lora.rank=2", "lora.alpha=8"), CPU)
+    assert PostTrainer(rl_config(init_run, tmp_path / "rl", *first[:3]), CPU).step == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,20 @@ def test_benchmark_lora_rows_report_params_optimizer_and_speed(capsys):
     assert full["optimizer_bytes"] > 2 * 4 * full["trainable_params"]
     out = capsys.readouterr().out
     assert "lora: lora.rank=2, trainable 0.00 M" in out and "the tokens/s of full" in out
+
+
+def test_resuming_adapters_with_other_shapes_is_refused_naming_the_key(fast_cfg, tmp_path):
+    """A LoRA checkpoint holds adapters of its lora.rank / lora.targets / lora.moe: a resume with other values is
+    refused in one line naming the key and the saved value, not as a mismatch of the model config; lora.alpha may
+    change (the resume reports it)."""
+    cfg = fast_cfg(*LORA, "train.max_steps=1", "train.save_every=1", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    where = f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_1'} holds the adapters of"
+    for change, message in [("lora.rank=2", f"lora.rank=2: {where} lora.rank=4; resume with lora.rank=4, or start a "
+                                            "new run.dir"),
+                            ("lora.targets=[qkv,proj]", f"lora.targets=[qkv,proj]: {where} lora.targets="
+                                                        "[qkv,proj,fc1,fc2]; resume with lora.targets=[qkv,proj,fc1,fc2]")]:
+        with pytest.raises(DifflmError, match="^" + re.escape(message)):
+            Trainer(fast_cfg(*LORA, change, "train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    resumed = Trainer(fast_cfg(*LORA, "lora.alpha=16", "train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert resumed.step == 1

@@ -234,6 +234,26 @@ def check_lora(cfg, model_cfg=None) -> None:
                           "weight update, where dropout cannot apply; set lora.dropout=0 or model.backend=torch")
 
 
+SHAPE_KEYS = ("rank", "targets", "moe")  # the lora.* keys that decide which adapters exist and their shapes
+
+
+def check_resume_lora(saved, cfg, where: str) -> None:
+    """Refuse resuming adapters saved under ``saved`` (the ``lora`` config of the checkpoint ``where``) with other
+    :data:`SHAPE_KEYS` in ``cfg``: the checkpoint holds other adapters than the model would build. One line naming
+    the key, the saved value and the fix. ``lora.alpha`` / ``lora.dropout`` may change (a resume reports it)."""
+    if saved is None or not lora_enabled(saved) or not lora_enabled(cfg):
+        return
+    show = lambda v: f"[{','.join(str(t) for t in v)}]" if not isinstance(v, (str, int)) else v  # noqa: E731
+    for key in SHAPE_KEYS:
+        old, new = saved.get(key), cfg.get(key)
+        if old is None or new is None:
+            continue
+        same = sorted(old) == sorted(new) if key == "targets" else old == new
+        if not same:
+            raise DifflmError(f"lora.{key}={show(new)}: {where} holds the adapters of lora.{key}={show(old)}; resume "
+                              f"with lora.{key}={show(old)}, or start a new run.dir")
+
+
 def _narrowest_adapted_weight(cfg, model_cfg) -> tuple[Optional[str], int]:
     """(a description, min(d_in, d_out)) of the adapted weight of ``model_cfg`` with the smallest side under the
     ``lora`` config ``cfg`` (its ``targets`` and ``moe`` policy); (None, 0) when the dimensions are not all set."""
@@ -442,5 +462,5 @@ def expected_adapter_count(model_cfg, cfg) -> int:
 
 
 __all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
-           "check_lora_layout", "expected_adapter_count", "init_adapters_", "is_adapter", "lora_enabled",
-           "merged_state_dict", "trainable_parameter_count"]
+           "check_lora_layout", "check_resume_lora", "expected_adapter_count", "init_adapters_", "is_adapter",
+           "lora_enabled", "merged_state_dict", "trainable_parameter_count"]
