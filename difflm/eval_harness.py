@@ -213,7 +213,7 @@ class DifflmHarnessLM(LM):
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cfg, self.model, self.tok, self.step = load_run(str(run_dir), None if step in (None, "") else int(step),
-                                                             self._device)
+                                                             self._device, keys=("run_dir", "step"))  # model_args
         self.run_dir = str(run_dir)
         # the step is not in model_args when the newest checkpoint was taken: log it and put it in the results
         eval_logger.info("difflm: evaluating %s at checkpoint step %d", self.run_dir, self.step)

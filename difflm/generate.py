@@ -49,9 +49,9 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     ``gen.block_length=null`` is the run's block size (:func:`difflm.sampling.options.resolve_block_length`: a bd3lm
     run's ``objective.block_size``, else 64).
 
-    Raises: GenerationConfigError for a bad ``gen.*``, for settings a ``bd3lm`` run cannot sample with
-    (:meth:`GenerationOptions.check_block_diffusion`) and, for an ``ar`` (``causal``) run, for a diffusion-only
-    ``gen.*`` setting it would ignore.
+    Raises: GenerationConfigError for a bad ``gen.*``: settings a ``bd3lm`` run cannot sample with
+    (:meth:`GenerationOptions.check_block_diffusion`), block and step counts the LLaDA sampler refuses (the other
+    diffusion objectives) and, for an ``ar`` (``causal``) run, a diffusion-only ``gen.*`` setting it would ignore.
     """
     from difflm.sampling.options import run_block_size
 
@@ -65,6 +65,10 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
         opts.check_autoregressive()
     elif bd3lm:
         opts.check_block_diffusion()
+    else:  # the LLaDA sampler's block and step counts, checked here for callers that check before sampling
+        from difflm.sampling.diffusion import _validate
+
+        _validate(opts)
     return opts
 
 
@@ -108,6 +112,41 @@ def check_padded_sampling(objective: str, prompt_tokens: int, block_size: int, m
                       "parallel.sequence_parallel=false")
 
 
+def padded_block_generate(logits_fn, prompt_ids: torch.Tensor, opts: GenerationOptions, generator,
+                          prompt_mask: torch.Tensor | None, stats: dict | None) -> torch.Tensor:
+    """:func:`difflm.sampling.block_diffusion_generate` of a batch of prompts padded to one width (``prompt_mask``
+    [B, P], True at real tokens, each row's real tokens contiguous: left or right padding): a bd3lm model's blocks
+    sit at absolute positions, so the rows of each prompt length are sampled together without their padding, and put
+    back in the batch's layout ([B, P + gen.length], the padding kept). ``generator``: one generator (drawn from group
+    by group, in the order of the prompt lengths) or a list of one per row (each row's noise its own, so a row samples
+    as it would alone). ``stats["nfe"]`` counts the model calls of every group."""
+    if prompt_mask is None or bool(prompt_mask.all()):
+        return block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
+    lengths = prompt_mask.sum(dim=1)
+    starts = prompt_mask.long().argmax(dim=1)
+    span = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]
+    if not bool((prompt_mask == ((span >= starts[:, None]) & (span < (starts + lengths)[:, None]))).all()):
+        raise DifflmError("objective=bd3lm samples blocks at absolute positions: pad each prompt on one side only "
+                          "(its real tokens contiguous)")
+    width = prompt_ids.shape[1]
+    out = torch.cat([prompt_ids, prompt_ids.new_full((prompt_ids.shape[0], opts.length), opts.mask_id)], dim=1)
+    nfe = 0
+    for n in sorted(set(lengths.tolist())):
+        rows = (lengths == n).nonzero().flatten()
+        cols = starts[rows, None] + torch.arange(n, device=prompt_ids.device)[None]
+        gens = generator if generator is None or isinstance(generator, torch.Generator) else [
+            generator[int(r)] for r in rows]
+        group: dict = {}
+        sampled = block_diffusion_generate(logits_fn, prompt_ids[rows[:, None], cols], opts, generator=gens,
+                                           stats=group)
+        nfe += int(group.get("nfe", 0))
+        out[rows[:, None], cols] = sampled[:, :n]
+        out[rows, width:] = sampled[:, n:]
+    if stats is not None:
+        stats["nfe"] = nfe
+    return out
+
+
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.Tensor, gen, causal: bool,
                  precision: str = "fp32", objective=None, prompt_mask: torch.Tensor | None = None,
@@ -123,7 +162,8 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
         objective: the run's ``objective`` config; ``bd3lm`` runs sample block by block
             (:func:`difflm.sampling.block_diffusion_generate`, ``gen.steps * block_size / gen.length`` steps
             per block, exact KV cache unless ``gen.cache=none``).
-        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts.
+        prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts (``bd3lm``: the rows of each
+            prompt length are sampled together, :func:`padded_block_generate`).
         stats: receives ``nfe`` (model calls) when given (diffusion samplers).
         seq_multiple: every model call's length is padded to a multiple of this (:func:`pad_to_multiple`): the
             tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
@@ -148,10 +188,7 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
     if causal:
         out = autoregressive_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask)
     elif opts.block_size is not None:
-        if prompt_mask is not None and not bool(prompt_mask.all()):
-            raise DifflmError("objective=bd3lm samples blocks at absolute positions: give prompts of equal length "
-                              "(no padding)")
-        out = block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
+        out = padded_block_generate(logits_fn, prompt_ids, opts, generator, prompt_mask, stats)
     else:
         out = diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, prompt_mask=prompt_mask,
                                  stats=stats)
@@ -232,15 +269,17 @@ def infilled_text(tok: TokenizerInfo, text: str, placeholders: Sequence[str], fi
     return pieces[0] + "".join(tok.decode([f]) + p for f, p in zip(fills, pieces[1:]))
 
 
-def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None):
+def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None,
+             keys: tuple[str, str] = ("run.dir", "step")):
     """(run config, model with checkpoint weights in eval mode, tokenizer info, checkpoint step) of a trained run:
     checkpoint ``step``, or the newest when None (the step is returned so that results can say which one was read).
 
     ``kernels`` (:class:`difflm.config.schema.KernelOverrides`) replaces the run's ``model.backend`` /
     ``model.attention_backend`` where set; the checkpoint loads into either kernel set.
-    Raises: DifflmError without config.yaml or checkpoint, or when the kernels cannot run on ``device``.
+    Raises: DifflmError without config.yaml or checkpoint (naming ``keys``, the command's keys of the run directory
+    and the step), or when the kernels cannot run on ``device``.
     """
-    cfg, ckpt, step = trained_settings(run_dir, step)
+    cfg, ckpt, step = trained_settings(run_dir, step, keys)
     # the run's allocator mode: evaluation's masked-row counts change per draw as training's did
     use_expandable_segments(cfg.train.expandable_segments, device)
     apply_kernel_overrides(cfg, kernels, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from difflm.errors import DifflmError
 from difflm.model.kv_cache import KVCache
 from difflm.sampling import (GenerationConfigError, GenerationOptions, autoregressive_generate,
                              block_diffusion_generate, diffusion_generate, filter_top_k_top_p)
@@ -172,6 +173,59 @@ def test_bd3lm_sampler_respects_block_causality():
     assert torch.equal(long[:, :8], short)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_bd3lm_padded_prompts_sample_as_each_prompt_alone(side):
+    """A bd3lm model's blocks sit at absolute positions, so a batch of prompts of several lengths (difflm-rl's
+    left-padded rollouts of GSM8K questions) cannot be sampled as one padded block batch. generate_ids samples the
+    rows of each prompt length together, without their padding: with one generator per row each row gets the tokens
+    it gets alone, the padding stays, nfe counts every group's calls, and a mask with holes is refused."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from difflm.config.schema import GenerateConfig
+    from difflm.generate import generate_ids
+
+    model = tiny_model(std=0.3)
+    model.cfg.vocab_size = V
+    tok = SimpleNamespace(mask_id=MASK, eos_id=0, tokenizer=list(range(V - 1)))
+    gen = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 8, "steps": 8, "temperature": 1.0})
+    objective = OmegaConf.create({"name": "bd3lm", "block_size": 4, "clean_attention": "block_causal"})
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]]
+    width = 5
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[r, cols], mask[r, cols] = torch.tensor(p), True
+    seeds = [11, 12, 13]
+    stats = {}
+    batch = generate_ids(model, tok, ids, gen, False, objective=objective, prompt_mask=mask, stats=stats,
+                         generator=[torch.Generator().manual_seed(s) for s in seeds])
+    alone_nfe = {}
+    for r, p in enumerate(prompts):
+        one = {}
+        alone = generate_ids(model, tok, torch.tensor([p]), gen, False, objective=objective, stats=one,
+                             generator=[torch.Generator().manual_seed(seeds[r])])
+        assert torch.equal(batch[r], alone[0]), r
+        alone_nfe[len(p)] = one["nfe"]
+    assert batch.shape == (3, 8) and not (batch == MASK).any()
+    assert stats["nfe"] == alone_nfe[3] + alone_nfe[5] == 16  # the two 3-token prompts are sampled together
+    ids[0, -1 if side == "left" else 1] = MASK  # infilling: the prompt comes back in the batch's layout, filled
+    infilled = generate_ids(model, tok, ids, gen, False, objective=objective, prompt_mask=mask, infill=True,
+                            generator=[torch.Generator().manual_seed(s) for s in seeds])
+    assert torch.equal(infilled[:, :width][~mask], ids[~mask])
+    for r in (0, 1):  # (row 2 shares row 0's group, which starts at the block of row 0's masked position)
+        alone = generate_ids(model, tok, ids[r][mask[r]][None], gen, False, objective=objective, infill=True,
+                             generator=[torch.Generator().manual_seed(seeds[r])])
+        assert torch.equal(infilled[r][torch.cat([mask[r], torch.ones(8, dtype=torch.bool)])], alone[0]), r
+    assert infilled[0, :width][mask[0]].ne(MASK).all()
+    with pytest.raises(DifflmError, match="^objective=bd3lm samples blocks at absolute positions: pad each prompt on "
+                                          "one side only"):
+        generate_ids(model, tok, ids, gen, False, objective=objective, prompt_mask=torch.tensor([[1, 0, 1, 1, 1]] * 3,
+                                                                                                  dtype=torch.bool))
+
+
 def test_generation_errors_name_keys():
     with pytest.raises(GenerationConfigError, match="gen.cache"):
         opts(length=4, steps=4, block_length=4, cache="full")
@@ -307,8 +361,8 @@ def test_generate_ids_builds_one_options_object_for_every_sampler():
                        diffusion_generate(model_fn(model), prompt, mdlm)[:, 4:])
     with pytest.raises(DifflmError, match="gen.cfg_scale"):
         generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.0}), objective=bd3lm)
-    with pytest.raises(DifflmError, match="equal length"):
-        generate_ids(model, tok, prompt, gen, False, objective=bd3lm,
-                     prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool())
+    assert torch.equal(generate_ids(model, tok, prompt, gen, False, objective=bd3lm,  # padding: sampled without it
+                                    prompt_mask=torch.tensor([[0, 1, 1, 1]] * 2).bool()),
+                       generate_ids(model, tok, prompt[:, 1:], gen, False, objective=bd3lm))
     with pytest.raises(GenerationConfigError, match="gen.remasking"):
         generation_options(model, tok, OmegaConf.merge(gen, {"remasking": "oldest"}))

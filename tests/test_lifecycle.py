@@ -433,3 +433,57 @@ def test_a_relative_tokenizer_is_recorded_by_its_absolute_path(tmp_path, monkeyp
     recorded = OmegaConf.load(tmp_path / "runs" / "x" / "config.yaml").data.tokenizer
     assert recorded == str(tmp_path / "runs" / "x" / "tokenizer")
     assert tokenizer_reference("EleutherAI/gpt-neox-20b") == "EleutherAI/gpt-neox-20b"
+
+
+def test_rl_names_init_keys_for_a_missing_init_run_or_step(init_run, tmp_path):  # noqa: F811
+    """difflm-rl's trained run is init.run_dir (run.dir is the RL run's own folder), its checkpoint init.step: a
+    folder without a run or a step without a checkpoint is refused naming those keys; difflm-generate's names stay
+    run.dir / step."""
+    from difflm.generate import load_run
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    missing = tmp_path / "nope"
+    with pytest.raises(DifflmError, match=f"^init.run_dir='{missing}' has no config.yaml: point init.run_dir at a "
+                                          "difflm-train output directory"):
+        PostTrainer(rl_config(missing, tmp_path / "rl"), CPU)
+    with pytest.raises(DifflmError, match=rf"^init.step=7 has no checkpoint in {init_run}: choose one of \[0\]$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "init.step=7"), CPU)
+    with pytest.raises(DifflmError, match=rf"^step=7 has no checkpoint in {init_run}: choose one of \[0\]$"):
+        load_run(str(init_run), 7, CPU)
+
+
+def test_rl_checks_the_rollout_block_and_step_counts_before_it_starts(init_run, tmp_path):  # noqa: F811
+    """docs/post_training.md: the rollouts' gen.* are checked before the run starts. A gen.length that the LLaDA
+    sampler's blocks (gen.block_length=null: 32 on an mdlm init run) do not divide, or a step count that does not
+    fit them, is refused in one line with a consistent setting, before the frozen reference or rl_config.yaml is
+    written (the same rule as difflm-train's end-of-training samples)."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    for i, (overrides, message) in enumerate([(("gen.length=16", "gen.steps=8", "gen.block_length=null"),
+                                "gen.length=16 must be a multiple of gen.block_length=32; e.g. gen.length=16 "
+                                "gen.block_length=16 gen.steps=8"),
+                               (("gen.length=8", "gen.steps=3", "gen.block_length=4"),
+                                "gen.steps=3 must be a multiple of the number of blocks gen.length/gen.block_length=2"
+                                "; e.g. gen.length=8 gen.block_length=4 gen.steps=2")]):
+        run_dir = tmp_path / f"rl{i}"
+        with pytest.raises(DifflmError, match=f"^{message}$"):
+            PostTrainer(rl_config(init_run, run_dir, *overrides), CPU)
+        assert not (run_dir / "reference.pt").exists() and not (run_dir / "rl_config.yaml").exists()
+
+
+def test_rl_resume_with_other_adapter_shapes_is_refused(init_run, tmp_path):  # noqa: F811
+    """difflm-rl lora=... on a full run: its checkpoints and reference.pt hold adapters of the lora.rank / targets
+    its rl_config.yaml names; a resume with another rank is refused in one line naming it (not a state-dict
+    traceback from reference.pt)."""
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    first = ("lora=attn_mlp", "lora.rank=4", "lora.alpha=8", "train.max_steps=1")
+    PostTrainer(rl_config(init_run, tmp_path / "rl", *first), CPU).fit()
+    with pytest.raises(DifflmError, match=rf"^lora.rank=2: run.dir={tmp_path / 'rl'} \(its rl_config.yaml\) holds "
+                                          r"the adapters of lora.rank=4; resume with lora.rank=4, or start a new "
+                                          r"run.dir$"):
+        PostTrainer(rl_config(init_run, tmp_path / "rl", "lora=attn_mlp", "lora.rank=2", "lora.alpha=8"), CPU)
+    assert PostTrainer(rl_config(init_run, tmp_path / "rl", *first[:3]), CPU).step == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,27 @@ def test_refusals_are_one_line(tmp_path):
         apply_lora(model, lora_cfg(), seed=0)
 
 
+def test_a_rank_above_the_narrowest_adapted_weight_is_refused():
+    """B A has rank at most min(d_in, d_out): a lora.rank above the narrowest adapted weight's side (the width of a
+    small model) only adds parameters, and is refused in one line naming that weight and the largest rank it takes.
+    Width 64, 4 heads of 16, 2 KV heads: qkv [128, 64], proj [64, 64], fc1 [192, 64], fc2 [64, 96]; the routed
+    experts of width 24 narrow it to 24 under lora.moe=adapt_experts only."""
+    dense = model_cfg()
+    check_lora(lora_cfg(rank=64), dense)
+    with pytest.raises(DifflmError, match=r"^lora.rank=65 is above the width of attention.qkv \[128, 64\] \(64\): B A "
+                                          r"cannot have a rank above 64, .*; set lora.rank <= 64$"):
+        check_lora(lora_cfg(rank=65), dense)
+    narrow_mlp = model_cfg(ffn_hidden_size=40)
+    with pytest.raises(DifflmError, match=r"^lora.rank=48 is above the width of mlp.fc2_weight \[64, 40\] \(40\)"):
+        check_lora(lora_cfg(rank=48), narrow_mlp)
+    check_lora(lora_cfg(rank=48, targets=["qkv", "proj"]), narrow_mlp)  # the MLP is not adapted
+    moe = model_cfg(moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=24))
+    check_lora(lora_cfg(rank=32), moe)  # freeze_experts: attention adapters only
+    with pytest.raises(DifflmError, match=r"^lora.rank=32 is above the width of the routed experts' "
+                                          r"mlp.fc2_weight \[64, 24\] \(24\)"):
+        check_lora(lora_cfg(rank=32, moe="adapt_experts"), moe)
+
+
 def test_benchmark_lora_rows_report_params_optimizer_and_speed(capsys):
     """scripts/benchmark.py with a LoRA row beside a full fine-tuning row in one process (model=tiny, CPU)."""
     from conftest import load_script
@@ -315,3 +337,20 @@ def test_benchmark_lora_rows_report_params_optimizer_and_speed(capsys):
     assert full["optimizer_bytes"] > 2 * 4 * full["trainable_params"]
     out = capsys.readouterr().out
     assert "lora: lora.rank=2, trainable 0.00 M" in out and "the tokens/s of full" in out
+
+
+def test_resuming_adapters_with_other_shapes_is_refused_naming_the_key(fast_cfg, tmp_path):
+    """A LoRA checkpoint holds adapters of its lora.rank / lora.targets / lora.moe: a resume with other values is
+    refused in one line naming the key and the saved value, not as a mismatch of the model config; lora.alpha may
+    change (the resume reports it)."""
+    cfg = fast_cfg(*LORA, "train.max_steps=1", "train.save_every=1", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    where = f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_1'} holds the adapters of"
+    for change, message in [("lora.rank=2", f"lora.rank=2: {where} lora.rank=4; resume with lora.rank=4, or start a "
+                                            "new run.dir"),
+                            ("lora.targets=[qkv,proj]", f"lora.targets=[qkv,proj]: {where} lora.targets="
+                                                        "[qkv,proj,fc1,fc2]; resume with lora.targets=[qkv,proj,fc1,fc2]")]:
+        with pytest.raises(DifflmError, match="^" + re.escape(message)):
+            Trainer(fast_cfg(*LORA, change, "train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    resumed = Trainer(fast_cfg(*LORA, "lora.alpha=16", "train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert resumed.step == 1

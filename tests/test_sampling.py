@@ -310,7 +310,8 @@ def test_diffusion_only_settings_are_refused_for_ar_runs(causal):
 
     model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=16))
     tok = SimpleNamespace(mask_id=15, tokenizer=list(range(15)))
-    plain = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 12, "temperature": 0.7, "top_k": 3})
+    plain = OmegaConf.merge(OmegaConf.structured(GenerateConfig), {"length": 12, "temperature": 0.7, "top_k": 3},
+                            {} if causal else {"block_length": 12, "steps": 12})  # blocks the LLaDA sampler takes
     assert generation_options(model, tok, plain, causal).length == 12
     steps = OmegaConf.merge(plain, {"steps": 12, "remasking": "random"})
     if causal:

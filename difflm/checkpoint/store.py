@@ -112,20 +112,23 @@ def prune_checkpoints(run_dir: Path, keep_last: int, keep_every: int, keep=()) -
     return doomed
 
 
-def find_checkpoint(run_dir: Path, step: Optional[int] = None) -> tuple[int, Path]:
-    """The checkpoint at ``step`` (default: the latest); DifflmError naming ``run.dir``/``step`` if absent."""
+def find_checkpoint(run_dir: Path, step: Optional[int] = None,
+                    keys: tuple[str, str] = ("run.dir", "step")) -> tuple[int, Path]:
+    """The checkpoint at ``step`` (default: the latest); DifflmError naming the keys ``keys`` (the command's names of
+    the run directory and the step: ``run.dir``/``step``, difflm-rl's ``init.run_dir``/``init.step``) if absent."""
+    dir_key, step_key = keys
     found = list_checkpoints(run_dir)
     ckpts = {s: p for s, p in found if manifest_problem(p) is None}
     if not ckpts and found:
-        raise DifflmError(f"run.dir={str(run_dir)!r}: no checkpoint is complete (step_{found[-1][0]}: "
+        raise DifflmError(f"{dir_key}={str(run_dir)!r}: no checkpoint is complete (step_{found[-1][0]}: "
                           f"{manifest_problem(found[-1][1])}): restore the missing files or train again")
     if not ckpts:
-        raise DifflmError(f"run.dir={str(run_dir)!r} holds no checkpoint (checkpoints/step_<N>/): "
-                          "train first, or point run.dir at a run that saved one (train.save_every=0 saves none)")
+        raise DifflmError(f"{dir_key}={str(run_dir)!r} holds no checkpoint (checkpoints/step_<N>/): "
+                          f"train first, or point {dir_key} at a run that saved one (train.save_every=0 saves none)")
     if step is None:
         step = max(ckpts)
     if step not in ckpts:
-        raise DifflmError(f"step={step} has no checkpoint in {run_dir}: choose one of {sorted(ckpts)}")
+        raise DifflmError(f"{step_key}={step} has no checkpoint in {run_dir}: choose one of {sorted(ckpts)}")
     return step, ckpts[step]
 
 
@@ -296,13 +299,14 @@ def checkpoint_config_path(run_dir: Path, checkpoint: Path) -> Path:
     return own if own.is_file() else Path(run_dir) / CONFIG
 
 
-def trained_settings(run_dir, step: Optional[int] = None):
+def trained_settings(run_dir, step: Optional[int] = None, keys: tuple[str, str] = ("run.dir", "step")):
     """(settings, checkpoint directory, step) of checkpoint ``step`` of a trained run (None: the newest): the run
     config that checkpoint was trained with (:func:`checkpoint_config_path`: a later resume may have changed the
     run's own config.yaml, e.g. to another objective) over the schema's defaults. What difflm-generate, -eval and
     -export read a run through.
 
-    Raises: DifflmError when ``run_dir`` has no config.yaml or no (matching) checkpoint.
+    Raises: DifflmError when ``run_dir`` has no config.yaml or no (matching) checkpoint, naming ``keys`` (the
+    command's keys of the run directory and the step, :func:`find_checkpoint`).
     """
     from omegaconf import OmegaConf
 
@@ -310,9 +314,9 @@ def trained_settings(run_dir, step: Optional[int] = None):
 
     path = Path(run_dir)
     if not (path / CONFIG).exists():
-        raise DifflmError(f"run.dir={str(run_dir)!r} has no config.yaml: point run.dir at a difflm-train output "
+        raise DifflmError(f"{keys[0]}={str(run_dir)!r} has no config.yaml: point {keys[0]} at a difflm-train output "
                           "directory (or a difflm-import one)")
-    step, ckpt = find_checkpoint(path, step)
+    step, ckpt = find_checkpoint(path, step, keys)
     return OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt))), ckpt, step
 
 

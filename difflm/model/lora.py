@@ -219,6 +219,10 @@ def check_lora(cfg, model_cfg=None) -> None:
         raise DifflmError(f"lora.moe={cfg.moe!r} is not one of: {', '.join(MOE_POLICIES)}")
     if model_cfg is None:
         return
+    name, width = _narrowest_adapted_weight(cfg, model_cfg)
+    if name is not None and rank > width:
+        raise DifflmError(f"lora.rank={rank} is above the width of {name} ({width}): B A cannot have a rank above "
+                          f"{width}, and the extra factors only add parameters; set lora.rank <= {width}")
     if _moe_blocks_unadapted(cfg, model_cfg) and int(model_cfg.moe.get("first_k_dense", 0) or 0) == 0:
         raise DifflmError(f"lora.targets={list(cfg.targets)} with lora.moe=freeze_experts adapts no weight of this "
                           "MoE model; add qkv or proj to lora.targets, or set lora.moe=adapt_experts")
@@ -228,6 +232,56 @@ def check_lora(cfg, model_cfg=None) -> None:
     if model_cfg.get("backend", "torch") == "te" and float(cfg.dropout) > 0:
         raise DifflmError(f"lora.dropout={cfg.dropout} with model.backend=te: TE's fused modules take the adapter as a "
                           "weight update, where dropout cannot apply; set lora.dropout=0 or model.backend=torch")
+
+
+SHAPE_KEYS = ("rank", "targets", "moe")  # the lora.* keys that decide which adapters exist and their shapes
+
+
+def check_resume_lora(saved, cfg, where: str) -> None:
+    """Refuse resuming adapters saved under ``saved`` (the ``lora`` config of the checkpoint ``where``) with other
+    :data:`SHAPE_KEYS` in ``cfg``: the checkpoint holds other adapters than the model would build. One line naming
+    the key, the saved value and the fix. ``lora.alpha`` / ``lora.dropout`` may change (a resume reports it)."""
+    if saved is None or not lora_enabled(saved) or not lora_enabled(cfg):
+        return
+    show = lambda v: f"[{','.join(str(t) for t in v)}]" if not isinstance(v, (str, int)) else v  # noqa: E731
+    for key in SHAPE_KEYS:
+        old, new = saved.get(key), cfg.get(key)
+        if old is None or new is None:
+            continue
+        same = sorted(old) == sorted(new) if key == "targets" else old == new
+        if not same:
+            raise DifflmError(f"lora.{key}={show(new)}: {where} holds the adapters of lora.{key}={show(old)}; resume "
+                              f"with lora.{key}={show(old)}, or start a new run.dir")
+
+
+def _narrowest_adapted_weight(cfg, model_cfg) -> tuple[Optional[str], int]:
+    """(a description, min(d_in, d_out)) of the adapted weight of ``model_cfg`` with the smallest side under the
+    ``lora`` config ``cfg`` (its ``targets`` and ``moe`` policy); (None, 0) when the dimensions are not all set."""
+    try:
+        d, hd = int(model_cfg.hidden_size), int(model_cfg.head_dim)
+        h, kv, f = int(model_cfg.num_heads), int(model_cfg.num_kv_heads), int(model_cfg.ffn_hidden_size)
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return None, 0
+    t = set(cfg.targets)
+    sides = {"attention.qkv": (d, (h + 2 * kv) * hd), "attention.proj": (h * hd, d)}
+    sides = {k: v for k, v in sides.items() if k.split(".")[1] in t}
+    moe = model_cfg.get("moe")
+    experts = int(moe.get("num_experts", 0) or 0) if moe is not None else 0
+    mlp = {}
+    if experts == 0 or int(moe.get("first_k_dense", 0) or 0) > 0:
+        mlp["mlp"] = f
+    if experts and cfg.get("moe", "freeze_experts") == "adapt_experts":
+        mlp["the routed experts' mlp"] = int(moe.get("ffn_hidden_size", 0) or 0) or f
+    for where, width in mlp.items():
+        if "fc1" in t:
+            sides[f"{where}.fc1_weight"] = (d, 2 * width)
+        if "fc2" in t:
+            sides[f"{where}.fc2_weight"] = (width, d)
+    if not sides:
+        return None, 0
+    name = min(sides, key=lambda k: min(sides[k]))
+    d_in, d_out = sides[name]
+    return f"{name} [{d_out}, {d_in}]", min(d_in, d_out)
 
 
 def _moe_blocks_unadapted(cfg, model_cfg) -> bool:
@@ -408,5 +462,5 @@ def expected_adapter_count(model_cfg, cfg) -> int:
 
 
 __all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
-           "check_lora_layout", "expected_adapter_count", "init_adapters_", "is_adapter", "lora_enabled",
-           "merged_state_dict", "trainable_parameter_count"]
+           "check_lora_layout", "check_resume_lora", "expected_adapter_count", "init_adapters_", "is_adapter",
+           "lora_enabled", "merged_state_dict", "trainable_parameter_count"]

@@ -3,7 +3,8 @@
 The prompts of a step are left-padded to one length (``prompt_mask``) and each repeated G times; one call of
 :func:`difflm.generate.generate_ids` samples every completion with the run's ``gen.*`` settings (LLaDA
 low-confidence / random / margin / entropy remasking, Fast-dLLM threshold decoding and prefix / dual KV cache,
-top-k / top-p, classifier-free guidance; BD3-LM block sampling for ``bd3lm`` runs). Each row has its own
+top-k / top-p, classifier-free guidance; BD3-LM block sampling for ``bd3lm`` runs, whose blocks sit at absolute
+positions: the rows of each prompt length are sampled together, unpadded). Each row has its own
 generator, seeded by a keyed hash of (seed, step, sample) (:mod:`difflm.objectives.keyed_rng`; the sampler's
 per-row noise, :func:`difflm.sampling.diffusion.uniform`): a resumed run draws the same rollouts at the same step
 without storing any generator state, and a data-parallel rank draws its share of the step's samples as one process

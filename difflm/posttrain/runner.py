@@ -30,7 +30,7 @@ from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_tra
 from difflm.config.schema import PosttrainDataConfig
 from difflm.config.validate import check_schedule
 from difflm.errors import DifflmError
-from difflm.model.lora import apply_lora, check_lora, lora_enabled
+from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
 from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
@@ -136,18 +136,22 @@ def with_rl_lora(cfg, init_cfg):
 def check_resume_init(run_dir: Path, cfg) -> None:
     """Refuse resuming ``run_dir`` from another ``init.run_dir`` than the one its ``rl_config.yaml`` names (while
     that one still exists): the checkpoints and ``reference.pt`` hold that run's model, whose shape, tokenizer and
-    objective the new one need not share (DifflmError naming the key and the fix)."""
+    objective the new one need not share; and with other adapter shapes (``lora.rank``, ``targets``, ``moe``) than
+    it names (:func:`difflm.model.lora.check_resume_lora`). DifflmError naming the key and the fix."""
     import os
 
     path = Path(run_dir) / "rl_config.yaml"
     if not path.is_file():
         return
-    old = OmegaConf.select(OmegaConf.load(path), "init.run_dir", default=None)
+    recorded = OmegaConf.load(path)
+    old = OmegaConf.select(recorded, "init.run_dir", default=None)
     new = str(cfg.init.run_dir)
     if old and old != new and Path(old).is_dir() and not os.path.samefile(old, new):
         raise DifflmError(f"init.run_dir={new}: run.dir={run_dir} was started from init.run_dir={old} (its "
                           f"rl_config.yaml), whose model its checkpoints hold: pass init.run_dir={old} to resume it, "
                           "or start a new run.dir")
+    # fresh adapters on a full init run (lora=...): its checkpoints and reference.pt hold adapters of those shapes
+    check_resume_lora(recorded.get("lora"), cfg.get("lora"), f"run.dir={run_dir} (its rl_config.yaml)")
 
 
 class PostTrainer:
@@ -162,14 +166,16 @@ class PostTrainer:
         self.cfg = cfg
         self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         self._reports: list[str] = []
-        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir,
-                                                                                 cfg.init.step)[0]), device)
+        init_keys = ("init.run_dir", "init.step")
+        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step,
+                                                                                 init_keys)[0]), device)
         self.device = device
         self.is_rank0 = pdist.is_rank0()
         self.run_dir = Path(pdist.agree_run_dir(cfg.run.dir))
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device)
+        self.init_cfg, model, self.tok, self.init_step = load_run(cfg.init.run_dir, cfg.init.step, device,
+                                                                  keys=init_keys)
         if lora_enabled(cfg.get("lora")):  # fresh adapters (B = 0: the init model's outputs) on a full run
             self.init_cfg = with_rl_lora(cfg, self.init_cfg)
             apply_lora(model, self.init_cfg.lora, seed=int(cfg.train.seed))

@@ -323,6 +323,11 @@ class Trainer:
 
         state = read_trainer_state(path)
         if "lora_base" in state:
+            from difflm.checkpoint.store import checkpoint_config_path
+            from difflm.model.lora import check_resume_lora
+
+            saved = OmegaConf.load(checkpoint_config_path(self.run_dir, path))
+            check_resume_lora(saved.get("lora"), self.cfg.lora, f"checkpoint {path}")
             base = int(state["lora_base"])
             if base >= 0:
                 load_base_weights(self.run_dir / "checkpoints" / f"step_{base}", self.model_parts)
