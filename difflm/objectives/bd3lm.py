@@ -80,16 +80,32 @@ class BD3LMObjective(MDLMObjective):
         x_t = torch.where(mask, torch.full_like(tokens, self.mask_id), tokens)
         no = torch.zeros_like(mask)
         doc_ids = None if extras is None else extras.doc_ids  # packed documents stay apart in both halves
+        inputs = self.model_inputs(x_t, tokens, doc_ids)
         return NoisedBatch(
-            input_ids=torch.cat([x_t, tokens], dim=1),
+            input_ids=inputs["input_ids"],
             targets=torch.cat([tokens, tokens], dim=1),
             loss_mask=torch.cat([mask, no], dim=1),
             weights=torch.cat([torch.where(mask, w_pos, torch.zeros(())), torch.zeros_like(w_pos)], dim=1).float(),
             t=t.mean(dim=1).float(),
             num_tokens=torch.full((b,), float(length)),
-            attn_mask=BlockDiffusionMask(length, self.block_size, doc_ids, clean_causal=self.clean_causal),
-            position_ids=torch.arange(length).repeat(2),
+            attn_mask=inputs["attn_mask"],
+            position_ids=inputs["position_ids"],
         )
+
+    def model_inputs(self, x_t: torch.Tensor, tokens: torch.Tensor, doc_ids=None) -> dict:
+        """The model inputs of the vectorised BD3-LM forward (module docstring), what :meth:`build` trains on and
+        the post-training estimators score with (:mod:`difflm.posttrain.forward`).
+
+        Args: ``x_t`` [B, L] int64 the noised sequence, ``tokens`` [B, L] int64 the clean one, ``doc_ids`` optional
+        [B, L] int64 documents (tokens of different documents never attend to each other, in either half).
+        Returns: ``input_ids`` [B, 2L] ``[x_t ; x_0]``, ``attn_mask`` the block-causal
+        :class:`~difflm.model.masks.BlockDiffusionMask` (``objective.clean_attention``), ``position_ids`` [2L]
+        (``0..L-1`` twice); the model's logits of the noisy half are its first L positions.
+        """
+        length = tokens.shape[1]
+        return {"input_ids": torch.cat([x_t, tokens], dim=1),
+                "attn_mask": BlockDiffusionMask(length, self.block_size, doc_ids, tokens.device, self.clean_causal),
+                "position_ids": torch.arange(length, device=tokens.device).repeat(2)}
 
     def _mask(self, p_blocks: torch.Tensor, length: int, sample_ids: Sequence[int], key: tuple[int, ...],
               stream: int = STREAM_MASK) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from difflm.posttrain.dpo import dpo_loss
 from difflm.posttrain.loglik import EstimateKey
-from difflm.posttrain.rollout import left_pad, padded_logits_fn
+from difflm.posttrain.rollout import left_pad
 from difflm.posttrain.vrpo import preference_scores
 
 
@@ -38,8 +38,8 @@ def _scores(run, records, key, pair_ids, share: slice):
     are the one-process batch's rows), and the share's completion tokens."""
     chosen, rejected, cc, rc, valid, _ = preference_batch(run, records)
     chosen, rejected, cc, rc, valid = (t[share] for t in (chosen, rejected, cc, rc, valid))
-    policy_fn = padded_logits_fn(run.model, valid, run.autocast)
-    ref_fn = padded_logits_fn(run.reference, valid, run.autocast)
+    policy_fn = run.logits_fn(run.model, valid)  # the init run's layout (bd3lm: [x_t ; x_0])
+    ref_fn = run.logits_fn(run.reference, valid)
     with run.full_logits():
         scores = preference_scores(run.estimator, policy_fn, ref_fn, chosen, rejected, cc, rc, mask_id=run.tok.mask_id,
                                    key=key, pair_ids=list(pair_ids)[share])

@@ -10,7 +10,7 @@ import torch
 
 from difflm.posttrain.grpo import group_advantages, grpo_loss
 from difflm.posttrain.loglik import EstimateKey
-from difflm.posttrain.rollout import group_rollouts, padded_logits_fn
+from difflm.posttrain.rollout import group_rollouts
 
 
 def grpo_step(run, step: int, records: list[dict]) -> dict:
@@ -43,7 +43,7 @@ def grpo_step(run, step: int, records: list[dict]) -> dict:
                                                            device=tokens.device)]))
     token_share = float(tokens / totals[0])
     weight = token_share if a.loss_norm == "token" else len(ids) / float(totals[1])
-    policy_fn = padded_logits_fn(run.model, rolls.valid, run.autocast)
+    policy_fn = run.logits_fn(run.model, rolls.valid)  # the init run's layout (bd3lm: [x_t ; x_0])
     kw = dict(mask_id=run.tok.mask_id, sample_ids=ids, prompt=rolls.prompt)
     keys = [EstimateKey((cfg.train.seed, step, k)) for k in range(a.num_inner)]
     with run.full_logits():
@@ -51,7 +51,7 @@ def grpo_step(run, step: int, records: list[dict]) -> dict:
             old = [run.estimator(policy_fn, rolls.x, rolls.completion, key=key, **kw) for key in keys]
             ref = [None] * len(keys)
             if a.beta > 0 and run.reference is not None:
-                ref_fn = padded_logits_fn(run.reference, rolls.valid, run.autocast)
+                ref_fn = run.logits_fn(run.reference, rolls.valid)
                 ref = [run.estimator(ref_fn, rolls.x, rolls.completion, key=key, **kw) for key in keys]
         sums, grad_norm = torch.zeros(3, dtype=torch.float64), 0.0  # loss, clip fraction, KL: this rank's shares
         for k, key in enumerate(keys):

@@ -33,6 +33,7 @@ from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
+from difflm.posttrain.forward import block_objective, estimator_logits_fn
 from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
 from difflm.posttrain.loglik import build_estimator
 from difflm.posttrain.reference import build_reference
@@ -188,6 +189,7 @@ class PostTrainer:
         self.precision = self.init_cfg.precision.name
         self.autocast = lambda: autocast_context(self.precision, device)
         self.estimator = build_estimator(cfg.estimator)
+        self.blocks = block_objective(self.init_cfg.objective, self.tok.mask_id)  # None unless bd3lm
         fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
@@ -288,6 +290,12 @@ class PostTrainer:
         reshard = bool(self.cfg.parallel.get("reshard_after_forward", True))
         with sampling_view(self._modules(), reshard):
             yield
+
+    def logits_fn(self, model, valid: torch.Tensor):
+        """The estimators' forward of ``model`` (the policy or the reference) over rows laid out as ``valid`` [B, S]
+        bool, in the init run's layout (:func:`difflm.posttrain.forward.estimator_logits_fn`: BD3-LM's
+        ``[x_t ; x_0]`` forward on a bd3lm run), under the run's autocast."""
+        return estimator_logits_fn(model, valid, self.autocast, self.blocks)
 
     # ------------------------------------------------------------------ data
     def prompt_ids(self, record: dict) -> list[int]:

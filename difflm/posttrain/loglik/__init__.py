@@ -7,7 +7,9 @@
 
 Every estimator is called as ``est(logits_fn, x, completion, mask_id=, key=, sample_ids=, prompt=None)`` and returns
 per-position terms [B, S] float32 whose row sums estimate log pi(completion | prompt); ``est.forwards`` is its number
-of forward passes per sequence.
+of forward passes per sequence. ``logits_fn`` is the model's forward in the layout the run trained with
+(:mod:`difflm.posttrain.forward`): on a bd3lm run, BD3-LM's ``[x_t ; x_0]`` forward with one t per block
+(:mod:`~difflm.posttrain.loglik.base`).
 """
 from difflm.errors import DifflmError
 from difflm.posttrain.loglik.base import EstimateKey, LogitsFn, target_logprobs

@@ -13,6 +13,14 @@ per-token term of token i is its half of the pair. Compared with one random mask
 two halves' errors are negatively correlated, which lowers the variance (measured in tests/test_posttrain_loglik.py).
 DiffuCoder's public trainer also averages in the fully masked pass; ``full_mask_weight`` > 0 adds it the same
 way, term = (1 - w) * coupled + w * full-mask (their code: w = 1/2; the paper: w = 0).
+
+On a ``bd3lm`` run (a logits function with blocks, :class:`difflm.posttrain.forward.BlockLogitsFn`) each forward is
+BD3-LM's ``[x_t ; x_0]`` forward, so token i of block b is predicted from its noised block and the clean blocks
+before it, and t is drawn once per block (t_b ~ U[t_min, t_max], as training draws one t per block): A and B are
+complementary within every block, each block's two halves are the coupled pair of that block's ELBO term, and the
+row sum estimates the sum of the per-block terms, BD3-LM's NELBO (Arriola et al. 2025, eq. 6/7) restricted to
+t in [t_min, t_max]. The full-mask pass masks every completion block: each block predicted from the clean blocks
+before it alone.
 """
 from __future__ import annotations
 
@@ -20,8 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from difflm.posttrain.loglik.base import EstimateKey, LogitsFn, check_inputs, mask_uniforms, sample_uniforms, \
-    target_logprobs
+from difflm.posttrain.loglik.base import EstimateKey, LogitsFn, at_positions, check_inputs, mask_uniforms, \
+    noise_units, sample_uniforms, target_logprobs
 
 
 class CoupledEstimator:
@@ -40,7 +48,9 @@ class CoupledEstimator:
         """Per-position terms [B, S] float32 (zero off ``completion``)."""
         check_inputs(x, completion, prompt)
         b = x.shape[0]
-        t = (self.t_min + (self.t_max - self.t_min) * sample_uniforms(key, sample_ids)).to(x.device)  # [B, 1]
+        n, units = noise_units(logits_fn, x)  # one t per sample, or per block (bd3lm)
+        t = (self.t_min + (self.t_max - self.t_min) * sample_uniforms(key, sample_ids, n)).to(x.device)  # [B, n]
+        t = at_positions(t, units)  # [B, 1] or [B, S]
         u = mask_uniforms(key, 0, sample_ids, x.shape[1]).to(x.device)
         in_a = completion & (u < t)
         in_b = completion & ~in_a

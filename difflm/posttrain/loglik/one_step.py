@@ -10,6 +10,13 @@ mean-field per-token estimate
 with q' the randomly masked prompt. The prompt mask is redrawn for every inner update (a new key) and shared by the
 policy, its rollout-time copy and the reference within one (the same key), as diffu-GRPO does. The completion
 never gets context from itself, so this is a biased, cheap (one forward) surrogate of the sequence log-likelihood.
+
+On a ``bd3lm`` run (a logits function that reads the clean rows, :class:`difflm.posttrain.forward.BlockLogitsFn`)
+the forward is BD3-LM's ``[x_t ; x_0]`` forward: every completion block is fully masked in x_t (t_b = 1) and sees
+the clean blocks before it in x_0, so the estimate is sum_b sum_{k in b} log p_theta(o^k | block b masked, x^{<b}):
+mean-field within a block, exact across blocks (the autoregressive log-likelihood at ``block_size = 1``). The prompt
+mask applies to x_t only, as training never masks x_0: it reaches the prompt tokens that share a block with the
+completion, not the clean prompt blocks before it.
 """
 from __future__ import annotations
 
