@@ -223,9 +223,10 @@ class DifflmHarnessLM(LM):
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed = int(seed)
         self.max_length = int(max_length or self.cfg.data.seq_len)
-        if self.mc_samples < 1 or self.batch_size < 1 or self.max_length < 2:
-            raise DifflmError(f"mc_samples={mc_samples}, batch_size={batch_size} must be >= 1 and max_length="
-                              f"{self.max_length} >= 2")
+        for key, value, low in (("mc_samples", self.mc_samples, 1), ("batch_size", self.batch_size, 1),
+                                ("max_length", self.max_length, 2)):
+            if value < low:
+                raise DifflmError(f"{key}={value} must be >= {low}")
         unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
         if unknown:
             raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")

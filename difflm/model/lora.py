@@ -327,7 +327,7 @@ def check_lora_layout(cfg, dims, model_cfg=None) -> None:
     if tp == 1:
         return
     if model_cfg is not None and model_cfg.get("backend", "torch") == "te":
-        raise DifflmError(f"lora.rank={cfg.rank} with parallel.tp={tp} and model.backend=te: LoRA under tensor "
+        raise DifflmError(f"LoRA (lora.rank {cfg.rank}) with parallel.tp={tp} and model.backend=te: LoRA under tensor "
                           "parallelism runs on the torch kernels' DTensor layout; set model.backend=torch or "
                           "parallel.tp=1")
     if float(cfg.dropout) > 0:
