@@ -30,9 +30,10 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
   rounded up to a multiple of ``gen.block_length``, exactly ``max_gen_toks`` for ``ar`` and ``bd3lm`` runs;
   ``gen.steps`` keeps the run's steps per token). A request returns at most ``max_gen_toks`` tokens (the decoded
-  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Greedy
-  decoding (temperature 0) does not depend on the batching; with ``temperature > 0`` a batch draws from one generator seeded with ``gen.seed`` (``batch_size=1``
-  for per-request samples).
+  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Requests
+  with equal settings are sampled ``batch_size`` at a time (``bd3lm``: the rows of each prompt length together,
+  unpadded), each row with a generator of its own seeded with ``gen.seed``, so a request's text does not depend on
+  the batching, at ``temperature > 0`` too.
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
 * Chat templates: contexts are wrapped as one user turn of the tokenizer's chat template when the run trained so
   (``objective=sft data.chat_template=true``; model_args ``chat_template=false`` skips it); lm-eval's
@@ -223,9 +224,10 @@ class DifflmHarnessLM(LM):
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed = int(seed)
         self.max_length = int(max_length or self.cfg.data.seq_len)
-        if self.mc_samples < 1 or self.batch_size < 1 or self.max_length < 2:
-            raise DifflmError(f"mc_samples={mc_samples}, batch_size={batch_size} must be >= 1 and max_length="
-                              f"{self.max_length} >= 2")
+        for key, value, low in (("mc_samples", self.mc_samples, 1), ("batch_size", self.batch_size, 1),
+                                ("max_length", self.max_length, 2)):
+            if value < low:
+                raise DifflmError(f"{key}={value} must be >= {low}")
         unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
         if unknown:
             raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")
@@ -433,7 +435,9 @@ class DifflmHarnessLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string."""
         out = []
-        # group requests with equal gen settings into left-padded batches (bd3lm: one prompt at a time)
+        # group requests with equal gen settings into left-padded batches, each row sampled with a generator of its
+        # own seeded with gen.seed (bd3lm: the rows of each prompt length together, unpadded,
+        # difflm.generate.padded_block_generate), so a request gets the text it would get alone
         todo, cut = [], []
         for req in requests:
             context, kwargs = req.args
@@ -450,7 +454,7 @@ class DifflmHarnessLM(LM):
                     self.told_beyond_window = True
         if cut:
             eval_logger.warning(truncated_prompts_warning(cut, len(todo), self.max_length))
-        bs = 1 if self.objective == "bd3lm" else self.batch_size
+        bs = self.batch_size
         i = 0
         while i < len(todo):
             gen = todo[i][1]
@@ -464,9 +468,10 @@ class DifflmHarnessLM(LM):
             for r, (ids, *_rest) in enumerate(group):
                 prompt[r, width - len(ids):] = torch.tensor(ids)
                 mask[r, width - len(ids):] = True
+            rows = [torch.Generator(device=self._device).manual_seed(int(gen.seed)) for _ in group]
             ids_out = generate_ids(self.model, self.tok, prompt.to(self._device), gen, self.causal,
                                    precision=self.precision, objective=self.cfg.objective,
-                                   prompt_mask=None if bool(mask.all()) else mask.to(self._device))
+                                   prompt_mask=None if bool(mask.all()) else mask.to(self._device), generator=rows)
             for r, (_ids, _gen, until, context, kwargs, limit) in enumerate(group):
                 # at most max_gen_toks, cut at the end of text (EOS id), then at until
                 text = decode_generated(self.tok, ids_out[r, :limit].cpu())

@@ -263,8 +263,9 @@ def evaluate_file(args, device: torch.device) -> dict:
 
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.get("kernels"))
     e = args.eval
-    if e.mc_samples < 1 or e.batch_size < 1:
-        raise DifflmError(f"eval.mc_samples={e.mc_samples} and eval.batch_size={e.batch_size} must be >= 1")
+    for key in ("mc_samples", "batch_size"):
+        if e[key] < 1:
+            raise DifflmError(f"eval.{key}={e[key]} must be >= 1")
     name = cfg.objective.name
     for key in ("prompt_field", "response_field", "chat_template", "messages_field"):
         if name != "sft" and args.data.get(key) is not None:
@@ -277,8 +278,8 @@ def evaluate_file(args, device: torch.device) -> dict:
                                                     if name == "ar" else "")
                           + f", or drop it for the run's {cfg.data.seq_len}")
     if name == "bd3lm" and seq_len % cfg.objective.block_size:
-        raise DifflmError(f"data.seq_len={seq_len} must be a multiple of the run's objective.block_size="
-                          f"{cfg.objective.block_size}")
+        raise DifflmError(f"data.seq_len={seq_len} must be a multiple of the run's block size, "
+                          f"{cfg.objective.block_size} (its objective.block_size)")
     with tempfile.TemporaryDirectory() as tmp:  # text is tokenized into tmp; shards are read in place
         windows = eval_dataset(args, cfg, tok, seq_len, tmp)
     if name == "sft":

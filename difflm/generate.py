@@ -169,7 +169,7 @@ def generate_ids(model: torch.nn.Module, tok: TokenizerInfo, prompt_ids: torch.T
             tensor-parallel degree of a model under sequence parallelism (the trainer's samples), else 1.
         infill: sample the prompt's mask positions too (:attr:`GenerationOptions.infill`; diffusion samplers).
         generator: in place of ``gen.seed``'s generator: one ``torch.Generator``, or a list of one per row (each row's
-            noise from its own, :func:`difflm.sampling.diffusion.uniform`; diffusion samplers).
+            noise from its own, :func:`difflm.sampling.diffusion.uniform`; the autoregressive sampler's draws too).
     Raises: GenerationConfigError (a DifflmError) for a bad ``gen.*``, and for ``infill`` with an ``ar`` run.
     """
     device = prompt_ids.device

@@ -34,7 +34,7 @@ MDLM = SimpleNamespace(name="mdlm", block_size=16)  # an mdlm run's objective.bl
 
 def refusal(given: int, block: int = 16) -> str:
     return (f"^gen.block_length={given} is not read by objective=bd3lm runs, which sample in the model's blocks of "
-            f"objective.block_size={block}: drop gen.block_length$")
+            rf"{block} tokens \(its objective.block_size\): drop gen.block_length$")
 
 
 def gen_of(**values):
@@ -95,7 +95,7 @@ def test_end_of_training_samples_follow_the_same_rule():
     check_end_samples(cfg())  # null: the run's blocks
     check_end_samples(cfg("gen.block_length=16"))
     with pytest.raises(DifflmError, match=r"^gen.block_length=32 is not read by objective=bd3lm runs, which sample "
-                                          r"in the model's blocks of objective.block_size=16: drop gen.block_length "
+                                          r"in the model's blocks of 16 tokens \(its objective.block_size\): drop gen.block_length "
                                           r"\(this run samples with gen.\* after training"):
         check_end_samples(cfg("gen.block_length=32"))
 
@@ -154,5 +154,5 @@ def test_difflm_generate_on_a_bd3lm_run(tmp_path):
     bad = _cli(*common, "gen.block_length=32")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.splitlines()[-1] == ("difflm: error: gen.block_length=32 is not read by objective=bd3lm runs, "
-                                           "which sample in the model's blocks of objective.block_size=16: drop "
+                                           "which sample in the model's blocks of 16 tokens (its objective.block_size): drop "
                                            "gen.block_length"), bad.stderr

@@ -133,7 +133,8 @@ def test_wrong_type_fails_at_compose_time():
     (["logger.sample_temperature=-1"], "logger.sample_temperature=-1"),
     (["objective=ar", "model.shift_logits=true"], "model.shift_logits=true is for masked diffusion"),
     (["objective=bd3lm", "model.shift_logits=true"], "model.shift_logits=true with objective=bd3lm"),
-    (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"], "gen.cfg_scale is not implemented"),
+    (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"],
+     "gen.cfg_scale=1.5: classifier-free guidance is not implemented"),
     (["objective=ar", "gen.threshold=0.9", "gen.cache=prefix", "logger.num_samples=2"],
      "gen.threshold=0.9, gen.cache=prefix: objective=ar runs decode left to right and read only gen.length, "
      "gen.temperature, gen.top_k, gen.top_p and gen.seed: drop gen.threshold gen.cache"),
@@ -145,6 +146,66 @@ def test_validation_errors_name_the_key(overrides, needle):
     with pytest.raises(DifflmError) as err:
         check_run(compose_run(overrides))
     assert needle in str(err.value)
+
+
+# (overrides, the keys whose values are wrong): each refusal spells key=value for those keys only, so the note on
+# where a value came from (difflm.config.provenance.name_sources) is about a key the user has to change
+WRONG_KEYS = [
+    (["objective=bd3lm", "objective.ar_loss_weight=-1"], {"objective.ar_loss_weight"}),
+    (["objective=bd3lm", "objective.diffusion_loss_weight=-0.5"], {"objective.diffusion_loss_weight"}),
+    (["objective=mdlm", "objective.ar_loss_weight=0", "objective.diffusion_loss_weight=0"],
+     {"objective.ar_loss_weight", "objective.diffusion_loss_weight"}),
+    (["objective=bd3lm", "objective.t_lo=-0.1"], {"objective.t_lo"}),
+    (["objective=mdlm", "objective.t_hi=1.5"], {"objective.t_hi"}),
+    (["objective=bd3lm", "objective.t_lo=1.0"], {"objective.t_lo", "objective.t_hi"}),
+    (["objective=bd3lm", "objective.block_size=0"], {"objective.block_size"}),
+    (["objective=bd3lm", "objective.block_size=5"], {"objective.block_size", "data.seq_len"}),
+    (["objective.length_multiple=0"], {"objective.length_multiple"}),
+    (["model=moe-tiny", "model.moe.top_k=0"], {"model.moe.top_k"}),
+    (["model=moe-tiny", "model.moe.n_group=0"], {"model.moe.n_group"}),
+    (["model=moe-tiny", "model.moe.n_group=2", "model.moe.topk_group=0"], {"model.moe.topk_group"}),
+    (["model=moe-tiny", "model.moe.first_k_dense=-1"], {"model.moe.first_k_dense"}),
+    (["train.save_every=-1"], {"train.save_every"}),
+    (["profile.enabled=true", "profile.warmup=-1"], {"profile.warmup"}),
+    (["objective=sft", "data.prompt_field=q", "data.response_field=a", "data.path=x.jsonl", "data.hf_dataset=y",
+      "objective.random_length_prob=0"], {"data.hf_dataset"}),
+]
+
+
+@pytest.mark.parametrize("overrides,wrong", WRONG_KEYS)
+def test_refusals_name_and_trace_only_the_wrong_keys(overrides, wrong):
+    """``objective=bd3lm objective.ar_loss_weight=-1``: the refusal named both loss weights with their values, so the
+    note on where values came from said that objective=bd3lm set objective.diffusion_loss_weight, which is not the
+    key to change. The keys a refusal names with a value are the wrong ones, and so are those its note traces."""
+    import re
+
+    from hydra import initialize_config_dir
+
+    from difflm.config.provenance import _KEY_RE, key_sources, name_sources
+
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(overrides))
+    message = str(err.value)
+    assert set(_KEY_RE.findall(message)) == wrong, message
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        sources = key_sources("train", overrides)
+    traced = set(re.findall(r"([\w.]+) is set by ", name_sources(message, sources)))
+    assert traced == {k for k in wrong if k in sources}
+
+
+def test_a_relation_of_two_keys_traces_the_one_a_preset_set():
+    """t_lo >= t_hi is the pair's fault: the note names where t_hi (not typed) came from."""
+    from hydra import initialize_config_dir
+
+    from difflm.config.provenance import key_sources, name_sources
+
+    overrides = ["objective=bd3lm", "objective.t_lo=1.0"]
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(overrides))
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        note = name_sources(str(err.value), key_sources("train", overrides))
+    assert note.endswith("(objective.t_hi is set by objective=bd3lm in conf/objective/bd3lm.yaml: pass the key on the "
+                         "command line to change it)")
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -194,7 +255,7 @@ def test_cli_typo_is_one_line_without_traceback():
 @pytest.mark.parametrize("overrides,message", [
     (["gen.length=16"], "gen.length=16 must be a multiple of gen.block_length=64; e.g. gen.length=16 "
                         "gen.block_length=16 gen.steps=16"),
-    (["gen.steps=2"], "gen.steps=2 must be >= the number of blocks gen.length/gen.block_length=4"),
+    (["gen.steps=2"], "gen.steps=2 must be >= the number of blocks, 4 (gen.length=256 / gen.block_length=64)"),
     (["gen.length=0"], "gen.length=0 must be >= 1"),
 ])
 def test_end_of_training_sampler_settings_are_checked_before_training(overrides, message):

@@ -22,10 +22,10 @@ from tests.conftest import FAST, compose_run  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def _train(root, objective: str) -> str:
+def _train(root, objective: str, *extra: str) -> str:
     cfg = compose_run([*FAST, f"objective={objective}", "train.max_steps=3", "train.save_every=3",
                        "train.eval_every=0", f"run.dir={root / objective}", f"data.cache_dir={root / 'cache'}",
-                       "device=cpu", "gen.length=8", "gen.steps=8", "gen.block_length=8"])
+                       "device=cpu", "gen.length=8", "gen.steps=8", "gen.block_length=8", *extra])
     Trainer(cfg, cfg.run.dir, CPU).fit()
     return str(cfg.run.dir)
 
@@ -34,6 +34,12 @@ def _train(root, objective: str) -> str:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("harness_runs")
     return {name: _train(root, name) for name in ("mdlm", "ar")}
+
+
+@pytest.fixture(scope="module")
+def bd3lm_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("harness_bd3lm"), "bd3lm", "objective.block_size=4",
+                  "objective.random_length_prob=0")
 
 
 def ll_requests(pairs):
@@ -183,6 +189,38 @@ def test_generate_until_stops(runs, objective):
     for f, c in zip(full, cut):
         assert stop not in c and f.startswith(c)
         assert c == (f[:f.index(stop)] if stop in f else f)
+
+
+BATCH_PROMPTS = ["ROMEO:", "JULIET: Good night", "JULIET: Good day", "O Romeo, Romeo! wherefore art thou"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("objective", ["bd3lm", "mdlm", "ar"])
+def test_generate_until_batched_equals_one_request_at_a_time(runs, bd3lm_run, monkeypatch, objective, temperature):
+    """Requests of several prompt lengths sampled in one batch (bd3lm: the rows of each length together, unpadded)
+    give each request the text it gets alone: each row draws from its own generator seeded with gen.seed, so this
+    holds at temperature > 0 too."""
+    import difflm.eval_harness as harness
+
+    calls = []
+    real = harness.generate_ids
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "generate_ids", spy)
+    run_dir = bd3lm_run if objective == "bd3lm" else runs[objective]
+    reqs = [Instance("generate_until", {}, (ctx, {"until": [], "max_gen_toks": 8}), i)
+            for i, ctx in enumerate(BATCH_PROMPTS)]
+    batched = DifflmHarnessLM(run_dir=run_dir, device="cpu", batch_size=4, temperature=temperature)
+    lengths = [len(batched.context_ids(c)) for c in BATCH_PROMPTS]
+    assert len(set(lengths)) == 3  # two prompts of one length, two of others
+    together = batched.generate_until(reqs)
+    assert calls == [4]  # one sampler call for the four requests
+    alone = DifflmHarnessLM(run_dir=run_dir, device="cpu", batch_size=1, temperature=temperature).generate_until(reqs)
+    assert calls == [4, 1, 1, 1, 1]
+    assert together == alone and any(together)
 
 
 def test_ar_run_refuses_diffusion_only_model_args(runs):

@@ -4,6 +4,7 @@ adapters), the adapters-off reference, and a resume that would read the ids with
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -314,7 +315,7 @@ def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
     assert PostTrainer(rl_config(init, tmp_path / "own", "gen.block_length=2"), CPU).cfg.gen.block_length == 2
     for given in (32, 4):
         with pytest.raises(DifflmError, match=f"^gen.block_length={given} is not read by objective=bd3lm runs, which "
-                                              "sample in the model's blocks of objective.block_size=2: drop "
+                                              r"sample in the model's blocks of 2 tokens \(its objective.block_size\): drop "
                                               "gen.block_length$"):
             PostTrainer(rl_config(init, tmp_path / f"bad{given}", f"gen.block_length={given}"), CPU)
         assert not (tmp_path / f"bad{given}" / "checkpoints").exists()
@@ -465,10 +466,10 @@ def test_rl_checks_the_rollout_block_and_step_counts_before_it_starts(init_run, 
                                 "gen.length=16 must be a multiple of gen.block_length=32; e.g. gen.length=16 "
                                 "gen.block_length=16 gen.steps=8"),
                                (("gen.length=8", "gen.steps=3", "gen.block_length=4"),
-                                "gen.steps=3 must be a multiple of the number of blocks gen.length/gen.block_length=2"
-                                "; e.g. gen.length=8 gen.block_length=4 gen.steps=2")]):
+                                "gen.steps=3 must be a multiple of the number of blocks, 2 (gen.length=8 / "
+                                "gen.block_length=4); e.g. gen.length=8 gen.block_length=4 gen.steps=2")]):
         run_dir = tmp_path / f"rl{i}"
-        with pytest.raises(DifflmError, match=f"^{message}$"):
+        with pytest.raises(DifflmError, match=f"^{re.escape(message)}$"):
             PostTrainer(rl_config(init_run, run_dir, *overrides), CPU)
         assert not (run_dir / "reference.pt").exists() and not (run_dir / "rl_config.yaml").exists()
 

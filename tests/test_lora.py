@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from difflm.config.schema import LoraConfig, ModelConfig, MoEConfig
 from difflm.errors import DifflmError
-from difflm.model import Transformer, build_model
+from difflm.model import Transformer, build_model, resolve_model_config
 from difflm.model.lora import (adapters_disabled, apply_lora, check_lora, check_lora_layout, expected_adapter_count,
                                merged_state_dict, trainable_parameter_count)
 from difflm.training.trainer import Trainer
@@ -104,6 +104,44 @@ def test_moe_policies_freeze_the_router():
         merged = build_model(cfg, causal=False, device=CPU, seed=None)
         merged.load_state_dict(merged_state_dict(model))
         torch.testing.assert_close(merged(x), out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset,shared,width", [("moe-tiny", 48, 48), ("moe-tiny", 0, 64), ("llada2-tiny", 24, 24)])
+@pytest.mark.parametrize("policy", ["freeze_experts", "adapt_experts"])
+@pytest.mark.parametrize("targets", [["qkv", "proj", "fc1", "fc2"], ["fc1"], ["fc2"]])
+def test_expected_count_is_the_adapters_built(preset, shared, width, policy, targets):
+    """The count from the dimensions equals the adapters apply_lora builds: shared experts of their own width
+    (model.moe.shared_ffn_hidden_size, 0 = num_shared_experts x the expert width) and the dense first_k_dense blocks
+    (llada2-tiny) included, under both lora.moe policies."""
+    from conftest import compose_run
+
+    cfg = compose_run([f"model={preset}", f"model.moe.shared_ffn_hidden_size={shared}", "lora=attn_mlp",
+                       "lora.rank=4", f"lora.moe={policy}", f"lora.targets=[{','.join(targets)}]"])
+    built = cfg.model.copy()
+    resolve_model_config(built, 128)  # the count reads the preset as composed (model.head_dim null)
+    model = build_model(built, causal=False, device=CPU, seed=0)
+    shared_width = [m.shared.fc1_weight.shape[0] // 2 for m in model.modules() if getattr(m, "shared", None) is not None]
+    assert set(shared_width) == {width}  # the shared experts' own width, not the routed experts' (64 or 16)
+    apply_lora(model, cfg.lora, seed=0)
+    assert trainable_parameter_count(model) == expected_adapter_count(built, cfg.lora)
+    assert trainable_parameter_count(model) == expected_adapter_count(cfg.model, cfg.lora)  # model.head_dim null
+
+
+def test_rank_above_the_shared_experts_width_is_refused():
+    """lora.rank is checked against every adapted weight's sides, the shared experts' own width among them, also on
+    a preset that leaves model.head_dim null."""
+    from conftest import compose_run
+
+    cfg = compose_run(["model=moe-tiny", "model.moe.shared_ffn_hidden_size=8", "lora=attn_mlp", "lora.rank=12",
+                       "lora.moe=adapt_experts"])
+    with pytest.raises(DifflmError, match=r"^lora.rank=12 is above the width of the shared experts' mlp.fc2_weight "
+                                          r"\[64, 8\] \(8\)"):
+        check_lora(cfg.lora, cfg.model)
+    cfg.lora.moe = "freeze_experts"
+    check_lora(cfg.lora, cfg.model)  # frozen shared experts are not adapted
+    cfg = compose_run(["model=moe-tiny", "lora=attn_mlp", "lora.rank=80"])
+    with pytest.raises(DifflmError, match=r"^lora.rank=80 is above the width of attention.qkv \[128, 64\] \(64\)"):
+        check_lora(cfg.lora, cfg.model)
 
 
 def test_te_stand_in_weight_side_adapters(fake_te):

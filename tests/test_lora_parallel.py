@@ -130,7 +130,7 @@ def test_layout_refusals_are_one_line():
     for key in ("pp", "cp"):  # accepted: tests/test_lora_layouts.py
         check_lora_layout(lora, dims(**{key: 2}), OmegaConf.create({"backend": "torch"}))
     check_lora_layout(lora, dims(tp=2), OmegaConf.create({"backend": "torch"}))  # accepted
-    with pytest.raises(DifflmError, match=r"^lora.rank=4 with parallel.tp=2 and model.backend=te: .*set model.backend"):
+    with pytest.raises(DifflmError, match=r"^LoRA \(lora.rank 4\) with parallel.tp=2 and model.backend=te: .*set model.backend"):
         check_lora_layout(lora, dims(tp=2), OmegaConf.create({"backend": "te"}))
     lora.dropout = 0.1
     with pytest.raises(DifflmError, match=r"^lora.dropout=0.1 with parallel.tp=2: .*set lora.dropout=0"):

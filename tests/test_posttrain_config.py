@@ -47,9 +47,9 @@ def test_rl_presets_compose_and_build():
     # values out of range, each named in one line (a negative clip or KL weight, 0 prompt tokens, an unknown
     # loss_norm, a negative learning rate)
     (["algorithm.loss_norm=mean"], r"^algorithm.loss_norm='mean' is not one of token, sequence$"),
-    (["algorithm.clip_low=-1"], r"^algorithm.clip_low=-1.0, algorithm.clip_high=0.2: the ratio is clipped to "
+    (["algorithm.clip_low=-1"], r"^algorithm.clip_low=-1.0 must be in \[0, 1\): the ratio is clipped to "
                                 r"\[1 - clip_low, 1 \+ clip_high\]"),
-    (["algorithm.clip_high=-0.1"], "so 0 <= clip_low < 1 and clip_high >= 0"),
+    (["algorithm.clip_high=-0.1"], r"^algorithm.clip_high=-0.1 must be >= 0: the ratio"),
     (["algorithm.beta=-0.5"], r"^algorithm.beta=-0.5 must be >= 0 \(grpo: the KL weight"),
     (["algorithm=dpo", "algorithm.beta=0"], r"^algorithm.beta=0.0 must be > 0 .*the loss at log 2"),
     (["data.max_prompt_tokens=0"], r"^data.max_prompt_tokens=0 must be >= 1 \(the tokens kept\)$"),

@@ -340,13 +340,13 @@ def test_bd3lm_refuses_settings_it_would_ignore():
     assert generation_options(model, tok, gen, objective=objective).block_size == 16
     assert generation_options(model, tok, OmegaConf.merge(gen, {"block_length": 16}), objective=objective).steps == 32
     with pytest.raises(GenerationConfigError, match=r"^gen.block_length=7 is not read by objective=bd3lm runs, which "
-                                                    r"sample in the model's blocks of objective.block_size=16: drop "
+                                                    r"sample in the model's blocks of 16 tokens \(its objective.block_size\): drop "
                                                     r"gen.block_length$"):
         generation_options(model, tok, OmegaConf.merge(gen, {"block_length": 7}), objective=objective)
     with pytest.raises(GenerationConfigError, match=r"^gen.steps=100 must be <= gen.length=32 \(at least one token per "
                                                     r"step\): set gen.steps=32$"):
         generation_options(model, tok, OmegaConf.merge(gen, {"steps": 100}), objective=objective)
-    with pytest.raises(GenerationConfigError, match=r"^gen.cfg_scale is not implemented for objective=bd3lm"):
+    with pytest.raises(GenerationConfigError, match=r"^gen.cfg_scale=1.5: classifier-free guidance is not implemented for objective=bd3lm"):
         generation_options(model, tok, OmegaConf.merge(gen, {"cfg_scale": 1.5}), objective=objective)
 
 
@@ -574,8 +574,32 @@ def test_remdm_block_sampler_sigma_zero_equals_low_confidence_and_remasks():
     assert [(c[0] == MASK).nonzero().flatten().tolist() for c in calls] == [[2, 3, 4, 5], [2, 3], [4]]
 
 
+def test_sampler_refusals_spell_a_value_only_for_the_wrong_keys():
+    """gen.* refusals spell key=value (what difflm.config.provenance traces to a preset) only for the keys to change:
+    a negative gen.remdm_sigma without gen.remdm_schedule, a bd3lm gen.block_length without the model's
+    objective.block_size, and the LLaDA sampler's block count not as a value of gen.block_length."""
+    from difflm.config.provenance import _KEY_RE
+    from difflm.sampling.diffusion import _validate
+
+    def named(make) -> set:
+        with pytest.raises(GenerationConfigError) as err:
+            make()
+        return set(_KEY_RE.findall(str(err.value).split("; e.g.")[0]))
+
+    assert named(lambda: opts(remasking="remdm", remdm_sigma=-0.1, remdm_schedule="rescale")) == {"gen.remdm_sigma"}
+    assert named(lambda: opts(remasking="remdm", remdm_sigma=1.5, remdm_schedule="rescale")) == \
+        {"gen.remdm_sigma", "gen.remdm_schedule"}
+    assert named(lambda: opts(length=32, steps=8, block_length=8, block_size=16).check_block_diffusion()) == \
+        {"gen.block_length"}
+    assert named(lambda: opts(length=32, steps=8, block_size=16, cfg_scale=1.0).check_block_diffusion()) == \
+        {"gen.cfg_scale"}
+    with pytest.raises(GenerationConfigError, match=r"^gen.steps=2 must be >= the number of blocks, 4 \(gen.length=32 "
+                                                    r"/ gen.block_length=8\); e.g."):
+        _validate(opts(length=32, steps=2, block_length=8))
+
+
 def test_remdm_settings_are_checked():
-    with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=-0.1 must be in \[0, inf\]"):
+    with pytest.raises(GenerationConfigError, match=r"^gen.remdm_sigma=-0.1 must be >= 0 \(0 = no remasking\)$"):
         opts(remasking="remdm", remdm_sigma=-0.1)
     with pytest.raises(GenerationConfigError, match=r"gen.remdm_sigma=1.5 must be in \[0, 1\] under "
                                                     "gen.remdm_schedule=rescale"):

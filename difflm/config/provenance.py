@@ -7,6 +7,12 @@ overrides win over all), so the file that set a key is the last entry of that li
 unless the command line set it. :func:`key_sources` computes that from Hydra's own defaults list
 (``ConfigLoader.compute_defaults_list``); :func:`name_sources` appends it to a message for every ``key=value`` the
 message names that a preset or recipe (a config-group file) set.
+
+So a refusal spells ``key=value`` for the keys whose values are wrong (one key out of range alone, or every key of a
+relation that does not hold: ``t_lo < t_hi``, a block size dividing ``data.seq_len``) and for the keys its way out
+sets; a key given only as context (another key's value that is fine on its own, a trained run's fixed setting) is
+named without ``=``, so that no note points at a value the user need not change. The validators check each key's
+own range before a relation of several keys (:mod:`difflm.config.validate`).
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ def check_moe(m) -> None:
         return
     e = moe.num_experts
     _require(e > 0, f"model.moe.num_experts={e} must be >= 0 (0 = dense MLP)")
-    _require(1 <= moe.top_k <= e, f"model.moe.top_k={moe.top_k} must be in [1, model.moe.num_experts={e}]")
+    _require(moe.top_k >= 1, f"model.moe.top_k={moe.top_k} must be >= 1")
+    _require(moe.top_k <= e, f"model.moe.top_k={moe.top_k} must be <= model.moe.num_experts={e}")
     _require(moe.ffn_hidden_size >= 0, f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be >= 0 "
              "(0 = model.ffn_hidden_size)")
     _require(moe.num_shared_experts >= 0, f"model.moe.num_shared_experts={moe.num_shared_experts} must be >= 0")
@@ -112,16 +113,20 @@ def check_moe(m) -> None:
     _require(moe.capacity_factor is None or moe.capacity_factor > 0,
              f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (no token dropping)")
     g, kg = moe.get("n_group", 1), moe.get("topk_group", 1)
-    _require(g >= 1 and e % g == 0, f"model.moe.n_group={g} must be >= 1 and divide model.moe.num_experts={e}")
+    _require(g >= 1, f"model.moe.n_group={g} must be >= 1 (1 = no group-limited routing)")
+    _require(e % g == 0, f"model.moe.n_group={g} does not divide model.moe.num_experts={e}")
     if g > 1:
-        _require(1 <= kg <= g, f"model.moe.topk_group={kg} must be in [1, model.moe.n_group={g}]")
+        _require(kg >= 1, f"model.moe.topk_group={kg} must be >= 1")
+        _require(kg <= g, f"model.moe.topk_group={kg} must be <= model.moe.n_group={g}")
         _require(moe.top_k <= kg * (e // g), f"model.moe.top_k={moe.top_k} exceeds the experts of the kept groups "
                  f"(topk_group * num_experts / n_group = {kg * (e // g)}): raise model.moe.topk_group")
     _require(moe.get("routed_scaling_factor", 1.0) > 0,
              f"model.moe.routed_scaling_factor={moe.get('routed_scaling_factor')} must be > 0 (1 = unscaled)")
     k_dense = moe.get("first_k_dense", 0)
-    _require(0 <= k_dense < m.num_layers, f"model.moe.first_k_dense={k_dense} must be in [0, model.num_layers="
-             f"{m.num_layers}) (the dense blocks before the first MoE block)")
+    _require(k_dense >= 0, f"model.moe.first_k_dense={k_dense} must be >= 0 (the dense blocks before the first MoE "
+             "block)")
+    _require(k_dense < m.num_layers, f"model.moe.first_k_dense={k_dense} must be < model.num_layers={m.num_layers} "
+             "(the dense blocks before the first MoE block; at least one MoE block)")
     _require(moe.get("shared_ffn_hidden_size", 0) >= 0, f"model.moe.shared_ffn_hidden_size="
              f"{moe.get('shared_ffn_hidden_size')} must be >= 0 (0 = num_shared_experts * expert width)")
 
@@ -332,8 +337,9 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={virtual} stages > model.num_layers={m.num_layers}: "
                  "every pipeline stage needs at least one block; lower parallel.pp or parallel.pp_virtual_stages")
         single = p.pp_schedule in ("GPipe", "1F1B")
-        _require(not single or virtual == 1, f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank: set "
-                 "parallel.pp_virtual_stages=1, or an interleaved schedule (Interleaved1F1B) for more")
+        _require(not single or virtual == 1, f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank and "
+                 f"parallel.pp_virtual_stages={virtual}: set parallel.pp_virtual_stages=1, or an interleaved schedule "
+                 "(Interleaved1F1B) for more")
         _require(accum >= dims.pp and accum % dims.pp == 0,
                  f"parallel.pp={dims.pp} needs a multiple of {dims.pp} micro-batches per step and train.global_batch_size="
                  f"{cfg.train.global_batch_size} / (train.micro_batch_size={cfg.train.micro_batch_size} x dp={dims.dp}) "
@@ -434,8 +440,8 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
         check_lora(cfg.lora, cfg.model)
         check_lora_layout(cfg.lora, dims, cfg.model)
         _require(not (int(cfg.lora.rank) > 0 and cfg.train.cuda_graphs),
-                 f"lora.rank={cfg.lora.rank} with train.cuda_graphs=true: the captured blocks are not built for "
-                 "adapters; set train.cuda_graphs=false")
+                 f"train.cuda_graphs=true with LoRA adapters (lora.rank {cfg.lora.rank}): the captured blocks are not "
+                 "built for adapters; set train.cuda_graphs=false")
     d, o, t = cfg.data, cfg.objective, cfg.train
     _require(bool(d.path or d.hf_dataset or d.get("blend")),
              "data.path is not set (this experiment leaves the corpus to you): pass data.path=<.txt/.jsonl/.parquet "
@@ -443,13 +449,15 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              "data.blend=[...]")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
-    _require(t.eval_every >= 0 and t.save_every >= 0, "train.eval_every and train.save_every must be >= 0 (0 = never)")
+    for key in ("eval_every", "save_every"):
+        _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0 (0 = never)")
     check_operations(cfg)
     check_validation_split(d, t)
     _require(0.0 < o.eps < 1.0, f"objective.eps={o.eps} must be in (0, 1)")
     _require(0.0 <= o.random_length_prob <= 1.0, f"objective.random_length_prob={o.random_length_prob} must be in [0, 1]")
-    _require(o.length_multiple >= 1 and d.seq_len % o.length_multiple == 0,
-             f"objective.length_multiple={o.length_multiple} must be >= 1 and divide data.seq_len={d.seq_len}")
+    _require(o.length_multiple >= 1, f"objective.length_multiple={o.length_multiple} must be >= 1")
+    _require(d.seq_len % o.length_multiple == 0,
+             f"objective.length_multiple={o.length_multiple} does not divide data.seq_len={d.seq_len}")
     _require(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1 (steps between "
              "metrics rows; evaluation steps and the last step always write one)")
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (non-finite steps "
@@ -555,9 +563,9 @@ def check_schedule(s) -> None:
 def check_profile(p, t) -> None:
     """``profile.*`` when ``profile.enabled``: a schedule torch.profiler accepts, whose window ends within the run
     (``train.max_steps``, unless ``train.epochs`` sets the length later), so that a trace is written."""
-    _require(p.wait >= 0 and p.warmup >= 0 and p.active >= 1,
-             f"profile.wait={p.wait}, profile.warmup={p.warmup}, profile.active={p.active}: wait and warmup must be "
-             ">= 0 and active >= 1 (the steps recorded)")
+    for key, low, meaning in (("wait", 0, "steps skipped first"), ("warmup", 0, "steps traced and discarded"),
+                              ("active", 1, "the steps recorded")):
+        _require(p[key] >= low, f"profile.{key}={p[key]} must be >= {low} ({meaning})")
     window = p.wait + p.warmup + p.active
     _require(t.get("epochs") is not None or window <= t.max_steps,
              f"profile.wait + profile.warmup + profile.active = {window} steps, more than train.max_steps="
@@ -580,11 +588,14 @@ def check_objective_data(cfg) -> None:
     """What the diffusion objectives need from the data and the attention backend."""
     d, o, m = cfg.data, cfg.objective, cfg.model
     if o.name == "bd3lm":
-        _require(o.block_size >= 1 and d.seq_len % o.block_size == 0,
-                 f"objective.block_size={o.block_size} must be >= 1 and divide data.seq_len={d.seq_len}")
+        _require(o.block_size >= 1, f"objective.block_size={o.block_size} must be >= 1")
+        _require(d.seq_len % o.block_size == 0,
+                 f"objective.block_size={o.block_size} does not divide data.seq_len={d.seq_len}")
         _require(o.random_length_prob == 0 or o.length_multiple % o.block_size == 0,
-                 f"objective.random_length_prob={o.random_length_prob} with objective.block_size={o.block_size}: set "
-                 f"objective.length_multiple to a multiple of the block size or objective.random_length_prob=0")
+                 f"objective.random_length_prob={o.random_length_prob} draws lengths of multiples of "
+                 f"objective.length_multiple={o.length_multiple}, which is not a multiple of objective.block_size="
+                 f"{o.block_size}: set objective.length_multiple to a multiple of the block size or "
+                 "objective.random_length_prob=0")
     if o.name == "sft":
         _require(d.get("prompt_field") is not None or d.get("messages_field") is not None,
                  "objective=sft trains on prompt/response pairs: set data.prompt_field and data.response_field "
@@ -594,9 +605,11 @@ def check_objective_data(cfg) -> None:
                  "name two kinds of SFT data: set one of them to null")
         _require(o.random_length_prob == 0, f"objective.random_length_prob={o.random_length_prob} would cut responses: "
                  "set it to 0 for objective=sft")
-        _require(d.get("hf_dataset") is None and bool(d.path),
-                 f"objective=sft reads prompt/response pairs from the .jsonl files of data.path (data.path="
-                 f"{d.path!r}, data.hf_dataset={d.get('hf_dataset')!r}): set data.path and data.hf_dataset=null")
+        _require(d.get("hf_dataset") is None,
+                 f"data.hf_dataset={d.get('hf_dataset')!r}: objective=sft reads prompt/response pairs from the .jsonl "
+                 "files of data.path: set data.path and data.hf_dataset=null")
+        _require(bool(d.path), f"data.path={d.path!r}: objective=sft reads prompt/response pairs from the .jsonl files "
+                 "of data.path: set data.path")
         kind = next((e for e in (".txt", ".parquet") if str(d.path).lower().endswith(e)), None)
         _require(kind is None, f"data.path={d.path!r} is a {kind} file: objective=sft trains on prompt/response pairs, "
                  f"one JSON record a line with the fields data.prompt_field / data.response_field: set data.path to "
@@ -647,11 +660,15 @@ def check_adaptation(cfg) -> None:
     _require(o.name != "ar", "objective.attention_anneal_steps, block_schedule, complementary_masks, weighting, "
              "ar_loss_weight, diffusion_loss_weight, t_lo and t_hi adapt an AR model to diffusion: use objective=mdlm, "
              "sft or bd3lm (objective=ar takes none of them)")
-    _require(0.0 <= o.t_lo < o.t_hi <= 1.0, f"objective.t_lo={o.t_lo}, objective.t_hi={o.t_hi}: need "
-             "0 <= t_lo < t_hi <= 1 (t ~ U(t_lo, t_hi))")
-    _require(o.diffusion_loss_weight >= 0 and o.ar_loss_weight >= 0 and o.diffusion_loss_weight + o.ar_loss_weight > 0,
+    for key in ("t_lo", "t_hi"):  # each key's own range first: a message names only the keys whose values are wrong
+        _require(0.0 <= o[key] <= 1.0, f"objective.{key}={o[key]} must be in [0, 1] (t ~ U(t_lo, t_hi))")
+    _require(o.t_lo < o.t_hi, f"objective.t_lo={o.t_lo}, objective.t_hi={o.t_hi}: need 0 <= t_lo < t_hi <= 1 "
+             "(t ~ U(t_lo, t_hi))")
+    for key in ("diffusion_loss_weight", "ar_loss_weight"):
+        _require(o[key] >= 0, f"objective.{key}={o[key]} must be >= 0 (0 = no such term)")
+    _require(o.diffusion_loss_weight + o.ar_loss_weight > 0,
              f"objective.diffusion_loss_weight={o.diffusion_loss_weight} and objective.ar_loss_weight="
-             f"{o.ar_loss_weight} must be >= 0 and not both 0")
+             f"{o.ar_loss_weight} are both 0, which leaves no loss: make one of them positive")
     if o.attention_anneal_steps:
         _require(o.attention_anneal_steps > 0, f"objective.attention_anneal_steps={o.attention_anneal_steps} must be "
                  ">= 0 (0 = no annealing)")

@@ -254,33 +254,51 @@ def check_resume_lora(saved, cfg, where: str) -> None:
                               f"with lora.{key}={show(old)}, or start a new run.dir")
 
 
+def adapted_weights(model_cfg, cfg) -> list[tuple[str, int, int, int, int]]:
+    """The weights :func:`apply_lora` adapts in a model of ``model_cfg`` under the ``lora`` config ``cfg`` (its
+    ``targets`` and ``moe`` policy), from the dimensions alone: ``(name, d_in, d_out, experts, blocks)`` for each kind
+    of weight, ``experts`` the leading dimension of a routed-expert weight (0 for a 2-D weight) and ``blocks`` how many
+    blocks hold one. Every block adapts its attention; the dense MLP (``model.ffn_hidden_size``) of a dense model and
+    of the first ``model.moe.first_k_dense`` blocks of an MoE model under both ``lora.moe`` policies; the routed
+    experts (``model.moe.ffn_hidden_size`` each) and the shared experts (:func:`difflm.model.moe.shared_ffn_size`:
+    ``model.moe.shared_ffn_hidden_size``, or ``num_shared_experts`` times the expert width) of the MoE blocks under
+    ``adapt_experts`` only. The router is never adapted."""
+    from difflm.model.moe import expert_ffn_size, first_k_dense, moe_config, shared_ffn_size
+
+    d, h, kv = int(model_cfg.hidden_size), int(model_cfg.num_heads), int(model_cfg.num_kv_heads)
+    hd, layers = int(model_cfg.get("head_dim") or d // h), int(model_cfg.num_layers)
+    t = set(cfg.targets)
+    out = []
+    if "qkv" in t:
+        out.append(("attention.qkv", d, (h + 2 * kv) * hd, 0, layers))
+    if "proj" in t:
+        out.append(("attention.proj", h * hd, d, 0, layers))
+    moe = moe_config(model_cfg)
+    dense = layers if moe is None else min(first_k_dense(model_cfg), layers)
+    mlps = [("mlp", int(model_cfg.ffn_hidden_size), 0, dense)]
+    if moe is not None and cfg.get("moe", "freeze_experts") == "adapt_experts":
+        mlps.append(("the routed experts' mlp", expert_ffn_size(model_cfg), int(moe.num_experts), layers - dense))
+        mlps.append(("the shared experts' mlp", shared_ffn_size(model_cfg), 0, layers - dense))
+    for where, width, experts, blocks in mlps:
+        if blocks <= 0 or width <= 0:
+            continue
+        if "fc1" in t:
+            out.append((f"{where}.fc1_weight", d, 2 * width, experts, blocks))
+        if "fc2" in t:
+            out.append((f"{where}.fc2_weight", width, d, experts, blocks))
+    return out
+
+
 def _narrowest_adapted_weight(cfg, model_cfg) -> tuple[Optional[str], int]:
     """(a description, min(d_in, d_out)) of the adapted weight of ``model_cfg`` with the smallest side under the
-    ``lora`` config ``cfg`` (its ``targets`` and ``moe`` policy); (None, 0) when the dimensions are not all set."""
+    ``lora`` config ``cfg`` (:func:`adapted_weights`); (None, 0) when the dimensions are not all set."""
     try:
-        d, hd = int(model_cfg.hidden_size), int(model_cfg.head_dim)
-        h, kv, f = int(model_cfg.num_heads), int(model_cfg.num_kv_heads), int(model_cfg.ffn_hidden_size)
+        weights = adapted_weights(model_cfg, cfg)
     except (TypeError, ValueError, AttributeError, KeyError):
         return None, 0
-    t = set(cfg.targets)
-    sides = {"attention.qkv": (d, (h + 2 * kv) * hd), "attention.proj": (h * hd, d)}
-    sides = {k: v for k, v in sides.items() if k.split(".")[1] in t}
-    moe = model_cfg.get("moe")
-    experts = int(moe.get("num_experts", 0) or 0) if moe is not None else 0
-    mlp = {}
-    if experts == 0 or int(moe.get("first_k_dense", 0) or 0) > 0:
-        mlp["mlp"] = f
-    if experts and cfg.get("moe", "freeze_experts") == "adapt_experts":
-        mlp["the routed experts' mlp"] = int(moe.get("ffn_hidden_size", 0) or 0) or f
-    for where, width in mlp.items():
-        if "fc1" in t:
-            sides[f"{where}.fc1_weight"] = (d, 2 * width)
-        if "fc2" in t:
-            sides[f"{where}.fc2_weight"] = (width, d)
-    if not sides:
+    if not weights:
         return None, 0
-    name = min(sides, key=lambda k: min(sides[k]))
-    d_in, d_out = sides[name]
+    name, d_in, d_out, _, _ = min(weights, key=lambda w: min(w[1], w[2]))
     return f"{name} [{d_out}, {d_in}]", min(d_in, d_out)
 
 
@@ -309,7 +327,7 @@ def check_lora_layout(cfg, dims, model_cfg=None) -> None:
     if tp == 1:
         return
     if model_cfg is not None and model_cfg.get("backend", "torch") == "te":
-        raise DifflmError(f"lora.rank={cfg.rank} with parallel.tp={tp} and model.backend=te: LoRA under tensor "
+        raise DifflmError(f"LoRA (lora.rank {cfg.rank}) with parallel.tp={tp} and model.backend=te: LoRA under tensor "
                           "parallelism runs on the torch kernels' DTensor layout; set model.backend=torch or "
                           "parallel.tp=1")
     if float(cfg.dropout) > 0:
@@ -434,33 +452,14 @@ def trainable_parameter_count(model: nn.Module) -> int:
 
 def expected_adapter_count(model_cfg, cfg) -> int:
     """``sum over adapted weights of r * (d_in + d_out)`` (times the experts for routed-expert weights) for a model
-    config, from the dimensions alone (docs/lora.md)."""
+    config, from the dimensions alone (:func:`adapted_weights`; docs/lora.md)."""
     if not lora_enabled(cfg):
         return 0
-    d, hd, r = int(model_cfg.hidden_size), int(model_cfg.head_dim), int(cfg.rank)
-    h, kv = int(model_cfg.num_heads), int(model_cfg.num_kv_heads)
-    per_layer = 0
-    t = set(cfg.targets)
-    if "qkv" in t:
-        per_layer += r * (d + (h + 2 * kv) * hd)
-    if "proj" in t:
-        per_layer += r * (h * hd + d)
-    moe = model_cfg.get("moe")
-    experts = int(moe.num_experts) if moe is not None else 0
-    mlp = []
-    if experts == 0:
-        mlp = [(1, int(model_cfg.ffn_hidden_size))]
-    elif cfg.moe == "adapt_experts":
-        f = int(moe.ffn_hidden_size) or int(model_cfg.ffn_hidden_size)
-        mlp = [(experts, f)] + ([(1, int(moe.num_shared_experts) * f)] if int(moe.num_shared_experts) else [])
-    for n, f in mlp:
-        if "fc1" in t:
-            per_layer += n * r * (d + 2 * f)
-        if "fc2" in t:
-            per_layer += n * r * (f + d)
-    return int(model_cfg.num_layers) * per_layer
+    r = int(cfg.rank)
+    return sum(blocks * max(experts, 1) * r * (d_in + d_out)
+               for _, d_in, d_out, experts, blocks in adapted_weights(model_cfg, cfg))
 
 
-__all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
-           "check_lora_layout", "check_resume_lora", "expected_adapter_count", "init_adapters_", "is_adapter",
-           "lora_enabled", "merged_state_dict", "trainable_parameter_count"]
+__all__ = ["LoraFactors", "active_factors", "adapted_weights", "adapter_factors", "adapters_disabled", "apply_lora",
+           "check_lora", "check_lora_layout", "check_resume_lora", "expected_adapter_count", "init_adapters_",
+           "is_adapter", "lora_enabled", "merged_state_dict", "trainable_parameter_count"]

@@ -67,10 +67,12 @@ def check_rl_config(cfg) -> None:
                               "or algorithm.beta=0")
         if a.loss_norm not in LOSS_NORMS:
             raise DifflmError(f"algorithm.loss_norm={a.loss_norm!r} is not one of {', '.join(LOSS_NORMS)}")
-        if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
-            raise DifflmError(f"algorithm.clip_low={a.clip_low}, algorithm.clip_high={a.clip_high}: the ratio is "
-                              "clipped to [1 - clip_low, 1 + clip_high], so 0 <= clip_low < 1 and clip_high >= 0 "
-                              "(PPO: 0.2 and 0.2)")
+        if not 0 <= a.clip_low < 1:
+            raise DifflmError(f"algorithm.clip_low={a.clip_low} must be in [0, 1): the ratio is clipped to "
+                              "[1 - clip_low, 1 + clip_high] (PPO: 0.2)")
+        if not a.clip_high >= 0:
+            raise DifflmError(f"algorithm.clip_high={a.clip_high} must be >= 0: the ratio is clipped to "
+                              "[1 - clip_low, 1 + clip_high] (PPO: 0.2)")
     if a.beta < 0 or (a.name == "dpo" and a.beta == 0):
         raise DifflmError(f"algorithm.beta={a.beta} must be {'> 0' if a.name == 'dpo' else '>= 0'} (grpo: the KL "
                           "weight, 0 = none; dpo: the DPO temperature, whose 0 leaves the loss at log 2: e.g. 0.1)")

@@ -22,7 +22,7 @@ def autoregressive_generate(
     prompt: torch.Tensor,
     opts: GenerationOptions,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     prompt_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Generate ``opts.length`` tokens after ``prompt``, one at a time, left to right.
@@ -36,7 +36,8 @@ def autoregressive_generate(
         prompt: ``[B, P]`` int64, ``P >= 1``.
         opts: the settings (:class:`GenerationOptions`); reads ``length``, ``temperature``, ``top_k``/``top_p``
             (filters before sampling, 0 / 1 = off) and ``forbid_ids``.
-        generator: source of all randomness; the same seed reproduces the output.
+        generator: source of all randomness; the same seed reproduces the output. A list of one generator per row:
+            each row samples from its own, as it would alone (``torch.multinomial`` of its [1, V] probabilities).
         prompt_mask: [B, P] bool, True at real tokens of left- or right-padded prompts; pads are masked out of
             attention and skipped by the RoPE positions (``logits_fn`` then gets ``attn_mask``/``position_ids``).
     Returns:
@@ -76,6 +77,12 @@ def autoregressive_generate(
             nxt = last.argmax(dim=-1)
         else:
             probs = torch.softmax(last / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            if generator is None or isinstance(generator, torch.Generator):
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            else:
+                if len(generator) != probs.shape[0]:
+                    raise ValueError(f"{len(generator)} per-row generators for {probs.shape[0]} rows")
+                nxt = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)
+                                 for b, g in enumerate(generator)]).flatten()
         x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
     return x

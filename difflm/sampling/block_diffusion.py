@@ -75,7 +75,8 @@ def block_diffusion_generate(
         raise GenerationConfigError("block_diffusion_generate needs GenerationOptions.block_size "
                                     "(the bd3lm run's objective.block_size)")
     if opts.cfg_scale > 0:
-        raise GenerationConfigError("gen.cfg_scale is not implemented for objective=bd3lm runs: set gen.cfg_scale=0")
+        raise GenerationConfigError(f"gen.cfg_scale={opts.cfg_scale}: classifier-free guidance is not implemented "
+                                    "for objective=bd3lm runs: set gen.cfg_scale=0")
     mask_id, block_size, threshold = opts.mask_id, opts.block_size, opts.threshold
     per_block = steps_per_block(opts)
     remdm = opts.remasking == REMDM

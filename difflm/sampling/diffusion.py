@@ -173,11 +173,11 @@ def _validate(opts: GenerationOptions) -> int:
         raise GenerationConfigError(f"gen.length={length} must be a multiple of gen.block_length={block_length}{fix}")
     num_blocks = length // block_length
     if steps < num_blocks:
-        raise GenerationConfigError(
-            f"gen.steps={steps} must be >= the number of blocks gen.length/gen.block_length={num_blocks}{fix}")
+        raise GenerationConfigError(f"gen.steps={steps} must be >= the number of blocks, {num_blocks} (gen.length="
+                                    f"{length} / gen.block_length={block_length}){fix}")
     if steps % num_blocks != 0:
-        raise GenerationConfigError(
-            f"gen.steps={steps} must be a multiple of the number of blocks gen.length/gen.block_length={num_blocks}{fix}")
+        raise GenerationConfigError(f"gen.steps={steps} must be a multiple of the number of blocks, {num_blocks} "
+                                    f"(gen.length={length} / gen.block_length={block_length}){fix}")
     if steps > length:
         raise GenerationConfigError(f"gen.steps={steps} must be <= gen.length={length} (at least one token per step)"
                                     f"{fix}")

@@ -134,10 +134,11 @@ class GenerationOptions:
             raise GenerationConfigError(f"gen.remasking={self.remasking!r} must be one of {REMASKING + (REMDM,)}")
         if self.remdm_schedule not in REMDM_SCHEDULES:
             raise GenerationConfigError(f"gen.remdm_schedule={self.remdm_schedule!r} must be one of {REMDM_SCHEDULES}")
-        if not self.remdm_sigma >= 0 or (self.remdm_schedule == "rescale" and self.remdm_sigma > 1):
-            top = "1" if self.remdm_schedule == "rescale" else "inf"
-            raise GenerationConfigError(f"gen.remdm_sigma={self.remdm_sigma} must be in [0, {top}] under "
-                                        f"gen.remdm_schedule={self.remdm_schedule}")
+        if not self.remdm_sigma >= 0:
+            raise GenerationConfigError(f"gen.remdm_sigma={self.remdm_sigma} must be >= 0 (0 = no remasking)")
+        if self.remdm_schedule == "rescale" and self.remdm_sigma > 1:
+            raise GenerationConfigError(f"gen.remdm_sigma={self.remdm_sigma} must be in [0, 1] under "
+                                        f"gen.remdm_schedule={self.remdm_schedule} (a share of sigma_t^max)")
         if self.remasking == REMDM and self.threshold is not None:
             raise GenerationConfigError("gen.remasking=remdm remasks against the fixed unmasking schedule: set "
                                         "gen.threshold=null")
@@ -194,12 +195,12 @@ class GenerationOptions:
         is the model's, :meth:`from_config`), and more ``steps`` than tokens (as for the LLaDA sampler: at least one
         token a step)."""
         if self.cfg_scale > 0:
-            raise GenerationConfigError(f"{prefix}cfg_scale is not implemented for objective=bd3lm runs: set "
-                                        f"{prefix}cfg_scale=0")
+            raise GenerationConfigError(f"{prefix}cfg_scale={self.cfg_scale}: classifier-free guidance is not "
+                                        f"implemented for objective=bd3lm runs: set {prefix}cfg_scale=0")
         if self.block_length != self.block_size:
             raise GenerationConfigError(
                 f"{prefix}block_length={self.block_length} is not read by objective=bd3lm runs, which sample in the "
-                f"model's blocks of objective.block_size={self.block_size}: drop {prefix}block_length")
+                f"model's blocks of {self.block_size} tokens (its objective.block_size): drop {prefix}block_length")
         if self.steps > self.length:
             raise GenerationConfigError(f"{prefix}steps={self.steps} must be <= {prefix}length={self.length} (at least "
                                         f"one token per step): set {prefix}steps={self.length}")

@@ -643,9 +643,10 @@ def _check_remdm(remasking, sigma, schedule, threshold) -> None:
     """difflm's checks of the ReMDM settings (``GenerationOptions``). Raises ValueError naming the argument."""
     if schedule not in REMDM_SCHEDULES:
         raise ValueError(f"remdm_schedule={schedule!r} must be one of {REMDM_SCHEDULES}")
-    if not _is_real(sigma) or not sigma >= 0 or (schedule == "rescale" and sigma > 1):
-        raise ValueError(f"remdm_sigma={sigma!r} must be in [0, {'1' if schedule == 'rescale' else 'inf'}] under "
-                         f"remdm_schedule={schedule}")
+    if not _is_real(sigma) or not sigma >= 0:
+        raise ValueError(f"remdm_sigma={sigma!r} must be a number >= 0 (0 = no remasking)")
+    if schedule == "rescale" and sigma > 1:
+        raise ValueError(f"remdm_sigma={sigma!r} must be in [0, 1] under remdm_schedule={schedule}")
     if remasking == "remdm" and threshold is not None:
         raise ValueError("remasking='remdm' remasks against the fixed unmasking schedule: pass threshold=None")
 
