@@ -272,6 +272,10 @@ def _narrowest_adapted_weight(cfg, model_cfg) -> tuple[Optional[str], int]:
         mlp["mlp"] = f
     if experts and cfg.get("moe", "freeze_experts") == "adapt_experts":
         mlp["the routed experts' mlp"] = int(moe.get("ffn_hidden_size", 0) or 0) or f
+        if int(moe.get("num_shared_experts", 0) or 0) > 0:
+            from difflm.model.moe import shared_ffn_size
+
+            mlp["the shared experts' mlp"] = shared_ffn_size(model_cfg)
     for where, width in mlp.items():
         if "fc1" in t:
             sides[f"{where}.fc1_weight"] = (d, 2 * width)
@@ -445,20 +449,24 @@ def expected_adapter_count(model_cfg, cfg) -> int:
         per_layer += r * (d + (h + 2 * kv) * hd)
     if "proj" in t:
         per_layer += r * (h * hd + d)
+    layers = int(model_cfg.num_layers)
     moe = model_cfg.get("moe")
     experts = int(moe.num_experts) if moe is not None else 0
-    mlp = []
-    if experts == 0:
-        mlp = [(1, int(model_cfg.ffn_hidden_size))]
-    elif cfg.moe == "adapt_experts":
-        f = int(moe.ffn_hidden_size) or int(model_cfg.ffn_hidden_size)
-        mlp = [(experts, f)] + ([(1, int(moe.num_shared_experts) * f)] if int(moe.num_shared_experts) else [])
-    for n, f in mlp:
+    dense = layers if experts == 0 else int(getattr(moe, "first_k_dense", 0) or 0)  # the dense first blocks' MLPs
+    mlp = [(dense, 1, int(model_cfg.ffn_hidden_size))]
+    if experts and cfg.moe == "adapt_experts":
+        from difflm.model.moe import expert_ffn_size, shared_ffn_size
+
+        mlp += [(layers - dense, experts, expert_ffn_size(model_cfg)), (layers - dense, 1, shared_ffn_size(model_cfg))]
+    total = layers * per_layer
+    for blocks, n, f in mlp:
+        if f == 0:  # no shared experts
+            continue
         if "fc1" in t:
-            per_layer += n * r * (d + 2 * f)
+            total += blocks * n * r * (d + 2 * f)
         if "fc2" in t:
-            per_layer += n * r * (f + d)
-    return int(model_cfg.num_layers) * per_layer
+            total += blocks * n * r * (f + d)
+    return total
 
 
 __all__ = ["LoraFactors", "active_factors", "adapter_factors", "adapters_disabled", "apply_lora", "check_lora",
