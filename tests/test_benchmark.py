@@ -399,3 +399,22 @@ def test_kernel_classes_of_a_real_profile():
     assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>") == \
         "cast/copy"
     assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>") == "other"
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("args, says", [([], "name a suite"), (["nosuch"], "unknown suite 'nosuch'"),
+                                        (["megadlms", "bf61"], "megadlms takes bf16, fp8 or s2048, not 'bf61'"),
+                                        (["moe", "megadlm"], "moe takes nothing or megadlms, not 'megadlm'"),
+                                        (["sampling"], "sampling needs RUN_DIR")])
+def test_bench_suites_refuses_a_bad_suite_before_setting_up(tmp_path, args, says):
+    """bash scripts/bench_suites.sh without a suite, with an unknown one or a bad suite argument: one line on stderr
+    naming it and the suites, exit status 2, before the GPU environment is set up ($OUT is not made)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "scripts/bench_suites.sh", *args], cwd=root, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and not out.exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "megadlms|trainer|small|moe" in lines[0]
