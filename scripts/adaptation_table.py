@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                     "trained there with the same overrides and --ar-steps is reused")
     ap.add_argument("--json", default=None, help="also write the table's JSON (every curve, the summary) here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     overrides = [*(args.overrides or CPU_DEFAULTS), *COMMON]
     out = Path(args.out or tempfile.mkdtemp(prefix="adaptation_"))
     seeds = [int(s) for s in args.seeds.split(",")]

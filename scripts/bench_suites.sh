@@ -22,8 +22,18 @@
 # scripts/gpu_env.sh. The fastest rows use model.backend=te model.attention_backend=flash model.fused_mlp=true
 # model.fused_mlp_autotune=true at micro-batch 8 (BF16) and TE FP8 with FP8 attention at micro-batch 8 (FP8).
 set -u
-suite=${1:?usage: bench_suites.sh megadlms|trainer|small|moe|layouts|scaling|adaptation|sampling|kernels|profile|gputests}
+SUITES="megadlms|trainer|small|moe|layouts|scaling|adaptation|sampling|kernels|profile|gputests"
+usage() { echo "bench_suites.sh: $1 (usage: bash scripts/bench_suites.sh $SUITES [ARGS]; the header lists each suite's ARGS)" >&2; exit 2; }
+[ $# -ge 1 ] || usage "name a suite"
+suite=$1
 shift
+case "|$SUITES|" in *"|$suite|"*) ;; *) usage "unknown suite '$suite'" ;; esac
+case "$suite" in
+  megadlms) case "${1:-bf16}" in bf16|fp8|s2048) ;; *) usage "megadlms takes bf16, fp8 or s2048, not '$1'" ;; esac ;;
+  moe) case "${1:-}" in ""|megadlms) ;; *) usage "moe takes nothing or megadlms, not '$1'" ;; esac ;;
+  adaptation) [ $# -ge 1 ] || usage "adaptation needs CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]" ;;
+  sampling) [ $# -ge 1 ] || usage "sampling needs RUN_DIR (a trained run, e.g. from make train)" ;;
+esac
 . "$(dirname "$0")/gpu_env.sh"
 
 T="model.backend=te model.attention_backend=te"       # Transformer Engine, cuDNN attention
@@ -66,7 +76,7 @@ megadlms)
     bf16) bench_vs_megadlms 4096x16 bf16 "$BF16_ROW" ;;
     fp8) bench_vs_megadlms 4096x16 fp8 "$FP8_ROW" ;;
     s2048) bench_vs_megadlms 2048x32 bf16,fp8 "$S2_BF16_ROW" "$S2_FP8_ROW" ;;
-    *) echo "megadlms takes bf16, fp8 or s2048"; exit 2 ;;
+    *) usage "megadlms takes bf16, fp8 or s2048, not '$1'" ;;
   esac
   tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null  # carry it back as .device-stage/quack_cache.tgz
   ;;
@@ -177,5 +187,5 @@ gputests)
     -k "${ONLY:-not interpreter}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25
   ;;
-*) echo "unknown suite $suite"; exit 2 ;;
+*) usage "unknown suite '$suite'" ;;
 esac

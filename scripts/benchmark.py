@@ -936,7 +936,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--megadlms-model", default=None, dest="megadlms_model_preset",
                     help="difflm model preset MegaDLMs' rows run (default: the base overrides' model=), e.g. moe-1b-7b")
     ap.add_argument("--plan", action="store_true", help="print the rows (and child commands) and exit")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     args.profile = {p for p in args.profile.split(",") if p}
     if args.steps < 1 or args.warmup < 0 or args.batches < 1:
         raise DifflmError("--steps must be >= 1, --warmup >= 0 and --batches >= 1")

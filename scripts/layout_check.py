@@ -835,7 +835,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--big-precisions", type=csv, default=None, help="default: --precisions")
     g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
     ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}")

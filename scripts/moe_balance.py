@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     ap.add_argument("--dir", default=None, help="where the run dirs go (default: a temporary directory)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     torch.set_num_threads(1)  # tiny matrices: one thread is the fastest on a shared CPU
     names = [n for n in args.runs.split(",") if n]
     root = Path(args.dir or tempfile.mkdtemp(prefix="moe_balance_"))

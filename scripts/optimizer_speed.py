@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config (model=1.7b ...)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     from benchmark import compose, median_cuda_ms
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config

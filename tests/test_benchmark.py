@@ -176,6 +176,33 @@ def test_plan_orders_rows_by_megadlms_shape(capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # a plan writes nothing, not even an empty log directory
 
 
+def test_overrides_after_flags_reach_the_rows(capsys, tmp_path, monkeypatch):
+    """Overrides after the flags (bash scripts/bench_suites.sh megadlms / profile put train.micro_batch_size after
+    --batches) are the base run's, as those before them."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    bench = load_script("benchmark")
+    out = bench.main(["model=tiny", "data.seq_len=32", "device=cpu", "--no-reference", "--steps", "2",
+                      "train.global_batch_size=4", "--plan", "train.micro_batch_size=2"])
+    assert out["plan"] == ["difflm"]
+    printed = capsys.readouterr().out
+    assert "train.global_batch_size=4" in printed and "train.micro_batch_size=2" in printed
+
+
+def test_scripts_taking_overrides_parse_them_between_flags():
+    """Every script with a positional ``overrides`` list parses it intermixed with its flags (argparse's plain
+    parse_args refuses a positional after an option: ``unrecognized arguments``)."""
+    import re
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    takers = [f for f in sorted(scripts.glob("*.py")) if re.search(r'add_argument\("overrides", nargs="\*"', f.read_text())]
+    assert {f.name for f in takers} >= {"benchmark.py", "layout_check.py", "adaptation_table.py"}
+    for f in takers:
+        assert ".parse_args(" not in f.read_text(), f"{f.name}: use parse_intermixed_args"
+
+
 def test_megadlms_rows_follow_the_megadlms_model(capsys, tmp_path, monkeypatch):
     """--megadlms-model PRESET: MegaDLMs' rows run that preset (composed with the base overrides), named
     megadlms-moe-... for a mixture of experts; without it they follow the base overrides' model=."""
@@ -372,3 +399,22 @@ def test_kernel_classes_of_a_real_profile():
     assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>") == \
         "cast/copy"
     assert bench.kernel_class("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>") == "other"
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("args, says", [([], "name a suite"), (["nosuch"], "unknown suite 'nosuch'"),
+                                        (["megadlms", "bf61"], "megadlms takes bf16, fp8 or s2048, not 'bf61'"),
+                                        (["moe", "megadlm"], "moe takes nothing or megadlms, not 'megadlm'"),
+                                        (["sampling"], "sampling needs RUN_DIR")])
+def test_bench_suites_refuses_a_bad_suite_before_setting_up(tmp_path, args, says):
+    """bash scripts/bench_suites.sh without a suite, with an unknown one or a bad suite argument: one line on stderr
+    naming it and the suites, exit status 2, before the GPU environment is set up ($OUT is not made)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "scripts/bench_suites.sh", *args], cwd=root, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and not out.exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "megadlms|trainer|small|moe" in lines[0]

@@ -144,6 +144,30 @@ def test_rank_above_the_shared_experts_width_is_refused():
         check_lora(cfg.lora, cfg.model)
 
 
+@pytest.mark.parametrize("policy", ["freeze_experts", "adapt_experts"])
+def test_adapter_count_of_dense_first_blocks_and_shared_width(policy):
+    """expected_adapter_count counts what apply_lora adapts in an MoE model with a dense first block (its MLP) and
+    shared experts of their own width (llada2-tiny's kind of model)."""
+    cfg = model_cfg(num_layers=3, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, num_shared_experts=1,
+                                                shared_ffn_hidden_size=24, first_k_dense=1))
+    model = build_model(cfg, causal=False, device=CPU, seed=0)
+    apply_lora(model, lora_cfg(moe=policy), seed=0)
+    r, d, qkv, attn = 4, 64, (4 + 2 * 2) * 16, 4 * 16
+    count = 3 * r * (d + qkv + attn + d) + r * (d + 2 * 96) + r * (96 + d)  # attention of 3 blocks, 1 dense MLP
+    if policy == "adapt_experts":  # 2 MoE blocks: 4 routed experts of width 16, the shared one of width 24
+        count += 2 * (4 * r * (d + 2 * 16 + 16 + d) + r * (d + 2 * 24 + 24 + d))
+    assert trainable_parameter_count(model) == count == expected_adapter_count(cfg, lora_cfg(moe=policy))
+
+
+def test_rank_check_covers_the_shared_experts():
+    """With lora.moe=adapt_experts the shared experts are adapted too: a rank above their width is refused."""
+    cfg = model_cfg(moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, num_shared_experts=1,
+                                  shared_ffn_hidden_size=8))
+    check_lora(lora_cfg(rank=12, moe="freeze_experts"), cfg)
+    with pytest.raises(DifflmError, match="lora.rank=12 is above the width of the shared experts' mlp"):
+        check_lora(lora_cfg(rank=12, moe="adapt_experts"), cfg)
+
+
 def test_te_stand_in_weight_side_adapters(fake_te):
     """TE modules (the CPU stand-in) take the adapter as a weight update: the same logits as the torch kernels'
     input-side adapters with the same factors."""

@@ -154,13 +154,64 @@ def test_plan_prints_parts_and_search_ranks(tmp_path):
     (["model=tiny", "model.vocab_size=1000", "--gpu", "MI300X"], "--gpu MI300X: no shipped rates"),
     (["model=tiny", "model.vocab_size=1000", "--gpus", "0"], "--gpus 0"),
     (["model=tiny", "model.vocab_size=1000", "parallel=tp2", "--gpus", "3"], "parallel."),
+    # the planner's own flags: a misspelt flag, a bad value, a count of rows below 1
+    (["model=tiny", "model.vocab_size=1000", "--serch"], "--serch is not a difflm-plan flag; did you mean --search?"),
+    (["model=tiny", "model.vocab_size=1000", "--gpus=two"], "argument --gpus: invalid int value: 'two'"),
+    (["model=tiny", "model.vocab_size=1000", "--search", "--top", "0"], "--top 0: pass how many"),
+    # difflm-train's checks of the batch, the model and the layout, on the GPUs planned for
+    (["model=tiny", "model.vocab_size=1000", "train.micro_batch_size=0"], "train.micro_batch_size=0 must be positive"),
+    (["model=tiny", "model.vocab_size=1000", "train.global_batch_size=0", "--search"],
+     "train.global_batch_size=0 must be positive"),
+    (["model=tiny", "model.vocab_size=1000", "train.global_batch_size=8", "train.micro_batch_size=16"],
+     "train.micro_batch_size to a divisor of 8"),
+    (["model=8b", "model.vocab_size=1000", "train.global_batch_size=256", "parallel=fsdp", "--gpus", "64"],
+     "set train.global_batch_size to a multiple of 512, or train.micro_batch_size to a divisor of 4"),
+    (["model=tiny", "model.vocab_size=1000", "model.num_heads=5"], "model.num_kv_heads=4 does not divide"),
+    (["model=tiny", "model.vocab_size=1000", "parallel.tp=3", "--gpus", "3"], "parallel.tp=3 does not divide"),
+    (["model=moe-tiny", "model.vocab_size=1000", "model.moe.top_k=9"], "model.moe.top_k=9 must be <="),
+    (["model=moe-tiny", "model.vocab_size=1000", "parallel.ep=3", "parallel.dp_shard=3", "--gpus", "3",
+      "train.global_batch_size=24"], "parallel.ep=3 does not divide model.moe.num_experts=8"),
+    (["model=moe-tiny", "model.vocab_size=1000", "parallel.tp=2", "--gpus", "2", "model.backend=te"],
+     "the TE kernels run MoE layers without tensor parallelism"),
+    (["model=tiny", "model.vocab_size=1000", "lora=attn_mlp", "lora.rank=1000"], "lora.rank=1000 is above"),
+    (["model=tiny", "model.vocab_size=1000", "train.micro_batch_size=auto", "--calibrate", "rates.json"],
+     "train.micro_batch_size=auto with --calibrate"),
 ])
 def test_impossible_requests_are_one_line(capfd, args, says):
     from difflm.plan.cli import main
 
     assert main(args) == 2
-    lines = capfd.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("difflm: error: ") and says in lines[0], r.stderr
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("difflm: error: ") and says in lines[0], err
+
+
+def test_search_offers_only_layouts_difflm_train_runs():
+    """Every candidate of the search passes difflm-train's layout checks: no ep that does not divide the experts, no
+    pipeline with context parallelism, no pipeline with fewer micro-batches than stages."""
+    from difflm.config.validate import check_layout
+    from difflm.plan.rates import default_rates
+    from difflm.plan.search import candidates
+
+    cfg = compose_run(["model=moe-tiny", "model.vocab_size=1000", "model.moe.num_experts=6", "data.seq_len=64",
+                       "train.global_batch_size=32"])
+    eps = {lay.ep for lay in candidates(cfg, 4, default_rates("H200"))}
+    assert eps == {1, 2}  # 4 does not divide 6 experts
+
+    cfg = compose_run(["model=tiny", "model.vocab_size=1000", "model.num_layers=8", "data.seq_len=4096",
+                       "train.global_batch_size=16"])
+    found = candidates(cfg, 8, default_rates("H200"))
+    assert found and not any(lay.pp > 1 and lay.cp > 1 for lay in found)
+    assert {lay.cp for lay in found} == {1, 2, 4} and {lay.pp for lay in found} >= {1, 2}
+    for lay in found:
+        n_micro = 16 // (lay.dp * lay.micro_batch)
+        assert lay.pp == 1 or (n_micro >= lay.pp and n_micro % lay.pp == 0)
+        run = cfg.copy()
+        for key in ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard"):
+            run.parallel[key] = getattr(lay, key)
+        run.train.micro_batch_size = lay.micro_batch
+        run.model.backend, run.model.fused_mlp = "torch", False
+        check_layout(run, 8)
 
 
 @pytest.mark.parametrize("mode, wrapped", [("full", [0, 1])])

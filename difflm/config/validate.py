@@ -66,8 +66,9 @@ def check_choices(cfg, keys=None) -> None:
         _require(value in CHOICES[key], f"{key}={value!r}{source} is not one of: {', '.join(CHOICES[key])}")
 
 
-def check_model(m) -> None:
-    """Head and width arithmetic of ``model``."""
+def check_model(m, installed: bool = True) -> None:
+    """Head and width arithmetic of ``model``; with ``installed``, also that ``model.backend=te`` can be imported
+    here (``difflm-plan`` plans for another machine and passes False)."""
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size"):
         _require(m[key] > 0, f"model.{key}={m[key]} must be positive")
     _require(m.num_heads % m.num_kv_heads == 0,
@@ -85,7 +86,7 @@ def check_model(m) -> None:
         rotary_dim(head_dim, float(m.get("partial_rotary_factor", 1.0)))
     except ValueError as e:
         raise DifflmError(str(e)) from None
-    if m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+    if installed and m.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
         raise DifflmError("model.backend=te needs Transformer Engine, which is not installed: "
                           "pip install 'transformer-engine[pytorch]' on a CUDA machine, or use model.backend=torch")
     check_moe(m)
@@ -244,9 +245,15 @@ def check_batch(cfg, world_size: int = 1) -> int:
     for key in ("global_batch_size", "micro_batch_size", "max_steps"):
         _require((key == "max_steps" and t[key] is None) or t[key] > 0,  # null: train.epochs sets it (check_length)
                  f"train.{key}={t[key]} must be positive")
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-             f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-             f"{t.micro_batch_size} x data-parallel ranks={dp}: make it one (gradient accumulation fills the rest)")
+    per = t.micro_batch_size * dp
+    if t.global_batch_size % per:
+        fix = f"set train.global_batch_size to a multiple of {per}"
+        if t.global_batch_size % dp == 0:
+            fix += (f", or train.micro_batch_size to a divisor of {t.global_batch_size // dp} (the batch of each "
+                    "data-parallel rank)")
+        raise DifflmError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} x data-parallel ranks={dp}: {fix} (gradient accumulation fills the "
+                          "rest)")
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
@@ -296,19 +303,40 @@ PARALLEL_CHOICES = {
 def check_parallel(cfg, world_size: int, device: torch.device):
     """The layout against the world size, the model, the data and the device, before any process group exists.
 
-    Returns the resolved :class:`difflm.parallel.mesh.ParallelDims`. Each failure is one line naming the keys:
-    degrees vs world size; tp vs heads / KV heads / FFN / padded vocab (``model.vocab_multiple``); pp vs layers;
-    sequence length vs cp and sequence-parallel tp; micro batch x accumulation x dp vs global batch; pipeline
-    micro-batches vs stages; ep vs the experts and dp_shard (MoE); layouts the backend or device cannot run (CP
-    on CPU, fp16 loss scaling sharded, CP with MoE).
+    Returns the resolved :class:`difflm.parallel.mesh.ParallelDims`. Each failure is one line naming the keys: what
+    :func:`check_layout` checks on any machine, then what this ``device`` cannot run (the MoE expert kernels, TP
+    communication overlap, CP's attention kernels, the TE kernels off CUDA).
     """
     from difflm.parallel.context_parallel import cp_unavailable_reason
-    from difflm.parallel.mesh import ParallelDims
-    from difflm.parallel.parallelize import layout_length_multiple
 
     from difflm.model.auto_kernels import choose_kernels
 
     choose_kernels(cfg, device, world_size)  # a no-op after check_precision
+    dims = check_layout(cfg, world_size)
+    check_moe_kernels(cfg, dims, device)
+    if cfg.parallel.get("tp_comm_overlap", False):
+        check_tp_comm_overlap(cfg, dims, device)
+    if dims.cp_enabled:
+        reason = cp_unavailable_reason(cfg.model, device)
+        _require(reason is None, reason or "")
+    if dims.distributed:
+        _require(cfg.model.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
+    return dims
+
+
+def check_layout(cfg, world_size: int):
+    """The layout against the world size, the model and the data, whatever the machine (``difflm-train`` through
+    :func:`check_parallel`; ``difflm-plan`` for the GPUs it plans): degrees vs world size; tp vs heads / KV heads /
+    FFN / padded vocab (``model.vocab_multiple``); pp vs layers; sequence length vs cp and sequence-parallel tp;
+    micro batch x accumulation x dp vs global batch; pipeline micro-batches vs stages; ep vs the experts and
+    dp_shard (MoE); layouts no backend runs (fp16 loss scaling sharded, CP with MoE or bd3lm). The kernel keys
+    (``model.backend``, ``model.fused_mlp``) are read as chosen: ``auto`` passes the checks of a concrete choice.
+
+    Returns the resolved :class:`difflm.parallel.mesh.ParallelDims`.
+    """
+    from difflm.parallel.mesh import ParallelDims
+    from difflm.parallel.parallelize import layout_length_multiple
+
     p, m, d = cfg.parallel, cfg.model, cfg.data
     for key, allowed in PARALLEL_CHOICES.items():
         value = _get(cfg, key)
@@ -319,16 +347,16 @@ def check_parallel(cfg, world_size: int, device: torch.device):
             _require(m[key] % tp == 0, f"parallel.tp={tp} does not divide model.{key}={m[key]}: pick a tp that divides "
                      "the attention heads, KV heads, FFN width and the vocabulary padding (model.vocab_multiple)")
         moe = m.get("moe")
-        _require(m.backend == "torch" or moe is None or not moe.num_experts,
+        _require(m.backend != "te" or moe is None or not moe.num_experts,
                  f"parallel.tp={tp} with model.backend=te and model.moe.num_experts={moe.num_experts if moe else 0}: "
                  "the TE kernels run MoE layers without tensor parallelism; use model.backend=torch (MoE layers "
                  "replicated over TP) or parallel.tp=1 with parallel.ep")
-        _require(not m.get("fused_mlp", False), f"parallel.tp={tp} with model.fused_mlp=true: the fused MLP runs whole "
+        _require(m.get("fused_mlp", False) is not True,
+                 f"parallel.tp={tp} with model.fused_mlp=true: the fused MLP runs whole "
                  "on each rank; set model.fused_mlp=false (TE's LayerNormMLP splits it over TP) or parallel.tp=1")
         _require(not m.tie_embeddings, f"parallel.tp={tp} with model.tie_embeddings=true: under TP the LM head is "
                  "vocab-parallel with its own weight (output.weight); set model.tie_embeddings=false or parallel.tp=1")
     dims = ParallelDims.from_config(p, world_size)
-    check_moe_kernels(cfg, dims, device)
     accum = check_batch(cfg, world_size)
     if dims.pp_enabled:
         virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)
@@ -350,8 +378,6 @@ def check_parallel(cfg, world_size: int, device: torch.device):
                  "use one of them")
     _require(int(p.get("fsdp_prefetch", 0)) >= 0,
              f"parallel.fsdp_prefetch={p.get('fsdp_prefetch')} must be >= 0 (0: FSDP2's own prefetching)")
-    if p.get("tp_comm_overlap", False):
-        check_tp_comm_overlap(cfg, dims, device)
     multiple = layout_length_multiple(p, dims)
     _require(d.seq_len % multiple == 0,
              f"data.seq_len={d.seq_len} is not a multiple of {multiple} (2 x parallel.cp={dims.cp} for load-balanced "
@@ -370,13 +396,9 @@ def check_parallel(cfg, world_size: int, device: torch.device):
     _require(cfg.objective.name != "bd3lm" or not dims.cp_enabled,
              f"objective=bd3lm with parallel.cp={dims.cp}: context parallelism splits the sequence for unmasked "
              "attention only; use parallel.cp=1 (or objective=mdlm)")
-    if dims.cp_enabled:
-        reason = cp_unavailable_reason(m, device)
-        _require(reason is None, reason or "")
     if dims.distributed:
         _require(cfg.precision.name != "fp16", "precision=fp16 (loss scaling) is single-process only: use "
                  "precision=bf16 with parallel layouts")
-        _require(m.backend == "torch" or device.type == "cuda", "model.backend=te needs CUDA")
         per_sample = d.get("intra_document_attention", False)
         _require(not per_sample or not (dims.pp_enabled or dims.cp_enabled),
                  "data.intra_document_attention=true gives every sample its own attention mask, which pipeline and "

@@ -62,25 +62,77 @@ def render(cand, rates: Rates, gpus: int) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one ``DifflmError`` line (a bad flag value, a flag without its value)."""
+
+    def error(self, message: str):
+        raise DifflmError(f"{message} (difflm-plan --help lists the flags)")
+
+
+FLAGS = ("--gpus", "--gpu", "--calibration", "--calibrate", "--search", "--top")
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(the planner's own flags, the ``difflm-train`` overrides) of a command line."""
-    parser = argparse.ArgumentParser(prog="difflm-plan", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """(the planner's own flags, the ``difflm-train`` overrides) of a command line.
+
+    Raises: DifflmError for a flag the planner does not have (naming the closest one), a bad flag value, or
+    ``--top`` below 1."""
+    import difflib
+
+    parser = _Parser(prog="difflm-plan", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
     parser.add_argument("--gpu", default="H200", help="GPU model with shipped rates: H200 (default) or H100")
     parser.add_argument("--calibration", help="a rates file written by --calibrate (overrides --gpu)")
     parser.add_argument("--calibrate", metavar="FILE", help="measure this GPU's rates at the run's shapes into FILE")
     parser.add_argument("--search", action="store_true", help="rank every layout, micro-batch and checkpointing that fits")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many to print (default 5)")
-    return parser.parse_known_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    for word in overrides:
+        if word.startswith("-") and word not in ("-m", "--multirun"):  # -m: refused with its own line
+            flag = word.split("=")[0]
+            close = difflib.get_close_matches(flag, FLAGS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise DifflmError(f"{flag} is not a difflm-plan flag; {hint}(flags: {', '.join(FLAGS)}; the rest of the "
+                              "command line is difflm-train's key=value overrides)")
+    if args.top < 1:
+        raise DifflmError(f"--top {args.top}: pass how many of the fitting layouts to print, 1 or more")
+    return args, overrides
+
+
+def check_plan(cfg, gpus: int, search: bool) -> None:
+    """``difflm-train``'s checks of the run ``cfg`` on ``gpus`` GPUs of the kind planned for (a CUDA GPU with the
+    te, flash and quack extras: ``model.*=auto`` resolved on a copy as :func:`difflm.plan.activations.kernel_set`
+    does), so a run ``difflm-train`` would refuse is refused here in its one line, not planned: the enumerated keys,
+    the model (heads, MoE routing), ``lora.*``, and, without ``--search`` (which picks the layout and micro-batch
+    itself and keeps only those :func:`difflm.config.validate.check_layout` takes), the layout against the model,
+    the batch and the data. Raises: DifflmError."""
+    import torch
+
+    from difflm.config.validate import check_choices, check_layout, check_model
+    from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels
+
+    run = cfg.copy()
+    choose_kernels(run, torch.device("cuda"), gpus, installed=FULL_INSTALL)
+    check_choices(run)
+    check_model(run.model, installed=False)  # the GPUs planned for have Transformer Engine; this machine may not
+    if run.get("lora") is not None:
+        from difflm.model.lora import check_lora
+
+        check_lora(run.lora, run.model)
+    gbs = run.train.global_batch_size
+    if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
+        raise DifflmError(f"train.global_batch_size={gbs} must be positive")
+    if not search:
+        check_layout(run, gpus)
 
 
 def main(argv=None) -> int:
     """Entry point of ``difflm-plan``. Returns the exit status (2 with one ``difflm: error:`` line on bad input)."""
     from difflm.cli import _say
 
-    args, overrides = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else list(argv))
         return _run(args, overrides)
     except DifflmError as e:
         _say(f"difflm: error: {e}")
@@ -100,8 +152,15 @@ def _run(args, overrides: list[str]) -> int:
     cfg.model.vocab_size = vocab_size(cfg)
     if cfg.model.head_dim is None:
         cfg.model.head_dim = int(cfg.model.hidden_size) // int(cfg.model.num_heads)
+    check_plan(cfg, args.gpus, search=True)  # the model and the keys; the layout once the micro-batch is known
     rates = Rates.from_json(args.calibration) if args.calibration else default_rates(args.gpu)
     if args.calibrate:
+        from difflm.training.auto_batch import is_auto
+
+        if is_auto(cfg):
+            raise DifflmError("train.micro_batch_size=auto with --calibrate: the rates are measured at the run's "
+                              "micro-batch; give train.micro_batch_size a number (the size difflm-plan prints for "
+                              "auto without --calibrate)")
         measured = calibrate(cfg.model, int(cfg.data.seq_len), int(cfg.train.micro_batch_size), rates)
         measured.to_json(args.calibrate)
         print(f"wrote {args.calibrate}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -126,11 +185,8 @@ def _run(args, overrides: list[str]) -> int:
 
         print(choose_micro_batch(cfg, torch.device("cuda"), args.gpus))
     if not args.search:
+        check_plan(cfg, args.gpus, search=False)
         layout = layout_of(cfg, args.gpus)
-        gbs, per = int(cfg.train.global_batch_size), layout.dp * layout.micro_batch
-        if gbs % per:
-            raise DifflmError(f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size x data-parallel "
-                              f"ranks = {layout.micro_batch} x {layout.dp}: pick a global batch that is")
         print(render(evaluate(cfg, params, n_active, layout, rates), rates, args.gpus))
         return 0
     fits, every = search(cfg, params, n_active, args.gpus, rates)

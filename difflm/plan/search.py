@@ -44,8 +44,39 @@ def data_layouts(dp: int, per_node: int) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+def runnable(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> bool:
+    """Whether ``difflm-train`` takes the run ``cfg`` under ``layout`` on ``gpus`` ranks
+    (:func:`difflm.config.validate.check_layout`, with ``model.*=auto`` chosen as on the GPU planned for).
+    ``_runs``: a cache of the config copies by (tp, cp), the keys the kernel choice reads."""
+    import torch
+
+    from difflm.config.validate import check_layout
+    from difflm.errors import DifflmError
+    from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels
+
+    runs = {} if _runs is None else _runs
+    key = (layout.tp, layout.cp)
+    if key not in runs:
+        run = cfg.copy()
+        run.parallel.tp, run.parallel.cp = layout.tp, layout.cp
+        choose_kernels(run, torch.device("cuda"), gpus, installed=FULL_INSTALL)
+        runs[key] = run
+    run = runs[key]
+    p = run.parallel
+    p.tp, p.pp, p.cp, p.ep = layout.tp, layout.pp, layout.cp, layout.ep
+    p.dp_replicate, p.dp_shard = layout.dp_replicate, layout.dp_shard
+    p.activation_checkpointing, p.sequence_parallel = layout.activation_checkpointing, layout.sequence_parallel
+    run.train.micro_batch_size = layout.micro_batch
+    try:
+        check_layout(run, gpus)
+    except DifflmError:
+        return False
+    return True
+
+
 def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
-    """Every layout of the search space (module docstring) for ``gpus`` ranks and the run ``cfg``."""
+    """Every layout of the search space (module docstring) for ``gpus`` ranks and the run ``cfg`` that
+    ``difflm-train`` would run (:func:`runnable`)."""
     m = cfg.model
     heads, kv = int(m.num_heads), int(m.num_kv_heads)
     seq = int(cfg.data.seq_len)
@@ -63,14 +94,15 @@ def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
                 if gbs % dp:
                     continue
                 for rep, shard in data_layouts(dp, max(rates.gpus_per_node // (tp * cp), 1)):
-                    eps = [e for e in _pow2(experts) if (shard * cp) % e == 0] if experts else [1]
+                    eps = [e for e in _pow2(experts) if experts % e == 0 and (shard * cp) % e == 0] if experts else [1]
                     for ep in eps:
                         for mb in [b for b in _pow2(16) if (gbs // dp) % b == 0]:
                             for ac in ("none", "selective", "full"):
                                 out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=rep, dp_shard=shard,
                                                   micro_batch=mb, activation_checkpointing=ac,
                                                   pp_schedule=str(cfg.parallel.pp_schedule)))
-    return out
+    runs: dict = {}
+    return [lay for lay in out if runnable(cfg, gpus, lay, runs)]
 
 
 def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates,
