@@ -365,7 +365,7 @@ def test_sft_refuses_a_hub_dataset_it_would_not_read(tmp_path):
     pairs_file.write_text('{"prompt": "1+1?", "response": "2"}\n', encoding="utf-8")
     args = ["objective=sft", f"data.path={pairs_file}", "data.prompt_field=prompt", "data.response_field=response"]
     check_objective_data(compose_run(args))  # the JSONL file alone is fine
-    with pytest.raises(DifflmError, match=r"objective=sft reads .* data.hf_dataset='org/pairs'\): set data.path"):
+    with pytest.raises(DifflmError, match=r"^data.hf_dataset='org/pairs': objective=sft reads .* data.path: set data.path and data.hf_dataset=null"):
         check_objective_data(compose_run([*args, "data.hf_dataset=org/pairs"]))
 
 
