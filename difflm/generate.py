@@ -31,6 +31,7 @@ from difflm.config.validate import check_choices, resolve_device
 from difflm.data import TokenizerInfo, build_tokenizer
 from difflm.errors import DifflmError
 from difflm.model import build_model
+from difflm.model.masks import padded_row_spans
 from difflm.sampling import (GenerationOptions, autoregressive_generate, block_diffusion_generate,
                              diffusion_generate)
 from difflm.training.allocator import use_expandable_segments
@@ -122,12 +123,8 @@ def padded_block_generate(logits_fn, prompt_ids: torch.Tensor, opts: GenerationO
     as it would alone). ``stats["nfe"]`` counts the model calls of every group."""
     if prompt_mask is None or bool(prompt_mask.all()):
         return block_diffusion_generate(logits_fn, prompt_ids, opts, generator=generator, stats=stats)
-    lengths = prompt_mask.sum(dim=1)
-    starts = prompt_mask.long().argmax(dim=1)
-    span = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)[None]
-    if not bool((prompt_mask == ((span >= starts[:, None]) & (span < (starts + lengths)[:, None]))).all()):
-        raise DifflmError("objective=bd3lm samples blocks at absolute positions: pad each prompt on one side only "
-                          "(its real tokens contiguous)")
+    starts, lengths = padded_row_spans(prompt_mask, "objective=bd3lm samples blocks at absolute positions: pad each "
+                                       "prompt on one side only (its real tokens contiguous)")
     width = prompt_ids.shape[1]
     out = torch.cat([prompt_ids, prompt_ids.new_full((prompt_ids.shape[0], opts.length), opts.mask_id)], dim=1)
     nfe = 0

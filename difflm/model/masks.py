@@ -131,6 +131,19 @@ def document_mask(doc_ids: torch.Tensor, causal: bool = False) -> torch.Tensor:
     return mask[:, None]
 
 
+def padded_row_spans(valid: torch.Tensor, refusal: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths), each [B] int64: where each row's real tokens begin and how many there are, for ``valid``
+    [B, S] bool (True = real token) of rows padded on one side (left or right) only.
+
+    Block diffusion places its blocks at absolute positions of each unpadded row, so a row whose real tokens are
+    not contiguous has no such layout. Raises: DifflmError(``refusal``, the caller's words) for such a row."""
+    lengths, starts = valid.sum(dim=1), valid.long().argmax(dim=1)
+    span = torch.arange(valid.shape[1], device=valid.device)[None]
+    if not bool((valid == ((span >= starts[:, None]) & (span < (starts + lengths)[:, None]))).all()):
+        raise DifflmError(refusal)
+    return starts, lengths
+
+
 def key_padding_mask(valid: torch.Tensor, causal: bool = False, query_rows: Optional[slice] = None) -> torch.Tensor:
     """Attention mask of a padded batch, ``[B, 1, S_q, S]`` bool.
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from difflm.errors import DifflmError
+from difflm.model.masks import padded_row_spans
 from difflm.posttrain.rollout import padded_logits_fn
 
 
@@ -51,12 +51,9 @@ class BlockLogitsFn:
     takes_clean = True
 
     def __init__(self, model, valid: torch.Tensor, objective, autocast=None):
-        b, s = valid.shape
-        lengths, starts = valid.sum(dim=1), valid.long().argmax(dim=1)
-        span = torch.arange(s, device=valid.device)[None]
-        if not bool((valid == ((span >= starts[:, None]) & (span < (starts + lengths)[:, None]))).all()):
-            raise DifflmError("objective=bd3lm scores blocks at absolute positions: pad each row on one side only "
-                              "(its real tokens contiguous)")
+        s = valid.shape[1]
+        starts, lengths = padded_row_spans(valid, "objective=bd3lm scores blocks at absolute positions: pad each "
+                                           "row on one side only (its real tokens contiguous)")
         size = int(objective.block_size)
         self.model, self.objective, self.autocast = model, objective, autocast
         self.num_blocks = -(-s // size)
