@@ -34,6 +34,7 @@ from difflm.model import build_model
 from difflm.model.masks import padded_row_spans
 from difflm.sampling import (GenerationOptions, autoregressive_generate, block_diffusion_generate,
                              diffusion_generate)
+from difflm.sampling.diffusion import check_sampler_settings
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.precision import autocast_context
 
@@ -62,14 +63,8 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
         shift_logits=bool(getattr(model.cfg, "shift_logits", False)),
         block_size=run_block_size(objective) if bd3lm else None,
         causal_prefix=bd3lm and getattr(objective, "clean_attention", "block_causal") == "causal")
-    if causal:
-        opts.check_autoregressive()
-    elif bd3lm:
-        opts.check_block_diffusion()
-    else:  # the LLaDA sampler's block and step counts, checked here for callers that check before sampling
-        from difflm.sampling.diffusion import _validate
-
-        _validate(opts)
+    # checked here for callers that check before sampling
+    check_sampler_settings(opts, "ar" if causal else "bd3lm" if bd3lm else None)
     return opts
 
 

@@ -555,18 +555,13 @@ def check_end_samples(cfg) -> None:
     Raises: DifflmError with the sampler's message (naming the key and a consistent setting) and the way out."""
     if not draws_samples(cfg):
         return
-    from difflm.sampling.diffusion import _validate
+    from difflm.sampling.diffusion import check_sampler_settings
     from difflm.sampling.options import GenerationConfigError, GenerationOptions
 
     try:
         bd3lm = cfg.objective.name == "bd3lm"
         opts = GenerationOptions.from_config(cfg.gen, mask_id=0, block_size=cfg.objective.block_size if bd3lm else None)
-        if cfg.objective.name == "ar":
-            opts.check_autoregressive()
-        elif bd3lm:
-            opts.check_block_diffusion()
-        else:
-            _validate(opts)
+        check_sampler_settings(opts, cfg.objective.name)
     except GenerationConfigError as err:
         raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="
                           f"{cfg.logger.num_samples}: fix gen.* or set logger.num_samples=0)") from None

@@ -184,6 +184,19 @@ def _validate(opts: GenerationOptions) -> int:
     return num_blocks
 
 
+def check_sampler_settings(opts: GenerationOptions, objective: Optional[str]) -> None:
+    """The settings check of the sampler a run of ``objective`` (its name) samples with: ``ar`` left-to-right decoding
+    (:meth:`GenerationOptions.check_autoregressive`), ``bd3lm`` block diffusion
+    (:meth:`GenerationOptions.check_block_diffusion`), any other objective the LLaDA sampler's block and step counts
+    (:func:`_validate`). Raises: GenerationConfigError naming the key."""
+    if objective == "ar":
+        opts.check_autoregressive()
+    elif objective == "bd3lm":
+        opts.check_block_diffusion()
+    else:
+        _validate(opts)
+
+
 def propose(logits: torch.Tensor, remasking: str, temperature: float, generator,
             top_k: int = 0, top_p: float = 1.0, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and their confidence for ``logits`` ``[B, N, V]`` (forbidden ids already ``-inf``).
