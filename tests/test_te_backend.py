@@ -502,18 +502,25 @@ def test_build_model_compiles_blocks_in_place():
 
 # ------------------------------------------------------------------ real TE on a GPU
 def te_tiny_cfg() -> ModelConfig:
-    from hydra import compose, initialize_config_dir
+    from conftest import compose_run
 
-    from difflm.config import CONF_DIR
     from difflm.data import build_tokenizer
     from difflm.model import resolve_model_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        run = compose(config_name="train", overrides=["model=tiny"])
+    run = compose_run(["model=tiny"])  # model.*=auto resolved to the torch kernels: each test names the TE ones
     tok = build_tokenizer(run.data.tokenizer, run.model.vocab_multiple)
     resolve_model_config(run.model, tok.padded_vocab_size)
     fields = {f: run.model[f] for f in ModelConfig.__dataclass_fields__}
     return ModelConfig(**fields)
+
+
+def test_te_tiny_cfg_builds_off_the_gpu_too():
+    """The GPU tests' config holds concrete kernels (build_model refuses model.*=auto), checked where CI runs."""
+    cfg = te_tiny_cfg()
+    assert (cfg.backend, cfg.attention_backend, cfg.fused_mlp, cfg.fused_mlp_autotune) == ("torch", "sdpa", False,
+                                                                                           False)
+    model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=0)
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 @cuda_te
