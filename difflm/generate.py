@@ -294,8 +294,11 @@ def apply_kernel_overrides(cfg, kernels, device: torch.device) -> None:
                 raise DifflmError(f"kernels.{key}={value!r} is not one of: {', '.join(CHOICES[f'model.{key}'])}")
             cfg.model[key] = value
     # forward-only reads run the kernels every host has: no compiled blocks, TE's own MLP for a run trained with the
-    # fused one (model.fused_mlp: same parameters, BF16-rounding-level agreement, quack's gains are in training)
+    # fused one (model.fused_mlp: same parameters, BF16-rounding-level agreement, quack's gains are in training), the
+    # grouped-GEMM experts for a run trained with quack's (model.moe.fused_experts: the same, and their main_grad)
     cfg.model.compile, cfg.model.fused_mlp, cfg.model.fused_mlp_autotune = False, False, False
+    if cfg.model.get("moe") is not None:
+        cfg.model.moe.fused_experts = False
     _choose_again(cfg, kernels, device)
     if cfg.model.backend == "te" and device.type != "cuda":
         if kernels is not None and kernels.get("backend") == "te":  # the override asked for it, not the run

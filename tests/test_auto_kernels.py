@@ -100,6 +100,59 @@ def test_explicit_values_are_kept(machine):
     assert ak.choose_kernels(cfg, CUDA).line == "" and cfg.model.auto_reason == first  # once: a no-op after
 
 
+def _experts(*overrides, device=CUDA, **kw):
+    cfg = compose_run(["model=moe-tiny", *overrides], auto=True)
+    choice = ak.choose_kernels(cfg, device, **kw)
+    assert choice.values[ak.MOE_KEY] is cfg.model.moe.fused_experts  # written back, a bool
+    return cfg.model.moe.fused_experts, choice.why.get(ak.MOE_KEY)
+
+
+@pytest.mark.parametrize("overrides,kw,missing,needle", [
+    (["parallel=fsdp"], {}, {}, "no FP32 main_grad accumulation"),
+    (["parallel=cp2"], {}, {}, "no FP32 main_grad accumulation"),
+    (["parallel=pp2"], {}, {}, "no FP32 main_grad accumulation"),
+    (["lora=attn_mlp"], {}, {}, "no FP32 main_grad accumulation"),
+    (["model.fuse_wgrad_accumulation=false"], {}, {}, "no FP32 main_grad accumulation"),
+    (["precision=fp8"], {}, {}, "precision=fp8: quack's grouped GEMMs here are BF16"),
+    (["precision=fp8", "model.moe.fp8_experts=true"], {}, {}, "precision=fp8"),
+    (["model.backend=torch"], {}, {}, "the TE kernel set's"),
+    ([], {}, {"quack": "quack is not installed"}, "quack cannot run here"),
+    ([], {"forward_only": True}, {}, "sampling and evaluation"),
+    ([], {"device": torch.device("cpu")}, {}, "cpu: quack runs CUDA kernels only"),
+])
+def test_fused_experts_fall_back_to_the_grouped_gemm_experts(machine, overrides, kw, missing, needle):
+    machine.update(missing)
+    fused, why = _experts("precision=bf16", *overrides, **kw)
+    assert fused is False and needle in why
+
+
+def test_fused_experts_chosen_for_a_one_gpu_bf16_moe_run(machine):
+    fused, why = _experts("precision=bf16")
+    assert fused is True and why == "quack's grouped GEMMs, SwiGLU and main_grad in their epilogues"
+    cfg = compose_run(["model=moe-tiny", "precision=bf16"], auto=True)
+    assert ak.choose_kernels(cfg, CUDA).line.endswith(
+        "model.moe.fused_experts=true (quack's grouped GEMMs, SwiGLU and main_grad in their epilogues)")
+    # explicit values stay (and are checked by difflm.config.validate.check_moe_kernels); dense models say nothing
+    assert _experts("precision=bf16", "model.moe.fused_experts=false") == (False, None)
+    assert _experts("precision=bf16", "model.moe.fp8_experts=true", "model.moe.fused_experts=true")[0] is True
+    values, choice = choose("model=1.7b", "precision=bf16")
+    assert ak.MOE_KEY not in choice.values and "fused_experts" not in choice.line
+    with pytest.raises(DifflmError, match="model.moe.fused_experts='yes' is not one of: auto, true, false"):
+        _experts("model.moe.fused_experts=yes")
+
+
+def test_build_model_refuses_unchosen_fused_experts():
+    from difflm.model import build_model, resolve_model_config
+
+    cfg = compose_run(["model=moe-tiny"], auto=True).model
+    resolve_model_config(cfg, 128)
+    cfg.update(ak.CPU_CHOICE)
+    with pytest.raises(DifflmError, match="model.moe.fused_experts=auto is chosen for a device before the model is built"):
+        build_model(cfg, causal=False, device=torch.device("cpu"), seed=0)
+    model = build_model(ak.cpu_kernels(cfg), causal=False, device=torch.device("cpu"), seed=0)
+    assert all(not layer.mlp.experts.fused for layer in model.layers if hasattr(layer.mlp, "experts"))
+
+
 def test_fp8_without_te_is_one_line(machine):
     machine["te"] = "ImportError: No module named 'transformer_engine'"
     with pytest.raises(DifflmError, match="precision=fp8 runs through Transformer Engine, which could not be imported"):
@@ -128,6 +181,11 @@ def test_sampling_chooses_again_for_its_device(machine):
     ak.choose_kernels(cfg, CUDA)
     with pytest.raises(DifflmError, match="the run's model.backend=te needs CUDA"):
         apply_kernel_overrides(cfg, None, torch.device("cpu"))
+    cfg = compose_run(["model=moe-tiny", "precision=bf16"], auto=True)
+    ak.choose_kernels(cfg, CUDA)  # trained with the fused experts that auto chose
+    assert cfg.model.moe.fused_experts is True
+    apply_kernel_overrides(cfg, None, CUDA)  # sampling on the same GPU: the grouped-GEMM experts
+    assert cfg.model.moe.fused_experts is False
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out

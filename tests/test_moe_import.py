@@ -101,8 +101,11 @@ def test_difflm_moe_export_round_trip(tmp_path, overrides):
     cfg, model, _, _ = load_run_for_export(run)
     out = export_run(run, tmp_path / "hf")
     again = import_hf(str(out), tmp_path / "again")
-    # config.json holds the resolved widths (model.moe.shared_ffn_hidden_size 0 comes back as num_shared_experts x f)
-    assert {**again.model.moe, "shared_ffn_hidden_size": None} == {**cfg.model.moe, "shared_ffn_hidden_size": None}
+    # config.json holds the resolved widths (model.moe.shared_ffn_hidden_size 0 comes back as num_shared_experts x f);
+    # the experts' kernel is the importing run's choice (auto), not part of the checkpoint
+    assert again.model.moe.fused_experts == "auto"
+    skip = {"shared_ffn_hidden_size": None, "fused_experts": None}
+    assert {**again.model.moe, **skip} == {**cfg.model.moe, **skip}
     assert shared_ffn_size(again.model) == shared_ffn_size(cfg.model)
     assert all(again.model[k] == cfg.model[k] for k in ("num_layers", "ffn_hidden_size", "num_kv_heads", "head_dim"))
     overrides_line = train_overrides(again)

@@ -152,6 +152,9 @@ def test_auto_is_planned_as_a_fully_installed_gpu_picks():
     # benchmarks/results/auto_speed_check_h100.json: the trainer's run of experiment=megadlm_1.7b at micro-batch 4
     (["precision=bf16", "model.backend=te", "model.attention_backend=flash", "model.fused_mlp=true",
       "train.global_batch_size=16"], 58.64),
+    # one H200, benchmarks/results/auto_speed_check_h200.json: the same at the experiment's micro-batch 8
+    (["precision=bf16", "model.backend=te", "model.attention_backend=flash", "model.fused_mlp=true",
+      "train.global_batch_size=16", "train.micro_batch_size=8"], 87.31),
 ])
 def test_measured_te_rows_are_planned_within_five_percent(overrides, measured_gib):
     from difflm.plan.cli import layout_of
@@ -161,7 +164,7 @@ def test_measured_te_rows_are_planned_within_five_percent(overrides, measured_gi
     cfg = compose_run(["model=1.7b", "model.vocab_size=50304", "data.seq_len=4096", "train.micro_batch_size=4",
                        *overrides])
     layout = layout_of(cfg, 1)
-    n_micro = int(cfg.train.global_batch_size) // 4
+    n_micro = int(cfg.train.global_batch_size) // int(cfg.train.micro_batch_size)
     plan = plan_memory(cfg, model_params(cfg.model, 50304), layout, n_micro)
     assert plan.total / GIB == pytest.approx(measured_gib, rel=0.05), plan.parts
 

@@ -206,7 +206,8 @@ T = "model.backend=torch model.attention_backend=sdpa"
 TE = "model.backend=te model.attention_backend=te"
 FUSED = "model.backend=te model.attention_backend=flash model.fused_mlp=true"
 S8 = "model.num_layers=8 data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8"
-MOE8 = f"model=moe-1b-7b {S8}"
+MOE8 = f"model=moe-1b-7b {S8} model.moe.fused_experts=false"  # measured before auto chose the fused experts
+S4096_8 = "data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8"
 S4096 = "model=1.7b data.seq_len=4096 train.global_batch_size=16"
 S2048 = "model=1.7b data.seq_len=2048 train.global_batch_size=32"
 NO_AC = "parallel.activation_checkpointing=none"
@@ -221,7 +222,7 @@ ROWS = {
     "1.7b torch mb 8 (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "1.7b-bf16-ac", "H200",
                                                 f"{T} {NO_AC}"),
     "8b torch (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "8b-bf16-ac", "H200", f"{T} {NO_AC}"),
-    "moe-1b-7b 4 layers": ("plan_check_h100.json", "moe-1b-7b-4layers-bf16", "H100", ""),
+    "moe-1b-7b 4 layers": ("plan_check_h100.json", "moe-1b-7b-4layers-bf16", "H100", "model.moe.fused_experts=false"),
     "1.7b fp8": ("plan_check_h100.json", "1.7b-fp8-te", "H100", "model.attention_backend=te"),
     "1.7b fp8 checkpointed": ("plan_check_h100_fp8_ac.json", "1.7b-fp8-te-ac", "H100", "model.attention_backend=te"),
     "1.7b bf16 fused, trainer": ("auto_speed_check_h100.json", "experiment_megadlm_1.7b/median_tokens_per_s", "H100",
@@ -237,6 +238,27 @@ ROWS = {
                                        f"{MOE8} precision=fp8 {TE} model.moe.fp8_experts=true"),
     "dense-1b 8 layers fp8": ("moe_main_grad_h100.json", "rows/dense-fp8/step_ms", "H100",
                               f"model=dense-1b {S8} precision=fp8 {TE}"),
+    "1.7b bf16 fused mb 8, trainer": ("auto_speed_check_h200.json", "experiment_megadlm_1.7b/median_tokens_per_s",
+                                      "H200", f"{S4096} precision=bf16 train.micro_batch_size=8 {FUSED}"),
+    # one H200, the whole moe-1b-7b, 8 sequences a step (benchmarks/results/moe_h200.json)
+    "moe-1b-7b bf16 grouped gemm": ("moe_h200.json", "rows/moe-1b-7b-te-bf16/step_ms", "H200",
+                                    f"model=moe-1b-7b {S4096_8} precision=bf16 {TE} model.moe.fused_experts=false"),
+    "moe-1b-7b bf16 fused experts": ("moe_h200.json", "rows/moe-1b-7b-te-bf16-fused/step_ms", "H200",
+                                     f"model=moe-1b-7b {S4096_8} precision=bf16 {TE}"),
+    "moe-1b-7b bf16 grouped gemm mb 2": ("moe_h200.json", "rows/moe-1b-7b-te-bf16-mb2/step_ms", "H200",
+                                         f"model=moe-1b-7b {S4096_8} precision=bf16 {TE} model.moe.fused_experts=false "
+                                         "train.micro_batch_size=2"),
+    "moe-1b-7b fp8": ("moe_h200.json", "rows/moe-1b-7b-te-fp8/step_ms", "H200",
+                      f"model=moe-1b-7b {S4096_8} precision=fp8 {TE}"),
+    "dense-1b bf16": ("moe_h200.json", "rows/dense-1b-te-bf16/step_ms", "H200",
+                      f"model=dense-1b {S4096_8} precision=bf16 {TE}"),
+    "dense-1b fp8": ("moe_h200.json", "rows/dense-1b-te-fp8/step_ms", "H200",
+                     f"model=dense-1b {S4096_8} precision=fp8 {TE}"),
+    # one H200, scripts/plan_check.py with its warm-up and the median of 10 steps (benchmarks/results/plan_check_h200.json)
+    "1.7b fp8 (H200)": ("plan_check_h200.json", "1.7b-fp8-te", "H200", ""),
+    "1.7b torch checkpointed mb 8": ("plan_check_h200.json", "1.7b-bf16-ac", "H200", ""),
+    "8b torch checkpointed": ("plan_check_h200.json", "8b-bf16-ac", "H200", ""),
+    "moe-1b-7b torch mb 2": ("plan_check_h200.json", "moe-1b-7b-bf16-mb2", "H200", ""),
     "1.7b bf16 fused S 4096": ("megadlms_h200.json", "rows/0/difflm/tokens_per_s", "H200",
                                f"{S4096} precision=bf16 train.micro_batch_size=8 {FUSED}"),
     "1.7b fp8 + fp8 attention S 4096": ("megadlms_h200.json", "rows/1/difflm/tokens_per_s", "H200",

@@ -79,8 +79,10 @@ def load_run_for_export(run_dir: str | Path, step: Optional[int] = None):
     """
     cfg, ckpt, step = trained_settings(run_dir, step)
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
-    cfg.model.backend, cfg.model.compile, cfg.model.attention_backend = "torch", False, "sdpa"
-    cfg.model.fused_mlp = cfg.model.fused_mlp_autotune = False  # the export's weights come from the torch kernels
+    from difflm.model.auto_kernels import cpu_kernels
+
+    cfg.model = cpu_kernels(cfg.model, keep_explicit=False)  # the export's weights come from the torch kernels
+    cfg.model.compile = False
     model = build_model(cfg.model, causal=cfg.objective.name == "ar", device=torch.device("cpu"), seed=0)
     load_trained_weights(run_dir, ckpt, model, cfg)  # a LoRA run: base + adapters, merged by export_checkpoint
     return cfg, model.eval(), tok, step

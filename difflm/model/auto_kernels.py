@@ -17,9 +17,14 @@ order, each step falling back to the next candidate when one is missing or canno
   CUDA graphs.
 * ``model.fused_mlp_autotune``: with the fused MLP, for models of ``hidden_size >= 1024`` (quack tunes each
   training GEMM shape once, minutes, kept in its disk cache; below that width the default tiles lose little).
+* ``model.moe.fused_experts``: quack's grouped GEMMs for the routed experts (:mod:`difflm.kernels.quack_experts`:
+  SwiGLU and the FP32 ``main_grad`` accumulation in the GEMMs' epilogues) for an MoE model on the TE kernels in BF16
+  on a Hopper/Blackwell GPU with quack, where the experts' gradients accumulate in ``main_grad``
+  (:func:`difflm.kernels.main_grad.accumulates_in_main_grad`: no data / context parallel ranks, no pipeline, no
+  LoRA) and ``model.moe.fp8_experts`` is off; else the ``torch._grouped_mm`` experts.
 
 The order is the one the benchmark measured fastest on an H200 (docs/performance.md: TE + FA4 + fused, autotuned
-MLP ahead of TE + cuDNN attention ahead of SDPA). On a CPU every ``auto`` resolves to what runs there (``torch``,
+MLP ahead of TE + cuDNN attention ahead of SDPA; docs/moe.md: the fused experts 1.33x the grouped-GEMM ones). On a CPU every ``auto`` resolves to what runs there (``torch``,
 ``sdpa``, no fused MLP). An explicit value is kept as given, and the checks of :mod:`difflm.config.validate` refuse
 it in one line when it cannot run. The result is written back into the config (so ``config.yaml`` of a run records
 what ran) together with :attr:`KernelChoice.line` in ``model.auto_reason``; the same line is what the trainer
@@ -40,6 +45,7 @@ from difflm.errors import DifflmError
 
 AUTO = "auto"
 KEYS = ("backend", "attention_backend", "fused_mlp", "fused_mlp_autotune")
+MOE_KEY = "moe.fused_experts"  # chosen for MoE models only (model.moe is None for dense ones)
 AUTOTUNE_MIN_HIDDEN = 1024  # quack's tuned tiles pay at the 1.7B shape (docs/performance.md, "fused MLP")
 
 
@@ -81,8 +87,8 @@ FULL_INSTALL = Installed()
 
 @dataclass
 class KernelChoice:
-    """What :func:`choose_kernels` picked. ``values``: key -> value for the four keys; ``why``: key -> the reason,
-    for the keys that were ``auto`` only."""
+    """What :func:`choose_kernels` picked. ``values``: key -> value for the keys of :data:`KEYS`, and :data:`MOE_KEY`
+    for MoE models; ``why``: key -> the reason, for the keys that were ``auto`` only."""
 
     values: dict = field(default_factory=dict)
     why: dict = field(default_factory=dict)
@@ -93,7 +99,7 @@ class KernelChoice:
         empty when no key was ``auto``."""
         if not self.why:
             return ""
-        parts = [f"model.{k}={_text(self.values[k])} ({self.why[k]})" for k in KEYS if k in self.why]
+        parts = [f"model.{k}={_text(self.values[k])} ({self.why[k]})" for k in (*KEYS, MOE_KEY) if k in self.why]
         return f"kernels auto on {self.values['device']}: " + ", ".join(parts)
 
 
@@ -134,7 +140,10 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     """
     m = cfg.model
     if not unresolved(cfg):  # nothing to choose (explicit values, or chosen already)
-        return KernelChoice(values={"device": device.type, **{k: m.get(k) for k in KEYS}})
+        values = {k: _get(m, k) for k in KEYS}
+        if _get(m, MOE_KEY) is not None:
+            values[MOE_KEY] = _get(m, MOE_KEY)
+        return KernelChoice(values={"device": device.type, **values})
     p, o, par = cfg.precision, cfg.objective, cfg.parallel
     t = cfg.train
     choice = KernelChoice(values={"device": device.type})
@@ -204,6 +213,20 @@ def choose_kernels(cfg, device: torch.device, world_size: int = 1, forward_only:
     m.fused_mlp_autotune = tune
     choice.values["fused_mlp_autotune"] = tune
 
+    # --- model.moe.fused_experts
+    if moe is not None:
+        value = moe.get("fused_experts", False)
+        if is_auto(value) and not experts:
+            value = False  # a dense model: nothing to choose, nothing to say
+        elif is_auto(value):
+            value, why = _fused_experts(cfg, backend, cuda, precision, device, forward_only, installed)
+            choice.why[MOE_KEY] = why
+        else:
+            value = _flag(value, "moe.fused_experts")
+        moe.fused_experts = value
+        if experts:
+            choice.values[MOE_KEY] = value
+
     if choice.why and "auto_reason" in m:
         m.auto_reason = choice.line
     return choice
@@ -255,24 +278,65 @@ def _fused_mlp(backend: str, cuda: bool, precision: str, experts: int, tp: int, 
     return True, "quack on a Hopper/Blackwell GPU, BF16, dense"
 
 
+def _fused_experts(cfg, backend: str, cuda: bool, precision: str, device: torch.device,
+                   forward_only: bool = False, installed: Optional[Installed] = None) -> tuple[bool, str]:
+    """(fused experts on, reason) for ``model.moe.fused_experts=auto``. The layout is read from the ``parallel``
+    degrees as given: one of ``dp_replicate``, ``dp_shard``, ``cp`` at -1 (the rest of the world) or above 1 may shard
+    the gradients (FSDP2), so the experts keep the grouped-GEMM kernels there."""
+    from difflm.kernels.main_grad import accumulates_in_main_grad
+
+    par = cfg.parallel
+    if not cuda:
+        return False, f"{device.type}: quack runs CUDA kernels only"
+    if forward_only:
+        return False, "sampling and evaluation: the grouped-GEMM experts (the fused ones keep training's main_grad)"
+    if backend != "te":
+        return False, "the experts' main_grad kernels are the TE kernel set's"
+    if precision != "bf16":
+        return False, f"precision={precision}: quack's grouped GEMMs here are BF16"
+    if bool(_flag(cfg.model.moe.get("fp8_experts", False), "moe.fp8_experts")):
+        return False, "model.moe.fp8_experts=true runs the same GEMMs"
+    sharded = any(int(par.get(k, 1)) != 1 for k in ("dp_replicate", "dp_shard", "cp"))
+    if not accumulates_in_main_grad(cfg, sharded=sharded, pipelined=int(par.get("pp", 1)) != 1):
+        return False, "no FP32 main_grad accumulation (data / context parallel ranks, a pipeline, LoRA or " \
+                      "model.fuse_wgrad_accumulation=false)"
+    reason = quack_reason(device) if installed is None else installed.quack_error
+    if reason is not None:
+        return False, "quack cannot run here"
+    return True, "quack's grouped GEMMs, SwiGLU and main_grad in their epilogues"
+
+
+def _get(model_cfg, key: str):
+    """``model_cfg``'s value of a :data:`KEYS` entry or :data:`MOE_KEY` (None for a dense model, which has no experts
+    to choose kernels for)."""
+    if key.startswith("moe."):
+        moe = model_cfg.get("moe")
+        return None if moe is None or not int(moe.get("num_experts", 0) or 0) else moe.get(key[4:])
+    return model_cfg.get(key)
+
+
 def unresolved(cfg) -> list[str]:
     """The keys of ``cfg.model`` still ``auto`` (empty after :func:`choose_kernels`)."""
-    return [f"model.{k}" for k in KEYS if is_auto(cfg.model.get(k))]
+    return [f"model.{k}" for k in (*KEYS, MOE_KEY) if is_auto(_get(cfg.model, k))]
 
 
 # what every ``auto`` key becomes on a CPU, where only the torch kernels run
 CPU_CHOICE = {"backend": "torch", "attention_backend": "sdpa", "fused_mlp": False, "fused_mlp_autotune": False}
 
 
-def cpu_kernels(model_cfg):
-    """A copy of ``model_cfg`` with each kernel key still ``auto`` set to what runs on a CPU (:data:`CPU_CHOICE`),
-    for the host-side builds that convert or count weights (import, planning); explicit values are kept."""
+def cpu_kernels(model_cfg, keep_explicit: bool = True):
+    """A copy of ``model_cfg`` with the kernels that run on a CPU (:data:`CPU_CHOICE`, and the MoE experts'
+    ``torch._grouped_mm`` path), for the host-side builds that convert or count weights (import, planning): every
+    kernel set holds the same parameters. ``keep_explicit``: only the keys still ``auto`` change."""
     out = model_cfg.copy()
     for key, value in CPU_CHOICE.items():
-        if is_auto(out.get(key)):
+        if not keep_explicit or is_auto(out.get(key)):
             out[key] = value
+    moe = out.get("moe")
+    if moe is not None and (not keep_explicit or is_auto(moe.get("fused_experts"))):
+        moe.fused_experts = False
     return out
 
 
-__all__ = ["AUTO", "CPU_CHOICE", "FULL_INSTALL", "KEYS", "Installed", "KernelChoice", "choose_kernels", "cpu_kernels",
+__all__ = ["AUTO", "CPU_CHOICE", "FULL_INSTALL", "KEYS", "MOE_KEY", "Installed", "KernelChoice", "choose_kernels", "cpu_kernels",
            "is_auto", "unresolved"]

@@ -46,6 +46,8 @@ class KernelSet:
         fp8_recipe: ``precision.fp8_recipe`` (``block`` / ``mxfp8`` keep the SwiGLU output both ways).
         qkv_flash: attention through :func:`difflm.kernels.qkv_flash.qkv_flash_attention` (FlashAttention 4 reads
             the value heads in place, so no dense ``v`` is saved).
+        fused_experts: the MoE experts on quack's grouped GEMMs (``model.moe.fused_experts``: SwiGLU and the
+            ``main_grad`` accumulation in their epilogues).
     """
 
     backend: str = "torch"
@@ -54,6 +56,7 @@ class KernelSet:
     fp8: bool = False
     fp8_recipe: str = "delayed"
     qkv_flash: bool = False
+    fused_experts: bool = False
 
     def describe(self) -> str:
         """One line: ``te kernels, flash attention (FA4 over the QKV output), quack fused MLP, FP8 (delayed)``."""
@@ -61,6 +64,8 @@ class KernelSet:
                                                                              if self.qkv_flash else "")]
         if self.fused_mlp:
             parts.append("quack fused MLP")
+        if self.fused_experts:
+            parts.append("quack fused experts")
         if self.fp8:
             parts.append(f"FP8 ({self.fp8_recipe})")
         return ", ".join(parts)
@@ -74,7 +79,7 @@ def kernel_set(cfg, layout) -> KernelSet:
     """The :class:`KernelSet` of the run ``cfg`` (the composed train config) under ``layout`` (a
     :class:`difflm.plan.memory.Layout`). ``model.*=auto`` values are resolved on a copy as ``choose_kernels`` would on
     a CUDA GPU with the te, flash and quack extras (:data:`difflm.model.auto_kernels.FULL_INSTALL`), with the
-    layout's ``tp`` and ``cp``; ``cfg`` itself is left as it is.
+    layout's degrees; ``cfg`` itself is left as it is.
 
     FlashAttention is taken to be FA4 (what ``auto`` picks ``flash`` for); it reads the QKV output in place when
     :func:`difflm.kernels.qkv_flash.fused_qkv_flash_applies` would: ``model.fused_qkv``, a batch-first layout (not
@@ -84,7 +89,9 @@ def kernel_set(cfg, layout) -> KernelSet:
 
     if unresolved(cfg):
         cfg = cfg.copy()
-        cfg.parallel.tp, cfg.parallel.cp = layout.tp, layout.cp
+        p = cfg.parallel
+        p.tp, p.cp, p.pp = layout.tp, layout.cp, layout.pp
+        p.dp_replicate, p.dp_shard = layout.dp_replicate, layout.dp_shard
         choose_kernels(cfg, torch.device("cuda"), installed=FULL_INSTALL)
     m = cfg.model
     backend, attention = str(m.backend), str(m.attention_backend)
@@ -95,9 +102,12 @@ def kernel_set(cfg, layout) -> KernelSet:
     qkv_flash = (attention == "flash" and _flag(m.get("fused_qkv", True)) and not sbhd and not documents
                  and head_dim % 8 == 0 and float(m.get("partial_rotary_factor", 1.0) or 1.0) == 1.0)
     fp8 = te and cfg.precision.name == "fp8"
+    moe = m.get("moe")
+    fused_experts = te and moe is not None and int(moe.get("num_experts", 0) or 0) > 0 and \
+        _flag(moe.get("fused_experts", False))
     return KernelSet(backend=backend, attention=attention, fused_mlp=te and _flag(m.get("fused_mlp", False)),
                      fp8=fp8, fp8_recipe=str(cfg.precision.get("fp8_recipe", "delayed")) if fp8 else "delayed",
-                     qkv_flash=qkv_flash)
+                     qkv_flash=qkv_flash, fused_experts=fused_experts)
 
 
 def mlp_width(model_cfg) -> int:

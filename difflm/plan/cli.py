@@ -32,9 +32,9 @@ def active_params(cfg) -> int:
 
     m = cfg.model.copy()
     resolve_model_config(m, int(cfg.model.vocab_size))
-    from difflm.model.auto_kernels import CPU_CHOICE
+    from difflm.model.auto_kernels import cpu_kernels
 
-    m.update(CPU_CHOICE)
+    m = cpu_kernels(m, keep_explicit=False)
     m.compile = False
     model = build_model(m, causal=False, device=torch.device("cpu"), seed=None, meta=True)
     return model.num_params() - moe_inactive_params(m)

@@ -58,11 +58,10 @@ def model_params(model_cfg, vocab_size: int) -> list[Param]:
     """
     from difflm.model import build_model, resolve_model_config
 
-    from difflm.model.auto_kernels import CPU_CHOICE
+    from difflm.model.auto_kernels import cpu_kernels
 
-    cfg = model_cfg.copy()
+    cfg = cpu_kernels(model_cfg, keep_explicit=False)
     resolve_model_config(cfg, vocab_size)
-    cfg.update(CPU_CHOICE)
     cfg.compile = False
     model = build_model(cfg, causal=False, device=torch.device("cpu"), seed=None, meta=True)
     out = []

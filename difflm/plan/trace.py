@@ -200,8 +200,10 @@ def traced_peak(cfg, micro_batch: int | None = None, steps: int = 2, loss_fracti
 
     if (reason := untraceable_reason(cfg)) is not None:
         raise DifflmError(reason)
+    from difflm.model.auto_kernels import cpu_kernels
+
     cfg = cfg.copy()
-    cfg.model.update(backend="torch", attention_backend="sdpa", fused_mlp=False, fused_mlp_autotune=False)
+    cfg.model = cpu_kernels(cfg.model, keep_explicit=False)  # the torch kernels, which the trace runs on the CPU
     mb = int(micro_batch or cfg.train.micro_batch_size)
     n_micro = 2 if int(cfg.train.global_batch_size) // mb > 1 else 1
     objective = build_objective(cfg.objective, int(cfg.model.vocab_size) - 1)

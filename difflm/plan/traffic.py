@@ -88,7 +88,10 @@ def moe_bytes_per_token(model_cfg, kernels: KernelSet, act_bytes: int, main_grad
       ``+ 16 f`` (``torch.cat``) ``+ (8 + 2 a) f`` (the cast to BF16): ``(5 a + 132) f`` a row; autograd's
       backward of the same SwiGLU (without ``main_grad``) reads and writes BF16: the two products' gradients
       (``3 a f`` each), ``silu_backward`` (``3 a f``) and the halves' gradients joined (``4 a f``): ``13 a f``.
-      The shared experts (width ``f_s``) run the same SwiGLU once per token under autograd.
+      The shared experts (width ``f_s``) run the same SwiGLU once per token under autograd. The fused experts
+      (``model.moe.fused_experts``, :mod:`difflm.kernels.quack_experts`) run the routed experts' SwiGLU in the GEMMs'
+      epilogues: beyond the GEMMs' own outputs, the activation written beside the pre-activation (``a f``), and in
+      the backward the pre-activation read again and the recomputed activation written (``2 a f + a f``): ``4 a f``.
     """
     d, e, k, f, f_s = moe_widths(model_cfg)
     a, r = act_bytes, residual_bytes(kernels, act_bytes)
@@ -102,7 +105,8 @@ def moe_bytes_per_token(model_cfg, kernels: KernelSet, act_bytes: int, main_grad
                    + 3 * r * d)  # the router's and the experts' gradients summed
     forward_swiglu = 5 * a * f
     backward_swiglu = forward_swiglu + (5 * a + 132) * f if main_grad else 13 * a * f
-    swiglu = k * (forward_swiglu + backward_swiglu) + (5 * a + 13 * a) * f_s
+    routed = 4 * a * f if main_grad and kernels.fused_experts else forward_swiglu + backward_swiglu
+    swiglu = k * routed + (5 * a + 13 * a) * f_s
     return {"routing": float(routing), "permutation": float(permutation), "swiglu": float(swiglu)}
 
 
@@ -121,8 +125,9 @@ def weight_bytes(cfg, kernels: KernelSet, layout, name: str, numel: int, n_micro
       set keeps a copy (FP8 workspaces with their transposes, BF16 copies: read 4, write 2), else at every forward
       (TE's BF16 modules: ``cast_if_needed``, 6 bytes a micro-batch); each micro-batch's gradient added in place by
       the weight-gradient GEMM, which reads and writes the FP32 buffer (TE's ``fuse_wgrad_accumulation``, quack's
-      in-place epilogues: 8 bytes), or, for the MoE experts, written in BF16 by the grouped GEMM and added by
-      ``main_grad.add_`` (:func:`difflm.model.grouped_experts._add_weight_grad`: 2 + 2 + 4 + 4 bytes). The embedding
+      in-place epilogues: 8 bytes, the fused MoE experts' too), or, for the other MoE experts, written in BF16 by the
+      grouped GEMM and added by ``main_grad.add_`` (:func:`difflm.model.grouped_experts._add_weight_grad`:
+      2 + 2 + 4 + 4 bytes). The embedding
       adds its gradient row by row (:class:`difflm.kernels.embedding.Embedding`): per token, not per weight.
     * The others (the torch kernel set; the TE set's head, router and shared experts; layouts without
       ``main_grad``): autocast's cast of each matrix in every forward (read 4, write 2; not the embedding, which
@@ -137,7 +142,8 @@ def weight_bytes(cfg, kernels: KernelSet, layout, name: str, numel: int, n_micro
             return float(numel * (FP32 + (FP32 + copy if copy else 0)))
         per_step = FP32 + (FP32 + copy if copy else 0)
         cast = 0 if copy else FP32 + 2
-        accumulate = 2 + 2 + FP32 + FP32 if ".experts." in name else 2 * FP32
+        separate_add = ".experts." in name and not kernels.fused_experts
+        accumulate = 2 + 2 + FP32 + FP32 if separate_add else 2 * FP32
         return float(numel * (per_step + m * (cast + accumulate)))
     fp32 = cfg.precision.name == "fp32"
     embedding = name.endswith("embedding.weight")
