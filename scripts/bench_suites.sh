@@ -104,18 +104,19 @@ moe)
       train.global_batch_size=8 precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 \
       --row-timeout 240 --time-budget 555 --json "$OUT/bench_moe_megadlms.json" \
       --megadlms .megadlms --megadlms-precisions bf16 --megadlms-timeout 270 \
-      --variant "moe-1b-7b-te-bf16: $T" > "$OUT/bench_moe_megadlms.log" 2>&1
+      --variant "moe-1b-7b-te-bf16: $T" --variant "moe-1b-7b-te-bf16-grouped: $T model.moe.fused_experts=false" \
+      > "$OUT/bench_moe_megadlms.log" 2>&1
     tail -20 "$OUT/bench_moe_megadlms.log"
   else
-    timeout 80 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
+    timeout 60 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
     # 8 micro-batches per optimizer step, as a training run accumulates: the AdamW update of moe-1b-7b's 6.9B FP32
     # parameters is paid once per 8 sequences, not once per sequence
-    timeout 560 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8 \
+    timeout 520 python3 scripts/benchmark.py data.seq_len=4096 train.micro_batch_size=1 train.global_batch_size=8 \
       precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 --row-timeout 130 \
-      --time-budget 550 --json "$OUT/bench_moe.json" \
+      --time-budget 510 --json "$OUT/bench_moe.json" \
       --profile moe-1b-7b-te-bf16 --profile-rows 25 \
       --variant "moe-1b-7b-te-bf16: model=moe-1b-7b $T" --variant "dense-1b-te-bf16: model=dense-1b $T" \
-      --variant "moe-1b-7b-te-bf16-fused: model=moe-1b-7b $T model.moe.fused_experts=true" \
+      --variant "moe-1b-7b-te-bf16-grouped: model=moe-1b-7b $T model.moe.fused_experts=false" \
       --variant "moe-1b-7b-te-bf16-mb2: model=moe-1b-7b $T train.micro_batch_size=2" \
       --variant "moe-1b-7b-te-fp8: model=moe-1b-7b $T precision=fp8" \
       --variant "dense-1b-te-fp8: model=dense-1b $T precision=fp8" 2>&1 | tail -30
