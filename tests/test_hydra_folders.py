@@ -91,18 +91,25 @@ def test_no_multirun_folder_is_left_by_a_single_job_command(module, prog, args, 
     assert list(cwd.iterdir()) == []
 
 
+REFUSED = [["difflm.train", "model.hidden_size=-3"], ["difflm.rl"], ["difflm.rl", "-m", "init.run_dir=nowhere"],
+           ["difflm.rl", "-m", "init.run_dir=nowhere", "run.dir=sweeps/rl"]]
+
+
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory):
+    """Each command line of :data:`REFUSED` in an empty folder of its own, all in one process: (folder, outcome)."""
+    folders = [tmp_path_factory.mktemp("refused") for _ in REFUSED]
+    return list(zip(folders, run_cli_batch([(module, args, cwd) for (module, *args), cwd in zip(REFUSED, folders)])))
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-@pytest.mark.parametrize("args", [["difflm.train", "model.hidden_size=-3"],
-                                  ["difflm.rl"],
-                                  ["difflm.rl", "-m", "init.run_dir=nowhere"],
-                                  ["difflm.rl", "-m", "init.run_dir=nowhere", "run.dir=sweeps/rl"]],
-                         ids=["train", "rl", "rl-sweep", "rl-sweep-run-dir"])
-def test_a_refused_train_or_rl_run_leaves_no_folder(args, tmp_path):
+@pytest.mark.parametrize("args", REFUSED, ids=["train", "rl", "rl-sweep", "rl-sweep-run-dir"])
+def test_a_refused_train_or_rl_run_leaves_no_folder(args, refused_runs):
     """A run refused inside its job (after Hydra made ``outputs/<time>/``, or a sweep folder and its job's) takes
     those folders back: they held only ``.hydra/``, the job's log, the lock and ``multirun.yaml``."""
-    out = _cli(tmp_path, *args)
+    cwd, out = refused_runs[REFUSED.index(args)]
     assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("difflm: error: "), out.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
