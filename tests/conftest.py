@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,13 @@ if XDIST_WORKER:
 # The files that take longest (process launches, end-to-end CLI runs; measured in docs/testing.md), started first so
 # that the workers of `--dist loadfile` end together rather than one waiting on a long file begun last.
 LONGEST_FIRST = [
-    "test_operations.py", "test_parallel.py", "test_end_to_end.py", "test_cli.py", "test_eval.py",
-    "test_moe_parallel.py", "test_config.py", "test_hf_interop.py", "test_checkpoint.py", "test_benchmark.py",
-    "test_qkv.py", "test_preprocess.py", "test_materialize.py", "test_sft.py", "test_eval_harness.py",
-    "test_layout_check.py", "test_slurm.py", "test_plan.py", "test_lora.py",
-    "test_posttrain_layouts.py", "test_llada_interop.py", "test_lora_parallel.py", "test_lora_layouts.py",
-    "test_adaptation.py", "test_rl_learning.py", "test_auto_batch.py", "test_plan_trace.py",
+    "test_operations.py", "test_parallel.py", "test_end_to_end.py", "test_moe_parallel.py", "test_posttrain_layouts.py",
+    "test_eval.py", "test_cli.py", "test_preprocess.py", "test_llada_interop.py", "test_rl_learning.py",
+    "test_checkpoint.py", "test_plan.py", "test_lifecycle.py", "test_materialize.py", "test_benchmark.py",
+    "test_config.py", "test_eval_harness.py", "test_lora.py", "test_hf_interop.py", "test_layout_check.py",
+    "test_slurm.py", "test_command_line_errors.py", "test_megadlms_baseline.py", "test_adaptation.py",
+    "test_lora_layouts.py", "test_sft.py", "test_qkv.py", "test_lora_parallel.py", "test_auto_batch.py",
+    "test_plan_trace.py",
 ]
 
 
@@ -74,10 +76,43 @@ def compose_run(overrides=(), config_name: str = "train", auto: bool = False):
     return cfg
 
 
+@pytest.fixture(scope="session")
+def seed_token_cache(tmp_path_factory):
+    """``seed(cfg)``: give a run that reads the default corpus (the data settings of :data:`FAST`) a copy of its
+    token cache in ``cfg.data.cache_dir`` when that folder does not exist yet. The corpus is tokenized once per
+    process instead of once per test (about 1.5 s each); the cache's key hashes the text, the tokenizer and the
+    data settings, so the copy holds the files the run would have written. Other data settings are left alone."""
+    from omegaconf import OmegaConf
+
+    store = tmp_path_factory.mktemp("default_tokens")
+
+    def settings(cfg):
+        data = OmegaConf.to_container(cfg.data, resolve=True)
+        cache_dir = data.pop("cache_dir")
+        return (data, cfg.model.vocab_multiple), cache_dir
+
+    default, _ = settings(compose_run([*FAST, f"data.cache_dir={store}"]))
+
+    def seed(cfg):
+        wanted, cache_dir = settings(cfg)
+        if wanted != default or not cache_dir or Path(cache_dir).exists():
+            return
+        if not any(store.iterdir()):
+            from difflm.data.preprocess import tokenize_corpus
+            from difflm.data.tokenizer import build_tokenizer
+
+            tokenize_corpus(cfg.data, build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple), str(store))
+        shutil.copytree(store, cache_dir)
+
+    return seed
+
+
 @pytest.fixture
-def fast_cfg(tmp_path):
+def fast_cfg(tmp_path, seed_token_cache):
     def make(*overrides):
-        return compose_run([*FAST, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+        cfg = compose_run([*FAST, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+        seed_token_cache(cfg)
+        return cfg
     return make
 
 
@@ -110,6 +145,27 @@ def run_cli(*args: str, cwd=None, timeout: int = 900) -> subprocess.CompletedPro
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_cli_batch(calls, timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """Run several entry points in one new process (``tests/cli_batch.py``), each as ``python -m <module> <args>``
+    would run it (``sys.argv``, exit status, its own stdout and stderr), in the order given; ``calls`` holds
+    ``(module, args)`` or ``(module, args, cwd)``. A process start (torch, difflm) costs seconds on a small CPU: a
+    test of several short command lines (refusals, help) pays it once. Returns one CompletedProcess per call."""
+    import tempfile
+
+    spec = [{"module": c[0], "args": [str(a) for a in c[1]], "cwd": str(c[2] if len(c) > 2 else Path.cwd())}
+            for c in calls]
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+        runner = [sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(Path(tmp, "spec.json")),
+                  str(Path(tmp, "results.json"))]
+        done = subprocess.run(runner, env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results = json.loads(Path(tmp, "results.json").read_text())
+    return [subprocess.CompletedProcess([sys.executable, "-m", c["module"], *c["args"]], r["returncode"], r["stdout"],
+                                        r["stderr"]) for c, r in zip(spec, results)]
 
 
 def load_script(name: str):

@@ -8,9 +8,6 @@ A fault report: the schema default (64 for difflm-generate, 32 for difflm-rl) st
 bd3lm run, so the same value typed on a run with blocks of 16 was silently taken as 16."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,9 +20,8 @@ from difflm.generate import generation_options, run_generation_config
 from difflm.sampling.options import (DEFAULT_BLOCK_LENGTH, GenerationConfigError, resolve_block_length,
                                      run_block_size)
 
-from conftest import FAST, compose_run
+from conftest import FAST, compose_run, run_cli_batch
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = SimpleNamespace(cfg=SimpleNamespace(vocab_size=16))
 TOK = SimpleNamespace(mask_id=15, tokenizer=list(range(15)))
 BD3LM = SimpleNamespace(name="bd3lm", block_size=16)
@@ -136,22 +132,16 @@ def test_an_export_records_the_block_length_null_stands_for():
     assert hf_config(cfg, tok, "fp32").gen_block_length == 16
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_difflm_generate_on_a_bd3lm_run(tmp_path):
     """The command: without gen.block_length a run of blocks of 16 samples in them; gen.block_length=32 is one line
     and exit status 2; gen.block_length=16 samples as null does."""
     run = _bd3lm_run(tmp_path / "run")
-    common = ("difflm.generate", f"run.dir={run}", "prompt=ROMEO:", "gen.length=32", "gen.steps=32", "device=cpu")
-    null = _cli(*common)
+    common = [f"run.dir={run}", "prompt=ROMEO:", "gen.length=32", "gen.steps=32", "device=cpu"]
+    null, sixteen, bad = run_cli_batch([("difflm.generate", [*common, *extra])
+                                        for extra in ([], ["gen.block_length=16"], ["gen.block_length=32"])])
     assert null.returncode == 0, null.stderr[-2000:]
-    assert _cli(*common, "gen.block_length=16").stdout == null.stdout
-    bad = _cli(*common, "gen.block_length=32")
+    assert sixteen.stdout == null.stdout
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.splitlines()[-1] == ("difflm: error: gen.block_length=32 is not read by objective=bd3lm runs, "
                                            "which sample in the model's blocks of 16 tokens (its objective.block_size): drop "

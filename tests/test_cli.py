@@ -14,7 +14,7 @@ from difflm.cli import check_overrides, check_required, hydra_quoted, quote_free
 from difflm.errors import DifflmError
 from difflm.generate import read_prompt
 
-from conftest import FAST, run_cli
+from conftest import FAST, run_cli, run_cli_batch
 
 TEXTS = ["a, b", "ROMEO: my lord (aside) [exit]", "it's", "say \"hi\", ok", "back\\", "a\\'b", "${oc.env:HOME}",
          "k=v, w", "two\nlines", "", "{x: 1}"]
@@ -79,10 +79,16 @@ REQUIRED = [("difflm.evaluate", [], "data.path, run.dir are required"),
             ("difflm.preprocess", ["input=x.txt"], "output is required")]
 
 
+@pytest.fixture(scope="module")
+def required_runs(tmp_path_factory):
+    """Each command line of :data:`REQUIRED`, in a folder of its own, all in one process."""
+    return run_cli_batch([(module, args, tmp_path_factory.mktemp("required")) for module, args, _ in REQUIRED])
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,args,message", REQUIRED, ids=[f"{m}-{len(a)}" for m, a, _ in REQUIRED])
-def test_entry_points_name_their_missing_keys(module, args, message, tmp_path):
-    out = run_cli(module, *args, cwd=tmp_path, timeout=120)
+def test_entry_points_name_their_missing_keys(module, args, message, required_runs):
+    out = required_runs[REQUIRED.index((module, args, message))]
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith(f"difflm: error: {message}: pass "), out.stderr[-2000:]
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -96,13 +102,22 @@ UNKNOWN = [("difflm.train", ["+train.max_stepz=5"], "+train.max_stepz: train has
             "(GenerateConfig)")]
 
 
+@pytest.fixture(scope="module")
+def unknown_key_runs(tmp_path_factory):
+    """Each command line of :data:`UNKNOWN` with a run.dir in a folder of its own, all in one process: (folder,
+    outcome)."""
+    folders = [tmp_path_factory.mktemp("unknown") for _ in UNKNOWN]
+    return list(zip(folders, run_cli_batch([(module, [f"run.dir={cwd / 'run'}", *args], cwd)
+                                            for (module, args, _), cwd in zip(UNKNOWN, folders)])))
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,args,message", UNKNOWN, ids=[m for m, _, _ in UNKNOWN])
-def test_entry_points_refuse_a_key_added_with_plus_that_the_schema_lacks(module, args, message, tmp_path):
-    out = run_cli(module, f"run.dir={tmp_path / 'run'}", *args, cwd=tmp_path, timeout=120)
+def test_entry_points_refuse_a_key_added_with_plus_that_the_schema_lacks(module, args, message, unknown_key_runs):
+    cwd, out = unknown_key_runs[UNKNOWN.index((module, args, message))]
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr == f"difflm: error: {message}\n"
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (cwd / "run" / "checkpoints").exists()
 
 
 def test_generation_past_the_trained_length_is_reported():

@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_batch
 from difflm.cli import check_overrides, quote_free_text
 from difflm.errors import DifflmError
 
@@ -39,10 +39,19 @@ def test_an_unquoted_prompt_split_by_the_shell_says_quote_the_prompt():
                                                   """data.path='"a: (b)"'""")
 
 
+HELP = [("difflm.generate", "gen:"), ("difflm.evaluate", "eval:")]
+
+
+@pytest.fixture(scope="module")
+def helps():
+    """``<module> --help`` of each command of :data:`HELP`, in one process."""
+    return run_cli_batch([(module, ["--help"]) for module, _ in HELP])
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-@pytest.mark.parametrize("module,key", [("difflm.generate", "gen:"), ("difflm.evaluate", "eval:")])
-def test_help_lists_only_what_the_command_takes(module, key):
-    out = run_cli(module, "--help", timeout=120)
+@pytest.mark.parametrize("module,key", HELP)
+def test_help_lists_only_what_the_command_takes(module, key, helps):
+    out = helps[HELP.index((module, key))]
     assert out.returncode == 0, out.stderr[-1000:]
     assert key in out.stdout and "run:" in out.stdout and "Example: difflm-" in out.stdout
     assert "Configuration groups" not in out.stdout

@@ -2,8 +2,10 @@
 briefly trained run. The lm-evaluation-harness adapter is tested when ``lm_eval`` is importable."""
 from __future__ import annotations
 
+import functools
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -90,72 +92,95 @@ def test_ar_estimate_is_the_exact_nll():
     assert torch.allclose(est[0].float(), ref, rtol=1e-5)
 
 
+def eval_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """difflm-eval's entry point (``difflm.evaluate.main``) run in this process on the command line ``args``: its
+    exit status, stdout and stderr."""
+    import difflm.evaluate
+
+    monkeypatch.setattr(sys, "argv", ["difflm-eval", *args])
+    capsys.readouterr()
+    try:
+        difflm.evaluate.main()
+        status = 0
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("objective", ["bd3lm"])
-def test_eval_cli_on_trained_run(tmp_path, objective):
+def test_eval_cli_on_trained_run(tmp_path, objective, seed_token_cache, monkeypatch, capsys):
+    """difflm-eval's command line on a briefly trained run, through its entry point in this process (each call
+    composes its own config, as a new process does: nothing here is about process boundaries), and difflm-generate
+    at an earlier checkpoint as a process."""
+    from difflm.training.trainer import Trainer
+    from tests.conftest import compose_run
+
     text = tmp_path / "held_out.txt"
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 20)
     run = tmp_path / "run"
-    train = run_cli("difflm.train", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-                    "model.num_kv_heads=2", "model.ffn_hidden_size=64", "data.seq_len=32", f"objective={objective}",
-                    "objective.block_size=8", "train.max_steps=2", "train.global_batch_size=2",
-                    "train.micro_batch_size=2", "train.eval_every=0", "train.save_every=1", "logger.progress_bar=false",
-                    "logger.num_samples=0", f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "device=cpu",
-                    timeout=300)
-    assert train.returncode == 0, train.stderr[-2000:]
+    cfg = compose_run(["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
+                       "model.ffn_hidden_size=64", "data.seq_len=32", f"objective={objective}",
+                       "objective.block_size=8", "train.max_steps=2", "train.global_batch_size=2",
+                       "train.micro_batch_size=2", "train.eval_every=0", "train.save_every=1",
+                       "logger.progress_bar=false", "logger.num_samples=0", f"run.dir={run}",
+                       f"data.cache_dir={tmp_path / 'cache'}", "device=cpu"])
+    seed_token_cache(cfg)
+    Trainer(cfg, run, torch.device("cpu")).fit()
+    cli = functools.partial(eval_cli, monkeypatch, capsys)
     out = tmp_path / "eval.json"
-    res = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=4",
-                  f"eval.output={out}", "device=cpu", timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    status, stdout, stderr = cli(f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=4",
+                                 f"eval.output={out}", "device=cpu")
+    assert status == 0, stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["objective"] == objective and got["windows"] == 4 and got["mc_samples"] == 2
-    assert got["step"] == 2 and json.loads(res.stdout)["step"] == 2  # the newest checkpoint, in file and printout
+    assert got["step"] == 2 and json.loads(stdout) == got  # the newest checkpoint, in file and printout
     assert 5 < got["nelbo"] < 15 and got["ppl_bound"] > 1
     assert got["bits_per_byte"] == pytest.approx(got["nats_per_byte"] / 0.6931471805599453)
     # the same text as difflm-preprocess shards: the same windows, hence the same estimate
     from difflm.data.shards import run_preprocess
-    from tests.conftest import compose_run
 
     run_preprocess(compose_run([f"input={text}", f"output={tmp_path / 'shards'}", "workers=1", "progress_bar=false"],
                                config_name="preprocess"))
-    res = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={tmp_path / 'shards'}", "eval.mc_samples=2",
-                  "eval.max_windows=4", f"eval.output={tmp_path / 'eval_shards.json'}", "device=cpu", timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    status, _, stderr = cli(f"run.dir={run}", f"data.path={tmp_path / 'shards'}", "eval.mc_samples=2",
+                            "eval.max_windows=4", f"eval.output={tmp_path / 'eval_shards.json'}", "device=cpu")
+    assert status == 0, stderr[-2000:]
     assert json.loads((tmp_path / "eval_shards.json").read_text())["nelbo"] == got["nelbo"]
     one = tmp_path / "one_window.json"  # one window: no standard error, written as null (NaN is not JSON)
-    res = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=1",
-                  f"eval.output={one}", "device=cpu", timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "NaN" not in one.read_text() and "NaN" not in res.stdout
+    status, stdout, stderr = cli(f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=1",
+                                 f"eval.output={one}", "device=cpu")
+    assert status == 0, stderr[-2000:]
+    assert "NaN" not in one.read_text() and "NaN" not in stdout
     got_one = json.loads(one.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in eval.output"))
     assert got_one["windows"] == 1 and got_one["nelbo_stderr"] is None and 5 < got_one["nelbo"] < 15
-    assert json.loads(res.stdout) == got_one
-    earlier = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2",
-                      "eval.max_windows=1", "step=1", "device=cpu", timeout=300)
-    assert earlier.returncode == 0, earlier.stderr[-2000:]
-    assert json.loads(earlier.stdout)["step"] == 1
+    assert json.loads(stdout) == got_one
+    status, stdout, stderr = cli(f"run.dir={run}", f"data.path={text}", "eval.mc_samples=2", "eval.max_windows=1",
+                                 "step=1", "device=cpu")
+    assert status == 0, stderr[-2000:]
+    assert json.loads(stdout)["step"] == 1
     gen = run_cli("difflm.generate", f"run.dir={run}", "prompt=To be", "gen.length=8", "gen.steps=8",
                   "gen.block_length=8", "step=1", "device=cpu", timeout=300)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert f"difflm-generate: {run} at checkpoint step 1" in gen.stderr.splitlines()
     assert "checkpoint step" not in gen.stdout and gen.stdout.startswith("To be")  # stdout: the text alone
-    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", "data.seq_len=0", "device=cpu",
-                  timeout=300)  # 0 was replaced by the run's 32
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout
-    assert bad.stderr.strip().splitlines() == [
+    status, stdout, stderr = cli(f"run.dir={run}", f"data.path={text}", "data.seq_len=0",
+                                 "device=cpu")  # 0 was replaced by the run's 32
+    assert status == 2 and "Traceback" not in stderr and '"nelbo"' not in stdout
+    assert stderr.strip().splitlines() == [
         "difflm: error: data.seq_len=0 leaves no loss token for objective=bd3lm: give data.seq_len >= 1, or drop it "
         "for the run's 32"]
-    bad = run_cli("difflm.evaluate", f"run.dir={tmp_path / 'nope'}", f"data.path={text}", timeout=120)
-    assert bad.returncode == 2 and "run.dir=" in bad.stderr
-    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={text}", f"eval.output={plain_file(tmp_path)}/x.json",
-                  "device=cpu", timeout=300)  # a file where the output's folder should be: refused before the work
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and '"nelbo"' not in bad.stdout
-    assert bad.stderr.startswith("difflm: error: eval.output=") and "cannot be written" in bad.stderr
+    status, _, stderr = cli(f"run.dir={tmp_path / 'nope'}", f"data.path={text}")
+    assert status == 2 and "run.dir=" in stderr
+    status, stdout, stderr = cli(f"run.dir={run}", f"data.path={text}", f"eval.output={plain_file(tmp_path)}/x.json",
+                                 "device=cpu")  # a file where the output's folder should be: refused before the work
+    assert status == 2 and "Traceback" not in stderr and '"nelbo"' not in stdout
+    assert stderr.startswith("difflm: error: eval.output=") and "cannot be written" in stderr
     latin1 = tmp_path / "latin1.txt"  # A fault report: one line naming the file, the byte and its offset
     latin1.write_bytes(b"caf\xe9\n")
-    bad = run_cli("difflm.evaluate", f"run.dir={run}", f"data.path={latin1}", "device=cpu", timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().splitlines()[-1].startswith(
+    status, _, stderr = cli(f"run.dir={run}", f"data.path={latin1}", "device=cpu")
+    assert status == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith(
         f"difflm: error: data.path: {latin1} is not UTF-8 text (byte 0xe9 at offset 3): ")
 
 

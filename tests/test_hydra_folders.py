@@ -17,6 +17,8 @@ from difflm import hydra_folders
 from difflm.hydra_folders import note_created, remove_refused_run_dirs
 from difflm.training.run_dir import LOCK_FILE
 
+from conftest import run_cli_batch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (module, the command's name, arguments that would otherwise pass its own checks or fail only inside the job)
@@ -67,31 +69,47 @@ def test_the_planner_refuses_a_multirun(capsys):
                                        "and difflm-rl sweep); drop -m and run difflm-plan once per setting\n")
 
 
+@pytest.fixture(scope="module")
+def single_job_multiruns(tmp_path_factory):
+    """``<module> -m <args>`` for each command of :data:`SINGLE_JOB`, in an empty folder of its own, all in one
+    process: (folder, outcome)."""
+    folders = [tmp_path_factory.mktemp("multirun") for _ in SINGLE_JOB]
+    return list(zip(folders, run_cli_batch([(module, ["-m", *args], cwd)
+                                            for (module, _, args), cwd in zip(SINGLE_JOB, folders)])))
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("module,prog,args", SINGLE_JOB, ids=[m for m, _, _ in SINGLE_JOB])
-def test_no_multirun_folder_is_left_by_a_single_job_command(module, prog, args, tmp_path):
+def test_no_multirun_folder_is_left_by_a_single_job_command(module, prog, args, single_job_multiruns):
     """A fault report: ``difflm-generate -m ...`` (and -eval, -export, -import, -preprocess) ran a one-job sweep
     whose launcher created ``multirun/<date>/<time>/`` with ``multirun.yaml`` and an empty job folder before the
     command's own refusal. Now: one line on stderr, exit status 2, the working directory untouched."""
-    out = _cli(tmp_path, module, "-m", *args)
+    cwd, out = single_job_multiruns[SINGLE_JOB.index((module, prog, args))]
     assert (out.returncode, out.stdout) == (2, ""), out.stderr[-2000:]
     assert out.stderr.splitlines() == [f"difflm: error: {prog} takes no -m: it runs one job (only difflm-train and "
                                        f"difflm-rl sweep); drop -m and run {prog} once per setting"]
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
+
+
+REFUSED = [["difflm.train", "model.hidden_size=-3"], ["difflm.rl"], ["difflm.rl", "-m", "init.run_dir=nowhere"],
+           ["difflm.rl", "-m", "init.run_dir=nowhere", "run.dir=sweeps/rl"]]
+
+
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory):
+    """Each command line of :data:`REFUSED` in an empty folder of its own, all in one process: (folder, outcome)."""
+    folders = [tmp_path_factory.mktemp("refused") for _ in REFUSED]
+    return list(zip(folders, run_cli_batch([(module, args, cwd) for (module, *args), cwd in zip(REFUSED, folders)])))
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-@pytest.mark.parametrize("args", [["difflm.train", "model.hidden_size=-3"],
-                                  ["difflm.rl"],
-                                  ["difflm.rl", "-m", "init.run_dir=nowhere"],
-                                  ["difflm.rl", "-m", "init.run_dir=nowhere", "run.dir=sweeps/rl"]],
-                         ids=["train", "rl", "rl-sweep", "rl-sweep-run-dir"])
-def test_a_refused_train_or_rl_run_leaves_no_folder(args, tmp_path):
+@pytest.mark.parametrize("args", REFUSED, ids=["train", "rl", "rl-sweep", "rl-sweep-run-dir"])
+def test_a_refused_train_or_rl_run_leaves_no_folder(args, refused_runs):
     """A run refused inside its job (after Hydra made ``outputs/<time>/``, or a sweep folder and its job's) takes
     those folders back: they held only ``.hydra/``, the job's log, the lock and ``multirun.yaml``."""
-    out = _cli(tmp_path, *args)
+    cwd, out = refused_runs[REFUSED.index(args)]
     assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("difflm: error: "), out.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out

@@ -70,8 +70,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     spec = json.loads(Path(out, "spec.json").read_text())
     layouts = {}
-    for name, algo, overrides in spec["runs"]:
-        trainer = run_rl(spec["init"], Path(out) / name, algo, *overrides)
+    for name, algo, overrides, *init in spec["runs"]:
+        trainer = run_rl(init[0] if init else spec["init"], Path(out) / name, algo, *overrides)
         # how the policy's and the reference's weights are laid out: (mesh dimensions, placements) of each DTensor
         layouts[name] = [sorted({(p.device_mesh.mesh_dim_names, str(p.placements)) for p in m.parameters()
                                  if isinstance(p, DTensor)}) for m in trainer._modules()]
@@ -85,8 +85,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def spawn(tmp_path, init, runs, world: int = 2) -> dict:
-    """Run ``runs`` ([name, algorithm, overrides]) on ``world`` ranks; returns rank 0's {name: [policy, reference]
-    parameter layouts}."""
+    """Run ``runs`` ([name, algorithm, overrides], or with a fourth item, the init run.dir of that run) on ``world``
+    ranks, one after the other in the same processes; returns rank 0's {name: [policy, reference] parameter
+    layouts}."""
     (tmp_path / "spec.json").write_text(json.dumps({"init": str(init), "runs": runs}))
     return spawn_ranks(_worker, world, tmp_path)[0]
 
@@ -105,6 +106,39 @@ def assert_same_run(one, two, algo, tol=1e-5):
     return a
 
 
+LORA = {  # test_grpo_lora_reference_is_the_base_with_adapters_off: (adapters from the init run, layout)
+    "lora_run_fsdp": (False, "fsdp"), "fresh_on_full_run_fsdp": (True, "fsdp"),
+    "fresh_on_full_run_tp2": (True, "tp2"),
+}
+LORA_RL = ["algorithm.reference=adapters_off", "train.eval_every=0", "algorithm.loss_norm=sequence"]
+LAYOUT = {"fsdp": ["parallel=fsdp"], "tp2": ["parallel=tp2", "parallel.sequence_parallel=false"]}
+
+
+@pytest.fixture(scope="module")
+def lora_init_run(tmp_path_factory):
+    """An init run trained with LoRA adapters (``lora=attn_mlp``)."""
+    from test_posttrain_runtime import make_init_run
+
+    return make_init_run(tmp_path_factory.mktemp("init_lora"), "lora=attn_mlp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(init_run, lora_init_run, tmp_path_factory):
+    """The 2-rank runs of this module's tests, in one launch (each test compares its own with one process): a
+    launch's processes import torch and difflm first, most of a run's time here. Returns (their folder, rank 0's
+    layouts)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    runs = [["fsdp", "grpo", ["parallel=fsdp"]],
+            ["cut", "grpo", ["parallel=fsdp", "train.max_steps=1"]],
+            ["cut", "grpo", ["parallel=fsdp"]],
+            ["tp", "grpo", LAYOUT["tp2"]],
+            ["dpo_fsdp", "dpo", ["parallel=fsdp"]]]
+    for case, (fresh, layout) in LORA.items():
+        lora = [*LORA_RL, *(["lora=attn_mlp"] if fresh else [])]
+        runs.append([f"lora_{case}", "grpo", [*LAYOUT[layout], *lora], str(init_run if fresh else lora_init_run)])
+    return out, spawn(out, init_run, runs)
+
+
 @pytest.fixture(scope="module")
 def single_grpo(init_run, tmp_path_factory):
     """The one-process GRPO run the layouts are compared with: (trainer, run dir)."""
@@ -113,33 +147,31 @@ def single_grpo(init_run, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(init_run, single_grpo, tmp_path):
+def test_grpo_fsdp2_equals_one_process_and_resumes_exactly(single_grpo, two_ranks):
     single, single_dir = single_grpo
-    layouts = spawn(tmp_path, init_run, [["fsdp", "grpo", ["parallel=fsdp"]],
-                               ["cut", "grpo", ["parallel=fsdp", "train.max_steps=1"]],
-                               ["cut", "grpo", ["parallel=fsdp"]]])
+    runs, layouts = two_ranks
     fsdp = [(("dp_shard_cp",), "(Shard(dim=0),)")]
     assert layouts["fsdp"] == [fsdp, fsdp]  # the policy and the frozen reference, sharded over both ranks
-    rows = assert_same_run(single_dir, tmp_path / "fsdp", "grpo")
+    rows = assert_same_run(single_dir, runs / "fsdp", "grpo")
     assert rows[1]["reward_std"] > 0 and rows[2]["kl"] > 0  # the rewards vary and the steps move the policy
     assert "eval_reward" in rows[0] and "eval_reward" in rows[2]
     # the resumed FSDP2 run (rollouts keyed per sample, the reference from reference.pt) ends bit for bit where the
     # uninterrupted one does
-    full, resumed = final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "cut")
+    full, resumed = final_weights(runs / "fsdp"), final_weights(runs / "cut")
     assert all(torch.equal(full[k], resumed[k]) for k in full)
-    last_full, last_cut = metrics(tmp_path / "fsdp")[-1], metrics(tmp_path / "cut")[-1]
+    last_full, last_cut = metrics(runs / "fsdp")[-1], metrics(runs / "cut")[-1]
     assert all(last_cut[k] == last_full[k] for k in ("step", "lr", *COMPARED["grpo"]))
-    ref = torch.load(tmp_path / "cut" / "reference.pt", weights_only=True)
+    ref = torch.load(runs / "cut" / "reference.pt", weights_only=True)
     init = single.reference.model.state_dict()
     assert ref.keys() == init.keys() and all(torch.equal(ref[k], init[k]) for k in ref)
 
 
 @pytest.mark.slow
-def test_grpo_tp2_equals_one_process(init_run, single_grpo, tmp_path):
-    layouts = spawn(tmp_path, init_run, [["tp", "grpo", ["parallel=tp2", "parallel.sequence_parallel=false"]]])
+def test_grpo_tp2_equals_one_process(single_grpo, two_ranks):
+    runs, layouts = two_ranks
     for placements in layouts["tp"]:  # the policy's and the reference's weights split over the TP ranks
         assert (("tp",), "(Shard(dim=0),)") in placements and (("tp",), "(Shard(dim=1),)") in placements
-    assert_same_run(single_grpo[1], tmp_path / "tp", "grpo")
+    assert_same_run(single_grpo[1], runs / "tp", "grpo")
 
 
 @pytest.mark.slow
@@ -171,42 +203,40 @@ def test_grpo_ddp_hsdp_and_fsdp2_x_tp_on_4_ranks_equal_one_process(init_run, tmp
 
 
 @pytest.mark.slow
-def test_dpo_fsdp2_equals_one_process(init_run, tmp_path):
+def test_dpo_fsdp2_equals_one_process(init_run, two_ranks, tmp_path):
+    runs, layouts = two_ranks
     run_rl(init_run, tmp_path / "single", "dpo")
-    layouts = spawn(tmp_path, init_run, [["fsdp", "dpo", ["parallel=fsdp"]]])
-    assert all(layouts["fsdp"])  # policy and reference sharded
-    rows = assert_same_run(tmp_path / "single", tmp_path / "fsdp", "dpo")
+    assert all(layouts["dpo_fsdp"])  # policy and reference sharded
+    rows = assert_same_run(tmp_path / "single", runs / "dpo_fsdp", "dpo")
     assert rows[1]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # policy = reference at the first step
     assert rows[2]["loss"] != rows[1]["loss"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fresh, layout", [(False, "fsdp"), (True, "fsdp"), (True, "tp2")],
-                         ids=["lora_run_fsdp", "fresh_on_full_run_fsdp", "fresh_on_full_run_tp2"])
-def test_grpo_lora_reference_is_the_base_with_adapters_off(fresh, layout, init_run, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("case", list(LORA))
+def test_grpo_lora_reference_is_the_base_with_adapters_off(case, init_run, lora_init_run, two_ranks, tmp_path):
     """A LoRA init run's adapters, or fresh ones on a full init run (``lora=attn_mlp``), under FSDP2 or TP give one
     process's metrics and weights, with the policy as the only model held."""
-    from test_posttrain_runtime import make_init_run
-
-    init = init_run if fresh else make_init_run(tmp_path_factory.mktemp("init_lora"), "lora=attn_mlp")
-    lora = ["algorithm.reference=adapters_off", "train.eval_every=0", "algorithm.loss_norm=sequence",
-            *(["lora=attn_mlp"] if fresh else [])]
+    fresh, layout = LORA[case]
+    runs, out = two_ranks
+    init = init_run if fresh else lora_init_run
+    lora = [*LORA_RL, *(["lora=attn_mlp"] if fresh else [])]
     single = run_rl(init, tmp_path / "single", "grpo", *lora)
-    parallel = ["parallel=fsdp"] if layout == "fsdp" else ["parallel=tp2", "parallel.sequence_parallel=false"]
-    out = spawn(tmp_path, init, [["lora", "grpo", [*parallel, *lora]]])
-    a, b = metrics(tmp_path / "single"), metrics(tmp_path / "lora")
+    parallel = runs / f"lora_{case}"
+    a, b = metrics(tmp_path / "single"), metrics(parallel)
     for ra, rb in zip(a[1:], b[1:]):
         for key in ("loss", "reward_mean", "reward_std", "kl", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-5), (ra["step"], key)
     assert a[2]["kl"] > 0  # the adapters moved the policy away from the base
-    assert len(out["lora"]) == 1 and out["lora"][0]  # no second copy: the reference is the sharded policy itself
+    # no second copy: the reference is the sharded policy itself
+    assert len(out[parallel.name]) == 1 and out[parallel.name][0]
     want = single.model.state_dict()
     assert any(".lora." in k for k in want)
     if layout == "fsdp":  # the live weights, whole (TP holds fc1's gate/up-interleaved rows: the checkpoint below)
-        for name, value in out["lora_weights"].items():
+        for name, value in out[f"{parallel.name}_weights"].items():
             torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
     # difflm-generate reads the LoRA run's checkpoint (base and adapters, written by both ranks)
-    read = final_weights(tmp_path / "lora")
+    read = final_weights(parallel)
     assert read.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(read[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
