@@ -59,7 +59,7 @@ class MoEConfig:
     fp8_experts: bool = False
     # the routed experts on quack's variable-length grouped GEMMs: SwiGLU and its derivative in the GEMM epilogues,
     # the weight gradients accumulated into FP32 main_grad by the GEMMs (Hopper/Blackwell, quack, the TE kernel set)
-    fused_experts: Any = "auto"  # auto | true | false (difflm.model.auto_kernels)
+    fused_experts: Any = False  # auto | true | false (difflm.model.auto_kernels; conf/train.yaml sets auto)
 
 
 @dataclass
