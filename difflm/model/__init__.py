@@ -44,7 +44,8 @@ def build_model(cfg, *, causal: bool, device: torch.device, seed: Optional[int],
     moe = getattr(cfg, "moe", None)
     still_auto = [k for k in ("backend", "attention_backend", "fused_mlp", "fused_mlp_autotune")
                   if str(getattr(cfg, k, "")) == "auto"]
-    if moe is not None and int(getattr(moe, "num_experts", 0) or 0) > 0 and str(getattr(moe, "fused_experts", "")) == "auto":
+    if moe is not None and int(getattr(moe, "num_experts", 0) or 0) > 0 \
+            and str(getattr(moe, "fused_experts", "")) == "auto":
         still_auto.append("moe.fused_experts")
     if still_auto:
         raise DifflmError(f"model.{still_auto[0]}=auto is chosen for a device before the model is built: compose "

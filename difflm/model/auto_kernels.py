@@ -24,8 +24,8 @@ order, each step falling back to the next candidate when one is missing or canno
   LoRA) and ``model.moe.fp8_experts`` is off; else the ``torch._grouped_mm`` experts.
 
 The order is the one the benchmark measured fastest on an H200 (docs/performance.md: TE + FA4 + fused, autotuned
-MLP ahead of TE + cuDNN attention ahead of SDPA; docs/moe.md: the fused experts 1.33x the grouped-GEMM ones). On a CPU every ``auto`` resolves to what runs there (``torch``,
-``sdpa``, no fused MLP). An explicit value is kept as given, and the checks of :mod:`difflm.config.validate` refuse
+MLP ahead of TE + cuDNN attention ahead of SDPA; docs/moe.md: the fused experts 1.33x the grouped-GEMM ones). On a
+CPU every ``auto`` resolves to what runs there (``torch``, ``sdpa``, no fused MLP, the grouped-GEMM experts). An explicit value is kept as given, and the checks of :mod:`difflm.config.validate` refuse
 it in one line when it cannot run. The result is written back into the config (so ``config.yaml`` of a run records
 what ran) together with :attr:`KernelChoice.line` in ``model.auto_reason``; the same line is what the trainer
 prints first.
@@ -338,5 +338,5 @@ def cpu_kernels(model_cfg, keep_explicit: bool = True):
     return out
 
 
-__all__ = ["AUTO", "CPU_CHOICE", "FULL_INSTALL", "KEYS", "MOE_KEY", "Installed", "KernelChoice", "choose_kernels", "cpu_kernels",
-           "is_auto", "unresolved"]
+__all__ = ["AUTO", "CPU_CHOICE", "FULL_INSTALL", "KEYS", "MOE_KEY", "Installed", "KernelChoice", "choose_kernels",
+           "cpu_kernels", "is_auto", "unresolved"]

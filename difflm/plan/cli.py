@@ -30,11 +30,10 @@ def active_params(cfg) -> int:
 
     import torch
 
-    m = cfg.model.copy()
-    resolve_model_config(m, int(cfg.model.vocab_size))
     from difflm.model.auto_kernels import cpu_kernels
 
-    m = cpu_kernels(m, keep_explicit=False)
+    m = cpu_kernels(cfg.model, keep_explicit=False)  # a copy
+    resolve_model_config(m, int(cfg.model.vocab_size))
     m.compile = False
     model = build_model(m, causal=False, device=torch.device("cpu"), seed=None, meta=True)
     return model.num_params() - moe_inactive_params(m)
