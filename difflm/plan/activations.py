@@ -48,6 +48,13 @@ class KernelSet:
             the value heads in place, so no dense ``v`` is saved).
         fused_experts: the MoE experts on quack's grouped GEMMs (``model.moe.fused_experts``: SwiGLU and the
             ``main_grad`` accumulation in their epilogues).
+        fp8_experts: the MoE experts' forward and input-gradient GEMMs in FP8 (``model.moe.fp8_experts`` under
+            ``precision=fp8``: :class:`difflm.model.grouped_experts.GroupedSwiGLUFP8`, with eager row-wise
+            quantisation and per-expert padding).
+        fused_cross_entropy: TE's fused cross-entropy at the loss (``model.fused_cross_entropy``), which runs under
+            either kernel set wherever Transformer Engine is installed
+            (:func:`difflm.objectives.cross_entropy.token_cross_entropy`); ``model.fused_cross_entropy=false`` plans
+            a machine without it.
     """
 
     backend: str = "torch"
@@ -57,6 +64,8 @@ class KernelSet:
     fp8_recipe: str = "delayed"
     qkv_flash: bool = False
     fused_experts: bool = False
+    fp8_experts: bool = False
+    fused_cross_entropy: bool = False
 
     def describe(self) -> str:
         """One line: ``te kernels, flash attention (FA4 over the QKV output), quack fused MLP, FP8 (delayed)``."""
@@ -66,8 +75,12 @@ class KernelSet:
             parts.append("quack fused MLP")
         if self.fused_experts:
             parts.append("quack fused experts")
+        if self.fp8_experts:
+            parts.append("FP8 experts")
         if self.fp8:
             parts.append(f"FP8 ({self.fp8_recipe})")
+        if self.fused_cross_entropy:
+            parts.append("TE fused cross-entropy")
         return ", ".join(parts)
 
 
@@ -103,11 +116,13 @@ def kernel_set(cfg, layout) -> KernelSet:
                  and head_dim % 8 == 0 and float(m.get("partial_rotary_factor", 1.0) or 1.0) == 1.0)
     fp8 = te and cfg.precision.name == "fp8"
     moe = m.get("moe")
-    fused_experts = te and moe is not None and int(moe.get("num_experts", 0) or 0) > 0 and \
-        _flag(moe.get("fused_experts", False))
+    has_experts = moe is not None and int(moe.get("num_experts", 0) or 0) > 0
+    fused_experts = te and has_experts and _flag(moe.get("fused_experts", False))
+    fp8_experts = fp8 and has_experts and _flag(moe.get("fp8_experts", False))
     return KernelSet(backend=backend, attention=attention, fused_mlp=te and _flag(m.get("fused_mlp", False)),
                      fp8=fp8, fp8_recipe=str(cfg.precision.get("fp8_recipe", "delayed")) if fp8 else "delayed",
-                     qkv_flash=qkv_flash, fused_experts=fused_experts)
+                     qkv_flash=qkv_flash, fused_experts=fused_experts, fp8_experts=fp8_experts,
+                     fused_cross_entropy=_flag(m.get("fused_cross_entropy", True)))
 
 
 def mlp_width(model_cfg) -> int:

@@ -250,7 +250,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
         logits = 0.0
         if s == layout.pp - 1:
             rows = layout.micro_batch * data_seq / layout.cp * fraction
-            fused = bool(m.get("fused_cross_entropy", True)) and kernels.backend == "te"
+            fused = kernels.fused_cross_entropy
             # fused: the gradient overwrites the logits; unfused: the logits, the FP32 log-probabilities, their
             # gradient and the FP32 logits' gradient at the log-softmax backward
             logits = rows * vocab / layout.tp * (act_bytes if fused else act_bytes + 12)

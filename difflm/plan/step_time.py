@@ -114,7 +114,9 @@ def _moe_parts(cfg, kernels: KernelSet, layout: Layout, micro_tokens: float, blo
     return {"grouped gemm": experts / grouped_gemm_rate(rates, rows),
             "moe routing": router + block_tokens * moved["routing"] * again / hbm,
             "moe permutation": block_tokens * moved["permutation"] * again / hbm,
-            "moe swiglu": block_tokens * moved["swiglu"] * again / hbm}
+            "moe swiglu": block_tokens * moved["swiglu"] * again / hbm,
+            **({"moe fp8 experts": block_tokens * moved["fp8 experts"] * again / hbm} if "fp8 experts" in moved
+               else {})}
 
 
 def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, stage_elems: list[int],
@@ -199,7 +201,7 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     plan.compute["weights"] = weights / hbm
     plan.compute["optimizer"] = OPTIMIZER_BYTES * stage_elems[stage] / hbm
     if stage == layout.pp - 1 or params is None:
-        fused = bool(m.get("fused_cross_entropy", True)) and kernels.backend == "te"
+        fused = kernels.fused_cross_entropy
         loss_rows = tokens_rank * rows / layout.cp  # the head's rows on this rank, every micro-batch
         plan.compute["loss"] = loss_rows * loss_bytes_per_row(vocab, act_bytes, fused) / layout.tp / hbm
     main_grad = accumulates_in_main_grad(cfg, kernels, layout)

@@ -13,7 +13,9 @@ time and no memory; the tests run reduced depths.
 The fake tensors live on the CPU (a CPU build of torch cannot run autograd on fake CUDA tensors), so the step runs
 the CPU's kernels of the same operators: ``torch.autocast("cpu", bfloat16)``, whose casts and cache follow CUDA's
 for the GEMMs and norms; SDPA's CPU flash kernel, which saves what CUDA's flash / cuDNN kernels save (the output and
-an FP32 log-sum-exp per row); the unfused cross-entropy (TE's fused kernel needs CUDA). Not traced: ``precision=fp8`` and ``model.backend=te``
+an FP32 log-sum-exp per row); TE's fused cross-entropy as a twin that keeps what it keeps (the logits, whose
+gradient it writes in place, and two FP32 statistics a row) where ``model.fused_cross_entropy`` is on, else the
+unfused one. Not traced: ``precision=fp8`` and ``model.backend=te``
 (Transformer Engine's modules need a GPU), mixtures of experts (the routing's counts are data), the CUDA allocator's rounding (512 bytes a block), its fragmentation and kernel workspaces (cuBLAS, cuDNN), which
 ``torch.cuda.max_memory_allocated`` partly counts.
 """
@@ -88,6 +90,45 @@ def _qkv_twin_backward(gq, gk, gv, qkv, cos, sin, q_weight, k_weight, *dims, dqk
     return (qkv.new_empty(qkv.shape) if dqkv is None else dqkv,
             None if q_weight is None else torch.empty_like(q_weight),
             None if k_weight is None else torch.empty_like(k_weight))
+
+
+class _FusedCrossEntropyTwin(torch.autograd.Function):
+    """Shape-only twin of TE's ``parallel_cross_entropy`` with ``overwrite_input`` (what
+    :func:`difflm.objectives.cross_entropy.token_cross_entropy` runs in a training step): [1, N, V] logits ->
+    [1, N] FP32 losses; it keeps the logits and the rows' max and sum of exponentials (FP32) and writes the gradient
+    into the logits, so its backward allocates nothing [N, V]."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        stats = logits.new_empty(logits.shape[:-1] + (2,), dtype=torch.float32)
+        ctx.save_for_backward(logits, stats)
+        return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, _ = ctx.saved_tensors
+        return logits, None
+
+
+def _fused_cross_entropy_twin(logits, targets, overwrite_input: bool = False, **_):
+    if not overwrite_input:  # TE keeps its own copy of the logits for the gradient
+        logits = logits.clone()
+    return _FusedCrossEntropyTwin.apply(logits, targets)
+
+
+@contextlib.contextmanager
+def fused_cross_entropy_twin():
+    """:func:`difflm.objectives.cross_entropy.token_cross_entropy` takes TE's fused path, run by
+    :class:`_FusedCrossEntropyTwin`, on the CPU's fake tensors."""
+    from difflm.objectives import cross_entropy
+
+    saved = (cross_entropy.fused_cross_entropy_available, cross_entropy._te_cross_entropy)
+    cross_entropy.fused_cross_entropy_available = lambda logits: logits.dim() == 2 and logits.shape[0] > 0
+    cross_entropy._te_cross_entropy = lambda: _fused_cross_entropy_twin
+    try:
+        yield
+    finally:
+        cross_entropy.fused_cross_entropy_available, cross_entropy._te_cross_entropy = saved
 
 
 @contextlib.contextmanager
@@ -216,13 +257,14 @@ def traced_peak(cfg, micro_batch: int | None = None, steps: int = 2, loss_fracti
         optimizer = build_optimizer(model, cfg.optim, torch.device("cuda"))  # fused AdamW, as on a GPU
     tracker = _peak_tracker()
     tracker.track_external(model, optimizer)
-    with mode, tracker, cuda_kernel_twins():
+    fused = bool(cfg.model.get("fused_cross_entropy", True))
+    with mode, tracker, cuda_kernel_twins(), (fused_cross_entropy_twin() if fused else contextlib.nullcontext()):
         for _ in range(steps):
             for _ in range(n_micro):
                 with autocast_context(cfg.precision, torch.device("cpu")):
                     logits = model(batch.input_ids, batch.logits_selector(), **batch.model_kwargs())
                 # logits stay referenced through the backward, as in the trainer's step
-                loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, 1.0, fused=False, consume_logits=True)
+                loss = weighted_ce_sum(logits, batch, cfg.objective.loss_norm, 1.0, fused=fused, consume_logits=True)
                 loss.backward()
                 del logits, loss
                 tracker.reset_mod_stats()
