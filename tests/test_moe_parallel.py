@@ -18,7 +18,7 @@ import torch
 
 from conftest import compose_run
 from test_parallel import assert_same_curve as dense_curve
-from test_parallel import launch, rows
+from test_parallel import launch, rows, train_here
 
 MOE = [
     "model=moe-tiny", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -36,6 +36,9 @@ def work(tmp_path_factory) -> Path:
 
 
 def run(nproc: int, run_dir: Path, work: Path, *overrides: str):
+    """A ``torchrun`` launch of ``nproc`` ranks, or for one process the run in this process (``train_here``)."""
+    if nproc == 1:
+        return train_here(run_dir, work / "cache", *overrides, common=MOE)
     return launch(nproc, run_dir, work / "cache", *overrides, common=MOE)
 
 

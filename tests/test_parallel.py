@@ -49,6 +49,17 @@ def launch(nproc: int, run_dir: Path, cache: Path, *overrides: str, cwd: Path | 
     return out
 
 
+def train_here(run_dir: Path, cache: Path, *overrides: str, common: list[str] = COMMON) -> None:
+    """The one-process run of ``difflm-train`` with the ``common`` overrides first, in this process: the checks
+    (``check_run``) and the Trainer the command runs, without a process start. The single-process references are
+    not about the process."""
+    from difflm.config.validate import check_run
+    from difflm.training.trainer import Trainer
+
+    cfg = compose_run([*common, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides], auto=True)
+    Trainer(cfg, run_dir, check_run(cfg)).fit()
+
+
 def rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if r.get("loss") is not None}
@@ -71,7 +82,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(work) -> dict[int, dict]:
     """One process, 4 steps, checkpoints at steps 2 and 4 (also the data cache every launch shares)."""
-    launch(1, work / "single", work / "cache", "train.max_steps=4", "train.save_every=2")
+    train_here(work / "single", work / "cache", "train.max_steps=4", "train.save_every=2")
     got = rows(work / "single")
     assert sorted(got) == [1, 2, 3, 4]
     return got
@@ -114,7 +125,7 @@ def test_end_of_training_samples_under_sequence_parallelism(work, tmp_path):
     shards must be equal. The trainer pads each sampler call to a multiple of parallel.tp: the samples are the
     one-process run's, token for token."""
     ar = ["objective=ar", "train.max_steps=1", "train.save_every=0", "logger.num_samples=2", "gen.length=5"]
-    launch(1, tmp_path / "single", work / "cache", *ar)
+    train_here(tmp_path / "single", work / "cache", *ar)
     launch(2, tmp_path / "tp2", work / "cache", *ar, "parallel=tp2")
     single = (tmp_path / "single" / "samples.txt").read_text()
     assert single.count("--- step 1 sample") == 2
@@ -138,7 +149,7 @@ def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
 def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
     """Pipeline stages carry BD3-LM's block-causal mask and repeated positions (shared by all micro-batches)."""
     bd3lm = ["objective=bd3lm", "objective.block_size=8", "train.max_steps=2", "train.save_every=0"]
-    launch(1, tmp_path / "single", work / "cache", *bd3lm)
+    train_here(tmp_path / "single", work / "cache", *bd3lm)
     launch(2, tmp_path / "pp2", work / "cache", *bd3lm, "parallel=pp2")
     assert_same_curve(tmp_path / "pp2", rows(tmp_path / "single"), [1, 2])
 
@@ -219,7 +230,7 @@ def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
     sft = ["objective=sft", "objective.loss_norm=token", f"data.path={pairs}", "data.prompt_field=prompt",
            "data.response_field=response", "data.valid_fraction=0", "train.max_steps=2", "train.save_every=0"]
     if not (work / "sft_single" / "metrics.jsonl").exists():
-        launch(1, work / "sft_single", work / "sft_cache", *sft, "train.micro_batch_size=8")
+        train_here(work / "sft_single", work / "sft_cache", *sft, "train.micro_batch_size=8")
     run_dir = work / f"sft_{overrides[0].split('=')[1]}"
     launch(2, run_dir, work / "sft_cache", *sft, *overrides)
     assert_same_curve(run_dir, rows(work / "sft_single"), [1, 2])
