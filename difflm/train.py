@@ -19,7 +19,6 @@ from difflm.errors import DifflmError
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
 from difflm.training.preemption import EXIT_REQUEUE, exit_status, request_slurm_requeue
-from difflm.training.trainer import Trainer
 
 
 def run_dir_of_job(cfg) -> str:
@@ -43,6 +42,10 @@ def _main(cfg) -> None:
         print(f"difflm: {cfg.model.auto_reason}", flush=True)  # what model.*=auto chose, before anything is built
     if cfg.train.get("auto_batch_reason") and launch_env()["rank"] == 0:
         print(f"difflm: {cfg.train.auto_batch_reason}", flush=True)  # train.micro_batch_size=auto's plan
+    # The trainer (model, data, optimizer, DTensor) is imported once the run has passed its checks: a --help or a
+    # refused config exits without paying for it.
+    from difflm.training.trainer import Trainer
+
     if world_size > 1:
         device = init_distributed(device, timeout_s=cfg.train.collective_timeout)
     try:

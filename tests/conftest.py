@@ -27,8 +27,8 @@ if XDIST_WORKER:
 # The files that take longest (process launches, end-to-end CLI runs; measured in docs/testing.md), started first so
 # that the workers of `--dist loadfile` end together rather than one waiting on a long file begun last.
 LONGEST_FIRST = [
-    "test_operations.py", "test_parallel.py", "test_end_to_end.py", "test_moe_parallel.py", "test_posttrain_layouts.py",
-    "test_eval.py", "test_cli.py", "test_preprocess.py", "test_llada_interop.py", "test_rl_learning.py",
+    "test_operations.py", "test_end_to_end.py", "test_parallel.py", "test_posttrain_layouts.py", "test_moe_parallel.py",
+    "test_rl_learning.py", "test_eval.py", "test_cli.py", "test_preprocess.py", "test_llada_interop.py",
     "test_checkpoint.py", "test_plan.py", "test_lifecycle.py", "test_materialize.py", "test_benchmark.py",
     "test_config.py", "test_eval_harness.py", "test_lora.py", "test_hf_interop.py", "test_layout_check.py",
     "test_slurm.py", "test_command_line_errors.py", "test_megadlms_baseline.py", "test_adaptation.py",

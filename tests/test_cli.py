@@ -46,8 +46,8 @@ def test_prompt_is_the_text_as_typed(typed):
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_a_bad_interpolation_is_one_line():
-    out = run_cli("difflm.generate", "run.dir=nowhere", "prompt=${nokey}", timeout=120)
+def test_a_bad_interpolation_is_one_line(cli_runs):
+    out = cli_runs["interpolation"]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("difflm: error: Interpolation key 'nokey' not found")
 
@@ -80,9 +80,29 @@ REQUIRED = [("difflm.evaluate", [], "data.path, run.dir are required"),
 
 
 @pytest.fixture(scope="module")
-def required_runs(tmp_path_factory):
-    """Each command line of :data:`REQUIRED`, in a folder of its own, all in one process."""
-    return run_cli_batch([(module, args, tmp_path_factory.mktemp("required")) for module, args, _ in REQUIRED])
+def cli_runs(tmp_path_factory):
+    """The short command lines of this module's process tests, in one process (``run_cli_batch``): :data:`REQUIRED`
+    and :data:`UNKNOWN` (a folder each), a bad interpolation, a mistyped key and a correct ``--cfg job`` line.
+    Returns {"required": [...], "unknown": [(folder, outcome), ...], "interpolation", "mistyped", "correct":
+    (folder, outcome)}."""
+    required = [(module, args, tmp_path_factory.mktemp("required")) for module, args, _ in REQUIRED]
+    folders = [tmp_path_factory.mktemp("unknown") for _ in UNKNOWN]
+    unknown = [(module, [f"run.dir={cwd / 'run'}", *args], cwd) for (module, args, _), cwd in zip(UNKNOWN, folders)]
+    mistyped, correct = tmp_path_factory.mktemp("mistyped"), tmp_path_factory.mktemp("correct")
+    single = [("difflm.generate", ["run.dir=nowhere", "prompt=${nokey}"]),
+              ("difflm.train", ["model.hiden_size=64", f"run.dir={mistyped / 'run'}"]),
+              ("difflm.train", ["--cfg", "job", "model=125m", "model.hidden_size=64", "logger.sample_prompt=a=b",
+                                f"run.dir={correct}"])]
+    outs = run_cli_batch([*required, *unknown, *single])
+    n, m = len(required), len(required) + len(unknown)
+    return {"required": outs[:n], "unknown": list(zip(folders, outs[n:m])), "interpolation": outs[m],
+            "mistyped": (mistyped, outs[m + 1]), "correct": (correct, outs[m + 2])}
+
+
+@pytest.fixture(scope="module")
+def required_runs(cli_runs):
+    """Each command line of :data:`REQUIRED`, in a folder of its own (run in :func:`cli_runs`' process)."""
+    return cli_runs["required"]
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -103,12 +123,10 @@ UNKNOWN = [("difflm.train", ["+train.max_stepz=5"], "+train.max_stepz: train has
 
 
 @pytest.fixture(scope="module")
-def unknown_key_runs(tmp_path_factory):
-    """Each command line of :data:`UNKNOWN` with a run.dir in a folder of its own, all in one process: (folder,
-    outcome)."""
-    folders = [tmp_path_factory.mktemp("unknown") for _ in UNKNOWN]
-    return list(zip(folders, run_cli_batch([(module, [f"run.dir={cwd / 'run'}", *args], cwd)
-                                            for (module, args, _), cwd in zip(UNKNOWN, folders)])))
+def unknown_key_runs(cli_runs):
+    """Each command line of :data:`UNKNOWN` with a run.dir in a folder of its own (run in :func:`cli_runs`'
+    process): (folder, outcome)."""
+    return cli_runs["unknown"]
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -213,8 +231,8 @@ def test_a_mistyped_key_or_preset_is_one_line_before_hydra(module, args, message
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_a_mistyped_key_on_the_command_line_is_all_that_is_printed(tmp_path):
-    out = run_cli("difflm.train", "model.hiden_size=64", f"run.dir={tmp_path / 'run'}", timeout=120)
+def test_a_mistyped_key_on_the_command_line_is_all_that_is_printed(cli_runs):
+    tmp_path, out = cli_runs["mistyped"]
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == ("difflm: error: model.hiden_size is not a config key; did you mean model.hidden_size? "
                           "(difflm-train --cfg job prints every key)\n")  # not Hydra's "use +model.hiden_size=64"
@@ -238,9 +256,8 @@ def test_command_lines_with_known_keys_and_presets_pass(config_name, argv):
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_a_correct_command_line_reaches_hydra_unchanged(tmp_path):
-    out = run_cli("difflm.train", "--cfg", "job", "model=125m", "model.hidden_size=64", "logger.sample_prompt=a=b",
-                  f"run.dir={tmp_path}", timeout=120)
+def test_a_correct_command_line_reaches_hydra_unchanged(cli_runs):
+    _, out = cli_runs["correct"]
     assert out.returncode == 0, out.stderr[-2000:]
     assert "  hidden_size: 64\n" in out.stdout and "  sample_prompt: a=b\n" in out.stdout
 

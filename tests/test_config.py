@@ -8,7 +8,7 @@ import difflm.config
 from difflm.config.validate import check_batch, check_run
 from difflm.errors import DifflmError
 
-from conftest import compose_run, run_cli
+from conftest import compose_run, run_cli_batch
 
 GROUPS = {
     group: sorted(p.stem for p in (difflm.config.CONF_DIR / group).glob("*.yaml"))
@@ -208,10 +208,23 @@ def test_a_relation_of_two_keys_traces_the_one_a_preset_set():
                          "command line to change it)")
 
 
+@pytest.fixture(scope="module")
+def train_lines(tmp_path_factory):
+    """The difflm-train command lines of this module's process tests, in one process (``run_cli_batch``), each with
+    a folder of its own: name -> (folder, CompletedProcess)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("shift_logits", "cfg_job", "typo", "recipe")}
+    calls = {"shift_logits": ["objective=ar", "model.shift_logits=true", f"run.dir={folders['shift_logits'] / 'run'}"],
+             "cfg_job": ["--cfg", "job", "model=1.7b"],
+             "typo": ["model.num_layer=3"],
+             "recipe": ["experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused"]}
+    outs = run_cli_batch([("difflm.train", args, folders[name]) for name, args in calls.items()])
+    return {name: (folders[name], out) for name, out in zip(calls, outs)}
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_ar_with_shift_logits_is_one_line_exit_2(tmp_path):
+def test_ar_with_shift_logits_is_one_line_exit_2(train_lines):
     """A fault report: ``objective=ar model.shift_logits=true`` trained (exit 0) though difflm-import refuses it."""
-    out = run_cli("difflm.train", "objective=ar", "model.shift_logits=true", f"run.dir={tmp_path / 'run'}", timeout=120)
+    tmp_path, out = train_lines["shift_logits"]
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("difflm: error: model.shift_logits=true"), lines
@@ -239,15 +252,15 @@ def test_accumulation_steps():
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_cfg_job_prints_composed_run():
-    out = run_cli("difflm.train", "--cfg", "job", "model=1.7b", timeout=120)
+def test_cfg_job_prints_composed_run(train_lines):
+    _, out = train_lines["cfg_job"]
     assert out.returncode == 0, out.stderr
     assert "num_layers: 28" in out.stdout and "hidden_size: 2048" in out.stdout
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_cli_typo_is_one_line_without_traceback():
-    out = run_cli("difflm.train", "model.num_layer=3", timeout=120)
+def test_cli_typo_is_one_line_without_traceback(train_lines):
+    _, out = train_lines["typo"]
     assert out.returncode != 0
     assert "num_layer" in out.stderr and "Traceback" not in out.stderr
 
@@ -362,7 +375,7 @@ def test_a_tiny_valid_fraction_still_evaluates_one_window_and_zero_is_refused_by
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
+def test_errors_name_the_recipe_or_preset_that_set_a_value(train_lines):
     """``experiment=megadlm_1.7b model=tiny``: num_kv_heads=16 comes from the recipe and num_heads=4 from the tiny
     preset; the error said neither. Sources come from Hydra's defaults list; a key typed on the command line is the
     user's own and is not annotated."""
@@ -370,8 +383,6 @@ def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
 
     import difflm.config
     from difflm.config.provenance import key_sources, name_sources
-    from tests.conftest import run_cli
-
     message = "model.num_kv_heads=16 does not divide model.num_heads=4: pick a divisor"
     with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
         sources = key_sources("train", ["experiment=megadlm_1.7b", "model=tiny"])
@@ -386,7 +397,6 @@ def test_errors_name_the_recipe_or_preset_that_set_a_value(tmp_path):
         "model.num_heads is set by model=tiny in conf/model/tiny.yaml: pass the key on the command line to change it)")
     assert "run.dir" not in sources
     assert name_sources("run.dir=x is not writable", sources) == "run.dir=x is not writable"
-    res = run_cli("difflm.train", "experiment=megadlm_1.7b", "model=tiny", "data.path=x.txt", "run.dir=unused",
-                  cwd=tmp_path)
+    _, res = train_lines["recipe"]
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "model.num_kv_heads is set by experiment=megadlm_1.7b in conf/experiment/megadlm_1.7b.yaml" in res.stderr

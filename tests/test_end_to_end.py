@@ -39,61 +39,78 @@ def test_training_lowers_val_nelbo(trained_run):
 
 
 GREEDY = ("prompt=ROMEO:", "gen.length=24", "gen.steps=12", "gen.block_length=12", "device=cpu")
+PROMPT = "ROMEO: my lord, (aside) [to JULIET]"  # a comma, brackets and a colon: no Hydra quoting needed
 
 
 @pytest.fixture(scope="module")
-def greedy(trained_run):
-    """difflm-generate's greedy text of the trained run (:data:`GREEDY`), which the tests below reproduce."""
-    run_dir, _ = trained_run
-    out = run_cli("difflm.generate", f"run.dir={run_dir}", *GREEDY, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-def test_generate_prints_decodable_continuation(trained_run, greedy):
-    run_dir, _ = trained_run
-    # after 60 steps a tiny model's greedy continuation is mostly "\n", the corpus' most frequent token: count
-    # what was printed after the prompt (24 decoded tokens), not what survives str.strip()
-    text = greedy.removesuffix("\n")
-    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:") + 10, repr(greedy)
-    again = run_cli("difflm.generate", f"run.dir={run_dir}", *GREEDY, "gen.remasking=low_confidence", timeout=300)
-    assert again.stdout == greedy  # temperature 0 is deterministic, and low_confidence is the default
-    rnd = run_cli("difflm.generate", f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=24", "gen.steps=24",
-                  "gen.block_length=8", "gen.remasking=random", "gen.temperature=1.0", "step=30", timeout=300)
-    assert rnd.returncode == 0 and rnd.stdout.startswith("ROMEO:")
-
-
-def test_generate_from_a_te_run_on_cpu_with_torch_kernels(trained_run, greedy, tmp_path):
-    """A run trained with model.backend=te on a GPU samples on a CPU: when ``auto`` chose TE (model.auto_reason names
-    model.backend) the CPU's kernels are chosen again; when TE was set by hand, kernels.backend=torch is needed and
-    the refusal names it. Both give the torch run's text."""
+def generated(trained_run, tmp_path_factory):
+    """Every ``difflm-generate`` command line of the tests below on the trained run, in one process
+    (``run_cli_batch``; each call seeds its own generator): name -> CompletedProcess. Beside the run itself, two
+    copies of it trained "with model.backend=te": one where ``auto`` chose TE (``chosen``), one where TE was set by
+    hand (``by_hand``)."""
     import shutil
 
     run_dir, _ = trained_run
-    chosen, by_hand = tmp_path / "auto_te", tmp_path / "hand_te"
+    root = tmp_path_factory.mktemp("generate")
+    chosen, by_hand = root / "auto_te", root / "hand_te"
     for te_run in (chosen, by_hand):
         shutil.copytree(run_dir, te_run, ignore=shutil.ignore_patterns("data_cache"))
         rewrite_run_settings(te_run, "backend: torch", "backend: te")
     rewrite_run_settings(by_hand, "kernels auto on cpu: model.backend=torch", "kernels auto on cpu: (backend given)")
-    again = run_cli("difflm.generate", f"run.dir={chosen}", *GREEDY, timeout=300)
+    (root / "prompt.txt").write_text(PROMPT + "\n", encoding="utf-8")
+    # sampled (seeded: the two prompt runs agree): the 60-step model's greedy continuation is newlines, which
+    # str.strip() drops
+    sampled = (f"run.dir={run_dir}", "gen.length=8", "gen.steps=8", "gen.block_length=8", "gen.temperature=1.0")
+    calls = {
+        "greedy": [f"run.dir={run_dir}", *GREEDY],
+        "low_confidence": [f"run.dir={run_dir}", *GREEDY, "gen.remasking=low_confidence"],
+        "random": [f"run.dir={run_dir}", "prompt=ROMEO:", "gen.length=24", "gen.steps=24", "gen.block_length=8",
+                   "gen.remasking=random", "gen.temperature=1.0", "step=30"],
+        "auto_te": [f"run.dir={chosen}", *GREEDY],
+        "hand_te": [f"run.dir={by_hand}", *GREEDY],
+        "hand_te_torch": [f"run.dir={by_hand}", *GREEDY, "kernels.backend=torch"],
+        "prompt": [*sampled, f"prompt={PROMPT}"],
+        "prompt_file": [*sampled, f"prompt_file={root / 'prompt.txt'}"],
+    }
+    return dict(zip(calls, run_cli_batch([("difflm.generate", args) for args in calls.values()], timeout=600)))
+
+
+@pytest.fixture(scope="module")
+def greedy(generated):
+    """difflm-generate's greedy text of the trained run (:data:`GREEDY`), which the tests below reproduce."""
+    out = generated["greedy"]
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_generate_prints_decodable_continuation(generated, greedy):
+    # after 60 steps a tiny model's greedy continuation is mostly "\n", the corpus' most frequent token: count
+    # what was printed after the prompt (24 decoded tokens), not what survives str.strip()
+    text = greedy.removesuffix("\n")
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:") + 10, repr(greedy)
+    again = generated["low_confidence"]
+    assert again.stdout == greedy  # temperature 0 is deterministic, and low_confidence is the default
+    rnd = generated["random"]
+    assert rnd.returncode == 0 and rnd.stdout.startswith("ROMEO:")
+
+
+def test_generate_from_a_te_run_on_cpu_with_torch_kernels(generated, greedy):
+    """A run trained with model.backend=te on a GPU samples on a CPU: when ``auto`` chose TE (model.auto_reason names
+    model.backend) the CPU's kernels are chosen again; when TE was set by hand, kernels.backend=torch is needed and
+    the refusal names it. Both give the torch run's text."""
+    again = generated["auto_te"]
     assert again.returncode == 0 and again.stdout == greedy, again.stderr[-2000:]
-    refused = run_cli("difflm.generate", f"run.dir={by_hand}", *GREEDY, timeout=300)
+    refused = generated["hand_te"]
     assert refused.returncode == 2 and "kernels.backend=torch" in refused.stderr
-    out = run_cli("difflm.generate", f"run.dir={by_hand}", *GREEDY, "kernels.backend=torch", timeout=300)
+    out = generated["hand_te_torch"]
     assert out.returncode == 0 and out.stdout == greedy, out.stderr[-2000:]
 
 
-def test_generate_takes_any_prompt_text_and_prompt_file(trained_run, tmp_path):
-    run_dir, _ = trained_run
-    prompt = "ROMEO: my lord, (aside) [to JULIET]"  # a comma, brackets and a colon: no Hydra quoting needed
-    # sampled (seeded: the two runs below agree): the 60-step model's greedy continuation is newlines, which
-    # str.strip() drops
-    args = (f"run.dir={run_dir}", "gen.length=8", "gen.steps=8", "gen.block_length=8", "gen.temperature=1.0")
-    out = run_cli("difflm.generate", *args, f"prompt={prompt}", timeout=300)
+def test_generate_takes_any_prompt_text_and_prompt_file(generated):
+    out = generated["prompt"]
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(prompt) and len(out.stdout.strip()) > len(prompt)
-    (tmp_path / "prompt.txt").write_text(prompt + "\n", encoding="utf-8")
-    from_file = run_cli("difflm.generate", *args, f"prompt_file={tmp_path / 'prompt.txt'}", timeout=300)
+    assert out.stdout.startswith(PROMPT) and len(out.stdout.strip()) > len(PROMPT)
+    from_file = generated["prompt_file"]
     assert from_file.returncode == 0 and from_file.stdout == out.stdout
 
 
@@ -115,25 +132,45 @@ MISTAKES = [
 ]
 
 
+def latin1_cases(root):
+    """difflm-train's data on a Latin-1 text file and on Latin-1 SFT JSONL: (overrides, file, offset of the bad
+    byte)."""
+    bad = root / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    pairs = root / "pairs.jsonl"
+    pairs.write_bytes(b'{"q": "caf\xe9", "a": "x"}\n')
+    return (([f"data.path={bad}"], bad, 3),
+            (["objective=sft", f"data.path={pairs}", "data.prompt_field=q", "data.response_field=a"], pairs, 10))
+
+
 @pytest.fixture(scope="module")
-def mistakes(tmp_path_factory):
-    """difflm-train on each command line of :data:`MISTAKES` (a run.dir each), in one process."""
-    root = tmp_path_factory.mktemp("mistakes")
-    return run_cli_batch([("difflm.train", [*args, f"run.dir={root / str(i)}", "train.max_steps=1"])
-                          for i, (args, _) in enumerate(MISTAKES)])
+def refusals(tmp_path_factory):
+    """The refused command lines of this module, in one process (``run_cli_batch``): difflm-train on each line of
+    :data:`MISTAKES` (a run.dir each) and on :func:`latin1_cases`, difflm-generate on a folder without a run.
+    Returns {"mistakes": [...], "latin1": (cases, [...]), "no_run": CompletedProcess}."""
+    root = tmp_path_factory.mktemp("refusals")
+    cases = latin1_cases(root)
+    calls = [("difflm.train", [*args, f"run.dir={root / str(i)}", "train.max_steps=1"])
+             for i, (args, _) in enumerate(MISTAKES)]
+    calls += [("difflm.train", [*args, f"run.dir={root / 'r'}", "train.max_steps=1", "device=cpu"])
+              for args, _, _ in cases]
+    (root / "empty").mkdir()
+    calls.append(("difflm.generate", [f"run.dir={root / 'empty'}", "prompt=hi"]))
+    outs = run_cli_batch(calls)
+    return {"mistakes": outs[:len(MISTAKES)], "latin1": (cases, outs[len(MISTAKES):-1]), "no_run": outs[-1]}
 
 
 @pytest.mark.parametrize("args,needle", MISTAKES)
-def test_user_mistakes_end_in_one_line(args, needle, mistakes):
-    out = mistakes[MISTAKES.index((args, needle))]
+def test_user_mistakes_end_in_one_line(args, needle, refusals):
+    out = refusals["mistakes"][MISTAKES.index((args, needle))]
     assert out.returncode == 2, out.stderr[-2000:]
     err = out.stderr.strip().splitlines()
     assert "Traceback" not in out.stderr
     assert err[-1].startswith("difflm: error: ") and needle in err[-1]
 
 
-def test_generate_without_run_is_one_line(tmp_path):
-    out = run_cli("difflm.generate", f"run.dir={tmp_path}", "prompt=hi", timeout=120)
+def test_generate_without_run_is_one_line(refusals):
+    out = refusals["no_run"]
     assert out.returncode == 2 and "run.dir=" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -149,16 +186,9 @@ def test_multirun_gives_one_run_dir_per_job(tmp_path):
         assert f"lr: {lr}" in (job_dir / "config.yaml").read_text()
 
 
-def test_data_that_is_not_utf8_is_one_line(tmp_path):
+def test_data_that_is_not_utf8_is_one_line(refusals):
     """A fault report: difflm-train on a Latin-1 text file and on Latin-1 SFT JSONL: one line naming the file."""
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes(b"caf\xe9\n")
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_bytes(b'{"q": "caf\xe9", "a": "x"}\n')
-    cases = (([f"data.path={bad}"], bad, 3),
-             (["objective=sft", f"data.path={pairs}", "data.prompt_field=q", "data.response_field=a"], pairs, 10))
-    outs = run_cli_batch([("difflm.train", [*args, f"run.dir={tmp_path / 'r'}", "train.max_steps=1", "device=cpu"])
-                          for args, _, _ in cases])
+    cases, outs = refusals["latin1"]
     for (args, path, offset), out in zip(cases, outs):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert out.stderr.strip().splitlines()[-1].startswith(

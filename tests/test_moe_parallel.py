@@ -2,23 +2,24 @@
 loss curve under ep2 (2 ranks), ep2 x dp2 (4 ranks: FSDP over dp_shard=4, experts over ep=2 x efsdp=2),
 ep2 x tp2 (4 ranks) and pp2 as in one process, and its checkpoints reshard ep2 -> single -> ep2.
 
-Same pattern as tests/test_parallel.py (one ``torchrun`` launch per layout, a single-process reference computed
-once). Losses and the MoE metrics agree to 1e-5 relative over 10 steps; gradient norms to 2e-4: each
+Same pattern as tests/test_parallel.py (the single-process reference computed once, in the test's process; the
+2-rank runs in one spawn of 2 ranks; the 4-rank layouts and the ep2 resume one ``torchrun`` launch each). Losses and the MoE metrics agree to 1e-5 relative over 10 steps; gradient norms to 2e-4: each
 parameter's gradient norm agrees (compared in FP64, tensor by tensor), but the reference's own FP32 global norm is
 9e-5 below the FP64 value at step 1 (two 50k x 64 embedding/LM-head gradients summed on the CPU), which the
 sharded norms of the other layouts do not reproduce bit for bit.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import compose_run
+from conftest import compose_run, spawn_ranks
 from test_parallel import assert_same_curve as dense_curve
-from test_parallel import launch, rows
+from test_parallel import _two_rank_worker, launch, rows, train_here
 
 MOE = [
     "model=moe-tiny", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -36,6 +37,9 @@ def work(tmp_path_factory) -> Path:
 
 
 def run(nproc: int, run_dir: Path, work: Path, *overrides: str):
+    """A ``torchrun`` launch of ``nproc`` ranks, or for one process the run in this process (``train_here``)."""
+    if nproc == 1:
+        return train_here(run_dir, work / "cache", *overrides, common=MOE)
     return launch(nproc, run_dir, work / "cache", *overrides, common=MOE)
 
 
@@ -49,6 +53,25 @@ def reference(work) -> dict[int, dict]:
     return got
 
 
+LLADA2 = ["model=llada2-tiny", "train.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(work) -> Path:
+    """The 2-rank runs this module's tests compare with one process, in one spawn of 2 ranks (the way of
+    ``test_parallel.two_rank_runs``: the ranks start once): ``ep2`` (10 steps, checkpoints every 5), ``pp2`` (4
+    steps) and ``llada2_ep2`` (``model=llada2-tiny`` under ep2, 3 steps). Returns their folder."""
+    root = work / "two_ranks"
+    root.mkdir()
+    runs = {"ep2": ["parallel=ep2", f"train.max_steps={STEPS}", "train.save_every=5"],
+            "pp2": ["parallel=pp2", "train.max_steps=4", "train.save_every=0"],
+            "llada2_ep2": [*LLADA2, "parallel=ep2"]}
+    (root / "spec.json").write_text(json.dumps([[str(root / name), [*MOE, f"data.cache_dir={work / 'cache'}",
+                                                                    *overrides]] for name, overrides in runs.items()]))
+    spawn_ranks(_two_rank_worker, 2, root)
+    return root
+
+
 def assert_same_curve(run_dir: Path, reference: dict[int, dict], steps) -> None:
     """test_parallel's loss and grad-norm check at this module's tolerances, plus the MoE metrics."""
     dense_curve(run_dir, reference, steps, loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL)
@@ -59,9 +82,8 @@ def assert_same_curve(run_dir: Path, reference: dict[int, dict], steps) -> None:
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_ep2_matches_single_process(work, reference):
-    run(2, work / "ep2", work, "parallel=ep2", f"train.max_steps={STEPS}", "train.save_every=5")
-    assert_same_curve(work / "ep2", reference, range(1, STEPS + 1))
+def test_ep2_matches_single_process(reference, two_rank_runs):
+    assert_same_curve(two_rank_runs / "ep2", reference, range(1, STEPS + 1))
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -79,21 +101,18 @@ def test_ep2_tp2_matches_single_process(work, reference):
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_pp2_matches_single_process(work, reference):
+def test_pp2_matches_single_process(reference, two_rank_runs):
     """2 pipeline stages of one MoE block each: the stages' shape-inference forwards must not count as training
     forwards (routing statistics, aux-free bias)."""
-    run(2, work / "pp2", work, "parallel=pp2", "train.max_steps=4", "train.save_every=0")
-    assert_same_curve(work / "pp2", reference, range(1, 5))
+    assert_same_curve(two_rank_runs / "pp2", reference, range(1, 5))
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_resharded_resume_ep2_to_single_to_ep2(work, reference):
+def test_resharded_resume_ep2_to_single_to_ep2(work, reference, two_rank_runs):
     """ep2's step-5 checkpoint resumes in one process (steps 6-10, saved at 7); its step 7 resumes under ep2 (8-10)."""
     from difflm.training.trainer import Trainer
 
-    src = work / "ep2" / "checkpoints" / "step_5"
-    if not src.exists():
-        pytest.skip("needs test_ep2_matches_single_process")
+    src = two_rank_runs / "ep2" / "checkpoints" / "step_5"
     single = work / "ep2_to_single"
     (single / "checkpoints").mkdir(parents=True)
     shutil.copytree(src, single / "checkpoints" / "step_5")
@@ -123,13 +142,11 @@ def test_all_to_all_reorders_rank_major_to_expert_major():
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_ep2_of_dense_first_block_and_grouped_routing_matches_single_process(work):
+def test_ep2_of_dense_first_block_and_grouped_routing_matches_single_process(work, two_rank_runs):
     """``model=llada2-tiny`` (dense block 0, group-limited sigmoid routing with a moving bias, a shared expert):
     ep2 over 2 ranks follows the one-process curve and MoE metrics for 3 steps."""
     steps = 3
-    preset = ["model=llada2-tiny", f"train.max_steps={steps}"]
-    run(1, work / "llada2_single", work, *preset)
-    run(2, work / "llada2_ep2", work, *preset, "parallel=ep2")
+    run(1, work / "llada2_single", work, *LLADA2)
     reference = rows(work / "llada2_single")
-    assert_same_curve(work / "llada2_ep2", reference, range(1, steps + 1))
+    assert_same_curve(two_rank_runs / "llada2_ep2", reference, range(1, steps + 1))
     assert "moe/load_max_mean/0" not in reference[steps] and reference[steps]["moe/bias_norm"] > 0

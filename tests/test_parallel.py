@@ -1,7 +1,9 @@
 """Parallel layouts (difflm.parallel) on CPU with gloo: every layout trains the same loss curve as one process.
 
 Each layout is one ``torchrun`` launch of ``python -m difflm.train ... device=cpu`` (2 or 4 ranks, a 4-block
-model of width 64, 32-token windows, 3 steps) compared with a single-process reference run computed once.
+model of width 64, 32-token windows, 3 steps) compared with a single-process reference run computed once (in the
+test's process). The 2-rank runs that only compare numbers (BF16 reduction, samples under tp2, BD3-LM and SFT
+under pp2/ddp) share one spawn of 2 ranks that runs them one after the other.
 Losses agree to 1e-5 (relative); gradient norms to 1e-4, because the reference's own FP32 norm of the
 50k x 64 LM-head gradient (``clip_grad_norm_``) carries ~2e-5 of summation error, which a sharded norm does
 not reproduce bit for bit. Resharded resumes: a tp2pp2 checkpoint resumes under fsdp on 4 ranks and in one
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import compose_run
+from conftest import compose_run, spawn_ranks
 from difflm.errors import DifflmError
 
 COMMON = [
@@ -49,6 +51,17 @@ def launch(nproc: int, run_dir: Path, cache: Path, *overrides: str, cwd: Path | 
     return out
 
 
+def train_here(run_dir: Path, cache: Path, *overrides: str, common: list[str] = COMMON) -> None:
+    """The one-process run of ``difflm-train`` with the ``common`` overrides first, in this process: the checks
+    (``check_run``) and the Trainer the command runs, without a process start. The single-process references are
+    not about the process."""
+    from difflm.config.validate import check_run
+    from difflm.training.trainer import Trainer
+
+    cfg = compose_run([*common, f"data.cache_dir={cache}", f"run.dir={run_dir}", *overrides], auto=True)
+    Trainer(cfg, run_dir, check_run(cfg)).fit()
+
+
 def rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if r.get("loss") is not None}
@@ -71,10 +84,59 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(work) -> dict[int, dict]:
     """One process, 4 steps, checkpoints at steps 2 and 4 (also the data cache every launch shares)."""
-    launch(1, work / "single", work / "cache", "train.max_steps=4", "train.save_every=2")
+    train_here(work / "single", work / "cache", "train.max_steps=4", "train.save_every=2")
     got = rows(work / "single")
     assert sorted(got) == [1, 2, 3, 4]
     return got
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A rank of a spawn that runs several layouts' runs (:func:`two_rank_runs`): the runs of ``out/spec.json``
+    ([run.dir, overrides] each) one after the other, each as difflm-train runs it under torchrun (its checks with the
+    launch's world size, then the Trainer), in one process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from difflm.config.validate import check_run
+    from difflm.parallel.distributed import destroy_distributed, init_distributed
+    from difflm.training.trainer import Trainer
+
+    for run_dir, overrides in json.loads(Path(out, "spec.json").read_text()):
+        cfg = compose_run([*overrides, f"run.dir={run_dir}"], auto=True)
+        device = init_distributed(check_run(cfg, world), timeout_s=cfg.train.collective_timeout)
+        Trainer(cfg, run_dir, device).fit()
+    torch.save(None, Path(out, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+SFT = ["objective=sft", "objective.loss_norm=token", "data.prompt_field=prompt", "data.response_field=response",
+       "data.valid_fraction=0", "train.max_steps=2", "train.save_every=0"]
+AR_SAMPLES = ["objective=ar", "train.max_steps=1", "train.save_every=0", "logger.num_samples=2", "gen.length=5"]
+BD3LM = ["objective=bd3lm", "objective.block_size=8", "train.max_steps=2", "train.save_every=0"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(work) -> Path:
+    """The 2-rank runs of the tests below that compare a run's numbers or samples with one process (nothing about
+    the command line or Hydra's files, which the layout tests check on torchrun launches): one spawn of 2 ranks
+    (``spawn_ranks``) runs them one after the other, so the ranks' start (torch, difflm), most of a 3-step run's
+    time, is paid once. Returns their folder: ``bf16_reduce`` (ddp), ``ar_tp2``, ``bd3lm_pp2``, ``sft_ddp``,
+    ``sft_pp2``."""
+    root = work / "two_ranks"
+    root.mkdir()
+    pairs = sft_pairs(work / "pairs.jsonl")
+    runs = [
+        ("bf16_reduce", "cache", ["train.max_steps=3", "train.save_every=0", "parallel=ddp",
+                                  "parallel.reduce_dtype=bf16"]),
+        ("ar_tp2", "cache", [*AR_SAMPLES, "parallel=tp2"]),
+        ("bd3lm_pp2", "cache", [*BD3LM, "parallel=pp2"]),
+        ("sft_ddp", "sft_cache", [*SFT, f"data.path={pairs}", "parallel=ddp"]),
+        ("sft_pp2", "sft_cache", [*SFT, f"data.path={pairs}", "parallel=pp2"]),
+    ]
+    (root / "spec.json").write_text(json.dumps([[str(root / name), [*COMMON, f"data.cache_dir={work / cache}",
+                                                                     *overrides]] for name, cache, overrides in runs]))
+    spawn_ranks(_two_rank_worker, 2, root)
+    return root
 
 
 LAYOUTS = {
@@ -108,26 +170,21 @@ def test_layout_matches_single_process(name, work, reference, tmp_path):
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_end_of_training_samples_under_sequence_parallelism(work, tmp_path):
+def test_end_of_training_samples_under_sequence_parallelism(work, two_rank_runs, tmp_path):
     """A fault report: objective=ar under parallel=tp2 (sequence parallel) trained, saved, then crashed in gloo at
     the end-of-training samples, since left-to-right decoding calls the model at every length and the sequence
     shards must be equal. The trainer pads each sampler call to a multiple of parallel.tp: the samples are the
     one-process run's, token for token."""
-    ar = ["objective=ar", "train.max_steps=1", "train.save_every=0", "logger.num_samples=2", "gen.length=5"]
-    launch(1, tmp_path / "single", work / "cache", *ar)
-    launch(2, tmp_path / "tp2", work / "cache", *ar, "parallel=tp2")
+    train_here(tmp_path / "single", work / "cache", *AR_SAMPLES)
     single = (tmp_path / "single" / "samples.txt").read_text()
     assert single.count("--- step 1 sample") == 2
-    assert (tmp_path / "tp2" / "samples.txt").read_text() == single
+    assert (two_rank_runs / "ar_tp2" / "samples.txt").read_text() == single
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
+def test_bf16_gradient_reduction_stays_close_to_single_process(reference, two_rank_runs):
     """parallel.reduce_dtype=bf16 rounds the summed gradients to BF16 (8 bits of mantissa): the curve moves, a little."""
-    run_dir = work / "ddp_bf16_reduce"
-    launch(2, run_dir, work / "cache", "train.max_steps=3", "train.save_every=0", "parallel=ddp",
-           "parallel.reduce_dtype=bf16")
-    got = rows(run_dir)
+    got = rows(two_rank_runs / "bf16_reduce")
     for s in (1, 2, 3):
         assert got[s]["loss"] == pytest.approx(reference[s]["loss"], rel=1e-3)
         assert got[s]["grad_norm"] == pytest.approx(reference[s]["grad_norm"], rel=2e-2)
@@ -135,12 +192,10 @@ def test_bf16_gradient_reduction_stays_close_to_single_process(work, reference):
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
-def test_bd3lm_under_pp2_matches_single_process(work, tmp_path):
+def test_bd3lm_under_pp2_matches_single_process(work, two_rank_runs, tmp_path):
     """Pipeline stages carry BD3-LM's block-causal mask and repeated positions (shared by all micro-batches)."""
-    bd3lm = ["objective=bd3lm", "objective.block_size=8", "train.max_steps=2", "train.save_every=0"]
-    launch(1, tmp_path / "single", work / "cache", *bd3lm)
-    launch(2, tmp_path / "pp2", work / "cache", *bd3lm, "parallel=pp2")
-    assert_same_curve(tmp_path / "pp2", rows(tmp_path / "single"), [1, 2])
+    train_here(tmp_path / "single", work / "cache", *BD3LM)
+    assert_same_curve(two_rank_runs / "bd3lm_pp2", rows(tmp_path / "single"), [1, 2])
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -212,17 +267,13 @@ def sft_pairs(path: Path) -> Path:
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("overrides", [["parallel=ddp"], ["parallel=pp2"]], ids=["ddp", "pp2"])
-def test_sft_token_loss_is_the_same_under_dp_and_pp(work, overrides):
+def test_sft_token_loss_is_the_same_under_dp_and_pp(work, two_rank_runs, overrides):
     """A fault report: the ``loss_norm=token`` normaliser is the response-token count of the GLOBAL batch on every
     data-parallel rank and pipeline micro-batch, so dp2 and pp2 train the one-process curve of objective=sft."""
-    pairs = sft_pairs(work / "pairs.jsonl")
-    sft = ["objective=sft", "objective.loss_norm=token", f"data.path={pairs}", "data.prompt_field=prompt",
-           "data.response_field=response", "data.valid_fraction=0", "train.max_steps=2", "train.save_every=0"]
     if not (work / "sft_single" / "metrics.jsonl").exists():
-        launch(1, work / "sft_single", work / "sft_cache", *sft, "train.micro_batch_size=8")
-    run_dir = work / f"sft_{overrides[0].split('=')[1]}"
-    launch(2, run_dir, work / "sft_cache", *sft, *overrides)
-    assert_same_curve(run_dir, rows(work / "sft_single"), [1, 2])
+        train_here(work / "sft_single", work / "sft_cache", *SFT, f"data.path={work / 'pairs.jsonl'}",
+                   "train.micro_batch_size=8")
+    assert_same_curve(two_rank_runs / f"sft_{overrides[0].split('=')[1]}", rows(work / "sft_single"), [1, 2])
 
 
 @pytest.mark.slow  # its fixture starts processes: make test-fast leaves it out

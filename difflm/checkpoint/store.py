@@ -27,14 +27,14 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from difflm.checkpoint.manifest import manifest_problem, write_manifest
 from difflm.checkpoint.retention import steps_to_delete
 from difflm.errors import DifflmError
 from difflm.parallel.distributed import barrier, is_distributed, is_rank0
+
+# torch.distributed.checkpoint (with DTensor and sympy under it) is imported inside the functions that save or load:
+# most of a second of start-up that a --help, a refused config or a run that never checkpoints does not pay.
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
@@ -220,6 +220,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
     inside DCP's wrapper is raised as KeyboardInterrupt again.
     """
     from difflm.parallel.tensor_parallel import canonical_state_dict, canonical_layouts
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     root = checkpoints_root(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -332,6 +334,8 @@ def _first_cause(exc: BaseException) -> str:
 def checkpoint_keys(path: Path) -> Optional[set[str]]:
     """The flattened keys of the DCP checkpoint at ``path`` (``model.<name>``, ``optim.<...>``), or None when its
     metadata cannot be read (``dcp.load`` then reports the problem)."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception:  # noqa: BLE001 - a missing/corrupt checkpoint fails with a clear message in dcp.load
@@ -421,6 +425,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
     :func:`save_checkpoint`); the frozen ones are left as they are.
     """
     from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = Path(path)
     if optimizer is not None and not has_optimizer_state(path):
@@ -463,6 +470,9 @@ def load_base_weights(path: Path, model) -> None:
     Raises: DifflmError when ``path`` has no complete checkpoint or its tensors do not match the base model.
     """
     from difflm.parallel.tensor_parallel import finish_canonical_load, canonical_layouts, prepare_canonical_load
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = Path(path)
     if not path.is_dir() or manifest_problem(path) is not None:

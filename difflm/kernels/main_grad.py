@@ -37,8 +37,10 @@ def accumulates_in_main_grad(cfg, *, sharded: bool, pipelined: bool) -> bool:
     ``model.fuse_wgrad_accumulation`` on, no FSDP2 (``sharded``: data or context parallel ranks; its reduce-scatter hooks and the pipeline schedules
     (``pipelined``) read the gradients autograd hands back), no LoRA (frozen weights have no gradient to accumulate)
     and no ``precision.fp8_weights`` (``TEKernels`` leaves it off). ``cfg``: the run config."""
+    if sharded or pipelined:  # first: the planner asks for every weight of every layout it weighs, and the config
+        return False          # keys below cost an OmegaConf lookup each
     lora = cfg.get("lora")
-    return (bool(cfg.model.get("fuse_wgrad_accumulation", True)) and not sharded and not pipelined
+    return (bool(cfg.model.get("fuse_wgrad_accumulation", True))
             and not (lora is not None and int(lora.get("rank", 0) or 0) > 0)
             and not bool(cfg.precision.get("fp8_weights", False)))
 

@@ -293,7 +293,6 @@ def _flat_tokens(*ts):
     return tuple(t.reshape(-1, *t.shape[2:]) for t in ts)
 
 
-@torch.compiler.disable  # an opaque kernel call: a graph break, not traced by dynamo
 def _flash(q, k, v, layout: str, causal: bool, mask, core) -> torch.Tensor:
     found = flash_attn_module()
     if found is None or q.device.type != "cuda":
@@ -323,7 +322,6 @@ def _shared_te_core(num_heads: int, num_kv_heads: int, head_dim: int, causal: bo
                                   qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
 
 
-@torch.compiler.disable
 def _te(q, k, v, layout: str, causal: bool, mask, core) -> torch.Tensor:
     if q.device.type != "cuda":
         _check("te", q.device)
@@ -343,6 +341,16 @@ def _te(q, k, v, layout: str, causal: bool, mask, core) -> torch.Tensor:
 
 
 _KERNELS = {"sdpa": _sdpa, "te": _te, "flash": _flash, "flex": _flex}
+_OPAQUE = {"te": None, "flash": None}  # opaque kernel calls: a graph break under torch.compile, not traced by dynamo
+
+
+def _opaque(backend: str) -> Callable:
+    """``torch.compiler.disable`` of ``backend``'s kernel, made on its first call rather than at import: the
+    decorator imports torch._dynamo (most of a second of a process's start-up), and only CUDA runs call these."""
+    kernel = _OPAQUE[backend]
+    if kernel is None:
+        kernel = _OPAQUE[backend] = torch.compiler.disable(_KERNELS[backend])
+    return kernel
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str = "sdpa",
@@ -365,6 +373,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, b
     kernel = _KERNELS.get(backend)
     if kernel is None:
         _check(backend, q.device)
+    if backend in _OPAQUE:
+        kernel = _opaque(backend)
     mask = prepare_mask(attn_mask, backend)
     causal = causal and attn_mask is None
     if layout == "bhsd":

@@ -180,9 +180,10 @@ def step_weight_bytes(cfg, params, kernels: KernelSet, layout, n_micro: int, sta
     from difflm.plan.shapes import local_numel, stage_of
 
     efsdp = max(layout.fsdp // layout.ep, 1)
+    num_layers = int(cfg.model.num_layers)  # read once: an OmegaConf lookup per weight adds up over a layout search
     total = 0.0
     for p in params:
-        if stage_of(p, int(cfg.model.num_layers), layout.pp) != stage:
+        if stage_of(p, num_layers, layout.pp) != stage:
             continue
         n = local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
         total += weight_bytes(cfg, kernels, layout, p.name, n, n_micro)
