@@ -344,9 +344,11 @@ _KERNELS = {"sdpa": _sdpa, "te": _te, "flash": _flash, "flex": _flex}
 _OPAQUE = {"te": None, "flash": None}  # opaque kernel calls: a graph break under torch.compile, not traced by dynamo
 
 
-def _opaque(backend: str) -> Callable:
-    """``torch.compiler.disable`` of ``backend``'s kernel, made on its first call rather than at import: the
-    decorator imports torch._dynamo (most of a second of a process's start-up), and only CUDA runs call these."""
+def opaque_kernel(backend: str) -> Callable:
+    """``torch.compiler.disable`` of ``backend``'s kernel (``te`` / ``flash``), made when a model that uses it is
+    built (:class:`difflm.model.transformer.Attention`) rather than at import: the decorator imports torch._dynamo
+    (most of a second of a process's start-up), and only CUDA runs call these. Made before any ``torch.compile``
+    traces the model, so dynamo meets a disabled function, never the wrapping."""
     kernel = _OPAQUE[backend]
     if kernel is None:
         kernel = _OPAQUE[backend] = torch.compiler.disable(_KERNELS[backend])
@@ -374,7 +376,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, b
     if kernel is None:
         _check(backend, q.device)
     if backend in _OPAQUE:
-        kernel = _opaque(backend)
+        kernel = opaque_kernel(backend)
     mask = prepare_mask(attn_mask, backend)
     causal = causal and attn_mask is None
     if layout == "bhsd":
@@ -383,4 +385,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, b
 
 
 __all__ = ["ATTENTION_BACKENDS", "CAPABILITIES", "Capabilities", "attend", "attention_unavailable_reason",
-           "backends_with", "flash_attn_func", "flash_attn_module", "prepare_mask", "refuse", "sdpa_priority"]
+           "backends_with", "flash_attn_func", "flash_attn_module", "opaque_kernel", "prepare_mask", "refuse",
+           "sdpa_priority"]
