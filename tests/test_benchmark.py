@@ -106,7 +106,9 @@ def test_benchmark_runs_reference_and_torch_backend_on_cpu(tmp_path, capsys, mon
     assert elapsed < 120, elapsed  # ~15 s on an idle 2-core CI runner; a generous bound for busy ones
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["reference", "torch", "te"]
-    assert list((tmp_path / "tmp").iterdir()) == []  # rows in one process write no log: the folder is gone
+    # rows in one process write no log: the folder is gone (torch's Inductor may put its cache beside it, as it does
+    # in any temporary directory where it is first imported)
+    assert [p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
     ref, ours = rows["reference"], rows["torch"]
     for r in (ref, ours):
         assert "error" not in r, r
@@ -316,12 +318,12 @@ def test_weights_are_seeded_so_rows_and_calls_compare(capsys, tmp_path):
     losses = {r["name"]: r["loss"] for r in first["rows"]}
     assert set(losses) == {"fused", "unfused"} and math.isfinite(losses["fused"])
     assert losses["fused"] == losses["unfused"]
-    assert {r["name"]: r["loss"] for r in bench.main(args)["rows"]} == losses
     assert bench.exit_status(first) == 0
     printed = capsys.readouterr().out
     assert "--- profile: fused (CPU ops; kernel time shares and gpu_busy need CUDA) ---" in printed
     assert "aten::mm" in printed and "kernel time shares {}" not in printed
-    bench.main([*args, "--json", str(tmp_path / "b.json")])
+    # the same command again repeats its losses, and with --json writes the profile beside the table
+    assert {r["name"]: r["loss"] for r in bench.main([*args, "--json", str(tmp_path / "b.json")])["rows"]} == losses
     by_shape = (tmp_path / "b_profile_fused.txt").read_text().split("By operator and input shapes:")[1]
     assert "aten::mm" in by_shape and "[[" in by_shape  # operators listed with their input shapes
 

@@ -4,6 +4,7 @@ step, the parts the CLI prints, and the planned step against every measured sing
 from __future__ import annotations
 
 import collections
+import functools
 import json
 from pathlib import Path
 
@@ -337,13 +338,20 @@ def measured_ms(file: str, where: str, tokens: int) -> float:
     return float(node) if where.endswith("step_ms") else tokens / float(node) * 1e3
 
 
+@functools.lru_cache(maxsize=None)
+def _planned_row(row: str):
+    """The plan of the measured row ``row`` of :data:`ROWS` (composed once for its step and memory tests)."""
+    file, where, gpu, extra = ROWS[row]
+    data = json.loads((RESULTS / file).read_text())
+    base = next(r for r in data if r["name"] == where)["overrides"] if isinstance(data, list) else []
+    return _plan([*base, *extra.split()], gpu)
+
+
 @pytest.mark.parametrize("row", list(ROWS))
 def test_planned_step_against_measured_rows(row):
     """Within 15 % of every measured single-GPU row, except those of :data:`OUTSIDE` (each with its reason)."""
     file, where, gpu, extra = ROWS[row]
-    data = json.loads((RESULTS / file).read_text())
-    base = next(r for r in data if r["name"] == where)["overrides"] if isinstance(data, list) else []
-    cand = _plan([*base, *extra.split()], gpu)
+    cand = _planned_row(row)
     error = cand.step.seconds * 1e3 / measured_ms(file, where, cand.step.tokens_per_step) - 1
     if row in OUTSIDE:
         pytest.skip(f"{row}: {100 * error:+.0f} % ({OUTSIDE[row]})")
@@ -377,9 +385,7 @@ def test_every_measured_kind_of_run_has_a_memory_row():
 @pytest.mark.parametrize("row", MEMORY_ROWS)
 def test_planned_memory_against_measured_rows(row):
     """The planned per-GPU peak within 10 % of every measured ``torch.cuda.max_memory_allocated``."""
-    file, where, gpu, extra = ROWS[row]
-    data = json.loads((RESULTS / file).read_text())
-    base = next(r for r in data if r["name"] == where)["overrides"] if isinstance(data, list) else []
-    cand = _plan([*base, *extra.split()], gpu)
+    file, where, _, _ = ROWS[row]
+    cand = _planned_row(row)
     error = cand.memory.total / 2**30 / measured_gib(file, where) - 1
     assert abs(error) <= 0.10, f"{row}: planned {100 * error:+.1f} % off the measured peak ({cand.memory.parts})"
