@@ -249,7 +249,8 @@ S2048_32 = "data.seq_len=2048 train.global_batch_size=32"
 FA4 = "model.backend=te model.attention_backend=flash"
 ROWS = {
     "125m torch": ("plan_check_h200_uncalibrated.json", "125m-bf16", "H200", NO_TE),
-    "125m torch (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "125m-bf16-ac", "H200", f"{NO_TE} {NO_AC}"),
+    "125m torch (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "125m-bf16-ac", "H200",
+                                           f"{NO_TE} {NO_AC}"),
     "350m bd3lm torch": ("plan_check_h200_uncalibrated.json", "350m-bf16-bd3lm", "H200", NO_TE),
     "1.7b torch": ("plan_check_h200_uncalibrated.json", "1.7b-bf16", "H200", NO_TE),
     "1.7b torch mb 8 (checkpointing ignored)": ("plan_check_h200_uncalibrated.json", "1.7b-bf16-ac", "H200",

@@ -15,9 +15,9 @@ the CPU's kernels of the same operators: ``torch.autocast("cpu", bfloat16)``, wh
 for the GEMMs and norms; SDPA's CPU flash kernel, which saves what CUDA's flash / cuDNN kernels save (the output and
 an FP32 log-sum-exp per row); TE's fused cross-entropy as a twin that keeps what it keeps (the logits, whose
 gradient it writes in place, and two FP32 statistics a row) where ``model.fused_cross_entropy`` is on, else the
-unfused one. Not traced: ``precision=fp8`` and ``model.backend=te``
-(Transformer Engine's modules need a GPU), mixtures of experts (the routing's counts are data), the CUDA allocator's rounding (512 bytes a block), its fragmentation and kernel workspaces (cuBLAS, cuDNN), which
-``torch.cuda.max_memory_allocated`` partly counts.
+unfused one. Not traced: ``precision=fp8`` and ``model.backend=te`` (Transformer Engine's modules need a GPU),
+mixtures of experts (the routing's counts are data), the CUDA allocator's rounding (512 bytes a block), its
+fragmentation and kernel workspaces (cuBLAS, cuDNN), which ``torch.cuda.max_memory_allocated`` partly counts.
 """
 from __future__ import annotations
 
