@@ -344,15 +344,17 @@ _KERNELS = {"sdpa": _sdpa, "te": _te, "flash": _flash, "flex": _flex}
 _OPAQUE = {"te": None, "flash": None}  # opaque kernel calls: a graph break under torch.compile, not traced by dynamo
 
 
-def opaque_kernel(backend: str) -> Callable:
-    """``torch.compiler.disable`` of ``backend``'s kernel (``te`` / ``flash``), made when a model that uses it is
-    built (:class:`difflm.model.transformer.Attention`) rather than at import: the decorator imports torch._dynamo
-    (most of a second of a process's start-up), and only CUDA runs call these. Made before any ``torch.compile``
-    traces the model, so dynamo meets a disabled function, never the wrapping."""
-    kernel = _OPAQUE[backend]
-    if kernel is None:
-        kernel = _OPAQUE[backend] = torch.compiler.disable(_KERNELS[backend])
-    return kernel
+def opaque_kernel(backend: str) -> Optional[Callable]:
+    """The kernel :func:`attend` calls for ``backend`` (None for an unknown one): ``te`` / ``flash`` wrapped in
+    ``torch.compiler.disable``, the wrapper made once, when a model that uses it is built
+    (:class:`difflm.model.transformer.Attention`) rather than at import: the decorator imports torch._dynamo (most of
+    a second of a process's start-up), and only CUDA runs call these. Made before any ``torch.compile`` traces the
+    model, so dynamo meets a disabled function, never the wrapping."""
+    if backend not in _OPAQUE:
+        return _KERNELS.get(backend)
+    if _OPAQUE[backend] is None:
+        _OPAQUE[backend] = torch.compiler.disable(_KERNELS[backend])
+    return _OPAQUE[backend]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str = "sdpa",
@@ -372,11 +374,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, b
     Returns: the attention output in q's layout and dtype.
     Raises: DifflmError when the backend is unknown or cannot run here, or cannot take ``attn_mask``.
     """
-    kernel = _KERNELS.get(backend)
+    kernel = opaque_kernel(backend)
     if kernel is None:
         _check(backend, q.device)
-    if backend in _OPAQUE:
-        kernel = opaque_kernel(backend)
     mask = prepare_mask(attn_mask, backend)
     causal = causal and attn_mask is None
     if layout == "bhsd":

@@ -65,8 +65,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         self.causal, self.kernels = causal, kernels
         self.attention_backend = getattr(cfg, "attention_backend", "sdpa")  # see difflm.model.attention
-        if self.attention_backend in ("te", "flash"):
-            opaque_kernel(self.attention_backend)  # its torch.compiler.disable wrapper, before any compile
+        opaque_kernel(self.attention_backend)  # te / flash: their torch.compiler.disable wrapper, before any compile
         self.fused_qkv = bool(getattr(cfg, "fused_qkv", True))  # see difflm.model.qkv
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = kernels.norm_linear(cfg.hidden_size, qkv_out, eps=cfg.norm_eps, bias=bool(getattr(cfg, "qkv_bias", False)))

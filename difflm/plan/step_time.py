@@ -111,12 +111,10 @@ def _moe_parts(cfg, kernels: KernelSet, layout: Layout, micro_tokens: float, blo
     again = 1 + ac / 3  # a checkpointed block's forward (about a third of its bytes) runs again
     # the router's GEMM runs in FP32 with autocast off (TopKRouter.forward): 2 d E FLOPs a token, three times
     router = block_tokens * 2 * d * e * (3 + ac) / (rates.fp32_gemm_tflops * 1e12)
-    return {"grouped gemm": experts / grouped_gemm_rate(rates, rows),
-            "moe routing": router + block_tokens * moved["routing"] * again / hbm,
-            "moe permutation": block_tokens * moved["permutation"] * again / hbm,
-            "moe swiglu": block_tokens * moved["swiglu"] * again / hbm,
-            **({"moe fp8 experts": block_tokens * moved["fp8 experts"] * again / hbm} if "fp8 experts" in moved
-               else {})}
+    parts = {"grouped gemm": experts / grouped_gemm_rate(rates, rows), "moe routing": router}
+    for name, per_token in moved.items():  # routing, permutation, swiglu and, with FP8 experts, their casts
+        parts[f"moe {name}"] = parts.get(f"moe {name}", 0.0) + block_tokens * per_token * again / hbm
+    return parts
 
 
 def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, stage_elems: list[int],
