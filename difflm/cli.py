@@ -271,7 +271,7 @@ def refuse_multirun(argv: list[str], prog: str) -> None:
                           f"{flag} and run {prog} once per setting")
 
 
-def check_overrides(argv: list[str], config_name: str) -> None:
+def check_overrides(argv: list[str], config_name: str):
     """Check the keys and group selections of a Hydra command line against the config ``config_name`` composes.
 
     Checked: ``a.b=value`` (the key must exist, unless a node on its way is an open dict, a list or a value) and
@@ -280,8 +280,13 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra:
     ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``, overrides Hydra cannot parse,
     sweeps its basic sweeper cannot expand (intervals), and command lines naming another config (``--config-name``,
-    ``--config-path``, ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs a compose
-    or two, and one per run (~0.1-0.3 s each).
+    ``--config-path``, ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs one compose
+    for a single run that composes (~0.3 s), else a compose or two more to find the unknown key or preset, and one
+    per job of a sweep.
+
+    Returns: the config a single run's command line composes to (with its ``hydra`` node, as ``compose(...,
+    return_hydra_config=True)`` gives it), for a caller that would compose it next; None otherwise (a sweep, a line
+    left to Hydra, or one Hydra refuses).
 
     Raises: DifflmError naming the first unknown key or preset, with the closest key or preset when there is one
     (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), or ``check_job``'s refusal
@@ -293,13 +298,13 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     from hydra.errors import HydraException
 
     from difflm.config import CONF_DIR
-    from difflm.config.job_check import check_job, jobs_to_check, sweep_jobs
+    from difflm.config.job_check import check_job, compose_and_check, jobs_to_check, sweep_jobs
 
     args = _hydra_args(argv)  # Hydra's own argument parser: the overrides are its positional arguments
     if args is None:  # --version, or a flag Hydra refuses: Hydra prints it
-        return
+        return None
     if args.config_name or args.config_path or args.config_dir or args.experimental_rerun or args.shell_completion:
-        return
+        return None
     parser, overrides = OverridesParser.create(), []
     for index, arg in enumerate(args.overrides):
         try:
@@ -312,9 +317,15 @@ def check_overrides(argv: list[str], config_name: str) -> None:
                 or override.is_delete() or override.package is not None):
             overrides.append(override)
     if not overrides:
-        return
+        return None
     prog = f"difflm-{config_name}"
     sweep = any(o.is_sweep_override() for o in overrides)
+    if not sweep:  # a command line that composes names only known keys and presets: one compose checks it
+        composed, message = compose_and_check([o.input_line for o in overrides], config_name)
+        if composed is not None:
+            if message:
+                raise DifflmError(message)
+            return composed
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             base = compose(config_name, return_hydra_config=True)
@@ -339,7 +350,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
     except DifflmError:
         raise
     except Exception:  # a config this check cannot compose: Hydra composes it and reports why
-        return
+        return None
     for override in keys:
         message = _unknown_key(cfg, override, groups, prog)
         if message:
@@ -350,6 +361,7 @@ def check_overrides(argv: list[str], config_name: str) -> None:
         if message:  # a sweep's job named by its swept values
             which = " ".join(line for line in job if line.partition("=")[0] in swept)
             raise DifflmError(f"{message} (in the sweep's job {which})" if sweep else message)
+    return None
 
 
 def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:

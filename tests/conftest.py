@@ -1,6 +1,8 @@
 """Shared fixtures: compose a run config from the packaged conf/ tree, as `difflm-train` would."""
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 import os
@@ -59,14 +61,21 @@ FAST = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple, config_name: str):
+    """Hydra's compose of ``overrides`` (conf/ does not change while the tests run): each command line is composed
+    once per process; :func:`compose_run` hands out copies."""
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
 def compose_run(overrides=(), config_name: str = "train", auto: bool = False):
-    """The composed config for ``overrides``, from difflm's own conf/ directory.
+    """The composed config for ``overrides``, from difflm's own conf/ directory (a copy of its own: tests edit it).
 
     ``model.*=auto`` is resolved for the CPU (:func:`difflm.model.auto_kernels.choose_kernels`: torch kernels, SDPA,
     no fused MLP), so tests that build a model from the config directly see concrete kernels on every machine;
     ``auto=True`` keeps the ``auto`` values for tests of the choice itself."""
-    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name, overrides=list(overrides))
+    cfg = copy.deepcopy(_composed(tuple(overrides), config_name))
     if not auto and config_name == "train":
         import torch
 

@@ -212,3 +212,28 @@ def test_a_sweep_with_a_dead_key_ends_before_any_job_starts(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (f"difflm: error: gen.steps=64 {NO_ROLLOUTS} (in the sweep's job "
                                                  "algorithm=dpo)")
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "rl").exists()  # no job was launched
+
+
+def test_a_line_that_composes_is_composed_once_and_its_config_handed_on(monkeypatch):
+    """A single run's command line that Hydra composes is checked by that one compose, and
+    ``compose_train_config`` uses the config it gave instead of composing again: the same config as a plain
+    ``compose``. A line with a mistyped key still gets its fix, from the composes that find it."""
+    import hydra._internal.hydra as hydra_internal
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from difflm.config import CONF_DIR
+    from difflm.config.compose import compose_train_config
+
+    line = ["model=tiny", "optim.lr=2e-4", "data.seq_len=64", "objective=bd3lm"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        plain = compose("train", overrides=line)
+    composes = []
+    real = hydra_internal.Hydra.compose_config
+    monkeypatch.setattr(hydra_internal.Hydra, "compose_config",
+                        lambda self, *a, **k: composes.append(k["config_name"]) or real(self, *a, **k))
+    cfg = compose_train_config(line)
+    assert composes == ["train"]
+    assert "hydra" not in cfg and OmegaConf.to_container(cfg) == OmegaConf.to_container(plain)
+    assert check_overrides(["model=tiny", "-m", "optim.lr=1e-4,2e-4"], "train") is None  # a sweep: jobs checked
+    assert refusal(["model=tiny", "optim.lrr=2e-4"]).startswith("optim.lrr is not a config key; did you mean optim.lr?")

@@ -22,6 +22,7 @@ def compose_train_config(overrides: list[str], device=None):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
+    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     from difflm.cli import check_overrides
@@ -31,9 +32,13 @@ def compose_train_config(overrides: list[str], device=None):
         if GlobalHydra.instance().is_initialized():  # within @hydra.main (difflm-import), which checked its own line
             cfg = compose("train", overrides=overrides)
         else:
-            check_overrides(overrides, "train")
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                cfg = compose("train", overrides=overrides)
+            cfg = check_overrides(overrides, "train")  # the composed line, or None: compose it here
+            if cfg is not None:
+                with open_dict(cfg):
+                    del cfg["hydra"]  # what compose(..., return_hydra_config=False) returns
+            else:
+                with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                    cfg = compose("train", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         raise DifflmError(hydra_message(e)) from None  # names the key or option at fault
     check_known_keys(cfg)

@@ -54,6 +54,15 @@ def check_job(overrides: list[str], config_name: str) -> str | None:
     ``algorithm=dpo algorithm.group_size=8``), and a key the run's settings never read
     (:func:`~difflm.config.preset_keys.unread_key`: ``algorithm=dpo gen.steps=64``, ``algorithm=dpo reward=format``).
     """
+    return compose_and_check(overrides, config_name)[1]
+
+
+def compose_and_check(overrides: list[str], config_name: str):
+    """``(cfg, message)``: the config Hydra composes from ``overrides`` (a DictConfig with its ``hydra`` node, as
+    ``compose(..., return_hydra_config=True)`` returns it; None where Hydra refuses them) and :func:`check_job`'s
+    one-line error for them (None: fine here, or Hydra's to report). A command line that composes has only known keys
+    and presets, so :func:`difflm.cli.check_overrides` needs no further compose for it, and its caller may use the
+    config instead of composing it again."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -67,7 +76,7 @@ def check_job(overrides: list[str], config_name: str) -> str | None:
                 try:
                     cfg = compose(config_name, overrides, return_hydra_config=True)
                 except Exception as err:  # noqa: BLE001 - only a wrong type is ours to say
-                    return _wrong_type(config_name, overrides, err)
+                    return None, _wrong_type(config_name, overrides, err)
                 loader, parser = GlobalHydra.instance().config_loader(), OverridesParser.create()
                 choices = cfg.hydra.runtime.choices
                 for line in overrides:
@@ -77,10 +86,10 @@ def check_job(overrides: list[str], config_name: str) -> str | None:
                     message = unread_key(cfg, config_name, line) or (
                         foreign_key(loader, group, choices[group], key, suggest) if choices.get(group) else None)
                     if message:
-                        return message
+                        return cfg, message
     except Exception:  # noqa: BLE001 - a config this check cannot compose: Hydra composes it and reports why
-        return None
-    return None
+        return None, None
+    return cfg, None
 
 
 def _presets_that_accept(config_name: str, overrides: list[str], group: str, parser, presets: list[str]) -> list[str]:
@@ -137,4 +146,4 @@ def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str |
     return f"{key}={given}: {reason}; give a value of the key's type{example}"
 
 
-__all__ = ["check_job", "jobs_to_check", "sweep_jobs"]
+__all__ = ["check_job", "compose_and_check", "jobs_to_check", "sweep_jobs"]
