@@ -286,7 +286,7 @@ def check_overrides(argv: list[str], config_name: str):
 
     Returns: the config a single run's command line composes to (with its ``hydra`` node, as ``compose(...,
     return_hydra_config=True)`` gives it), for a caller that would compose it next; None otherwise (a sweep, a line
-    left to Hydra, or one Hydra refuses).
+    with any override left to Hydra, or one Hydra refuses).
 
     Raises: DifflmError naming the first unknown key or preset, with the closest key or preset when there is one
     (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), or ``check_job``'s refusal
@@ -325,7 +325,8 @@ def check_overrides(argv: list[str], config_name: str):
         if composed is not None:
             if message:
                 raise DifflmError(message)
-            return composed
+            # the config of the whole line only: one with overrides this check leaves to Hydra is composed by Hydra
+            return composed if len(overrides) == len(args.overrides) else None
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             base = compose(config_name, return_hydra_config=True)

@@ -236,4 +236,7 @@ def test_a_line_that_composes_is_composed_once_and_its_config_handed_on(monkeypa
     assert composes == ["train"]
     assert "hydra" not in cfg and OmegaConf.to_container(cfg) == OmegaConf.to_container(plain)
     assert check_overrides(["model=tiny", "-m", "optim.lr=1e-4,2e-4"], "train") is None  # a sweep: jobs checked
+    # an override the check leaves to Hydra (++, ~, hydra.*) is composed by Hydra, not dropped from the config
+    assert check_overrides(["model=tiny", "++train.max_steps=7"], "train") is None
+    assert compose_train_config(["model=tiny", "++train.max_steps=7"]).train.max_steps == 7
     assert refusal(["model=tiny", "optim.lrr=2e-4"]).startswith("optim.lrr is not a config key; did you mean optim.lr?")

@@ -593,3 +593,32 @@ def test_corpus_shapes_a_pipeline_leaves_are_said_in_one_line(tmp_path, tok, cap
     run_preprocess(compose_run([f"input={tmp_path / 'utf16.txt'}", f"output={tmp_path / 'shards'}", "workers=1",
                                 "progress_bar=false"], config_name="preprocess"))
     assert "1 of 1 documents hold NUL bytes" in capsys.readouterr().err
+
+
+def test_a_local_tokenizers_ids_are_kept_and_it_loads_on_first_use(tmp_path, monkeypatch):
+    """``build_tokenizer`` keeps a local tokenizer's derived ids (in ``DIFFLM_CACHE_DIR``); a later call with the same
+    files returns the same ids and fingerprint without loading the tokenizer, which loads when first used; a changed
+    file or another ``vocab_multiple`` is a new key, loaded and checked again."""
+    import transformers
+
+    from difflm.data.tokenizer import build_tokenizer, definition_fingerprint
+
+    monkeypatch.setenv("DIFFLM_CACHE_DIR", str(tmp_path / "cache"))
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(NEOX, tok_dir)
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    first = build_tokenizer(str(tok_dir))
+    assert len(loads) == 1 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    second = build_tokenizer(str(tok_dir))
+    assert len(loads) == 1  # the ids from the record
+    assert (second.eos_id, second.mask_id, second.padded_vocab_size) == (0, 50277, 50304)
+    assert (second.eos_id, second.mask_id, second.padded_vocab_size, second.fingerprint) == (
+        first.eos_id, first.mask_id, first.padded_vocab_size, definition_fingerprint(first.tokenizer))
+    assert second.decode(second.encode("To be, or not to be")) == "To be, or not to be" and len(loads) == 2
+    assert build_tokenizer(str(tok_dir), 256).padded_vocab_size == 50432 and len(loads) == 3
+    config = tok_dir / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert build_tokenizer(str(tok_dir)).mask_id == 50277 and len(loads) == 4  # new files: loaded and checked again

@@ -30,11 +30,9 @@ __all__ = ["tokenize_corpus", "tokenized_batches", "tokenizer_fingerprint", "res
 
 
 def tokenizer_fingerprint(tok: TokenizerInfo) -> str:
-    """sha256 of the tokenizer's class and full definition (vocab, merges, normalizer, ...)."""
-    t = tok.tokenizer
-    backend = getattr(t, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(t.get_vocab().items()))
-    return hashlib.sha256(f"{type(t).__module__}.{type(t).__qualname__}\n{body}".encode()).hexdigest()
+    """sha256 of the tokenizer's class and full definition (vocab, merges, normalizer, ...):
+    :func:`difflm.data.tokenizer.definition_fingerprint`, kept with the tokenizer's ids."""
+    return tok.fingerprint
 
 
 def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int = BATCH_DOCS

@@ -1,30 +1,40 @@
 """Tokenizer loading: a Hugging Face tokenizer plus the ids the model needs (EOS, MASK, padded vocab)."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 from difflm.errors import DifflmError
 
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """A loaded tokenizer and the special ids derived from it.
+    """A tokenizer and the special ids derived from it.
 
     Attributes:
-        tokenizer: the ``transformers`` tokenizer.
         eos_id: ``tokenizer.eos_token_id`` (appended after every document).
         mask_id: ``tokenizer.mask_token_id`` if set, else ``len(tokenizer)`` (first free id, as MegaDLMs).
         padded_vocab_size: smallest multiple of ``vocab_multiple`` holding every id incl. ``mask_id``.
+        fingerprint: sha256 of the tokenizer's class and full definition (:func:`definition_fingerprint`), the
+            tokenizer part of the token caches' keys.
+        load: returns the ``transformers`` tokenizer; :attr:`tokenizer` calls it once, on first use.
     """
 
-    tokenizer: Any
     eos_id: int
     mask_id: int
     padded_vocab_size: int
+    fingerprint: str
+    load: Callable[[], Any] = field(repr=False, compare=False)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The ``transformers`` tokenizer, loaded on first use (a run whose tokens are cached never needs it)."""
+        return self.load()
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode token ids (list, np.ndarray or torch tensor, 1-D) to text.
@@ -121,14 +131,15 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "da
     """Load ``data.tokenizer`` (local directory or hub name) and derive EOS/MASK/padded vocab.
 
     Local directories and ``HF_HUB_OFFLINE=1`` load with ``local_files_only=True`` (nothing is downloaded);
-    ``trust_remote_code`` is never set.
+    ``trust_remote_code`` is never set. A local directory's ids, once derived and checked, are kept in
+    :func:`tokenizer_cache_dir` under a key of its files: a later call with the same files returns them and leaves the
+    tokenizer to load on first use of :attr:`TokenizerInfo.tokenizer` (a training run with its tokens cached never
+    imports ``transformers``).
 
     Raises:
         DifflmError: the tokenizer cannot be loaded, has no EOS token, its mask token is also another special
             token (eos, bos, pad, unk, ...), or vocab_multiple < 1.
     """
-    from transformers import AutoTokenizer
-
     if vocab_multiple < 1:
         raise DifflmError(f"vocab_multiple={vocab_multiple} must be >= 1")
     path = os.path.expanduser(name_or_path)
@@ -141,18 +152,11 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "da
     if local and (missing := missing_tokenizer_files(path)) is not None:
         raise DifflmError(f"{key}={name_or_path!r} cannot be loaded: {missing}; save one there with "
                           "tokenizer.save_pretrained(dir) or give a hub name")
-    try:
-        # trust_remote_code=False: never run a repository's code, and never prompt for it (a difflm export's
-        # config.json names its own modeling code, which the tokenizer does not need)
-        tok = AutoTokenizer.from_pretrained(path if local else name_or_path, local_files_only=local or offline,
-                                            trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - any loading failure becomes one user-facing line
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        hint = "set HF_HUB_OFFLINE=0 or download it to a local directory" if offline and not local else "check the name/files"
-        raise DifflmError(
-            f"{key}={name_or_path!r} could not be loaded ({reason}): give a local directory with "
-            f"tokenizer.json or a hub name; {'offline: ' if offline else ''}{hint}"
-        ) from None
+    load = functools.partial(_load_tokenizer, name_or_path, path if local else name_or_path, local, offline, key)
+    record = _ids_record(path, vocab_multiple) if local else None
+    if record is not None and (ids := _read_ids(record)) is not None:
+        return TokenizerInfo(**ids, load=load)  # checked when first built: the tokenizer loads on first use
+    tok = load()
     if tok.eos_token_id is None:
         raise DifflmError(missing_eos_message(tok, name_or_path, path if local else None, key))
     n = len(tok)
@@ -167,4 +171,96 @@ def build_tokenizer(name_or_path: str, vocab_multiple: int = 128, key: str = "da
         )
     needed = max(n, mask_id + 1)
     padded = -(-needed // vocab_multiple) * vocab_multiple
-    return TokenizerInfo(tokenizer=tok, eos_id=int(tok.eos_token_id), mask_id=int(mask_id), padded_vocab_size=int(padded))
+    ids = dict(eos_id=int(tok.eos_token_id), mask_id=int(mask_id), padded_vocab_size=int(padded),
+               fingerprint=definition_fingerprint(tok))
+    if record is not None:
+        _write_ids(record, ids)
+    info = TokenizerInfo(**ids, load=load)
+    info.__dict__["tokenizer"] = tok  # already loaded: what the cached property would hold
+    return info
+
+
+def _load_tokenizer(name_or_path: str, source: str, local: bool, offline: bool, key: str):
+    """``AutoTokenizer.from_pretrained`` of a local directory or hub name, any failure one DifflmError line."""
+    from transformers import AutoTokenizer
+
+    try:
+        # trust_remote_code=False: never run a repository's code, and never prompt for it (a difflm export's
+        # config.json names its own modeling code, which the tokenizer does not need)
+        return AutoTokenizer.from_pretrained(source, local_files_only=local or offline, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one user-facing line
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        hint = "set HF_HUB_OFFLINE=0 or download it to a local directory" if offline and not local else "check the name/files"
+        raise DifflmError(
+            f"{key}={name_or_path!r} could not be loaded ({reason}): give a local directory with "
+            f"tokenizer.json or a hub name; {'offline: ' if offline else ''}{hint}"
+        ) from None
+
+
+def definition_fingerprint(tokenizer) -> str:
+    """sha256 of a ``transformers`` tokenizer's class and full definition (vocab, merges, normalizer, ...)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}\n{body}".encode()).hexdigest()
+
+
+# A local tokenizer's derived ids, kept so that a later process (every rank, every relaunch) need not import
+# transformers and parse the tokenizer to learn them: keyed by the directory's files (contents; name, size and mtime
+# for files over _HASHED_BYTES, such as a model's weights beside it), the transformers and tokenizers versions and
+# vocab_multiple, so any change to what AutoTokenizer would load is a new key.
+_HASHED_BYTES = 64 * 2**20
+
+
+def tokenizer_cache_dir() -> str:
+    """Where the derived ids of local tokenizers are kept: ``$DIFFLM_CACHE_DIR/tokenizers``, else
+    ``$XDG_CACHE_HOME/difflm/tokenizers`` (``~/.cache/difflm/tokenizers``)."""
+    root = os.environ.get("DIFFLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "difflm")
+    return os.path.join(root, "tokenizers")
+
+
+def _ids_record(directory: str, vocab_multiple: int) -> str | None:
+    """The record file of ``directory``'s tokenizer ids at ``vocab_multiple``, or None when it cannot be keyed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    try:
+        h.update(json.dumps([version("transformers"), version("tokenizers"), int(vocab_multiple)]).encode())
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if not entry.is_file():
+                continue
+            stat = entry.stat()
+            h.update(f"\0{entry.name}\0{stat.st_size}\0".encode())
+            if stat.st_size > _HASHED_BYTES:
+                h.update(str(stat.st_mtime_ns).encode())
+            else:
+                with open(entry.path, "rb") as f:
+                    h.update(f.read())
+    except (OSError, PackageNotFoundError):
+        return None
+    return os.path.join(tokenizer_cache_dir(), h.hexdigest()[:32] + ".json")
+
+
+def _read_ids(record: str) -> dict | None:
+    try:
+        with open(record) as f:
+            ids = json.load(f)
+        return {k: (str(ids[k]) if k == "fingerprint" else int(ids[k]))
+                for k in ("eos_id", "mask_id", "padded_vocab_size", "fingerprint")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none yet, or unreadable: load the tokenizer and write it again
+
+
+def _write_ids(record: str, ids: dict) -> None:
+    """Write the record atomically (a temporary file renamed); a cache that cannot be written is skipped."""
+    tmp = f"{record}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(ids, f)
+        os.replace(tmp, record)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
