@@ -25,14 +25,7 @@ from difflm.errors import DifflmError
 FORMAT_VERSION = 3
 BATCH_DOCS = 1000
 
-__all__ = ["tokenize_corpus", "tokenized_batches", "tokenizer_fingerprint", "resolve_sources", "read_jsonl",
-           "FORMAT_VERSION"]
-
-
-def tokenizer_fingerprint(tok: TokenizerInfo) -> str:
-    """sha256 of the tokenizer's class and full definition (vocab, merges, normalizer, ...):
-    :func:`difflm.data.tokenizer.definition_fingerprint`, kept with the tokenizer's ids."""
-    return tok.fingerprint
+__all__ = ["tokenize_corpus", "tokenized_batches", "resolve_sources", "read_jsonl", "FORMAT_VERSION"]
 
 
 def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int = BATCH_DOCS
@@ -77,7 +70,7 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
             not text in ``data.encoding``, or an empty corpus.
     """
     fmt = DocFormat.of(cfg)
-    key_parts: list = [FORMAT_VERSION, tokenizer_fingerprint(tok), cfg.text_field, cfg.doc_separator, fmt.encoding]
+    key_parts: list = [FORMAT_VERSION, tok.fingerprint, cfg.text_field, cfg.doc_separator, fmt.encoding]
     hf = None
     if cfg.hf_dataset:
         hf = load_hf(cfg.hf_dataset, cfg.hf_split, fmt)

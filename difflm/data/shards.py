@@ -76,7 +76,6 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
     Raises: DifflmError for an incomplete output or a path that mixes shards and text files;
         :class:`OtherTokenizerShards` (a DifflmError) for output made with another tokenizer than ``tok``.
     """
-    from difflm.data.preprocess import tokenizer_fingerprint
 
     p = os.path.expanduser(path)
     if os.path.isdir(p):
@@ -85,7 +84,7 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
             if not m.get("complete"):
                 raise DifflmError(f"{key}={path!r}: difflm-preprocess has not finished writing it (manifest.json says "
                                   "incomplete): rerun the same difflm-preprocess command to resume")
-            if tok is not None and m["tokenizer"]["fingerprint"] != tokenizer_fingerprint(tok):
+            if tok is not None and m["tokenizer"]["fingerprint"] != tok.fingerprint:
                 raise OtherTokenizerShards(f"{key}={path!r} was tokenized with another tokenizer "
                                            f"({m['tokenizer']['name']}) than data.tokenizer: set data.tokenizer to "
                                            "that tokenizer, or rerun difflm-preprocess with tokenizer=<data.tokenizer>",
@@ -266,7 +265,7 @@ def run_preprocess(cfg) -> dict:
             other data, an input that holds no text (refused before a manifest is written), a worker that died.
             Messages name the keys of difflm-preprocess (``tokenizer=``, ``text_field=``), not ``data.*``.
     """
-    from difflm.data.preprocess import FORMAT_VERSION, tokenizer_fingerprint
+    from difflm.data.preprocess import FORMAT_VERSION
     from difflm.data.tokenizer import build_tokenizer
 
     global _TOK, _REPORT
@@ -315,7 +314,7 @@ def run_preprocess(cfg) -> dict:
         dtype = token_dtype(tok.padded_vocab_size)
         plan = {
             "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
-            "tokenizer": {"name": tokenizer_reference(cfg.tokenizer), "fingerprint": tokenizer_fingerprint(tok),
+            "tokenizer": {"name": tokenizer_reference(cfg.tokenizer), "fingerprint": tok.fingerprint,
                           "eos_id": tok.eos_id, "vocab_size": len(tok.tokenizer), "dtype": dtype.name},
             "settings": {"text_field": cfg.text_field, "doc_separator": cfg.doc_separator, "encoding": fmt.encoding,
                          "split_special_tokens": True, "eos": "inserted after every document when read",

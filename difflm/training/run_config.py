@@ -109,12 +109,11 @@ def check_resume_tokenizer(run_dir: Path, name: str, tok, vocab_multiple: int) -
     :class:`difflm.data.tokenizer.TokenizerInfo`) is another tokenizer than the newest checkpoint of ``run_dir`` was
     trained with (e.g. the default one where a
     ``difflm-import`` run needs ``data.tokenizer=<run.dir>/tokenizer``). The same tokenizer under another path (a
-    copied or moved run) passes: definitions are compared (:func:`difflm.data.preprocess.tokenizer_fingerprint`).
+    copied or moved run) passes: definitions are compared (:attr:`difflm.data.tokenizer.TokenizerInfo.fingerprint`).
     A checkpoint whose tokenizer cannot be read any more is not judged.
 
     Raises: DifflmError naming both tokenizers and the override that restores the checkpoint's."""
     from difflm.checkpoint.store import checkpoint_config_path, latest_checkpoint
-    from difflm.data.preprocess import tokenizer_fingerprint
     from difflm.data.tokenizer import build_tokenizer
 
     found = latest_checkpoint(Path(run_dir), report=lambda _: None)
@@ -128,6 +127,6 @@ def check_resume_tokenizer(run_dir: Path, name: str, tok, vocab_multiple: int) -
         before = build_tokenizer(old, vocab_multiple)
     except Exception:  # noqa: BLE001 - gone or unreadable: the resume report still names the change
         return
-    if (before.mask_id, tokenizer_fingerprint(before)) != (tok.mask_id, tokenizer_fingerprint(tok)):
+    if (before.mask_id, before.fingerprint) != (tok.mask_id, tok.fingerprint):
         raise DifflmError(f"data.tokenizer={name} is another tokenizer than {found[1]} was trained with "
                           f"({old}): its ids would mean other tokens; pass data.tokenizer={old}")
