@@ -251,7 +251,11 @@ def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
             "doc_to_choice": "{{choices}}", "doc_to_target": "label", "target_delimiter": "",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
     lm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", mc_samples=4, batch_size=4)
-    out = lm_eval.simple_evaluate(model=lm, tasks=[task], bootstrap_iters=0, log_samples=False)
+    # the task is given whole, so lm-eval's index of its own tasks (about 6 s of YAML scanning) is not built
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_defaults=False)
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tasks, bootstrap_iters=0, log_samples=False)
     acc = out["results"]["difflm_tiny_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
     # which checkpoint was evaluated: the newest (step 3) though model_args named none

@@ -226,6 +226,45 @@ def test_fp8_experts_track_bf16_on_cuda():
     assert all(v < 0.1 for v in errors.values()), errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile's CUDA kernels")
+def test_compiled_fp8_regions_equal_their_eager_ops_on_cuda():
+    """The FP8 experts' compiled regions (difflm.model.grouped_experts.fused_on_gpu) against the same functions run
+    op by op. Inductor computes a fused region in FP32 without rounding its intermediates to BF16, so values may differ
+    by BF16 rounding: BF16 outputs within 2^-6 relative, scales within 1 %, and each dequantised FP8 value within one
+    E4M3 step (1/8 of its value, or the subnormal step) of the eager one."""
+    from difflm.model import grouped_experts as ge
+
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.device("cuda")
+    counts = torch.tensor([21, 0, 37, 6], device=cuda)
+    x = torch.randn(64, 96, generator=gen).to(cuda).bfloat16()
+    h = torch.randn(80, 2 * 48, generator=gen).to(cuda).bfloat16()
+    da = torch.randn(80, 48, generator=gen).to(cuda).bfloat16()
+    w = torch.randn(4, 96, 40, generator=gen).to(cuda)
+    dest, _, total = ge.padded_groups(counts, 64)
+    cases = {"padded": (ge.padded_fp8_rows, (x, dest, total)), "swiglu": (ge.swiglu_fp8_rows, (h,)),
+             "swiglu backward": (ge.swiglu_backward_fp8_rows, (h, da)), "recomputed": (ge.recomputed_swiglu, (h,)),
+             "weight": (ge.weight_fp8_rows, (w,)), "transposed weight": (ge.transposed_weight_fp8_rows, (w,))}
+    changed = {}
+    for name, (fn, args) in cases.items():
+        fused, eager = fn(*args), fn.eager(*args)
+        fused, eager = (fused, eager) if isinstance(fused, tuple) else ((fused,), (eager,))
+        for got, want in zip(fused, eager):
+            assert got.shape == want.shape and got.dtype == want.dtype and got.stride() == want.stride(), name
+        if eager[0].dtype != torch.float8_e4m3fn:  # the BF16 outputs before the (q, scale) pair
+            torch.testing.assert_close(fused[0], eager[0], rtol=2**-6, atol=1e-5, msg=name)
+        if len(eager) >= 2 and eager[-2].dtype == torch.float8_e4m3fn:
+            (q, scale), (q_ref, scale_ref) = fused[-2:], eager[-2:]
+            torch.testing.assert_close(scale, scale_ref, rtol=1e-2, atol=0, msg=name)
+            value, ref = q.float() * scale.unsqueeze(-1), q_ref.float() * scale_ref.unsqueeze(-1)
+            step = ref.abs() / 8 + scale_ref.unsqueeze(-1) * 2.0**-9
+            assert bool(((value - ref).abs() <= 1.05 * step).all()), name
+            assert float(ref.abs().amax()) > 0, name
+            changed[name] = float((q.float() != q_ref.float()).float().mean())
+    report("compiled_fp8_regions_changed_fraction", **changed)
+    assert max(changed.values()) < 0.2, changed  # few values round to the other side of an FP8 step
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="quack's CUDA kernels")
 def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda():
     """model.moe.fused_experts: quack's variable-length grouped GEMMs (SwiGLU and its derivative in the epilogues,

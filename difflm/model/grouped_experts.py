@@ -16,6 +16,8 @@ per micro-batch) rivals the GEMMs. The modules fall back to autograd through ``t
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec; Micikevicius et al. 2022, table 1)
@@ -42,6 +44,28 @@ def _add_weight_grad(master: torch.Tensor, a: torch.Tensor, b: torch.Tensor, off
     gradient of one expert GEMM, a 2-D x 2-D ``torch._grouped_mm`` with its groups along the contraction."""
     if master.requires_grad:
         master.main_grad.add_(torch._grouped_mm(a.t(), b, offs=offs))
+
+
+@functools.lru_cache(maxsize=None)
+def _quack_runs_on(device: torch.device) -> bool:
+    from difflm.kernels.quack_mlp import quack_unavailable_reason
+
+    return quack_unavailable_reason(device) is None
+
+
+def _add_weight_grad_in_epilogue(master: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
+    """:func:`_add_weight_grad` by quack's grouped GEMM where quack runs (``gemm_add_inplace`` over ``cu_seqlens_k``:
+    the FP32 ``main_grad`` read and written in the GEMM's epilogue, as the fused BF16 experts do), else by
+    :func:`_add_weight_grad` (a BF16 GEMM, then a memory-bound add)."""
+    if not master.requires_grad:
+        return
+    if a.is_cuda and _quack_runs_on(a.device):
+        from quack.gemm_interface import gemm_add_inplace
+
+        cu = torch.nn.functional.pad(offs, (1, 0))
+        gemm_add_inplace(a.t(), b, master.main_grad, cu_seqlens_k=cu, tuned=False)
+        return
+    _add_weight_grad(master, a, b, offs)
 
 
 class GroupedSwiGLUMainGrad(torch.autograd.Function):
@@ -75,6 +99,31 @@ class GroupedSwiGLUMainGrad(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ FP8
+def fused_on_gpu(fn):
+    """``fn`` run as one ``torch.compile``d region when its first argument is a CUDA tensor, eager elsewhere.
+
+    Inductor fuses ``fn``'s elementwise ops and row reductions into one or two generated Triton kernels, where eager
+    PyTorch issues one kernel per op: the FP8 experts' quantisation and padding are six to ten small kernels each,
+    enough to leave the GPU waiting on the host. The shapes are fixed for a run (the padded buffer's size depends only
+    on the micro-batch), so each function compiles once per shape (``dynamic=False``). Inductor computes a region in
+    FP32 without rounding its intermediates to BF16, so values may differ from the eager ops by that rounding. The
+    eager function stays reachable as ``.eager`` (the reference of the GPU tests; the CPU runs it, as the emulated FP8
+    tests do)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+        return compiled(*args)
+
+    call.eager = fn
+    return call
+
+
 def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 (E4M3) quantisation: t [..., K] -> (q [..., K] float8_e4m3fn, scale [...] FP32) with
     ``t ~= q * scale[..., None]``, ``scale = amax(|row|) / 448`` (per-row "axiswise" scaling as in torchao's
@@ -82,6 +131,43 @@ def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = t.abs().amax(dim=-1).float().clamp(min=1e-12)
     q = (t.float() * (E4M3_MAX / amax).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, amax / E4M3_MAX
+
+
+@fused_on_gpu
+def weight_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_rows` of a weight stack [E, N, K] along K (as stored)."""
+    return fp8_rows(w)
+
+
+@fused_on_gpu
+def transposed_weight_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_rows` of a weight stack [E, N, K] transposed and made contiguous, [E, K, N], along N."""
+    return fp8_rows(w.transpose(-2, -1).contiguous())
+
+
+@fused_on_gpu
+def padded_fp8_rows(x: torch.Tensor, dest: torch.Tensor, total: int):
+    """Rows x [R, K] scattered to ``dest`` [R] of a zeroed [total, K] buffer (:func:`padded_groups`), then
+    :func:`fp8_rows` of that buffer -> (padded [total, K] in x's dtype, q [total, K] FP8, scale [total] FP32)."""
+    padded = x.new_zeros(total, x.shape[1])
+    padded[dest] = x
+    return (padded, *fp8_rows(padded))
+
+
+@fused_on_gpu
+def swiglu_fp8_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_rows` of :func:`swiglu` (h [R, 2f] -> q [R, f] FP8, scale [R] FP32)."""
+    return fp8_rows(swiglu(h))
+
+
+recomputed_swiglu = fused_on_gpu(swiglu)
+
+
+@fused_on_gpu
+def swiglu_backward_fp8_rows(h: torch.Tensor, da: torch.Tensor):
+    """:func:`swiglu_backward` and its :func:`fp8_rows` -> (dh [R, 2f] BF16, q [R, 2f] FP8, scale [R] FP32)."""
+    dh = swiglu_backward(h, da)
+    return (dh, *fp8_rows(dh))
 
 
 def fp8_expert_weights(w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -93,7 +179,7 @@ def fp8_expert_weights(w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor
     Returns the eight tensors in that order (FP8 row-major data, FP32 scales)."""
     out = []
     for w in (w1, w2):
-        out += [*fp8_rows(w), *fp8_rows(w.transpose(-2, -1).contiguous())]
+        out += [*weight_fp8_rows(w), *transposed_weight_fp8_rows(w)]
     return tuple(out)
 
 
@@ -124,8 +210,10 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offs):
 class GroupedSwiGLUFP8(torch.autograd.Function):
     """:class:`GroupedSwiGLUMainGrad` with the forward and input-gradient GEMMs in FP8 (E4M3, row-wise scales on the
     activations and gradients, per-output-column scales on the weights) through ``torch._scaled_grouped_mm``; the
-    weight-gradient GEMMs stay BF16 and add into the FP32 ``main_grad``. Rows are padded per expert to
-    :data:`FP8_GROUP_ROWS` (:func:`padded_groups`).
+    weight-gradient GEMMs stay BF16 and add into the FP32 ``main_grad``, in quack's GEMM epilogue where quack runs
+    (:func:`_add_weight_grad_in_epilogue`). Rows are padded per expert to
+    :data:`FP8_GROUP_ROWS` (:func:`padded_groups`). The padding, the row-wise quantisations and the SwiGLU around the
+    GEMMs are compiled regions on the GPU (:func:`fused_on_gpu`): four per forward and backward, not dozens of kernels.
 
     Forward: x [R, d] BF16 sorted by expert; ``counts`` [E] int64 rows per expert; the FP32 masters ``fc1_weight``,
         ``fc2_weight`` (gradients into ``main_grad``, none returned); ``fp8`` the eight tensors of
@@ -136,10 +224,10 @@ class GroupedSwiGLUFP8(torch.autograd.Function):
     def forward(ctx, x, counts, fc1_weight, fc2_weight, *fp8):
         w1q, s1, w1tq, s1t, w2q, s2, w2tq, s2t = fp8
         dest, offs, total = padded_groups(counts, x.shape[0])
-        xp = x.new_zeros(total, x.shape[1])
-        xp[dest] = x
-        h = scaled_grouped_mm(*_pair(xp, w1q, s1), offs=offs)  # [P, 2f]
-        y = scaled_grouped_mm(*_pair(swiglu(h), w2q, s2), offs=offs)
+        xp, xq, x_scale = padded_fp8_rows(x, dest, total)
+        h = scaled_grouped_mm(xq, w1q.transpose(-2, -1), x_scale, s1, offs=offs)  # [P, 2f]
+        aq, a_scale = swiglu_fp8_rows(h)
+        y = scaled_grouped_mm(aq, w2q.transpose(-2, -1), a_scale, s2, offs=offs)
         ctx.save_for_backward(xp, h, dest, offs, w1tq, s1t, w2tq, s2t)
         ctx.masters = (fc1_weight, fc2_weight)
         return y[dest]
@@ -148,19 +236,15 @@ class GroupedSwiGLUFP8(torch.autograd.Function):
     def backward(ctx, dy):
         xp, h, dest, offs, w1tq, s1t, w2tq, s2t = ctx.saved_tensors
         fc1_weight, fc2_weight = ctx.masters
-        dyp = dy.new_zeros(xp.shape[0], dy.shape[1], dtype=torch.bfloat16)
-        dyp[dest] = dy.to(torch.bfloat16)
-        _add_weight_grad(fc2_weight, dyp, swiglu(h), offs)
-        dh = swiglu_backward(h, scaled_grouped_mm(*_pair(dyp, w2tq, s2t), offs=offs))
-        _add_weight_grad(fc1_weight, dh, xp, offs)
-        dx = scaled_grouped_mm(*_pair(dh, w1tq, s1t), offs=offs)[dest] if ctx.needs_input_grad[0] else None
+        dyp, dyq, dy_scale = padded_fp8_rows(dy.to(torch.bfloat16), dest, xp.shape[0])
+        _add_weight_grad_in_epilogue(fc2_weight, dyp, recomputed_swiglu(h), offs)
+        da = scaled_grouped_mm(dyq, w2tq.transpose(-2, -1), dy_scale, s2t, offs=offs)
+        dh, dhq, dh_scale = swiglu_backward_fp8_rows(h, da)
+        _add_weight_grad_in_epilogue(fc1_weight, dh, xp, offs)
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 12
+        dx = scaled_grouped_mm(dhq, w1tq.transpose(-2, -1), dh_scale, s1t, offs=offs)[dest]
         return (dx, None, None, None) + (None,) * 8
-
-
-def _pair(a: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor):
-    """(a quantised row-wise, the FP8 weight [E, N, K] as the column-major [E, K, N] operand, their scales)."""
-    aq, a_scale = fp8_rows(a)
-    return aq, wq.transpose(-2, -1), a_scale, w_scale
 
 
 def fp8_grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -170,4 +254,6 @@ def fp8_grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 __all__ = ["E4M3_MAX", "FP8_GROUP_ROWS", "GroupedSwiGLUFP8", "GroupedSwiGLUMainGrad", "fp8_expert_weights",
-           "fp8_grouped_mm_supported", "fp8_rows", "padded_groups", "scaled_grouped_mm", "swiglu", "swiglu_backward"]
+           "fp8_grouped_mm_supported", "fp8_rows", "fused_on_gpu", "padded_fp8_rows", "padded_groups",
+           "recomputed_swiglu", "scaled_grouped_mm", "swiglu", "swiglu_backward", "swiglu_backward_fp8_rows",
+           "swiglu_fp8_rows", "transposed_weight_fp8_rows", "weight_fp8_rows"]

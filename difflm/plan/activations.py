@@ -49,8 +49,8 @@ class KernelSet:
         fused_experts: the MoE experts on quack's grouped GEMMs (``model.moe.fused_experts``: SwiGLU and the
             ``main_grad`` accumulation in their epilogues).
         fp8_experts: the MoE experts' forward and input-gradient GEMMs in FP8 (``model.moe.fp8_experts`` under
-            ``precision=fp8``: :class:`difflm.model.grouped_experts.GroupedSwiGLUFP8`, with eager row-wise
-            quantisation and per-expert padding).
+            ``precision=fp8``: :class:`difflm.model.grouped_experts.GroupedSwiGLUFP8`, with row-wise quantisation
+            and per-expert padding as compiled regions).
         fused_cross_entropy: TE's fused cross-entropy at the loss (``model.fused_cross_entropy``), which runs under
             either kernel set wherever Transformer Engine is installed
             (:func:`difflm.objectives.cross_entropy.token_cross_entropy`); ``model.fused_cross_entropy=false`` plans

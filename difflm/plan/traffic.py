@@ -26,9 +26,10 @@ FP32, FP8 = 4, 1
 # and both moments and writes the parameter and both moments, FP32 each; difflm.parallel.parallelize.global_grad_norm
 # reads every gradient once more (the clipping coefficient then rides inside the fused kernel: grad_factor)
 OPTIMIZER_BYTES = 7 * FP32 + FP32
-# model.moe.fp8_experts' weight copies, once a step (weight_bytes): two fp8_rows of FP32 (33 bytes each) and the
-# transpose made contiguous first (8)
-FP8_EXPERT_WEIGHT_BYTES = 2 * 33 + 2 * FP32
+# model.moe.fp8_experts' weight copies, once a step (weight_bytes): the FP32 master read and its FP8 copy written,
+# as stored and transposed, each one compiled region (difflm.model.grouped_experts.weight_fp8_rows and
+# transposed_weight_fp8_rows)
+FP8_EXPERT_WEIGHT_BYTES = 2 * (FP32 + FP8)
 
 
 def _widths(model_cfg) -> tuple[int, int, int, int]:
@@ -96,13 +97,13 @@ def moe_bytes_per_token(model_cfg, kernels: KernelSet, act_bytes: int, main_grad
       epilogues: beyond the GEMMs' own outputs, the activation written beside the pre-activation (``a f``), and in
       the backward the pre-activation read again and the recomputed activation written (``2 a f + a f``): ``4 a f``.
     * ``fp8 experts`` (``model.moe.fp8_experts`` with ``main_grad``, :class:`difflm.model.grouped_experts.
-      GroupedSwiGLUFP8`), per routed row: the rows scattered into a buffer padded per expert (zeros, then read and
-      written: ``3 a d``) for the input and the output gradient, the output and the input gradient gathered back
-      (``2 a d`` each), and four eager row-wise quantisations (:func:`difflm.model.grouped_experts.fp8_rows`) of
-      the GEMMs' activation-side operands, the input ``d``, the SwiGLU output ``f``, the output gradient ``d`` and
-      the SwiGLU's input gradient ``2 f``, kernel by kernel ``|t|`` (``2 a``), its row max (``a``), the FP32 copy
-      (``a + 4``), the scaling (``8``), the clamp (``8``) and the FP8 cast (``4 + 1``): ``4 a + 25`` an element.
-      Together ``(18 a + 50) d + 3 (4 a + 25) f`` a row.
+      GroupedSwiGLUFP8`), per routed row, each piece one ``torch.compile``d region
+      (:func:`difflm.model.grouped_experts.fused_on_gpu`) whose row reductions read a row once: the input and the
+      output gradient scattered into buffers padded per expert (zeros, then read and written: ``3 a d`` each) and
+      quantised (read ``a``, FP8 written ``1``), the output and the input gradient gathered back (``2 a d`` each):
+      ``(12 a + 2) d``; the SwiGLU quantised in the forward (``h`` read, FP8 written: ``2 a f + f``), recomputed for
+      the second weight gradient (``3 a f``), and its backward quantised (``h`` and ``da`` read, ``dh`` and its FP8
+      written: ``5 a f + 2 f``): ``(10 a + 3) f``, in place of the routed SwiGLU's bytes above.
     """
     d, e, k, f, f_s = moe_widths(model_cfg)
     a, r = act_bytes, residual_bytes(kernels, act_bytes)
@@ -116,12 +117,12 @@ def moe_bytes_per_token(model_cfg, kernels: KernelSet, act_bytes: int, main_grad
                    + 3 * r * d)  # the router's and the experts' gradients summed
     forward_swiglu = 5 * a * f
     backward_swiglu = forward_swiglu + (5 * a + 132) * f if main_grad else 13 * a * f
+    fp8 = main_grad and kernels.fp8_experts
     routed = 4 * a * f if main_grad and kernels.fused_experts else forward_swiglu + backward_swiglu
-    swiglu = k * routed + (5 * a + 13 * a) * f_s
+    swiglu = k * (0 if fp8 else routed) + (5 * a + 13 * a) * f_s
     parts = {"routing": float(routing), "permutation": float(permutation), "swiglu": float(swiglu)}
-    if main_grad and kernels.fp8_experts:
-        quantise = 4 * a + 25  # fp8_rows of a compute-dtype tensor, bytes an element
-        parts["fp8 experts"] = float(k * ((2 * 3 * a + 2 * 2 * a) * d + quantise * (2 * d + 3 * f)))
+    if fp8:
+        parts["fp8 experts"] = float(k * ((12 * a + 2) * d + (10 * a + 3) * f))
     return parts
 
 
@@ -140,14 +141,13 @@ def weight_bytes(cfg, kernels: KernelSet, layout, name: str, numel: int, n_micro
       set keeps a copy (FP8 workspaces with their transposes, BF16 copies: read 4, write 2), else at every forward
       (TE's BF16 modules: ``cast_if_needed``, 6 bytes a micro-batch); each micro-batch's gradient added in place by
       the weight-gradient GEMM, which reads and writes the FP32 buffer (TE's ``fuse_wgrad_accumulation``, quack's
-      in-place epilogues: 8 bytes, the fused MoE experts' too), or, for the other MoE experts, written in BF16 by the
+      in-place epilogues: 8 bytes, the fused MoE experts' and the FP8 experts' too, with quack installed), or, for
+      the other MoE experts, written in BF16 by the
       grouped GEMM and added by ``main_grad.add_`` (:func:`difflm.model.grouped_experts._add_weight_grad`:
       2 + 2 + 4 + 4 bytes). Under ``model.moe.fp8_experts`` the experts' once-a-step copy is FP8, quantised from
-      the FP32 master by :func:`difflm.model.grouped_experts.fp8_expert_weights` as stored and transposed (a
-      contiguous FP32 copy, 8 bytes, first), each by :func:`difflm.model.grouped_experts.fp8_rows` on FP32
-      (``|w|`` 8, the row max 4, the scaling 8, the clamp 8, the FP8 cast 5): 74 bytes in place of the cast's 6.
-      The embedding
-      adds its gradient row by row (:class:`difflm.kernels.embedding.Embedding`): per token, not per weight.
+      the FP32 master by :func:`difflm.model.grouped_experts.fp8_expert_weights` as stored and transposed, each
+      one compiled region that reads the master and writes its FP8 copy: 10 bytes in place of the cast's 6. The
+      embedding adds its gradient row by row (:class:`difflm.kernels.embedding.Embedding`): per token, not per weight.
     * The others (the torch kernel set; the TE set's head, router and shared experts; layouts without
       ``main_grad``): autocast's cast of each matrix in every forward (read 4, write 2; not the embedding, which
       gathers FP32 rows, nor the norms' vectors) and the cast of its BF16 gradient back to FP32 (read 2, write 4;
@@ -163,7 +163,7 @@ def weight_bytes(cfg, kernels: KernelSet, layout, name: str, numel: int, n_micro
         if kernels.fp8_experts and ".experts." in name:
             per_step = FP32 + FP8_EXPERT_WEIGHT_BYTES
         cast = 0 if copy else FP32 + 2
-        separate_add = ".experts." in name and not kernels.fused_experts
+        separate_add = ".experts." in name and not (kernels.fused_experts or kernels.fp8_experts)
         accumulate = 2 + 2 + FP32 + FP32 if separate_add else 2 * FP32
         return float(numel * (per_step + m * (cast + accumulate)))
     fp32 = cfg.precision.name == "fp32"
