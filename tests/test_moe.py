@@ -228,7 +228,7 @@ def test_fp8_experts_track_bf16_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile's CUDA kernels")
 def test_compiled_fp8_regions_equal_their_eager_ops_on_cuda():
-    """The FP8 experts' compiled regions (difflm.model.grouped_experts.fused_on_gpu) against the same functions run
+    """The FP8 experts' compiled regions (difflm.kernels.compiled.fused_on_gpu) against the same functions run
     op by op. Inductor computes a fused region in FP32 without rounding its intermediates to BF16, so values may differ
     by BF16 rounding: BF16 outputs within 2^-6 relative, scales within 1 %, and each dequantised FP8 value within one
     E4M3 step (1/8 of its value, or the subnormal step) of the eager one."""

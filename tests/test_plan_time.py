@@ -93,7 +93,7 @@ def test_moe_slot_bytes_equal_a_hand_count():
 
 def test_fp8_experts_bytes_equal_a_hand_count():
     """``model.moe.fp8_experts``: per routed row the padded scatters and gathers, the row-wise FP8 quantisations and
-    the SwiGLU, each a compiled region (:func:`difflm.model.grouped_experts.fused_on_gpu`), and the FP8 weight copies
+    the SwiGLU, each a compiled region (:func:`difflm.kernels.compiled.fused_on_gpu`), and the FP8 weight copies
     once a step."""
     from difflm.plan.activations import kernel_set
     from difflm.plan.memory import Layout

@@ -7,6 +7,8 @@
 * :mod:`difflm.kernels.quack_mlp`, :mod:`difflm.kernels.quack_norm_linear` - a block's MLP half and its attention
   half's norm + QKV projection on quack's fused GEMMs (``model.fused_mlp``);
 * :mod:`difflm.kernels.embedding` - the embedding whose weight gradient accumulates into an FP32 ``main_grad``;
+* :mod:`difflm.kernels.compiled` - small eager functions run as ``torch.compile``d regions on the GPU (the FP8
+  experts' quantisation and padding);
 * :mod:`difflm.kernels.main_grad` - the FP32 master weights and once-per-step BF16 casts they share with the TE kernel
   set (:mod:`difflm.model.te_kernels`).
 

@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from difflm.kernels.compiled import fused_on_gpu
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec; Micikevicius et al. 2022, table 1)
 FP8_GROUP_ROWS = 16  # rows per expert group are padded to this multiple for the FP8 grouped GEMM
 
@@ -99,31 +101,6 @@ class GroupedSwiGLUMainGrad(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ FP8
-def fused_on_gpu(fn):
-    """``fn`` run as one ``torch.compile``d region when its first argument is a CUDA tensor, eager elsewhere.
-
-    Inductor fuses ``fn``'s elementwise ops and row reductions into one or two generated Triton kernels, where eager
-    PyTorch issues one kernel per op: the FP8 experts' quantisation and padding are six to ten small kernels each,
-    enough to leave the GPU waiting on the host. The shapes are fixed for a run (the padded buffer's size depends only
-    on the micro-batch), so each function compiles once per shape (``dynamic=False``). Inductor computes a region in
-    FP32 without rounding its intermediates to BF16, so values may differ from the eager ops by that rounding. The
-    eager function stays reachable as ``.eager`` (the reference of the GPU tests; the CPU runs it, as the emulated FP8
-    tests do)."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args):
-        nonlocal compiled
-        if not args[0].is_cuda:
-            return fn(*args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-        return compiled(*args)
-
-    call.eager = fn
-    return call
-
-
 def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 (E4M3) quantisation: t [..., K] -> (q [..., K] float8_e4m3fn, scale [...] FP32) with
     ``t ~= q * scale[..., None]``, ``scale = amax(|row|) / 448`` (per-row "axiswise" scaling as in torchao's
@@ -211,9 +188,9 @@ class GroupedSwiGLUFP8(torch.autograd.Function):
     """:class:`GroupedSwiGLUMainGrad` with the forward and input-gradient GEMMs in FP8 (E4M3, row-wise scales on the
     activations and gradients, per-output-column scales on the weights) through ``torch._scaled_grouped_mm``; the
     weight-gradient GEMMs stay BF16 and add into the FP32 ``main_grad``, in quack's GEMM epilogue where quack runs
-    (:func:`_add_weight_grad_in_epilogue`). Rows are padded per expert to
-    :data:`FP8_GROUP_ROWS` (:func:`padded_groups`). The padding, the row-wise quantisations and the SwiGLU around the
-    GEMMs are compiled regions on the GPU (:func:`fused_on_gpu`): four per forward and backward, not dozens of kernels.
+    (:func:`_add_weight_grad_in_epilogue`). Rows are padded per expert to :data:`FP8_GROUP_ROWS`
+    (:func:`padded_groups`). The padding, the row-wise quantisations and the SwiGLU around the GEMMs are compiled
+    regions on the GPU (:func:`difflm.kernels.compiled.fused_on_gpu`): five in all, not dozens of kernels.
 
     Forward: x [R, d] BF16 sorted by expert; ``counts`` [E] int64 rows per expert; the FP32 masters ``fc1_weight``,
         ``fc2_weight`` (gradients into ``main_grad``, none returned); ``fp8`` the eight tensors of
@@ -254,6 +231,6 @@ def fp8_grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 __all__ = ["E4M3_MAX", "FP8_GROUP_ROWS", "GroupedSwiGLUFP8", "GroupedSwiGLUMainGrad", "fp8_expert_weights",
-           "fp8_grouped_mm_supported", "fp8_rows", "fused_on_gpu", "padded_fp8_rows", "padded_groups",
+           "fp8_grouped_mm_supported", "fp8_rows", "padded_fp8_rows", "padded_groups",
            "recomputed_swiglu", "scaled_grouped_mm", "swiglu", "swiglu_backward", "swiglu_backward_fp8_rows",
            "swiglu_fp8_rows", "transposed_weight_fp8_rows", "weight_fp8_rows"]

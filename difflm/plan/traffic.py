@@ -98,7 +98,7 @@ def moe_bytes_per_token(model_cfg, kernels: KernelSet, act_bytes: int, main_grad
       the backward the pre-activation read again and the recomputed activation written (``2 a f + a f``): ``4 a f``.
     * ``fp8 experts`` (``model.moe.fp8_experts`` with ``main_grad``, :class:`difflm.model.grouped_experts.
       GroupedSwiGLUFP8`), per routed row, each piece one ``torch.compile``d region
-      (:func:`difflm.model.grouped_experts.fused_on_gpu`) whose row reductions read a row once: the input and the
+      (:func:`difflm.kernels.compiled.fused_on_gpu`) whose row reductions read a row once: the input and the
       output gradient scattered into buffers padded per expert (zeros, then read and written: ``3 a d`` each) and
       quantised (read ``a``, FP8 written ``1``), the output and the input gradient gathered back (``2 a d`` each):
       ``(12 a + 2) d``; the SwiGLU quantised in the forward (``h`` read, FP8 written: ``2 a f + f``), recomputed for
