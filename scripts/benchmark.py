@@ -16,8 +16,9 @@ the same schema and checks as ``difflm-train``); each ``--variant "NAME: overrid
 from the base overrides plus its own (without ``--variant`` the base config is the one row). A variant may
 change the shape (``data.seq_len``, ``train.global_batch_size``) and the objective (``objective=bd3lm``).
 
-Every row runs real training steps of the same model code (:func:`difflm.model.build_model`) on synthetic
-tokens: the row's objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed; BD3-LM: the ``2 L``
+Every row runs real training steps of the same model code (:func:`difflm.model.build_model`) on uniform random
+tokens (``--tokens corpus``: the run's training windows, ``data.*``, which route a mixture of experts' tokens as a
+real run does): the row's objective's ``noise`` (MDLM: t ~ U(0,1), Bernoulli(p) masking, keyed; BD3-LM: the ``2 L``
 tokens ``[x_t ; x_0]`` with the block-causal mask and positions, passed as the trainer passes them) on
 ``--batches`` batches drawn once and kept on the device, so the timed loop does no host work; the model's
 logits only at the loss positions; :func:`difflm.objectives.weighted_ce_sum`; gradient clipping (with a fused
@@ -439,17 +440,34 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
 # ------------------------------------------------------------------ rows
 
 
-def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.device, seed: int):
-    """``count`` noised micro-batches [B, S] on ``device``, through ``objective.noise`` (keyed by (seed, k))."""
+def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.device, seed: int, corpus=None):
+    """``count`` noised micro-batches [B, S] on ``device``, through ``objective.noise`` (keyed by (seed, k)): uniform
+    random tokens, or with ``corpus`` (the run's training windows, :func:`corpus_windows`) its first ``count x B``
+    windows in file order (the windows the Trainer samples from). Real text routes a mixture of experts' tokens less evenly than uniform tokens do,
+    so an MoE row measured on ``--tokens corpus`` is the one to compare with the Trainer."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
+    if corpus is not None and len(corpus) < count * b:
+        raise DifflmError(f"--tokens corpus: the training data holds {len(corpus)} windows of data.seq_len={s}, "
+                          f"fewer than --batches {count} x train.micro_batch_size {b}: lower --batches")
     gen = torch.Generator().manual_seed(seed)
     out = []
     for k in range(count):
-        tokens = torch.randint(0, vocab_real, (b, s), generator=gen)
+        if corpus is None:
+            tokens = torch.randint(0, vocab_real, (b, s), generator=gen)
+        else:
+            tokens = corpus.get(range(k * b, (k + 1) * b))
         batch = objective.noise(tokens, range(k * b, (k + 1) * b), (seed, k), b)
         out.append(batch.to(device))
     sync(device)
     return out
+
+
+def corpus_windows(cfg, tok, cache_dir: str):
+    """The training windows of ``cfg.data`` (:func:`difflm.data.datasets.build_datasets`, as the Trainer builds them;
+    tokens cached under ``cache_dir`` unless ``data.cache_dir`` is set)."""
+    from difflm.data.datasets import build_datasets
+
+    return build_datasets(cfg.data, tok, cfg.data.cache_dir or cache_dir)[0]
 
 
 def run_difflm_row(cfg, device, causal: bool, seed: int) -> dict:
@@ -695,7 +713,9 @@ def child_command(args, p: dict, json_path: Path) -> list[str]:
     cmd = [sys.executable, str(SCRIPTS / "benchmark.py"), *args.overrides, "--only", p["name"], "--json", str(json_path),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batches", str(args.batches),
            "--seed", str(args.seed), "--reference-precision", args.reference_precision,
-           "--profile-rows", str(args.profile_rows)]
+           "--profile-rows", str(args.profile_rows), "--tokens", args.tokens]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
     if p["kind"] == "variant":
         cmd += ["--no-reference", "--variant", f"{p['name']}: {' '.join(p['extra'])}"]
     if p["name"] in args.profile:
@@ -740,7 +760,8 @@ def run_in_process(p: dict, args, device, tok, cache: dict) -> dict:
         objective = build_objective(cfg.objective, tok.mask_id)
         key = (json.dumps(dict(cfg.objective), sort_keys=True, default=str), cfg.data.seq_len, cfg.train.micro_batch_size)
         if key not in cache:
-            cache[key] = make_batches(cfg, objective, len(tok.tokenizer), args.batches, device, args.seed)
+            corpus = corpus_windows(cfg, tok, args.cache_dir) if args.tokens == "corpus" else None
+            cache[key] = make_batches(cfg, objective, len(tok.tokenizer), args.batches, device, args.seed, corpus)
     except DifflmError as e:
         row["error"] = str(e)
         return row
@@ -886,7 +907,7 @@ def bd3lm_lines(rows: list[dict]) -> list[str]:
 def result_record(args, base, device_name: str, vocab_size: int, rows: list[dict]) -> dict:
     return {
         "device": device_name, "torch": torch.__version__, "peak_tflops": args.peak / 1e12 if args.peak else None,
-        "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+        "overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "tokens": args.tokens,
         "micro_batch_size": base.train.micro_batch_size, "global_batch_size": base.train.global_batch_size,
         "accumulation": base.train.global_batch_size // base.train.micro_batch_size, "seq_len": base.data.seq_len,
         "vocab_size": vocab_size, "model": base.model.name, "objective": base.objective.name,
@@ -921,6 +942,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-rows", type=int, default=12, help="kernels printed per profile (files hold 30)")
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failing rows")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", choices=("random", "corpus"), default="random",
+                    help="uniform random tokens, or the run's training data (data.*) as the Trainer reads it")
+    ap.add_argument("--cache-dir", default=None, help="--tokens corpus: where its tokens are cached "
+                    "(default: data.cache_dir, else benchmark_tokens beside difflm's tokenizer cache, ~/.cache/difflm)")
     ap.add_argument("--isolate", action="store_true", help="each row in its own process (see the docstring)")
     ap.add_argument("--row-timeout", type=float, default=240, help="seconds per isolated difflm row")
     ap.add_argument("--time-budget", type=float, default=None,
@@ -944,6 +969,10 @@ def main(argv=None) -> dict:
     args.megadlms_precisions = [p for p in args.megadlms_precisions.split(",") if p]
     if any(p not in ("bf16", "fp8") for p in args.megadlms_precisions):
         raise DifflmError(f"--megadlms-precisions {','.join(args.megadlms_precisions)}: each is bf16 or fp8")
+    if args.tokens == "corpus" and args.cache_dir is None:  # one tokenization per machine, shared by the rows
+        from difflm.data.tokenizer import tokenizer_cache_dir
+
+        args.cache_dir = str(Path(tokenizer_cache_dir()).parent / "benchmark_tokens")
     started = time.monotonic()
 
     base = compose(args.overrides)
@@ -1020,7 +1049,7 @@ def main(argv=None) -> dict:
             print(f"\n--- profile: {r['name']} ({what}) ---\n"
                   + "\n".join(line[:160] for line in r["profile_table"].splitlines()[:args.profile_rows + 4]))
     print(f"\n{device_name} | model={base.model.name} micro_batch={base.train.micro_batch_size} | "
-          f"{args.steps} steps after {args.warmup} warm-up | MFU vs {result['peak_tflops'] or '-'} TFLOP/s | "
+          f"{args.steps} steps after {args.warmup} warm-up, {args.tokens} tokens | MFU vs {result['peak_tflops'] or '-'} TFLOP/s | "
           f"S, GB per row; MegaDLMs: median of iterations 6-{args.megadlms_iters}")
     print(format_table(rows))
     for line in bd3lm_lines(rows):

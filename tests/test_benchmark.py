@@ -420,3 +420,33 @@ def test_bench_suites_refuses_a_bad_suite_before_setting_up(tmp_path, args, says
     assert r.returncode == 2 and r.stdout == "" and not out.exists()
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "megadlms|trainer|small|moe" in lines[0]
+
+
+def test_corpus_tokens_are_the_runs_training_windows(tmp_path):
+    """``--tokens corpus``: the micro-batches hold the run's first training windows (``data.*``, tokenized as the
+    Trainer does), in order, through the objective's noise; asking for more windows than the data holds is refused
+    in one line."""
+    from conftest import compose_run
+
+    from difflm.data import build_tokenizer
+
+    bench = load_script("benchmark")
+    cfg = compose_run(["model=tiny", "data.seq_len=16", "train.micro_batch_size=2"])
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+    corpus = bench.corpus_windows(cfg, tok, str(tmp_path))
+    seen = []
+
+    class Recorder:
+        def noise(self, tokens, ids, key, n):
+            seen.append(tokens)
+            return tokens.clone()
+
+    batches = bench.make_batches(cfg, Recorder(), len(tok.tokenizer), 3, torch.device("cpu"), 0, corpus)
+    assert [tuple(b.shape) for b in batches] == [(2, 16)] * 3
+    assert torch.equal(torch.cat(seen), corpus.get(range(6)))
+    text = open(cfg.data.path, encoding="utf-8").read()
+    assert tok.tokenizer.decode(seen[0][0]) in text and tok.tokenizer.decode(seen[2][1]) in text
+    random = bench.make_batches(cfg, Recorder(), len(tok.tokenizer), 1, torch.device("cpu"), 0)
+    assert not torch.equal(random[0], batches[0])
+    with pytest.raises(DifflmError, match=r"fewer than --batches .* lower --batches"):
+        bench.make_batches(cfg, Recorder(), len(tok.tokenizer), len(corpus), torch.device("cpu"), 0, corpus)
