@@ -717,3 +717,33 @@ def test_global_batch_balancing_sums_the_counts_of_data_parallel_ranks(tmp_path)
         assert torch.equal(got[rank]["tokens"], total)
         want = layer.num_experts * ((total / total.sum()) * probs[rank].mean(dim=0)).sum().item()
         assert got[rank]["aux"] == pytest.approx(want, rel=1e-5)
+
+
+def test_moe_statistics_settled_a_step_late_are_their_own_steps(fast_cfg, tmp_path):
+    """On a GPU the host reads a step's outcome after launching the next (``settle_lag`` 1). A logging step's MoE
+    statistics travel with its outcome (difflm.model.moe.moe_step_stats, copied behind the step), so the step is not
+    settled before the next launch, and its row holds its own statistics: the same rows as reading each step at once
+    (the router bias moves every step, so the next step's statistics would differ)."""
+    import json
+
+    from difflm.training.trainer import Trainer
+
+    rows = {}
+    for lag in (0, 1):
+        cfg = fast_cfg("model=moe-tiny", "model.moe.bias_update_rate=0.01", "train.max_steps=5", "train.eval_every=0",
+                       "train.save_every=0", "logger.log_every=1", "device=cpu", f"run.dir={tmp_path / f'lag{lag}'}")
+        trainer = Trainer(cfg, cfg.run.dir, CPU)
+        trainer.settle_lag = lag
+        order, launch, settle = [], trainer.train_step, trainer._settle
+        trainer.train_step = lambda: (out := launch(), order.append(("launch", trainer.step)))[0]
+        trainer._settle = lambda record: (order.append(("settle", record.step)), settle(record))[1]
+        trainer.fit()
+        if lag:  # every step logs, and none is settled before the next is launched (but the last)
+            assert order[:5] == [("launch", 1), ("launch", 2), ("settle", 1), ("launch", 3), ("settle", 2)]
+        lines = (tmp_path / f"lag{lag}" / "metrics.jsonl").read_text().splitlines()
+        rows[lag] = [{k: v for k, v in json.loads(x).items() if k.startswith("moe/") or k == "step"} for x in lines]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3, 4, 5]
+    assert rows[0] == rows[1]
+    # the statistics change every step, so a row holding the next step's would differ from reading it at once
+    norms = [r["moe/bias_norm"] for r in rows[1]]
+    assert len(set(norms)) == len(norms) and norms[0] > 0, norms

@@ -340,8 +340,9 @@ ROWS = {
 OUTSIDE = {
     "moe-1b-7b 8 layers fp8 experts": "bound by the host: 560 ms of kernel time a step in 655 ms (torch.profiler); the "
                                       "planner's 541 ms is near the kernel time",
-    "moe-1b-7b 8 layers fp8 experts, trainer": "as moe-1b-7b 8 layers fp8 experts, and the Trainer's steps of this "
-                                               "MoE run 10-17 % slower than the benchmark's (its BF16 sibling too)",
+    "moe-1b-7b 8 layers fp8 experts, trainer": "as moe-1b-7b 8 layers fp8 experts, and the Trainer's MoE steps ran "
+                                               "10-17 % slower than the benchmark's (its BF16 sibling too): each was "
+                                               "read before the next launch (docs/planner.md)",
     "dense-1b 8 layers fp8": "unsteady: its steps spread 178 % (0.25 to 0.91 s after the warm-up)",
     "dense-1b 8 layers fp8, 12 warm-up steps": "unsteady: 0.28 to 0.82 s a step after 12 warm-up steps; the two calls' "
                                                "means differ by 23 %",

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -560,19 +560,30 @@ def moe_step(model_parts: Iterable[nn.Module], group=None) -> None:
         m.balance_tokens.zero_()
 
 
-def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, float]:
-    """Metrics of the last step (after :func:`moe_step`), empty for dense models:
+def moe_step_stats(model_parts: Iterable[nn.Module]) -> tuple[list[int], Optional[torch.Tensor]]:
+    """The last step's statistics of every MoE layer (after :func:`moe_step`) as one tensor on the layers' device,
+    computed there without a host sync, so that a step's statistics can be copied to the host behind its outcome while
+    the next step runs: (the layers' block indices, float64 [L, 4] rows of (max / mean of the experts' routed tokens,
+    NaN for a layer that routed none; aux loss; z loss; L2 norm of the router bias)); ([], None) for a dense model.
+    :func:`moe_metrics_of` turns them into metrics."""
+    layers = moe_layers(model_parts)
+    if not layers:
+        return [], None
+    rows = [torch.stack([(m.last_tokens.max() / m.last_tokens.mean()).double(), m.last_losses[0].double(),
+                         m.last_losses[1].double(), m.router.bias.norm().double()]) for _, m in layers]
+    return [i for i, _ in layers], torch.stack(rows)
+
+
+def moe_metrics_of(layer_ids: list[int], stats: Optional[torch.Tensor], pp_group=None) -> dict[str, float]:
+    """Metrics of :func:`moe_step_stats`' ``layer_ids`` and ``stats`` (on any device), empty for dense models:
 
     ``moe/load_max_mean`` (max over experts / mean over experts of the routed tokens, averaged over layers; 1 is
     perfect balance) and per layer ``moe/load_max_mean/<i>``; ``moe/aux_loss`` and ``moe/z_loss`` (summed over
     layers, coefficients included: what they add to the loss); ``moe/bias_norm`` (L2 norm of the router bias,
-    averaged over layers). ``pp_group``: pipeline stages hold different layers; their values are gathered.
+    averaged over layers). ``pp_group``: pipeline stages hold different layers; their values are gathered (every
+    stage calls this).
     """
-    per_layer = {}
-    for i, m in moe_layers(model_parts):
-        tokens = m.last_tokens
-        load = float(tokens.max() / tokens.mean()) if float(tokens.sum()) > 0 else float("nan")
-        per_layer[i] = (load, float(m.last_losses[0]), float(m.last_losses[1]), float(m.router.bias.norm()))
+    per_layer = {} if stats is None else {i: tuple(row) for i, row in zip(layer_ids, stats.tolist())}
     if pp_group is not None:
         gathered = [None] * torch.distributed.get_world_size(pp_group)
         torch.distributed.all_gather_object(gathered, per_layer, group=pp_group)
@@ -590,9 +601,15 @@ def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, fl
     return out
 
 
+def moe_metrics(model_parts: Iterable[nn.Module], pp_group=None) -> dict[str, float]:
+    """:func:`moe_metrics_of` the layers' statistics now (the last step's; a host sync)."""
+    return moe_metrics_of(*moe_step_stats(model_parts), pp_group)
+
+
 __all__ = [
     "AttachAuxLoss", "GroupedExperts", "LocalDispatcher", "MoEMLP", "Routing", "SharedExperts", "TopKRouter",
     "expert_ffn_size", "first_k_dense", "grouped_mm_supported", "grouped_topk", "is_moe_layer", "shared_ffn_size",
     "load_balancing_loss", "moe_config",
-    "moe_inactive_params", "moe_layers", "moe_metrics", "moe_step", "router_z_loss", "set_moe_loss_scale",
+    "moe_inactive_params", "moe_layers", "moe_metrics", "moe_metrics_of", "moe_step", "moe_step_stats",
+    "router_z_loss", "set_moe_loss_scale",
 ]

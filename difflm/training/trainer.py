@@ -22,7 +22,8 @@ from difflm.data.tokenizer import tokenizer_reference
 from difflm.model import build_model, resolve_model_config
 from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_adapters_, lora_enabled
 from difflm.model.masks import to_device
-from difflm.model.moe import (moe_inactive_params, moe_layers, moe_metrics, moe_step, set_moe_balance_group,
+from difflm.model.moe import (moe_inactive_params, moe_layers, moe_metrics_of, moe_step, moe_step_stats,
+                              set_moe_balance_group,
                               set_moe_loss_scale)
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.allocator import use_expandable_segments
@@ -631,8 +632,8 @@ class Trainer:
 
         On a GPU the host reads a step's outcome (loss, gradient norm, finite check) only after it has launched the
         next step (``self.settle_lag`` = 1), so that read never leaves the device idle; a step whose outcome the
-        host needs at once (evaluation, a checkpoint, the last step, a stop, ``train.spike_threshold``, MoE
-        statistics on a logging step) is settled before anything else is launched. So a run of non-finite steps
+        host needs at once (evaluation, a checkpoint, the last step, a stop, ``train.spike_threshold``) is settled
+        before anything else is launched; a logging step's MoE statistics travel with its outcome. So a run of non-finite steps
         stops at most one step after the ``train.max_skipped_steps``-th, and ``tokens_per_s`` is timed by the
         device's end of each step.
         """
@@ -666,7 +667,7 @@ class Trainer:
                 do_save = t.save_every > 0 and (self.step % t.save_every == 0 or last)
                 log = self.step % lg.log_every == 0 or do_eval or last
                 pending.append(self._record(out, log))
-                now = last or do_eval or do_save or t.spike_threshold > 0 or (has_moe and log)
+                now = last or do_eval or do_save or t.spike_threshold > 0
                 rolled_back = False
                 while len(pending) > (0 if now else self.settle_lag):
                     record = pending.pop(0)
@@ -716,21 +717,21 @@ class Trainer:
     settle_lag = 1  # steps launched before the host reads a step's outcome; 0 on the CPU (__init__), where it is free
 
     def _record(self, out: dict, log: bool) -> "_StepRecord":
-        """The launched step's outcome as a pending record: its loss, gradient norm and finite check copied to the
-        host asynchronously behind a CUDA event (on the CPU: copied at once), with what the host knows now."""
+        """The launched step's outcome as a pending record: its loss, gradient norm and finite check, and on a
+        logging step its MoE statistics (:func:`difflm.model.moe.moe_step_stats`, which the next step overwrites),
+        copied to the host asynchronously behind a CUDA event (on the CPU: copied at once), with what the host knows
+        now."""
         finite = out["finite"]
         values = torch.stack([out["loss"].double(), out["grad_norm"].double(),
                               finite.double() if torch.is_tensor(finite) else
                               torch.tensor(float(finite), dtype=torch.float64, device=out["loss"].device)])
+        moe_ids, moe_stats = moe_step_stats(self.model_parts) if log else ([], None)
         event = None
         if values.device.type == "cuda":
-            host = torch.empty(3, dtype=torch.float64, pin_memory=True)
-            host.copy_(values, non_blocking=True)
+            values, moe_stats = (_to_host(t) for t in (values, moe_stats))
             event = self._device_mark()  # also times the step on the device (_log_metrics)
-        else:
-            host = values
         return _StepRecord(step=self.step, data_step=self.data_step, lr=out["lr"], tokens=out["tokens"], log=log,
-                           values=host, event=event,
+                           values=values, event=event, moe=(moe_ids, moe_stats),
                            graph_replays=self.block_graphs.replays if self.block_graphs else None)
 
     def _settle(self, record: "_StepRecord") -> None:
@@ -819,8 +820,7 @@ class Trainer:
             "mem_gib": memory_gib(self.device),
             **({"cuda_graph_replays": record.graph_replays} if record.graph_replays is not None else {}),
             "skipped_steps": self.skipped_steps,
-            # MoE statistics live in the layers: a MoE logging step is settled before the next one is launched
-            **(moe_metrics(self.model_parts, self.mesh["pp"].get_group() if self.dims.pp_enabled else None)
+            **(moe_metrics_of(*record.moe, self.mesh["pp"].get_group() if self.dims.pp_enabled else None)
                if has_moe else {}),
             **self.sampler.report(record.data_step),  # epochs (and each blend source's share)
         }
@@ -901,9 +901,19 @@ class _StepRecord:
     values: torch.Tensor  # float64 [3] on the host once ``event`` has passed: loss, gradient norm, finite (1/0)
     event: Optional[torch.cuda.Event]
     graph_replays: Optional[int]
+    moe: tuple = ([], None)  # a logging step's (MoE block indices, float64 [L, 4] statistics on the host)
     end_time: float = 0.0  # perf_counter when the host saw the step finish
     loss: float = math.nan
     grad_norm: float = math.nan
+
+
+def _to_host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A pinned host copy of device tensor ``t``, made asynchronously (valid once the stream passes this point)."""
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 @dataclasses.dataclass
