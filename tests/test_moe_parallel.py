@@ -54,18 +54,21 @@ def reference(work) -> dict[int, dict]:
 
 
 LLADA2 = ["model=llada2-tiny", "train.max_steps=3"]
+DENSE_FIRST = ["model.moe.first_k_dense=1", "train.max_steps=3", "train.save_every=0"]  # pp2: stage 0 holds no MoE
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(work) -> Path:
     """The 2-rank runs this module's tests compare with one process, in one spawn of 2 ranks (the way of
     ``test_parallel.two_rank_runs``: the ranks start once): ``ep2`` (10 steps, checkpoints every 5), ``pp2`` (4
-    steps) and ``llada2_ep2`` (``model=llada2-tiny`` under ep2, 3 steps). Returns their folder."""
+    steps), ``llada2_ep2`` (``model=llada2-tiny`` under ep2, 3 steps) and ``pp2_dense_stage`` (pp2 with a dense first
+    block, 3 steps). Returns their folder."""
     root = work / "two_ranks"
     root.mkdir()
     runs = {"ep2": ["parallel=ep2", f"train.max_steps={STEPS}", "train.save_every=5"],
             "pp2": ["parallel=pp2", "train.max_steps=4", "train.save_every=0"],
-            "llada2_ep2": [*LLADA2, "parallel=ep2"]}
+            "llada2_ep2": [*LLADA2, "parallel=ep2"],
+            "pp2_dense_stage": [*DENSE_FIRST, "parallel=pp2"]}
     (root / "spec.json").write_text(json.dumps([[str(root / name), [*MOE, f"data.cache_dir={work / 'cache'}",
                                                                     *overrides]] for name, overrides in runs.items()]))
     spawn_ranks(_two_rank_worker, 2, root)
@@ -98,6 +101,18 @@ def test_ep2_tp2_matches_single_process(work, reference):
     """4 ranks: tp=2 with sequence parallelism, dp_shard=2 = ep=2 (the MoE layers run replicated over TP)."""
     run(4, work / "ep2tp2", work, "parallel=ep2", "parallel.tp=2", "train.max_steps=4", "train.save_every=0")
     assert_same_curve(work / "ep2tp2", reference, range(1, 5))
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_pp2_with_a_stage_of_dense_blocks_logs_the_moe_blocks_statistics(work, two_rank_runs):
+    """pp2 where the first stage holds only a dense block (``model.moe.first_k_dense=1``): every stage gathers the MoE
+    statistics (none from the dense stage), so the run neither hangs nor loses them, and its curve and MoE metrics
+    equal one process's."""
+    run(1, work / "dense_first_single", work, *DENSE_FIRST)
+    reference = rows(work / "dense_first_single")
+    assert_same_curve(two_rank_runs / "pp2_dense_stage", reference, range(1, 4))
+    got = rows(two_rank_runs / "pp2_dense_stage")
+    assert all("moe/load_max_mean/1" in got[s] and "moe/load_max_mean/0" not in got[s] for s in range(1, 4))
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out

@@ -22,9 +22,8 @@ from difflm.data.tokenizer import tokenizer_reference
 from difflm.model import build_model, resolve_model_config
 from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_adapters_, lora_enabled
 from difflm.model.masks import to_device
-from difflm.model.moe import (moe_inactive_params, moe_layers, moe_metrics_of, moe_step, moe_step_stats,
-                              set_moe_balance_group,
-                              set_moe_loss_scale)
+from difflm.model.moe import (moe_config, moe_inactive_params, moe_metrics_of, moe_step, moe_step_stats,
+                              set_moe_balance_group, set_moe_loss_scale)
 from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
@@ -633,9 +632,9 @@ class Trainer:
         On a GPU the host reads a step's outcome (loss, gradient norm, finite check) only after it has launched the
         next step (``self.settle_lag`` = 1), so that read never leaves the device idle; a step whose outcome the
         host needs at once (evaluation, a checkpoint, the last step, a stop, ``train.spike_threshold``) is settled
-        before anything else is launched; a logging step's MoE statistics travel with its outcome. So a run of non-finite steps
-        stops at most one step after the ``train.max_skipped_steps``-th, and ``tokens_per_s`` is timed by the
-        device's end of each step.
+        before anything else is launched; a logging step's MoE statistics travel with its outcome. So a run of
+        non-finite steps stops at most one step after the ``train.max_skipped_steps``-th, and ``tokens_per_s`` is
+        timed by the device's end of each step.
         """
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
         sinks = [JsonlSink(self.run_dir, objective=cfg.objective.name),
@@ -647,7 +646,7 @@ class Trainer:
         stop = StopRequest(t.time_limit, elapsed_s=process_age_s())  # the limit counts from the process's start
         watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
         profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
-        has_moe = bool(moe_layers(self.model_parts))
+        has_moe = moe_config(cfg.model) is not None  # every rank: a pipeline stage may hold no MoE block
         pending: list[_StepRecord] = []
         metrics: dict = {}
         slowest_step = 0.0
