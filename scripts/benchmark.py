@@ -443,8 +443,8 @@ def profile_step(step, batches, device: torch.device, rows: int = 20, accum: int
 def make_batches(cfg, objective, vocab_real: int, count: int, device: torch.device, seed: int, corpus=None):
     """``count`` noised micro-batches [B, S] on ``device``, through ``objective.noise`` (keyed by (seed, k)): uniform
     random tokens, or with ``corpus`` (the run's training windows, :func:`corpus_windows`) its first ``count x B``
-    windows in file order (the windows the Trainer samples from). Real text routes a mixture of experts' tokens less evenly than uniform tokens do,
-    so an MoE row measured on ``--tokens corpus`` is the one to compare with the Trainer."""
+    windows in file order (the windows the Trainer samples from): real text routes a mixture of experts' tokens less
+    evenly than uniform tokens do (docs/performance.md)."""
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     if corpus is not None and len(corpus) < count * b:
         raise DifflmError(f"--tokens corpus: the training data holds {len(corpus)} windows of data.seq_len={s}, "
@@ -970,9 +970,9 @@ def main(argv=None) -> dict:
     if any(p not in ("bf16", "fp8") for p in args.megadlms_precisions):
         raise DifflmError(f"--megadlms-precisions {','.join(args.megadlms_precisions)}: each is bf16 or fp8")
     if args.tokens == "corpus" and args.cache_dir is None:  # one tokenization per machine, shared by the rows
-        from difflm.data.tokenizer import tokenizer_cache_dir
+        from difflm.data.tokenizer import difflm_cache_dir
 
-        args.cache_dir = str(Path(tokenizer_cache_dir()).parent / "benchmark_tokens")
+        args.cache_dir = difflm_cache_dir("benchmark_tokens")
     started = time.monotonic()
 
     base = compose(args.overrides)

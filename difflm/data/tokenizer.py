@@ -211,12 +211,17 @@ def definition_fingerprint(tokenizer) -> str:
 _HASHED_BYTES = 64 * 2**20
 
 
-def tokenizer_cache_dir() -> str:
-    """Where the derived ids of local tokenizers are kept: ``$DIFFLM_CACHE_DIR/tokenizers``, else
-    ``$XDG_CACHE_HOME/difflm/tokenizers`` (``~/.cache/difflm/tokenizers``)."""
+def difflm_cache_dir(name: str) -> str:
+    """Folder ``name`` of difflm's per-user cache: ``$DIFFLM_CACHE_DIR/<name>``, else ``$XDG_CACHE_HOME/difflm/<name>``
+    (``~/.cache/difflm/<name>``; the XDG Base Directory Specification's cache home)."""
     root = os.environ.get("DIFFLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "difflm")
-    return os.path.join(root, "tokenizers")
+    return os.path.join(root, name)
+
+
+def tokenizer_cache_dir() -> str:
+    """Where the derived ids of local tokenizers are kept: :func:`difflm_cache_dir` ``("tokenizers")``."""
+    return difflm_cache_dir("tokenizers")
 
 
 def _ids_record(directory: str, vocab_multiple: int) -> str | None:
@@ -252,15 +257,12 @@ def _read_ids(record: str) -> dict | None:
 
 
 def _write_ids(record: str, ids: dict) -> None:
-    """Write the record atomically (a temporary file renamed); a cache that cannot be written is skipped."""
-    tmp = f"{record}.{os.getpid()}.tmp"
+    """Write the record atomically (:func:`difflm.data.indexed_dataset.write_text_atomic`); a cache that cannot be
+    written is skipped."""
+    from difflm.data.indexed_dataset import write_text_atomic
+
     try:
         os.makedirs(os.path.dirname(record), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(ids, f)
-        os.replace(tmp, record)
+        write_text_atomic(record, json.dumps(ids))
     except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        pass  # the ids are derived again next time
