@@ -26,6 +26,18 @@ def row_groups(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
 
 
+def add_weight_grad(master: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cu: torch.Tensor,
+                    concat_layout: tuple | None = None) -> None:
+    """``master.main_grad[e] += a_e^T b_e`` for the row groups e of ``cu`` [E + 1] int32 (a [R, m], b [R, n] BF16;
+    ``main_grad`` [E, m, n] FP32): an expert GEMM's weight gradient, accumulated by quack's ``gemm_add_inplace`` over
+    ``cu_seqlens_k`` (out = A^T B + out per group, the FP32 output read and written in the epilogue). Nothing when
+    ``master`` is frozen. ``concat_layout`` names a [gate; up] operand, as in quack's gated GEMMs."""
+    if master.requires_grad:
+        from quack.gemm_interface import gemm_add_inplace
+
+        gemm_add_inplace(a.T, b, master.main_grad, cu_seqlens_k=cu, tuned=False, concat_layout=concat_layout)
+
+
 class QuackGroupedSwiGLU(torch.autograd.Function):
     """Forward: x [R, d] BF16 rows sorted by expert; ``cu`` [E + 1] int32 (:func:`row_groups`); the FP32 masters
     ``fc1_weight`` [E, 2f, d], ``fc2_weight`` [E, d, f] (gradients added into their ``main_grad``; none returned);
@@ -45,20 +57,17 @@ class QuackGroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from quack.gemm_interface import gemm, gemm_add_inplace, gemm_dgated
+        from quack.gemm_interface import gemm, gemm_dgated
 
         x, preact, cu, w1, w2 = ctx.saved_tensors
         fc1_weight, fc2_weight = ctx.masters
         dy = dy.contiguous().to(torch.bfloat16)
         dpreact, postact = gemm_dgated(dy, w2, preact, activation="swiglu", cu_seqlens_m=cu, tuned=False)
-        if fc2_weight.requires_grad:
-            gemm_add_inplace(dy.T, postact, fc2_weight.main_grad, cu_seqlens_k=cu, tuned=False)
+        add_weight_grad(fc2_weight, dy, postact, cu)
         dx = gemm(dpreact, w1, cu_seqlens_m=cu, tuned=False, concat_layout=FC1_DGRAD) if ctx.needs_input_grad[0] \
             else None
-        if fc1_weight.requires_grad:
-            gemm_add_inplace(dpreact.T, x, fc1_weight.main_grad, cu_seqlens_k=cu, tuned=False,
-                             concat_layout=FC1_WGRAD_INTO)
+        add_weight_grad(fc1_weight, dpreact, x, cu, concat_layout=FC1_WGRAD_INTO)
         return dx, None, None, None, None, None
 
 
-__all__ = ["QuackGroupedSwiGLU", "row_groups"]
+__all__ = ["QuackGroupedSwiGLU", "add_weight_grad", "row_groups"]

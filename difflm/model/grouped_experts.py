@@ -21,6 +21,7 @@ import functools
 import torch
 
 from difflm.kernels.compiled import fused_on_gpu
+from difflm.kernels.quack_experts import add_weight_grad
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value (OCP FP8 spec; Micikevicius et al. 2022, table 1)
 FP8_GROUP_ROWS = 16  # rows per expert group are padded to this multiple for the FP8 grouped GEMM
@@ -56,18 +57,13 @@ def _quack_runs_on(device: torch.device) -> bool:
 
 
 def _add_weight_grad_in_epilogue(master: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
-    """:func:`_add_weight_grad` by quack's grouped GEMM where quack runs (``gemm_add_inplace`` over ``cu_seqlens_k``:
-    the FP32 ``main_grad`` read and written in the GEMM's epilogue, as the fused BF16 experts do), else by
+    """:func:`_add_weight_grad` by quack's grouped GEMM where quack runs
+    (:func:`difflm.kernels.quack_experts.add_weight_grad`, as the fused BF16 experts do), else by
     :func:`_add_weight_grad` (a BF16 GEMM, then a memory-bound add)."""
-    if not master.requires_grad:
-        return
     if a.is_cuda and _quack_runs_on(a.device):
-        from quack.gemm_interface import gemm_add_inplace
-
-        cu = torch.nn.functional.pad(offs, (1, 0))
-        gemm_add_inplace(a.t(), b, master.main_grad, cu_seqlens_k=cu, tuned=False)
-        return
-    _add_weight_grad(master, a, b, offs)
+        add_weight_grad(master, a, b, torch.nn.functional.pad(offs, (1, 0)))
+    else:
+        _add_weight_grad(master, a, b, offs)
 
 
 class GroupedSwiGLUMainGrad(torch.autograd.Function):
