@@ -508,9 +508,22 @@ def hub_unreachable(err: BaseException, tasks: str) -> str | None:
     return None
 
 
+def difflm_error_in(err: BaseException) -> DifflmError | None:
+    """The :class:`difflm.errors.DifflmError` that ``err`` is or was raised from (lm-eval may wrap what the model's
+    constructor or requests raise), or None."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, DifflmError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main() -> None:
-    """``python -m difflm.eval_harness``: lm-eval's own command line with the ``difflm`` model registered; a task
-    whose dataset is not cached while the hub is unreachable ends in one line (:func:`hub_unreachable`), exit 2."""
+    """``python -m difflm.eval_harness``: lm-eval's own command line with the ``difflm`` model registered. A
+    difflm refusal (:class:`difflm.errors.DifflmError`: a bad ``model_args`` value, a run directory without a run)
+    and a task whose dataset is not cached while the hub is unreachable (:func:`hub_unreachable`) end in one line,
+    exit 2, as every ``difflm-*`` command's mistakes do."""
     import sys
 
     from lm_eval.__main__ import cli_evaluate
@@ -520,8 +533,9 @@ def main() -> None:
                   if a == "--tasks" or a.startswith("--tasks=")), "?")
     try:
         cli_evaluate()
-    except Exception as err:  # noqa: BLE001 - only the hub case is reworded; anything else propagates
-        message = hub_unreachable(err, tasks)
+    except Exception as err:  # noqa: BLE001 - difflm's refusals and the hub case are reworded; the rest propagates
+        refusal = difflm_error_in(err)
+        message = str(refusal) if refusal is not None else hub_unreachable(err, tasks)
         if message is None:
             raise
         print(f"difflm: error: {message}", file=sys.stderr)

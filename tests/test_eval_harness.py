@@ -410,3 +410,36 @@ def test_generate_refuses_infilling_for_an_ar_run_and_a_template_the_tokenizer_l
     with pytest.raises(DifflmError, match="^chat_template=true but the run's tokenizer .* has no chat template: "
                                           "drop chat_template$"):
         generate_text(args(runs["mdlm"], chat_template=True), set())
+
+
+def test_python_m_eval_harness_ends_a_difflm_refusal_in_one_line(tmp_path, monkeypatch, capsys):
+    """A bad model_args value reaches lm-eval's command line as the adapter's DifflmError (here a run_dir without
+    a run, raised while lm-eval builds the model, and wrapped once more as lm-eval may): one line and exit 2, as
+    every difflm-* command, not lm-eval's traceback. Other errors still propagate."""
+    import sys
+
+    import lm_eval.__main__ as lm_eval_main
+
+    import difflm.eval_harness as harness
+
+    def builds_the_model():
+        try:
+            DifflmHarnessLM(run_dir=str(tmp_path / "nowhere"), device="cpu")
+        except Exception as err:
+            raise RuntimeError("model construction failed") from err
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", builds_the_model)
+    monkeypatch.setattr(sys, "argv", ["difflm.eval_harness", "--model", "difflm", "--tasks", "piqa"])
+    with pytest.raises(SystemExit) as done:
+        harness.main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err == f"difflm: error: run_dir='{tmp_path / 'nowhere'}' has no config.yaml: point run_dir at a " \
+                  "difflm-train output directory (or a difflm-import one)\n"
+
+    def fails_otherwise():
+        raise ValueError("bad limit")
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", fails_otherwise)
+    with pytest.raises(ValueError, match="bad limit"):
+        harness.main()
