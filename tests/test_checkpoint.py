@@ -195,15 +195,31 @@ def test_step_n_is_read_with_the_settings_it_was_trained_with(fast_cfg, tmp_path
         assert (run_cfg.objective.name, model.causal, loaded) == (name, causal, step or 2), step
 
 
-def test_resume_with_max_steps_below_the_checkpoint_is_refused(fast_cfg):
+def test_resume_that_would_train_nothing_is_refused(fast_cfg):
+    """train.max_steps below the checkpoint's step, or at it with other settings, is refused before anything is
+    loaded or written; the same settings at the same step pass and train nothing."""
     cfg = fast_cfg("train.max_steps=2", "train.save_every=1", "train.eval_every=0")
     Trainer(cfg, cfg.run.dir, CPU).fit()
     saved = (Path(cfg.run.dir) / "config.yaml").read_text()
+    fix = (r"raise train.max_steps \(steps count on from the checkpoint's: train.max_steps=12 trains 10 more\), or "
+           r"read that step with difflm-eval / difflm-generate step=2$")
     with pytest.raises(DifflmError, match=r"^train.max_steps=1 is below the step of the checkpoint this run resumes "
-                                          r"from \(.*step_2\): nothing would train; raise train.max_steps, or read "
-                                          r"that step with difflm-eval / difflm-generate step=2$"):
+                                          r"from \(.*step_2\): nothing would train; " + fix):
         Trainer(fast_cfg("train.max_steps=1", "train.eval_every=0"), cfg.run.dir, CPU)
     assert (Path(cfg.run.dir) / "config.yaml").read_text() == saved
+    # at the checkpoint's step with new settings (LoRA added to the finished run): nothing would train with them
+    with pytest.raises(DifflmError, match=r"^train.max_steps=2 is the step of the checkpoint this run resumes from "
+                                          r"\(.*step_2\), so nothing would train with the changed settings "
+                                          r"\(lora.alpha, lora.name, lora.rank, optim.lr\): " + fix):
+        Trainer(fast_cfg("train.max_steps=2", "train.save_every=1", "train.eval_every=0", "lora=attn_mlp",
+                         "optim.lr=1e-3"), cfg.run.dir, CPU)
+    assert (Path(cfg.run.dir) / "config.yaml").read_text() == saved
+    # the same command again: a finished run launched again, nothing to do
+    again = Trainer(fast_cfg("train.max_steps=2", "train.save_every=1", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert again.step == 2
+    again.fit()
+    assert again.step == 2 and sorted(p.name for p in (Path(cfg.run.dir) / "checkpoints").iterdir()) == \
+        ["step_1", "step_2"]
 
 
 def test_unfinished_saves_are_removed_and_a_stopped_save_cleans_up(fast_cfg, monkeypatch, capsys):

@@ -127,6 +127,15 @@ def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
         assert (composed.objective.name, composed.model.shift_logits, composed.data.seq_len) == \
             (objective, shift, seq_len), recipe
     _, ref_model, _, _ = load_run_for_export(tmp_path / "run")
+    # the printed model.* left out: the load is refused, naming the settings that differ, as printed by the import
+    bare = compose_run([*FAST, *small_data, *[o for o in overrides if not o.startswith("model.")],
+                        "train.max_steps=1", "train.eval_every=0"])
+    with pytest.raises(DifflmError, match=r"^checkpoint .*step_0 does not match this model.*; it was trained with "
+                                          r"other model settings \(.*step_0/config.yaml\): pass (model\.\S+ )+"
+                                          r"\(the model.\* overrides difflm-import prints\)$") as refused:
+        Trainer(bare, bare.run.dir, CPU)
+    named = str(refused.value).split(": pass ")[1].split(" (")[0].split()
+    assert "model.ffn_hidden_size=96" in named and set(named) <= set(overrides), named
     cfg = compose_run([*FAST, *small_data, *overrides, "train.max_steps=1",
                        "train.save_every=1", "train.eval_every=0"])
     trainer = Trainer(cfg, cfg.run.dir, CPU)

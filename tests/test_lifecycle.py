@@ -257,6 +257,38 @@ def test_rl_warns_beyond_the_trained_window(init_run, tmp_path):
         "the data.seq_len=128" in warned[0] and warned[0].endswith("lower data.max_prompt_tokens or gen.length")
 
 
+def test_rl_names_the_prompts_and_responses_it_cuts(init_run, tmp_path):
+    """data.max_prompt_tokens / data.max_response_tokens cut records silently no more: one notice says how many
+    prompts (GRPO, DPO) and chosen / rejected responses (DPO) are cut, what they lose and the key that keeps them
+    whole, as difflm-train's SFT notice does; records that fit say nothing."""
+    from difflm.posttrain.rewards.gsm8k import GSM8K_SAMPLE
+    from difflm.posttrain.runner import PostTrainer
+    from test_posttrain_runtime import rl_config
+
+    grpo = PostTrainer(rl_config(init_run, tmp_path / "g"), CPU)  # data.max_prompt_tokens=8 on GSM8K's questions
+    lengths = [len(grpo.tok.encode(json.loads(line)["question"])) for line in open(GSM8K_SAMPLE)]
+    cut = sum(n > 8 for n in lengths)
+    assert 0 < cut <= len(lengths) == 32
+    assert [r for r in grpo._reports if "notice" in r] == [
+        f"difflm: notice: data.max_prompt_tokens=8 cuts {cut} of 32 prompts (their start is dropped, the end kept; "
+        f"the longest has {max(lengths)} tokens: data.max_prompt_tokens={max(lengths)} keeps every one whole)"]
+    whole = PostTrainer(rl_config(init_run, tmp_path / "w", f"data.max_prompt_tokens={max(lengths)}"), CPU)
+    assert not any("notice" in r for r in whole._reports)
+
+    prefs = tmp_path / "prefs.jsonl"
+    pairs = [("1 + 1 =", " 2", " 3"), ("2 + 2 =", " four, as every child knows", " 5")]
+    prefs.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs * 3))
+    dpo = PostTrainer(rl_config(init_run, tmp_path / "d", "algorithm=dpo", "estimator=mc_elbo", f"data.path={prefs}",
+                                "data.prompt_field=prompt", "data.answer_field=null", "data.max_response_tokens=3"),
+                      CPU)
+    long = len(dpo.tok.encode(" four, as every child knows")) + 1  # + EOS
+    assert long > 3 >= len(dpo.tok.encode(" 3")) + 1
+    assert [r for r in dpo._reports if "notice" in r] == [
+        f"difflm: notice: data.max_response_tokens=3 cuts 3 of 12 chosen / rejected responses (they lose their end, "
+        f"the EOS that tells the model to stop included; the longest has {long} tokens: "
+        f"data.max_response_tokens={long} keeps every one whole)"]
+
+
 def chat_tokenizer(path):
     """The embedded GPT-NeoX tokenizer with a small chat template, saved at ``path``."""
     from transformers import AutoTokenizer

@@ -59,6 +59,11 @@ def test_rl_presets_compose_and_build():
     (["train.keep_last=-2"], r"^train.keep_last=-2 must be >= 0"),
     (["optim.lr=-1e-5"], r"^optim.lr=-1e-05 must be positive$"),
     (["schedule.warmup_steps=-3"], r"^schedule.warmup_steps=-3 must be >= 0"),
+    # a template without {prompt} would give every record the same prompt (GRPO and DPO alike)
+    (["data.prompt_template=Question: Answer:"], r"^data.prompt_template='Question: Answer:' holds no \{prompt\}: "
+                                                r"every record's prompt would be replaced by that text"),
+    (["algorithm=dpo", "data.prompt_template='Q: {question}'"], r"^data.prompt_template='Q: \{question\}' holds no "
+                                                                 r"\{prompt\}"),
 ])
 def test_rl_config_errors_name_the_key(overrides, message):
     with pytest.raises(DifflmError, match=message):

@@ -80,6 +80,20 @@ def test_grpo_runs_logs_and_resumes_exactly(init_run, tmp_path):
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
     assert (tmp_path / "full" / "reference.pt").exists()
+    # a resume that would train nothing is refused, as difflm-train refuses it: below the checkpoint's step, or at it
+    # with other settings; the same command again trains nothing
+    from difflm.errors import DifflmError
+
+    with pytest.raises(DifflmError, match=r"^train.max_steps=1 is below the step of the checkpoint this run resumes "
+                                          r"from \(.*step_2\): nothing would train; raise train.max_steps"):
+        PostTrainer(rl_config(init_run, tmp_path / "full", "train.max_steps=1"), torch.device("cpu"))
+    with pytest.raises(DifflmError, match=r"^train.max_steps=2 is the step of the checkpoint this run resumes from "
+                                          r"\(.*step_2\), so nothing would train with the changed settings "
+                                          r"\(algorithm.beta\): raise train.max_steps"):
+        PostTrainer(rl_config(init_run, tmp_path / "full", "algorithm.beta=0"), torch.device("cpu"))
+    again = PostTrainer(rl_config(init_run, tmp_path / "full"), torch.device("cpu"))
+    again.fit()
+    assert again.step == 2 and len(open(tmp_path / "full" / "metrics.jsonl").readlines()) == len(rows)
     ref = full.reference.model.state_dict()
     init = torch.load(tmp_path / "full" / "reference.pt", weights_only=True)
     assert all(torch.equal(ref[k], init[k]) for k in init)  # the reference stays the initial policy

@@ -41,6 +41,12 @@ TRAINER_STATE = "trainer_state.pt"
 CONFIG = "config.yaml"
 
 
+class CheckpointMismatch(DifflmError):
+    """A checkpoint whose tensors do not fit this run's model (another shape, more tensors): the message names the
+    checkpoint; callers that know the settings it was trained with add them
+    (:func:`difflm.training.run_config.model_settings_hint`)."""
+
+
 def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -380,7 +386,7 @@ def _refuse_unplaced_tensors(path: Path, model_sd: dict, keys: Optional[set[str]
     unplaced = sorted(k[len("model."):] for k in keys if k.startswith("model.") and
                       not k.endswith(EXTRA_STATE_SUFFIX) and k[len("model."):] not in names)
     if unplaced:
-        raise DifflmError(f"checkpoint {path} does not match this model: it holds {len(unplaced)} tensor(s) this model "
+        raise CheckpointMismatch(f"checkpoint {path} does not match this model: it holds {len(unplaced)} tensor(s) this model "
                           f"has no place for ({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''}), so "
                           "their trained values would be dropped: resume with the model config it was saved with, "
                           "or use a new run.dir")
@@ -451,7 +457,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise DifflmError(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
+        raise CheckpointMismatch(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
                           "resume with the model config it was saved with, or use a new run.dir") from exc
     finish_canonical_load(pending)
     model_sd.update(fresh)
@@ -489,7 +495,7 @@ def load_base_weights(path: Path, model) -> None:
             warnings.simplefilter("ignore")
             dcp.load({"model": model_sd}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
-        raise DifflmError(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): train the "
+        raise CheckpointMismatch(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): train the "
                           "LoRA run with the model config of its base") from exc
     finish_canonical_load(pending)
     set_state_dict(target, [], model_state_dict=model_sd, optim_state_dict={},

@@ -62,6 +62,16 @@ class MoEConfig:
     fused_experts: Any = False  # auto | true | false (difflm.model.auto_kernels; conf/train.yaml sets auto)
 
 
+# the model.* keys that difflm-import writes and prints for an imported checkpoint: the architecture its tensors
+# depend on (and for MoE the routing's training settings); the other model.* keys choose kernels, compilation, memory
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
+              "partial_rotary_factor", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits",
+              "vocab_multiple")
+MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "shared_ffn_hidden_size", "score_func",
+            "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense", "aux_loss_coeff",
+            "z_loss_coeff", "bias_update_rate", "bias_in_weights", "capacity_factor", "balance_over")
+
+
 @dataclass
 class ModelConfig:
     """Llama-style transformer dimensions.

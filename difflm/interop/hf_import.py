@@ -55,7 +55,8 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
 from difflm.cli import hydra_app
-from difflm.config.compose import compose_train_config
+from difflm.config.compose import compose_train_config, override_value
+from difflm.config.schema import MODEL_KEYS, MOE_KEYS
 from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
@@ -292,22 +293,6 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
     return out
 
 
-MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
-              "partial_rotary_factor", "norm_eps", "qk_norm", "qkv_bias", "tie_embeddings", "shift_logits",
-              "vocab_multiple")
-
-
-MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "shared_ffn_hidden_size", "score_func",
-            "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense", "aux_loss_coeff",
-            "z_loss_coeff", "bias_update_rate", "bias_in_weights", "capacity_factor", "balance_over")
-
-
-def _override_value(value) -> str:
-    if value is None:
-        return "null"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def train_overrides(cfg) -> list[str]:
     """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``data.seq_len`` (the
     training window restored from a difflm export), ``model.*``,
@@ -324,14 +309,14 @@ def train_overrides(cfg) -> list[str]:
     # an export records the block length its run decoded in (gen.block_length=null resolved): left out when it is
     # what null gives this run too, so that a recipe added to the command (a bd3lm one) decodes in its own blocks
     same = {"block_length": resolve_block_length(None, run_block_size(cfg.objective))}
-    gen = [f"gen.{k}={_override_value(v)}" for k, v in cfg.gen.items()
+    gen = [f"gen.{k}={override_value(v)}" for k, v in cfg.gen.items()
            if v != getattr(defaults, k, v) and (k not in same or v != same[k])]
     keys = [k for k in MODEL_KEYS if k != "shift_logits" or m[k]]
     return ([f"objective={cfg.objective.name}"] * (cfg.objective.name != "mdlm")
             + [f"data.tokenizer={cfg.data.tokenizer}"]
             + [f"data.seq_len={cfg.data.seq_len}"] * (cfg.data.seq_len != DataConfig.seq_len) + ["model.name=imported"]
-            + [f"model.{k}={_override_value(m[k])}" for k in keys]
-            + [f"model.moe.{k}={_override_value(m.moe[k])}" for k in MOE_KEYS if m.moe.num_experts]
+            + [f"model.{k}={override_value(m[k])}" for k in keys]
+            + [f"model.moe.{k}={override_value(m.moe[k])}" for k in MOE_KEYS if m.moe.num_experts]
             + gen + [f"run.dir={cfg.run.dir}"])
 
 

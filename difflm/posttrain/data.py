@@ -70,18 +70,47 @@ def prompt_text(cfg, record: dict) -> str:
     return cfg.prompt_template.replace("{prompt}", record["prompt_field"])
 
 
+def full_prompt_ids(tok, cfg, record: dict) -> list[int]:
+    """The record's prompt ids, uncut."""
+    return full_pair_ids(tok, prompt_text(cfg, record), "", cfg.chat_template)[0]
+
+
 def tokenize_prompt(tok, cfg, record: dict) -> list[int]:
     """Prompt ids, the last ``data.max_prompt_tokens`` kept."""
-    ids, _ = full_pair_ids(tok, prompt_text(cfg, record), "", cfg.chat_template)
-    return ids[-cfg.max_prompt_tokens:]
+    return full_prompt_ids(tok, cfg, record)[-cfg.max_prompt_tokens:]
+
+
+def full_preference_ids(tok, cfg, record: dict) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids + EOS, rejected ids + EOS) of a preference record, uncut."""
+    p, chosen = full_pair_ids(tok, prompt_text(cfg, record), record["chosen_field"], cfg.chat_template)
+    _, rejected = full_pair_ids(tok, prompt_text(cfg, record), record["rejected_field"], cfg.chat_template)
+    return p, chosen, rejected
 
 
 def tokenize_preference(tok, cfg, record: dict) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids + EOS, rejected ids + EOS), responses cut to ``data.max_response_tokens``."""
-    p, chosen = full_pair_ids(tok, prompt_text(cfg, record), record["chosen_field"], cfg.chat_template)
-    _, rejected = full_pair_ids(tok, prompt_text(cfg, record), record["rejected_field"], cfg.chat_template)
+    """(prompt ids, chosen ids + EOS, rejected ids + EOS), the prompt's last ``data.max_prompt_tokens`` kept and
+    the responses cut to ``data.max_response_tokens``."""
+    p, chosen, rejected = full_preference_ids(tok, cfg, record)
     n = cfg.max_response_tokens
     return p[-cfg.max_prompt_tokens:], chosen[:n], rejected[:n]
+
+
+def cut_notice(cfg, prompt_lengths: list[int], response_lengths: Optional[list[int]] = None) -> Optional[str]:
+    """The notice for records that ``data.max_prompt_tokens`` / ``data.max_response_tokens`` cut (their uncut token
+    counts: one prompt a record; for DPO the chosen and the rejected response, EOS included), or None when all
+    fit: how many are cut, what they lose (a prompt its start; a response its end, the EOS that tells the model to
+    stop included), the longest, and the key to raise. As difflm-train's SFT notice
+    (:func:`difflm.data.sft.truncation_notice`)."""
+    parts = []
+    for key, lengths, what, loss in (
+            ("max_prompt_tokens", prompt_lengths, "prompts", "their start is dropped, the end kept"),
+            ("max_response_tokens", response_lengths or [], "chosen / rejected responses",
+             "they lose their end, the EOS that tells the model to stop included")):
+        limit, cut = int(cfg[key]), sum(n > int(cfg[key]) for n in lengths)
+        if cut:
+            parts.append(f"data.{key}={limit} cuts {cut:,} of {len(lengths):,} {what} ({loss}; the longest has "
+                         f"{max(lengths):,} tokens: data.{key}={max(lengths)} keeps every one whole)")
+    return "difflm: notice: " + "; ".join(parts) if parts else None
 
 
 def answer_of(record: dict) -> Optional[str]:
@@ -89,4 +118,5 @@ def answer_of(record: dict) -> Optional[str]:
     return record.get("answer_field")
 
 
-__all__ = ["answer_of", "prompt_text", "read_records", "tokenize_preference", "tokenize_prompt"]
+__all__ = ["answer_of", "cut_notice", "full_preference_ids", "full_prompt_ids", "prompt_text", "read_records",
+           "tokenize_preference", "tokenize_prompt"]

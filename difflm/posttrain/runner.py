@@ -32,7 +32,8 @@ from difflm.config.validate import check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
 from difflm.parallel import distributed as pdist
-from difflm.posttrain.data import answer_of, prompt_text, read_records, tokenize_preference, tokenize_prompt
+from difflm.posttrain.data import answer_of, cut_notice, full_preference_ids, full_prompt_ids, prompt_text, \
+    read_records, tokenize_preference, tokenize_prompt
 from difflm.posttrain.forward import block_objective, estimator_logits_fn
 from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
 from difflm.posttrain.loglik import build_estimator
@@ -40,7 +41,7 @@ from difflm.posttrain.reference import build_reference
 from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
-from difflm.training.run_config import record_rl_config
+from difflm.training.run_config import check_steps_to_train, record_rl_config
 from difflm.training.schedule import build_scheduler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
@@ -84,6 +85,10 @@ def check_rl_config(cfg) -> None:
         if cfg.train[key] < 0:
             raise DifflmError(f"train.{key}={cfg.train[key]} must be >= 0 (0 = never)" if key != "keep_last" else
                               f"train.keep_last={cfg.train.keep_last} must be >= 0 (0 = keep every checkpoint)")
+    if "{prompt}" not in cfg.data.prompt_template:
+        raise DifflmError(f"data.prompt_template={cfg.data.prompt_template!r} holds no {{prompt}}: every record's "
+                          "prompt would be replaced by that text; put {prompt} where the record's prompt goes, e.g. "
+                          "'Question: {prompt} Answer:'")
     for key in ("max_prompt_tokens", "max_response_tokens"):
         if cfg.data[key] < 1:
             raise DifflmError(f"data.{key}={cfg.data[key]} must be >= 1 (the tokens kept)")
@@ -206,6 +211,7 @@ class PostTrainer:
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
         if found is not None:
             check_resume_init(self.run_dir, cfg)
+            check_steps_to_train(found[0], cfg, found[1], self.run_dir / "rl_config.yaml")
             self._check_resume_lora(found[1])
         if self.reference is not None:
             if found is not None and ref_path.exists():
@@ -322,14 +328,23 @@ class PostTrainer:
         return [self.train_records[i] for i in ids], ids
 
     def _warn_beyond_window(self, records: list[dict]) -> None:
-        """One warning (as difflm-generate's) when the longest prompt and ``gen.length`` (grpo), or prompt and
-        response (dpo), need more positions than the init run's ``data.seq_len``: positions its model never saw."""
+        """A notice of the records ``data.max_prompt_tokens`` / ``data.max_response_tokens`` cut
+        (:func:`difflm.posttrain.data.cut_notice`), and one warning (as difflm-generate's) when the longest prompt and
+        ``gen.length`` (grpo), or prompt and response (dpo), as cut, need more positions than the init run's
+        ``data.seq_len``: positions its model never saw."""
         grpo, seq_len = self.cfg.algorithm.name == "grpo", int(self.init_cfg.data.seq_len)
+        d = self.cfg.data
         if grpo:
-            prompt, length = max(len(self.prompt_ids(r)) for r in records), int(self.cfg.gen.length)
+            full = [len(full_prompt_ids(self.tok, d, r)) for r in records]
+            notice = cut_notice(d, full)
+            prompt, length = min(max(full), int(d.max_prompt_tokens)), int(self.cfg.gen.length)
         else:
-            prompt, length = max(((len(p), max(len(c), len(r))) for p, c, r in map(self.preference_ids, records)),
-                                 key=sum)
+            full = [tuple(map(len, full_preference_ids(self.tok, d, r))) for r in records]
+            notice = cut_notice(d, [p for p, _, _ in full], [n for _, c, r in full for n in (c, r)])
+            prompt, length = max(((min(p, int(d.max_prompt_tokens)), min(max(c, r), int(d.max_response_tokens)))
+                                  for p, c, r in full), key=sum)
+        if notice:
+            self.report(notice)
         if prompt + length > seq_len:
             what = f"gen.length={length}" if grpo else f"the longest response ({length} tokens)"
             self.report(f"difflm: warning: the longest prompt ({prompt} tokens) and {what} make {prompt + length} "
@@ -351,7 +366,8 @@ class PostTrainer:
         if torch.isfinite(norm):
             self.optimizer.step()
         else:
-            self.report(f"difflm: step {self.step}: non-finite gradient norm, update skipped")
+            # self.step still counts the steps before this update; the log numbers this one self.step + 1
+            self.report(f"difflm: step {self.step + 1}: non-finite gradient norm, update skipped")
         return float(norm)
 
     def report(self, message: str) -> None:

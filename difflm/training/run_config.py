@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from difflm.config.compose import override_value
+from difflm.config.schema import MODEL_KEYS, MOE_KEYS
 from difflm.data.indexed_dataset import write_text_atomic
 from difflm.errors import DifflmError
 
@@ -41,6 +43,51 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     missing = "<absent>"
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if a.get(k, missing) != b.get(k, missing)]
+
+
+def check_steps_to_train(step: int, cfg: DictConfig, checkpoint: Path, earlier_path: Optional[Path]) -> None:
+    """Refuse a resume from checkpoint ``checkpoint`` (at ``step``) that would train nothing while the command asks
+    for something: ``train.max_steps`` below ``step``, or equal to it with other settings than ``earlier_path``'s
+    (the settings the checkpoint was trained with; ``train.max_steps`` itself aside). Steps count on from the
+    checkpoint's, so adding LoRA, an objective or data to a finished run needs ``train.max_steps`` beyond it. The
+    same command with the same settings is a finished run launched again, and passes (nothing to do).
+
+    Raises: DifflmError naming ``train.max_steps``, the checkpoint and the changed keys."""
+    max_steps = int(cfg.train.max_steps)
+    fix = (f"raise train.max_steps (steps count on from the checkpoint's: train.max_steps={step + 10} trains 10 "
+           f"more), or read that step with difflm-eval / difflm-generate step={step}")
+    if step > max_steps:
+        raise DifflmError(f"train.max_steps={max_steps} is below the step of the checkpoint this run resumes from "
+                          f"({checkpoint}): nothing would train; {fix}")
+    if step < max_steps or earlier_path is None or not earlier_path.exists():
+        return
+    earlier = OmegaConf.to_container(OmegaConf.create(earlier_path.read_text())) or {}
+    changed = [k for k, _, _ in changed_settings(earlier, OmegaConf.to_container(cfg, resolve=True))
+               if k != "train.max_steps"]
+    if changed:
+        more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
+        raise DifflmError(f"train.max_steps={max_steps} is the step of the checkpoint this run resumes from "
+                          f"({checkpoint}), so nothing would train with the changed settings "
+                          f"({', '.join(changed[:SHOWN])}{more}): {fix}")
+
+
+def model_settings_hint(earlier_path: Optional[Path], cfg: DictConfig) -> Optional[str]:
+    """For a checkpoint that does not load into this run's model: the architecture keys
+    (:data:`difflm.config.schema.MODEL_KEYS`, ``MOE_KEYS``) whose value in ``earlier_path`` (the settings the
+    checkpoint was trained with, e.g. a ``difflm-import`` run's) differs from ``cfg``'s, as the overrides to pass
+    (what ``difflm-import`` printed), or None when none differs or there is no such file."""
+    if earlier_path is None or not earlier_path.exists():
+        return None
+    earlier = (OmegaConf.to_container(OmegaConf.create(earlier_path.read_text())) or {}).get("model") or {}
+    here = OmegaConf.to_container(cfg.model, resolve=True)
+    pairs = [(f"model.{k}", earlier.get(k), here.get(k)) for k in MODEL_KEYS if k in earlier]
+    moe_then, moe_now = earlier.get("moe") or {}, here.get("moe") or {}
+    pairs += [(f"model.moe.{k}", moe_then.get(k), moe_now.get(k)) for k in MOE_KEYS if k in moe_then]
+    wanted = [f"{key}={override_value(then)}" for key, then, now in pairs if then != now]
+    if not wanted:
+        return None
+    return (f"it was trained with other model settings ({earlier_path}): pass {' '.join(wanted)} "
+            "(the model.* overrides difflm-import prints)")
 
 
 def _keep(run_dir: Path, step: int, text: str, stem: str = "config") -> Path:

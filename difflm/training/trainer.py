@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import latest_checkpoint, load_checkpoint, prune_checkpoints, remove_incomplete_saves, \
-    resume_checkpoint, save_checkpoint
+from difflm.checkpoint.store import CheckpointMismatch, checkpoint_config_path, latest_checkpoint, load_checkpoint, \
+    prune_checkpoints, remove_incomplete_saves, resume_checkpoint, save_checkpoint
 from difflm.config.validate import check_batch, check_length, check_parallel, check_validation_split
 from difflm.data import build_datasets, build_sampler, build_tokenizer
 from difflm.data.tokenizer import tokenizer_reference
@@ -33,7 +33,8 @@ from difflm.training.schedule import build_scheduler, restore_scheduler, short_r
 from difflm.parallel import distributed as pdist
 from difflm.training.preemption import StopRequest, process_age_s
 from difflm.training.profiling import Profiler
-from difflm.training.run_config import check_resume_tokenizer, record_run_config
+from difflm.training.run_config import check_resume_tokenizer, check_steps_to_train, model_settings_hint, \
+    record_run_config
 from difflm.training.run_dir import set_aside_run_records
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 from difflm.training.watchdog import StepWatchdog
@@ -276,11 +277,15 @@ class Trainer:
                              f"run's records: moved them to {kept}; this run starts afresh")
             pdist.barrier()  # before any other rank writes into run.dir (profile/, hang_rank<r>.txt)
             return
-        if found[0] > self.cfg.train.max_steps:
-            raise DifflmError(f"train.max_steps={self.cfg.train.max_steps} is below the step of the checkpoint this "
-                              f"run resumes from ({found[1]}): nothing would train; raise train.max_steps, or read "
-                              f"that step with difflm-eval / difflm-generate step={found[0]}")
-        self._load(found[1])
+        trained_with = checkpoint_config_path(self.run_dir, found[1])
+        check_steps_to_train(found[0], self.cfg, found[1], trained_with)
+        try:
+            self._load(found[1])
+        except CheckpointMismatch as err:  # a checkpoint of another model: name the model.* settings it was trained with
+            hint = model_settings_hint(trained_with, self.cfg)
+            if hint is None:
+                raise
+            raise DifflmError(f"{err}; {hint}") from err
         self.resumed_checkpoint = found[1]
 
     def _load(self, path: Path) -> None:
@@ -323,7 +328,6 @@ class Trainer:
 
         state = read_trainer_state(path)
         if "lora_base" in state:
-            from difflm.checkpoint.store import checkpoint_config_path
             from difflm.model.lora import check_resume_lora
 
             saved = OmegaConf.load(checkpoint_config_path(self.run_dir, path))
