@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from difflm.errors import DifflmError
+from difflm.errors import DifflmError, exception_chain
 
 LM_EVAL_MISSING = ("difflm.eval_harness needs lm-eval (EleutherAI's lm-evaluation-harness), which is not installed: "
                    "pip install lm-eval; difflm-eval gives the validation NELBO "
@@ -494,8 +494,7 @@ def hub_unreachable(err: BaseException, tasks: str) -> str | None:
     import os
     import re
 
-    cause: BaseException | None = err
-    while cause is not None:
+    for cause in exception_chain(err):
         text = str(cause)
         if isinstance(cause, ConnectionError) or type(cause).__name__ == "OfflineModeIsEnabled":
             match = re.search(r"reach '([^']+)'", text)
@@ -504,19 +503,13 @@ def hub_unreachable(err: BaseException, tasks: str) -> str | None:
             fix = (f"run it once with network access and without {' / '.join(offline)}=1, so the dataset is cached"
                    if offline else "run it once with network access, so the dataset is cached")
             return f"lm-eval task(s) {tasks}: {dataset} is not cached and the Hugging Face hub cannot be reached: {fix}"
-        cause = cause.__cause__ or cause.__context__
     return None
 
 
 def difflm_error_in(err: BaseException) -> DifflmError | None:
     """The :class:`difflm.errors.DifflmError` that ``err`` is or was raised from (lm-eval may wrap what the model's
-    constructor or requests raise), or None."""
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, DifflmError):
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    return None
+    constructor or requests raise; :func:`difflm.errors.exception_chain`), or None."""
+    return next((e for e in exception_chain(err) if isinstance(e, DifflmError)), None)
 
 
 def main() -> None:

@@ -109,6 +109,7 @@ def print_kernel_choice(argv: list[str]) -> None:
     """After ``--cfg job``: what ``model.*=auto`` resolves to on this machine, as YAML comments (the printed config
     stays loadable). A config that does not compose or check prints nothing more: the run would say why."""
     from difflm.config.compose import compose_train_config
+    from difflm.config.schema import override_value
     from difflm.config.validate import resolve_device
     from difflm.model.auto_kernels import choose_kernels
 
@@ -123,7 +124,7 @@ def print_kernel_choice(argv: list[str]) -> None:
         print(f"# {choice.line}")
         for key in ("backend", "attention_backend", "fused_mlp", "fused_mlp_autotune"):
             value = choice.values[key]
-            print(f"#   model.{key}: {str(value).lower() if isinstance(value, bool) else value}")
+            print(f"#   model.{key}: {override_value(value)}")
 
 
 if __name__ == "__main__":

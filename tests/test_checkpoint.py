@@ -222,6 +222,37 @@ def test_resume_that_would_train_nothing_is_refused(fast_cfg):
         ["step_1", "step_2"]
 
 
+def test_only_what_a_step_trains_makes_a_finished_run_launched_again_a_refusal(tmp_path):
+    """At the checkpoint's step, a finished run launched again from a copied folder, with auto-chosen kernels and
+    micro-batch written by another machine, other logging and another cache passes (nothing to train); another
+    objective or LoRA is refused. A run sized by train.epochs is told to raise train.epochs, not train.max_steps
+    (which the epochs set)."""
+    from omegaconf import OmegaConf
+
+    from conftest import FAST, compose_run
+    from difflm.training.run_config import check_steps_to_train
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(OmegaConf.to_yaml(compose_run([*FAST, f"run.dir={tmp_path / 'a'}", "train.max_steps=5"]),
+                                       resolve=True))
+    elsewhere = compose_run([*FAST, f"run.dir={tmp_path / 'copy'}", "train.max_steps=5", "logger.log_every=3",
+                             "train.save_every=7", f"data.cache_dir={tmp_path / 'c2'}", "model.backend=te",
+                             "model.fused_mlp=true", "train.micro_batch_size=4"])
+    OmegaConf.update(elsewhere, "train.auto_batch_reason", "micro-batch 4 fits 70.1 GiB free")
+    OmegaConf.update(elsewhere, "model.auto_reason", "TE installed")
+    check_steps_to_train(5, elsewhere, tmp_path / "step_5", saved)  # nothing to train, nothing refused
+    for extra, named in ((["objective=ar"], "objective.name"), (["lora=attn_mlp"], "lora.alpha, lora.name"),
+                         (["model.num_layers=3"], "model.num_layers")):
+        with pytest.raises(DifflmError, match=rf"^train.max_steps=5 is the step of .* changed settings \({named}"):
+            check_steps_to_train(5, compose_run([*FAST, "train.max_steps=5", *extra]), tmp_path / "step_5", saved)
+    by_epochs = compose_run([*FAST, "train.max_steps=null", "train.epochs=0.01"])
+    OmegaConf.update(by_epochs, "train.max_steps", 36)  # what the epochs give this corpus
+    with pytest.raises(DifflmError, match=r"^train.epochs=0.01 \(train.max_steps=36\) is below the step of the "
+                                          r"checkpoint .*: nothing would train; raise train.epochs \(steps count on "
+                                          r"from the checkpoint's\), or read that step"):
+        check_steps_to_train(40, by_epochs, tmp_path / "step_40", saved)
+
+
 def test_unfinished_saves_are_removed_and_a_stopped_save_cleans_up(fast_cfg, monkeypatch, capsys):
     """A save stopped part-way (a second Ctrl-C inside DCP, which wraps the KeyboardInterrupt) leaves no temporary
     directory and raises KeyboardInterrupt (the entry point's 'difflm: interrupted', exit 130); one left by kill -9

@@ -132,7 +132,7 @@ def test_imported_mdlm_run_resumes_in_trainer(tmp_path, small_data):
                         "train.max_steps=1", "train.eval_every=0"])
     with pytest.raises(DifflmError, match=r"^checkpoint .*step_0 does not match this model.*; it was trained with "
                                           r"other model settings \(.*step_0/config.yaml\): pass (model\.\S+ )+"
-                                          r"\(the model.\* overrides difflm-import prints\)$") as refused:
+                                          r"\(the model.\* overrides difflm-import printed\)$") as refused:
         Trainer(bare, bare.run.dir, CPU)
     named = str(refused.value).split(": pass ")[1].split(" (")[0].split()
     assert "model.ffn_hidden_size=96" in named and set(named) <= set(overrides), named

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from difflm.checkpoint.manifest import manifest_problem, write_manifest
 from difflm.checkpoint.retention import steps_to_delete
-from difflm.errors import DifflmError
+from difflm.errors import DifflmError, exception_chain
 from difflm.parallel.distributed import barrier, is_distributed, is_rank0
 
 # torch.distributed.checkpoint (with DTensor and sympy under it) is imported inside the functions that save or load:
@@ -279,13 +279,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
 
 def _interrupted(exc: Optional[BaseException]) -> bool:
     """Whether ``exc`` is, or was caused by, a KeyboardInterrupt (DCP re-raises each rank's failure wrapped)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt) or "KeyboardInterrupt" in str(exc):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, KeyboardInterrupt) or "KeyboardInterrupt" in str(e) for e in exception_chain(exc))
 
 
 def remove_incomplete_saves(run_dir: Path) -> list[str]:
@@ -386,10 +380,10 @@ def _refuse_unplaced_tensors(path: Path, model_sd: dict, keys: Optional[set[str]
     unplaced = sorted(k[len("model."):] for k in keys if k.startswith("model.") and
                       not k.endswith(EXTRA_STATE_SUFFIX) and k[len("model."):] not in names)
     if unplaced:
-        raise CheckpointMismatch(f"checkpoint {path} does not match this model: it holds {len(unplaced)} tensor(s) this model "
-                          f"has no place for ({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''}), so "
-                          "their trained values would be dropped: resume with the model config it was saved with, "
-                          "or use a new run.dir")
+        raise CheckpointMismatch(f"checkpoint {path} does not match this model: it holds {len(unplaced)} tensor(s) "
+                                 f"this model has no place for ({', '.join(unplaced[:3])}"
+                                 f"{', ...' if len(unplaced) > 3 else ''}), so their trained values would be dropped: "
+                                 "resume with the model config it was saved with, or use a new run.dir")
 
 
 # param_group entries a checkpoint does not set: the parameters themselves, and the learning rate, which the LR
@@ -458,7 +452,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointMismatch(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
-                          "resume with the model config it was saved with, or use a new run.dir") from exc
+                                 "resume with the model config it was saved with, or use a new run.dir") from exc
     finish_canonical_load(pending)
     model_sd.update(fresh)
     set_state_dict(target, optimizer if optimizer is not None else [], model_state_dict=state["model"],
@@ -495,8 +489,8 @@ def load_base_weights(path: Path, model) -> None:
             warnings.simplefilter("ignore")
             dcp.load({"model": model_sd}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
-        raise CheckpointMismatch(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): train the "
-                          "LoRA run with the model config of its base") from exc
+        raise CheckpointMismatch(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): "
+                                 "train the LoRA run with the model config of its base") from exc
     finish_canonical_load(pending)
     set_state_dict(target, [], model_state_dict=model_sd, optim_state_dict={},
                    options=StateDictOptions(strict=False))

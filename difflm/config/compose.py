@@ -70,15 +70,5 @@ def hydra_message(err: BaseException) -> str:
     return ". ".join(own[:1] + cause[:1] + own[1:]) or type(err).__name__
 
 
+
 __all__ = ["compose_train_config", "hydra_message"]
-
-
-def override_value(value) -> str:
-    """``value`` as it is written on a Hydra command line (``key=<this>``): null, true / false, lists as [a,b]."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(override_value(v) for v in value) + "]"
-    return str(value)

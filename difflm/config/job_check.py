@@ -131,9 +131,9 @@ def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str |
     from omegaconf import OmegaConf
     from omegaconf.errors import ValidationError
 
-    cause = err
-    while cause is not None and not isinstance(cause, ValidationError):
-        cause = cause.__cause__ or cause.__context__
+    from difflm.errors import exception_chain
+
+    cause = next((e for e in exception_chain(err) if isinstance(e, ValidationError)), None)
     if cause is None:
         return None
     key = getattr(cause, "full_key", None) or "a key"

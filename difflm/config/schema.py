@@ -72,6 +72,17 @@ MOE_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts", "sh
             "z_loss_coeff", "bias_update_rate", "bias_in_weights", "capacity_factor", "balance_over")
 
 
+def override_value(value) -> str:
+    """``value`` as it is written on a Hydra command line (``key=<this>``): null, true / false, lists as [a,b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    return str(value)
+
+
 @dataclass
 class ModelConfig:
     """Llama-style transformer dimensions.

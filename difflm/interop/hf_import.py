@@ -55,8 +55,8 @@ from omegaconf import OmegaConf
 
 from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
 from difflm.cli import hydra_app
-from difflm.config.compose import compose_train_config, override_value
-from difflm.config.schema import MODEL_KEYS, MOE_KEYS
+from difflm.config.compose import compose_train_config
+from difflm.config.schema import MODEL_KEYS, MOE_KEYS, override_value
 from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files

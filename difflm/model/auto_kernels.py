@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from difflm.config.schema import override_value
 from difflm.errors import DifflmError
 
 AUTO = "auto"
@@ -99,12 +100,8 @@ class KernelChoice:
         empty when no key was ``auto``."""
         if not self.why:
             return ""
-        parts = [f"model.{k}={_text(self.values[k])} ({self.why[k]})" for k in (*KEYS, MOE_KEY) if k in self.why]
+        parts = [f"model.{k}={override_value(self.values[k])} ({self.why[k]})" for k in (*KEYS, MOE_KEY) if k in self.why]
         return f"kernels auto on {self.values['device']}: " + ", ".join(parts)
-
-
-def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def is_auto(value) -> bool:

@@ -201,7 +201,7 @@ class PostTrainer:
         records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
         self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
-        self._warn_beyond_window(records)
+        self._check_lengths(records)
         self.step = 0
         ref_path = self.run_dir / "reference.pt"
         # a frozen copy is taken and saved / restored whole, before the layout: reference.pt is layout-free
@@ -327,7 +327,7 @@ class PostTrainer:
             ids.append(int(np.random.default_rng([self.cfg.train.seed, epoch]).permutation(n)[pos]))
         return [self.train_records[i] for i in ids], ids
 
-    def _warn_beyond_window(self, records: list[dict]) -> None:
+    def _check_lengths(self, records: list[dict]) -> None:
         """A notice of the records ``data.max_prompt_tokens`` / ``data.max_response_tokens`` cut
         (:func:`difflm.posttrain.data.cut_notice`), and one warning (as difflm-generate's) when the longest prompt and
         ``gen.length`` (grpo), or prompt and response (dpo), as cut, need more positions than the init run's

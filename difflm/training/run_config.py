@@ -19,8 +19,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from difflm.config.compose import override_value
-from difflm.config.schema import MODEL_KEYS, MOE_KEYS
+from difflm.config.schema import MODEL_KEYS, MOE_KEYS, override_value
 from difflm.data.indexed_dataset import write_text_atomic
 from difflm.errors import DifflmError
 
@@ -45,49 +44,79 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
             if a.get(k, missing) != b.get(k, missing)]
 
 
+# The settings that say what a step trains. A resume at the checkpoint's step that changes one of these asks for
+# training that would not happen; the rest (paths, kernels and the micro-batch, auto or not, logging, the save and
+# evaluation cadence, the run's length) say how or where, and differ on a finished run launched again elsewhere.
+WHAT_TRAINS = ("lora.", "objective.", "optim.", "schedule.", "algorithm.", "estimator.", "reward.", "data.path",
+               "data.hf_dataset", "data.hf_split", "data.prompt_field", "data.response_field", "data.messages_field",
+               "data.chosen_field", "data.rejected_field", "data.answer_field", "data.prompt_template", "data.seq_len",
+               "train.global_batch_size", *(f"model.{k}" for k in MODEL_KEYS), *(f"model.moe.{k}" for k in MOE_KEYS))
+HOW_IT_TRAINS = ("optim.fused",)  # None: fused where the device supports it
+
+
+def _trains(key: str) -> bool:
+    return key not in HOW_IT_TRAINS and any(key == k or (k.endswith(".") and key.startswith(k)) for k in WHAT_TRAINS)
+
+
+def _settings(path: Path) -> dict:
+    """A saved ``config.yaml`` / ``rl_config.yaml`` as a plain nested dict."""
+    return OmegaConf.to_container(OmegaConf.create(path.read_text())) or {}
+
+
+def _listed(items: list[str]) -> str:
+    """The first :data:`SHOWN` of ``items``, comma-separated, then how many more."""
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
 def check_steps_to_train(step: int, cfg: DictConfig, checkpoint: Path, earlier_path: Optional[Path]) -> None:
     """Refuse a resume from checkpoint ``checkpoint`` (at ``step``) that would train nothing while the command asks
-    for something: ``train.max_steps`` below ``step``, or equal to it with other settings than ``earlier_path``'s
-    (the settings the checkpoint was trained with; ``train.max_steps`` itself aside). Steps count on from the
-    checkpoint's, so adding LoRA, an objective or data to a finished run needs ``train.max_steps`` beyond it. The
-    same command with the same settings is a finished run launched again, and passes (nothing to do).
+    for something: ``train.max_steps`` below ``step``, or equal to it while a setting of :data:`WHAT_TRAINS` differs
+    from ``earlier_path``'s (difflm-train: the settings the checkpoint was trained with; difflm-rl: its
+    ``rl_config.yaml``, the settings of the last start). Steps count on from the checkpoint's, so adding LoRA, an
+    objective or data to a finished run needs a longer run. A finished run launched again with what it trained
+    unchanged (on another machine, from a copied folder, with other logging) passes and trains nothing.
 
-    Raises: DifflmError naming ``train.max_steps``, the checkpoint and the changed keys."""
+    Raises: DifflmError naming the key that sets the run's length (``train.epochs`` where it does,
+    else ``train.max_steps``), the checkpoint and the changed keys."""
     max_steps = int(cfg.train.max_steps)
-    fix = (f"raise train.max_steps (steps count on from the checkpoint's: train.max_steps={step + 10} trains 10 "
-           f"more), or read that step with difflm-eval / difflm-generate step={step}")
+    epochs = cfg.train.get("epochs")
+    length = f"train.epochs={epochs} (train.max_steps={max_steps})" if epochs else f"train.max_steps={max_steps}"
+    longer = ("raise train.epochs (steps count on from the checkpoint's)" if epochs else
+              f"raise train.max_steps (steps count on from the checkpoint's: train.max_steps={step + 10} trains 10 "
+              "more)")
+    fix = f"{longer}, or read that step with difflm-eval / difflm-generate step={step}"
     if step > max_steps:
-        raise DifflmError(f"train.max_steps={max_steps} is below the step of the checkpoint this run resumes from "
-                          f"({checkpoint}): nothing would train; {fix}")
+        raise DifflmError(f"{length} is below the step of the checkpoint this run resumes from ({checkpoint}): "
+                          f"nothing would train; {fix}")
     if step < max_steps or earlier_path is None or not earlier_path.exists():
         return
-    earlier = OmegaConf.to_container(OmegaConf.create(earlier_path.read_text())) or {}
-    changed = [k for k, _, _ in changed_settings(earlier, OmegaConf.to_container(cfg, resolve=True))
-               if k != "train.max_steps"]
+    changed = [k for k, _, _ in changed_settings(_settings(earlier_path), OmegaConf.to_container(cfg, resolve=True))
+               if _trains(k)]
     if changed:
-        more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
-        raise DifflmError(f"train.max_steps={max_steps} is the step of the checkpoint this run resumes from "
-                          f"({checkpoint}), so nothing would train with the changed settings "
-                          f"({', '.join(changed[:SHOWN])}{more}): {fix}")
+        raise DifflmError(f"{length} is the step of the checkpoint this run resumes from ({checkpoint}), so nothing "
+                          f"would train with the changed settings ({_listed(changed)}): {fix}")
 
 
 def model_settings_hint(earlier_path: Optional[Path], cfg: DictConfig) -> Optional[str]:
-    """For a checkpoint that does not load into this run's model: the architecture keys
-    (:data:`difflm.config.schema.MODEL_KEYS`, ``MOE_KEYS``) whose value in ``earlier_path`` (the settings the
-    checkpoint was trained with, e.g. a ``difflm-import`` run's) differs from ``cfg``'s, as the overrides to pass
-    (what ``difflm-import`` printed), or None when none differs or there is no such file."""
+    """For a checkpoint that does not load into this run's model: the keys of
+    :data:`difflm.config.schema.MODEL_KEYS` (and ``MOE_KEYS`` for a mixture of experts) whose value in
+    ``earlier_path`` (the settings the checkpoint was trained with, e.g. a ``difflm-import`` run's) differs from
+    ``cfg``'s, as the overrides to pass, or None when none differs or there is no such file."""
     if earlier_path is None or not earlier_path.exists():
         return None
-    earlier = (OmegaConf.to_container(OmegaConf.create(earlier_path.read_text())) or {}).get("model") or {}
+    earlier = _settings(earlier_path).get("model") or {}
     here = OmegaConf.to_container(cfg.model, resolve=True)
     pairs = [(f"model.{k}", earlier.get(k), here.get(k)) for k in MODEL_KEYS if k in earlier]
     moe_then, moe_now = earlier.get("moe") or {}, here.get("moe") or {}
-    pairs += [(f"model.moe.{k}", moe_then.get(k), moe_now.get(k)) for k in MOE_KEYS if k in moe_then]
+    if moe_then.get("num_experts"):
+        pairs += [(f"model.moe.{k}", moe_then.get(k), moe_now.get(k)) for k in MOE_KEYS if k in moe_then]
     wanted = [f"{key}={override_value(then)}" for key, then, now in pairs if then != now]
     if not wanted:
         return None
-    return (f"it was trained with other model settings ({earlier_path}): pass {' '.join(wanted)} "
-            "(the model.* overrides difflm-import prints)")
+    imported = earlier.get("name") == "imported"
+    return (f"it was trained with other model settings ({earlier_path}): pass {' '.join(wanted)}"
+            + (" (the model.* overrides difflm-import printed)" if imported else ""))
 
 
 def _keep(run_dir: Path, step: int, text: str, stem: str = "config") -> Path:
@@ -113,13 +142,11 @@ def _record(run_dir: Path, stem: str, text: str, earlier_path: Optional[Path], r
     kept = None
     if resumed_from is not None and earlier_path is not None and earlier_path.exists():
         earlier = earlier_path.read_text()
-        changes = changed_settings(OmegaConf.to_container(OmegaConf.create(earlier)) or {},
-                                   OmegaConf.to_container(OmegaConf.create(text)) or {})
+        changes = changed_settings(_settings(earlier_path), OmegaConf.to_container(OmegaConf.create(text)) or {})
         if changes:
             kept = _keep(run_dir, resumed_from, earlier, stem=stem)
-            shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:SHOWN])
-            more = f" and {len(changes) - SHOWN} more" if len(changes) > SHOWN else ""
-            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown}{more} ({kept_as} are "
+            shown = _listed([f"{k}: {old!r} -> {new!r}" for k, old, new in changes])
+            report(f"difflm: resuming at step {resumed_from} with changed settings: {shown} ({kept_as} are "
                    f"kept in {kept})")
     write_text_atomic(run_dir / f"{stem}.yaml", text)
     return kept

@@ -281,7 +281,7 @@ class Trainer:
         check_steps_to_train(found[0], self.cfg, found[1], trained_with)
         try:
             self._load(found[1])
-        except CheckpointMismatch as err:  # a checkpoint of another model: name the model.* settings it was trained with
+        except CheckpointMismatch as err:  # another model's checkpoint: name the model.* settings it was trained with
             hint = model_settings_hint(trained_with, self.cfg)
             if hint is None:
                 raise
