@@ -325,7 +325,9 @@ def evaluate_file(args, device: torch.device) -> dict:
         "bound": bound_kind(cfg.objective),
         "windows": n, "seq_len": seq_len, "mc_samples": draws, "tokens": int(num_tokens), "bytes": nbytes,
         "nelbo": nelbo, "nelbo_stderr": stderr, "ppl_bound": math.exp(min(nelbo, 50.0)),
-        "nats_per_byte": total / max(nbytes, 1), "bits_per_byte": total / max(nbytes, 1) / math.log(2),
+        # no scored bytes (tokens that decode to nothing): no per-byte figure, NaN (null and listed in the JSON)
+        "nats_per_byte": total / nbytes if nbytes else float("nan"),
+        "bits_per_byte": total / nbytes / math.log(2) if nbytes else float("nan"),
     }
 
 

@@ -293,6 +293,45 @@ def test_sampler_settings_are_checked_only_for_runs_that_sample():
     check_run(compose_run(["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2", "train.sample_at_end=false"]))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=-1", r"^optim.lr=-1.0 must be positive$"),
+    ("optim.beta1=1.5", r"^optim.beta1=1.5 must be in \[0, 1\): AdamW's moment decay"),
+    ("optim.beta2=1", r"^optim.beta2=1.0 must be in \[0, 1\)"),
+    ("optim.eps=-1", r"^optim.eps=-1.0 must be >= 0"),
+    ("optim.weight_decay=-0.1", r"^optim.weight_decay=-0.1 must be >= 0 \(0 = no decay\)$"),
+])
+def test_optimizer_values_torch_would_refuse_mid_start_are_refused_first(override, message):
+    """AdamW's own checks raise once the run has started (a traceback, its folders written); difflm-train and
+    difflm-rl refuse the same values in one line before anything is built."""
+    from test_posttrain_config import compose_rl
+
+    from difflm.posttrain.runner import check_rl_config
+
+    with pytest.raises(DifflmError, match=message):
+        check_run(compose_run([override]))
+    with pytest.raises(DifflmError, match=message):
+        check_rl_config(compose_rl([override]))
+    check_run(compose_run(["optim.beta1=0", "optim.eps=0", "optim.weight_decay=0"]))  # the edges are legal
+
+
+def test_two_corpora_for_one_run_are_refused():
+    """data.path given beside data.blend or data.hf_dataset was dropped without a word (the run reads one source);
+    each alone, with data.path left at its default (the embedded corpus), is a run."""
+    blend = "data.blend=[{path:/corpora/a.txt,weight:1}]"
+    for overrides, named in (([blend, "data.path=/corpora/b.txt"], "data.path and data.blend"),
+                             (["+data.hf_dataset=wikitext", "data.path=/corpora/b.txt"], "data.path and data.hf_dataset"),
+                             (["+data.hf_dataset=wikitext", blend], "data.hf_dataset and data.blend")):
+        with pytest.raises(DifflmError, match=rf"^{named} both name the training corpus, and a run reads only one: "
+                                              r"keep one \(data.path=null, data.hf_dataset=null or data.blend=\[\] "
+                                              r"drops the others\)$"):
+            check_run(compose_run(overrides))
+    for alone in ([blend], ["+data.hf_dataset=wikitext"], ["data.path=/corpora/b.txt"]):
+        try:
+            check_run(compose_run(alone))
+        except DifflmError as err:  # later checks may read the files; the corpus count is not what refuses
+            assert "both name the training corpus" not in str(err)
+
+
 @pytest.mark.parametrize("key, value", [("logger.log_every", 0), ("train.max_skipped_steps", 0)])
 def test_step_counts_below_one_are_refused(key, value):
     with pytest.raises(DifflmError, match=rf"^{key}={value} must be >= 1"):

@@ -355,3 +355,18 @@ def test_eval_of_shards_made_with_another_tokenizer_names_the_runs_tokenizer(fas
     with pytest.raises(DifflmError, match="another tokenizer"):  # the shared check (the trainer) still refuses them
         find_shards(str(shards), trainer.tok)
     assert json_safe({"a": float("nan"), "b": float("inf"), "c": 1.5, "d": 2}) == {"a": None, "b": None, "c": 1.5, "d": 2}
+
+
+def test_no_scored_bytes_give_no_per_byte_figure(fast_cfg, tmp_path):
+    """An ar run on a file holding "hi": its one scored token is the EOS after "hi", whose text is no document byte.
+    nats / bits per byte are then undefined: null and listed under nonfinite in the JSON, not the total loss."""
+    from difflm import strict_json
+
+    trainer = _train(fast_cfg, "objective=ar")
+    data = tmp_path / "hi.txt"
+    data.write_text("hi")
+    got = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={data}")
+    assert (got["tokens"], got["bytes"]) == (1, 0) and math.isfinite(got["nelbo"])
+    assert math.isnan(got["nats_per_byte"]) and math.isnan(got["bits_per_byte"])
+    record = json.loads(strict_json.dumps(got, flag=True))  # as difflm-eval writes it
+    assert record["bits_per_byte"] is None and {"nats_per_byte", "bits_per_byte"} <= set(record["nonfinite"])

@@ -62,6 +62,9 @@ class MoEConfig:
     fused_experts: Any = False  # auto | true | false (difflm.model.auto_kernels; conf/train.yaml sets auto)
 
 
+EMBEDDED_CORPUS = "corpora/tinyshakespeare/input.txt"  # data.path's default, shipped in difflm/assets
+
+
 # the model.* keys that difflm-import writes and prints for an imported checkpoint: the architecture its tensors
 # depend on (and for MoE the routing's training settings); the other model.* keys choose kernels, compilation, memory
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "head_dim", "rope_base",
@@ -181,7 +184,7 @@ class DataConfig:
     name: str = "tinyshakespeare"
     # .txt/.jsonl/.parquet file, directory or glob; or difflm-preprocess output / Megatron .bin/.idx shards;
     # null (the experiments that leave the corpus to you) is refused unless hf_dataset or blend is given
-    path: Optional[str] = "${difflm_asset:corpora/tinyshakespeare/input.txt}"
+    path: Optional[str] = f"${{difflm_asset:{EMBEDDED_CORPUS}}}"
     hf_dataset: Optional[str] = None  # a `datasets` name or saved-dataset directory instead of path
     hf_split: str = "train"
     tokenizer: str = "${difflm_asset:tokenizers/gpt-neox-20b}"  # HF hub name or local directory

@@ -469,6 +469,17 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              "data.path is not set (this experiment leaves the corpus to you): pass data.path=<.txt/.jsonl/.parquet "
              "file, directory, glob or difflm-preprocess shards>, data.hf_dataset=<name or save_to_disk directory> or "
              "data.blend=[...]")
+    from difflm.config import asset_path
+    from difflm.config.schema import EMBEDDED_CORPUS
+
+    # data.path's default is the embedded corpus, which a run with another source replaces; a path given beside
+    # data.hf_dataset or data.blend would be dropped without a word (SFT pairs: check_objective_data names the key)
+    pairs = d.get("prompt_field") is not None or d.get("messages_field") is not None
+    sources = [name for name, given in (("data.path", d.path and d.path != asset_path(EMBEDDED_CORPUS)),
+                                        ("data.hf_dataset", d.hf_dataset), ("data.blend", d.get("blend"))) if given]
+    _require(pairs or len(sources) <= 1,
+             f"{' and '.join(sources)} both name the training corpus, and a run reads only one: keep one "
+             "(data.path=null, data.hf_dataset=null or data.blend=[] drops the others)")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     for key in ("eval_every", "save_every"):
@@ -506,7 +517,7 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
         from difflm.data.documents import check_encoding
 
         check_encoding(d.encoding)
-    _require(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be positive")
+    check_optim(cfg.optim)
     check_schedule(cfg.schedule)
     if cfg.profile.enabled:
         check_profile(cfg.profile, t)
@@ -565,6 +576,17 @@ def check_end_samples(cfg) -> None:
     except GenerationConfigError as err:
         raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="
                           f"{cfg.logger.num_samples}: fix gen.* or set logger.num_samples=0)") from None
+
+
+def check_optim(o) -> None:
+    """``optim.*`` within the ranges ``torch.optim.AdamW`` accepts (its own checks raise only once the model is built
+    and the run has started), and a weight decay that decays. Raises DifflmError naming the key."""
+    _require(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    for key in ("beta1", "beta2"):
+        _require(0 <= o[key] < 1, f"optim.{key}={o[key]} must be in [0, 1): AdamW's moment decay (e.g. beta1=0.9, "
+                                  "beta2=0.95)")
+    _require(o.eps >= 0, f"optim.eps={o.eps} must be >= 0 (AdamW's denominator term, e.g. 1e-8)")
+    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0 = no decay)")
 
 
 def check_schedule(s) -> None:

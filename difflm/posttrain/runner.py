@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
-from difflm.config.validate import check_schedule
+from difflm.config.validate import check_optim, check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
 from difflm.parallel import distributed as pdist
@@ -94,8 +94,7 @@ def check_rl_config(cfg) -> None:
             raise DifflmError(f"data.{key}={cfg.data[key]} must be >= 1 (the tokens kept)")
     if cfg.data.eval_records < 0:
         raise DifflmError(f"data.eval_records={cfg.data.eval_records} must be >= 0 (0 = no held-out evaluation)")
-    if not cfg.optim.lr > 0:
-        raise DifflmError(f"optim.lr={cfg.optim.lr} must be positive")
+    check_optim(cfg.optim)
     check_schedule(cfg.schedule)
     # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
     if a.name == "dpo" and cfg.data.answer_field is not None:
