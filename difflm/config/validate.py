@@ -474,10 +474,10 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
     # data.path's default is the embedded corpus, which a run with another source replaces; a path given beside
     # data.hf_dataset or data.blend would be dropped without a word (SFT pairs: check_objective_data names the key)
-    pairs = d.get("prompt_field") is not None or d.get("messages_field") is not None
+    sft_data = d.get("prompt_field") is not None or d.get("messages_field") is not None
     sources = [name for name, given in (("data.path", d.path and d.path != asset_path(EMBEDDED_CORPUS)),
                                         ("data.hf_dataset", d.hf_dataset), ("data.blend", d.get("blend"))) if given]
-    _require(pairs or len(sources) <= 1,
+    _require(sft_data or len(sources) <= 1,
              f"{' and '.join(sources)} both name the training corpus, and a run reads only one: keep one "
              "(data.path=null, data.hf_dataset=null or data.blend=[] drops the others)")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
@@ -507,7 +507,6 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"{d.seq_len}) or null")
     _require(not (d.get("blend") and d.get("max_train_tokens") is not None),
              "data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
-    sft_data = d.get("prompt_field") is not None or d.get("messages_field") is not None
     _require(not (sft_data and d.get("max_train_tokens") is not None),
              "data.max_train_tokens is not supported with objective=sft (data.prompt_field): every pair is a window "
              "of its own, so cut the pairs file instead and set data.max_train_tokens=null")
