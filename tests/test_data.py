@@ -163,6 +163,17 @@ def test_roundtrip_txt_jsonl_dir(tmp_path, tok):
     ds = tokenize_corpus(cfg_for(txt, doc_separator=None), tok, str(tmp_path / "c"))
     assert len(ds) == 1 and "<|endoftext|>" in tok.decode(ds[0])
 
+    # the cache is keyed by content and format: a moved corpus reuses it, the same bytes read as JSONL do not
+    cached = set(os.listdir(tmp_path / "c"))
+    moved = tmp_path / "moved" / "renamed.txt"
+    moved.parent.mkdir()
+    shutil.copy(txt, moved)
+    assert decoded_docs(tokenize_corpus(cfg_for(moved), tok, str(tmp_path / "c")), tok) == DOCS_A
+    assert set(os.listdir(tmp_path / "c")) == cached
+    shutil.copy(js, tmp_path / "moved" / "b.txt")  # JSONL bytes in a .txt: text, another entry
+    assert decoded_docs(tokenize_corpus(cfg_for(tmp_path / "moved" / "b.txt"), tok, str(tmp_path / "c")), tok) != DOCS_B
+    assert len(set(os.listdir(tmp_path / "c")) - cached) == 2
+
 
 def test_roundtrip_hf_saved_dataset(tmp_path, tok):
     datasets = pytest.importorskip("datasets")

@@ -153,7 +153,14 @@ def test_plan_prints_parts_and_search_ranks(tmp_path):
      "no layout splits"),
     (["model=tiny", "model.vocab_size=1000", "--gpu", "MI300X"], "--gpu MI300X: no shipped rates"),
     (["model=tiny", "model.vocab_size=1000", "--gpus", "0"], "--gpus 0"),
-    (["model=tiny", "model.vocab_size=1000", "parallel=tp2", "--gpus", "3"], "parallel."),
+    # a layout for another GPU count: the fix is --gpus, a layout or --search (nothing is launched with torchrun)
+    (["model=tiny", "model.vocab_size=1000", "parallel=tp2", "--gpus", "3"],
+     "parallel=tp2 runs on a multiple of 2 GPU(s), not --gpus 3: pass --gpus a multiple of 2, a layout for 3 GPUs "
+     "(parallel=fsdp fills them: dp_shard=-1), or --search"),
+    (["model=tiny", "model.vocab_size=1000", "--gpus", "8"],
+     "parallel=single runs on 1 GPU(s), not --gpus 8: pass --gpus 1, a layout for 8 GPUs"),
+    (["model=tiny", "model.vocab_size=1000", "--gpus", "8", "train.micro_batch_size=auto"],
+     "parallel=single runs on 1 GPU(s), not --gpus 8"),
     # the planner's own flags: a misspelt flag, a bad value, a count of rows below 1
     (["model=tiny", "model.vocab_size=1000", "--serch"], "--serch is not a difflm-plan flag; did you mean --search?"),
     (["model=tiny", "model.vocab_size=1000", "--gpus=two"], "argument --gpus: invalid int value: 'two'"),

@@ -132,6 +132,28 @@ def test_workers_write_identical_shards(tmp_path):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
 
 
+def test_a_copied_tokenizer_and_moved_input_resume_the_same_output(tmp_path):
+    """The output is keyed by what it tokenizes, not by paths: the tokenizer by its definition (as training compares
+    it), the input by size and sha256. Another tokenizer or other text is still refused."""
+    corpus = make_corpus(tmp_path / "corpus", copies=3)
+    args = ["workers=1", "shard_mb=0.0003"]
+    out = tmp_path / "out"
+    first = run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", f"tokenizer={NEOX}", *args))
+    tok_copy, corpus_copy = tmp_path / "my_tokenizer", tmp_path / "moved_corpus"
+    shutil.copytree(NEOX, tok_copy)
+    shutil.copytree(corpus, corpus_copy)
+    again = run_preprocess(preprocess_cfg(f"input={corpus_copy}", f"output={out}", f"tokenizer={tok_copy}", *args))
+    assert again["skipped"] == again["shards"] == first["shards"] > 5 and again["new_tokens"] == 0
+    assert again["tokens"] == first["tokens"]
+    (corpus_copy / "a.txt").write_text("other text\n", encoding="utf-8")
+    with pytest.raises(DifflmError, match="holds shards of other sources"):
+        run_preprocess(preprocess_cfg(f"input={corpus_copy}", f"output={out}", f"tokenizer={tok_copy}", *args))
+    (tok_copy / "tokenizer.json").write_text((NEOX / "tokenizer.json").read_text().replace('"<|endoftext|>"',
+                                                                                          '"<|end|>"', 1))
+    with pytest.raises(DifflmError, match="holds shards of other tokenizer"):
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", f"tokenizer={tok_copy}", *args))
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_crash_mid_shard_then_resume_gives_identical_shards(tmp_path):
     corpus = make_corpus(tmp_path / "corpus", copies=3)

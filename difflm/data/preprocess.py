@@ -58,7 +58,7 @@ def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int =
 def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
     """Tokenize ``cfg.path`` / ``cfg.hf_dataset`` into ``<cache_dir>/<key>.bin/.idx`` (reused if present).
 
-    The key hashes the format version, every source file (path, size, sha256 of bytes) or the
+    The key hashes the format version, every source file (format, size and sha256 of bytes, not its path) or the
     HF dataset fingerprint, the tokenizer definition, ``text_field``, ``doc_separator`` and ``encoding``.
     Documents come from :func:`difflm.data.documents.iter_documents` and are tokenized by
     :func:`tokenized_batches` (special-token text stays text), as in ``difflm-preprocess``.
@@ -80,7 +80,8 @@ def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
         source = f"data.hf_dataset={cfg.hf_dataset!r}"
     else:
         files = resolve_sources(cfg.path)
-        key_parts += [[f, os.path.getsize(f), file_sha256(f)] for f in files]
+        # by content and format (the suffix says how a file is read), not path: a moved corpus hits the cache
+        key_parts += [[kind_of(f), os.path.getsize(f), file_sha256(f)] for f in files]
         pieces = [Piece(f, 0, None, kind_of(f)) for f in files]
         total = None
         source = f"data.path={cfg.path!r}"

@@ -13,7 +13,8 @@ The counterpart of Megatron-LM's ``tools/preprocess_data.py``. Layout of an outp
   (the in-trainer path's function, so the tokens are the same).
 * A shard is written under a temporary name, fsynced and renamed (.bin, then .idx): a crash never leaves a shard
   that looks complete. A rerun with the same inputs and settings skips the finished shards and writes the rest;
-  different inputs or settings are refused unless ``overwrite=true``.
+  different inputs or settings are refused unless ``overwrite=true``. Inputs and tokenizer are compared by content
+  (:func:`content_view`), not by the paths they were read from.
 """
 from __future__ import annotations
 
@@ -323,7 +324,7 @@ def run_preprocess(cfg) -> dict:
             "shards": [{"name": f"shard_{i:05d}", "source": p.source, "kind": p.kind, "start": p.start, "end": p.end}
                        for i, p in enumerate(pieces)],
         }
-        plan_key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+        plan_key = content_key(plan)
         try:
             _prepare_output(out, plan, plan_key, cfg)
             _write_json(out / MANIFEST, {**plan, "plan_key": plan_key, "complete": False})
@@ -378,6 +379,29 @@ def run_preprocess(cfg) -> dict:
             "tokenizer": tokenizer_reference(cfg.tokenizer)}
 
 
+def content_view(plan: dict) -> dict:
+    """What a preprocess plan tokenizes, without where it was read from: the tokenizer by its definition (not the
+    name or path it was loaded by), the sources by size and sha256 (or the datasets fingerprint), the shards by
+    their source's position. A byte-identical tokenizer or input at another path resumes the same output."""
+    sources = plan.get("sources", [])
+    names = {}
+    for s in sources:
+        names.setdefault(s.get("path", s.get("hf_dataset")), len(names))
+    view = {k: v for k, v in plan.items() if k not in ("tokenizer", "sources", "shards", "plan_key", "complete",
+                                                       "documents", "tokens")}
+    view["tokenizer"] = {k: v for k, v in plan.get("tokenizer", {}).items() if k != "name"}
+    view["sources"] = [{k: v for k, v in s.items() if k != "path" and not (k == "hf_dataset" and s.get("fingerprint"))}
+                       for s in sources]
+    view["shards"] = [{**{k: v for k, v in s.items() if k not in ("source", "documents", "tokens")},
+                       "source": names.get(s.get("source"), s.get("source"))} for s in plan.get("shards", [])]
+    return view
+
+
+def content_key(plan: dict) -> str:
+    """sha256 of :func:`content_view` of ``plan``: equal for two runs that would write the same shards."""
+    return hashlib.sha256(json.dumps(content_view(plan), sort_keys=True).encode()).hexdigest()
+
+
 def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:
     """Check that ``out`` is empty, or holds this plan's shards (resume), or, with ``overwrite``, old shards to remove.
     Never deletes files that difflm-preprocess did not write."""
@@ -390,11 +414,12 @@ def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:
             raise DifflmError(f"output={cfg.output!r} is not empty and holds no difflm-preprocess manifest: give a new "
                               "or empty directory")
         return
-    if old.get("plan_key") == plan_key:
-        return  # resume
+    if content_key(old) == plan_key:
+        return  # resume (also of a manifest written before its plan_key was a content key)
     failed_start = not old.get("complete") and not any(shard_complete(str(out / s["name"])) for s in old["shards"])
     if not (cfg.overwrite or failed_start):  # a start that failed before its first shard holds nothing to keep
-        changed = [k for k in ("tokenizer", "settings", "sources") if old.get(k) != plan[k]] or ["shards"]
+        before, now = content_view(old), content_view(plan)
+        changed = [k for k in ("tokenizer", "settings", "sources") if before.get(k) != now[k]] or ["shards"]
         raise DifflmError(f"output={cfg.output!r} holds shards of other {'/'.join(changed)} (see its manifest.json): "
                           "choose a new output directory, or set overwrite=true to replace them")
     others = [f.name for f in out.iterdir() if f.name != MANIFEST and not f.name.startswith("shard_")]

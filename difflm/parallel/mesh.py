@@ -36,6 +36,16 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+class LaunchSizeMismatch(DifflmError):
+    """A layout whose degrees do not fit the number of processes. ``runs_on`` is the process count it needs
+    (``multiple=False``) or must be a multiple of (``multiple=True``, a ``-1`` degree to fill), so a command that
+    does not launch processes (``difflm-plan``, given ``--gpus``) can word the fix its own way."""
+
+    def __init__(self, message: str, runs_on: int, multiple: bool):
+        super().__init__(message)
+        self.runs_on, self.multiple = runs_on, multiple
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of a layout; their product is the world size.
@@ -73,20 +83,21 @@ class ParallelDims:
                 rest *= value
         if fill:
             if world_size % rest:
-                raise DifflmError(
+                raise LaunchSizeMismatch(
                     f"parallel.{fill[0]}=-1 cannot fill the world size {world_size}: the other degrees "
                     f"(dp_replicate*dp_shard*tp*pp*cp without it) multiply to {rest}, which does not divide it; "
-                    f"launch a multiple of {rest} processes or change parallel={p.name}")
+                    f"launch a multiple of {rest} processes or change parallel={p.name}", rest, multiple=True)
             degrees[fill[0]] = world_size // rest
         product = 1
         for value in degrees.values():
             product *= value
         if product != world_size:
             layout = " ".join(f"{k}={degrees[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
-            raise DifflmError(
+            raise LaunchSizeMismatch(
                 f"parallel.dp_replicate*dp_shard*tp*pp*cp={product} but the world size is {world_size}: this layout "
                 f"({layout}) runs on {product} process(es); launch with torchrun --nproc-per-node {product} "
-                "or pick a layout whose degrees multiply to the world size (dp_shard=-1 fills it)")
+                "or pick a layout whose degrees multiply to the world size (dp_shard=-1 fills it)", product,
+                multiple=False)
         ep = int(p.get("ep", 1))
         if ep < 1:
             raise DifflmError(f"parallel.ep={ep} must be a positive degree")

@@ -123,7 +123,32 @@ def check_plan(cfg, gpus: int, search: bool) -> None:
     if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
         raise DifflmError(f"train.global_batch_size={gbs} must be positive")
     if not search:
-        check_layout(run, gpus)
+        from difflm.parallel.mesh import LaunchSizeMismatch
+
+        try:
+            check_layout(run, gpus)
+        except LaunchSizeMismatch as err:
+            raise gpu_count_error(err, run, gpus) from None
+
+
+def check_gpu_count(cfg, gpus: int) -> None:
+    """Refuse a layout (``parallel.*``) whose degrees do not fit ``gpus`` GPUs, before anything is sized for them.
+    Raises: DifflmError (:func:`gpu_count_error`)."""
+    from difflm.parallel.mesh import LaunchSizeMismatch, ParallelDims
+
+    try:
+        ParallelDims.from_config(cfg.parallel, gpus)
+    except LaunchSizeMismatch as err:
+        raise gpu_count_error(err, cfg, gpus) from None
+
+
+def gpu_count_error(err, cfg, gpus: int) -> DifflmError:
+    """:class:`difflm.parallel.mesh.LaunchSizeMismatch` worded for the planner, which launches nothing: the fix is
+    ``--gpus``, a layout for that many GPUs, or ``--search``."""
+    name = cfg.parallel.get("name", "?")
+    need = f"a multiple of {err.runs_on}" if err.multiple else str(err.runs_on)
+    return DifflmError(f"parallel={name} runs on {need} GPU(s), not --gpus {gpus}: pass --gpus {need}, a layout for "
+                       f"{gpus} GPUs (parallel=fsdp fills them: dp_shard=-1), or --search to rank the layouts that fit")
 
 
 def main(argv=None) -> int:
@@ -177,6 +202,8 @@ def _run(args, overrides: list[str]) -> int:
               f"quack extras installed (difflm.plan.activations){hint}")
     from difflm.training.auto_batch import choose_micro_batch, is_auto
 
+    if not args.search:
+        check_gpu_count(cfg, args.gpus)
     if is_auto(cfg) and not args.search:  # the size difflm-train would plan on this GPU (its whole memory free)
         if cfg.train.get("auto_batch_budget_gib") is None:
             cfg.train.auto_batch_budget_gib = rates.memory_gib - rates.reserve_gib
