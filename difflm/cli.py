@@ -196,14 +196,19 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> list[str]:
     return out
 
 
-def hydra_app(config_name: str, sweeps: bool = False):
+def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
     """Decorator of a difflm entry point: ``hydra.main`` over ``conf/<config_name>.yaml`` around
     :func:`exits_cleanly`, preceded by :func:`check_overrides` on the command line and, for a command that runs one
-    job (``sweeps`` false: all but difflm-train and difflm-rl), :func:`refuse_multirun`.
+    job (``sweeps`` false: all but difflm-train and difflm-rl), :func:`refuse_multirun`; for one that sweeps, a
+    ``-m`` sweep's jobs are each checked by ``job_check`` first (:func:`check_sweep`).
 
-    The returned function takes no arguments (it reads ``sys.argv``). A mistyped key or preset, or ``-m`` on a command
-    that does not sweep, ends it before Hydra composes or creates a folder: ``difflm: error: <message>`` on stderr,
-    exit status 2.
+    ``job_check(cfg, world_size, here)``: the checks a job of this command runs on its config at its start, before
+    any work (raising DifflmError); ``here`` false: the job runs elsewhere (another launcher than Hydra's basic one),
+    so only what its config alone decides for ``world_size`` processes is checked, not this machine's devices.
+
+    The returned function takes no arguments (it reads ``sys.argv``). A mistyped key or preset, ``-m`` on a command
+    that does not sweep, or a sweep job its checks refuse ends it before Hydra composes or creates a folder:
+    ``difflm: error: <message>`` on stderr, exit status 2.
     """
     import hydra
 
@@ -218,6 +223,8 @@ def hydra_app(config_name: str, sweeps: bool = False):
                 if not sweeps:
                     refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
                 check_overrides(sys.argv[1:], config_name)
+                if sweeps and job_check is not None:
+                    check_sweep(sys.argv[1:], config_name, job_check)
             except DifflmError as err:
                 from difflm.parallel.distributed import launch_env
 
@@ -280,30 +287,35 @@ def check_overrides(argv: list[str], config_name: str):
     :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra:
     ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``, overrides Hydra cannot parse,
     sweeps its basic sweeper cannot expand (intervals), and command lines naming another config (``--config-name``,
-    ``--config-path``, ``--config-dir``, ``--experimental-rerun``) or completing a shell (``-sc``). Costs one compose
-    for a single run that composes (~0.3 s), else a compose or two more to find the unknown key or preset, and one
-    per job of a sweep.
+    ``--config-path``, ``--experimental-rerun``) or completing a shell (``-sc``). The folders ``--config-dir`` and
+    ``hydra.searchpath=[...]`` add are searched as Hydra searches them, so your own presets are checked as difflm's
+    are, and a preset file that does not compose (a key the schema lacks, a value of the wrong type) is refused
+    naming the file and the key (:func:`difflm.config.job_check.preset_error`). Costs one compose for a single run
+    that composes (~0.3 s), else a compose or two more to find the unknown key or preset, and one per job of a sweep.
 
     Returns: the config a single run's command line composes to (with its ``hydra`` node, as ``compose(...,
     return_hydra_config=True)`` gives it), for a caller that would compose it next; None otherwise (a sweep, a line
     with any override left to Hydra, or one Hydra refuses).
 
     Raises: DifflmError naming the first unknown key or preset, with the closest key or preset when there is one
-    (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), or ``check_job``'s refusal
-    (for a sweep, with the job it refuses).
+    (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), the preset file that does not
+    compose, or ``check_job``'s refusal (for a sweep, with the job it refuses).
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from difflm.config import CONF_DIR
-    from difflm.config.job_check import check_job, compose_and_check, jobs_to_check, sweep_jobs
+    from difflm.config.job_check import check_job, compose_and_check, initialize_conf, jobs_to_check, preset_error, \
+        search_path_of, sweep_jobs
 
     args = _hydra_args(argv)  # Hydra's own argument parser: the overrides are its positional arguments
     if args is None:  # --version, or a flag Hydra refuses: Hydra prints it
         return None
-    if args.config_name or args.config_path or args.config_dir or args.experimental_rerun or args.shell_completion:
+    if args.config_name or args.config_path or args.experimental_rerun or args.shell_completion:
+        return None
+    search = search_path_of(args.config_dir, args.overrides)  # --config-dir and hydra.searchpath: the user's presets
+    if search is None:  # a hydra.searchpath Hydra refuses: Hydra says why
         return None
     parser, overrides = OverridesParser.create(), []
     for index, arg in enumerate(args.overrides):
@@ -321,15 +333,26 @@ def check_overrides(argv: list[str], config_name: str):
     prog = f"difflm-{config_name}"
     sweep = any(o.is_sweep_override() for o in overrides)
     if not sweep:  # a command line that composes names only known keys and presets: one compose checks it
-        composed, message = compose_and_check([o.input_line for o in overrides], config_name)
+        composed, message = compose_and_check([o.input_line for o in overrides], config_name, search)
         if composed is not None:
             if message:
                 raise DifflmError(message)
             # the config of the whole line only: one with overrides this check leaves to Hydra is composed by Hydra
             return composed if len(overrides) == len(args.overrides) else None
+
+    def compose_checked(selections: list[str]):
+        try:
+            return compose(config_name, selections, return_hydra_config=True)
+        except Exception as err:  # a preset file that does not compose (the user's own): named in one line
+            message = preset_error(err, config_name, prog)
+            if message:
+                raise DifflmError(message) from None
+            raise
+
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            base = compose(config_name, return_hydra_config=True)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                initialize_conf(search):
+            base = compose_checked([])
             groups = [g for g in base.hydra.runtime.choices if "/" not in g]
             loader = GlobalHydra.instance().config_loader()
             selections, keys = [], []
@@ -345,7 +368,7 @@ def check_overrides(argv: list[str], config_name: str):
                         selections.append(f"{override.key_or_group}={options[0]}")
                 else:
                     keys.append(override)
-            cfg = compose(config_name, selections, return_hydra_config=True) if selections else base
+            cfg = compose_checked(selections) if selections else base
             jobs = sweep_jobs([o.input_line for o in overrides], loader) if sweep else \
                 [[o.input_line for o in overrides]]
     except DifflmError:
@@ -358,11 +381,58 @@ def check_overrides(argv: list[str], config_name: str):
             raise DifflmError(message)
     swept = {o.get_key_element() for o in overrides if o.is_sweep_override()}
     for job in jobs_to_check(jobs, groups) if jobs else ():
-        message = check_job(job, config_name)
+        message = check_job(job, config_name, search)
         if message:  # a sweep's job named by its swept values
             which = " ".join(line for line in job if line.partition("=")[0] in swept)
             raise DifflmError(f"{message} (in the sweep's job {which})" if sweep else message)
     return None
+
+
+def check_sweep(argv: list[str], config_name: str, job_check) -> None:
+    """Check every job of a ``-m`` sweep (:func:`multirun_flag`) of the command line ``argv`` before Hydra launches
+    the first: each job's config, composed as Hydra will compose it
+    (:func:`difflm.config.job_check.sweep_job_configs`), goes through what the job would check at its start:
+    :func:`difflm.config.schema.check_known_keys`, :func:`check_required` and ``job_check(cfg, world_size, here)``
+    (:func:`hydra_app`; difflm-train's :func:`difflm.config.validate.check_run`: ``parallel.tp=3`` that does not
+    divide ``model.num_heads``, a batch the micro-batches do not fill, ...). Where the jobs run in this process
+    (Hydra's basic launcher) ``world_size`` is this launch's and ``here`` true; under another launcher ``world_size``
+    is its ``hydra.launcher.nodes`` x ``tasks_per_node`` and ``here`` false. A no-op for a single run, and for a sweep
+    whose jobs are not known before it runs or that Hydra refuses (:func:`sweep_job_configs` returns None). A job's
+    check that fails other than with a refusal is left to the job.
+
+    Raises: DifflmError with the first refused job's message and the job, named by its swept values
+    (``... (in the sweep's job parallel.tp=3)``)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    from difflm.config.job_check import search_path_of, sweep_job_configs
+    from difflm.config.schema import check_known_keys
+    from difflm.parallel.distributed import launch_env
+
+    if multirun_flag(argv) is None:
+        return
+    args = _hydra_args(argv)
+    if args is None or args.cfg or args.info or args.config_name or args.config_path or args.experimental_rerun:
+        return
+    search = search_path_of(args.config_dir, args.overrides)
+    sweep = sweep_job_configs(config_name, args.overrides, search) if search is not None else None
+    if sweep is None:
+        return
+    world_size = launch_env()["world_size"] if sweep.here else sweep.world_size
+    for job, swept, cfg in sweep.jobs:
+        try:
+            check_known_keys(cfg)
+            check_required(cfg)
+            job_check(cfg, world_size, sweep.here)
+            continue
+        except DifflmError as err:
+            message = str(err)
+        except MissingMandatoryValue as err:  # a ``???`` that only an interpolation reaches
+            key = getattr(err, "full_key", None) or "a mandatory key"
+            message = f"{key} is required: pass {key}=... on the command line"
+        except Exception:  # noqa: BLE001 - not a refusal (an interpolation of Hydra's job state): the job says it
+            continue
+        launch = f", launched as {sweep.launch}" if sweep.launch else ""
+        raise DifflmError(f"{message} (in the sweep's job {' '.join(swept or job)}{launch})")
 
 
 def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:
@@ -422,10 +492,12 @@ def _unknown_key(cfg, override, groups: list[str], prog: str) -> str | None:
     on the key's way ends the check there: Hydra and the schema judge what lies below."""
     from omegaconf import OmegaConf
 
+    from difflm.config.job_check import closest_key, keys_of
+
     parts = override.key_or_group.split(".")
     node = cfg
     for part in parts:
-        keys = _keys_of(node)
+        keys = keys_of(node)
         if keys is None or not OmegaConf.is_struct(node):
             return None
         if part not in keys:
@@ -435,39 +507,13 @@ def _unknown_key(cfg, override, groups: list[str], prog: str) -> str | None:
         return None
     see = f"({prog} --cfg job prints every key)"
     if len(parts) == 1:  # a top-level name: a group or a key
-        names = sorted({*groups, *(k for k in _keys_of(cfg) if k != "hydra")})
+        names = sorted({*groups, *(k for k in keys_of(cfg) if k != "hydra")})
         close = difflib.get_close_matches(parts[0], names, n=1)
         typed = override.input_line
         value = typed.partition("=")[2]
         if close:
             return f"{typed}: no config group or key '{parts[0]}'; did you mean {close[0]}={value}?"
         return f"{typed}: no config group or key '{parts[0]}' {see}"
-    fixed = _closest_key(cfg, parts)
+    fixed = closest_key(cfg, parts)
     hint = f"; did you mean {fixed}?" if fixed else ""
     return f"{override.key_or_group} is not a config key{hint} {see}"
-
-
-def _keys_of(node) -> list[str] | None:
-    """The keys of a config mapping; None for a list, a value, or a mapping that is null or ``???``."""
-    from omegaconf import DictConfig
-
-    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing():
-        return None
-    return [str(key) for key in node.keys()]
-
-
-def _closest_key(cfg, parts: list[str]) -> str | None:
-    """``parts`` as an existing dotted key, each misspelt part replaced by its closest key; None when one has none."""
-    node, fixed = cfg, []
-    for i, part in enumerate(parts):
-        keys = _keys_of(node)
-        if keys is None:  # below a value or a list: the rest as typed
-            return ".".join(fixed + parts[i:])
-        if part not in keys:
-            close = difflib.get_close_matches(part, keys, n=1)
-            if not close:
-                return None
-            part = close[0]
-        fixed.append(part)
-        node = node._get_node(part)
-    return ".".join(fixed)

@@ -39,7 +39,19 @@ def run_dir_of_job(cfg) -> str:
         return cfg.run.dir
 
 
-@hydra_app("rl", sweeps=True)
+def check_job_config(cfg, world_size: int, here: bool) -> None:
+    """What a run checks on its config at its start, before it reads the trained run (``device``, then
+    :func:`difflm.posttrain.runner.check_rl_config`), for each job of a ``-m`` sweep before the first starts
+    (:func:`difflm.cli.check_sweep`); the device only where the job runs here (``here``). ``world_size``: unused (the
+    layout is checked against the trained run's model, which each job reads at its start)."""
+    from difflm.posttrain.runner import check_rl_config
+
+    if here:
+        pick_device(cfg.device)
+    check_rl_config(cfg)
+
+
+@hydra_app("rl", sweeps=True, job_check=check_job_config)
 def _main(cfg) -> None:
     from difflm.parallel.distributed import destroy_distributed
     from difflm.posttrain.runner import PostTrainer

@@ -14,7 +14,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 
 from difflm.cli import hydra_app, multirun_flag, quote_free_text
-from difflm.config.validate import check_run
+from difflm.config.validate import check_config, check_run
 from difflm.errors import DifflmError
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
     world_size_from_env
@@ -29,7 +29,18 @@ def run_dir_of_job(cfg) -> str:
         return cfg.run.dir
 
 
-@hydra_app("train", sweeps=True)
+def check_job_config(cfg, world_size: int, here: bool) -> None:
+    """What a run checks on its config at its start (:func:`check_run`), for each job of a ``-m`` sweep before the
+    first starts (:func:`difflm.cli.check_sweep`); for jobs that run elsewhere (``here`` false: another launcher) the
+    part the config alone decides for ``world_size`` processes (:func:`difflm.config.validate.check_config`).
+    ``cfg`` is changed as :func:`check_run` changes it (``auto`` values chosen): pass a copy to keep it."""
+    if here:
+        check_run(cfg, world_size)
+    else:
+        check_config(cfg, world_size)
+
+
+@hydra_app("train", sweeps=True, job_check=check_job_config)
 def _main(cfg) -> None:
     world_size = world_size_from_env()
     try:
@@ -108,15 +119,17 @@ def shown_config(argv: list[str]):
 def print_kernel_choice(argv: list[str]) -> None:
     """After ``--cfg job``: what ``model.*=auto`` resolves to on this machine, as YAML comments (the printed config
     stays loadable). A config that does not compose or check prints nothing more: the run would say why."""
+    from difflm.cli import _hydra_args
     from difflm.config.compose import compose_train_config
     from difflm.config.schema import override_value
     from difflm.config.validate import resolve_device
     from difflm.model.auto_kernels import choose_kernels
 
-    overrides = [a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] not in
-                                                                            ("--cfg", "-c", "-p", "--package"))]
+    args = _hydra_args(argv)  # Hydra's reading: the overrides, and the folder of your own presets (--config-dir)
+    if args is None:
+        return
     try:
-        cfg = compose_train_config(overrides)
+        cfg = compose_train_config(args.overrides, config_dir=args.config_dir)
         choice = choose_kernels(cfg, resolve_device(cfg.device), world_size_from_env())
     except DifflmError:
         return

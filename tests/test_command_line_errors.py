@@ -240,3 +240,203 @@ def test_a_line_that_composes_is_composed_once_and_its_config_handed_on(monkeypa
     assert check_overrides(["model=tiny", "++train.max_steps=7"], "train") is None
     assert compose_train_config(["model=tiny", "++train.max_steps=7"]).train.max_steps == 7
     assert refusal(["model=tiny", "optim.lrr=2e-4"]).startswith("optim.lrr is not a config key; did you mean optim.lr?")
+
+
+@pytest.fixture
+def my_conf(tmp_path):
+    """A folder of a user's own presets, laid out like conf/ (``--config-dir``): good ones and broken ones."""
+    files = {
+        "model/mine.yaml": "defaults:\n  - tiny\n  - _self_\nname: mine\nnum_layer: 4\n",
+        "model/good.yaml": "defaults:\n  - tiny\n  - _self_\nname: good\nnum_layers: 2\n",
+        "model/typed.yaml": "defaults:\n  - tiny\n  - _self_\nnum_layers: abc\n",
+        "model/stray.yaml": "defaults:\n  - tiny\n  - _self_\nzzz: 1\n",
+        "model/experts.yaml": "defaults:\n  - moe-tiny\n  - _self_\nmoe:\n  num_expert: 4\n",
+        "model/unknown_base.yaml": "defaults:\n  - tinyy\n  - _self_\n",
+        "model/broken.yaml": "num_layers: [2\n",
+        "experiment/mine.yaml": "# @package _global_\ntrain:\n  max_step: 3\n",
+        "experiment/uses_mine.yaml": "# @package _global_\ndefaults:\n  - override /model: mine\n",
+        "algorithm/mine.yaml": "defaults:\n  - grpo\n  - _self_\ngroup_sise: 4\n",
+        "objective/mine.yaml": "defaults:\n  - mdlm\n  - _self_\nschedul: cosine\n",
+    }
+    for name, text in files.items():
+        (tmp_path / "my_conf" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "my_conf" / name).write_text(text)
+    return tmp_path / "my_conf"
+
+
+KEYS_LISTED = "(difflm-train --cfg job prints every key)"
+
+
+@pytest.mark.parametrize("config_name,argv,message", [
+    ("train", ["model=mine"],
+     "num_layer in {d}/model/mine.yaml (model=mine) is not a config key; did you mean num_layers? " + KEYS_LISTED),
+    ("train", ["model=experts"], "moe.num_expert in {d}/model/experts.yaml (model=experts) is not a config key; did "
+                                 "you mean moe.num_experts? " + KEYS_LISTED),
+    ("train", ["model=stray"],
+     "zzz in {d}/model/stray.yaml (model=stray) is not a config key: remove it from the file " + KEYS_LISTED),
+    ("train", ["experiment=mine"], "train.max_step in {d}/experiment/mine.yaml (experiment=mine) is not a config "
+                                   "key; did you mean train.max_steps? " + KEYS_LISTED),
+    ("train", ["experiment=uses_mine"],  # the file a recipe selects is the one named
+     "num_layer in {d}/model/mine.yaml (model=mine) is not a config key; did you mean num_layers? " + KEYS_LISTED),
+    ("train", ["model=typed"], "num_layers in {d}/model/typed.yaml (model=typed): Value 'abc' of type 'str' could "
+                               "not be converted to Integer; give a value of the key's type (e.g. num_layers: 4, the "
+                               "default)"),
+    ("train", ["model=unknown_base"], "{d}/model/unknown_base.yaml (model=unknown_base): Could not load "
+                                      "'model/tinyy': fix the file"),
+    ("train", ["model=broken"], "{d}/model/broken.yaml, line 2, column 1: not valid YAML (while parsing a flow "
+                                "sequence; expected ',' or ']', but got '<stream end>'): fix the file"),
+    ("train", ["-m", "model=tiny,mine"], "num_layer in {d}/model/mine.yaml (model=mine) is not a config key; did you "
+                                         "mean num_layers? " + KEYS_LISTED + " (in the sweep's job model=mine)"),
+    ("rl", ["algorithm=mine"], "group_sise in {d}/algorithm/mine.yaml (algorithm=mine) is not a config key; did you "
+                               "mean group_size? (difflm-rl --cfg job prints every key)"),
+    ("import", ["objective=mine", "model=x", "output=y"],
+     "schedul in {d}/objective/mine.yaml (objective=mine) is not a config key; did you mean schedule? "
+     "(difflm-import --cfg job prints every key)"),
+    ("train", ["model=good", "model.hiden_size=3"],  # the command line under --config-dir: checked as without it
+     "model.hiden_size is not a config key; did you mean model.hidden_size? " + KEYS_LISTED),
+])
+def test_a_broken_preset_of_your_own_is_refused_naming_file_key_and_fix(my_conf, config_name, argv, message):
+    """A preset file of a ``--config-dir`` folder that does not compose: one line naming the file, the selection,
+    the key and the closest key, as a mistyped key on the command line is named."""
+    assert refusal(["--config-dir", str(my_conf), *argv], config_name) == message.format(d=my_conf)
+
+
+def test_presets_on_hydras_search_path_are_checked_as_difflms(my_conf):
+    """``hydra.searchpath=[...]`` adds the same folders: a good preset of your own is accepted (not "no model
+    preset"), a broken one named; a --config-dir that is not a folder is refused in one line."""
+    searchpath = f"hydra.searchpath=[file://{my_conf}]"
+    check_overrides([searchpath, "model=good", "train.max_steps=3"], "train")
+    check_overrides(["--config-dir", str(my_conf), "model=good", "train.max_steps=3"], "train")
+    assert refusal([searchpath, "model=mine"]).startswith(f"num_layer in {my_conf}/model/mine.yaml (model=mine) is "
+                                                          "not a config key; did you mean num_layers?")
+    assert refusal(["--config-dir", str(my_conf / "none"), "model=good"]) == (
+        f"--config-dir {my_conf / 'none'} is not a folder: give the folder of your presets, laid out like difflm's "
+        "conf/ (model/mine.yaml, experiment/mine.yaml, ...)")
+
+
+def test_compose_and_the_planner_name_a_broken_preset_of_your_own(my_conf, capsys):
+    """``compose_train_config(..., config_dir=)`` (scripts) and ``difflm-plan --config-dir`` compose your presets as
+    difflm-train does, and refuse a broken one in the same line."""
+    from difflm.config.compose import compose_train_config
+    from difflm.plan.cli import main as plan
+
+    assert compose_train_config(["model=good"], config_dir=my_conf).model.num_layers == 2
+    with pytest.raises(DifflmError) as info:
+        compose_train_config(["model=mine"], config_dir=my_conf)
+    assert str(info.value) == (f"num_layer in {my_conf}/model/mine.yaml (model=mine) is not a config key; did you "
+                               f"mean num_layers? {KEYS_LISTED}")
+    assert plan(["--config-dir", str(my_conf), "model=mine"]) == 2
+    assert capsys.readouterr().err.strip() == f"difflm: error: {info.value}"
+
+
+@pytest.mark.slow  # starts a process: make test-fast leaves it out
+def test_a_broken_preset_of_your_own_ends_in_one_line(my_conf, tmp_path):
+    calls = [("difflm.train", ["--config-dir", my_conf, "model=mine", f"run.dir={tmp_path / 'run'}"]),
+             ("difflm.rl", ["--config-dir", my_conf, "algorithm=mine", f"init.run_dir={tmp_path / 'none'}",
+                            f"run.dir={tmp_path / 'rl'}"])]
+    train, rl = run_cli_batch(calls, timeout=300)
+    assert train.returncode == 2 and rl.returncode == 2, (train.stderr[-2000:], rl.stderr[-2000:])
+    assert train.stderr.strip() == (f"difflm: error: num_layer in {my_conf}/model/mine.yaml (model=mine) is not a "
+                                    f"config key; did you mean num_layers? {KEYS_LISTED}")
+    assert rl.stderr.strip() == (f"difflm: error: group_sise in {my_conf}/algorithm/mine.yaml (algorithm=mine) is not "
+                                 "a config key; did you mean group_size? (difflm-rl --cfg job prints every key)")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "rl").exists()
+
+
+def sweep_refusal(argv, config_name="train") -> str:
+    """The one line :func:`difflm.cli.check_sweep` refuses a sweep with, under the entry point's own job checks."""
+    from difflm.cli import check_sweep
+    from difflm.rl import check_job_config as rl_job
+    from difflm.train import check_job_config as train_job
+
+    with pytest.raises(DifflmError) as info:
+        check_sweep(argv, config_name, {"train": train_job, "rl": rl_job}[config_name])
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+TP3 = ("parallel.tp=3 does not divide model.num_heads=4: pick a tp that divides the attention heads, KV heads, FFN "
+       "width and the vocabulary padding (model.vocab_multiple)")
+
+
+@pytest.mark.parametrize("config_name,argv,message", [
+    ("train", ["-m", "model=tiny", "parallel.tp=1,3"], f"{TP3} (in the sweep's job parallel.tp=3)"),
+    ("train", ["-m", "optim.lr=0.001,0.002", "parallel.tp=1,3"],  # the second job of four
+     f"{TP3} (in the sweep's job optim.lr=0.001 parallel.tp=3)"),
+    ("train", ["--multirun", "train.global_batch_size=4,6", "train.micro_batch_size=4"],
+     "train.global_batch_size=6 is not a multiple of train.micro_batch_size=4 x data-parallel ranks=1: set "
+     "train.global_batch_size to a multiple of 4, or train.micro_batch_size to a divisor of 6 (the batch of each "
+     "data-parallel rank) (gradient accumulation fills the rest) (in the sweep's job train.global_batch_size=6)"),
+    ("train", ["hydra.mode=MULTIRUN", "objective=mdlm,bd3lm", "objective.block_size=5", "data.seq_len=64"],
+     "objective.block_size=5 does not divide data.seq_len=64 (in the sweep's job objective=bd3lm)"),
+    ("train", ["-m", "++train.max_steps=10", "profile.enabled=true", "profile.active=1,4"],  # ++ keys compose too
+     "profile.wait + profile.warmup + profile.active = 11 steps, more than train.max_steps=10: no trace would be "
+     "written; lower profile.wait (or warmup, active) or raise train.max_steps (in the sweep's job profile.active=4)"),
+    ("rl", ["-m", "algorithm.group_size=4,1", "data.answer_field=answer", "init.run_dir=runs/sft"],
+     "algorithm.group_size=1 must be >= 2 (advantages compare a group) (in the sweep's job algorithm.group_size=1)"),
+])
+def test_a_sweep_is_refused_before_its_first_job_when_a_later_job_fails_its_checks(config_name, argv, message):
+    """The multi-key checks a job runs at its start (difflm-train's check_run, difflm-rl's check_rl_config) run for
+    every job of a -m sweep before Hydra launches the first, naming the job that fails by its swept values."""
+    assert sweep_refusal(argv, config_name) == message
+
+
+def test_a_sweep_whose_jobs_all_pass_is_left_to_run():
+    from difflm.cli import check_sweep
+    from difflm.config.job_check import sweep_job_configs
+    from difflm.train import check_job_config
+
+    check_sweep(["-m", "optim.lr=0.001,0.002", "parallel.tp=1"], "train", check_job_config)
+    check_sweep(["parallel.tp=3"], "train", check_job_config)  # a single run: its own start checks it
+    sweep = sweep_job_configs("train", ["++train.max_steps=7", "optim.lr=0.001,0.002", "hydra.job.chdir=false"])
+    assert sweep.here and [job for job, _, _ in sweep.jobs] == [["++train.max_steps=7", "optim.lr=0.001"],
+                                                               ["++train.max_steps=7", "optim.lr=0.002"]]
+    assert [(cfg.train.max_steps, cfg.optim.lr) for _, _, cfg in sweep.jobs] == [(7, 0.001), (7, 0.002)]
+    assert all("hydra" not in cfg for _, _, cfg in sweep.jobs)  # as the task function receives it
+
+
+def test_jobs_that_run_elsewhere_are_checked_for_the_launchers_world_size():
+    """Under the SLURM launcher each job is nodes x tasks_per_node processes on other machines: the checks the
+    config alone decides run for that world size (not this machine's devices)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[slurm]'")
+    launched = "launched as hydra.launcher.nodes=1 x hydra.launcher.tasks_per_node=8 processes"
+    assert sweep_refusal(["-m", "hydra/launcher=slurm", "optim.lr=0.001,0.002"]) == (
+        "parallel.dp_replicate*dp_shard*tp*pp*cp=1 but the world size is 8: this layout (dp_replicate=1 dp_shard=1 "
+        "tp=1 pp=1 cp=1) runs on 1 process(es); launch with torchrun --nproc-per-node 1 or pick a layout whose "
+        f"degrees multiply to the world size (dp_shard=-1 fills it) (in the sweep's job optim.lr=0.001, {launched})")
+    assert sweep_refusal(["-m", "hydra/launcher=slurm", "parallel=tp2", "parallel.tp=2,3", "parallel.dp_shard=4",
+                          "train.micro_batch_size=2", "device=cuda", "precision=bf16"]) == (
+        f"{TP3} (in the sweep's job parallel.tp=3, {launched})")  # job 0 (tp2 x dp4 = 8 GPUs) passes
+    from difflm.cli import check_sweep
+    from difflm.train import check_job_config
+
+    # device=cuda on a machine without one: the job runs on the cluster's GPUs, so it is not refused here
+    check_sweep(["-m", "hydra/launcher=slurm", "parallel=fsdp", "train.micro_batch_size=1", "device=cuda",
+                 "optim.lr=0.001,0.002"], "train", check_job_config)
+
+
+def test_the_config_checks_of_a_run_elsewhere_are_the_config_part_of_check_run():
+    from difflm.config.validate import check_config, check_run
+
+    from conftest import compose_run
+
+    for overrides in (["parallel.tp=3"], ["train.global_batch_size=6", "train.micro_batch_size=4"],
+                      ["objective=bd3lm", "objective.block_size=5"], ["optim.beta1=1.5"]):
+        with pytest.raises(DifflmError) as here:
+            check_run(compose_run(overrides))
+        with pytest.raises(DifflmError) as elsewhere:
+            check_config(compose_run(overrides, auto=True))
+        assert str(here.value) == str(elsewhere.value)
+    check_config(compose_run(["device=cuda", "precision=bf16"], auto=True))  # the device is the run's, not ours
+    with pytest.raises(DifflmError, match="world size is 2"):
+        check_config(compose_run([], auto=True), world_size=2)
+
+
+@pytest.mark.slow  # starts a process: make test-fast leaves it out
+def test_a_sweep_with_a_bad_later_job_trains_none(tmp_path):
+    r = run_cli("difflm.train", "-m", "model=tiny", "train.max_steps=1", "parallel.tp=1,3", "logger.num_samples=0",
+                "train.eval_every=0", "logger.progress_bar=false", f"run.dir={tmp_path / 'sweep'}", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"difflm: error: {TP3} (in the sweep's job parallel.tp=3)"
+    assert "done:" not in r.stdout and not (tmp_path / "sweep").exists()  # job 0 did not train

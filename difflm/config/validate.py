@@ -456,6 +456,38 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
 
     choose_micro_batch(cfg, device, world_size)  # train.micro_batch_size=auto: a number before the batch checks
     dims = check_parallel(cfg, world_size, device)
+    check_settings(cfg, dims)
+    check_cuda_graphs(cfg, world_size, device)
+    check_end_samples(cfg)
+    check_logger(cfg.logger)
+    return device
+
+
+def check_config(cfg, world_size: int = 1) -> None:
+    """The checks of :func:`check_run` that the config alone decides, for a run of ``world_size`` processes that
+    starts on another machine (a job of a ``-m`` sweep under ``hydra/launcher=slurm``: its devices, installed kernels
+    and network are not this machine's): the enumerated keys, the model, the run's length, the layout against the
+    model, batch and data (:func:`check_layout`, with ``model.*=auto`` kernels as any concrete choice; with
+    ``train.micro_batch_size=auto`` only the degrees against ``world_size``, the size being chosen on the run's
+    device), then :func:`check_settings` and the settings of the samples drawn after training.
+
+    Raises: DifflmError naming the keys and the fix, as :func:`check_run` would at the run's start."""
+    from difflm.parallel.mesh import ParallelDims
+    from difflm.training.auto_batch import is_auto
+
+    check_choices(cfg)
+    check_model(cfg.model, installed=False)
+    check_length(cfg.train)
+    dims = ParallelDims.from_config(cfg.parallel, world_size) if is_auto(cfg) else check_layout(cfg, world_size)
+    check_settings(cfg, dims)
+    check_end_samples(cfg)
+
+
+def check_settings(cfg, dims) -> None:
+    """The checks of a training run that need neither its device nor its model built: ``lora.*`` against the model
+    and the layout ``dims`` (:class:`difflm.parallel.mesh.ParallelDims`), the corpus and the data keys, the long-run
+    settings, the objective, optimizer, schedule and profiler keys, and the adaptation options. Part of
+    :func:`check_run` and :func:`check_config`. Raises: DifflmError naming the keys and the fix."""
     if cfg.get("lora") is not None:  # lora.*: the keys, the model and the layout (difflm.model.lora)
         from difflm.model.lora import check_lora, check_lora_layout
 
@@ -524,10 +556,6 @@ def check_run(cfg, world_size: int = 1) -> torch.device:
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
     check_adaptation(cfg)
-    check_cuda_graphs(cfg, world_size, device)
-    check_end_samples(cfg)
-    check_logger(cfg.logger)
-    return device
 
 
 def check_logger(lg) -> None:

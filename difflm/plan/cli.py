@@ -6,7 +6,8 @@
     difflm-plan model=1.7b data.seq_len=4096 --calibrate h200.json     # on the GPU: measure its rates
     difflm-plan ... --calibration h200.json                             # plan with measured rates
 
-The overrides are ``difflm-train``'s (the same config tree, composed and checked the same way); ``parallel.*``
+The overrides are ``difflm-train``'s (the same config tree, composed and checked the same way; ``--config-dir
+my_conf`` adds your own presets as it does for difflm-train); ``parallel.*``
 gives the layout, ``-1`` filling the GPUs left (``parallel=fsdp``). ``--search`` ignores ``parallel`` and
 ``train.micro_batch_size`` and ranks every layout that fits (:mod:`difflm.plan.search`). ``model.*=auto`` kernels
 are planned as they resolve on a CUDA GPU with the te, flash and quack extras installed
@@ -68,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
         raise DifflmError(f"{message} (difflm-plan --help lists the flags)")
 
 
-FLAGS = ("--gpus", "--gpu", "--calibration", "--calibrate", "--search", "--top")
+FLAGS = ("--gpus", "--gpu", "--calibration", "--calibrate", "--search", "--top", "--config-dir")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -86,6 +87,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--calibrate", metavar="FILE", help="measure this GPU's rates at the run's shapes into FILE")
     parser.add_argument("--search", action="store_true", help="rank every layout, micro-batch and checkpointing that fits")
     parser.add_argument("--top", type=int, default=5, help="with --search: how many to print (default 5)")
+    parser.add_argument("--config-dir", help="a folder of your own presets laid out like conf/ (model/mine.yaml), "
+                                             "as difflm-train's --config-dir")
     args, overrides = parser.parse_known_args(argv)
     for word in overrides:
         if word.startswith("-") and word not in ("-m", "--multirun"):  # -m: refused with its own line
@@ -172,7 +175,7 @@ def _run(args, overrides: list[str]) -> int:
     if args.gpus < 1:
         raise DifflmError(f"--gpus {args.gpus}: pass a positive number of GPUs")
     refuse_multirun(overrides, "difflm-plan")  # Hydra's grammar would refuse -m as an override, naming no fix
-    cfg = compose_train_config(overrides)
+    cfg = compose_train_config(overrides, config_dir=args.config_dir)
     cfg.model.vocab_size = vocab_size(cfg)
     if cfg.model.head_dim is None:
         cfg.model.head_dim = int(cfg.model.hidden_size) // int(cfg.model.num_heads)
