@@ -118,7 +118,53 @@ def test_a_refused_run_in_an_existing_run_dir_keeps_it(tmp_path):
     (tmp_path / "run" / "notes.txt").write_text("mine\n")
     out = _cli(tmp_path, "difflm.rl", f"run.dir={tmp_path / 'run'}")
     assert out.returncode == 2, out.stderr[-2000:]
-    assert (tmp_path / "run" / "notes.txt").read_text() == "mine\n" and (tmp_path / "run" / ".hydra").is_dir()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK_FILE, "notes.txt"]  # no .hydra/
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_a_refused_relaunch_keeps_the_records_of_what_trained(tmp_path):
+    """A fault report: a refused relaunch of a finished run (``train.max_steps`` below its checkpoint) rewrote the
+    run's ``.hydra/`` with the refused command line, and ``difflm-plot`` then labelled the run with it. Now the
+    records of what trained are put back; a relaunch that trains records its own."""
+    from conftest import FAST
+
+    run = tmp_path / "run"
+    args = ["difflm.train", "model=tiny", *FAST, f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
+            "train.eval_every=0", "train.save_every=2"]
+    assert _cli(tmp_path, *args, "train.max_steps=2").returncode == 0
+
+    def records():
+        return {str(f.relative_to(run)): f.read_bytes() for f in (run / ".hydra").rglob("*") if f.is_file()}
+
+    trained = records()
+    assert "train.max_steps=2" in (run / ".hydra" / "overrides.yaml").read_text()
+    refused = _cli(tmp_path, *args, "train.max_steps=1", "optim.lr=0.5")
+    assert refused.returncode == 2 and "is below the step of the checkpoint" in refused.stderr, refused.stderr[-2000:]
+    assert records() == trained
+    assert _cli(tmp_path, *args, "train.max_steps=3").returncode == 0
+    overrides = (run / ".hydra" / "overrides.yaml").read_text()
+    assert "train.max_steps=3" in overrides and "train.max_steps=2" not in overrides
+
+
+def test_kept_records_are_put_back_exactly_on_a_refusal(tmp_path, monkeypatch):
+    monkeypatch.setattr(hydra_folders, "_KEPT", [])
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- a=1\n")
+    (run / "notes.txt").write_text("mine\n")
+    hydra_folders.keep_records(run, [".hydra", "train.log"])
+    (run / ".hydra" / "overrides.yaml").write_text("- a=2\n")  # what Hydra writes for the refused invocation
+    (run / ".hydra" / "hydra.yaml").write_text("new\n")
+    (run / "train.log").write_text("refused\n")
+    remove_refused_run_dirs()
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [".hydra", ".hydra/overrides.yaml", "notes.txt"]
+    assert (run / ".hydra" / "overrides.yaml").read_text() == "- a=1\n"
+    hydra_folders.keep_records(run, [".hydra"])
+    hydra_folders.accept_records(run)  # the run recorded its settings: nothing is put back
+    (run / ".hydra" / "overrides.yaml").write_text("- a=3\n")
+    remove_refused_run_dirs()
+    assert (run / ".hydra" / "overrides.yaml").read_text() == "- a=3\n"
 
 
 def test_only_folders_holding_nothing_but_hydras_records_are_taken_back(tmp_path, monkeypatch):

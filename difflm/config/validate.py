@@ -276,8 +276,8 @@ def check_length(t) -> None:
     _require(epochs > 0, f"train.epochs={epochs} must be > 0 (or null: train.max_steps sets the length)")
     _require(steps is None or steps == TrainConfig.max_steps,
              f"train.epochs={epochs} and train.max_steps={steps} both set the run's length (the epochs would replace "
-             f"the steps): set train.max_steps=null to train {epochs} epochs, or train.epochs=null to train {steps} "
-             "steps")
+             f"the steps): set train.max_steps=null to train {epochs} epoch{'s' * (epochs != 1)}, or train.epochs=null to "
+             f"train {steps} step{'s' * (steps != 1)}")
 
 
 def check_validation_split(d, t) -> None:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from difflm.config.schema import MODEL_KEYS, MOE_KEYS, override_value
 from difflm.data.indexed_dataset import write_text_atomic
 from difflm.errors import DifflmError
+from difflm.hydra_folders import accept_records
 
 SHOWN = 8  # changed keys named in the report line; the rest are counted
 
@@ -149,6 +150,7 @@ def _record(run_dir: Path, stem: str, text: str, earlier_path: Optional[Path], r
             report(f"difflm: resuming at step {resumed_from} with changed settings: {shown} ({kept_as} are "
                    f"kept in {kept})")
     write_text_atomic(run_dir / f"{stem}.yaml", text)
+    accept_records(run_dir)  # the run took these settings: Hydra's .hydra/ of this invocation describes it now
     return kept
 
 

@@ -30,7 +30,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
 from difflm.errors import DifflmError
-from difflm.hydra_folders import forget_created, note_created, outermost_missing
+from difflm.hydra_folders import accept_records, forget_created, keep_records, note_created, outermost_missing
 
 LOCK_FILE = ".difflm.lock"
 
@@ -225,10 +225,13 @@ class RunDirGuard(Callback):
         self._claim(run_dir)
         if top is not None and _global_rank() == 0:
             note_created(run_dir, self._records(config), top)
+        elif _global_rank() == 0:  # a run launched again: a refusal puts back the records of what trained
+            keep_records(run_dir, [r for r in self._records(config) if r != LOCK_FILE])
 
     def on_run_end(self, config, **kwargs: Any) -> None:
         self._release()
         forget_created(str(config.hydra.run.dir))
+        accept_records(str(config.hydra.run.dir))
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         if _global_rank() == 0:
