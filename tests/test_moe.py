@@ -538,7 +538,8 @@ def test_every_objective_trains_a_step_with_moe(objective, fast_cfg, tmp_path):
     (["parallel=ep2", "model=tiny"], 2, "parallel.ep=2 needs a mixture-of-experts model"),
     (["parallel=cp2"], 2, "parallel.cp=2 with model.moe.num_experts=8 is not supported"),
     (["model.moe.fp8_experts=true", "model.moe.fused_experts=true"], 1, "two kernels for the same GEMMs"),
-    (["model.moe.fused_experts=true", "model.backend=torch"], 1, "this run has model.backend=torch: set model.backend=te"),
+    (["model.moe.fused_experts=true", "model.backend=torch"], 1,
+     "this run has model.backend=torch on cpu: set model.moe.fused_experts=false"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, world, needle):
     from difflm.config.validate import check_choices, check_model, check_parallel, resolve_device
@@ -559,6 +560,10 @@ def test_bad_moe_settings_are_one_line_errors(overrides, world, needle):
     (["model.moe.fp8_experts=true", "precision=fp8", "lora=attn_mlp"], 1, "FSDP2, pipelines, LoRA"),
     (["model.moe.fused_experts=true"], 1, "model.moe.fused_experts=true runs quack's CUDA kernels and this run is on cpu"),
     (["model=tiny", "model.moe.fused_experts=true"], 1, "model.moe.num_experts=0: drop it"),
+    # off a GPU the TE kernel set is no fix: only dropping the key is (on a GPU: both keys FP8 experts need)
+    (["model.backend=torch", "model.moe.fp8_experts=true", "precision=fp8"], 1,
+     "(a CUDA GPU with model.backend=te precision=fp8) and this run has model.backend=torch on cpu: set "
+     "model.moe.fp8_experts=false"),
 ])
 def test_moe_expert_kernels_are_refused_where_they_cannot_run(overrides, world, needle):
     """fp8_experts / fused_experts run on the TE kernel set's FP32 main_grad accumulation: each layout, precision or
@@ -571,6 +576,10 @@ def test_moe_expert_kernels_are_refused_where_they_cannot_run(overrides, world, 
     with pytest.raises(DifflmError) as err:
         check_moe_kernels(cfg, ParallelDims.from_config(cfg.parallel, world), resolve_device("cpu"))
     assert needle in str(err.value) and "\n" not in str(err.value)
+    planned = compose_run(["model=moe-tiny", "model.backend=torch", "model.moe.fp8_experts=true"])
+    with pytest.raises(DifflmError, match="this run has model.backend=torch: set model.backend=te precision=fp8, or "
+                                          "model.moe.fp8_experts=false"):  # the GPU difflm-plan plans for
+        check_moe_kernels(planned, ParallelDims.from_config(planned.parallel, 1), None)
     ok = compose_run(["model=moe-tiny", "model.backend=te", "precision=fp8", "model.moe.fp8_experts=true"])
     check_moe_kernels(ok, ParallelDims.from_config(ok.parallel, 1), resolve_device("cpu"))  # one GPU, FP8: accepted
 

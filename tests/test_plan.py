@@ -146,6 +146,10 @@ def test_plan_prints_parts_and_search_ranks(tmp_path):
     assert len(rows) == 3 and speeds == sorted(speeds, reverse=True)
 
 
+MOE_1B = ["model=moe-1b-7b", "model.vocab_size=1000", "precision=bf16", "data.seq_len=4096", "--gpu", "H100",
+          "train.global_batch_size=8", "train.micro_batch_size=1"]
+
+
 @pytest.mark.parametrize("args, says", [
     (["model=8b", "data.seq_len=4096", "precision=bf16", "train.global_batch_size=8", "--gpus", "1", "--gpu", "H100",
       "--search"], "nothing fits 1 x H100"),
@@ -183,6 +187,23 @@ def test_plan_prints_parts_and_search_ranks(tmp_path):
     (["model=tiny", "model.vocab_size=1000", "lora=attn_mlp", "lora.rank=1000"], "lora.rank=1000 is above"),
     (["model=tiny", "model.vocab_size=1000", "train.micro_batch_size=auto", "--calibrate", "rates.json"],
      "train.micro_batch_size=auto with --calibrate"),
+    # every check difflm-train makes of the config alone: the data window, the objective, the optimizer
+    (["model=tiny", "model.vocab_size=1000", "data.seq_len=-5"], "data.seq_len=-5 must be at least 2"),
+    (["model=tiny", "model.vocab_size=1000", "objective=bd3lm", "data.seq_len=100"],
+     "objective.block_size=16 does not divide data.seq_len=100"),
+    (["model=tiny", "model.vocab_size=1000", "objective=ar", "model.shift_logits=true"],
+     "model.shift_logits=true is for masked diffusion from an AR model"),
+    (["model=tiny", "model.vocab_size=1000", "optim.lr=-1", "--search"], "optim.lr=-1.0 must be positive"),
+    # the MoE expert kernels against the precision and the layout, planned or searched
+    (MOE_1B + ["model.moe.fp8_experts=true", "model.moe.fused_experts=true"], "two kernels for the same GEMMs"),
+    (MOE_1B + ["model.moe.fp8_experts=true"], "inside an FP8 run and this run is precision=bf16"),
+    (MOE_1B + ["model.moe.fused_experts=true", "parallel=fsdp", "--gpus", "8"], "FSDP2, pipelines, LoRA"),
+    (MOE_1B + ["model.moe.fused_experts=true", "--gpus", "8", "--search"],
+     "--gpus 8: difflm-train refuses every layout that splits this run over 8 GPUs, e.g. fsdp8: "
+     "model.moe.fused_experts=true needs the experts' gradients accumulated in FP32 main_grad"),
+    # a plan whose weights, gradients and optimizer state alone exceed the GPU: no shorter sequence helps
+    (["model=8b", "model.vocab_size=1000", "--gpu", "H100", "--search"],
+     "its weights, gradients and optimizer state alone take"),
 ])
 def test_impossible_requests_are_one_line(capfd, args, says):
     from difflm.plan.cli import main
@@ -191,6 +212,20 @@ def test_impossible_requests_are_one_line(capfd, args, says):
     err = capfd.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("difflm: error: ") and says in lines[0], err
+
+
+def test_the_exit_status_says_whether_the_plan_fits(capfd):
+    """0: the plan fits; 1: it does not (the plan is printed); a recipe that leaves data.path to the user plans."""
+    from difflm.plan.cli import main
+
+    assert main(["model=8b", "model.vocab_size=1000", "--gpu", "H100", "data.seq_len=4096"]) == 1
+    assert "DOES NOT FIT" in capfd.readouterr().out
+    assert main(["model=tiny", "model.vocab_size=1000"]) == 0
+    assert "fits" in capfd.readouterr().out
+    assert main(["experiment=llada_8b", "model.vocab_size=126464", "--gpus", "8"]) == 0
+    assert main(["model=tiny", "model.vocab_size=1000", "--search", "--gpus", "2", "parallel.cp=2"]) == 0
+    assert ("--search ranks every layout: parallel.cp given on the command line is not kept"
+            in capfd.readouterr().out)
 
 
 def test_search_offers_only_layouts_difflm_train_runs():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Optional
 
 import torch
 
@@ -132,6 +133,18 @@ def check_moe(m) -> None:
              f"{moe.get('shared_ffn_hidden_size')} must be >= 0 (0 = num_shared_experts * expert width)")
 
 
+def check_precision_keys(cfg) -> None:
+    """The ``precision.*`` keys against each other and the chosen attention kernel, whatever the device: the FP8
+    options need ``precision=fp8``; FP8 attention runs in TE's attention. Raises: DifflmError naming the key."""
+    name, p = cfg.precision.name, cfg.precision
+    for key in ("fp8_weights", "fp8_skip_first_last", "fp8_attention"):
+        _require(not p.get(key, False) or name == "fp8",
+                 f"precision.{key}=true needs precision=fp8 (this run is precision={name}): drop the override")
+    if p.get("fp8_attention", False):
+        _require(cfg.model.attention_backend in ("te", "auto"), "precision.fp8_attention=true runs FP8 inside "
+                 "te.DotProductAttention: set model.attention_backend=te")
+
+
 def check_precision(cfg, device: torch.device, training: bool = True) -> None:
     """What the chosen device can run: precision, FP8 recipe, model and attention backends.
 
@@ -149,15 +162,10 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
                  f"{device.type}: use device=cuda on an NVIDIA GPU, or model.backend=torch")
     reason = attention_unavailable_reason(m.attention_backend, device, name)
     _require(reason is None, reason or "")
-    for key in ("fp8_weights", "fp8_skip_first_last", "fp8_attention"):
-        _require(not p.get(key, False) or name == "fp8",
-                 f"precision.{key}=true needs precision=fp8 (this run is precision={name}): drop the override")
+    check_precision_keys(cfg)
     if name == "fp8" and device.type == "cuda":
         reason = device_fp8_unsupported_reason(p.fp8_recipe, device)
         _require(reason is None, reason or "")
-    if p.get("fp8_attention", False):
-        _require(m.attention_backend == "te", "precision.fp8_attention=true runs FP8 inside te.DotProductAttention: "
-                 "set model.attention_backend=te")
     if training:
         _require(not p.get("fp8_weights", False),
                  "precision.fp8_weights=true keeps TE weights only in FP8 and needs an optimizer with FP32 master "
@@ -197,11 +205,12 @@ def check_fused_mlp(cfg, device: torch.device, training: bool = True) -> None:
     _require(reason is None, reason or "")
 
 
-def check_moe_kernels(cfg, dims, device: torch.device) -> None:
+def check_moe_kernels(cfg, dims, device: Optional[torch.device]) -> None:
     """What the MoE expert kernels ``model.moe.fp8_experts`` / ``model.moe.fused_experts`` need
     (:mod:`difflm.model.grouped_experts`, :mod:`difflm.kernels.quack_experts`): the TE kernel set's FP32 ``main_grad``
     accumulation (one GPU or tensor parallelism, no FSDP2 or pipeline, no LoRA, ``model.fuse_wgrad_accumulation``);
-    FP8 experts an FP8 run; fused experts quack on a Hopper/Blackwell GPU; not both. ``dims``: the resolved layout."""
+    FP8 experts an FP8 run; fused experts quack on a Hopper/Blackwell GPU; not both. ``dims``: the resolved layout;
+    ``device``: the run's, or None for a GPU that has what the kernels need (``difflm-plan``, which plans for one)."""
     m = cfg.model
     moe = m.get("moe")
     chosen = [k for k in ("fp8_experts", "fused_experts") if moe is not None and moe.get(k, False)]
@@ -212,8 +221,11 @@ def check_moe_kernels(cfg, dims, device: torch.device) -> None:
              "set one of them to false")
     _require(int(moe.num_experts) > 0,
              f"{key}=true is a kernel of the MoE experts and model.moe.num_experts=0: drop it")
-    _require(m.backend == "te", f"{key}=true runs on the TE kernel set's FP32 main_grad accumulation and this run has "
-             f"model.backend={m.backend}: set model.backend=te, or {key}=false")
+    need = "model.backend=te precision=fp8" if chosen[0] == "fp8_experts" else "model.backend=te"
+    on_gpu = device is None or torch.device(device).type == "cuda"
+    _require(m.backend == "te", f"{key}=true runs on the TE kernel set's FP32 main_grad accumulation (a CUDA GPU with "
+             f"{need}) and this run has model.backend={m.backend}"
+             + (f": set {need}, or {key}=false" if on_gpu else f" on {torch.device(device).type}: set {key}=false"))
     from difflm.kernels.main_grad import accumulates_in_main_grad
 
     _require(accumulates_in_main_grad(cfg, sharded=dims.fsdp_enabled, pipelined=dims.pp_enabled),
@@ -222,7 +234,7 @@ def check_moe_kernels(cfg, dims, device: torch.device) -> None:
     if chosen[0] == "fp8_experts":
         _require(cfg.precision.name == "fp8", f"{key}=true runs the experts in FP8 inside an FP8 run and this run is "
                  f"precision={cfg.precision.name}: set precision=fp8, or {key}=false")
-    else:
+    elif device is not None:
         from difflm.kernels.quack_mlp import quack_unavailable_reason
 
         reason = quack_unavailable_reason(device, key=key)
@@ -477,6 +489,7 @@ def check_config(cfg, world_size: int = 1) -> None:
 
     check_choices(cfg)
     check_model(cfg.model, installed=False)
+    check_precision_keys(cfg)
     check_length(cfg.train)
     dims = ParallelDims.from_config(cfg.parallel, world_size) if is_auto(cfg) else check_layout(cfg, world_size)
     check_settings(cfg, dims)

@@ -40,6 +40,21 @@ def active_params(cfg) -> int:
     return model.num_params() - moe_inactive_params(m)
 
 
+def _fit_hint(cand, rates: Rates) -> str:
+    """What would make the smallest plan ``cand`` fit: where its weights, gradients and optimizer state alone exceed
+    a GPU, only more GPUs (to shard them) or a smaller model; else also a shorter sequence."""
+    state = sum(cand.memory.parts.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+    if state > (rates.memory_gib - rates.reserve_gib) * GIB:
+        return (f"its weights, gradients and optimizer state alone take {state / GIB:.1f} GiB: use more GPUs (FSDP "
+                "shards them) or a smaller model")
+    return "use more GPUs, a shorter data.seq_len or a smaller model"
+
+
+def fits_memory(cand, rates: Rates) -> bool:
+    """Whether the plan ``cand`` fits a GPU of ``rates``: its peak within the memory less the reserve."""
+    return cand.memory.total <= (rates.memory_gib - rates.reserve_gib) * GIB
+
+
 def render(cand, rates: Rates, gpus: int) -> str:
     """The plan of one candidate as text: memory by part, step time by part, tokens/s and MFU."""
     lay, mem, step = cand.layout, cand.memory, cand.step
@@ -48,7 +63,7 @@ def render(cand, rates: Rates, gpus: int) -> str:
              f"kernels: {mem.kernels}",
              f"memory per GPU (GiB, the most loaded rank, at the {mem.phase}):"]
     lines += [f"  {k:<12} {v / GIB:9.2f}" for k, v in mem.parts.items()]
-    fits = "fits" if mem.total <= (rates.memory_gib - rates.reserve_gib) * GIB else "DOES NOT FIT"
+    fits = "fits" if fits_memory(cand, rates) else "DOES NOT FIT"
     lines.append(f"  {'total':<12} {mem.total / GIB:9.2f}   of {rates.memory_gib:.0f} GiB "
                  f"({rates.reserve_gib:.0f} reserved): {fits}")
     lines.append("step time (ms):")
@@ -80,7 +95,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     import difflib
 
     parser = _Parser(prog="difflm-plan", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="exit status: 0 the plan fits the GPU's memory, 1 it does not (the plan is printed), "
+                            "2 a refused command line")
     parser.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
     parser.add_argument("--gpu", default="H200", help="GPU model with shipped rates: H200 (default) or H100")
     parser.add_argument("--calibration", help="a rates file written by --calibrate (overrides --gpu)")
@@ -103,35 +120,40 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def check_plan(cfg, gpus: int, search: bool) -> None:
-    """``difflm-train``'s checks of the run ``cfg`` on ``gpus`` GPUs of the kind planned for (a CUDA GPU with the
-    te, flash and quack extras: ``model.*=auto`` resolved on a copy as :func:`difflm.plan.activations.kernel_set`
-    does), so a run ``difflm-train`` would refuse is refused here in its one line, not planned: the enumerated keys,
-    the model (heads, MoE routing), ``lora.*``, and, without ``--search`` (which picks the layout and micro-batch
-    itself and keeps only those :func:`difflm.config.validate.check_layout` takes), the layout against the model,
-    the batch and the data. Raises: DifflmError."""
+    """``difflm-train``'s checks of the run ``cfg`` on ``gpus`` GPUs of the kind planned for (a CUDA GPU with FP8 and
+    the te, flash and quack extras: ``model.*=auto`` resolved on a copy as :func:`difflm.plan.activations.kernel_set`
+    does), so a run ``difflm-train`` would refuse is refused here in its one line, not planned: every check the config
+    decides (:func:`difflm.config.validate.check_config`: the keys, the model, the run's length, the data, objective,
+    optimizer and schedule keys, ``lora.*``) and the MoE expert kernels against the layout. Without ``--search``
+    (which picks the layout and micro-batch itself and keeps only those difflm-train takes) the layout is checked
+    against the model, the batch and the data. The corpus is not needed: a recipe that leaves ``data.path`` to the
+    user is planned on the embedded one. Raises: DifflmError."""
     import torch
 
-    from difflm.config.validate import check_choices, check_layout, check_model
+    from difflm.config import asset_path
+    from difflm.config.schema import EMBEDDED_CORPUS
+    from difflm.config.validate import check_config, check_moe_kernels
     from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels
+    from difflm.parallel.mesh import LaunchSizeMismatch, ParallelDims
 
     run = cfg.copy()
     choose_kernels(run, torch.device("cuda"), gpus, installed=FULL_INSTALL)
-    check_choices(run)
-    check_model(run.model, installed=False)  # the GPUs planned for have Transformer Engine; this machine may not
-    if run.get("lora") is not None:
-        from difflm.model.lora import check_lora
-
-        check_lora(run.lora, run.model)
+    d = run.data
+    if not (d.path or d.hf_dataset or d.get("blend")):  # the step and memory do not depend on which corpus
+        d.path = asset_path(EMBEDDED_CORPUS)
     gbs = run.train.global_batch_size
     if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs < 1:
         raise DifflmError(f"train.global_batch_size={gbs} must be positive")
-    if not search:
-        from difflm.parallel.mesh import LaunchSizeMismatch
-
-        try:
-            check_layout(run, gpus)
-        except LaunchSizeMismatch as err:
-            raise gpu_count_error(err, run, gpus) from None
+    if search:  # the layout is the search's: every other check, on one GPU's layout
+        run.parallel.update({"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1})
+        run.train.micro_batch_size = 1
+        check_config(run, 1)
+        return
+    try:
+        check_config(run, gpus)
+    except LaunchSizeMismatch as err:
+        raise gpu_count_error(err, run, gpus) from None
+    check_moe_kernels(run, ParallelDims.from_config(run.parallel, gpus), device=None)
 
 
 def check_gpu_count(cfg, gpus: int) -> None:
@@ -216,9 +238,19 @@ def _run(args, overrides: list[str]) -> int:
     if not args.search:
         check_plan(cfg, args.gpus, search=False)
         layout = layout_of(cfg, args.gpus)
-        print(render(evaluate(cfg, params, n_active, layout, rates), rates, args.gpus))
-        return 0
-    fits, every = search(cfg, params, n_active, args.gpus, rates)
+        planned = evaluate(cfg, params, n_active, layout, rates)
+        print(render(planned, rates, args.gpus))
+        return 0 if fits_memory(planned, rates) else 1
+    given = sorted({o.lstrip("+~").split("=")[0] for o in overrides if o.lstrip("+~").startswith("parallel")})
+    if given:  # the search ranks every layout; the user's would read as a constraint it does not apply
+        print(f"--search ranks every layout: {', '.join(given)} given on the command line "
+              f"{'is' if len(given) == 1 else 'are'} not kept (plan one layout without --search)")
+    refused: list = []
+    fits, every = search(cfg, params, n_active, args.gpus, rates, refused)
+    if not every and refused:  # layouts split the model and the batch, and difflm-train refuses each of them
+        simplest, why = refused[0]  # the fewest model-parallel degrees: the search's first
+        raise DifflmError(f"--gpus {args.gpus}: difflm-train refuses every layout that splits this run over "
+                          f"{args.gpus} GPUs, e.g. {simplest.name()}: {why}")
     if not every:
         raise DifflmError(f"--gpus {args.gpus}: no layout splits model.num_heads={cfg.model.num_heads} and "
                           f"train.global_batch_size={cfg.train.global_batch_size} over {args.gpus} GPUs; pick a GPU "
@@ -228,7 +260,7 @@ def _run(args, overrides: list[str]) -> int:
         raise DifflmError(f"nothing fits {args.gpus} x {rates.gpu} ({rates.memory_gib:.0f} GiB): the smallest plan, "
                           f"{small.layout.name()} micro-batch {small.layout.micro_batch} with activation checkpointing "
                           f"{small.layout.activation_checkpointing}, needs {small.memory.total / GIB:.1f} GiB a GPU; "
-                          "use more GPUs, a shorter data.seq_len or a smaller model")
+                          f"{_fit_hint(small, rates)}")
     print(f"{len(fits)} of {len(every)} candidates fit {args.gpus} x {rates.gpu}; the fastest {min(args.top, len(fits))}:")
     print(f"{'rank':>4}  {'layout':<22} {'mb':>3} {'ac':<9} {'GiB/GPU':>8} {'step ms':>9} {'tok/s/GPU':>10} {'MFU %':>6}")
     for i, c in enumerate(fits[:args.top], 1):

@@ -45,12 +45,18 @@ def data_layouts(dp: int, per_node: int) -> list[tuple[int, int]]:
 
 
 def runnable(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> bool:
-    """Whether ``difflm-train`` takes the run ``cfg`` under ``layout`` on ``gpus`` ranks
-    (:func:`difflm.config.validate.check_layout`, with ``model.*=auto`` chosen as on the GPU planned for).
-    ``_runs``: a cache of the config copies by (tp, cp), the keys the kernel choice reads."""
+    """Whether ``difflm-train`` takes the run ``cfg`` under ``layout`` on ``gpus`` ranks (:func:`refusal` is None)."""
+    return refusal(cfg, gpus, layout, _runs) is None
+
+
+def refusal(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> Optional[str]:
+    """``difflm-train``'s one-line refusal of the run ``cfg`` under ``layout`` on ``gpus`` ranks, or None when it
+    takes it (:func:`difflm.config.validate.check_layout` and the MoE expert kernels' needs, with ``model.*=auto``
+    chosen as on the GPU planned for). ``_runs``: a cache of the config copies by (tp, cp), the keys the kernel
+    choice reads."""
     import torch
 
-    from difflm.config.validate import check_layout
+    from difflm.config.validate import check_layout, check_moe_kernels
     from difflm.errors import DifflmError
     from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels
 
@@ -68,15 +74,16 @@ def runnable(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> bo
     p.activation_checkpointing, p.sequence_parallel = layout.activation_checkpointing, layout.sequence_parallel
     run.train.micro_batch_size = layout.micro_batch
     try:
-        check_layout(run, gpus)
-    except DifflmError:
-        return False
-    return True
+        check_moe_kernels(run, check_layout(run, gpus), device=None)
+    except DifflmError as err:
+        return str(err)
+    return None
 
 
-def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
+def candidates(cfg, gpus: int, rates: Rates, refused: Optional[list] = None) -> list[Layout]:
     """Every layout of the search space (module docstring) for ``gpus`` ranks and the run ``cfg`` that
-    ``difflm-train`` would run (:func:`runnable`)."""
+    ``difflm-train`` would run (:func:`refusal`). ``refused``: a list that receives (layout, refusal) of the others
+    that split the heads and the batch."""
     m = cfg.model
     heads, kv = int(m.num_heads), int(m.num_kv_heads)
     seq = int(cfg.data.seq_len)
@@ -102,7 +109,14 @@ def candidates(cfg, gpus: int, rates: Rates) -> list[Layout]:
                                                   micro_batch=mb, activation_checkpointing=ac,
                                                   pp_schedule=str(cfg.parallel.pp_schedule)))
     runs: dict = {}
-    return [lay for lay in out if runnable(cfg, gpus, lay, runs)]
+    kept = []
+    for lay in out:
+        why = refusal(cfg, gpus, lay, runs)
+        if why is None:
+            kept.append(lay)
+        elif refused is not None:
+            refused.append((lay, why))
+    return kept
 
 
 def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates,
@@ -117,12 +131,14 @@ def evaluate(cfg, params, num_params: int, layout: Layout, rates: Rates,
     return Candidate(layout, n_micro, memory, step)
 
 
-def search(cfg, params, num_params: int, gpus: int, rates: Rates) -> tuple[list[Candidate], list[Candidate]]:
-    """(the candidates that fit, ranked fastest first; all candidates, smallest peak first)."""
+def search(cfg, params, num_params: int, gpus: int, rates: Rates,
+           refused: Optional[list] = None) -> tuple[list[Candidate], list[Candidate]]:
+    """(the candidates that fit, ranked fastest first; all candidates, smallest peak first). ``refused``: as
+    :func:`candidates`'."""
     budget = (rates.memory_gib - rates.reserve_gib) * 1024 ** 3
     sets: dict[tuple, KernelSet] = {}  # the kernel set depends on the layout through tp, cp and SP only
     every = []
-    for lay in candidates(cfg, gpus, rates):
+    for lay in candidates(cfg, gpus, rates, refused):
         key = (lay.tp, lay.cp, lay.sequence_parallel)
         if key not in sets:
             sets[key] = kernel_set(cfg, lay)
@@ -131,4 +147,4 @@ def search(cfg, params, num_params: int, gpus: int, rates: Rates) -> tuple[list[
     return fits, sorted(every, key=lambda c: c.memory.total)
 
 
-__all__ = ["Candidate", "candidates", "data_layouts", "evaluate", "search", "replace"]
+__all__ = ["Candidate", "candidates", "data_layouts", "evaluate", "refusal", "runnable", "search", "replace"]
