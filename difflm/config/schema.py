@@ -295,7 +295,7 @@ class TrainConfig:
     async_save: bool = False  # checkpoints with torch.distributed.checkpoint.async_save (staged, written in background)
     expandable_segments: bool = True  # CUDA allocator: expandable segments (difflm.training.allocator)
     cuda_graphs: bool = False  # TE blocks replayed from CUDA graphs (difflm.training.cuda_graphs); one process
-    # operating long runs (README "Operating long runs")
+    # operating long runs (docs/operations.md, "Operating long runs")
     keep_last: int = 0  # keep this many most recent checkpoints (0 = keep all)
     keep_every: int = 0  # ... plus every checkpoint whose step is a multiple of this, for good
     checkpoint_checksums: bool = False  # SHA-256 of every checkpoint file in its manifest (sizes always)
