@@ -38,10 +38,14 @@ from typing import Optional
 import torch
 from hydra import compose, initialize_config_dir
 
-import difflm.config
-from difflm.config.validate import check_run
-from difflm.training.trainer import Trainer
-from difflm import strict_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import difflm.config  # noqa: E402
+from difflm import script_cli, strict_json  # noqa: E402
+from difflm.cli import writable_output  # noqa: E402
+from difflm.config.compose import compose_train_config  # noqa: E402
+from difflm.config.validate import check_run  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
+from difflm.training.trainer import Trainer  # noqa: E402
 
 CPU_DEFAULTS = [  # model=tiny on the embedded tinyshakespeare corpus, small enough for minutes on a CPU
     "model=tiny", "device=cpu", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=8",
@@ -76,7 +80,7 @@ def recipe_overrides(name: str, steps: int, seq_len: int) -> list[str]:
     if name == "megatron_bridge_hybrid":
         return ["objective=bd3lm", f"objective.block_size={_div(seq_len, min(64, seq_len // 2))}",
                 "objective.diffusion_loss_weight=0.3", "objective.ar_loss_weight=1.0", "objective.clean_attention=causal"]
-    raise SystemExit(f"adaptation_table: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
+    raise DifflmError(f"--recipes: unknown recipe {name!r}: choose from {', '.join(RECIPES)}")
 
 
 RECIPES = ["dream", "diffullama", "llada2_wsd", "fast_dllm_v2", "megatron_bridge_hybrid"]
@@ -134,7 +138,7 @@ def run_seed(seed: int, args, overrides: list[str], out: Path) -> dict:
     print(f"seed {seed}: AR checkpoint: {args.ar_steps} steps, validation NLL {ar_nll:.4f} nats/token", flush=True)
     del ar
     rows = []
-    for name in args.recipes.split(","):
+    for name in args.recipes:
         recipe = [*overrides, *recipe_overrides(name, args.adapt_steps, seq_len), f"train.max_steps={args.adapt_steps}"]
         result = {"recipe": name}
         for start in ("scratch", "adapted"):
@@ -164,30 +168,64 @@ def summarise(runs: list[dict]) -> list[dict]:
     return summary
 
 
+def seed_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integer seeds, each at most once."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct comma-separated integers, e.g. 0,1,2")
+    return seeds
+
+
+def target_nelbo(text: str):
+    """An argparse ``type``: ``scratch`` or a number."""
+    if text == "scratch":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a NELBO in nats/token (e.g. 5.2) or 'scratch'") from None
+
+
+@script_cli.script_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--ar-steps", type=int, default=200, help="AR pre-training steps of the checkpoint to adapt")
-    ap.add_argument("--adapt-steps", type=int, default=30, help="steps of each recipe, adapted and from scratch")
-    ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: the whole table (AR checkpoint "
-                    "included) runs once per seed; the table gives the mean and the per-seed differences")
-    ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel, one process each")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: only at the end)")
-    ap.add_argument("--target-nelbo", default=None, help="report the tokens each run needs to reach this NELBO; "
-                    "'scratch': each recipe's from-scratch final NELBO")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated subset of " + ", ".join(RECIPES))
-    ap.add_argument("--out", default=None, help="run directories (default: a temporary directory); an AR checkpoint "
-                    "trained there with the same overrides and --ar-steps is reused")
-    ap.add_argument("--json", default=None, help="also write the table's JSON (every curve, the summary) here")
+    """Train the AR checkpoint and every recipe per seed, print the table, write the JSON; 1 for a nonfinite loss."""
+    ap = script_cli.parser(__file__, __doc__)
+    ap.add_argument("--ar-steps", type=script_cli.int_at_least(1), default=200,
+                    help="AR pre-training steps of the checkpoint to adapt")
+    ap.add_argument("--adapt-steps", type=script_cli.int_at_least(1), default=30,
+                    help="steps of each recipe, adapted and from scratch")
+    ap.add_argument("--seeds", type=seed_list, default=[0], help="comma-separated train.seed values: the whole table "
+                    "(AR checkpoint included) runs once per seed; the table gives the mean and the per-seed "
+                    "differences (default 0)")
+    ap.add_argument("--jobs", type=script_cli.int_at_least(1), default=1,
+                    help="seeds run in parallel, one process each")
+    ap.add_argument("--eval-every", type=script_cli.int_at_least(1), default=None,
+                    help="steps between evaluations (default: only at the end)")
+    ap.add_argument("--target-nelbo", type=target_nelbo, default=None, help="report the tokens each run needs to "
+                    "reach this NELBO; 'scratch': each recipe's from-scratch final NELBO")
+    ap.add_argument("--recipes", type=script_cli.comma_list(RECIPES, "recipe"), default=list(RECIPES),
+                    help="comma-separated subset of " + ", ".join(RECIPES))
+    ap.add_argument("--out", type=script_cli.caller_path, default=None, help="run directories (default: a temporary "
+                    "directory); an AR checkpoint trained there with the same overrides and --ar-steps is reused")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="also write the table's JSON (every curve, the summary) here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of every run (default: the CPU setting)")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     overrides = [*(args.overrides or CPU_DEFAULTS), *COMMON]
+    compose_train_config(overrides)  # a mistyped override is refused by name before any training
+    if args.json:
+        writable_output("--json", args.json)
     out = Path(args.out or tempfile.mkdtemp(prefix="adaptation_"))
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     if args.jobs > 1 and len(seeds) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=script_cli.die_with_parent) as pool:
             runs = list(pool.map(run_seed, seeds, [args] * len(seeds), [overrides] * len(seeds), [out] * len(seeds)))
     else:
         runs = [run_seed(seed, args, overrides, out) for seed in seeds]
@@ -198,11 +236,12 @@ def main(argv=None) -> int:
     for run in runs:
         for r in run["rows"]:
             if args.target_nelbo is not None:
-                r["target"] = r["scratch"][-1][1] if args.target_nelbo == "scratch" else float(args.target_nelbo)
+                r["target"] = r["scratch"][-1][1] if args.target_nelbo == "scratch" else args.target_nelbo
     summary = summarise(runs)
     ar = ", ".join(f"{run['ar_nll']:.4f}" for run in runs)
     print(f"\nval NELBO (nats/token) after {args.adapt_steps} steps; adapted = from {args.ar_steps} AR steps "
-          f"(AR validation NLL {ar}); seeds {args.seeds}: mean over seeds, sd = sample standard deviation")
+          f"(AR validation NLL {ar}); seeds {','.join(map(str, seeds))}: mean over seeds, sd = sample standard "
+          "deviation")
     target = "" if args.target_nelbo is None else " | target | tokens scratch | tokens adapted"
     print(f"| recipe | scratch | adapted | adapted - scratch (mean ± sd) | per seed | lower in{target} |")
     print("|---|---|---|---|---|---|" + ("---|---|---|" if target else ""))

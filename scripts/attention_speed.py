@@ -25,12 +25,11 @@ check and any timing (usage errors exit 2). ``--json`` is rewritten after every 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 
 import torch
-from difflm import strict_json
+from difflm import script_cli, strict_json
 
 
 def _sdpa_only(name):
@@ -100,16 +99,19 @@ def parse_shape(spec: str) -> tuple[str, tuple[int, int, int, int]]:
     return name.strip(), (b, s, h, d)
 
 
+@script_cli.script_main
 def main(argv=None) -> int:
     """Time every shape x backend x ``--gemm-between`` row and print it; write ``--json``. Usage errors exit 2."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", required=True, metavar="NAME=B,S,H,D")
-    parser.add_argument("--backend", action="append", choices=sorted(BACKENDS), required=True)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = script_cli.parser(__file__, __doc__, whole_doc=True)
+    parser.add_argument("--shape", action="append", required=True, metavar="NAME=B,S,H,D",
+                        help="a shape to time (repeatable): a name, batch, sequence, heads, head size")
+    parser.add_argument("--backend", action="append", choices=sorted(BACKENDS), required=True,
+                        help="an attention backend to time (repeatable; see the list above)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per row (median; default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
     parser.add_argument("--gemm-between", type=int, action="append", default=None,
                         help="GEMMs before each timed call (repeatable: one row per value; default 0)")
-    parser.add_argument("--json")
+    parser.add_argument("--json", type=script_cli.caller_path, help="write the rows to this JSON file, after each")
     args = parser.parse_args(argv)
     # every argument is checked before the CUDA check and any timing, so no row is timed and then lost
     shapes = []
@@ -120,8 +122,7 @@ def main(argv=None) -> int:
             parser.error(str(err))
     if args.iters < 1 or args.warmup < 0 or any(n < 0 for n in args.gemm_between or []):
         parser.error("--iters must be >= 1, --warmup >= 0 and --gemm-between >= 0")
-    if not torch.cuda.is_available():
-        parser.error("attention_speed.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    script_cli.require_cuda()
     rows = []
 
     def save():  # after every row, so a run cut short (timeout, a crash in a kernel) keeps what it measured

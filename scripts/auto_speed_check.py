@@ -13,20 +13,24 @@ Runs, one after the other on the same GPU:
    steps: the micro-batch the planner and the CUDA probe chose (``train.auto_batch_reason``) and its tokens/s;
 
 then prints both tokens/s (the trainer's: the median of its logged steps after ``--skip``), their ratio, and the
-trainer's choice line. The issue's target: the ratio within 2 % of 1.
+trainer's choice line. The target: the ratio within 2 % of 1.
 
     PYTHONPATH=$PWD python scripts/auto_speed_check.py --steps 24 --out $OUT
 
-Exit status 1 when either run fails, else 0.
+Needs a CUDA GPU. Exit status 1 when either run fails, else 0; a usage error is one line
+``auto_speed_check.py: error: ...``, exit 2. The runs start in the current folder (``--out`` is relative to it) and
+end with the script (SIGTERM, SIGINT or its death stops them).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS.parent))
+from difflm import script_cli  # noqa: E402
 
 CORPUS = "${difflm_asset:corpora/tinyshakespeare/input.txt}"
 SHAPE = ["model=1.7b", "data.seq_len=4096", "train.global_batch_size=16", "precision=bf16"]
@@ -52,7 +56,8 @@ def median_tokens_per_s(run_dir: Path, skip: int) -> tuple[float, int]:
 def auto_batch(run_dir: Path, steps: int) -> int:
     """Run ``train.micro_batch_size=auto`` for ``steps`` steps; print the choice and its tokens/s. Returns the exit
     status of difflm-train."""
-    proc = subprocess.run(train_args(run_dir, steps, "train.micro_batch_size=auto"), text=True, capture_output=True)
+    proc = script_cli.run(train_args(run_dir, steps, "train.micro_batch_size=auto"), text=True, capture_output=True,
+                          env=script_cli.difflm_env())
     if proc.returncode:
         print(proc.stdout[-2000:], proc.stderr[-3000:], sep="\n")
         print(f"failed: difflm-train train.micro_batch_size=auto exit {proc.returncode}")
@@ -67,25 +72,34 @@ def auto_batch(run_dir: Path, steps: int) -> int:
     return 0
 
 
+@script_cli.script_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=24, help="training steps of difflm-train")
-    ap.add_argument("--skip", type=int, default=6, help="first logged steps left out of the median (autotuning)")
-    ap.add_argument("--out", default="auto_speed_check", help="folder for the benchmark JSON and the run")
-    ap.add_argument("--micro-batch", type=int, default=None,
+    """Run the benchmark row and difflm-train (and the auto micro-batch run) and print their tokens/s."""
+    ap = script_cli.parser(__file__, __doc__)
+    ap.add_argument("--steps", type=script_cli.int_at_least(2), default=24,
+                    help="training steps of difflm-train (more than --skip; default 24)")
+    ap.add_argument("--skip", type=script_cli.int_at_least(0), default=6,
+                    help="first logged steps left out of the median (autotuning; default 6)")
+    ap.add_argument("--out", type=script_cli.caller_path, default=script_cli.caller_path("auto_speed_check"),
+                    help="folder for the benchmark JSON and the run (default ./auto_speed_check)")
+    ap.add_argument("--micro-batch", type=script_cli.int_at_least(1), default=None,
                     help="micro-batch of both runs (default: the experiment's 8; 4 fits an 80 GB GPU)")
-    ap.add_argument("--auto-batch-steps", type=int, default=0,
+    ap.add_argument("--auto-batch-steps", type=script_cli.int_at_least(0), default=0,
                     help="also run train.micro_batch_size=auto for this many steps (0: skip)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    if args.skip >= args.steps:
+        ap.error(f"--skip {args.skip} leaves none of --steps {args.steps} for the median: give --steps > --skip")
+    script_cli.require_cuda()
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     mb = [f"train.micro_batch_size={args.micro_batch}"] if args.micro_batch else []
-    bench = subprocess.run([sys.executable, "scripts/benchmark.py", *SHAPE,
+    bench = script_cli.run([sys.executable, str(SCRIPTS / "benchmark.py"), *SHAPE,
                             f"train.micro_batch_size={args.micro_batch or 8}", "device=cuda", "--no-reference",
                             "--steps", "6", "--warmup", "2", "--batches", "2", "--json", str(out / "bench.json"),
-                            "--variant", f"fastest-bf16: {FASTEST}"], text=True)
+                            "--variant", f"fastest-bf16: {FASTEST}"], text=True, env=script_cli.difflm_env())
     run_dir = out / "run"
-    train = subprocess.run(train_args(run_dir, args.steps, *mb), text=True, capture_output=True)
+    train = script_cli.run(train_args(run_dir, args.steps, *mb), text=True, capture_output=True,
+                           env=script_cli.difflm_env())
     print(train.stdout[-3000:], train.stderr[-3000:], sep="\n")
     if bench.returncode or train.returncode:
         print(f"failed: benchmark exit {bench.returncode}, difflm-train exit {train.returncode}")

@@ -21,9 +21,20 @@
 # The environment (optional kernels staged under $SITE, cuDNN, NVLink multicast off, quack's cache) comes from
 # scripts/gpu_env.sh. The fastest rows use model.backend=te model.attention_backend=flash model.fused_mlp=true
 # model.fused_mlp_autotune=true at micro-batch 8 (BF16) and TE FP8 with FP8 attention at micro-batch 8 (FP8).
+#
+# Usage errors (no suite, an unknown one, a bad suite argument) are one line on stderr, exit status 2, before anything
+# is set up; -h / --help prints this text.
 set -u
 SUITES="megadlms|trainer|small|moe|layouts|scaling|adaptation|sampling|kernels|profile|gputests"
-usage() { echo "bench_suites.sh: $1 (usage: bash scripts/bench_suites.sh $SUITES [ARGS]; the header lists each suite's ARGS)" >&2; exit 2; }
+usage() {
+  echo "bench_suites.sh: error: $1 (usage: bash scripts/bench_suites.sh $SUITES [ARGS];" \
+    "--help lists each suite's ARGS)" >&2
+  exit 2
+}
+help() { sed -n '2,/^set -u$/p' "$0" | sed -e '/^set -u$/d' -e 's/^# \{0,1\}//' -e 's/^#$//'; }
+for arg in "$@"; do
+  case "$arg" in -h|--help) help; exit 0 ;; esac
+done
 [ $# -ge 1 ] || usage "name a suite"
 suite=$1
 shift
@@ -34,7 +45,10 @@ case "$suite" in
   adaptation) [ $# -ge 1 ] || usage "adaptation needs CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]" ;;
   sampling) [ $# -ge 1 ] || usage "sampling needs RUN_DIR (a trained run, e.g. from make train)" ;;
 esac
+args=("$@")
+set --  # gpu_env.sh reads its own arguments: give it none
 . "$(dirname "$0")/gpu_env.sh"
+set -- ${args[@]+"${args[@]}"}
 
 T="model.backend=te model.attention_backend=te"       # Transformer Engine, cuDNN attention
 F="model.backend=te model.attention_backend=flash"    # Transformer Engine, FlashAttention 4

@@ -54,7 +54,7 @@ base overrides) and the base micro-batch, one GPU, for each ``--megadlms-shapes`
 scripts/megadlms_baseline.py). A mixture-of-experts model runs as Megatron-Core's MoE (rows
 ``megadlms-moe-<precision>-s<S>-gb<GB>``, MFU over the active parameters as difflm's rows; docs/moe.md); a model
 the baseline cannot express (sigmoid router scores, shared experts, token dropping, ...) stops the call before
-any row with one ``difflm: error:`` line. Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
+any row with one ``benchmark.py: error:`` line. Each difflm row gets ``vs MegaDLMs`` = its tokens/s over
 MegaDLMs' at the same model, S, global and micro batch and precision (bf16 or fp8) measured in this call,
 and the end of the output has the comparison table (MegaDLMs BF16 / FP8 | difflm TE BF16 / FP8, tokens/s,
 MFU, ratio; the fastest TE mdlm row of each precision, named). bd3lm rows are compared with the mdlm row of
@@ -67,7 +67,7 @@ to what is left of S seconds and starts no row with less than 30 s left (``NAME:
 the order of the variants, each preceded by the MegaDLMs rows of its shape (S, global batch) not run yet,
 so the order of ``--variant`` decides what a budget cut leaves out. Each row is printed as it completes and
 the JSON is rewritten after every row. Without ``--isolate`` rows share one process (CPU tests); a variant
-whose overrides do not compose fails alone. Exit status: 2 with one ``difflm: error:`` line for a usage
+whose overrides do not compose fails alone. Exit status: 2 with one ``benchmark.py: error:`` line for a usage
 error (a base override that does not compose, a bad option or row name), 1 when every difflm row failed,
 else 0.
 
@@ -118,7 +118,7 @@ from torch import nn
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
-from difflm import strict_json  # noqa: E402
+from difflm import script_cli, strict_json  # noqa: E402
 from difflm.config.compose import compose_train_config  # noqa: E402
 from difflm.config.validate import (  # noqa: E402
     check_batch, check_choices, check_cuda_graphs, check_model, check_precision, resolve_device)
@@ -929,46 +929,49 @@ def write_json(args, record: dict, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_cli.parser(__file__, __doc__)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml")
     ap.add_argument("--variant", action="append", default=[], help="'NAME: override ...' (repeatable)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--batches", type=int, default=4, help="distinct noised batches cycled through")
-    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--steps", type=script_cli.int_at_least(1), default=10,
+                    help="timed optimizer steps per row (default 10)")
+    ap.add_argument("--warmup", type=script_cli.int_at_least(0), default=3,
+                    help="untimed steps before them: compilation, autotuning, FP8 scaling history (default 3)")
+    ap.add_argument("--batches", type=script_cli.int_at_least(1), default=4,
+                    help="distinct noised batches cycled through (default 4)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="leave out the plain eager PyTorch reference row")
     ap.add_argument("--reference-precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None, help="write the results here")
     ap.add_argument("--profile", default="", help="comma-separated row names to profile")
     ap.add_argument("--profile-rows", type=int, default=12, help="kernels printed per profile (files hold 30)")
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failing rows")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of every row's weights and batches (default 0)")
     ap.add_argument("--tokens", choices=("random", "corpus"), default="random",
                     help="uniform random tokens, or the run's training data (data.*) as the Trainer reads it")
     ap.add_argument("--cache-dir", default=None, help="--tokens corpus: where its tokens are cached "
                     "(default: data.cache_dir, else benchmark_tokens beside difflm's tokenizer cache, ~/.cache/difflm)")
     ap.add_argument("--isolate", action="store_true", help="each row in its own process (see the docstring)")
-    ap.add_argument("--row-timeout", type=float, default=240, help="seconds per isolated difflm row")
-    ap.add_argument("--time-budget", type=float, default=None,
+    ap.add_argument("--row-timeout", type=script_cli.positive_number, default=240,
+                    help="seconds per isolated difflm row")
+    ap.add_argument("--time-budget", type=script_cli.positive_number, default=None,
                     help="seconds for the whole call: each isolated row's timeout is cut to what is left, and no "
                          f"row starts with less than {MIN_ROW_S:.0f} s left")
     ap.add_argument("--log-dir", default=None, help="per-row logs and JSON (default: a temp dir)")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one row of the plan (--isolate's children)
     ap.add_argument("--megadlms", default=None, help="MegaDLMs export (scripts/megadlms_baseline.py export)")
     ap.add_argument("--megadlms-shapes", default=None, help="SEQxGLOBAL_BATCH,... (default: the base shape)")
-    ap.add_argument("--megadlms-precisions", default="bf16,fp8")
-    ap.add_argument("--megadlms-timeout", type=float, default=180, help="seconds per MegaDLMs row")
-    ap.add_argument("--megadlms-iters", type=int, default=16)
+    ap.add_argument("--megadlms-precisions", type=script_cli.comma_list(("bf16", "fp8"), "MegaDLMs precision"),
+                    default=["bf16", "fp8"], help="comma-separated MegaDLMs rows per shape: bf16, fp8 (default both)")
+    ap.add_argument("--megadlms-timeout", type=script_cli.positive_number, default=180,
+                    help="seconds per MegaDLMs row")
+    ap.add_argument("--megadlms-iters", type=script_cli.int_at_least(16), default=16,
+                    help="iterations of each MegaDLMs row; the median is of iterations 6-16 (default 16)")
     ap.add_argument("--megadlms-model", default=None, dest="megadlms_model_preset",
                     help="difflm model preset MegaDLMs' rows run (default: the base overrides' model=), e.g. moe-1b-7b")
     ap.add_argument("--plan", action="store_true", help="print the rows (and child commands) and exit")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     args.profile = {p for p in args.profile.split(",") if p}
-    if args.steps < 1 or args.warmup < 0 or args.batches < 1:
-        raise DifflmError("--steps must be >= 1, --warmup >= 0 and --batches >= 1")
     args.variants = [parse_variant(v) for v in args.variant] or [("difflm", [])]
-    args.megadlms_precisions = [p for p in args.megadlms_precisions.split(",") if p]
-    if any(p not in ("bf16", "fp8") for p in args.megadlms_precisions):
-        raise DifflmError(f"--megadlms-precisions {','.join(args.megadlms_precisions)}: each is bf16 or fp8")
     if args.tokens == "corpus" and args.cache_dir is None:  # one tokenization per machine, shared by the rows
         from difflm.data.tokenizer import difflm_cache_dir
 
@@ -1073,14 +1076,11 @@ def exit_status(result: dict) -> int:
     return 1 if ours and not any("tokens_per_s" in r and "error" not in r for r in ours) else 0
 
 
+@script_cli.script_main
 def cli(argv=None) -> int:
-    """The command line: :func:`main`'s exit status (:func:`exit_status`), or 2 with one line on stderr for a
-    usage error (a bad override, option or row name)."""
-    try:
-        return exit_status(main(argv))
-    except DifflmError as e:
-        print(f"difflm: error: {e}", file=sys.stderr)
-        return 2
+    """The command line: :func:`main`'s exit status (:func:`exit_status`); a usage error (a bad override, option or
+    row name) ends as one line ``benchmark.py: error: ...`` on stderr, exit status 2."""
+    return exit_status(main(argv))
 
 
 if __name__ == "__main__":

@@ -19,15 +19,18 @@ Needs matplotlib (``pip install '.[plot]'``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import yaml
-from difflm import strict_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from difflm import script_cli, strict_json  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
 
 EMBEDDED_CORPUS = "corpora/tinyshakespeare/input.txt"  # difflm/assets: 340,240 GPT-NeoX tokens
 EMBEDDED_BUDGETS = [250_000]  # 244 windows of 1024 tokens: below the ~315 training windows the embedded corpus has
@@ -44,7 +47,7 @@ def run_sweep(data: str, out: Path, budgets: list[int], epochs: list[float], ove
            "data.max_train_tokens=" + ",".join(str(b) for b in budgets),
            "train.epochs=" + ",".join(str(e) for e in epochs), *overrides]
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    return script_cli.run(cmd, env=script_cli.difflm_env()).returncode
 
 
 def collect(out: Path) -> list[dict]:
@@ -153,30 +156,57 @@ def corpus_and_budgets(data: Optional[str], budgets: list[int], given: bool) -> 
     return asset_path(EMBEDDED_CORPUS), budgets
 
 
+def numbers(kind, what: str):
+    """An argparse ``type``: comma-separated positive ``kind`` values (int budgets; epochs: an int, or a float
+    where a ``.`` is written)."""
+    def parse(text: str) -> list:
+        try:
+            values = [(float(v) if "." in v else int(v)) if kind is float else int(v) for v in text.split(",") if v]
+        except ValueError:
+            values = []
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive {what}, e.g. "
+                                             f"{'250000,1000000' if kind is int else '1,2,4'}")
+        return values
+
+    return parse
+
+
+@script_cli.script_main
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the sweep (unless ``--plot-only``), then collect, tabulate and plot; 0, or 1 without a finished job."""
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = script_cli.parser(__file__, __doc__)
     p.add_argument("--data", help="data.path of the corpus (default: the embedded tinyshakespeare, 250k-token budget)")
-    p.add_argument("--out", default="outputs/data_constrained", help="sweep directory (run.dir)")
-    p.add_argument("--scale", choices=sorted(SCALES), default="small")
-    p.add_argument("--budgets", help="comma-separated unique-token budgets (default: the scale's)")
-    p.add_argument("--epochs", help="comma-separated epochs (default: the scale's)")
+    p.add_argument("--out", type=script_cli.caller_path, default=script_cli.caller_path("outputs/data_constrained"),
+                   help="sweep directory (run.dir; default ./outputs/data_constrained)")
+    p.add_argument("--scale", choices=sorted(SCALES), default="small",
+                   help="the grid: small = 1M tokens x 2, 8, 32 epochs; full = 3 budgets x 8 epochs (default small)")
+    p.add_argument("--budgets", type=numbers(int, "unique-token budgets"),
+                   help="comma-separated unique-token budgets (default: the scale's)")
+    p.add_argument("--epochs", type=numbers(float, "epochs"), help="comma-separated epochs (default: the scale's)")
     p.add_argument("--plot-only", action="store_true", help="only collect the finished jobs and plot")
+    p.epilog = "Overrides of every job of the sweep follow a --, e.g. -- model=tiny device=cpu."
     args = p.parse_args(argv)
-    out = Path(args.out)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise DifflmError("the plot needs matplotlib: pip install '.[plot]' (in the difflm checkout), then rerun")
+    out = args.out
     budgets, epochs = SCALES[args.scale]
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else budgets
-    epochs = [float(e) if "." in e else int(e) for e in args.epochs.split(",")] if args.epochs else epochs
+    budgets = args.budgets or budgets
+    epochs = args.epochs or epochs
     if not args.plot_only:
         data, budgets = corpus_and_budgets(args.data, budgets, given=bool(args.budgets))
         code = run_sweep(data, out, budgets, epochs, overrides)
         if code != 0:
             print(f"the sweep exited with status {code}; plotting the jobs that finished", file=sys.stderr)
     rows = collect(out)
+    if not rows and args.plot_only:
+        raise DifflmError(f"--out {out}: no finished jobs there: give the --out of an earlier sweep, or drop "
+                          "--plot-only to run one")
     if not rows:
-        print(f"no finished jobs under {out}", file=sys.stderr)
+        print(f"data_constrained.py: no finished jobs under {out}", file=sys.stderr)
         return 1
     (out / "results.json").write_text(strict_json.dumps({"jobs": rows, "by_budget": {
         str(b): {"ar": {str(k): v for k, v in s["ar"].items()}, "mdlm": {str(k): v for k, v in s["mdlm"].items()},

@@ -19,12 +19,11 @@ it changes nothing in difflm.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 
 import torch
-from difflm import strict_json
+from difflm import script_cli, strict_json
 
 # (name, kind, fields): bwd fields are BwdConfig's, fwd fields FwdConfig's; "default" keeps FA4's own table.
 CONFIGS = [
@@ -122,23 +121,27 @@ def time_config(kind, fields, b, s, h, d, *, iters, warmup, gemm_between) -> dic
     return {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "max_abs_diff_vs_default": err}
 
 
+@script_cli.script_main
 def main(argv=None) -> int:
     """Time every configuration (``--only`` picks some by name) and print one line each; write ``--json``."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="8,4096,16,128", metavar="B,S,H,D")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--gemm-between", type=int, default=8)
-    parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS])
-    parser.add_argument("--json")
+    parser = script_cli.parser(__file__, __doc__, whole_doc=True)
+    parser.add_argument("--shape", default="8,4096,16,128", metavar="B,S,H,D",
+                        help="batch, sequence, heads, head size (default 8,4096,16,128)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per configuration (median; default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
+    parser.add_argument("--gemm-between", type=int, default=8,
+                        help="MLP-sized GEMMs before each timed call (default 8)")
+    parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS],
+                        help="time only this configuration (repeatable; default: all)")
+    parser.add_argument("--json", type=script_cli.caller_path,
+                        help="write the rows to this JSON file, after each")
     args = parser.parse_args(argv)
     dims = args.shape.split(",")
     if len(dims) != 4 or not all(p.isdigit() and int(p) > 0 for p in dims):
         parser.error(f"--shape {args.shape!r}: expected four positive integers B,S,H,D, e.g. 8,4096,16,128")
     if args.iters < 1 or args.warmup < 0 or args.gemm_between < 0:
         parser.error("--iters must be >= 1, --warmup >= 0 and --gemm-between >= 0")
-    if not torch.cuda.is_available():
-        parser.error("flash_tiles.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    script_cli.require_cuda()
     b, s, h, d = (int(p) for p in dims)
     rows = []
     for name, kind, fields in CONFIGS:

@@ -13,6 +13,20 @@
 # * NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a shared host's GPUs down.
 # * quack's tuned tiles and compiled kernels of an earlier call, carried as .device-stage/quack_cache.tgz, are
 #   unpacked into QUACK_CACHE_DIR (default /root/quack_cache), so the GEMM shapes are not tuned again.
+#
+# -h / --help prints this text; run (not sourced) with another argument than install, it says so in one line, exit 2.
+case "${1:-}" in
+  -h|--help)
+    sed -n '2,/^case /p' "${BASH_SOURCE[0]}" | sed -e '/^case /d' -e 's/^# \{0,1\}//' -e 's/^#$//'
+    return 0 2>/dev/null || exit 0 ;;
+  ""|install) ;;
+  *)
+    if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+      echo "gpu_env.sh: error: unknown argument '$1' (usage: . scripts/gpu_env.sh to set up this shell, or bash" \
+        "scripts/gpu_env.sh install WHEEL_DIR; --help says more)" >&2
+      exit 2
+    fi ;;
+esac
 SITE=${SITE:-/root/site-packages}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"

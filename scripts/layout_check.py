@@ -57,7 +57,15 @@ saved to ``<out>/<run>/stderr.txt`` (the whole of it: ``stderr.log``) and kept i
 runs that would start after S seconds are skipped ("skipped: time budget") and no launch runs past S (a
 throughput launch stopped there still reports the steps it logged). Each row is printed as it completes and
 ``<out>/layout_check.json`` is rewritten after every run, so a killed script leaves its results; the whole
-table is printed at the end. ``--plan`` prints the launches without running them.
+table is printed at the end. ``--plan`` prints the launches without running them. Exit status: 0, or 1 when a row
+failed, timed out or exceeded the tolerance; a usage error (a count, preset, backend or precision that does not
+exist, ``--device cuda`` without ``--gpus`` CUDA GPUs) is one line ``layout_check.py: error: ...``, exit 2, before
+anything runs.
+
+The launches run in the current folder (``--out`` and every relative path of the overrides are relative to it) with
+this checkout's difflm first on ``PYTHONPATH``. They end with the script: SIGTERM, SIGINT or SIGHUP to it stops each
+running launch (SIGTERM to its processes, SIGKILL 20 s later), and on Linux a launch whose parent died of SIGKILL gets
+SIGTERM from the kernel (torchrun then stops its workers).
 
 The layout and scaling measurements on 2 H200s (each call stays under the device tool's 10 minutes; the launch times are estimates, ~25 s of
 start-up per launch plus the steps; ``--time-budget`` cuts what would not fit, its rows say "skipped: time budget"):
@@ -91,11 +99,11 @@ ddp fsdp tp2 tp4 tp2pp2 cp2 / ddp fsdp tp2 tp4 tp8 tp4pp2 cp2, throughput adds t
     # 4 GPUs: --gpus 4, --tp-layouts tp2,tp4 and
     #   --tput-variants fsdp:parallel.reduce_dtype=bf16,tp4:parallel.tp_comm_overlap=true,tp2pp2
 
-Any of them with ``--plan`` prints the launches and runs nothing. CPU dry run (gloo, fp32):
+Any of them with ``--plan`` prints the launches and runs nothing. CPU dry run (gloo; with ``--device cpu`` the
+throughput and big rows default to ``model=tiny``, S=64, fp32 and the torch backend):
 
     python scripts/layout_check.py --device cpu --gpus 2 --parts correctness,reshard,throughput --steps 4 \
-        --tput-model tiny --tput-seq 64 --precisions fp32 --tput-backends torch -- model=tiny data.seq_len=32 \
-        train.micro_batch_size=2 train.global_batch_size=8
+        -- model=tiny data.seq_len=32 train.micro_batch_size=2 train.global_batch_size=8
 """
 from __future__ import annotations
 
@@ -105,7 +113,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -119,9 +126,10 @@ sys.path.insert(0, str(REPO))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from difflm import strict_json  # noqa: E402
+from difflm import script_cli, strict_json  # noqa: E402
 from difflm.config import CONF_DIR  # noqa: E402
 from difflm.config.schema import TrainConfig  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "UB_SKIPMC": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -380,48 +388,6 @@ def last_error_line(excerpt: str, width: int = 100) -> str:
     return line.removeprefix("difflm: error: ").strip()[:width]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc; torchrun starts its workers in their own sessions,
-    so killing its process group alone would leave them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop_process_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch (difflm saves and exits on it; torchrun stops its workers), then SIGKILL what is left
-    after :data:`KILL_GRACE_S` seconds: the launch's process group and every descendant, by pid."""
-    pids = descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for target in [proc.pid, *pids]:
-            try:
-                os.kill(target, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=KILL_GRACE_S if sig == signal.SIGTERM else 10)
-        except subprocess.TimeoutExpired:
-            pass
-        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-        if proc.poll() is not None and not pids:
-            return
-
-
 class Runner:
     """Launches ``difflm.train`` runs into ``<out>/<name>``, each at most once per (name, command), with a
     per-run timeout and an overall time budget."""
@@ -443,7 +409,7 @@ class Runner:
 
     def env(self, ranks: int, overrides: list[str], gpu: Optional[int] = None) -> dict[str, str]:
         threads = str(max(1, min(4, (os.cpu_count() or 1) // ranks)))
-        env = {"OMP_NUM_THREADS": threads, **os.environ, **SAFE_ENV, **launch_env(overrides)}
+        env = script_cli.difflm_env({"OMP_NUM_THREADS": threads, **os.environ, **SAFE_ENV, **launch_env(overrides)})
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         return env
@@ -492,7 +458,7 @@ class Runner:
             shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
         (run_dir / "cmd.txt").write_text(shlex.join(cmd) + "\n")
         with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+            proc = script_cli.start(cmd, env=env, stdout=out, stderr=err)
         return (name, run_dir, proc, time.monotonic(), limit, "started")
 
     def _finish(self, name: str, run_dir: Path, proc, start: float, limit: float, state: str) -> RunResult:
@@ -505,7 +471,7 @@ class Runner:
             status = "ok" if proc.returncode == 0 else "failed"
             note = "" if status == "ok" else f"exit status {proc.returncode}"
         except subprocess.TimeoutExpired:
-            stop_process_tree(proc)
+            script_cli.stop_tree([proc], KILL_GRACE_S)
             status, note = "timeout", f"killed after {limit:.0f} s"
         result = RunResult(name, run_dir, ok=status == "ok", status=status, note=note,
                            metrics=read_metrics(run_dir), stdout=(run_dir / "stdout.log").read_text(errors="replace"),
@@ -790,73 +756,131 @@ class LayoutCheck:
         return self.rows
 
 
+def presets(group: str) -> list[str]:
+    """The presets of ``conf/<group>/`` by name."""
+    return sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--gpus", type=int, default=2, help="ranks of the multi-process runs (2, 4 or 8)")
-    ap.add_argument("--parts", type=csv, default=["correctness", "reshard", "throughput"],
+    """The command line, checked before anything runs: every count, preset, backend and precision it names. Usage
+    errors end as one line, ``layout_check.py: error: ...``, exit 2."""
+    ap = script_cli.parser(__file__, __doc__)
+    layouts, precisions, models = presets("parallel"), presets("precision"), presets("model")
+    csv = script_cli.comma_list
+    ap.add_argument("--gpus", type=int, default=2, choices=sorted(LAYOUTS),
+                    help="ranks of the multi-process runs: 2, 4 or 8 (with --device cuda: GPUs of this host)")
+    ap.add_argument("--parts", type=csv(PARTS, "part"), default=["correctness", "reshard", "throughput"],
                     help="comma-separated, run in this order: correctness, reshard (both backend by backend), "
-                         "throughput, big")
-    ap.add_argument("--out", type=Path, default=Path("layout_check"))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda (NCCL) or cpu (gloo dry run)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per launch before it is killed")
-    ap.add_argument("--time-budget", type=float, default=None, help="seconds; later runs are skipped")
-    ap.add_argument("--plan", action="store_true", help="print the launches, run nothing")
+                         "throughput, big (default: correctness,reshard,throughput)")
+    ap.add_argument("--out", type=script_cli.caller_path, default=script_cli.caller_path("layout_check"),
+                    help="folder of the run folders and layout_check.json, relative to the current folder "
+                         "(default: ./layout_check)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cuda (NCCL; needs --gpus CUDA GPUs) or cpu (a gloo dry run)")
+    ap.add_argument("--timeout", type=script_cli.positive_number, default=300,
+                    help="seconds per launch before it is stopped (default 300)")
+    ap.add_argument("--time-budget", type=script_cli.positive_number, default=None,
+                    help="seconds for the whole call; later runs are skipped (default: no limit)")
+    ap.add_argument("--plan", action="store_true", help="print the launches, run nothing (no GPU needed)")
     g = ap.add_argument_group("correctness and reshard")
-    g.add_argument("--steps", type=int, default=20)
-    g.add_argument("--backends", type=csv, default=["torch", "te"], help="torch, te")
-    g.add_argument("--layouts", type=csv, default=None, help="presets (default: the set for --gpus)")
-    g.add_argument("--tol", type=float, default=None, help="max rel loss diff (default 1e-2; fp32: 1e-4)")
-    g.add_argument("--reshard-from", type=csv, default=None,
+    g.add_argument("--steps", type=script_cli.int_at_least(1), default=20,
+                   help="training steps of each correctness run (reshard: saved at half of them; default 20)")
+    g.add_argument("--backends", type=csv(BACKENDS, "backend"), default=["torch", "te"],
+                   help="comma-separated: torch, te (default: both)")
+    g.add_argument("--layouts", type=csv(layouts, "parallel preset"), default=None,
+                   help="parallel presets, comma-separated (default: the set for --gpus)")
+    g.add_argument("--tol", type=script_cli.positive_number, default=None,
+                   help="max relative loss difference (default 1e-2; fp32: 1e-4)")
+    g.add_argument("--reshard-from", type=csv(layouts, "parallel preset"), default=None,
                    help="source layouts, comma-separated (default tp2pp2 on 4+ GPUs, tp2,pp2 on 2)")
-    g.add_argument("--reshard-to", default="fsdp")
+    g.add_argument("--reshard-to", default="fsdp", choices=layouts, metavar="PRESET",
+                   help="the parallel preset the saved checkpoints resume under (default fsdp)")
     g = ap.add_argument_group("throughput")
-    g.add_argument("--tput-backends", type=csv, default=None, help="te, torch, torch-compile "
-                   "(default te,torch-compile; --device cpu: torch)")
-    g.add_argument("--precisions", type=csv, default=["bf16", "fp8"])
-    g.add_argument("--tput-model", default="1.7b")
-    g.add_argument("--tput-seq", type=int, default=4096)
-    g.add_argument("--tput-micro", type=int, default=4)
-    g.add_argument("--tput-accum", type=int, default=4)
-    g.add_argument("--tput-steps", type=int, default=12)
-    g.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
-    g.add_argument("--dp-layout", default="fsdp", help="data-parallel preset of the scaling rows")
-    g.add_argument("--tp-layouts", type=csv, default=["tp2", "tp4"], help="rows on all GPUs ([prec@]preset)")
-    g.add_argument("--tput-variants", type=csv, default=[],
+    g.add_argument("--tput-backends", type=csv(TPUT_BACKENDS, "backend"), default=None,
+                   help="te, torch, torch-compile (default te,torch-compile; --device cpu: torch)")
+    g.add_argument("--precisions", type=csv(precisions, "precision preset"), default=None,
+                   help="precision presets, comma-separated (default bf16,fp8; --device cpu: fp32)")
+    g.add_argument("--tput-model", default=None, choices=models, metavar="PRESET",
+                   help="model preset of the throughput rows (default 1.7b; --device cpu: tiny)")
+    g.add_argument("--tput-seq", type=script_cli.int_at_least(1), default=None,
+                   help="data.seq_len of the throughput rows (default 4096; --device cpu: 64)")
+    g.add_argument("--tput-micro", type=script_cli.int_at_least(1), default=4,
+                   help="micro-batch per GPU of the throughput rows (default 4)")
+    g.add_argument("--tput-accum", type=script_cli.int_at_least(1), default=4,
+                   help="accumulation steps of the throughput rows (default 4)")
+    g.add_argument("--tput-steps", type=script_cli.int_at_least(1), default=12,
+                   help="training steps of each throughput launch (default 12)")
+    g.add_argument("--warmup", type=script_cli.int_at_least(0), default=4,
+                   help="steps left out of the medians (default 4)")
+    g.add_argument("--dp-layout", default="fsdp", choices=layouts, metavar="PRESET",
+                   help="data-parallel preset of the scaling rows (default fsdp)")
+    g.add_argument("--tp-layouts", type=csv(what="layout"), default=["tp2", "tp4"],
+                   help="rows on all GPUs, [prec@]preset each, comma-separated (default tp2,tp4)")
+    g.add_argument("--tput-variants", type=csv(what="variant"), default=[],
                    help="more rows on all GPUs, [prec@]preset[:key=value...] each, e.g. "
                         "ddp:parallel.reduce_dtype=bf16 or bf16@tp2:parallel.tp_comm_overlap=true")
     g.add_argument("--tput-overrides", default="", help="extra overrides of every throughput run (one string)")
     g = ap.add_argument_group("big (one large model under one layout)")
-    g.add_argument("--big-model", default="8b")
-    g.add_argument("--big-layout", default="fsdp")
-    g.add_argument("--big-micro", type=int, default=1)
-    g.add_argument("--big-backends", type=csv, default=None, help="default: the first of --tput-backends")
-    g.add_argument("--big-precisions", type=csv, default=None, help="default: --precisions")
+    g.add_argument("--big-model", default=None, choices=models, metavar="PRESET",
+                   help="model preset (default 8b; --device cpu: tiny)")
+    g.add_argument("--big-layout", default="fsdp", choices=layouts, metavar="PRESET",
+                   help="parallel preset of the big run on all --gpus (default fsdp)")
+    g.add_argument("--big-micro", type=script_cli.int_at_least(1), default=1,
+                   help="micro-batch per GPU of the big run (default 1)")
+    g.add_argument("--big-backends", type=csv(TPUT_BACKENDS, "backend"), default=None,
+                   help="default: the first of --tput-backends")
+    g.add_argument("--big-precisions", type=csv(precisions, "precision preset"), default=None,
+                   help="default: --precisions")
     g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
-    ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs")
+    ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs (after "
+                    "--; relative paths are relative to the current folder)")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
-    unknown = set(args.parts) - set(PARTS)
-    if unknown:
-        ap.error(f"--parts: unknown {sorted(unknown)}")
-    for name, allowed in (("backends", BACKENDS), ("tput_backends", TPUT_BACKENDS), ("big_backends", TPUT_BACKENDS)):
-        bad = set(getattr(args, name) or []) - set(allowed)
-        if bad:
-            ap.error(f"--{name.replace('_', '-')}: unknown {sorted(bad)} (known: {', '.join(allowed)})")
+    for flag in ("tp_layouts", "tput_variants"):
+        for entry in getattr(args, flag):
+            only, sep, rest = entry.partition("@")
+            preset = (rest if sep else entry).split(":")[0]
+            name = f"--{flag.replace('_', '-')}"
+            if sep and only not in precisions:
+                ap.error(f"{name} {entry}: {only!r} is not a precision preset (choose from {', '.join(precisions)})")
+            if preset not in layouts:
+                ap.error(f"{name} {entry}: {preset!r} is not a parallel preset (choose from {', '.join(layouts)})")
+    cpu = args.device == "cpu"
+    defaults = {"tput_model": "tiny" if cpu else "1.7b", "tput_seq": 64 if cpu else 4096,
+                "big_model": "tiny" if cpu else "8b", "precisions": ["fp32"] if cpu else ["bf16", "fp8"]}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.layouts is None:
-        args.layouts = LAYOUTS.get(args.gpus, ["ddp", "fsdp"])
+        args.layouts = LAYOUTS[args.gpus]
     if args.tput_backends is None:
-        args.tput_backends = ["torch"] if args.device == "cpu" else ["te", "torch-compile"]
+        args.tput_backends = ["torch"] if cpu else ["te", "torch-compile"]
     if args.big_backends is None:
         args.big_backends = args.tput_backends[:1]
     return args
 
 
+def check_devices(args: argparse.Namespace) -> None:
+    """With ``--device cuda`` (and not ``--plan``): CUDA and at least ``--gpus`` GPUs. Raises DifflmError."""
+    if args.device != "cuda" or args.plan:
+        return
+    script_cli.require_cuda(instead="--device cpu runs a gloo dry run, --plan prints the launches")
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < args.gpus:
+        fits = max((n for n in LAYOUTS if n <= count), default=None)
+        fix = f"pass --gpus {fits}" if fits else "run on a host with 2 or more (--device cpu runs a gloo dry run)"
+        raise DifflmError(f"--gpus {args.gpus}: this host has {count} CUDA GPU{'s' if count != 1 else ''}; {fix}")
+
+
+@script_cli.script_main
 def main(argv=None) -> list[Row]:
+    """Run (or with ``--plan`` list) the parts of the command line and print the table; the rows."""
     args = parse_args(argv)
+    check_devices(args)
     runner = Runner(args.out, args.device, args.timeout, args.time_budget, plan=args.plan)
     return LayoutCheck(args, runner).run()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any(row.status in ("failed", "FAIL", "timeout") for row in main()) else 0)

@@ -61,7 +61,10 @@ the tokenizers are unused with these flags). Megatron compiles its dataset index
 ``LD_LIBRARY_PATH``, docs/performance.md) unless ``CUDNN_HOME`` is set; NVLink multicast stays off.
 
 A failing or hanging run never raises: ``run`` returns (and prints) a row ``failed: <reason>`` with the end of
-the log (``--timeout`` seconds, then SIGTERM to the process group and SIGKILL 15 s later); exit status 1.
+the log (``--timeout`` seconds, then SIGTERM to its processes and SIGKILL 15 s later); exit status 1. The run ends
+with the script (SIGTERM, SIGINT, or its death on Linux, stops torchrun, which stops its workers). A usage error
+(a count below 1, a shape Megatron refuses, a missing log or mirror) is one line
+``megadlms_baseline.py: error: ...``, exit status 2.
 """
 from __future__ import annotations
 
@@ -72,7 +75,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -87,7 +89,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 SHIM_DIR = Path(__file__).resolve().parent / "megadlms_shim"
 sys.path.insert(0, str(REPO))
-from difflm import strict_json  # noqa: E402
+from difflm import script_cli, strict_json  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # dense BF16, H100/H200 (difflm.training.flops.PEAK_TFLOPS_BF16["H200"])
 MASK_TOKEN = 50277  # MegaDLMs' NeoX [MASK] id (the first free id), as difflm
@@ -411,7 +413,7 @@ def build_helpers(megadlms: Path, env: dict, timeout: float = 180) -> Optional[s
         return None
     cmd = ["make", "-C", str(folder), f"LIBEXT={suffix}", f"CPPFLAGS={pybind11_includes()}"]
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        p = script_cli.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"building the dataset helpers ({' '.join(cmd)}): {type(e).__name__}: {e}"
     if p.returncode != 0 or not target.exists():
@@ -420,7 +422,7 @@ def build_helpers(megadlms: Path, env: dict, timeout: float = 180) -> Optional[s
     # Megatron's own `make` (rank 0, initialize.py) names the target with `python3-config --extension-suffix`,
     # empty where python3-config is missing: give it an up-to-date file under that name too, so it rebuilds nothing.
     try:
-        theirs = subprocess.run(["python3-config", "--extension-suffix"], env=env, capture_output=True, text=True,
+        theirs = script_cli.run(["python3-config", "--extension-suffix"], env=env, capture_output=True, text=True,
                                 timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         theirs = ""
@@ -447,24 +449,16 @@ def torchrun_command(megadlms: Path, flags: list[str], gpus: int) -> list[str]:
 
 
 def run_process(cmd: list[str], env: dict, log_path: Path, timeout: float, cwd: Path) -> tuple[Optional[int], float]:
-    """Run ``cmd`` in its own process group, stdout+stderr into ``log_path``. Returns (exit code or None on
-    timeout, seconds). On timeout: SIGTERM to the group, SIGKILL 15 s later."""
+    """Run ``cmd`` in a session of its own, stdout+stderr into ``log_path``
+    (:func:`difflm.script_cli.start`: it ends with this script). Returns (exit code or None on timeout, seconds). On
+    timeout: SIGTERM to its process tree, SIGKILL 15 s later."""
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = script_cli.start(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         try:
             return proc.wait(timeout=timeout), time.monotonic() - start
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            script_cli.stop_tree([proc], grace=15)
             return None, time.monotonic() - start
 
 
@@ -588,12 +582,15 @@ def export(git_dir: Path, out: Path, commit: str = "HEAD") -> dict:
     from difflm.errors import DifflmError
 
     try:
-        sha = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", commit], check=True, capture_output=True,
+        sha = script_cli.run(["git", f"--git-dir={git_dir}", "rev-parse", commit], check=True, capture_output=True,
                              text=True).stdout.strip()
-        data = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "--format=tar", sha, *EXPORT_PATHS],
+        data = script_cli.run(["git", f"--git-dir={git_dir}", "archive", "--format=tar", sha, *EXPORT_PATHS],
                               check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        raise DifflmError(f"export: git failed on {git_dir}: {e}") from e
+        said = (getattr(e, "stderr", None) or b"")
+        said = (said.decode(errors="replace") if isinstance(said, bytes) else said).strip().splitlines()
+        raise DifflmError(f"--git-dir {git_dir}: git failed ({said[-1] if said else e}): give the bare git folder "
+                          "of a MegaDLMs mirror (fetch github:JinjieNi/MegaDLMs) and a --commit it holds") from None
     out.mkdir(parents=True, exist_ok=True)
     for name in (*EXPORT_PATHS, "MEGADLMS_SOURCE.json"):
         p = out / name
@@ -617,71 +614,92 @@ def export(git_dir: Path, out: Path, commit: str = "HEAD") -> dict:
 
 
 def parse_window(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(",")
-    return int(lo), int(hi)
+    """``FIRST,LAST`` -> (FIRST, LAST): iterations 1 <= FIRST <= LAST (an argparse ``type``)."""
+    lo, sep, hi = text.partition(",")
+    try:
+        first, last = int(lo), int(hi)
+    except ValueError:
+        first = last = 0
+    if not sep or not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FIRST,LAST iterations with 1 <= FIRST <= LAST, e.g. 6,16")
+    return first, last
 
 
+@script_cli.script_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run one MegaDLMs row")
-    p = sub.add_parser("parse", help="summarize a saved Megatron log")
+    """Run, parse or export (the sub-command of ``argv``); the exit status: 1 for a failed row."""
+    ap = script_cli.parser(__file__, __doc__)
+    at_least_1 = script_cli.int_at_least(1)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,parse,export}",
+                            help="run: one MegaDLMs row; parse: a saved Megatron log; export: MegaDLMs' pretraining "
+                                 "path from a mirror (each has its own --help)")
+    r = sub.add_parser("run", help="run one MegaDLMs row", description="Run one MegaDLMs row under torchrun and "
+                       "print its tokens/s and MFU (exit status 1 when it fails).")
+    p = sub.add_parser("parse", help="summarize a saved Megatron log", description="Summarize a saved Megatron log "
+                       "as a row: tokens/s and MFU of the timed iterations.")
     for q in (r, p):
-        q.add_argument("--seq-len", type=int, required=True, help="tokens per sequence the model sees (S)")
-        q.add_argument("--global-batch", type=int, required=True)
-        q.add_argument("--micro-batch", type=int, default=4)
-        q.add_argument("--gpus", type=int, default=1)
-        q.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
+        q.add_argument("--seq-len", type=at_least_1, required=True, help="tokens per sequence the model sees (S)")
+        q.add_argument("--global-batch", type=at_least_1, required=True,
+                       help="sequences per optimizer step over all GPUs")
+        q.add_argument("--micro-batch", type=at_least_1, default=4, help="sequences per GPU and step (default 4)")
+        q.add_argument("--gpus", type=at_least_1, default=1, help="GPUs of one host, torchrun ranks (default 1)")
+        q.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="bf16, or fp8 (hybrid)")
         q.add_argument("--model", default="1.7b", help="difflm model preset whose shape MegaDLMs runs")
-        q.add_argument("--vocab-size", type=int, default=50304, help="padded vocabulary (NeoX: 50304)")
-        q.add_argument("--window", type=parse_window, default=DEFAULT_WINDOW, help="first,last iteration of the median")
-        q.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
-        q.add_argument("--json", default=None, help="write the row here")
-    r.add_argument("--megadlms", default=".megadlms", help="the export (see 'export')")
-    r.add_argument("--iters", type=int, default=16)
-    r.add_argument("--timeout", type=float, default=300, help="seconds before the run is killed")
-    r.add_argument("--log-dir", default=None, help="where the run's log goes (default: a temp dir)")
+        q.add_argument("--vocab-size", type=at_least_1, default=50304, help="padded vocabulary (NeoX: 50304)")
+        q.add_argument("--window", type=parse_window, default=DEFAULT_WINDOW,
+                       help="FIRST,LAST iteration of the median (default 6,16)")
+        q.add_argument("--peak-tflops", type=script_cli.positive_number, default=PEAK_TFLOPS,
+                       help=f"the MFU's peak TFLOP/s per GPU (default {PEAK_TFLOPS:g}, dense BF16 H100/H200)")
+        q.add_argument("--json", type=script_cli.caller_path, default=None, help="write the row here")
+    r.add_argument("--megadlms", type=script_cli.caller_path, default=script_cli.caller_path(".megadlms"),
+                   help="the export (see 'export'; default ./.megadlms)")
+    r.add_argument("--iters", type=at_least_1, default=16, help="iterations Megatron runs (default 16)")
+    r.add_argument("--timeout", type=script_cli.positive_number, default=300,
+                   help="seconds before the run is stopped (default 300)")
+    r.add_argument("--log-dir", type=script_cli.caller_path, default=None,
+                   help="where the run's log goes (default: a temp dir)")
     r.add_argument("--extra", default="", help="more Megatron flags, one shell-quoted string")
     r.add_argument("--dry-run", action="store_true", help="print the command only")
-    p.add_argument("log")
-    e = sub.add_parser("export", help="export the pretraining path of a MegaDLMs mirror")
-    e.add_argument("--git-dir", required=True, help="bare git dir of github:JinjieNi/MegaDLMs")
-    e.add_argument("--out", required=True)
-    e.add_argument("--commit", default="HEAD")
+    p.add_argument("log", type=script_cli.existing_path("file", "a Megatron log saved by 'run' (--log-dir)"),
+                   help="the saved log")
+    e = sub.add_parser("export", help="export the pretraining path of a MegaDLMs mirror",
+                       description="Write the pretraining path of a MegaDLMs mirror (a bare git folder) into --out.")
+    e.add_argument("--git-dir", type=script_cli.existing_path("folder", "the bare git folder of a MegaDLMs mirror"),
+                   required=True, help="bare git dir of github:JinjieNi/MegaDLMs")
+    e.add_argument("--out", type=script_cli.caller_path, required=True, help="the export folder (e.g. .megadlms)")
+    e.add_argument("--commit", default="HEAD", help="the commit to export (default HEAD)")
     args = ap.parse_args(argv)
 
     if args.cmd == "export":
-        rec = export(Path(args.git_dir), Path(args.out), args.commit)
+        rec = export(args.git_dir, args.out, args.commit)
         print(f"exported MegaDLMs {rec['commit'][:12]}: {rec['files']} files, {rec['bytes'] / 2**20:.1f} MiB -> {args.out}")
         return 0
     shape = Shape(args.seq_len, args.global_batch, args.micro_batch, args.gpus, args.precision)
+    shape.check()  # usage errors here (exit 2); run_row reports them as a failed row, for benchmark.py
+    m = model_config(args.model, args.vocab_size)
     if args.cmd == "parse":
         from difflm.training.flops import flops_per_token
 
-        m = model_config(args.model, args.vocab_size)
         n = count_params(m)
         row = {"name": row_name(shape, m), "system": "megadlms", "precision": shape.precision, "seq_len": shape.seq_len,
-               "global_batch": shape.global_batch, "gpus": shape.gpus, "log": args.log}
-        row.update(summarize(parse_iterations(Path(args.log).read_text(errors="replace")), shape,
+               "global_batch": shape.global_batch, "gpus": shape.gpus, "log": str(args.log)}
+        row.update(summarize(parse_iterations(args.log.read_text(errors="replace")), shape,
                              flops_per_token(n, m.num_layers, m.hidden_size, shape.seq_len), args.peak_tflops, args.window))
     else:
-        row = run_row(Path(args.megadlms), shape, preset=args.model, vocab_size=args.vocab_size, iters=args.iters,
+        if args.window[1] > args.iters:
+            r.error(f"--window {args.window[0]},{args.window[1]} ends after --iters {args.iters}: give --iters >= "
+                     f"{args.window[1]} or an earlier window")
+        row = run_row(args.megadlms, shape, preset=args.model, vocab_size=args.vocab_size, iters=args.iters,
                       window=args.window, timeout=args.timeout, log_dir=args.log_dir, peak_tflops=args.peak_tflops,
                       extra=shlex.split(args.extra), dry_run=args.dry_run)
         if "log_tail" in row:
             print(row["log_tail"])
     print(format_row(row))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(strict_json.dumps(row, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(strict_json.dumps(row, indent=2))
     return 1 if "error" in row else 0
 
 
 if __name__ == "__main__":
-    from difflm.errors import DifflmError
-
-    try:
-        sys.exit(main())
-    except DifflmError as e:
-        print(f"difflm: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from difflm import strict_json  # noqa: E402
+from difflm import script_cli, strict_json  # noqa: E402
 
 
 def half_block(fused: bool, hidden: int, ffn: int, autotune: bool = False):
@@ -47,20 +47,35 @@ def grads(mlp) -> dict:
             for n, p in mlp.named_parameters()}
 
 
+def parse_shape(spec: str) -> tuple[str, tuple[int, int, int]]:
+    """An argparse ``type``: ``NAME=TOKENS,HIDDEN,FFN`` -> (NAME, (TOKENS, HIDDEN, FFN))."""
+    name, sep, dims = spec.partition("=")
+    parts = dims.split(",")
+    if not sep or not name.strip() or len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=TOKENS,HIDDEN,FFN with a name and three positive "
+                                         "integers, e.g. 1.7b-mb8=32768,2048,6144")
+    n, d, f = (int(p) for p in parts)
+    return name.strip(), (n, d, f)
+
+
+@script_cli.script_main
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", action="append", required=True, help="NAME=TOKENS,HIDDEN,FFN")
-    ap.add_argument("--steps", type=int, default=20)
+    """Time both MLP paths at every ``--shape`` and print one JSON line each; write ``--json``."""
+    ap = script_cli.parser(__file__, __doc__, whole_doc=True)
+    ap.add_argument("--shape", action="append", required=True, type=parse_shape, metavar="NAME=TOKENS,HIDDEN,FFN",
+                    help="a shape to time (repeatable): tokens per call, hidden size, MLP width")
+    ap.add_argument("--steps", type=script_cli.int_at_least(1), default=20,
+                    help="timed calls per path (median; default 20)")
     ap.add_argument("--autotune", action="store_true", help="model.fused_mlp_autotune: quack tunes each GEMM shape "
                     "(minutes on the first call; then from quack's disk cache)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    script_cli.require_cuda()
     from benchmark import median_cuda_ms
 
     results = []
-    for spec in args.shape:
-        name, dims = spec.split("=")
-        n, d, f = (int(v) for v in dims.split(","))
+    for name, (n, d, f) in args.shape:
         torch.manual_seed(0)
         x = torch.randn(n, d, device="cuda").bfloat16().requires_grad_(True)
         a = torch.randn(n, d, device="cuda").bfloat16().requires_grad_(True)

@@ -15,16 +15,16 @@ plus the final training loss. The router z-loss stays at the preset's 0.001 in e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from difflm import strict_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from difflm import script_cli, strict_json  # noqa: E402
+from difflm.cli import writable_output  # noqa: E402
 
 SETTINGS = {
     "none": ["model.moe.aux_loss_coeff=0", "model.moe.bias_update_rate=0"],
@@ -55,17 +55,26 @@ def windows(rows: list[dict], key: str, size: int) -> list[float]:
     return [sum(values[i:i + size]) / len(values[i:i + size]) for i in range(0, len(values), size)]
 
 
+@script_cli.script_main
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Train one run per balancing setting of ``--runs`` and print the load table; the results."""
+    ap = script_cli.parser(__file__, __doc__)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--window", type=int, default=20)
-    ap.add_argument("--runs", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
-    ap.add_argument("--dir", default=None, help="where the run dirs go (default: a temporary directory)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=script_cli.int_at_least(1), default=200,
+                    help="training steps of each run (default 200)")
+    ap.add_argument("--window", type=script_cli.int_at_least(1), default=20,
+                    help="steps averaged into one row of the table (default 20)")
+    ap.add_argument("--runs", type=script_cli.comma_list(SETTINGS, "setting"), default=list(SETTINGS),
+                    help=f"comma-separated subset of {','.join(SETTINGS)} (default: all)")
+    ap.add_argument("--dir", type=script_cli.caller_path, default=None,
+                    help="where the run dirs go (default: a temporary directory)")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="also write the table's numbers (per window, per setting) to this JSON file")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
+    if args.json:
+        writable_output("--json", args.json)  # before the runs, not after them
     torch.set_num_threads(1)  # tiny matrices: one thread is the fastest on a shared CPU
-    names = [n for n in args.runs.split(",") if n]
+    names = args.runs
     root = Path(args.dir or tempfile.mkdtemp(prefix="moe_balance_"))
     result = {"steps": args.steps, "window": args.window, "overrides": BASE + args.overrides, "runs": {}}
     for name in names:

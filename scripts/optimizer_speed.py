@@ -14,24 +14,28 @@ Prints one line per part: ms per step, GB moved, GB/s.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
-from difflm import strict_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from difflm import script_cli, strict_json  # noqa: E402
 
 
+@script_cli.script_main
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Time each part of the optimizer step of the composed model and print one line each; write ``--json``."""
+    ap = script_cli.parser(__file__, __doc__, whole_doc=True)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config (model=1.7b ...)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=script_cli.int_at_least(1), default=10,
+                    help="timed calls per part (median; default 10)")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="also write ms and bytes per part to this JSON file")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
+    script_cli.require_cuda()
     from benchmark import compose, median_cuda_ms
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config

@@ -17,7 +17,8 @@ autotuning, Triton and quack compilation, TE's first FP8 casts and scaling facto
 caching allocator's retries (``num_alloc_retries``: an allocation that failed, freed the cache and synchronized the
 device; a row near the memory limit pays that in its step time) with the peak reserved memory; a row with retries
 or a spread above 10 % is marked ``unsteady``: its step time is not one the planner should match. Rows that fail (a
-missing kernel set, out of memory) print their reason and the others go on. The plan uses the shipped rates of the
+missing kernel set, out of memory) print their reason and the others go on (the exit status is then 1);
+measuring needs a CUDA GPU, ``--replan`` does not. The plan uses the shipped rates of the
 GPU at hand (``--gpu`` elsewhere, ``--calibration`` for measured ones). ``--replan FILE`` plans every row of a
 results file again on the host and rewrites its ``plan`` entries, keeping what was measured.
 Beside them, the peak of the same step traced on the host under fake tensors (:mod:`difflm.plan.trace`; ``-`` for
@@ -34,7 +35,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from difflm import strict_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from difflm import script_cli, strict_json  # noqa: E402
+from difflm.cli import writable_output  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
 
 COMMON = ["logger.progress_bar=false", "logger.num_samples=0", "train.eval_every=0", "train.save_every=0",
           "data.valid_fraction=0", "logger.log_every=1"]
@@ -174,7 +179,14 @@ def errors(row: dict) -> dict:
 def replan(path: str, calibration: str | None, gpu: str | None) -> int:
     """Plan every measured row of the results file ``path`` again (on the host), rewrite its ``plan`` and errors,
     keep what was measured; print planned / measured per row."""
-    results = json.loads(Path(path).read_text())
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DifflmError(f"--replan {path}: cannot read it as JSON ({err}): give a results file written by "
+                          "--json") from None
+    if not isinstance(results, list) or not all(isinstance(r, dict) and "overrides" in r for r in results):
+        raise DifflmError(f"--replan {path}: not a results file (a list of rows with 'overrides'): give one "
+                          "written by --json")
     for row in results:
         row["plan"] = predict(row["overrides"], calibration, gpu)
         if "real" in row:
@@ -185,24 +197,58 @@ def replan(path: str, calibration: str | None, gpu: str | None) -> int:
     return 0
 
 
+def row_spec(text: str) -> str:
+    """An argparse ``type``: ``NAME: overrides`` (a name, a colon, then difflm-train overrides) as given."""
+    name, sep, _ = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'NAME: override override ...', e.g. "
+                                         "'125m: model=125m precision=bf16 data.seq_len=1024'")
+    return text
+
+
+@script_cli.script_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--row", action="append", default=[], help="'NAME: overrides' (default: the built-in rows)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per row, after the warm-up")
-    ap.add_argument("--warmup", type=int, default=3, help="steps per row before the timed ones")
-    ap.add_argument("--calibration", default=None)
+    """Plan, trace and measure every row (or ``--replan`` a results file); 1 when a row failed, else 0."""
+    ap = script_cli.parser(__file__, __doc__)
+    ap.add_argument("--row", action="append", default=[], type=row_spec,
+                    help="'NAME: overrides' (repeatable; default: the built-in rows)")
+    ap.add_argument("--steps", type=script_cli.int_at_least(1), default=10,
+                    help="timed steps per row, after the warm-up (default 10)")
+    ap.add_argument("--warmup", type=script_cli.int_at_least(0), default=3,
+                    help="steps per row before the timed ones (default 3)")
+    ap.add_argument("--calibration", type=script_cli.existing_path("file", "a calibration JSON (difflm-plan "
+                    "--calibrate FILE writes one)"), default=None,
+                    help="plan with these measured rates (difflm-plan --calibrate FILE) instead of shipped ones")
     ap.add_argument("--gpu", default=None, help="plan with this GPU's shipped rates (default: the GPU at hand)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--replan", metavar="FILE", default=None, help="plan the rows of a results file again")
-    ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="write every row (plan, trace, measurement) to this JSON file")
+    ap.add_argument("--replan", metavar="FILE", type=script_cli.existing_path("file", "a results file written by "
+                    "--json"), default=None, help="plan the rows of a results file again (no GPU needed)")
+    ap.add_argument("--timeout", type=script_cli.positive_number, default=240, help="seconds per row (default 240)")
     ap.add_argument("--no-trace", action="store_true", help="skip the traced peak (host seconds to minutes per row)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure these overrides, print JSON
     args = ap.parse_args(argv)
     if args.one is not None:
+        script_cli.require_cuda()
         print("PLAN_CHECK " + strict_json.dumps(measure_one(args.one.split(), args.steps, args.warmup)))
         return 0
+    if args.gpu is not None:
+        from difflm.plan.rates import default_rates
+
+        default_rates(args.gpu)  # an unknown GPU is refused before any row
     if args.replan:
         return replan(args.replan, args.calibration, args.gpu)
+    from difflm.config.compose import compose_train_config
+
+    for spec in args.row:  # every row's overrides compose before the first row is measured
+        name, _, over = spec.partition(":")
+        try:
+            compose_train_config([*COMMON, *over.split()])
+        except DifflmError as err:
+            raise DifflmError(f"--row {name.strip()}: {err}") from None
+    script_cli.require_cuda(instead="--replan FILE plans a results file again without one")
+    if args.json:
+        writable_output("--json", args.json)
     results = []
     print(f"{'row':<18} {'mem plan':>9} {'traced':>7} {'mem real':>9} {'err':>7}   {'step plan':>10} {'step real':>10} "
           f"{'err':>7}")
@@ -214,8 +260,9 @@ def main(argv=None) -> int:
         traced = row["traced"].get("peak_bytes")
         traced_gib = f"{traced / 2**30:>7.1f}" if traced else f"{'-':>7}"
         try:
-            out = subprocess.run([sys.executable, __file__, "--one", " ".join(overrides), "--steps", str(args.steps),
-                                  "--warmup", str(args.warmup)], capture_output=True, text=True, timeout=args.timeout)
+            out = script_cli.run([sys.executable, str(Path(__file__).resolve()), "--one", " ".join(overrides),
+                                  "--steps", str(args.steps), "--warmup", str(args.warmup)], capture_output=True,
+                                 text=True, timeout=args.timeout, env=script_cli.difflm_env())
             found = [x for x in out.stdout.splitlines() if x.startswith("PLAN_CHECK ")]
             if not found:
                 raise RuntimeError((out.stderr.strip().splitlines() or ["no output"])[-1][:200])
@@ -236,7 +283,7 @@ def main(argv=None) -> int:
               f"{step_err}{note}", flush=True)
     if args.json:
         Path(args.json).write_text(strict_json.dumps(results, indent=2, default=str) + "\n")
-    return 0
+    return 1 if any("error" in row for row in results) else 0
 
 
 if __name__ == "__main__":

@@ -19,8 +19,11 @@ Sources (tokens/s/GPU as published, each row's layout as published):
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from difflm import script_cli  # noqa: E402
 
 LLAMA3_8B = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=8",
              "model.ffn_hidden_size=14336", "model.qk_norm=false", "model.rope_base=500000", "model.vocab_size=128256"]
@@ -50,15 +53,21 @@ ROWS = [  # name, model, precision, GPUs, layout overrides, published tokens/s/G
 ]
 
 
+CALIBRATION = script_cli.existing_path("file", "a calibration JSON (difflm-plan --calibrate FILE writes one on a GPU)")
+
+
+@script_cli.script_main
 def main(argv=None) -> int:
+    """Plan every published row and print planned against published tokens/s/GPU."""
     from difflm.config.compose import compose_train_config
     from difflm.plan.cli import active_params, layout_of
     from difflm.plan.rates import Rates, default_rates
     from difflm.plan.search import evaluate
     from difflm.plan.shapes import model_params
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calibration", default=None, help="H100 rates (default: the shipped H100 rates)")
+    ap = script_cli.parser(__file__, __doc__)
+    ap.add_argument("--calibration", type=CALIBRATION, default=None,
+                    help="H100 rates measured by difflm-plan --calibrate (default: the shipped H100 rates)")
     args = ap.parse_args(argv)
     rates = Rates.from_json(args.calibration) if args.calibration else default_rates("H100")
     print(f"{'row':<32} {'GPUs':>5} {'published':>10} {'planned':>9} {'ratio':>6}  {'GiB/GPU':>8}  source")

@@ -15,7 +15,6 @@ times and keeps each side's fastest. Prints the tokens, seconds and tokens/s of 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -26,9 +25,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-import difflm.config  # noqa: F401 - registers the schemas and the difflm_asset resolver
-from difflm.config.schema import PreprocessConfig
-from difflm.data.shards import run_preprocess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import difflm.config  # noqa: E402,F401 - registers the schemas and the difflm_asset resolver
+from difflm import script_cli  # noqa: E402
+from difflm.config.schema import PreprocessConfig  # noqa: E402
+from difflm.data.shards import run_preprocess  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
 
 
 def corpus(src: Path, root: Path, repeat: int) -> Path:
@@ -77,19 +79,29 @@ def run_datasets_map(files_dir: Path, cache: Path, tokenizer: str, workers: int)
     return tokens, seconds
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/corpora/gutenberg"))
-    p.add_argument("--tokenizer", default=str(difflm.config.ASSETS / "tokenizers" / "gpt-neox-20b"))
-    p.add_argument("--workers", type=int, default=0, help="processes on both sides; 0 = one per CPU core")
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--trials", type=int, default=1)
-    args = p.parse_args()
-    src = Path(args.data)
+@script_cli.script_main
+def main(argv=None) -> int:
+    """Time both tokenizations ``--trials`` times and print each side's fastest and their ratio."""
+    p = script_cli.parser(__file__, __doc__)
+    p.add_argument("--data", type=script_cli.caller_path,
+                   default=str(Path(__file__).resolve().parents[2] / "shared/data/corpora/gutenberg"),
+                   help="a folder of .txt files (default: the shared Gutenberg books beside the checkout)")
+    p.add_argument("--tokenizer", default=str(difflm.config.ASSETS / "tokenizers" / "gpt-neox-20b"),
+                   help="a tokenizer folder (tokenizer.json) or hub name (default: the embedded GPT-NeoX-20B)")
+    p.add_argument("--workers", type=script_cli.int_at_least(0), default=0,
+                   help="processes on both sides; 0 = one per CPU core")
+    p.add_argument("--repeat", type=script_cli.int_at_least(1), default=1,
+                   help="links to every file, K times the corpus (default 1)")
+    p.add_argument("--trials", type=script_cli.int_at_least(1), default=1,
+                   help="alternations of the two sides; each side's fastest is kept (default 1)")
+    args = p.parse_args(argv)
+    src = args.data
     if not src.is_dir() or not any(src.glob("*.txt")):
-        print(f"--data {src}: no .txt files there (the shared Gutenberg books: /work/shared/data/corpora/gutenberg)",
-              file=sys.stderr)
-        return 2
+        raise DifflmError(f"--data {src}: no .txt files there: give a folder of .txt files (the shared Gutenberg "
+                          "books: /work/shared/data/corpora/gutenberg)")
+    from difflm.data import build_tokenizer
+
+    build_tokenizer(args.tokenizer, key="--tokenizer")  # one that does not load is refused before any timing
     workers = args.workers or len(os.sched_getaffinity(0))
     best: dict[str, tuple[int, float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

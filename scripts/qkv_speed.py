@@ -25,21 +25,57 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from difflm import script_cli  # noqa: E402
 
 
+def positive_ints(text: str, count: int, what: str, example: str) -> tuple[int, ...]:
+    """``count`` positive integers separated by ``,`` or ``x`` (argparse reports the ArgumentTypeError)."""
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {what}, {count} positive integers, e.g. {example}")
+    return tuple(int(p) for p in parts)
+
+
+def parse_shape(spec: str) -> str:
+    """An argparse ``type``: ``NAME=B,S,H,H_KV,D`` checked (a name, five positive integers), returned as given."""
+    name, sep, dims = spec.partition("=")
+    parts = dims.split(",")
+    if not sep or not name.strip() or len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=B,S,H,H_KV,D with a name and five positive "
+                                         "integers, e.g. 1.7b-mb8=8,4096,16,16,128")
+    return spec
+
+
+def tile_list(count: int, example: str):
+    """An argparse ``type``: comma-separated settings of ``count`` positive integers joined by ``x``."""
+    def parse(text: str) -> list[str]:
+        settings = [t for t in text.split(",") if t]
+        for t in settings:
+            positive_ints(t, count, "x".join(["BLOCK_T", "WARPS", "TILES"][:count]), example)
+        return settings
+
+    return parse
+
+
+@script_cli.script_main
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", action="append", required=True, help="NAME=B,S,H,H_KV,D")
-    ap.add_argument("--tiles", default="16x2,16x4,32x4,32x8,64x4,64x8",
+    """Time every shape's rows (or the ``--in-place`` backward settings) and print them; write ``--json``."""
+    ap = script_cli.parser(__file__, __doc__, whole_doc=True)
+    ap.add_argument("--shape", action="append", required=True, type=parse_shape, metavar="NAME=B,S,H,H_KV,D",
+                    help="a shape to time (repeatable): batch, sequence, heads, KV heads, head size")
+    ap.add_argument("--tiles", type=tile_list(2, "16x2"), default="16x2,16x4,32x4,32x8,64x4,64x8",
                     help="Triton BLOCK_TxWARPS settings, each used forward and backward")
-    ap.add_argument("--in-place", default="", help="comma-separated BLOCK_TxWARPSxTILES backward settings, timed in "
+    ap.add_argument("--in-place", type=tile_list(3, "16x2x8"), default=[],
+                    help="comma-separated BLOCK_TxWARPSxTILES backward settings, timed in "
                     "place under load (module docstring) instead of the rows above")
-    ap.add_argument("--gemm-between", type=int, default=8, help="MLP-sized GEMMs before each --in-place call")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--gemm-between", type=script_cli.int_at_least(0), default=8,
+                    help="MLP-sized GEMMs before each --in-place call")
+    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+                    help="also write the rows (ms per call) to this JSON file")
     args = ap.parse_args(argv)
+    script_cli.require_cuda()
     if args.in_place:
-        results = [row for spec in args.shape for row in in_place_rows(spec, args.in_place.split(","),
-                                                                        args.gemm_between)]
+        results = [row for spec in args.shape for row in in_place_rows(spec, args.in_place, args.gemm_between)]
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
@@ -74,7 +110,7 @@ def main(argv=None) -> None:
             return f, median_cuda_ms(fwd_bwd, 20, warmup=3) - f
 
         rows = [("eager", *run(_qkv_heads)), ("torch.compile", *run(compiled))]
-        for tile in args.tiles.split(","):
+        for tile in args.tiles:
             block_t, warps = (int(x) for x in tile.split("x"))
             qkv_triton.FWD_BLOCK_T, qkv_triton.FWD_WARPS = block_t, warps
             qkv_triton.BWD_BLOCK_T, qkv_triton.BWD_WARPS = block_t, warps

@@ -23,25 +23,29 @@ Every seed is fixed, so the printed figures repeat run to run (on one machine an
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from difflm.config.compose import compose_train_config
-from difflm.model import build_model, resolve_model_config
-from difflm.posttrain.dpo import dpo_loss
-from difflm.posttrain.grpo import group_advantages, grpo_loss
-from difflm.posttrain.loglik import EstimateKey, MCELBOEstimator, build_estimator
-from difflm.posttrain.reference import FrozenCopyReference
-from difflm.posttrain.rollout import completion_mask
-from difflm.posttrain.vrpo import preference_scores
-from difflm.sampling import GenerationOptions, diffusion_generate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from difflm import script_cli  # noqa: E402
+from difflm.cli import writable_output  # noqa: E402
+from difflm.config.compose import compose_train_config  # noqa: E402
+from difflm.model import build_model, resolve_model_config  # noqa: E402
+from difflm.posttrain.dpo import dpo_loss  # noqa: E402
+from difflm.posttrain.grpo import group_advantages, grpo_loss  # noqa: E402
+from difflm.posttrain.loglik import EstimateKey, MCELBOEstimator, build_estimator  # noqa: E402
+from difflm.posttrain.reference import FrozenCopyReference  # noqa: E402
+from difflm.posttrain.rollout import completion_mask  # noqa: E402
+from difflm.posttrain.vrpo import preference_scores  # noqa: E402
+from difflm.sampling import GenerationOptions, diffusion_generate  # noqa: E402
 
 CHARS = "0123456789+="
 EOS, MASK, VOCAB = 12, 13, 16
@@ -287,11 +291,16 @@ def run(quick: bool = False, grpo_settings: GRPOSettings = GRPOSettings(), seed:
             "vrpo_margin": vrpo_margin, "wall_s": time.perf_counter() - start}
 
 
+@script_cli.script_main
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Run the three post-training stages and print their held-out figures; write ``--json``."""
+    parser = script_cli.parser(__file__, __doc__)
     parser.add_argument("--quick", action="store_true", help="fewer GRPO / VRPO steps (the test's settings)")
-    parser.add_argument("--json", default=None, help="also write the figures and settings to this JSON file")
+    parser.add_argument("--json", type=script_cli.caller_path, default=None,
+                        help="also write the figures and settings to this JSON file")
     args = parser.parse_args(argv)
+    if args.json:
+        writable_output("--json", args.json)  # before the minutes of training, not after them
     torch.set_num_threads(1)  # a tiny model gains nothing from threads, and one thread fixes the reduction order
     r = run(args.quick)
     print(f"held-out exact-match accuracy  SFT {r['sft_exact']:.3f}  ->  GRPO {r['grpo_exact']:.3f}   "

@@ -43,13 +43,14 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # last: the dllm worker (this script too) keeps its own packages first
+from difflm import script_cli  # noqa: E402  (standard library only: nothing of difflm's environment)
 GSM8K_SHARED = [base / "shared" / "data" / "corpora" / "gsm8k" / "test.jsonl" for base in (ROOT, ROOT.parent)]
 
 
@@ -72,6 +73,11 @@ class Matched:
     seed: int = 0
 
     def check(self) -> "Matched":
+        """These settings, or ValueError naming the flag to change."""
+        if min(self.gen_length, self.gen_steps, self.block_length) < 1:
+            raise ValueError("--gen-length, --gen-steps and --block-length must be >= 1")
+        if self.lr <= 0 or self.temperature <= 0 or not 0 <= self.prompt_mask_prob <= 1:
+            raise ValueError("--lr and --temperature must be > 0, --prompt-mask-prob within [0, 1]")
         if self.group_size < 2:
             raise ValueError(f"--group={self.group_size} must be >= 2 (advantages compare a group)")
         if min(self.prompts_per_step, self.prompt_tokens, self.num_inner) < 1:
@@ -184,8 +190,7 @@ def run_difflm(m: Matched, run: Path, prompts: Path, steps: int, work: Path, dev
            f"data.path={prompts}", "data.prompt_field=question", "data.answer_field=answer", "reward=gsm8k",
            f"train.max_steps={steps}", "train.save_every=0", "train.eval_every=0", "logger.progress_bar=false",
            "logger.log_every=1", *m.difflm_overrides(), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    script_cli.run(cmd, check=True, env=script_cli.difflm_env())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) > 0 and "step_time_s" in r]
     return summarize(name, [r["step_time_s"] for r in rows], [r["rollout_time_s"] for r in rows],
@@ -215,7 +220,7 @@ def run_dllm(m: Matched, hf: Path, prompts: Path, steps: int, work: Path, args, 
     paths = [p for p in (args.dllm_site, args.dllm_path) if p]  # nothing of difflm's environment
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(Path(p).resolve()) for p in paths))
     env.setdefault("WANDB_DISABLED", "true")
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dllm-worker", str(work / "dllm_spec.json")],
+    script_cli.run([sys.executable, str(Path(__file__).resolve()), "--dllm-worker", str(work / "dllm_spec.json")],
                    check=True, env=env, cwd=work)
     res = json.loads((work / "dllm_result.json").read_text())
     return summarize("dllm DiffuGRPOTrainer", res["step_s"], res["rollout_s"], m.completions_per_step * m.gen_length) \
@@ -327,26 +332,45 @@ def dllm_worker(spec_path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
+MATCHED_HELP = {  # the --help of each Matched field's flag
+    "prompts_per_step": "prompts per RL step", "group_size": "completions per prompt (GRPO's group, >= 2)",
+    "prompt_tokens": "tokens of every prompt (GSM8K questions of exactly this length)",
+    "gen_length": "tokens per completion", "gen_steps": "sampler steps per completion (a multiple of the blocks)",
+    "block_length": "semi-autoregressive block of the sampler (divides --gen-length)",
+    "num_inner": "optimizer updates per rollout (TRL num_iterations)", "temperature": "sampling temperature",
+    "prompt_mask_prob": "the estimator's prompt masking probability", "beta": "KL coefficient (k3, frozen reference)",
+    "clip": "PPO clip epsilon", "lr": "AdamW learning rate (constant)", "seed": "seed of both sides",
+}
+
+
+@script_cli.script_main
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Build and export the model, run both trainers, print steps/hour and their ratio, write ``--json``."""
+    p = script_cli.parser(__file__, __doc__)
     p.add_argument("--dllm-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--model", default="tiny", help="difflm model preset (conf/model): tiny, 125m, 1.7b, ...")
-    p.add_argument("--dllm-path", default=None, help="a dllm checkout (the folder holding the dllm package)")
-    p.add_argument("--dllm-site", default=None, help="a pip --target folder with TRL 0.19.1, transformers 4.57, ...")
+    p.add_argument("--model", default="tiny", choices=sorted(f.stem for f in (ROOT / "conf" / "model").glob("*.yaml")),
+                   metavar="PRESET", help="difflm model preset (conf/model): tiny, 125m, 1.7b, ...")
+    p.add_argument("--dllm-path", type=script_cli.existing_path("folder", "a dllm checkout"), default=None,
+                   help="a dllm checkout (the folder holding the dllm package)")
+    p.add_argument("--dllm-site", type=script_cli.existing_path("folder", "a pip --target folder"), default=None,
+                   help="a pip --target folder with TRL 0.19.1, transformers 4.57, ...")
     p.add_argument("--steps", type=int, default=3, help="RL steps per side (the first is warm-up)")
-    p.add_argument("--backend", default="torch",
+    p.add_argument("--backend", default="torch", choices=["torch", "auto", "te"],
                    help="difflm's kernels (model.backend): torch (default; PyTorch + SDPA like the export's modeling "
                         "file that dllm runs), auto or te")
     d = Matched()
     for f in dataclasses.fields(Matched):
         flag = {"prompts_per_step": "prompts", "group_size": "group"}.get(f.name, f.name).replace("_", "-")
-        p.add_argument(f"--{flag}", dest=f.name, type=type(getattr(d, f.name)), default=getattr(d, f.name))
-    p.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
+        p.add_argument(f"--{flag}", dest=f.name, type=type(getattr(d, f.name)), default=getattr(d, f.name),
+                       help=f"{MATCHED_HELP[f.name]} (default {getattr(d, f.name)})")
+    p.add_argument("--work", type=script_cli.caller_path, default=None,
+                   help="scratch folder (default: a new temporary one)")
     p.add_argument("--skip-dllm", action="store_true", help="difflm side only (no dllm environment)")
     p.add_argument("--difflm-extra", action="append", default=[], metavar="KEYS",
                    help="an extra difflm-rl row with these space-separated keys on top of the matched ones, e.g. "
                         "'gen.cache=dual' or 'gen.threshold=0.9': printed and saved, never in the headline ratio")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=script_cli.caller_path, default=None,
+                   help="write the result here (default benchmarks/results/rl_vs_dllm_<model>_<device>.json)")
     args = p.parse_args(argv)
     if args.dllm_worker:
         return dllm_worker(args.dllm_worker)

@@ -5,12 +5,14 @@ The trace may be gzipped (read by its magic bytes, whatever its suffix). Only co
 ``ts`` and ``dur`` in microseconds) are read; GPU time is the union of the kernel, memcpy and memset events.
 A trace without GPU events (recorded on a CPU), a missing path or a file that is not a Chrome trace ends with one
 line on stderr and exit status 2."""
-import argparse
 import collections
 import gzip
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from difflm import script_cli  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATS = ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
@@ -80,12 +82,10 @@ def report(events: list[dict], top: int = 12) -> list[str]:
 
 def main(argv=None) -> int:
     """Print the report of one trace; 0, or 2 with one line on stderr for a trace it cannot read."""
-    ap = argparse.ArgumentParser(prog="trace_gaps.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("trace")
-    ap.add_argument("--top", type=int, default=12, help="largest gaps listed")
+    ap = script_cli.parser(__file__, __doc__)
+    ap.add_argument("trace", metavar="TRACE", help="a torch.profiler Chrome trace, TRACE.json or TRACE.json.gz")
+    ap.add_argument("--top", type=script_cli.int_at_least(0), default=12, help="largest gaps listed (default 12)")
     a = ap.parse_args(argv)
-    if a.top < 0:
-        ap.error(f"--top {a.top}: must be >= 0")
     try:
         lines = report(load_events(a.trace), a.top)
     except TraceError as err:

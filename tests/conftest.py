@@ -187,12 +187,16 @@ def load_script(name: str):
     return module
 
 
-def script_usage_error(script, capsys, *argv) -> str:
-    """Run ``script.main(argv)``, require the usage-error exit (argparse's status 2) and return its stderr."""
+def script_usage_error(script, capsys, *argv, entry: str = "main") -> str:
+    """Run ``script.<entry>(argv)`` (``main``), require the usage-error exit (status 2) with one line on stderr,
+    ``<script>: error: ...``, and nothing on stdout; return that line (with its newline)."""
     with pytest.raises(SystemExit) as exit_info:
-        script.main(list(argv))
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+        getattr(script, entry)(list(argv))
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2, captured.err
+    assert captured.err.count("\n") == 1 and ": error: " in captured.err, captured.err
+    assert captured.out == ""
+    return captured.err
 
 
 def report(name: str, **values) -> None:

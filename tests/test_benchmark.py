@@ -9,12 +9,17 @@ import time
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_script, script_usage_error
 
 from difflm.config.schema import ModelConfig
 from difflm.errors import DifflmError
 from difflm.model.transformer import Transformer
 from difflm.training import flops
+
+
+def cli_error(bench, capsys, *argv) -> str:
+    """The one-line usage error of ``benchmark.py`` (its ``cli``) for ``argv``."""
+    return script_usage_error(bench, capsys, *argv, entry="cli")
 
 
 def tiny(vocab=50304, **kw) -> ModelConfig:
@@ -227,14 +232,13 @@ def test_megadlms_model_it_cannot_express_is_one_line_exit_2(capsys, tmp_path):
     bench = load_script("benchmark")
     small = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu",
              "--no-reference", "--megadlms", str(tmp_path / "none"), "--log-dir", str(tmp_path / "logs")]
-    assert bench.cli([*small, "--megadlms-model", "moe-tiny"]) == 2  # one shared expert per block
-    err = capsys.readouterr().err
-    assert err == ("difflm: error: --megadlms: model=moe-tiny: model.moe.num_shared_experts=1: MegaDLMs' Megatron-Core "
-                   "MoE has no equivalent (no shared experts)\n")
-    assert bench.cli([*small, "--megadlms-model", "llada2-mini"]) == 2
-    assert capsys.readouterr().err.startswith("difflm: error: --megadlms: model=llada2-mini: model.moe.score_func=")
-    assert bench.cli([*small, "--megadlms-model", "moe-tinyy"]) == 2
-    assert capsys.readouterr().err.startswith("difflm: error: model=moe-tinyy is not a model preset")
+    err = cli_error(bench, capsys, *small, "--megadlms-model", "moe-tiny")  # one shared expert per block
+    assert err == ("benchmark.py: error: --megadlms: model=moe-tiny: model.moe.num_shared_experts=1: MegaDLMs' "
+                   "Megatron-Core MoE has no equivalent (no shared experts)\n")
+    err = cli_error(bench, capsys, *small, "--megadlms-model", "llada2-mini")
+    assert err.startswith("benchmark.py: error: --megadlms: model=llada2-mini: model.moe.score_func=")
+    err = cli_error(bench, capsys, *small, "--megadlms-model", "moe-tinyy")
+    assert err.startswith("benchmark.py: error: model=moe-tinyy is not a model preset")
     assert not (tmp_path / "logs").exists()  # refused before any row ran
 
 
@@ -336,10 +340,8 @@ def test_cpu_memory_is_per_row_only_in_its_own_process():
 
 def test_unknown_profile_row_fails_before_any_row_runs(capsys):
     bench = load_script("benchmark")
-    assert bench.cli([*SMALL, "--profile", "nosuch,a", "--variant", "a: ", "--variant", "b: "]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err == "difflm: error: --profile nosuch: no such row; the rows are: reference, a, b\n"
+    err = cli_error(bench, capsys, *SMALL, "--profile", "nosuch,a", "--variant", "a: ", "--variant", "b: ")
+    assert err == "benchmark.py: error: --profile nosuch: no such row; the rows are: reference, a, b\n"
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
@@ -347,20 +349,19 @@ def test_bad_base_override_is_one_line_exit_2(capsys):
     from conftest import REPO
 
     bench = load_script("benchmark")
-    assert bench.cli(["model=tinyy"]) == 2  # a mistyped preset: named, with the closest, as difflm-train says it
-    err = capsys.readouterr().err
-    assert err.startswith("difflm: error: model=tinyy is not a model preset; did you mean model=tiny? (presets: ")
+    err = cli_error(bench, capsys, "model=tinyy")  # a mistyped preset: named, with the closest, as difflm-train does
+    assert err.startswith("benchmark.py: error: model=tinyy is not a model preset; did you mean model=tiny? (presets: ")
     assert ", tiny)" in err and err.count("\n") == 1
-    assert bench.cli(["model=tiny", "model.num_layers=1,2"]) == 2  # not a typo: Hydra's own message, on one line
-    assert capsys.readouterr().err.startswith("difflm: error: Ambiguous value for argument 'model.num_layers=1,2'")
-    assert bench.cli(["+model.nosuchkey=1"]) == 2  # + lets Hydra add any key; the schema check refuses it
-    assert capsys.readouterr().err.startswith("difflm: error: +model.nosuchkey: model has no key nosuchkey")
+    err = cli_error(bench, capsys, "model=tiny", "model.num_layers=1,2")  # Hydra's own message, on one line
+    assert err.startswith("benchmark.py: error: Ambiguous value for argument 'model.num_layers=1,2'")
+    err = cli_error(bench, capsys, "+model.nosuchkey=1")  # + lets Hydra add any key; the schema check refuses it
+    assert err.startswith("benchmark.py: error: +model.nosuchkey: model has no key nosuchkey")
     # the script itself: no Hydra traceback
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "model=tiny", "model.hiden_size=1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == ("difflm: error: model.hiden_size is not a config key; did you mean model.hidden_size? "
-                           "(difflm-train --cfg job prints every key)\n")
+    assert proc.stderr == ("benchmark.py: error: model.hiden_size is not a config key; did you mean "
+                           "model.hidden_size? (difflm-train --cfg job prints every key)\n")
 
 
 def test_exit_status_1_when_every_difflm_row_fails(capsys):

@@ -7,12 +7,16 @@ on CPU. FP32 layouts agree with one process to ~1e-7 in the loss (tests/test_par
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+import torch
+from conftest import load_script, script_usage_error
+
+from difflm import script_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ["model=tiny", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8"]
@@ -23,12 +27,14 @@ lc = load_script("layout_check")
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cpu_correctness_and_reshard(tmp_path):
+    """... with a relative --out: the run folders are made in the folder the script was started from."""
     out = tmp_path / "lc"
     cmd = [sys.executable, str(ROOT / "scripts" / "layout_check.py"), "--device", "cpu", "--gpus", "2",
            "--parts", "correctness,reshard", "--steps", "4", "--layouts", "tp2,cp2", "--backends", "torch,te",
-           "--reshard-from", "tp2", "--timeout", "240", "--out", str(out), "--", *SHARED]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+           "--reshard-from", "tp2", "--timeout", "240", "--out", "lc", "--", *SHARED]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (ROOT / "lc").exists()
     rows = json.loads((out / "layout_check.json").read_text())["rows"]
     got = {(r["part"], r["backend"], r["layout"]): r for r in rows}
     assert list(got) == [
@@ -169,3 +175,67 @@ def test_issue14_plan_runs_baselines_side_by_side(tmp_path, capsys):
     assert "CUDA_VISIBLE_DEVICES=1" in launches[1] and "te-fp8/1.7b-single" in launches[1]
     overlap = next(line for line in launches if "tp2+overlap" in line and "te-fp8" in line)
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in overlap and "parallel.tp_comm_overlap=true" in overlap
+
+
+def test_counts_presets_and_devices_are_refused_in_one_line_before_any_launch(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    presets = "cp2, ddp, ep2, fsdp, hsdp, pp2, pp4, single, tp2, tp2cp2, tp2pp2, tp4, tp4pp2, tp8"
+    for argv, says in [
+        (["--device", "cpu", "--gpus", "0"], "argument --gpus: invalid choice: 0 (choose from 2, 4, 8)"),
+        (["--gpus", "2"], "layout_check.py needs a CUDA GPU (torch.cuda.is_available() is False); --device cpu runs "
+                          "a gloo dry run, --plan prints the launches"),
+        (["--plan", "--steps", "0"], "argument --steps: 0 is below 1: give an integer >= 1"),
+        (["--plan", "--timeout", "-1"], "argument --timeout: -1 is not a finite number > 0: give one above 0"),
+        (["--plan", "--layouts", "ddp,nosuch"], f"argument --layouts: 'nosuch': not a known parallel preset; choose "
+                                                f"from {presets} (comma-separated)"),
+        (["--plan", "--tput-variants", "nosuch:parallel.tp=2"], f"--tput-variants nosuch:parallel.tp=2: 'nosuch' is "
+                                                                f"not a parallel preset (choose from {presets})"),
+        (["--plan", "--tp-layouts", "fp9@tp2"], "--tp-layouts fp9@tp2: 'fp9' is not a precision preset (choose from "
+                                                "bf16, fp16, fp32, fp8)"),
+        (["--plan", "--parts", "correctness,speed"], "argument --parts: 'speed': not a known part; choose from "
+                                                     "correctness, reshard, throughput, big (comma-separated)"),
+    ]:
+        assert script_usage_error(lc, capsys, *argv) == f"layout_check.py: error: {says}\n", argv
+    assert list(tmp_path.iterdir()) == []  # nothing launched, nothing written
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert script_usage_error(lc, capsys, "--gpus", "2") == (
+        "layout_check.py: error: --gpus 2: this host has 1 CUDA GPU; run on a host with 2 or more (--device cpu runs "
+        "a gloo dry run)\n")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert script_usage_error(lc, capsys, "--gpus", "8") == ("layout_check.py: error: --gpus 8: this host has 4 CUDA "
+                                                             "GPUs; pass --gpus 4\n")
+
+
+def test_cpu_defaults_and_paths_relative_to_the_caller(tmp_path, monkeypatch):
+    """--device cpu: the throughput and big rows default to model=tiny at S=64 in fp32 on the torch backend (not the
+    GPU defaults, 1.7b / 8b at S=4096); --out is the caller's relative path made absolute."""
+    monkeypatch.chdir(tmp_path)
+    cpu = lc.parse_args(["--device", "cpu", "--out", "runs"])
+    assert cpu.out == tmp_path / "runs" and lc.parse_args([]).out == tmp_path / "layout_check"
+    assert (cpu.tput_model, cpu.tput_seq, cpu.big_model, cpu.precisions, cpu.tput_backends, cpu.big_backends) == \
+        ("tiny", 64, "tiny", ["fp32"], ["torch"], ["torch"])
+    gpu = lc.parse_args(["--gpus", "4"])
+    assert (gpu.tput_model, gpu.tput_seq, gpu.big_model, gpu.precisions, gpu.layouts) == \
+        ("1.7b", 4096, "8b", ["bf16", "fp8"], lc.LAYOUTS[4])
+    assert lc.parse_args(["--device", "cpu", "--tput-model", "125m"]).tput_model == "125m"
+
+
+def test_launches_run_in_the_callers_folder_with_this_difflm(tmp_path, monkeypatch):
+    """A launch starts in the caller's folder (relative override paths mean what they meant there) with this
+    checkout's difflm first on PYTHONPATH, through script_cli.start (it ends with the script)."""
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    real = script_cli.start
+
+    def start(cmd, **kwargs):
+        seen.update(cmd=cmd, **kwargs)
+        return real([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(script_cli, "start", start)
+    runner = lc.Runner(script_cli.caller_path("out"), "cpu", 60, None)
+    result = runner.run("correctness/torch/single", 1, ["parallel=single"])
+    assert result.ok and result.run_dir == tmp_path / "out" / "correctness" / "torch" / "single"
+    assert "cwd" not in seen and seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    assert f"run.dir={result.run_dir}" in seen["cmd"] and f"data.cache_dir={tmp_path / 'out' / 'cache'}" in seen["cmd"]
