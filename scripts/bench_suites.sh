@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU benchmark suites behind the figures of README.md and docs/performance.md, one command each, each within one
-# 10-minute call on one H200 (`layouts` and `scaling`: 2 GPUs of one host). Results go to $OUT (default /tmp/gpu_out):
+# The GPU benchmark suites behind the figures of README.md and docs/performance.md, one command each, each within
+# 10 minutes on one H200 (`layouts` and `scaling`: 2 GPUs of one host). Results go to $OUT (default /tmp/gpu_out):
 # JSON tables (the rows of benchmarks/results/*.json), logs and the test report lines.
 #
-#   bash scripts/bench_suites.sh megadlms [bf16|fp8|s2048]  # difflm's fastest 1.7B rows against MegaDLMs, same call
+#   bash scripts/bench_suites.sh megadlms [bf16|fp8|s2048]  # difflm's fastest 1.7B rows against MegaDLMs, same job
 #                                                          # (needs .megadlms: scripts/megadlms_baseline.py export)
 #   bash scripts/bench_suites.sh trainer                  # difflm-train at the 1.7B BF16 row's shape: median tokens/s
 #   bash scripts/bench_suites.sh small                    # model=125m (S=1024) and model=350m (S=2048), BF16 and FP8
 #   bash scripts/bench_suites.sh moe                      # moe-1b-7b against dense-1b (its active size), BF16 / FP8
 #   bash scripts/bench_suites.sh moe megadlms             # moe-1b-7b TE BF16 against MegaDLMs' Megatron-Core MoE, same
-#                                                          # call and shape (needs .megadlms; both need an H200)
+#                                                          # job and shape (needs .megadlms; both need an H200)
 #   bash scripts/bench_suites.sh layouts                  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU
 #   bash scripts/bench_suites.sh scaling                  # 2 GPUs: weak scaling, DP levers, tp2, 8b under fsdp
 #   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES]  # AR-to-diffusion recipes at model=125m: adapted vs scratch
@@ -63,7 +63,7 @@ S2_FP8_ROW="te-fp8-s2048-mb8: $T precision=fp8 $S2 $MB8"
 ROW_1P7B="model=1.7b data.seq_len=4096 train.global_batch_size=16 precision=bf16 device=cuda --no-reference --isolate
   --steps 6 --warmup 3 --batches 2"
 
-# model=1.7b rows against MegaDLMs at SHAPES in one call: bench_vs_megadlms SHAPES PRECISIONS VARIANT...
+# model=1.7b rows against MegaDLMs at SHAPES in one job: bench_vs_megadlms SHAPES PRECISIONS VARIANT...
 bench_vs_megadlms() {
   local shapes=$1 precisions=$2; shift 2
   local variants=(); for v in "$@"; do variants+=(--variant "$v"); done
@@ -92,7 +92,7 @@ megadlms)
     s2048) bench_vs_megadlms 2048x32 bf16,fp8 "$S2_BF16_ROW" "$S2_FP8_ROW" ;;
     *) usage "megadlms takes bf16, fp8 or s2048, not '$1'" ;;
   esac
-  tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null  # carry it back as .device-stage/quack_cache.tgz
+  tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null  # QUACK_CACHE_ARCHIVE of scripts/gpu_env.sh
   ;;
 trainer)
   rm -rf /tmp/trainer && CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m difflm.train model=1.7b $F $FM precision=bf16 \
@@ -155,8 +155,8 @@ scaling)
   ;;
 adaptation)
   # a 400-step AR checkpoint, then each recipe 150 steps adapted and from scratch (docs/adaptation.md); ~3 min per
-  # recipe on an H100, so one or two recipes per call. The AR checkpoint stays in ADAPT_OUT (default
-  # /root/adaptation) and later calls on the same machine adapt it without training it again.
+  # recipe on an H100, so one or two recipes per 10-minute job. The AR checkpoint stays in ADAPT_OUT (default
+  # /root/adaptation) and later jobs on the same machine adapt it without training it again.
   corpus=${1:?usage: bench_suites.sh adaptation CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]}
   CUDA_VISIBLE_DEVICES=0 timeout 575 python3 scripts/adaptation_table.py --ar-steps 400 --adapt-steps 150 \
     --eval-every 50 --target-nelbo scratch --recipes "${2:-fast_dllm_v2,megatron_bridge_hybrid}" \

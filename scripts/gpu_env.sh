@@ -11,8 +11,9 @@
 #   cuDNN is older than PyTorch's then fails PyTorch's cuDNN check. CUDNN_HOME and LD_LIBRARY_PATH point both at
 #   PyTorch's copy.
 # * NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends): it can take a shared host's GPUs down.
-# * quack's tuned tiles and compiled kernels of an earlier call, carried as .device-stage/quack_cache.tgz, are
-#   unpacked into QUACK_CACHE_DIR (default /root/quack_cache), so the GEMM shapes are not tuned again.
+# * quack's tuned tiles and compiled kernels from an earlier machine, as the archive QUACK_CACHE_ARCHIVE (default
+#   quack_cache.tgz, which scripts/bench_suites.sh writes to $OUT), are unpacked into QUACK_CACHE_DIR (default
+#   /root/quack_cache), so the GEMM shapes are not tuned again.
 #
 # -h / --help prints this text; run (not sourced) with another argument than install, it says so in one line, exit 2.
 case "${1:-}" in
@@ -37,8 +38,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 CUDNN_HOME=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null) && \
   export CUDNN_HOME LD_LIBRARY_PATH=$CUDNN_HOME/lib:${LD_LIBRARY_PATH:-}
 export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/root/quack_cache}
-if [ -f .device-stage/quack_cache.tgz ] && [ ! -d "$QUACK_CACHE_DIR" ]; then
-  mkdir -p "$QUACK_CACHE_DIR" && tar -xzf .device-stage/quack_cache.tgz -C "$QUACK_CACHE_DIR"
+QUACK_CACHE_ARCHIVE=${QUACK_CACHE_ARCHIVE:-quack_cache.tgz}
+if [ -f "$QUACK_CACHE_ARCHIVE" ] && [ ! -d "$QUACK_CACHE_DIR" ]; then
+  mkdir -p "$QUACK_CACHE_DIR" && tar -xzf "$QUACK_CACHE_ARCHIVE" -C "$QUACK_CACHE_DIR"
 fi
 
 if [ "${1:-}" = install ]; then

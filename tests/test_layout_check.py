@@ -157,7 +157,7 @@ def test_variants_precisions_and_launch_environment():
     assert lc.SAFE_ENV["UB_SKIPMC"] == "1" and lc.SAFE_ENV["NCCL_NVLS_ENABLE"] == "0"
 
 
-def test_issue14_plan_runs_baselines_side_by_side(tmp_path, capsys):
+def test_plan_runs_baselines_side_by_side(tmp_path, capsys):
     """The 2-GPU throughput call of the docstring: both 1-GPU baselines at once on GPUs 0 and 1, then the rows."""
     rows = lc.main(["--plan", "--gpus", "2", "--parts", "throughput,big", "--out", str(tmp_path), "--tput-backends",
                     "te", "--precisions", "bf16,fp8", "--dp-layout", "ddp", "--tp-layouts", "bf16@tp2",
