@@ -297,6 +297,9 @@ def check_overrides(argv: list[str], config_name: str):
     return_hydra_config=True)`` gives it), for a caller that would compose it next; None otherwise (a sweep, a line
     with any override left to Hydra, or one Hydra refuses).
 
+    A group selection the command does not take (difflm-import's ``objective=bd3lm``, :func:`_refused_selections`)
+    is refused as one that is no preset is, saying what the command takes.
+
     Raises: DifflmError naming the first unknown key or preset, with the closest key or preset when there is one
     (``model.hiden_size is not a config key; did you mean model.hidden_size? ...``), the preset file that does not
     compose, or ``check_job``'s refusal (for a sweep, with the job it refuses).
@@ -335,6 +338,7 @@ def check_overrides(argv: list[str], config_name: str):
     if not sweep:  # a command line that composes names only known keys and presets: one compose checks it
         composed, message = compose_and_check([o.input_line for o in overrides], config_name, search)
         if composed is not None:
+            message = message or _refused_selections(config_name, overrides)
             if message:
                 raise DifflmError(message)
             # the config of the whole line only: one with overrides this check leaves to Hydra is composed by Hydra
@@ -362,13 +366,16 @@ def check_overrides(argv: list[str], config_name: str):
                     options = _selected_options(override)
                     presets = loader.get_group_options(override.key_or_group)
                     message = _unknown_preset(override.key_or_group, options, presets)
-                    if message:
-                        raise DifflmError(message)
+                    if message:  # one the command does not take at all says what it takes instead
+                        raise DifflmError(_refused_selections(config_name, [override]) or message)
                     if options:
                         selections.append(f"{override.key_or_group}={options[0]}")
                 else:
                     keys.append(override)
             cfg = compose_checked(selections) if selections else base
+            message = _refused_selections(config_name, overrides)  # presets that compose, but not for this command
+            if message:
+                raise DifflmError(message)
             jobs = sweep_jobs([o.input_line for o in overrides], loader) if sweep else \
                 [[o.input_line for o in overrides]]
     except DifflmError:
@@ -474,6 +481,25 @@ def _selected_options(override) -> list[str]:
     if override.is_discrete_sweep() and override.value_type != ValueType.GLOB_CHOICE_SWEEP:
         return list(override.sweep_string_iterator())
     return []
+
+
+def _refused_selections(config_name: str, overrides) -> str | None:
+    """The refusal of the first group selection among ``overrides`` (parsed) that the command does not take, else
+    None: difflm-import's ``objective=`` other than ``mdlm`` / ``ar``
+    (:func:`difflm.config.schema.import_objective_error`), refused with the same message whether the name is another
+    objective preset (``bd3lm``) or none (``bogus``). A preset file of your own that does not compose is reported
+    as such first (:func:`difflm.config.job_check.preset_error`)."""
+    if config_name != "import":
+        return None
+    from difflm.config.schema import import_objective_error
+
+    for override in overrides:
+        if override.key_or_group == "objective" and not override.is_sweep_override():
+            value = override.value()
+            message = import_objective_error(value) if isinstance(value, str) else None
+            if message:
+                return message
+    return None
 
 
 def _unknown_preset(group: str, options: list[str], presets: list[str]) -> str | None:

@@ -28,12 +28,14 @@ Importing this module registers the model name ``difflm`` (``lm_eval --model dif
   not implemented for diffusion runs (use ``difflm-eval``, the NELBO of packed windows).
 * ``generate_until``: :func:`difflm.generate.generate_ids` with the run's ``gen`` settings, overridden by the
   constructor's ``gen_kwargs`` and then by each request's ``gen_kwargs`` (``max_gen_toks`` -> ``gen.length``
-  rounded up to a multiple of ``gen.block_length``, exactly ``max_gen_toks`` for ``ar`` and ``bd3lm`` runs;
-  ``gen.steps`` keeps the run's steps per token). A request returns at most ``max_gen_toks`` tokens (the decoded
-  text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS text. Requests
-  with equal settings are sampled ``batch_size`` at a time (``bd3lm``: the rows of each prompt length together,
-  unpadded), each row with a generator of its own seeded with ``gen.seed``, so a request's text does not depend on
-  the batching, at ``temperature > 0`` too.
+  rounded up to a multiple of ``gen.block_length`` (null: 64, or ``max_gen_toks`` when shorter), exactly
+  ``max_gen_toks`` for ``ar`` and ``bd3lm`` runs; a ``gen.steps`` given keeps its steps per token, null is fitted to the
+  length). The constructor's ``gen_kwargs`` are checked at once as difflm-generate checks ``gen.*`` (e.g. ``top_k`` at
+  ``temperature=0`` is refused); a request's own are lm-eval's task settings. A request returns at most ``max_gen_toks``
+  tokens (the decoded text of the first ``max_gen_toks`` generated ids), cut at the first ``until`` string or the EOS
+  text. Requests with equal settings are sampled ``batch_size`` at a time (``bd3lm``: the rows of each prompt length
+  together, unpadded), each row with a generator of its own seeded with ``gen.seed``, so a request's text does not
+  depend on the batching, at ``temperature > 0`` too.
 ``bd3lm`` runs generate, but their likelihood needs the block-diffusion bound: ``loglikelihood`` raises.
 * Chat templates: contexts are wrapped as one user turn of the tokenizer's chat template when the run trained so
   (``objective=sft data.chat_template=true``; model_args ``chat_template=false`` skips it); lm-eval's
@@ -66,8 +68,9 @@ except ImportError as _err:
     raise DifflmError(LM_EVAL_MISSING) from _err
 from difflm.generate import (beyond_trained_length, decode_generated, encode_prompt, forbidden_ids, generate_ids,
                              load_run, run_chat_template)
-from difflm.sampling.options import (GenerationConfigError, GenerationOptions, resolve_block_length,
-                                    run_block_size, unread_stored_settings)
+from difflm.sampling.options import (DEFAULT_BLOCK_LENGTH, GenerationConfigError, GenerationOptions,
+                                     check_read_settings, resolve_block_length, run_block_size,
+                                     unread_stored_settings)
 from difflm.training.precision import autocast_context
 
 eval_logger = logging.getLogger(__name__)
@@ -213,6 +216,12 @@ class DifflmHarnessLM(LM):
             eval_logger.warning("device=%s requested but CUDA is unavailable: using the CPU", device)
             device = "cpu"  # lm_eval's CLI passes --device cuda by default
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.mc_samples = int(mc_samples)
+        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
+        for key, value, low in (("mc_samples", self.mc_samples, 1), ("batch_size", self.batch_size, 1),
+                                ("max_length", int(max_length) if max_length else None, 2)):
+            if value is not None and value < low:  # before the run is read
+                raise DifflmError(f"{key}={value} must be >= {low}")
         self.cfg, self.model, self.tok, self.step = load_run(str(run_dir), None if step in (None, "") else int(step),
                                                              self._device, keys=("run_dir", "step"))  # model_args
         self.run_dir = str(run_dir)
@@ -220,27 +229,25 @@ class DifflmHarnessLM(LM):
         eval_logger.info("difflm: evaluating %s at checkpoint step %d", self.run_dir, self.step)
         self.objective = self.cfg.objective.name
         self.causal = self.objective == "ar"
-        self.mc_samples = int(mc_samples)
-        self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed = int(seed)
         self.max_length = int(max_length or self.cfg.data.seq_len)
-        for key, value, low in (("mc_samples", self.mc_samples, 1), ("batch_size", self.batch_size, 1),
-                                ("max_length", self.max_length, 2)):
-            if value < low:
-                raise DifflmError(f"{key}={value} must be >= {low}")
+        if self.max_length < 2:
+            raise DifflmError(f"max_length={self.max_length} must be >= 2")
         unknown = sorted(set(gen_kwargs) - set(GEN_KEYS))
         if unknown:
             raise DifflmError(f"unknown model_args {unknown}: gen settings are {', '.join(GEN_KEYS)}")
         # the run's own gen.* its sampler never read (an ar run's diffusion-only keys, a bd3lm run's block_length)
-        # do not count: only the caller's, and those are refused now, not at the first generate_until
-        self.gen = OmegaConf.merge(self.cfg.gen, unread_stored_settings(self.objective), gen_kwargs)
-        # block_length null: the run's block size (a bd3lm run's objective.block_size, else 64), as difflm-generate
-        self.gen.block_length = resolve_block_length(self.gen.get("block_length"), run_block_size(self.cfg.objective))
-        if self.causal:
-            try:
+        # do not count, and its steps / block_length at the former default 64 are null (fitted to each request's
+        # length): only the caller's, and those are refused now, not at the first generate_until
+        self.gen = OmegaConf.merge(self.cfg.gen, unread_stored_settings(self.objective, self.cfg.gen), gen_kwargs)
+        if (size := run_block_size(self.cfg.objective)) is not None:  # a bd3lm run's block_length null: its blocks
+            self.gen.block_length = resolve_block_length(self.gen.get("block_length"), size)
+        try:
+            check_read_settings(self.gen, gen_kwargs, self.causal, prefix="")  # e.g. top_k at temperature=0
+            if self.causal:
                 GenerationOptions.from_config(self.gen, mask_id=self.tok.mask_id).check_autoregressive(prefix="")
-            except GenerationConfigError as err:
-                raise GenerationConfigError(f"model_args {err}") from None
+        except GenerationConfigError as err:
+            raise GenerationConfigError(f"model_args {err}") from None
         self.precision = ("bf16" if self.cfg.precision.name in ("bf16", "fp8") and self._device.type == "cuda"
                           else "fp32")
         self.forbid = forbidden_ids(self.tok, self.model.cfg.vocab_size)
@@ -403,8 +410,10 @@ class DifflmHarnessLM(LM):
         """(gen config for one request, stop strings, most tokens to return) from lm-eval's ``gen_kwargs``.
 
         ``max_gen_toks`` is the most tokens a request returns: the LLaDA sampler generates ``gen.length`` rounded up
-        to whole blocks and the surplus is cut; a ``bd3lm`` run samples in its model's blocks and generates exactly
-        ``max_gen_toks`` (its ``gen.block_length`` is its block size, resolved at construction)."""
+        to whole blocks (``gen.block_length``, capped at ``max_gen_toks``; null: 64) and the surplus is cut; a
+        ``bd3lm`` run samples in its model's blocks and generates exactly ``max_gen_toks`` (its ``gen.block_length``
+        is its block size, resolved at construction). ``gen.steps`` given keeps its steps per token; null is fitted
+        to the request's length (:func:`difflm.sampling.options.resolve_steps`)."""
         kwargs = dict(kwargs or {})
         until = kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
@@ -415,17 +424,19 @@ class DifflmHarnessLM(LM):
         if kwargs.get("do_sample") is False:
             gen.temperature = 0.0
         if "max_gen_toks" in kwargs:
-            base_len, base_steps = gen.length, gen.steps
+            base_len, base_steps = gen.length, gen.get("steps")
+            scale = base_steps is not None and "steps" not in kwargs  # null steps: fitted to the new length
             want = int(kwargs["max_gen_toks"])
             if self.causal or self.objective == "bd3lm":
                 gen.length = want
-                if not self.causal and "steps" not in kwargs:
+                if not self.causal and scale:
                     gen.steps = min(want, max(1, math.ceil(base_steps * want / base_len)))
             else:
-                block = min(gen.block_length, want) if "block_length" not in kwargs else gen.block_length
+                given = gen.get("block_length")
+                block = given if "block_length" in kwargs and given else min(given or DEFAULT_BLOCK_LENGTH, want)
                 gen.block_length = block
                 gen.length = -(-want // block) * block
-                if "steps" not in kwargs:
+                if scale:
                     blocks = gen.length // block
                     steps = math.ceil(base_steps * gen.length / base_len)
                     gen.steps = max(blocks, -(-steps // blocks) * blocks)

@@ -257,15 +257,29 @@ def bound_kind(objective_cfg) -> str:
     return "NELBO (upper bound on the NLL)"
 
 
+def check_eval_settings(args) -> None:
+    """The numeric ``eval.*`` keys of a ``difflm-eval`` command line ``args``, checked before the run is read:
+    ``eval.mc_samples`` and ``eval.batch_size`` >= 1, ``eval.max_windows`` >= 0 (0 = every window; a negative count
+    is no count). (``data.seq_len`` needs the run's objective: checked once it is read.)
+
+    Raises: DifflmError naming the key, its meaning and the fix."""
+    e = args.eval
+    for key, meaning in (("mc_samples", "draws of t per window; ar runs take 1, their NLL is exact"),
+                         ("batch_size", "windows per forward")):
+        if e[key] < 1:
+            raise DifflmError(f"eval.{key}={e[key]} must be >= 1 ({meaning}): e.g. eval.{key}=8")
+    if e.max_windows < 0:
+        raise DifflmError(f"eval.max_windows={e.max_windows} must be >= 0 (the first windows evaluated; 0 = every "
+                          "window): set eval.max_windows=0 for all of them, or a positive count")
+
+
 def evaluate_file(args, device: torch.device) -> dict:
     """The metrics dict of ``difflm-eval`` (see the module docstring)."""
     from difflm.generate import load_run
 
+    check_eval_settings(args)
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.get("kernels"))
     e = args.eval
-    for key in ("mc_samples", "batch_size"):
-        if e[key] < 1:
-            raise DifflmError(f"eval.{key}={e[key]} must be >= 1")
     name = cfg.objective.name
     for key in ("prompt_field", "response_field", "chat_template", "messages_field"):
         if name != "sft" and args.data.get(key) is not None:
@@ -287,7 +301,7 @@ def evaluate_file(args, device: torch.device) -> dict:
     else:
         spans = window_spans(len(windows), seq_len, cfg.objective.block_size if name == "bd3lm" else 1,
                              min_seq_len(name))
-    n = len(spans) if e.max_windows <= 0 else min(e.max_windows, len(spans))
+    n = len(spans) if e.max_windows == 0 else min(e.max_windows, len(spans))
     if n == 0:
         what = "pairs" if name == "sft" else f"tokens ({len(windows)}; objective={name} needs {min_seq_len(name)}" + (
             f" and whole blocks of objective.block_size={cfg.objective.block_size}" if name == "bd3lm" else "") + ")"
@@ -333,6 +347,7 @@ def evaluate_file(args, device: torch.device) -> dict:
 
 @hydra_app("eval")
 def main(args) -> None:
+    check_eval_settings(args)  # before the device and the output file
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
     result = evaluate_file(args, device)

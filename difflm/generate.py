@@ -34,7 +34,7 @@ from difflm.model import build_model
 from difflm.model.masks import padded_row_spans
 from difflm.sampling import (GenerationOptions, autoregressive_generate, block_diffusion_generate,
                              diffusion_generate)
-from difflm.sampling.diffusion import check_sampler_settings
+from difflm.sampling.diffusion import check_generation_config, check_sampler_settings
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.precision import autocast_context
 
@@ -49,7 +49,8 @@ def generation_options(model: torch.nn.Module, tok: TokenizerInfo, gen, causal: 
     """The sampler settings of a run: ``gen.*`` plus the tokenizer's mask id, the ids never to emit
     (:func:`forbidden_ids`), ``model.shift_logits`` and, for ``bd3lm``, ``objective.block_size`` and ``objective.clean_attention``.
     ``gen.block_length=null`` is the run's block size (:func:`difflm.sampling.options.resolve_block_length`: a bd3lm
-    run's ``objective.block_size``, else 64).
+    run's ``objective.block_size``, else the largest divisor of ``gen.length`` up to 64), ``gen.steps=null``
+    ``min(64, gen.length)`` rounded to the block count (:func:`difflm.sampling.options.resolve_steps`).
 
     Raises: GenerationConfigError for a bad ``gen.*``: settings a ``bd3lm`` run cannot sample with
     (:meth:`GenerationOptions.check_block_diffusion`), block and step counts the LLaDA sampler refuses (the other
@@ -353,14 +354,16 @@ def run_generation_config(run_gen, cli_gen, typed: set[str], causal: bool, objec
     for an ``ar`` run (``causal``) its diffusion-only keys, left at their defaults (typed ones are kept, for
     :meth:`GenerationOptions.check_autoregressive` to refuse); for a ``bd3lm`` run (``objective``, the run's
     objective name) its ``block_length``, null: its own block size (a typed one is kept, for
-    :meth:`GenerationOptions.check_block_diffusion` to judge)."""
+    :meth:`GenerationOptions.check_block_diffusion` to judge). A stored ``steps`` or ``block_length`` of 64, the
+    schema's former default, is read as null: fitted to the ``gen.length`` sampled
+    (:data:`difflm.sampling.options.FORMER_DEFAULTS`)."""
     from omegaconf import OmegaConf
 
     from difflm.sampling.options import unread_stored_settings
 
     stored = {k: v for k, v in (run_gen or {}).items() if k in cli_gen}  # keys this schema still has
     # the lm-eval harness's order too: the run's, the keys its sampler never read reset, then the caller's
-    return OmegaConf.merge(cli_gen, stored, unread_stored_settings("ar" if causal else objective),
+    return OmegaConf.merge(cli_gen, stored, unread_stored_settings("ar" if causal else objective, stored),
                            {k: cli_gen[k] for k in typed})
 
 
@@ -400,11 +403,14 @@ def generate_text(args, typed_gen: set[str]) -> str:
     check_choices(args, ["gen.remasking", "gen.remdm_schedule", "gen.cache", "device"])
     prompt = read_prompt(args)
     device = resolve_device(args.device)
+    # the sampler settings first, from the run's config alone: a bad gen.* is refused before the model loads
+    cfg, _, _ = trained_settings(args.run.dir, args.step)
+    causal = cfg.objective.name == "ar"
+    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal, cfg.objective.name)
+    check_generation_config(gen, cfg.objective, typed_gen)
     cfg, model, tok, step = load_run(args.run.dir, args.step, device, args.kernels)
     # which checkpoint wrote the text (the newest when step= is not given); stderr: stdout is the text alone
     print(f"difflm-generate: {args.run.dir} at checkpoint step {step}", file=sys.stderr, flush=True)
-    causal = cfg.objective.name == "ar"
-    gen = run_generation_config(cfg.get("gen"), args.gen, typed_gen, causal, cfg.objective.name)
     chat = run_chat_template(cfg) if args.get("chat_template") is None else bool(args.chat_template)
     if chat and not run_chat_template(cfg) and not getattr(tok.tokenizer, "chat_template", None):
         raise DifflmError(f"chat_template=true but the run's tokenizer ({cfg.data.tokenizer}) has no chat template: "

@@ -209,8 +209,10 @@ TYPOS = [("difflm.train", ["model.hiden_size=64"], "model.hiden_size is not a co
                                              "prints every key)"),
          ("difflm.interop.hf_import", ["objectiv=mdlm"], "objectiv=mdlm: no config group or key 'objectiv'; did you "
                                                          "mean objective=mdlm?"),
-         ("difflm.interop.hf_import", ["objective=mdml"], "objective=mdml is not an objective preset; did you mean "
-                                                          "objective=mdlm? (presets: ar, bd3lm, mdlm, sft)"),
+         ("difflm.interop.hf_import", ["objective=mdml"], "objective=mdml is not an objective difflm-import writes: it "
+                                                          "writes objective=mdlm or objective=ar runs (without "
+                                                          "objective=: ar for a causal difflm export, else mdlm); did "
+                                                          "you mean objective=mdlm?"),
          ("difflm.generate", ["gen.lenght=8"], "gen.lenght is not a config key; did you mean gen.length? "
                                                "(difflm-generate --cfg job prints every key)"),
          ("difflm.interop.export", ["dtyp=bf16"], "dtyp=bf16: no config group or key 'dtyp'; did you mean dtype=bf16?"),

@@ -370,3 +370,29 @@ def test_no_scored_bytes_give_no_per_byte_figure(fast_cfg, tmp_path):
     assert math.isnan(got["nats_per_byte"]) and math.isnan(got["bits_per_byte"])
     record = json.loads(strict_json.dumps(got, flag=True))  # as difflm-eval writes it
     assert record["bits_per_byte"] is None and {"nats_per_byte", "bits_per_byte"} <= set(record["nonfinite"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.max_windows=-1", "eval.max_windows=-1 must be >= 0 (the first windows evaluated; 0 = every window): set "
+                            "eval.max_windows=0 for all of them, or a positive count"),
+    ("eval.mc_samples=0", "eval.mc_samples=0 must be >= 1 (draws of t per window; ar runs take 1, their NLL is "
+                          "exact): e.g. eval.mc_samples=8"),
+    ("eval.batch_size=-2", "eval.batch_size=-2 must be >= 1 (windows per forward): e.g. eval.batch_size=8"),
+])
+def test_negative_eval_counts_are_refused_before_the_run_is_read(tmp_path, monkeypatch, capsys, override, message):
+    """eval.max_windows=-1 evaluated every window without a word (<= 0 meant all); the count keys are refused in
+    one line, exit status 2, before the run (here none) or the data is read."""
+    status, out, err = eval_cli(monkeypatch, capsys, f"run.dir={tmp_path / 'no_run'}", f"data.path={tmp_path}",
+                                override, "device=cpu")
+    assert (status, out) == (2, "")
+    assert err.strip().splitlines()[-1] == f"difflm: error: {message}"
+
+
+def test_eval_max_windows_counts_the_windows(fast_cfg, tmp_path):
+    """eval.max_windows=0 evaluates every window, a positive count that many."""
+    trainer = _train(fast_cfg)
+    data = tmp_path / "to_be.jsonl"
+    data.write_text('{"text": "To be or not"}\n' * 40)
+    every = _evaluate(f"run.dir={trainer.run_dir}", f"data.path={data}", "eval.max_windows=0")
+    assert every["windows"] > 3
+    assert _evaluate(f"run.dir={trainer.run_dir}", f"data.path={data}", "eval.max_windows=3")["windows"] == 3

@@ -228,11 +228,43 @@ def test_ar_run_refuses_diffusion_only_model_args(runs):
     runs with them reset); a diffusion-only setting given to the harness for it is refused at construction."""
     from difflm.sampling.options import GenerationConfigError
 
-    assert DifflmHarnessLM(run_dir=runs["ar"], device="cpu", length=8).gen.steps == 64
+    assert DifflmHarnessLM(run_dir=runs["ar"], device="cpu", length=8).gen.steps is None  # the default: null
     with pytest.raises(GenerationConfigError, match=r"^model_args steps=4: objective=ar runs decode left to right and "
                                                     r"read only length, temperature, top_k, top_p and seed: drop steps$"):
         DifflmHarnessLM(run_dir=runs["ar"], device="cpu", steps=4)
     assert DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", steps=4).gen.steps == 4
+
+
+def test_model_args_that_other_settings_leave_unread_are_refused(runs):
+    """model_args are the caller's gen.*: top_k / top_p at temperature 0 (greedy) and remdm_sigma without
+    remasking=remdm are refused at construction in one line, as difflm-generate refuses them; read they pass."""
+    from difflm.sampling.options import GenerationConfigError
+
+    for kw, message in [(dict(top_k=5), "model_args top_k=5 has no effect with temperature=0 (greedy): set "
+                                        "temperature>0 or drop it"),
+                        (dict(top_p=0.8), "model_args top_p=0.8 has no effect with temperature=0 (greedy): set "
+                                          "temperature>0 or drop it"),
+                        (dict(remdm_sigma=0.5), "model_args remdm_sigma=0.5 has no effect without remasking=remdm: "
+                                                "set remasking=remdm or drop it")]:
+        with pytest.raises(GenerationConfigError) as err:
+            DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", **kw)
+        assert str(err.value) == message
+    assert DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", top_k=5, temperature=0.5).gen.top_k == 5
+    remdm = DifflmHarnessLM(run_dir=runs["mdlm"], device="cpu", remasking="remdm", remdm_sigma=0.5)
+    assert remdm.gen.remdm_sigma == 0.5
+
+
+def test_count_model_args_are_refused_before_the_run_is_read(tmp_path):
+    """mc_samples, batch_size and max_length below their least are refused naming the key; the run directory (here
+    none) is not read first."""
+    from difflm.errors import DifflmError
+
+    for kw, message in [(dict(mc_samples=0), "mc_samples=0 must be >= 1"),
+                        (dict(batch_size=-1), "batch_size=-1 must be >= 1"),
+                        (dict(max_length=1), "max_length=1 must be >= 2")]:
+        with pytest.raises(DifflmError) as err:
+            DifflmHarnessLM(run_dir=str(tmp_path / "no_run"), device="cpu", **kw)
+        assert str(err.value) == message
 
 
 def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):

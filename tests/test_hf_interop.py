@@ -495,7 +495,7 @@ def test_export_generate_applies_attention_mask(shift, side):
             alone = hf(torch.tensor([p])).logits[0]
             assert torch.allclose(padded[i][mask[i].bool()], alone, atol=1e-5)
             assert torch.allclose(alone, ours(torch.tensor([p]))[0], atol=1e-5)
-    settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8),
+    settings = [dict(), dict(cfg_scale=1.5), dict(threshold=0.3), dict(remasking="margin", top_k=8, temperature=0.7),
                 dict(temperature=0.7, remasking="random"), dict(remasking="remdm", remdm_sigma=0.8),
                 dict(remasking="remdm", remdm_sigma=0.5, remdm_schedule="rescale", temperature=0.7)]
     for kw in settings:
@@ -534,7 +534,8 @@ def test_export_generate_refuses_unknown_arguments_and_bad_masks():
 
 
 @pytest.mark.parametrize("rule", [dict(remasking="low_confidence"), dict(remasking="margin"),
-                                  dict(remasking="low_confidence", threshold=1.0), dict(remasking="margin", top_p=0.5)])
+                                  dict(remasking="low_confidence", threshold=1.0),
+                                  dict(remasking="margin", top_p=0.5, temperature=1e-6)])  # the filter: T > 0
 def test_export_confidences_of_very_peaked_logits_do_not_tie(rule):
     from tests.test_sampling import peaked_leads
 
@@ -611,6 +612,17 @@ def test_self_contained_sampler_checks_follow_difflms():
     # generate() has no KV cache argument, so gen.cache is the one diffusion-only setting it cannot be given
     assert hf.AR_IGNORED == {k: v for k, v in DIFFUSION_DEFAULTS.items() if k != "cache"}
     assert tuple(hf.REMASKING) == tuple(REMASKING)
+    from difflm.sampling.options import (DEFAULT_BLOCK_LENGTH, DEFAULT_STEPS, FORMER_DEFAULTS, fitted_block_length,
+                                         resolve_steps)
+
+    # null steps / block_length fit the length as difflm's do
+    assert (hf.DEFAULT_BLOCK_LENGTH, hf.DEFAULT_STEPS, hf.FORMER_DEFAULTS) == (DEFAULT_BLOCK_LENGTH, DEFAULT_STEPS,
+                                                                              FORMER_DEFAULTS)
+    for length in range(1, 300):
+        block = fitted_block_length(length)
+        assert hf._fitted_block_length(length) == block, length
+        for given in (block, 7, length + 1):
+            assert hf._fitted_steps(length, given) == resolve_steps(None, length, given), (length, given)
     numbers = lambda text: [int(n) for n in re.findall(r"=(\d+)", text)]  # noqa: E731  (length, block, steps)
     for length, steps, block in [(64, 64, 64), (64, 10, 24), (48, 100, 16), (30, 7, 0), (8, 3, 8), (96, 12, 32)]:
         ours = numbers(consistent_setting(length, steps, block))
@@ -751,3 +763,149 @@ def test_export_generate_infills_as_difflm(kw):
     _, ar = _hf_twin(causal=True)
     with pytest.raises(ValueError, match="infill=True needs a masked-diffusion export"):
         ar.generate(ids, max_new_tokens=2, infill=True)
+
+
+def test_export_generate_refuses_arguments_the_others_leave_unread():
+    """generate(top_k=5) at temperature 0 (greedy: the argmax whatever the filter) and remdm_sigma without
+    remasking="remdm" were ignored: refused as difflm refuses them; read (a temperature, ReMDM) they sample."""
+    _, hf = _hf_twin()
+    ids = torch.tensor([[5, 6, 7]])
+    gen = dict(gen_length=4, steps=4, block_length=4)
+    for kw, message in [(dict(top_k=5), "top_k=5 has no effect with temperature=0 (greedy): pass temperature>0 (or "
+                                        "do_sample=True) or drop it"),
+                        (dict(top_p=0.5, do_sample=False, temperature=0.7), "top_p=0.5 has no effect with "
+                                                                            "temperature=0 (greedy)"),
+                        (dict(remdm_sigma=0.5), "remdm_sigma=0.5 has no effect without remasking='remdm': pass "
+                                                "remasking='remdm' or drop it"),
+                        (dict(remdm_schedule="rescale", remasking="margin"), "remdm_schedule='rescale' has no effect "
+                                                                              "without remasking='remdm'")]:
+        with pytest.raises(ValueError) as err:
+            hf.generate(ids, **gen, **kw)
+        assert str(err.value).startswith(message), err.value
+    g = torch.Generator().manual_seed(0)
+    assert hf.generate(ids, **gen, top_k=5, top_p=0.5, temperature=0.7, generator=g).shape == (1, 7)
+    assert hf.generate(ids, **gen, top_k=5, do_sample=True, generator=g).shape == (1, 7)
+    assert hf.generate(ids, **gen, remasking="remdm", remdm_sigma=0.5, remdm_schedule="rescale").shape == (1, 7)
+    _, ar = _hf_twin(causal=True)
+    with pytest.raises(ValueError, match="^top_k=5 has no effect with temperature=0"):
+        ar.generate(ids, max_new_tokens=4, top_k=5)
+    with pytest.raises(ValueError, match=r"^remdm_sigma=0.5: this causal \(objective=ar\) export decodes left to "):
+        ar.generate(ids, max_new_tokens=4, remdm_sigma=0.5)
+
+
+@pytest.mark.parametrize("objective", ["bd3lm", "sft", "bogus", "mdml"])
+def test_import_objective_refusals_say_what_difflm_import_writes(tmp_path, objective):
+    """objective=bd3lm said "not one of: mdlm, ar" and objective=bogus listed the objective presets: both (the command
+    line and import_hf) now say what difflm-import writes, before anything is read; mdlm and ar pass."""
+    from difflm.cli import check_overrides
+
+    what = ("is not an objective difflm-import writes: it writes objective=mdlm or objective=ar runs (without "
+            "objective=: ar for a causal difflm export, else mdlm)")
+    fix = {"bd3lm": "; for a bd3lm run, import with objective=mdlm and add objective=bd3lm to the difflm-train "
+                    "command it prints",
+           "sft": "; for an sft run, import with objective=mdlm and add objective=sft to the difflm-train command it "
+                  "prints",
+           "bogus": ": set objective=mdlm or objective=ar, or drop objective=",
+           "mdml": "; did you mean objective=mdlm?"}[objective]
+    argv = [f"hf={tmp_path / 'none'}", f"run.dir={tmp_path / 'run'}"]
+    with pytest.raises(DifflmError) as err:
+        check_overrides([*argv, f"objective={objective}"], "import")
+    assert str(err.value) == f"objective={objective} {what}{fix}"
+    if objective in ("bd3lm", "sft"):
+        with pytest.raises(DifflmError) as err:
+            import_hf(str(tmp_path / "none"), tmp_path / "run", objective=objective)  # the source is not read first
+        assert str(err.value) == f"objective={objective} {what}{fix}"
+    for ok in ("mdlm", "ar"):
+        check_overrides([*argv, f"objective={ok}"], "import")
+
+
+def _config_dicts() -> dict:
+    """config.json of each layout difflm-import reads, as dicts: transformers' own Llama / Qwen2 / Qwen3 / Qwen3-MoE
+    configs, the LLaDA-MoE and LLaDA 2.0 release keys (tests/test_llada_interop.py) and a difflm export's."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    from difflm.interop.export import hf_config
+    from difflm.model import resolve_model_config
+    from tests.test_llada_interop import llada2_config, llada_moe_config
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    out = {"llama": LlamaConfig(**small).to_dict(), "qwen2": Qwen2Config(**small).to_dict(),
+           "qwen3": Qwen3Config(**small, head_dim=16).to_dict(),
+           "qwen3_moe": Qwen3MoeConfig(**small, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32).to_dict(),
+           "llada_moe": llada_moe_config(), "llada2": llada2_config()}
+    cfg = compose_run([*FAST, "model=moe-tiny"])
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
+    resolve_model_config(cfg.model, tok.padded_vocab_size)
+    out["difflm"] = hf_config(cfg, tok, "fp32").to_dict()
+    return out
+
+
+# the required fields of each layout, and the name its message gives the layout
+REQUIRED = {
+    "llama": ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size"],
+    "qwen2": ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size"],
+    "qwen3": ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size"],
+    "qwen3_moe": ["num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size"],
+    "llada_moe": ["num_attention_heads", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+                  "expert_intermediate_size"],
+    "llada2": ["num_attention_heads", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size"],
+    "difflm": ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "head_dim", "rope_theta", "rms_norm_eps", "moe_num_experts", "moe_top_k", "moe_intermediate_size"],
+}
+LAYOUT_NAME = {"difflm": "difflm export"}
+
+
+def test_every_required_config_field_is_refused_naming_it_and_the_file():
+    """A required field missing from config.json (or null, or not a positive integer) crashed with int(None)'s
+    TypeError or a KeyError deep in the import; each is now one line naming hf, config.json, the field and the
+    layout it was read as. The complete configs map."""
+    from difflm.interop.hf_import import model_dims
+
+    configs = _config_dicts()
+    for layout, fields in REQUIRED.items():
+        c = configs[layout]
+        model_dims(c, "src")  # complete: maps
+        name = LAYOUT_NAME.get(layout, layout)
+        for key in fields:
+            gone = (key, "num_local_experts") if key == "num_experts" else (key,)  # transformers 5 writes the latter
+            broken = {k: v for k, v in c.items() if k not in gone}
+            if key == "moe_num_experts":  # without it a difflm export is a dense one: no moe_* field is read
+                assert "moe" not in model_dims(broken, "src")
+                continue
+            with pytest.raises(DifflmError) as err:
+                model_dims(broken, "src")
+            if layout == "difflm" and key.startswith("moe_"):  # an MoE export's moe_* fields are listed together
+                assert str(err.value) == (f"hf='src' is a mixture-of-experts difflm export without {key} in its "
+                                          "config.json: export the run again with difflm-export")
+                continue
+            also = " (or num_local_experts)" if key == "num_experts" and layout == "qwen3_moe" else ""
+            assert str(err.value).startswith(f"hf='src': config.json has no {key}{also}, a required field of the "
+                                             f"{name} layout: add it to config.json"), (layout, key, str(err.value))
+        key = fields[0]
+        for bad in ("4", 0, 2.5, True):
+            with pytest.raises(DifflmError, match=rf"^hf='src': config.json has {key}={bad!r}, not an integer >= 1: "
+                                                  rf"fix {key} in config.json"):
+                model_dims({**c, key: bad}, "src")
+
+
+def test_qwen3_moe_without_num_experts_is_one_line(tmp_path):
+    """The reported case: a Qwen3-MoE config.json without num_experts crashed with TypeError (int(None)), without
+    num_experts_per_tok with KeyError; difflm-import now refuses both in one line, before writing run.dir."""
+    from tests.test_moe_import import make_qwen3_moe
+
+    src = make_qwen3_moe(tmp_path)
+    full = json.loads((src / "config.json").read_text())
+    for key, shown in (("num_experts", "num_experts (or num_local_experts)"),
+                       ("num_experts_per_tok", "num_experts_per_tok")):
+        gone = (key, "num_local_experts") if key == "num_experts" else (key,)  # transformers 5 writes the latter
+        (src / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k not in gone}))
+        with pytest.raises(DifflmError) as err:
+            import_hf(str(src), tmp_path / "run", objective="ar")
+        assert str(err.value) == (f"hf={str(src)!r}: config.json has no {shown}, a required field of the qwen3_moe "
+                                  "layout: add it to config.json (the model's own value) or save the model again "
+                                  "with save_pretrained")
+        assert not (tmp_path / "run").exists()

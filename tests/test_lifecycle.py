@@ -332,7 +332,7 @@ def test_rl_on_a_bd3lm_run_samples_in_its_blocks(tmp_path):
     """difflm-rl's gen.block_length=null (its default) on a bd3lm run is the run's own block size, as difflm-generate's
     null is; a value given is taken as given: the run's block size is honoured, another one (32, the former default,
     included: it used to stand for the run's blocks whatever they were) is refused in one line before anything is
-    written. On an mdlm run null is 32, as the former default was."""
+    written. On an mdlm run null is 32 for gen.length=64, as the former default was."""
     from difflm.config.schema import RLRunConfig
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import make_init_run, rl_config
@@ -488,13 +488,16 @@ def test_rl_names_init_keys_for_a_missing_init_run_or_step(init_run, tmp_path): 
 
 def test_rl_checks_the_rollout_block_and_step_counts_before_it_starts(init_run, tmp_path):  # noqa: F811
     """docs/post_training.md: the rollouts' gen.* are checked before the run starts. A gen.length that the LLaDA
-    sampler's blocks (gen.block_length=null: 32 on an mdlm init run) do not divide, or a step count that does not
-    fit them, is refused in one line with a consistent setting, before the frozen reference or rl_config.yaml is
-    written (the same rule as difflm-train's end-of-training samples)."""
+    sampler's blocks given do not divide, or a step count that does not fit them, is refused in one line with a
+    consistent setting, before the frozen reference or rl_config.yaml is written (the same rule as difflm-train's
+    end-of-training samples); gen.block_length=null fits the length (16: one block of 16)."""
     from difflm.posttrain.runner import PostTrainer
     from test_posttrain_runtime import rl_config
 
-    for i, (overrides, message) in enumerate([(("gen.length=16", "gen.steps=8", "gen.block_length=null"),
+    null = PostTrainer(rl_config(init_run, tmp_path / "null", "gen.length=16", "gen.steps=8", "gen.block_length=null"),
+                       CPU)
+    assert (null.cfg.gen.block_length, null.cfg.gen.steps) == (16, 8)
+    for i, (overrides, message) in enumerate([(("gen.length=16", "gen.steps=8", "gen.block_length=32"),
                                 "gen.length=16 must be a multiple of gen.block_length=32; e.g. gen.length=16 "
                                 "gen.block_length=16 gen.steps=8"),
                                (("gen.length=8", "gen.steps=3", "gen.block_length=4"),

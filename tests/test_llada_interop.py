@@ -465,3 +465,26 @@ def test_merged_experts_variant_maps_to_the_same_tensors(tmp_path):
     a, b = to_difflm(w, dims, "llada2"), to_difflm(merged, dims, "llada2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["layers.1.mlp.experts.fc1_weight"].shape == (E, 2 * F_E, D)
+
+
+@pytest.mark.parametrize("layout,preset", [("llada2", ["model=llada2-tiny"]),
+                                           ("llada_moe", ["model=llada-moe-tiny", "model.moe.bias_in_weights=true"])])
+def test_layout_export_keeps_the_training_window(tmp_path, layout, preset):
+    """difflm-export format=llada2 / llada_moe wrote max_position_embeddings: 64 (the run's data.seq_len), and the
+    re-import came back with difflm-train's default 128. The export also records train_seq_len, which the import
+    restores (and the continue command prints); a release's config.json (max_position_embeddings its longest
+    context, no train_seq_len) keeps the default."""
+    from tests.test_moe_import import make_moe_run
+
+    run = make_moe_run(tmp_path, [*preset, "data.seq_len=64"])
+    out = export_checkpoint(run, tmp_path / "out", format=layout)[0]
+    written = json.loads((out / "config.json").read_text())
+    assert written["max_position_embeddings"] == written["train_seq_len"] == 64
+    again = import_hf(str(out), tmp_path / "again")
+    assert again.data.seq_len == 64 and "data.seq_len=64" in train_overrides(again)
+    release = {k: v for k, v in written.items() if k != "train_seq_len"}
+    (out / "config.json").write_text(json.dumps({**release, "max_position_embeddings": 4096}))
+    assert import_hf(str(out), tmp_path / "release").data.seq_len == 128
+    (out / "config.json").write_text(json.dumps({**written, "train_seq_len": 0}))
+    with pytest.raises(DifflmError, match=r"config.json has train_seq_len=0, not a positive integer"):
+        import_hf(str(out), tmp_path / "bad")

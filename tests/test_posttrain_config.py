@@ -64,10 +64,26 @@ def test_rl_presets_compose_and_build():
                                                 r"every record's prompt would be replaced by that text"),
     (["algorithm=dpo", "data.prompt_template='Q: {question}'"], r"^data.prompt_template='Q: \{question\}' holds no "
                                                                  r"\{prompt\}"),
+    # rollout settings the others leave unread (greedy rollouts ignore the filters; ReMDM needs remasking=remdm)
+    (["gen.temperature=0", "gen.top_k=5"], r"^gen.top_k=5 has no effect with gen.temperature=0 \(greedy\): set "
+                                           r"gen.temperature>0 or drop it$"),
+    (["gen.temperature=0", "gen.top_p=0.9"], r"^gen.top_p=0.9 has no effect with gen.temperature=0 \(greedy\)"),
+    (["gen.remdm_sigma=0.5"], r"^gen.remdm_sigma=0.5 has no effect without gen.remasking=remdm: set "
+                              r"gen.remasking=remdm or drop it$"),
+    (["gen.remdm_schedule=rescale"], r"^gen.remdm_schedule=rescale has no effect without gen.remasking=remdm"),
 ])
 def test_rl_config_errors_name_the_key(overrides, message):
     with pytest.raises(DifflmError, match=message):
         check_rl_config(compose_rl(overrides))
+
+
+def test_rl_rollout_settings_that_are_read_pass():
+    """The defaults (gen.temperature=1.0), the filters at a temperature, ReMDM with remasking=remdm, and (dpo) no
+    rollouts at all pass the check of settings left unread."""
+    for overrides in ([], ["gen.top_k=5", "gen.top_p=0.9"], ["gen.remasking=remdm", "gen.remdm_sigma=0.5"],
+                      ["gen.temperature=0"], ["algorithm=dpo"]):
+        check_rl_config(compose_rl(overrides + (["data.answer_field=answer"] if "algorithm=dpo" not in overrides
+                                                 else [])))
 
 
 class Adapted(torch.nn.Module):

@@ -629,3 +629,116 @@ def test_infill_bd3lm_with_a_model_cached_equals_uncached(remasking):
     assert torch.equal(outs[0], outs[1])
     given = prompt[0] != 47
     assert torch.equal(outs[0][0, :6][given], prompt[0][given]) and not (outs[0] == 47).any()
+
+
+# ------------------------------------------------------------------ settings that other settings leave unread
+def test_a_typed_setting_the_others_leave_unread_is_refused():
+    """gen.remdm_sigma / gen.remdm_schedule without gen.remasking=remdm, and gen.top_k / gen.top_p at
+    gen.temperature=0 (greedy keeps the argmax whatever the filter), were ignored without a word: refused in one line
+    naming the key and the fix, for keys the caller typed only (a run's stored top_k is read once a temperature is
+    typed). An ar run refuses the ReMDM keys as diffusion-only instead."""
+    from difflm.sampling.options import check_read_settings
+
+    base = {"remasking": "low_confidence", "remdm_sigma": 0.0, "remdm_schedule": "cap", "temperature": 0.0,
+            "top_k": 0, "top_p": 1.0}
+    refused = [({"remdm_sigma": 0.5}, "gen.remdm_sigma=0.5 has no effect without gen.remasking=remdm: set "
+                                      "gen.remasking=remdm or drop it"),
+               ({"remdm_schedule": "rescale"}, "gen.remdm_schedule=rescale has no effect without gen.remasking=remdm: "
+                                               "set gen.remasking=remdm or drop it"),
+               ({"remdm_sigma": 0.5, "remasking": "margin"},
+                "gen.remdm_sigma=0.5 has no effect without gen.remasking=remdm: set gen.remasking=remdm or drop it"),
+               ({"top_k": 5}, "gen.top_k=5 has no effect with gen.temperature=0 (greedy): set gen.temperature>0 or "
+                              "drop it"),
+               ({"top_p": 0.9}, "gen.top_p=0.9 has no effect with gen.temperature=0 (greedy): set gen.temperature>0 "
+                                "or drop it")]
+    for typed, message in refused:
+        with pytest.raises(GenerationConfigError) as err:
+            check_read_settings({**base, **typed}, typed)
+        assert str(err.value) == message
+    with pytest.raises(GenerationConfigError, match=r"^top_k=5 has no effect with temperature=0 \(greedy\): set "
+                                                    r"temperature>0 or drop it$"):
+        check_read_settings({**base, "top_k": 5}, {"top_k"}, prefix="")
+    for typed in ({"remasking": "remdm", "remdm_sigma": 0.5}, {"remasking": "remdm", "remdm_schedule": "rescale"},
+                  {"temperature": 0.7, "top_k": 5, "top_p": 0.9}, {"top_k": 0, "top_p": 1.0, "remdm_sigma": 0.0}):
+        check_read_settings({**base, **typed}, typed)  # read, or at the value that is off
+    check_read_settings({**base, "top_k": 5, "remdm_sigma": 0.5}, {"temperature", "remasking"})  # stored, not typed
+    check_read_settings({**base, "remdm_sigma": 0.5}, {"remdm_sigma"}, causal=True)  # the ar check names it
+    with pytest.raises(GenerationConfigError, match=r"^gen.top_k=3 has no effect"):
+        check_read_settings({**base, "top_k": 3}, {"top_k"}, causal=True)
+
+
+def test_end_of_training_samples_refuse_unread_settings_and_pass_the_defaults():
+    """difflm-train reads gen.* for its samples: the defaults of every objective pass; gen.top_k at
+    gen.temperature=0 is refused only when every sample is greedy (samples after the first draw at
+    logger.sample_temperature, where the filter applies); ReMDM keys without remasking=remdm are refused."""
+    from conftest import FAST, compose_run
+    from difflm.config.validate import check_end_samples
+
+    def cfg(*overrides):
+        return compose_run([*FAST, "logger.num_samples=2", *overrides])
+
+    for objective in ("mdlm", "bd3lm", "sft", "ar"):
+        check_end_samples(cfg(f"objective={objective}"))
+    check_end_samples(cfg("gen.top_k=5"))  # samples 1.. at logger.sample_temperature=1.0 read it
+    check_end_samples(cfg("gen.remasking=remdm", "gen.remdm_sigma=0.5"))
+    for overrides, message in [(["gen.top_k=5", "logger.num_samples=1"], "gen.top_k=5 has no effect with "
+                                 "gen.temperature=0 (greedy): set gen.temperature>0 or drop it (this run samples "
+                                 "with gen.* after training, logger.num_samples=1: fix gen.* or set "
+                                 "logger.num_samples=0)"),
+                               (["gen.top_p=0.5", "logger.sample_temperature=0"], "gen.top_p=0.5 has no effect"),
+                               (["gen.remdm_sigma=0.5"], "gen.remdm_sigma=0.5 has no effect without "
+                                                         "gen.remasking=remdm: set gen.remasking=remdm or drop it")]:
+        with pytest.raises(DifflmError) as err:
+            check_end_samples(cfg(*overrides))
+        assert str(err.value).startswith(message), err.value
+    check_end_samples(cfg("gen.remdm_sigma=0.5", "logger.num_samples=0"))  # no samples: the run's record only
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """An mdlm and an ar run directory of a tiny untrained model (config.yaml and a step_0 checkpoint)."""
+    from test_posttrain_runtime import make_init_run
+
+    root = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for objective in ("mdlm", "ar"):
+        (root / objective).mkdir()
+        runs[objective] = make_init_run(root / objective, f"objective={objective}")
+    return runs
+
+
+def _generate_args(run, **gen):
+    from omegaconf import OmegaConf
+
+    from conftest import compose_run
+
+    args = compose_run([f"run.dir={run}", "prompt=ROMEO:", "device=cpu"], config_name="generate")
+    return OmegaConf.merge(args, {"gen": gen}), set(gen)
+
+
+def test_difflm_generate_with_a_short_length_and_refusals(tiny_runs, monkeypatch):
+    """The command's own path (in this process): gen.length=16 samples with the defaults on an mdlm run (16 new
+    tokens); gen.top_k=5 alone and gen.remdm_sigma=0.5 alone are refused before the model loads."""
+    import difflm.generate
+    from difflm.generate import generate_text
+
+    text = generate_text(*_generate_args(tiny_runs["mdlm"], length=16, steps=16))
+    assert text.startswith("ROMEO:")
+    assert generate_text(*_generate_args(tiny_runs["mdlm"], length=16)) == text  # null steps: 16, the same text
+    load_run = difflm.generate.load_run
+
+    def no_model(*args, **kw):  # the refusals below come before the model is read
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(difflm.generate, "load_run", no_model)
+    for run in tiny_runs.values():
+        for gen, message in [({"top_k": 5}, "gen.top_k=5 has no effect with gen.temperature=0 (greedy)"),
+                             ({"top_p": 0.5}, "gen.top_p=0.5 has no effect with gen.temperature=0 (greedy)")]:
+            with pytest.raises(GenerationConfigError, match=f"^{message}".replace("(", r"\(").replace(")", r"\)")):
+                generate_text(*_generate_args(run, **gen))
+    with pytest.raises(GenerationConfigError, match=r"^gen.remdm_sigma=0.5 has no effect without gen.remasking=remdm"):
+        generate_text(*_generate_args(tiny_runs["mdlm"], remdm_sigma=0.5))
+    with pytest.raises(GenerationConfigError, match=r"^gen.remdm_sigma=0.5: objective=ar runs decode left to right"):
+        generate_text(*_generate_args(tiny_runs["ar"], remdm_sigma=0.5))
+    monkeypatch.setattr(difflm.generate, "load_run", load_run)
+    assert generate_text(*_generate_args(tiny_runs["ar"], length=4, top_k=5, temperature=0.5)).startswith("ROMEO:")

@@ -328,10 +328,13 @@ class GenerateConfig:
     """Sampling settings (LLaDA, Nie et al. 2025, Alg. 4-5)."""
 
     length: int = 64
-    steps: int = 64
+    # denoising steps in all; null: min(64, length) (difflm-rl: 32, RL_STEPS), rounded down to a multiple of the
+    # LLaDA blocks (difflm.sampling.options.resolve_steps); a value given is honoured, or refused where it does not fit
+    steps: Optional[int] = None
     # LLaDA's semi-autoregressive blocks; null: the run's block size, i.e. objective.block_size of a bd3lm run (which
-    # decodes only in its own blocks: another value is refused), else 64 (difflm-rl: 32, RL_BLOCK_LENGTH); a value
-    # given is honoured (difflm.sampling.options.resolve_block_length)
+    # decodes only in its own blocks: another value is refused), else the largest divisor of length up to 64
+    # (difflm-rl: 32, RL_BLOCK_LENGTH): length itself up to 64, 64 for 128, 48 for 96; a value given is honoured
+    # (difflm.sampling.options.resolve_block_length)
     block_length: Optional[int] = None
     remasking: str = "low_confidence"  # low_confidence | random | margin | entropy | remdm
     # remasking=remdm (ReMDM, Wang et al. 2025, arXiv:2503.00307, difflm.sampling.remdm): eta of the sigma_t schedule,
@@ -423,6 +426,27 @@ class ExportRunConfig:
     overwrite: bool = False  # replace a non-empty out directory
     lora_format: str = "merge"  # LoRA runs: merge (adapters into the weights) | peft (base + out/adapter, docs/lora.md)
     format: str = "difflm"  # difflm (own names + modeling file) | llada_moe | llada2 (the releases' layouts, MoE runs)
+
+
+# the objectives difflm-import writes a run for (``objective=``; null: ar for a causal difflm export, else mdlm)
+IMPORT_OBJECTIVES = ("mdlm", "ar")
+
+
+def import_objective_error(name: str) -> Optional[str]:
+    """The one-line refusal of ``objective=<name>`` on difflm-import's command line, or None for one it writes
+    (:data:`IMPORT_OBJECTIVES`): the same answer for another preset of the objective group (``bd3lm``, ``sft``:
+    trained from an ``mdlm`` import) and for a name that is no preset."""
+    if name in IMPORT_OBJECTIVES:
+        return None
+    accepted = " or ".join(f"objective={o}" for o in IMPORT_OBJECTIVES)
+    message = (f"objective={name} is not an objective difflm-import writes: it writes {accepted} runs (without "
+               "objective=: ar for a causal difflm export, else mdlm)")
+    if name in ("bd3lm", "sft"):
+        article = "an" if name == "sft" else "a"
+        return (f"{message}; for {article} {name} run, import with objective=mdlm and add objective={name} to the "
+                "difflm-train command it prints")
+    close = difflib.get_close_matches(name, IMPORT_OBJECTIVES, n=1)
+    return message + (f"; did you mean objective={close[0]}?" if close else f": set {accepted}, or drop objective=")
 
 
 @dataclass
@@ -574,8 +598,10 @@ class PosttrainRunConfig:
 
 
 # difflm-rl's gen.block_length=null on an init run without blocks of its own (mdlm, sft): the rollouts' LLaDA blocks
-# (a bd3lm init run's are its objective.block_size)
+# are the largest divisor of gen.length up to this (a bd3lm init run's are its objective.block_size)
 RL_BLOCK_LENGTH = 32
+# difflm-rl's gen.steps=null: min(RL_STEPS, gen.length), rounded down to a multiple of the rollouts' blocks
+RL_STEPS = 32
 
 
 @dataclass
@@ -591,7 +617,7 @@ class RLRunConfig:
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(name="constant", warmup_steps=0))
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: PosttrainRunConfig = field(default_factory=PosttrainRunConfig)
-    gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, steps=32, temperature=1.0))
+    gen: GenerateConfig = field(default_factory=lambda: GenerateConfig(length=64, temperature=1.0))
     run: RunDirConfig = field(default_factory=RunDirConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout (docs/post_training.md "Layouts")
     lora: LoraConfig = field(default_factory=LoraConfig)  # fresh adapters on a full init run (rank 0: none)

@@ -600,19 +600,23 @@ def draws_samples(cfg) -> bool:
 def check_end_samples(cfg) -> None:
     """The ``gen.*`` settings a run samples with (:func:`draws_samples`), checked before training rather than after
     it: the sampler's value ranges, for the LLaDA sampler (every diffusion objective but ``bd3lm``, which samples
-    block by block) the block and step counts, and for ``ar`` runs that no diffusion-only key is set (left-to-right
-    decoding would ignore it).
+    block by block) the block and step counts, for ``ar`` runs that no diffusion-only key is set (left-to-right
+    decoding would ignore it), and no setting the others leave unread
+    (:func:`difflm.sampling.options.check_read_settings`): ReMDM's ``gen.remdm_sigma`` / ``gen.remdm_schedule``
+    without ``gen.remasking=remdm``, and ``gen.top_k`` / ``gen.top_p`` when every sample is greedy
+    (``gen.temperature=0`` with one sample, or ``logger.sample_temperature=0``: samples after the first draw at
+    ``logger.sample_temperature``, where the filters apply). The schema's defaults pass.
 
     Raises: DifflmError with the sampler's message (naming the key and a consistent setting) and the way out."""
     if not draws_samples(cfg):
         return
-    from difflm.sampling.diffusion import check_sampler_settings
-    from difflm.sampling.options import GenerationConfigError, GenerationOptions
+    from difflm.sampling.diffusion import check_generation_config
+    from difflm.sampling.options import GenerationConfigError
 
+    greedy = cfg.logger.num_samples == 1 or cfg.logger.sample_temperature == 0
+    judged = ("remdm_sigma", "remdm_schedule") + (("top_k", "top_p") if greedy else ())
     try:
-        bd3lm = cfg.objective.name == "bd3lm"
-        opts = GenerationOptions.from_config(cfg.gen, mask_id=0, block_size=cfg.objective.block_size if bd3lm else None)
-        check_sampler_settings(opts, cfg.objective.name)
+        check_generation_config(cfg.gen, cfg.objective, judged)
     except GenerationConfigError as err:
         raise DifflmError(f"{err} (this run samples with gen.* after training, logger.num_samples="
                           f"{cfg.logger.num_samples}: fix gen.* or set logger.num_samples=0)") from None

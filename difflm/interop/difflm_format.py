@@ -23,6 +23,7 @@ here together so that a field added to one side is added to the other::
 from __future__ import annotations
 
 from difflm.errors import DifflmError
+from difflm.interop.config_fields import need_float, need_int, opt_float, opt_int
 
 # model.moe keys the modeling file does not use, recorded so that an import resumes training as the run did
 TRAINING_MOE_KEYS = ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "capacity_factor", "balance_over")
@@ -57,14 +58,15 @@ def _moe_dims(c: dict, hf: str) -> dict:
     if missing:
         raise DifflmError(f"hf={hf!r} is a mixture-of-experts difflm export without {', '.join(missing)} in its "
                           "config.json: export the run again with difflm-export")
-    f, shared_n = int(c["moe_intermediate_size"]), int(c["moe_num_shared_experts"])
-    shared = int(c.get("moe_shared_intermediate_size") or 0) if shared_n else 0
-    moe = {"num_experts": int(c["moe_num_experts"]), "top_k": int(c["moe_top_k"]), "ffn_hidden_size": f,
-           "num_shared_experts": shared_n, "shared_ffn_hidden_size": shared,
+    kind = "mixture-of-experts difflm export"
+    f, shared_n = need_int(c, "moe_intermediate_size", hf, kind), opt_int(c, "moe_num_shared_experts", hf, 0)
+    shared = opt_int(c, "moe_shared_intermediate_size", hf, 0) if shared_n else 0
+    moe = {"num_experts": need_int(c, "moe_num_experts", hf, kind), "top_k": need_int(c, "moe_top_k", hf, kind),
+           "ffn_hidden_size": f, "num_shared_experts": shared_n, "shared_ffn_hidden_size": shared,
            "score_func": str(c["moe_score_func"]), "norm_topk_prob": bool(c["moe_norm_topk_prob"]),
-           "n_group": int(c.get("moe_n_group", 1)), "topk_group": int(c.get("moe_topk_group", 1)),
-           "routed_scaling_factor": float(c.get("moe_routed_scaling_factor", 1.0)),
-           "first_k_dense": int(c.get("moe_first_k_dense", 0)),
+           "n_group": opt_int(c, "moe_n_group", hf, 1, low=1), "topk_group": opt_int(c, "moe_topk_group", hf, 1, low=1),
+           "routed_scaling_factor": opt_float(c, "moe_routed_scaling_factor", hf, 1.0),
+           "first_k_dense": opt_int(c, "moe_first_k_dense", hf, 0),
            "bias_in_weights": bool(c.get("moe_bias_in_weights", False))}
     # the balancing settings (exports made before they were recorded keep the schema's defaults)
     moe.update({k: c[f"moe_{k}"] for k in TRAINING_MOE_KEYS
@@ -74,16 +76,29 @@ def _moe_dims(c: dict, hf: str) -> dict:
 
 def difflm_dims(c: dict, hf: str) -> dict:
     """difflm ``model.*`` (with ``moe`` for a mixture of experts) of a difflm export's ``config.json`` ``c`` (vocab set
-    later). Raises: DifflmError for an MoE export missing its ``moe_*`` fields (:func:`_moe_dims`)."""
-    dims = {"num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
-            "num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"],
-            "ffn_hidden_size": c["intermediate_size"], "head_dim": c["head_dim"],
-            "rope_base": float(c["rope_theta"]), "norm_eps": float(c["rms_norm_eps"]),
-            "partial_rotary_factor": float(c.get("partial_rotary_factor", 1.0)),
+    later). The fields every export writes are required (``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``head_dim``, ``rope_theta``,
+    ``rms_norm_eps``, ``qk_norm``).
+
+    Raises: DifflmError naming the field and config.json for a required one missing or of the wrong kind
+    (:mod:`difflm.interop.config_fields`), and for an MoE export missing its ``moe_*`` fields (:func:`_moe_dims`)."""
+    kind = "difflm export"
+    if c.get("qk_norm") is None:
+        raise DifflmError(f"hf={hf!r}: config.json has no qk_norm, a required field of the difflm export layout: "
+                          "export the run again with difflm-export")
+    dims = {"num_layers": need_int(c, "num_hidden_layers", hf, kind),
+            "hidden_size": need_int(c, "hidden_size", hf, kind),
+            "num_heads": need_int(c, "num_attention_heads", hf, kind),
+            "num_kv_heads": need_int(c, "num_key_value_heads", hf, kind),
+            "ffn_hidden_size": need_int(c, "intermediate_size", hf, kind),
+            "head_dim": need_int(c, "head_dim", hf, kind),
+            "rope_base": need_float(c, "rope_theta", hf, kind), "norm_eps": need_float(c, "rms_norm_eps", hf, kind),
+            "partial_rotary_factor": opt_float(c, "partial_rotary_factor", hf, 1.0),
             "qk_norm": bool(c["qk_norm"]), "qkv_bias": bool(c.get("qkv_bias", False)),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-            "shift_logits": bool(c.get("shift_logits", False)), "init_std": float(c.get("initializer_range", 0.02))}
-    if int(c.get("moe_num_experts") or 0) > 0:
+            "shift_logits": bool(c.get("shift_logits", False)),
+            "init_std": opt_float(c, "initializer_range", hf, 0.02)}
+    if (opt_int(c, "moe_num_experts", hf, 0) or 0) > 0:
         dims["moe"] = _moe_dims(c, hf)
     return dims
 

@@ -42,7 +42,7 @@ from difflm.errors import DifflmError
 from difflm.interop.difflm_format import moe_fields
 from difflm.interop.llada_layouts import LAYOUTS, export_config, from_difflm
 from difflm.model import build_model
-from difflm.sampling.options import resolve_block_length, run_block_size
+from difflm.sampling.options import unread_stored_settings
 
 TEMPLATES = Path(__file__).resolve().parent / "hf_modeling"
 MODELING_FILES = ("configuration_difflm.py", "modeling_difflm.py")
@@ -230,12 +230,21 @@ def save_tokenizer_with_mask(tok: TokenizerInfo, out: Path, mask_token: str = DE
     tokenizer.save_pretrained(str(out))
 
 
+def exported_gen(cfg):
+    """The run's ``gen.*`` as an export records them (``config.json``'s ``gen_*``, ``generation_config.json``):
+    ``steps`` and ``block_length`` null where the run's are (a stored 64, the former default, counts as null:
+    :func:`difflm.sampling.options.unread_stored_settings`), so that the export's ``generate`` fits them to the
+    ``gen_length`` it is given, as difflm-generate does; a value given is recorded as given."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(cfg.gen, unread_stored_settings(None, cfg.gen))
+
+
 def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
     """The :class:`DiffLMConfig` of a run (``cfg`` resolved: ``model.vocab_size`` and ``head_dim`` set) at checkpoint
     ``step`` (``train_step``: an export says which checkpoint it holds)."""
-    m, g = cfg.model, cfg.gen
-    config_cls = _config_class()
-    block_length = resolve_block_length(g.get("block_length"), run_block_size(cfg.objective))  # null: the run's
+    m, config_cls = cfg.model, _config_class()
+    g = exported_gen(cfg)
     return config_cls(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, intermediate_size=m.ffn_hidden_size,
@@ -244,7 +253,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
         qkv_bias=bool(m.get("qkv_bias", False)), tie_word_embeddings=m.tie_embeddings,
         causal=cfg.objective.name == "ar", shift_logits=bool(m.get("shift_logits", False)),
         mask_token_id=tok.mask_id, tokenizer_vocab_size=len(tok.tokenizer), initializer_range=m.init_std,
-        gen_length=g.length, gen_steps=g.steps, gen_block_length=block_length, gen_remasking=g.remasking,
+        gen_length=g.length, gen_steps=g.steps, gen_block_length=g.block_length, gen_remasking=g.remasking,
         gen_temperature=float(g.temperature), gen_cfg_scale=float(g.get("cfg_scale", 0.0)),
         gen_top_k=int(g.get("top_k", 0)), gen_top_p=float(g.get("top_p", 1.0)), gen_threshold=g.get("threshold"),
         gen_seed=int(g.get("seed", 0)), gen_cache=str(g.get("cache", "none")), train_seq_len=int(cfg.data.seq_len),
@@ -339,9 +348,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
         save_sharded(from_difflm(state, cfg.model, format), tmp, max_bytes)
         (tmp / "config.json").write_text(strict_json.dumps(config, indent=2) + "\n")
     save_tokenizer_with_mask(tok, tmp)
+    g = exported_gen(cfg)
     gen = {"bos_token_id": tok.tokenizer.bos_token_id, "eos_token_id": tok.eos_id, "mask_token_id": tok.mask_id,
-           "max_new_tokens": cfg.gen.length, "gen_length": cfg.gen.length, "steps": cfg.gen.steps,
-           "block_length": resolve_block_length(cfg.gen.get("block_length"), run_block_size(cfg.objective)),
+           "max_new_tokens": g.length, "gen_length": g.length, "steps": g.steps, "block_length": g.block_length,
            "remasking": cfg.gen.remasking,
            "cfg_scale": float(cfg.gen.get("cfg_scale", 0.0)), "threshold": cfg.gen.get("threshold"),
            "do_sample": cfg.gen.temperature > 0}

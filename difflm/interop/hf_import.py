@@ -9,10 +9,12 @@ difflm, dense or MoE: :mod:`difflm.interop.difflm_format`). A local directory is
 as is; a hub name is fetched with ``huggingface_hub.snapshot_download`` (from the cache only when
 ``HF_HUB_OFFLINE=1``). Only ``config.json`` (plain JSON), ``*.safetensors`` (or ``pytorch_model*.bin`` through
 ``torch.load(weights_only=True)``) and the tokenizer are read; no remote code runs (``trust_remote_code`` is
-never set).
+never set). A required ``config.json`` field that is missing or of the wrong kind is refused in one line naming the
+field and the file (:mod:`difflm.interop.config_fields`).
 
 Writes ``DIR/config.yaml`` (composed from difflm's conf tree, ``model.*`` set from the HF config; from a difflm
-export also the run's ``data.seq_len`` and ``gen.*``, recorded in its config.json as ``train_seq_len`` and ``gen_*``),
+export also the run's ``data.seq_len`` and ``gen.*``, recorded in its config.json as ``train_seq_len`` and ``gen_*``,
+and from difflm's LLaDA-layout exports the ``data.seq_len`` of their ``train_seq_len``),
 ``DIR/tokenizer/`` (the HF tokenizer with a mask token added when it has none) and
 ``DIR/checkpoints/step_0`` (model only, :func:`difflm.checkpoint.store.save_checkpoint` with
 ``optimizer=None``: ``difflm-train`` resumes from it with a fresh optimizer and LR schedule), then prints
@@ -56,11 +58,12 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import checkpoints_root, list_checkpoints, save_checkpoint
 from difflm.cli import hydra_app
 from difflm.config.compose import compose_train_config
-from difflm.config.schema import MODEL_KEYS, MOE_KEYS, override_value
+from difflm.config.schema import MODEL_KEYS, MOE_KEYS, import_objective_error, override_value
 from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
+from difflm.interop.config_fields import need_int, opt_float, opt_int
 from difflm.interop.difflm_format import difflm_dims
 from difflm.interop.llada_layouts import layout_of, llada_dims, to_difflm
 from difflm.model import build_model
@@ -139,8 +142,9 @@ def _rope_base(hf_cfg: dict, hf: str) -> float:
     rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
     if rope_type not in (None, "default"):
         raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r}: difflm implements plain RoPE only (rope_type default)")
-    base = (params.get("rope_theta") if isinstance(params, dict) else None) or hf_cfg.get("rope_theta", 10000.0)
-    return float(base)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return opt_float(params, "rope_theta", hf, 10000.0)
+    return opt_float(hf_cfg, "rope_theta", hf, 10000.0)
 
 
 def model_dims(hf_cfg: dict, hf: str) -> dict:
@@ -164,32 +168,41 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
         raise DifflmError(f"hf={hf!r} uses sliding_window={hf_cfg['sliding_window']}: difflm attends to the full window")
     if kind in ("qwen2", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
         raise DifflmError(f"hf={hf!r} has use_sliding_window=true: difflm attends to the full window")
-    heads = hf_cfg["num_attention_heads"]
+    heads = need_int(hf_cfg, "num_attention_heads", hf, kind)
+    layers, hidden = need_int(hf_cfg, "num_hidden_layers", hf, kind), need_int(hf_cfg, "hidden_size", hf, kind)
+    ffn = need_int(hf_cfg, "intermediate_size", hf, kind)
     moe = _qwen3_moe_dims(hf_cfg, hf) if kind == "qwen3_moe" else {}
-    return moe | {"num_layers": hf_cfg["num_hidden_layers"], "hidden_size": hf_cfg["hidden_size"], "num_heads": heads,
-            "num_kv_heads": hf_cfg.get("num_key_value_heads") or heads, "ffn_hidden_size": hf_cfg["intermediate_size"],
-            "head_dim": hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // heads, "rope_base": _rope_base(hf_cfg, hf),
-            "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-6)), "qk_norm": kind in ("qwen3", "qwen3_moe"),
+    return moe | {"num_layers": layers, "hidden_size": hidden, "num_heads": heads,
+            "num_kv_heads": opt_int(hf_cfg, "num_key_value_heads", hf, heads, low=1), "ffn_hidden_size": ffn,
+            "head_dim": opt_int(hf_cfg, "head_dim", hf, hidden // heads, low=1), "rope_base": _rope_base(hf_cfg, hf),
+            "norm_eps": opt_float(hf_cfg, "rms_norm_eps", hf, 1e-6), "qk_norm": kind in ("qwen3", "qwen3_moe"),
             "qkv_bias": kind == "qwen2" or (kind in ("qwen3", "qwen3_moe") and bool(hf_cfg.get("attention_bias"))),
             "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)), "shift_logits": False,
-            "init_std": float(hf_cfg.get("initializer_range", 0.02))}
+            "init_std": opt_float(hf_cfg, "initializer_range", hf, 0.02)}
 
 
 def _qwen3_moe_dims(hf_cfg: dict, hf: str) -> dict:
     """``{"moe": {...}}``: difflm's ``model.moe.*`` for a Qwen3-MoE config (HF ``Qwen3MoeConfig``: softmax router,
     top-k renormalised when ``norm_topk_prob``, no shared experts, Switch aux loss ``router_aux_loss_coef``).
 
-    Raises: DifflmError for dense blocks among the MoE ones (``decoder_sparse_step`` != 1 or ``mlp_only_layers``).
+    Raises: DifflmError for dense blocks among the MoE ones (``decoder_sparse_step`` != 1 or ``mlp_only_layers``),
+    and naming the field for a missing or bad ``num_experts``, ``num_experts_per_tok`` or ``moe_intermediate_size``
+    (:func:`difflm.interop.config_fields.need_int`).
     """
     step, dense = hf_cfg.get("decoder_sparse_step", 1), list(hf_cfg.get("mlp_only_layers") or [])
     if step != 1 or dense:
         raise DifflmError(f"hf={hf!r} has decoder_sparse_step={step}, mlp_only_layers={dense}: difflm-import maps "
                           "Qwen3-MoE models whose every block is MoE (decoder_sparse_step 1, mlp_only_layers [])")
-    experts = hf_cfg.get("num_experts", hf_cfg.get("num_local_experts"))  # the key transformers 5 writes
-    return {"moe": {"num_experts": int(experts), "top_k": int(hf_cfg["num_experts_per_tok"]),
-                    "ffn_hidden_size": int(hf_cfg["moe_intermediate_size"]), "num_shared_experts": 0,
+    kind = "qwen3_moe"
+    experts = need_int(hf_cfg, "num_experts", hf, kind, names=("num_local_experts",))  # transformers 5's key
+    top_k = need_int(hf_cfg, "num_experts_per_tok", hf, kind)
+    if top_k > experts:
+        raise DifflmError(f"hf={hf!r}: config.json has num_experts_per_tok={top_k} above num_experts={experts}: "
+                          "fix num_experts_per_tok in config.json")
+    return {"moe": {"num_experts": experts, "top_k": top_k,
+                    "ffn_hidden_size": need_int(hf_cfg, "moe_intermediate_size", hf, kind), "num_shared_experts": 0,
                     "score_func": "softmax", "norm_topk_prob": bool(hf_cfg.get("norm_topk_prob", False)),
-                    "aux_loss_coeff": float(hf_cfg.get("router_aux_loss_coef", 0.001)), "z_loss_coeff": 0.0}}
+                    "aux_loss_coeff": opt_float(hf_cfg, "router_aux_loss_coef", hf, 0.001), "z_loss_coeff": 0.0}}
 
 
 def _qwen3_moe_mlp(get, w: dict, m: str, num_experts: int) -> dict[str, torch.Tensor]:
@@ -266,13 +279,18 @@ EXPORTED_GEN = {"gen_length": "length", "gen_steps": "steps", "gen_block_length"
 
 def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
     """``{"data.seq_len": n, "gen.<key>": value, ...}`` recorded in a difflm export's ``config.json`` (``train_seq_len``
-    and ``gen_*``), those present only; empty for other models (they keep the conf tree's defaults).
+    and ``gen_*``), those present only; empty for other models (they keep the conf tree's defaults). The LLaDA-MoE /
+    LLaDA 2.0 layouts that ``difflm-export`` writes carry ``train_seq_len`` too (their ``max_position_embeddings``
+    is the same number, but a release's is the longest context it serves, not a window to train at, so it is not
+    read: a release keeps difflm-train's default, as a Llama or Qwen model does).
 
     Raises: DifflmError naming ``hf`` and the config.json key for a value difflm's run config refuses.
     """
-    if hf_cfg.get("model_type") != "difflm":
+    difflm_export = hf_cfg.get("model_type") == "difflm"
+    if not difflm_export and layout_of(hf_cfg) is None:
         return {}
     from difflm.sampling import GenerationOptions
+    from difflm.sampling.options import unread_stored_settings
 
     out = {}
     seq_len = hf_cfg.get("train_seq_len")
@@ -281,6 +299,8 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
             raise DifflmError(f"hf={hf!r}: config.json has train_seq_len={seq_len!r}, not a positive integer: set it "
                               "to the run's data.seq_len or remove it")
         out["data.seq_len"] = seq_len
+    if not difflm_export:  # the layouts record no gen.*
+        return out
     gen = {key: hf_cfg[name] for name, key in EXPORTED_GEN.items() if name in hf_cfg}
     try:  # the sampler's own checks (ranges, remasking and cache names)
         GenerationOptions(mask_id=0, **{k: v for k, v in gen.items() if k != "seed" and v is not None})
@@ -289,6 +309,8 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
                           "fix or remove them") from None
     if "seed" in gen and (isinstance(gen["seed"], bool) or not isinstance(gen["seed"], int)):
         raise DifflmError(f"hf={hf!r}: config.json has gen_seed={gen['seed']!r}, not an integer: fix or remove it")
+    # steps / block_length at 64 (the former default, which an older export recorded for null): null again
+    gen.update(unread_stored_settings(None, gen))
     out.update({f"gen.{k}": v for k, v in gen.items()})
     return out
 
@@ -296,21 +318,17 @@ def exported_run_settings(hf_cfg: dict, hf: str) -> dict:
 def train_overrides(cfg) -> list[str]:
     """The ``difflm-train`` overrides that rebuild the imported run: objective, tokenizer, ``data.seq_len`` (the
     training window restored from a difflm export), ``model.*``,
-    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export; a block length
-    equal to what ``gen.block_length=null`` gives the run is left out), run.dir.
+    the ``gen.*`` settings that differ from the schema's defaults (restored from a difflm export), run.dir.
 
     ``objective``, ``data.seq_len`` and ``model.shift_logits`` are left out at difflm-train's defaults (mdlm, 128,
     false): an adaptation recipe added to the command (``experiment=fast_dllm_v2_adapt``: bd3lm; ``dream_adapt``:
     L = 2048, shifted logits) sets them, and a command-line value would silently override the recipe's."""
     from difflm.config.schema import DataConfig, GenerateConfig
-    from difflm.sampling.options import resolve_block_length, run_block_size
 
     m, defaults = cfg.model, GenerateConfig()
-    # an export records the block length its run decoded in (gen.block_length=null resolved): left out when it is
-    # what null gives this run too, so that a recipe added to the command (a bd3lm one) decodes in its own blocks
-    same = {"block_length": resolve_block_length(None, run_block_size(cfg.objective))}
-    gen = [f"gen.{k}={override_value(v)}" for k, v in cfg.gen.items()
-           if v != getattr(defaults, k, v) and (k not in same or v != same[k])]
+    # an export's null steps / block_length stay null (an older export's 64 is read as null: exported_run_settings),
+    # so that a recipe added to the command (a bd3lm one) decodes in its own blocks
+    gen = [f"gen.{k}={override_value(v)}" for k, v in cfg.gen.items() if v != getattr(defaults, k, v)]
     keys = [k for k in MODEL_KEYS if k != "shift_logits" or m[k]]
     return ([f"objective={cfg.objective.name}"] * (cfg.objective.name != "mdlm")
             + [f"data.tokenizer={cfg.data.tokenizer}"]
@@ -332,6 +350,8 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     Raises: DifflmError for a missing source/file, an unsupported architecture, a run dir that already holds
     checkpoints (without ``overwrite``), a run dir in use by a running difflm-train, or a bad ``objective``.
     """
+    if objective is not None and (refused := import_objective_error(objective)) is not None:
+        raise DifflmError(refused)
     run_dir = Path(run_dir).expanduser().resolve()
     if list_checkpoints(run_dir) and not overwrite:
         raise DifflmError(f"run.dir={str(run_dir)!r} already holds checkpoints: choose a new run.dir or pass "
@@ -342,8 +362,6 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     run_settings = exported_run_settings(hf_cfg, hf)  # before anything is written: a bad value fails first
     if objective is None:
         objective = "ar" if hf_cfg.get("model_type") == "difflm" and hf_cfg.get("causal") else "mdlm"
-    if objective not in ("mdlm", "ar"):
-        raise DifflmError(f"objective={objective!r} is not one of: mdlm, ar")
     dims["shift_logits"] = dims["shift_logits"] or shift_logits
     if dims["shift_logits"] and objective == "ar":
         raise DifflmError("shift_logits=true is for masked diffusion (objective=mdlm): an ar model already "

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from difflm.errors import DifflmError
+from difflm.interop.config_fields import need_int, opt_float, opt_int
 
 LAYOUTS = ("llada_moe", "llada2")
 AUTO_MAPS = {
@@ -93,12 +94,15 @@ def _rotary_factor(c: dict, head_dim: int, hf: str) -> float:
 def llada_dims(c: dict, hf: str, layout: str) -> dict:
     """difflm ``model.*`` (with ``moe``) of a LLaDA-MoE / LLaDA 2.0 ``config.json`` ``c`` (vocab set later).
 
-    Raises: DifflmError naming the config key for what difflm's block cannot compute."""
+    Raises: DifflmError naming the config key for what difflm's block cannot compute, and naming the field (and
+    config.json) for a required one that is missing or not a positive integer: ``num_attention_heads``,
+    ``hidden_size``, ``num_hidden_layers``, ``num_experts``, ``num_experts_per_tok`` and the expert width
+    (``moe_intermediate_size`` of llada2, ``expert_intermediate_size`` of llada_moe)."""
     if c.get("hidden_act", "silu") != "silu":
         _refuse(hf, "hidden_act", c["hidden_act"], "difflm's MLP is SwiGLU (silu)")
-    heads = int(c["num_attention_heads"])
-    kv = int(c.get("num_key_value_heads") or heads)
-    d, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads = need_int(c, "num_attention_heads", hf, layout)
+    kv = opt_int(c, "num_key_value_heads", hf, heads, low=1)
+    d, layers = need_int(c, "hidden_size", hf, layout), need_int(c, "num_hidden_layers", hf, layout)
     if layout == "llada2":
         for key, why in (("use_bias", "a bias on the attention output projection"), ("norm_head", "a normalised LM "
                          "head"), ("use_sliding_window", "sliding-window attention")):
@@ -106,17 +110,17 @@ def llada_dims(c: dict, hf: str, layout: str) -> dict:
                 _refuse(hf, key, c[key], f"difflm has no {why}; set it false")
         if c.get("score_function", "sigmoid") != "sigmoid":
             _refuse(hf, "score_function", c["score_function"], "LLaDA 2.0's gate is sigmoid")
-        hd = int(c.get("head_dim") or d // heads)
-        k, f_e = int(c["num_experts_per_tok"]), int(c["moe_intermediate_size"])
-        moe = {"num_experts": int(c["num_experts"]), "top_k": k, "ffn_hidden_size": f_e,
-               "num_shared_experts": int(c.get("num_shared_experts") or 0), "shared_ffn_hidden_size": 0,
-               "score_func": "sigmoid", "norm_topk_prob": k > 1, "n_group": int(c.get("n_group") or 1),
-               "topk_group": int(c.get("topk_group") or 1),
-               "routed_scaling_factor": float(c.get("routed_scaling_factor", 1.0)),
-               "first_k_dense": int(c.get("first_k_dense_replace") or 0),
+        hd = opt_int(c, "head_dim", hf, d // heads, low=1)
+        k, f_e = need_int(c, "num_experts_per_tok", hf, layout), need_int(c, "moe_intermediate_size", hf, layout)
+        moe = {"num_experts": need_int(c, "num_experts", hf, layout), "top_k": k, "ffn_hidden_size": f_e,
+               "num_shared_experts": opt_int(c, "num_shared_experts", hf, 0), "shared_ffn_hidden_size": 0,
+               "score_func": "sigmoid", "norm_topk_prob": k > 1, "n_group": opt_int(c, "n_group", hf, 1, low=1),
+               "topk_group": opt_int(c, "topk_group", hf, 1, low=1),
+               "routed_scaling_factor": opt_float(c, "routed_scaling_factor", hf, 1.0),
+               "first_k_dense": opt_int(c, "first_k_dense_replace", hf, 0),
                # the release does not publish its balancing; difflm's: DeepSeek-V3's aux-free bias, gamma 0.001
                "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0, "bias_update_rate": 0.001}
-        dense_ffn, qk_norm, qkv_bias = int(c.get("intermediate_size") or f_e), c.get("use_qk_norm", True), \
+        dense_ffn, qk_norm, qkv_bias = opt_int(c, "intermediate_size", hf, f_e, low=1), c.get("use_qk_norm", True), \
             c.get("use_qkv_bias", False)
     else:
         for key, why in (("attention_bias", "attention biases (on o_proj too)"), ("clip_qkv", "QKV clipping")):
@@ -131,23 +135,24 @@ def llada_dims(c: dict, hf: str, layout: str) -> dict:
         first = next((i for i, v in enumerate(freq) if v), layers)
         if len(freq) != layers or any(v == 0 for v in freq[first:]):
             _refuse(hf, "moe_layer_freq", freq, "difflm keeps dense blocks first only (0s, then 1s, one per layer)")
-        shared = c.get("shared_expert_intermediate_size") or 0
-        k = int(c["num_experts_per_tok"])
-        moe = {"num_experts": int(c["num_experts"]), "top_k": k, "ffn_hidden_size": int(c["expert_intermediate_size"]),
-               "num_shared_experts": 1 if shared > 0 else 0, "shared_ffn_hidden_size": int(shared),
+        shared = opt_int(c, "shared_expert_intermediate_size", hf, 0)
+        k = need_int(c, "num_experts_per_tok", hf, layout)
+        moe = {"num_experts": need_int(c, "num_experts", hf, layout), "top_k": k,
+               "ffn_hidden_size": need_int(c, "expert_intermediate_size", hf, layout),
+               "num_shared_experts": 1 if shared > 0 else 0, "shared_ffn_hidden_size": shared,
                "score_func": "softmax", "norm_topk_prob": False, "n_group": 1, "topk_group": 1,
                "routed_scaling_factor": 1.0, "first_k_dense": first,
                "bias_in_weights": bool(c.get("moe_router_enable_expert_bias")),
-               "aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.01)), "z_loss_coeff": 0.0,
+               "aux_loss_coeff": opt_float(c, "router_aux_loss_coef", hf, 0.01), "z_loss_coeff": 0.0,
                "bias_update_rate": 0.0}
-        dense_ffn = int(c.get("dense_intermediate_size") or moe["ffn_hidden_size"])
+        dense_ffn = opt_int(c, "dense_intermediate_size", hf, moe["ffn_hidden_size"], low=1)
         qk_norm, qkv_bias = c.get("qk_layernorm", True), False
     return {"moe": moe, "num_layers": layers, "hidden_size": d, "num_heads": heads, "num_kv_heads": kv,
-            "ffn_hidden_size": dense_ffn, "head_dim": hd, "rope_base": float(c.get("rope_theta", 10000.0)),
-            "partial_rotary_factor": _rotary_factor(c, hd, hf), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+            "ffn_hidden_size": dense_ffn, "head_dim": hd, "rope_base": opt_float(c, "rope_theta", hf, 10000.0),
+            "partial_rotary_factor": _rotary_factor(c, hd, hf), "norm_eps": opt_float(c, "rms_norm_eps", hf, 1e-6),
             "qk_norm": bool(qk_norm), "qkv_bias": bool(qkv_bias),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)), "shift_logits": False,
-            "init_std": float(c.get("initializer_range", 0.02))}
+            "init_std": opt_float(c, "initializer_range", hf, 0.02)}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -320,6 +325,9 @@ def export_config(cfg, tok, layout: str, dtype: str, state: dict[str, torch.Tens
               "partial_rotary_factor": float(m.get("partial_rotary_factor", 1.0)),
               "tie_word_embeddings": bool(m.tie_embeddings), "num_experts": int(moe.num_experts),
               "num_experts_per_tok": int(moe.top_k), "max_position_embeddings": int(cfg.data.seq_len),
+              # difflm's own record of the training window, which difflm-import restores as data.seq_len (it does not
+              # read a release's max_position_embeddings, its longest context, as one)
+              "train_seq_len": int(cfg.data.seq_len),
               "initializer_range": float(m.init_std), "mask_token_id": int(tok.mask_id), "eos_token_id": tok.eos_id,
               "pad_token_id": tok.tokenizer.pad_token_id, "use_cache": False,
               "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]}

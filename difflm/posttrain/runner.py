@@ -96,6 +96,10 @@ def check_rl_config(cfg) -> None:
         raise DifflmError(f"data.eval_records={cfg.data.eval_records} must be >= 0 (0 = no held-out evaluation)")
     check_optim(cfg.optim)
     check_schedule(cfg.schedule)
+    if a.name == "grpo":  # a rollout setting the others leave unread (greedy top_k, ReMDM without remdm)
+        from difflm.sampling.options import check_read_settings
+
+        check_read_settings(cfg.gen, cfg.gen.keys())
     # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
     if a.name == "dpo" and cfg.data.answer_field is not None:
         raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
@@ -255,17 +259,22 @@ class PostTrainer:
 
     def _check_gen(self, model) -> None:
         """The rollout sampler's ``gen.*``: ``gen.block_length=null`` resolved to the init run's block size (a
-        ``bd3lm`` run's ``objective.block_size``, else :data:`difflm.config.schema.RL_BLOCK_LENGTH`; a value given
-        is kept as given, :func:`difflm.sampling.options.resolve_block_length`, the rule difflm-generate follows), so
-        ``rl_config.yaml`` records what the rollouts decode in; then (grpo) checked before anything runs as
-        difflm-generate checks them (:func:`difflm.generate.generation_options`): a ``bd3lm`` init run samples only
-        in its own blocks, and another ``gen.block_length`` is refused in one line."""
-        from difflm.config.schema import RL_BLOCK_LENGTH
+        ``bd3lm`` run's ``objective.block_size``, else the largest divisor of ``gen.length`` up to
+        :data:`difflm.config.schema.RL_BLOCK_LENGTH`) and ``gen.steps=null`` to ``min(RL_STEPS, gen.length)``
+        rounded down to a multiple of the blocks (values given are kept as given:
+        :func:`difflm.sampling.options.resolve_block_length` and :func:`~difflm.sampling.options.resolve_steps`,
+        the rules difflm-generate follows with 64 for 32), so ``rl_config.yaml`` records what the rollouts decode
+        in; then (grpo) checked before anything runs as difflm-generate checks them
+        (:func:`difflm.generate.generation_options`): a ``bd3lm`` init run samples only in its own blocks, and
+        another ``gen.block_length`` is refused in one line."""
+        from difflm.config.schema import RL_BLOCK_LENGTH, RL_STEPS
         from difflm.generate import generation_options
-        from difflm.sampling.options import resolve_block_length, run_block_size
+        from difflm.sampling.options import resolve_block_length, resolve_steps, run_block_size
 
         obj, gen = self.init_cfg.objective, self.cfg.gen
-        gen.block_length = resolve_block_length(gen.get("block_length"), run_block_size(obj), RL_BLOCK_LENGTH)
+        size = run_block_size(obj)
+        gen.block_length = resolve_block_length(gen.get("block_length"), size, RL_BLOCK_LENGTH, length=gen.length)
+        gen.steps = resolve_steps(gen.get("steps"), gen.length, gen.block_length if size is None else None, RL_STEPS)
         if self.cfg.algorithm.name == "grpo":
             generation_options(model, self.tok, gen, objective=obj)
 

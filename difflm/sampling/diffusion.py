@@ -17,12 +17,13 @@ Sources:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 # CACHES, REMASKING and GenerationConfigError are re-exported for callers of this module
 from difflm.sampling.options import CACHES, REMASKING, REMDM, GenerationConfigError, GenerationOptions  # noqa: F401
+from difflm.sampling.options import check_read_settings, run_block_size
 from difflm.sampling.remdm import remdm_remask
 
 LogitsFn = Callable[..., torch.Tensor]
@@ -195,6 +196,21 @@ def check_sampler_settings(opts: GenerationOptions, objective: Optional[str]) ->
         opts.check_block_diffusion()
     else:
         _validate(opts)
+
+
+def check_generation_config(gen, objective, typed: Iterable[str] = ()) -> GenerationOptions:
+    """Every check of a ``gen`` config that needs no model, for a run whose objective config is ``objective``
+    (anything with ``name``, and ``block_size`` for ``bd3lm``): the keys the caller typed (``typed``) that the other
+    settings leave unread (:func:`difflm.sampling.options.check_read_settings`), the value ranges
+    (:class:`GenerationOptions`) and the block and step counts of the run's sampler
+    (:func:`check_sampler_settings`). Returns the options (mask id 0: not a model's).
+
+    Raises: GenerationConfigError naming the key and the fix."""
+    name = getattr(objective, "name", None)
+    check_read_settings(gen, typed, causal=name == "ar")
+    opts = GenerationOptions.from_config(gen, mask_id=0, block_size=run_block_size(objective))
+    check_sampler_settings(opts, name)
+    return opts
 
 
 def propose(logits: torch.Tensor, remasking: str, temperature: float, generator,

@@ -24,7 +24,9 @@ class DiffLMConfig(PretrainedConfig):
         mask_token_id: the [MASK] id used by the sampler.
         tokenizer_vocab_size: ids >= this (and ``mask_token_id``) are never sampled (embedding padding).
         gen_length, gen_steps, gen_block_length, gen_remasking, gen_temperature, gen_cfg_scale, gen_top_k,
-        gen_top_p, gen_threshold, gen_remdm_sigma, gen_remdm_schedule: default sampler settings (difflm's ``gen.*``).
+        gen_top_p, gen_threshold, gen_remdm_sigma, gen_remdm_schedule: default sampler settings (difflm's ``gen.*``;
+        ``gen_steps`` / ``gen_block_length`` None: fitted to each call's ``gen_length`` as difflm's null, the
+        largest divisor of the length up to 64 and ``min(64, length)`` steps rounded to the blocks).
         gen_seed, gen_cache: the run's ``gen.seed`` and ``gen.cache``, kept so that ``difflm-import`` restores the
         run's ``gen.*`` (``generate`` takes a ``generator`` instead of a seed and has no KV cache).
         train_seq_len: the run's training window ``data.seq_len`` (None: unknown, e.g. an older export), restored
@@ -49,8 +51,9 @@ class DiffLMConfig(PretrainedConfig):
                  partial_rotary_factor: float = 1.0, qk_norm: bool = True, qkv_bias: bool = False,
                  tie_word_embeddings: bool = False,
                  causal: bool = False, shift_logits: bool = False, mask_token_id: int | None = None,
-                 tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int = 64,
-                 gen_block_length: int = 64, gen_remasking: str = "low_confidence", gen_temperature: float = 0.0,
+                 tokenizer_vocab_size: int | None = None, gen_length: int = 64, gen_steps: int | None = None,
+                 gen_block_length: int | None = None, gen_remasking: str = "low_confidence",
+                 gen_temperature: float = 0.0,
                  gen_cfg_scale: float = 0.0, gen_top_k: int = 0, gen_top_p: float = 1.0,
                  gen_threshold: float | None = None, gen_seed: int = 0, gen_cache: str = "none",
                  gen_remdm_sigma: float = 0.0, gen_remdm_schedule: str = "cap",

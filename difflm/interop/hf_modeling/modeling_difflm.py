@@ -424,7 +424,10 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         classifier-free guidance, ``uncond + (cfg_scale + 1) * (cond - uncond)`` with the prompt masked as the
         unconditional input. Causal exports decode left to right (``temperature``, ``top_k``, ``top_p`` apply).
         ``attention_mask`` [B, P] (1 = real, 0 = padding, left or right): each row is generated as if alone
-        (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``. The
+        (the tokens of its unpadded prompt), after the padded prompt. Defaults come from ``config.gen_*``;
+        ``block_length`` and ``steps`` None there (and not given) fit ``gen_length`` as difflm's null does: the
+        largest divisor of ``gen_length`` up to 64, and ``min(64, gen_length)`` steps rounded down to a multiple of
+        the block count (``gen_length=16``: one block of 16, 16 steps). The
         mask id and the embedding's padding ids are never emitted. The same ``generator`` seed gives difflm's
         output token for token. ``max_new_tokens`` (transformers' name, also in ``generation_config.json``) is
         ``gen_length``; give either, or both with the same value. ``do_sample`` as in transformers: False is greedy
@@ -440,7 +443,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
         ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; for a causal export, a diffusion-only argument
         (``steps``, ``block_length``, ``remasking``, ``cfg_scale``, ``threshold``) away from difflm's default, or an
-        empty prompt; a bad ``attention_mask``.
+        empty prompt; a bad ``attention_mask``; an argument the others leave unread: ``top_k`` / ``top_p`` at
+        temperature 0 (greedy), ``remdm_sigma`` / ``remdm_schedule`` without ``remasking="remdm"``.
         """
         cfg = self.config
         if max_new_tokens is not None:
@@ -448,19 +452,28 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
                 raise ValueError(f"max_new_tokens={max_new_tokens} and gen_length={gen_length} both set the number of "
                                  "generated tokens: give one of them")
             gen_length = max_new_tokens
+        pick = lambda value, key, default: getattr(cfg, key, default) if value is None else value  # noqa: E731
+        gen_length = pick(gen_length, "gen_length", 64)
+        fits = _is_int(gen_length) and gen_length >= 1  # else refused below, naming gen_length
         if cfg.causal:  # difflm's GenerationOptions.check_autoregressive, on the arguments given
             given = dict(steps=steps, block_length=block_length, remasking=remasking, cfg_scale=cfg_scale,
                          threshold=threshold, remdm_sigma=remdm_sigma, remdm_schedule=remdm_schedule)
-            changed = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != AR_IGNORED[k]]
+            # steps / block_length at difflm's former default 64 are accepted as difflm accepts them
+            changed = [f"{k}={v!r}" for k, v in given.items() if v is not None and v != AR_IGNORED[k]
+                       and v != FORMER_DEFAULTS.get(k)]
             if changed:
                 keys = ", ".join(c.split("=")[0] for c in changed)
                 raise ValueError(f"{', '.join(changed)}: this causal (objective=ar) export decodes left to right and "
                                  "reads only max_new_tokens (gen_length), temperature, top_k, top_p and generator: "
                                  f"drop {keys}")
-        pick = lambda value, key, default: getattr(cfg, key, default) if value is None else value  # noqa: E731
-        gen_length = pick(gen_length, "gen_length", 64)
-        steps = pick(steps, "gen_steps", gen_length)
-        block_length = pick(block_length, "gen_block_length", gen_length)
+        given_filters = {"top_k": top_k, "top_p": top_p}
+        given_remdm = {"remdm_sigma": remdm_sigma, "remdm_schedule": remdm_schedule}
+        block_length = pick(block_length, "gen_block_length", None)
+        if block_length is None and fits:  # difflm's gen.block_length=null: fitted to the length
+            block_length = _fitted_block_length(gen_length)
+        steps = pick(steps, "gen_steps", None)
+        if steps is None and fits:  # difflm's gen.steps=null
+            steps = _fitted_steps(gen_length, block_length)
         if do_sample is False:
             temperature = 0.0
         elif do_sample and temperature is None:
@@ -472,6 +485,7 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         threshold = pick(threshold, "gen_threshold", None)
         remdm_sigma = pick(remdm_sigma, "gen_remdm_sigma", 0.0)
         remdm_schedule = pick(remdm_schedule, "gen_remdm_schedule", "cap")
+        _check_unread(given_filters, given_remdm, temperature, None if cfg.causal else remasking)
         mask_id = cfg.mask_token_id if mask_id is None else mask_id
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
@@ -570,8 +584,47 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
 REMASKING = ("low_confidence", "random", "margin", "entropy")
 REMDM_SCHEDULES = ("cap", "rescale")
 # difflm's defaults of the diffusion-only settings (GenerationOptions): a causal export's generate refuses others
-AR_IGNORED = {"steps": 64, "block_length": 64, "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None,
-              "remdm_sigma": 0.0, "remdm_schedule": "cap"}
+# (steps / block_length None: fitted to gen_length; their FORMER_DEFAULTS are accepted too)
+AR_IGNORED = {"steps": None, "block_length": None, "remasking": "low_confidence", "cfg_scale": 0.0,
+              "threshold": None, "remdm_sigma": 0.0, "remdm_schedule": "cap"}
+# difflm's DEFAULT_BLOCK_LENGTH / DEFAULT_STEPS: what block_length / steps None give at most
+DEFAULT_BLOCK_LENGTH, DEFAULT_STEPS = 64, 64
+# what steps and block_length were before None fitted them to gen_length (difflm's FORMER_DEFAULTS)
+FORMER_DEFAULTS = {"steps": 64, "block_length": 64}
+
+
+def _fitted_block_length(length: int) -> int:
+    """difflm's ``gen.block_length=null`` for ``length`` (>= 1) tokens: the largest divisor of ``length`` not above
+    :data:`DEFAULT_BLOCK_LENGTH` (``length`` itself up to 64; 64 for 128, 48 for 96)."""
+    if length <= DEFAULT_BLOCK_LENGTH:
+        return length
+    return next(d for d in range(DEFAULT_BLOCK_LENGTH, 0, -1) if length % d == 0)
+
+
+def _fitted_steps(length: int, block_length) -> int:
+    """difflm's ``gen.steps=null``: ``min(64, length)`` rounded down to a multiple of the block count (a block that
+    does not divide ``length`` counts as one: the sampler refuses it), at least one step per block."""
+    fits = _is_int(block_length) and 0 < block_length <= length and length % block_length == 0
+    blocks = length // block_length if fits else 1
+    return max(blocks, min(DEFAULT_STEPS, length) // blocks * blocks)
+
+
+def _check_unread(filters: dict, remdm: dict, temperature, remasking) -> None:
+    """difflm's ``check_read_settings`` on the arguments given (``filters``: ``top_k`` / ``top_p``, ``remdm``:
+    ``remdm_sigma`` / ``remdm_schedule``; None: not given): a filter at temperature 0 (greedy keeps the argmax) and,
+    for a diffusion export (``remasking`` the one used; None for a causal export, which refuses them itself), ReMDM
+    settings without ``remasking="remdm"``. Raises ValueError naming the argument and the fix."""
+    off = {"top_k": 0, "top_p": 1.0, "remdm_sigma": 0.0, "remdm_schedule": "cap"}
+    if remasking is not None and remasking != "remdm":
+        for key, value in remdm.items():
+            if value is not None and value != off[key]:
+                raise ValueError(f"{key}={value!r} has no effect without remasking='remdm': pass remasking='remdm' "
+                                 "or drop it")
+    if _is_real(temperature) and temperature == 0:
+        for key, value in filters.items():
+            if value is not None and value != off[key]:
+                raise ValueError(f"{key}={value!r} has no effect with temperature=0 (greedy): pass temperature>0 "
+                                 "(or do_sample=True) or drop it")
 
 
 def _is_int(value) -> bool:
