@@ -7,6 +7,7 @@ rewrites them (:func:`keep_records`) and put back on a refusal, so that ``.hydra
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -55,8 +56,8 @@ def keep_records(path, records) -> None:
         if entry.is_dir():
             kept[name] = {str(f.relative_to(entry)): f.read_bytes() for f in entry.rglob("*")
                           if f.is_file() and not f.is_symlink()}
-        elif entry.is_file():
-            kept[name] = entry.read_bytes()
+        elif entry.is_file():  # the job's log, which Hydra appends to: its length is enough to put it back
+            kept[name] = entry.stat().st_size
         else:
             kept[name] = None  # not there: Hydra's new one goes
     _KEPT.append((path, kept))
@@ -69,16 +70,19 @@ def accept_records(path) -> None:
 
 
 def _put_back(path: Path, kept: dict) -> None:
-    """Restore in ``path`` the records :func:`keep_records` kept: each file's bytes, each folder's files exactly."""
+    """Restore in ``path`` the records :func:`keep_records` kept: each folder's files exactly, each appended file
+    cut back to its length, and what was not there removed."""
     for name, was in kept.items():
         entry = path / name
+        if isinstance(was, int):  # an appended file: cut back to its length before this invocation
+            if entry.is_file() and not entry.is_symlink() and entry.stat().st_size >= was:
+                os.truncate(entry, was)
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         elif entry.exists() or entry.is_symlink():
             entry.unlink()
-        if isinstance(was, bytes):
-            entry.write_bytes(was)
-        elif isinstance(was, dict):
+        if isinstance(was, dict):
             for rel, data in was.items():
                 (entry / rel).parent.mkdir(parents=True, exist_ok=True)
                 (entry / rel).write_bytes(data)

@@ -180,7 +180,8 @@ def difflm_env(env: Optional[dict] = None) -> dict:
 
 def _die_with_parent(parent: int) -> Optional[Callable[[], None]]:
     """The ``preexec_fn`` (run in the child between fork and exec) that asks Linux to send the child SIGTERM when its
-    parent dies (``PR_SET_PDEATHSIG``; it survives the exec); None elsewhere."""
+    parent dies (``PR_SET_PDEATHSIG``; it survives the exec); None elsewhere. Linux ties the signal to the thread
+    that forked, so children are started from the main thread (a worker thread's exit would stop them)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes

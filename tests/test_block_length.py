@@ -167,12 +167,18 @@ def test_null_block_length_and_steps_fit_the_length():
     down to a multiple of the blocks: every length samples with the defaults; 64 where 64 fits, as before."""
     from difflm.sampling.options import DEFAULT_STEPS, GenerationOptions, fitted_block_length, resolve_steps
 
-    blocks = {1: 1, 16: 16, 63: 63, 64: 64, 65: 13, 67: 1, 96: 48, 100: 50, 128: 64, 256: 64, 1000: 50}
+    # a length whose divisors up to 64 are all below 16 (65 = 5 x 13, a prime) is one block, not token by token
+    blocks = {1: 1, 16: 16, 63: 63, 64: 64, 65: 65, 67: 67, 96: 48, 100: 50, 128: 64, 130: 26, 256: 64, 1000: 50}
     assert {n: fitted_block_length(n) for n in blocks} == blocks
     assert fitted_block_length(48, RL_BLOCK_LENGTH) == 24 and fitted_block_length(16, RL_BLOCK_LENGTH) == 16
+    assert fitted_block_length(37, RL_BLOCK_LENGTH) == 37 and fitted_block_length(40, RL_BLOCK_LENGTH) == 20
+    for length in range(65, 400):  # never more steps than min(64, length), never blocks below a quarter of 64
+        block = fitted_block_length(length)
+        assert block >= 16 and length % block == 0 and resolve_steps(None, length, block) <= 64, length
     assert resolve_block_length(None, length=16) == 16 and resolve_block_length(None, 16, length=40) == 16
     assert resolve_block_length(32, length=16) == 32  # a value given stays: the sampler refuses it
-    steps = {(16, 16): 16, (64, 64): 64, (96, 48): 64, (128, 64): 64, (1000, 50): 60, (67, 1): 67, (65, 13): 60}
+    steps = {(16, 16): 16, (64, 64): 64, (96, 48): 64, (128, 64): 64, (1000, 50): 60, (67, 67): 64, (65, 13): 60,
+             (130, 26): 60}
     assert {k: resolve_steps(None, *k) for k in steps} == steps
     assert resolve_steps(None, 16) == 16 and resolve_steps(None, 200) == DEFAULT_STEPS  # bd3lm / ar: no multiple
     assert resolve_steps(None, 64, 32, 32) == 32 and resolve_steps(7, 16) == 7

@@ -160,6 +160,12 @@ def test_kept_records_are_put_back_exactly_on_a_refusal(tmp_path, monkeypatch):
     remove_refused_run_dirs()
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [".hydra", ".hydra/overrides.yaml", "notes.txt"]
     assert (run / ".hydra" / "overrides.yaml").read_text() == "- a=1\n"
+    (run / "train.log").write_text("earlier run\n")  # a log Hydra appends to: cut back to its length
+    hydra_folders.keep_records(run, [".hydra", "train.log"])
+    with open(run / "train.log", "a") as log:
+        log.write("refused\n")
+    remove_refused_run_dirs()
+    assert (run / "train.log").read_text() == "earlier run\n"
     hydra_folders.keep_records(run, [".hydra"])
     hydra_folders.accept_records(run)  # the run recorded its settings: nothing is put back
     (run / ".hydra" / "overrides.yaml").write_text("- a=3\n")

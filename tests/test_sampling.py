@@ -318,6 +318,9 @@ def test_diffusion_only_settings_are_refused_for_ar_runs(causal):
         with pytest.raises(GenerationConfigError, match=r"^gen.steps=12, gen.remasking=random: objective=ar runs "
                                                         r"decode left to right .* drop gen.steps gen.remasking$"):
             generation_options(model, tok, steps, causal)
+        for key in ("steps", "block_length"):  # 64, the former default, typed: as unread as any other value
+            with pytest.raises(GenerationConfigError, match=rf"^gen.{key}=64: objective=ar runs decode left to right"):
+                generation_options(model, tok, OmegaConf.merge(plain, {key: 64}), causal)
     else:
         assert generation_options(model, tok, steps, causal).remasking == "random"
 

@@ -50,11 +50,13 @@ def fitted_block_length(length: int, default: int = DEFAULT_BLOCK_LENGTH) -> int
     """The LLaDA block length ``gen.block_length=null`` gives ``gen.length=length`` tokens on a run without blocks of
     its own: the largest divisor of ``length`` not above ``default``. That is ``length`` itself when it is at most
     ``default`` (one block), ``default`` when it divides ``length`` (64 for 128, 256, ...), else the largest divisor
-    below it (48 for 96, 50 for 1000). A length without a divisor near ``default`` gets small blocks (a prime above
-    it: blocks of 1 token, one step each); give ``gen.block_length`` for another split. Both arguments >= 1."""
+    below it (48 for 96, 50 for 1000) while it is at least ``default // 4``. A length without such a divisor (a prime
+    above ``default``: 67, 127) is one block of ``length``, not blocks of a few tokens decoded token by token; give
+    ``gen.block_length`` for another split. Both arguments >= 1."""
     if length <= default:
         return max(1, int(length))
-    return next(d for d in range(int(default), 0, -1) if length % d == 0)
+    divisor = next(d for d in range(int(default), 0, -1) if length % d == 0)
+    return divisor if divisor >= max(1, int(default) // 4) else int(length)
 
 
 def resolve_block_length(block_length: Optional[int], block_size: Optional[int] = None,
@@ -266,11 +268,10 @@ class GenerationOptions:
     def diffusion_settings(self, prefix: str = "gen.") -> list[str]:
         """``<prefix><key>=<value>`` for each setting only the diffusion samplers read (:data:`DIFFUSION_ONLY`) that
         is not at its default: what left-to-right decoding (``objective=ar``) would silently ignore. ``steps`` and
-        ``block_length`` are at their default when null (:attr:`fitted`) or at the former default 64
-        (:data:`FORMER_DEFAULTS`)."""
+        ``block_length`` are at their default when null (:attr:`fitted`); a run's stored former default 64 is reset to
+        null where it is read (:func:`unread_stored_settings`), so a 64 here was typed."""
         return [f"{prefix}{k}={getattr(self, k)}" for k, default in DIFFUSION_DEFAULTS.items()
-                if getattr(self, k) != default and k not in self.fitted
-                and getattr(self, k) != FORMER_DEFAULTS.get(k, default)]
+                if getattr(self, k) != default and k not in self.fitted]
 
     def check_autoregressive(self, prefix: str = "gen.") -> None:
         """Raises GenerationConfigError when a diffusion-only setting is set for an ``ar`` run's decoding, which

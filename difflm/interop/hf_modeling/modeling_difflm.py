@@ -595,10 +595,12 @@ FORMER_DEFAULTS = {"steps": 64, "block_length": 64}
 
 def _fitted_block_length(length: int) -> int:
     """difflm's ``gen.block_length=null`` for ``length`` (>= 1) tokens: the largest divisor of ``length`` not above
-    :data:`DEFAULT_BLOCK_LENGTH` (``length`` itself up to 64; 64 for 128, 48 for 96)."""
+    :data:`DEFAULT_BLOCK_LENGTH` (``length`` itself up to 64; 64 for 128, 48 for 96) while it is at least a quarter
+    of it, else one block of ``length`` (67, 127)."""
     if length <= DEFAULT_BLOCK_LENGTH:
         return length
-    return next(d for d in range(DEFAULT_BLOCK_LENGTH, 0, -1) if length % d == 0)
+    divisor = next(d for d in range(DEFAULT_BLOCK_LENGTH, 0, -1) if length % d == 0)
+    return divisor if divisor >= DEFAULT_BLOCK_LENGTH // 4 else length
 
 
 def _fitted_steps(length: int, block_length) -> int:
