@@ -151,14 +151,16 @@ def test_request_gen_for_every_block_length(objective):
     pytest.importorskip("lm_eval")
     from difflm.eval_harness import DifflmHarnessLM
     from difflm.sampling.diffusion import _validate
+    from difflm.sampling.options import unread_stored_settings
 
     lm = DifflmHarnessLM.__new__(DifflmHarnessLM)
     lm.objective, lm.causal = objective, objective == "ar"
     lm.tok = SimpleNamespace(eos_id=0, tokenizer=SimpleNamespace(decode=lambda ids: "<|endoftext|>"))
     for run_block, block, want in itertools.product([64, 8], [None, 1, 4, 32, 64], [1, 5, 40, 64]):
-        lm.gen = OmegaConf.create(dict(length=64, steps=64, block_length=run_block, remasking="low_confidence",
+        stored = OmegaConf.create(dict(length=64, steps=64, block_length=run_block, remasking="low_confidence",
                                        temperature=0.0, seed=0, top_k=0, top_p=1.0, cfg_scale=0.0, threshold=None,
                                        cache="none"))
+        lm.gen = OmegaConf.merge(stored, unread_stored_settings(objective, stored))  # as the harness reads a run
         if objective != "mdlm" and block is not None or objective == "ar" and run_block != 64:
             continue  # ar and bd3lm runs do not read block_length (an ar run's is reset to the default)
         if objective == "bd3lm" and run_block != 8:

@@ -622,10 +622,10 @@ def test_checksums_catch_a_flipped_byte(fast_cfg):
 
 def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     """{rank: pid} of the difflm.train workers a torchrun launch started (from /proc: their RANK variable)."""
-    from conftest import load_script
+    from difflm import script_cli
 
     found = {}
-    for pid in load_script("layout_check").descendants(launcher.pid):
+    for pid in script_cli.descendants(launcher.pid):
         try:
             items = Path(f"/proc/{pid}/environ").read_text().split("\0")
             env = dict(item.split("=", 1) for item in items if "=" in item)
@@ -645,7 +645,7 @@ def test_sigkill_one_rank_of_tp2pp2_mid_save_and_mid_step_then_resume_matches(tm
     launches logged has the uninterrupted run's loss, bit for bit. (A save cut short may still be completed by rank 0,
     if the victim had passed the save's last barrier, or removed by it, if the lost peer fails its collective first:
     either is a consistent state to resume from.)"""
-    from conftest import load_script
+    from difflm import script_cli
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
@@ -683,7 +683,7 @@ def test_sigkill_one_rank_of_tp2pp2_mid_save_and_mid_step_then_resume_matches(tm
             proc.wait(timeout=300)  # torchrun stops the surviving ranks and fails
         finally:
             if proc.poll() is None:
-                load_script("layout_check").stop_process_tree(proc)
+                script_cli.stop_tree([proc])
         got = last_losses(run_dir)
         assert got == {s: reference[s] for s in got}, (trial, kills)  # this launch resumed where it should
     newest = max(complete_steps())  # a checkpoint is never deleted for a damaged one
