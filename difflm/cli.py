@@ -286,8 +286,9 @@ def check_overrides(argv: list[str], config_name: str):
     the command line makes, one or every job of a ``-m`` sweep (expanded as Hydra's basic sweeper does), by
     :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra:
     ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``, overrides Hydra cannot parse,
-    sweeps its basic sweeper cannot expand (intervals), and command lines naming another config (``--config-name``,
-    ``--config-path``, ``--experimental-rerun``) or completing a shell (``-sc``). The folders ``--config-dir`` and
+    sweeps its basic sweeper cannot expand (intervals), command lines naming another primary config (``--config-name``:
+    only its existence is checked, :func:`check_primary_config`, which also refuses ``--config-path``), rerunning a
+    job (``--experimental-rerun``) or completing a shell (``-sc``). The folders ``--config-dir`` and
     ``hydra.searchpath=[...]`` add are searched as Hydra searches them, so your own presets are checked as difflm's
     are, and a preset file that does not compose (a key the schema lacks, a value of the wrong type) is refused
     naming the file and the key (:func:`difflm.config.job_check.preset_error`). Costs one compose for a single run
@@ -315,9 +316,12 @@ def check_overrides(argv: list[str], config_name: str):
     args = _hydra_args(argv)  # Hydra's own argument parser: the overrides are its positional arguments
     if args is None:  # --version, or a flag Hydra refuses: Hydra prints it
         return None
-    if args.config_name or args.config_path or args.experimental_rerun or args.shell_completion:
+    if args.experimental_rerun or args.shell_completion:
         return None
     search = search_path_of(args.config_dir, args.overrides)  # --config-dir and hydra.searchpath: the user's presets
+    if args.config_path or args.config_name:
+        check_primary_config(args.config_path, args.config_name, config_name, search)
+        return None
     if search is None:  # a hydra.searchpath Hydra refuses: Hydra says why
         return None
     parser, overrides = OverridesParser.create(), []
@@ -393,6 +397,40 @@ def check_overrides(argv: list[str], config_name: str):
             which = " ".join(line for line in job if line.partition("=")[0] in swept)
             raise DifflmError(f"{message} (in the sweep's job {which})" if sweep else message)
     return None
+
+
+def check_primary_config(config_path: str | None, name: str | None, config_name: str, search) -> None:
+    """Refuse a ``--config-path`` and a ``--config-name`` that names no config, before Hydra's multi-line errors.
+
+    ``--config-path`` replaces the folder of the primary config, so the groups every difflm config composes
+    (``model/``, ``objective/``, ...) are no longer found; a relative one is read as a Python package. Your own configs
+    go in a folder passed as ``--config-dir``, which Hydra searches after difflm's own ``conf/``. ``--config-name NAME``
+    must then be the command's own config or a ``NAME.yaml`` in one of the folders of ``search``
+    (:func:`difflm.config.job_check.search_path_of`; an entry other than a ``file://`` folder leaves it to Hydra):
+    another command's config in difflm's ``conf/`` (``difflm-train --config-name rl``) is refused too.
+    The named config's own keys and the overrides are Hydra's to check.
+
+    Raises: DifflmError naming the flag and the fix.
+    """
+    from difflm.config import CONF_DIR
+
+    prog = f"difflm-{config_name}"
+    if config_path:
+        raise DifflmError(f"{prog} takes no --config-path ({config_path}): it replaces difflm's config folder, whose "
+                          f"groups (model/, objective/, ...) every config composes; put your configs in a folder and "
+                          f"pass --config-dir FOLDER (and --config-name NAME for a NAME.yaml of your own there)")
+    if not name or search is None or any(not str(entry).startswith("file://") for entry in search):
+        return
+    stem = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    folders = [Path(str(entry)[len("file://"):]) for entry in search]
+    if stem == config_name or any((folder / f"{stem}.yaml").is_file() for folder in folders):
+        return
+    mine = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
+    where = f" (the configs there: {', '.join(mine)})" if mine else ""
+    raise DifflmError(f"--config-name {name}: no {stem}.yaml in --config-dir{where}. Put "
+                      f"{stem}.yaml in a folder and pass --config-dir FOLDER (start from a copy of "
+                      f"{Path(CONF_DIR) / config_name}.yaml: its defaults list composes the groups), or leave "
+                      f"--config-name out")
 
 
 def check_sweep(argv: list[str], config_name: str, job_check) -> None:

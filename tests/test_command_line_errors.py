@@ -314,6 +314,27 @@ def test_presets_on_hydras_search_path_are_checked_as_difflms(my_conf):
         "conf/ (model/mine.yaml, experiment/mine.yaml, ...)")
 
 
+def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
+    """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
+    config in difflm's conf/ is refused too); ``--config-path``, which hides difflm's groups, is refused in one line
+    naming ``--config-dir``."""
+    from difflm.config import CONF_DIR
+
+    (my_conf / "mine.yaml").write_text((CONF_DIR / "train.yaml").read_text())
+    assert check_overrides(["--config-dir", str(my_conf), "--config-name", "mine", "model=good"], "train") is None
+    assert check_overrides(["--config-name", "train", "model=tiny"], "train") is None
+    fix = (f"Put {{n}}.yaml in a folder and pass --config-dir FOLDER (start from a copy of {CONF_DIR}/train.yaml: its "
+           f"defaults list composes the groups), or leave --config-name out")
+    assert refusal(["--config-dir", str(my_conf), "--config-name", "mine2"]) == (
+        "--config-name mine2: no mine2.yaml in --config-dir (the configs there: mine). " + fix.format(n="mine2"))
+    assert refusal(["-cn", "rl", "model=tiny"]) == "--config-name rl: no rl.yaml in --config-dir. " + fix.format(n="rl")
+    for path in ("myconf", str(my_conf)):
+        assert refusal(["--config-path", path, "--config-name", "mine"]) == (
+            f"difflm-train takes no --config-path ({path}): it replaces difflm's config folder, whose groups (model/, "
+            "objective/, ...) every config composes; put your configs in a folder and pass --config-dir FOLDER (and "
+            "--config-name NAME for a NAME.yaml of your own there)")
+
+
 def test_compose_and_the_planner_name_a_broken_preset_of_your_own(my_conf, capsys):
     """``compose_train_config(..., config_dir=)`` (scripts) and ``difflm-plan --config-dir`` compose your presets as
     difflm-train does, and refuse a broken one in the same line."""
