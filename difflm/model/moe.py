@@ -53,6 +53,7 @@ from difflm.model.grouped_experts import (
     swiglu as _swiglu,
 )
 from difflm.model.layers import rms_norm
+from difflm.model.token_permutation import SlotOrder
 from difflm.training.precision import fp8_is_active
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -489,19 +490,12 @@ class MoEMLP(nn.Module):
         """sum_j weights[t, j] * expert_{ids[t, j]}(h[t]) for every token: sort the T k slots by expert, dispatch,
         run the experts, combine, unsort, weight. Slots with id E (dropped) contribute 0."""
         t, k = expert_ids.shape
-        flat = expert_ids.flatten()
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order inside a group
-        counts = _count(flat, self.num_experts + 1)[: self.num_experts]  # id E: dropped slots
+        slots = SlotOrder(expert_ids)  # slots grouped by expert, token order inside a group
+        counts = _count(expert_ids, self.num_experts + 1)[: self.num_experts]  # id E: dropped slots
         dropped = self.capacity_factor is not None and self.training
         kept = int(counts.sum()) if dropped else t * k
-        x_sorted = h[order[:kept] // k]  # [N, d]
-        x_local, local_counts, ctx = self.dispatcher.dispatch(x_sorted, counts)
-        y_sorted = self.dispatcher.combine(self.experts(x_local, local_counts), ctx)
-        if kept < t * k:
-            y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(t * k - kept, y_sorted.shape[-1])])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(t * k, device=order.device)
-        y = y_sorted[inverse].view(t, k, -1)  # [T, k, d] back in token order
+        x_local, local_counts, ctx = self.dispatcher.dispatch(slots.permute(h, kept), counts)  # [N, d] sorted
+        y = slots.unpermute(self.dispatcher.combine(self.experts(x_local, local_counts), ctx))  # [T, k, d]
         return torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(h.dtype)
 
 
