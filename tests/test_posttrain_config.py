@@ -172,3 +172,73 @@ def test_rl_hf_dataset_dict_reads_its_split(tmp_path):
         read_records(compose_rl(base).data, GRPO_FIELDS)
     assert str(info.value) == (f"data.hf_split='train' is not a split of data.hf_dataset='{tmp_path / 'dd'}': set "
                                "data.hf_split to one of ['test']")
+
+
+def test_dpo_with_one_field_for_both_responses_is_refused():
+    with pytest.raises(DifflmError) as info:
+        check_rl_config(compose_rl(["algorithm=dpo", "data.rejected_field=chosen"]))
+    assert str(info.value) == ("data.chosen_field and data.rejected_field are both 'chosen': every pair would hold "
+                               "one response twice (loss log 2, no gradient); point data.rejected_field at the "
+                               "records' rejected response")
+
+
+GRPO_ROWS = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(4)]
+DPO_ROWS = [{"prompt": f"What is {i} + {i}?", "chosen": str(2 * i), "rejected": str(i)} for i in range(4)]
+
+
+@pytest.mark.parametrize("algorithm,field,key,why", [
+    ("grpo", "answer", "answer_field", "the reward compares every completion with it"),
+    ("dpo", "chosen", "chosen_field", "an empty response scores its EOS only"),
+    ("dpo", "rejected", "rejected_field", "an empty response scores its EOS only"),
+])
+@pytest.mark.parametrize("empty", ["", "  \n"])
+def test_rl_records_with_an_empty_answer_or_response_are_refused(tmp_path, algorithm, field, key, why, empty):
+    """An empty reference answer made every completion's reward fail (a GRPO run that trains on nothing); an empty
+    chosen / rejected response is scored as its EOS alone. Either is refused naming the field and the line."""
+    import json
+
+    from difflm.posttrain.data import read_records
+    from difflm.posttrain.runner import DPO_FIELDS, GRPO_FIELDS
+
+    rows = [dict(r) for r in (GRPO_ROWS if algorithm == "grpo" else DPO_ROWS)]
+    rows[2][field] = empty
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    over = ["data.prompt_field=question", "data.answer_field=answer"] if algorithm == "grpo" else ["algorithm=dpo"]
+    cfg = compose_rl([*over, f"data.path={path}", "data.eval_records=1"])
+    fields = GRPO_FIELDS if algorithm == "grpo" else DPO_FIELDS
+    with pytest.raises(DifflmError) as info:
+        read_records(cfg.data, fields)
+    assert str(info.value) == (f"data.{key}='{field}' is empty in {path}:3 ({why}): fill in or remove that record, or "
+                               f"point data.{key} at the field that holds the text")
+    rows[2][field] = "5"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(read_records(cfg.data, fields)) == 4
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
+def test_rl_records_that_are_not_text_or_absent_name_the_fix(tmp_path, algorithm):
+    """An empty file names data.path (not data.eval_records); a null field names the field and the fix."""
+    import json
+
+    from difflm.posttrain.data import read_records
+    from difflm.posttrain.runner import DPO_FIELDS, GRPO_FIELDS
+
+    over = ["data.prompt_field=question", "data.answer_field=answer"] if algorithm == "grpo" else ["algorithm=dpo"]
+    fields = GRPO_FIELDS if algorithm == "grpo" else DPO_FIELDS
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DifflmError) as info:
+        read_records(compose_rl([*over, f"data.path={empty}"]).data, fields)
+    named = ("data.prompt_field='question', data.answer_field='answer'" if algorithm == "grpo" else
+             "data.prompt_field='prompt', data.chosen_field='chosen', data.rejected_field='rejected'")
+    assert str(info.value) == f"data.path='{empty}' holds no records: point it at JSONL records with the fields {named}"
+    rows = [dict(r) for r in (GRPO_ROWS if algorithm == "grpo" else DPO_ROWS)]
+    prompt = "question" if algorithm == "grpo" else "prompt"
+    rows[1][prompt] = None
+    path = tmp_path / "null.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DifflmError) as info:
+        read_records(compose_rl([*over, f"data.path={path}", "data.eval_records=1"]).data, fields)
+    assert str(info.value) == (f"data.prompt_field='{prompt}' is null in {path}:2, not text: point data.prompt_field "
+                               "at a text field or fix that record")

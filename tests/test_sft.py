@@ -139,6 +139,22 @@ def test_null_or_non_text_pair_fields_are_refused(tmp_path):
             build_sft_datasets(data_cfg(bad), build_tokenizer(TOKENIZER))
 
 
+@pytest.mark.parametrize("empty", ["", " \n"])
+def test_sft_pair_with_an_empty_response_is_refused(tmp_path, empty):
+    """A pair whose response is empty would train the model to end at once after its prompt (its only loss token
+    is the EOS): refused naming the field and the line, as difflm-rl refuses an empty answer or response."""
+    import json
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n"
+                   + json.dumps({"question": "2+2?", "answer": empty}) + "\n")
+    with pytest.raises(DifflmError) as info:
+        build_sft_datasets(data_cfg(bad), build_tokenizer(TOKENIZER))
+    assert str(info.value) == (f"data.response_field='answer' is empty in {bad}:2 (the pair would teach the model to "
+                               "stop at once): fill in or remove that record, or point data.response_field at the "
+                               "field that holds the text")
+
+
 def test_masking_never_touches_prompt_and_normalises_per_response():
     obj = SFTObjective(objective_cfg(name="sft", loss_norm="sequence"), 47)
     tokens = torch.randint(0, 40, (4, 24))

@@ -233,6 +233,13 @@ def text_value(value, field: str, setting, where, null: str = "") -> str:
                       "that record")
 
 
+def empty_text_error(field: str, setting, where, why: str) -> str:
+    """The one-line refusal of a record whose response or reference answer (config key ``field`` = ``setting``) is
+    empty text, at ``where`` (the record's place), with ``why`` an empty one is refused."""
+    return (f"{field}={setting!r} is empty in {where} ({why}): fill in or remove that record, or point {field} at the "
+            "field that holds the text")
+
+
 def _jsonl_documents(piece: Piece, fmt: DocFormat) -> Iterator[str]:
     for where, rec in read_jsonl(piece.source, fmt, piece.start, piece.end):
         if not isinstance(rec, dict) or fmt.text_field not in rec:
@@ -366,4 +373,4 @@ def hf_pieces(ds, name: str, target_bytes: int) -> list[Piece]:
 
 
 __all__ = ["EXTS", "DocFormat", "Piece", "kind_of", "resolve_sources", "read_jsonl", "iter_documents", "file_pieces",
-           "hf_pieces", "load_hf", "check_encoding", "not_text_error"]
+           "hf_pieces", "load_hf", "check_encoding", "not_text_error", "empty_text_error"]

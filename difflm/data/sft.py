@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from difflm.data.batch import TokenBatch
-from difflm.data.documents import DocFormat, data_notice, read_jsonl, resolve_sources, text_value
+from difflm.data.documents import DocFormat, data_notice, empty_text_error, read_jsonl, resolve_sources, text_value
 from difflm.data.tokenizer import TokenizerInfo, encode_text
 from difflm.errors import DifflmError
 
@@ -62,8 +62,8 @@ class SFTPairs:
 def read_pairs(cfg) -> list[tuple[str, str]]:
     """(prompt, response) strings of every ``.jsonl`` file of ``data.path``.
 
-    Raises: DifflmError for a non-JSONL source, bad JSON, bytes that are not ``data.encoding`` text, or a missing
-    field (naming data.prompt_field / data.response_field).
+    Raises: DifflmError for a non-JSONL source, bad JSON, bytes that are not ``data.encoding`` text, a missing
+    field (naming data.prompt_field / data.response_field) or an empty response.
     """
     pairs = []
     fmt = DocFormat.of(cfg)
@@ -79,8 +79,12 @@ def read_pairs(cfg) -> list[tuple[str, str]]:
                     keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                     raise DifflmError(f"data.{key}={cfg[key]!r} not found in {where} (keys: {keys}): "
                                       f"set data.{key} to one of them")
-            pairs.append(tuple(text_value(rec[cfg[key]], f"data.{key}", cfg[key], where, null=None)
-                               for key in ("prompt_field", "response_field")))
+            pair = tuple(text_value(rec[cfg[key]], f"data.{key}", cfg[key], where, null=None)
+                         for key in ("prompt_field", "response_field"))
+            if not pair[1].strip():
+                raise DifflmError(empty_text_error("data.response_field", cfg.response_field, where,
+                                                   "the pair would teach the model to stop at once"))
+            pairs.append(pair)
     return pairs
 
 

@@ -8,16 +8,26 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from difflm.data.documents import DocFormat, read_jsonl, resolve_sources
+from difflm.data.documents import DocFormat, empty_text_error, read_jsonl, resolve_sources, \
+    text_value
 from difflm.data.sft import full_pair_ids
 from difflm.errors import DifflmError
+
+
+# the record fields that hold a response or an answer, and what an empty one would do to the run
+RESPONSE_FIELDS = {
+    "answer_field": "the reward compares every completion with it",
+    "chosen_field": "an empty response scores its EOS only",
+    "rejected_field": "an empty response scores its EOS only",
+}
 
 
 def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
     """Records of ``data.path`` (every .jsonl file) or ``data.hf_dataset``, each a dict of the config's ``fields``
     (names of ``data.*_field`` keys) by their key name.
 
-    Raises: DifflmError naming the ``data.*`` key that is unset, a missing field or a non-string value.
+    Raises: DifflmError naming the ``data.*`` key that is unset, a missing field, a non-string value, an empty
+    answer or response (:data:`RESPONSE_FIELDS`), or a source without records.
     """
     rows = []
     if cfg.hf_dataset:
@@ -55,10 +65,14 @@ def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
             if not isinstance(rec, dict) or name not in rec:
                 keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise DifflmError(f"data.{key}={name!r} not found in {where} (keys: {keys}): set data.{key}")
-            if not isinstance(rec[name], str):
-                raise DifflmError(f"data.{key}={name!r} in {where} is {type(rec[name]).__name__}, not text")
-            item[key] = rec[name]
+            item[key] = text_value(rec[name], f"data.{key}", name, where, null=None)
+            if key in RESPONSE_FIELDS and not item[key].strip():
+                raise DifflmError(empty_text_error(f"data.{key}", name, where, RESPONSE_FIELDS[key]))
         out.append(item)
+    if not out:
+        source = f"data.hf_dataset={cfg.hf_dataset!r}" if cfg.hf_dataset else f"data.path={cfg.path!r}"
+        raise DifflmError(f"{source} holds no records: point it at JSONL records with the fields "
+                          f"{', '.join(f'data.{k}={cfg[k]!r}' for k in fields if cfg[k] is not None)}")
     if len(out) <= cfg.eval_records:
         raise DifflmError(f"data holds {len(out)} records, not more than data.eval_records={cfg.eval_records}: "
                           "lower data.eval_records or add records")
@@ -118,5 +132,5 @@ def answer_of(record: dict) -> Optional[str]:
     return record.get("answer_field")
 
 
-__all__ = ["answer_of", "cut_notice", "full_preference_ids", "full_prompt_ids", "prompt_text", "read_records",
-           "tokenize_preference", "tokenize_prompt"]
+__all__ = ["RESPONSE_FIELDS", "answer_of", "cut_notice", "full_preference_ids", "full_prompt_ids", "prompt_text",
+           "read_records", "tokenize_preference", "tokenize_prompt"]

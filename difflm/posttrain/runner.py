@@ -35,7 +35,7 @@ from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, cut_notice, full_preference_ids, full_prompt_ids, prompt_text, \
     read_records, tokenize_preference, tokenize_prompt
 from difflm.posttrain.forward import block_objective, estimator_logits_fn
-from difflm.posttrain.layout import build_layout, full_logits, lay_out, sampling_view
+from difflm.posttrain.layout import build_layout, check_rl_layout, full_logits, lay_out, sampling_view
 from difflm.posttrain.loglik import build_estimator
 from difflm.posttrain.reference import build_reference
 from difflm.posttrain.rewards import build_reward
@@ -100,6 +100,10 @@ def check_rl_config(cfg) -> None:
         from difflm.sampling.options import check_read_settings
 
         check_read_settings(cfg.gen, cfg.gen.keys())
+    if a.name == "dpo" and cfg.data.chosen_field == cfg.data.rejected_field:
+        raise DifflmError(f"data.chosen_field and data.rejected_field are both {cfg.data.chosen_field!r}: every pair "
+                          "would hold one response twice (loss log 2, no gradient); point data.rejected_field at the "
+                          "records' rejected response")
     # the record fields of the other algorithm would be read by nobody: say so rather than ignore them
     if a.name == "dpo" and cfg.data.answer_field is not None:
         raise DifflmError(f"data.answer_field={cfg.data.answer_field!r} is a grpo key (the reward's reference answer); "
@@ -173,13 +177,21 @@ class PostTrainer:
     def __init__(self, cfg, device: torch.device, adapters_disabled=None):
         from difflm.generate import load_run
 
-        check_rl_config(cfg)
+        init_keys = ("init.run_dir", "init.step")
+        fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
+        try:  # the checks every rank runs alike on the same config and files, before any process group exists
+            check_rl_config(cfg)
+            records = read_records(cfg.data, fields)
+            init_settings = with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step, init_keys)[0])
+            check_rl_layout(cfg, init_settings, pdist.world_size_from_env())
+        except DifflmError:
+            if pdist.launch_env()["rank"] != 0:  # every rank failed the same check: rank 0 says it once
+                raise SystemExit(2) from None
+            raise
         self.cfg = cfg
         self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
         self._reports: list[str] = []
-        init_keys = ("init.run_dir", "init.step")
-        self.layout, device = build_layout(cfg, with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step,
-                                                                                 init_keys)[0]), device)
+        self.layout, device = build_layout(cfg, init_settings, device)
         self.device = device
         self.is_rank0 = pdist.is_rank0()
         self.run_dir = Path(pdist.agree_run_dir(cfg.run.dir))
@@ -200,8 +212,6 @@ class PostTrainer:
         self.autocast = lambda: autocast_context(self.precision, device)
         self.estimator = build_estimator(cfg.estimator)
         self.blocks = block_objective(self.init_cfg.objective, self.tok.mask_id)  # None unless bd3lm
-        fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
-        records = read_records(cfg.data, fields)
         n_eval = cfg.data.eval_records
         self.eval_records, self.train_records = records[:n_eval], records[n_eval:]
         self._check_lengths(records)
@@ -378,9 +388,12 @@ class PostTrainer:
             self.report(f"difflm: step {self.step + 1}: non-finite gradient norm, update skipped")
         return float(norm)
 
-    def report(self, message: str) -> None:
+    def report(self, message: str, every_rank: bool = False) -> None:
+        """Print a notice or warning: on rank 0 only (the same line on every rank), or with ``every_rank`` on each
+        rank (a line about that rank's own share of the step, e.g. its reward failures)."""
         self._reports.append(message)
-        print(message, flush=True)
+        if every_rank or self.is_rank0:
+            print(message, flush=True)
 
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> dict:
