@@ -267,6 +267,30 @@ def multirun_flag(argv: list[str]) -> str | None:
     return None
 
 
+NON_ZERO_RANK_OVERRIDES = (
+    # Hydra's own outputs (.hydra/, <job>.log) are written by rank 0 only; other ranks run in place.
+    "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+)
+
+
+def rank_argv(argv: list[str]) -> list[str]:
+    """The command line ``argv`` of a command that trains (difflm-train, difflm-rl) for this process of a
+    torchrun / srun launch: ranks other than 0 get :data:`NON_ZERO_RANK_OVERRIDES`, so that only rank 0 creates the
+    Hydra run directory and writes its files. A multirun (``-m``) under several processes, which would start one
+    sweep per process whose jobs wait on each other's collectives forever, ends in one line (exit status 2)."""
+    from difflm.parallel.distributed import launch_env
+
+    multirun = multirun_flag(argv) is not None  # -m, --multirun or hydra.mode=MULTIRUN
+    env = launch_env()
+    if multirun and env["world_size"] > 1:
+        _say(f"difflm: error: a multirun (-m) under torchrun/srun ({env['world_size']} processes) would start one "
+             "sweep per process, and their jobs wait on each other forever: sweep from one process with "
+             "hydra/launcher=slurm (each job its own torchrun-style launch), or run one torchrun per point "
+             "(docs/parallel.md)")
+        sys.exit(2)
+    return list(argv) + (list(NON_ZERO_RANK_OVERRIDES) if env["rank"] != 0 and not multirun else [])
+
+
 def refuse_multirun(argv: list[str], prog: str) -> None:
     """Refuse a multirun (:func:`multirun_flag`) of a command that runs one job (difflm-generate, -eval, -export,
     -import, -preprocess), before Hydra starts: Hydra's launcher would create ``multirun/<date>/<time>/`` (and a job

@@ -73,9 +73,9 @@ def main() -> None:
     :func:`difflm.cli.quote_free_text`)."""
     import sys
 
-    from difflm.cli import quote_free_text
+    from difflm.cli import quote_free_text, rank_argv
 
-    sys.argv[1:] = quote_free_text(sys.argv[1:], ("data.prompt_template",))
+    sys.argv[1:] = rank_argv(quote_free_text(sys.argv[1:], ("data.prompt_template",)))
     _main()
 
 

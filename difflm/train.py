@@ -13,7 +13,7 @@ import sys
 
 from hydra.core.hydra_config import HydraConfig
 
-from difflm.cli import hydra_app, multirun_flag, quote_free_text
+from difflm.cli import hydra_app, quote_free_text, rank_argv
 from difflm.config.validate import check_config, check_run
 from difflm.errors import DifflmError
 from difflm.parallel.distributed import agree_run_dir, destroy_distributed, init_distributed, launch_env, \
@@ -80,27 +80,12 @@ def _main(cfg) -> None:
         destroy_distributed()
 
 
-NON_ZERO_RANK_OVERRIDES = (
-    # Hydra's own outputs (.hydra/, train.log) are written by rank 0 only; other ranks run in place.
-    "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-)
-
-
 def main() -> None:
-    """Entry point. Under torchrun/SLURM, ranks other than 0 add :data:`NON_ZERO_RANK_OVERRIDES` so that only
-    rank 0 creates the Hydra run directory and its files; every rank then takes rank 0's ``run.dir``.
+    """Entry point. Under torchrun/SLURM, ranks other than 0 run in place (:func:`difflm.cli.rank_argv`: only
+    rank 0 creates the Hydra run directory and its files); every rank then takes rank 0's ``run.dir``.
     ``logger.sample_prompt=`` takes any text (:func:`difflm.cli.quote_free_text`)."""
     sys.argv[1:] = quote_free_text(sys.argv[1:], ("logger.sample_prompt",))
-    multirun = multirun_flag(sys.argv[1:]) is not None  # -m, --multirun or hydra.mode=MULTIRUN
-    env = launch_env()
-    if multirun and env["world_size"] > 1:  # every rank would run its own sweep: the jobs' collectives never meet
-        print(f"difflm: error: a multirun (-m) under torchrun/srun ({env['world_size']} processes) would start one "
-              "sweep per process, and their jobs wait on each other forever: sweep from one process with "
-              "hydra/launcher=slurm (each job its own torchrun-style launch), or run one torchrun per point "
-              "(docs/parallel.md)", file=sys.stderr)
-        sys.exit(2)
-    if env["rank"] != 0 and not multirun:
-        sys.argv.extend(NON_ZERO_RANK_OVERRIDES)
+    sys.argv[1:] = rank_argv(sys.argv[1:])
     _main()
     if shown_config(sys.argv[1:]) == "job":
         print_kernel_choice(sys.argv[1:])

@@ -178,11 +178,13 @@ def test_forward_only_reads_leave_the_training_kernels_out():
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}],
                          ids=["torchrun", "srun"])
-def test_a_multirun_under_a_multi_process_launch_is_refused(env, tmp_path):
-    """A fault report: ``torchrun --nproc-per-node 2 -m difflm.train -m optim.lr=a,b`` started one sweep per rank;
-    the first job finished and the second hung in its collectives (30 minutes by default). It is refused at once,
-    before Hydra starts, naming the two ways that work."""
-    out = subprocess.run([sys.executable, "-m", "difflm.train", "-m", "optim.lr=1e-4,3e-4", f"run.dir={tmp_path}/s"],
+@pytest.mark.parametrize("module,extra", [("difflm.train", []), ("difflm.rl", ["init.run_dir=x"])],
+                         ids=["train", "rl"])
+def test_a_multirun_under_a_multi_process_launch_is_refused(env, module, extra, tmp_path):
+    """``torchrun --nproc-per-node 2 -m difflm.train -m optim.lr=a,b`` (or ``difflm.rl``) would start one sweep per
+    rank; the first job would finish and the second hang in its collectives (30 minutes by default). It is refused
+    at once, before Hydra starts, naming the two ways that work."""
+    out = subprocess.run([sys.executable, "-m", module, "-m", "optim.lr=1e-4,3e-4", f"run.dir={tmp_path}/s", *extra],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("difflm: error: a multirun (-m) under torchrun/srun (2 processes) would start one "
@@ -286,6 +288,24 @@ def test_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch):
              ("difflm.train", "model.hiden_size=64")]  # a mistyped key (check_overrides)
     for args in cases:
         assert _errors_said_by_ranks(monkeypatch, "RANK", *args) == [1, 0], args
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_rl_errors_under_torchrun_are_said_once_by_rank_0(monkeypatch, tmp_path):
+    """difflm-rl's checks of its config, records and layout run alike on every rank before any process group: rank
+    0 says what is wrong, the others exit 2 without a word, and no rank leaves a run.dir behind."""
+    from test_posttrain_runtime import GSM8K, make_init_run
+
+    (tmp_path / "init").mkdir()
+    init = make_init_run(tmp_path / "init")
+    (tmp_path / "empty.jsonl").write_text("")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["difflm.rl", f"init.run_dir={init}", "device=cpu", "data.prompt_field=question",
+            "data.answer_field=answer", "parallel=fsdp", f"run.dir={tmp_path / 'rl'}"]
+    for extra in ([f"data.path={tmp_path / 'empty.jsonl'}"],  # the records
+                  [f"data.path={GSM8K}", "algorithm.prompts_per_step=3"]):  # the layout
+        assert _errors_said_by_ranks(monkeypatch, "RANK", *base, *extra) == [1, 0], extra
+        assert not (tmp_path / "rl").exists()
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out

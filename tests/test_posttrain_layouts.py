@@ -281,3 +281,18 @@ def test_unsupported_layouts_are_refused_in_one_line(init_run, tmp_path, overrid
     with pytest.raises(DifflmError) as err:
         check_rl_layout(cfg, trained_settings(str(init_run))[0], 4)
     assert "\n" not in str(err.value) and key in str(err.value)
+
+
+def test_reports_are_said_by_rank_0_unless_they_are_a_ranks_own(capsys):
+    """A notice every rank reaches alike (a cut notice, a skipped update) is printed once, by rank 0; a line about a
+    rank's own share of the step (its reward failures) by that rank."""
+    from types import SimpleNamespace
+
+    from difflm.posttrain.runner import PostTrainer
+
+    for rank0 in (True, False):
+        run = SimpleNamespace(_reports=[], is_rank0=rank0)
+        PostTrainer.report(run, "difflm: notice: a")
+        PostTrainer.report(run, "difflm: step 1: b", every_rank=True)
+        assert run._reports == ["difflm: notice: a", "difflm: step 1: b"]
+        assert capsys.readouterr().out == ("difflm: notice: a\n" if rank0 else "") + "difflm: step 1: b\n"

@@ -34,7 +34,7 @@ def grpo_step(run, step: int, records: list[dict]) -> dict:
     rewards = torch.tensor(run.reward(texts, rolls.texts, answers), dtype=torch.float32)
     failures = run.reward.take_failures()
     for f in failures[:3]:  # ``step`` counts from 0 (the seeds), the log's steps from 1
-        run.report(f"difflm: step {step + 1}: {f}")
+        run.report(f"difflm: step {step + 1}: {f}", every_rank=True)
     adv = group_advantages(rewards, g, scale=a.scale_rewards).to(run.device)
     ids = list(range(share.start * g, share.stop * g))  # the step-wide sample ids: the estimates' noise keys
     # this rank's share of the step's loss normaliser: its completion tokens (token) or rows (sequence)
