@@ -134,6 +134,13 @@ def test_the_fix_offered_is_a_preset_that_accepts_the_value():
     ("rl", ["lora.alpha=32"], f"lora.alpha=32 {NO_ADAPTERS}"),
     ("rl", ["lora=none", "lora.targets=[qkv]"], f"lora.targets=[qkv] {NO_ADAPTERS}"),
     ("train", ["model=tiny", "lora.dropout=0.1"], f"lora.dropout=0.1 {NO_ADAPTERS}"),
+    # an adapter preset with rank 0 would silently train every weight (full fine-tuning), in either order
+    ("train", ["lora=attn_mlp", "lora.rank=0"],
+     "lora=attn_mlp has no effect with lora.rank=0 (no adapters: every weight would train); remove it or set "
+     "lora.rank >= 1"),
+    ("rl", ["lora.rank=0", "lora=attn"],
+     "lora=attn has no effect with lora.rank=0 (no adapters: every weight would train); remove it or set "
+     "lora.rank >= 1"),
     ("train", ["logger.project=mine"],
      "logger.project=mine has no effect with logger=console (no W&B run); remove it or use logger=wandb"),
     ("rl", ["logger=wandb", "logger.num_samples=4"],
@@ -160,6 +167,7 @@ def test_a_key_the_chosen_settings_never_read_is_refused(config_name, argv, mess
     ("rl", ["algorithm.beta=0.1", "algorithm.reference=frozen_copy"]),
     ("rl", ["lora=attn", "lora.alpha=8"]),
     ("rl", ["lora.rank=4", "lora.alpha=8"]),  # a rank turns adapters on
+    ("train", ["lora=none", "lora.rank=0"]),
     ("rl", ["logger=wandb", "logger.project=mine", "logger.mode=offline"]),
     ("train", ["logger.num_samples=0"]),  # the trainer logs samples with either logger
     ("rl", ["-m", "algorithm=grpo,dpo", "algorithm.prompts_per_step=2,4"]),

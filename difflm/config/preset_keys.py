@@ -73,9 +73,14 @@ def _reference_unread(cfg, key: str):
 
 
 def _adapter_key_unread(cfg, key: str):
-    """``lora.*`` but ``lora.rank`` with rank 0 (``lora=none``): no adapters are added, so none of it is read."""
-    if key == "lora" or key == "lora.rank" or int(cfg.lora.get("rank", 0) or 0) > 0:
+    """``lora.*`` but ``lora.rank`` with rank 0 (``lora=none``): no adapters are added, so none of it is read; and an
+    adapter preset (``lora=attn_mlp``) with ``lora.rank=0``, which would train every weight instead."""
+    if key == "lora.rank" or int(cfg.lora.get("rank", 0) or 0) > 0:
         return None
+    if key == "lora":
+        if cfg.lora.get("name", "none") == "none":
+            return None
+        return "lora.rank=0 (no adapters: every weight would train)", "set lora.rank >= 1"
     return f"lora={cfg.lora.name} (no adapters: lora.rank=0)", "choose lora=attn or lora=attn_mlp"
 
 
