@@ -54,3 +54,29 @@ def test_build_reward_errors_name_the_key():
         build_reward(OmegaConf.create({"terms": []}))
     with pytest.raises(DifflmError, match=r"reward.terms\[0\]._target_=no.such.fn"):
         build_reward(OmegaConf.create({"terms": [{"_target_": "no.such.fn", "_partial_": True}]}))
+
+
+def two_args_reward(prompt, completion):
+    """A reward of the wrong shape: it takes no answer."""
+    return float(len(completion))
+
+
+@pytest.mark.parametrize("term,message", [
+    # a term without _partial_: Hydra calls the function at build time; one line, and the fix
+    ({"_target_": "difflm.posttrain.rewards.format.format_match"},
+     "reward.terms[0]._target_=difflm.posttrain.rewards.format.format_match cannot be instantiated: Error in call to "
+     "target 'difflm.posttrain.rewards.format.format_match': TypeError(\"format_match() missing 2 required positional "
+     "arguments: 'prompt' and 'completion'\") (a reward function of (prompt, completion, answer) is bound, not called, "
+     "with _partial_: true on its term)"),
+    # a key the function does not take: every completion's call would fail and score 0
+    ({"_target_": "difflm.posttrain.rewards.format.format_match", "_partial_": True, "max_len": 3},
+     "reward.terms[0]._target_=difflm.posttrain.rewards.format.format_match does not take the keyword arguments its "
+     "term binds (max_len): drop the keys it does not take"),
+    ({"_target_": "test_posttrain_rewards.two_args_reward", "_partial_": True},
+     "reward.terms[0]._target_=test_posttrain_rewards.two_args_reward cannot be called as fn(prompt, completion, "
+     "answer) (too many positional arguments): give it the parameters (prompt, completion, answer)"),
+])
+def test_a_reward_term_that_every_completion_would_fail_is_refused(term, message):
+    with pytest.raises(DifflmError) as info:
+        build_reward(OmegaConf.create({"terms": [{**term, "weight": 1.0}]}))
+    assert str(info.value) == message

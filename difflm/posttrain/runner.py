@@ -181,6 +181,7 @@ class PostTrainer:
         fields = GRPO_FIELDS if cfg.algorithm.name == "grpo" else DPO_FIELDS
         try:  # the checks every rank runs alike on the same config and files, before any process group exists
             check_rl_config(cfg)
+            reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
             records = read_records(cfg.data, fields)
             init_settings = with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step, init_keys)[0])
             check_rl_layout(cfg, init_settings, pdist.world_size_from_env())
@@ -189,7 +190,7 @@ class PostTrainer:
                 raise SystemExit(2) from None
             raise
         self.cfg = cfg
-        self.reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
+        self.reward = reward
         self._reports: list[str] = []
         self.layout, device = build_layout(cfg, init_settings, device)
         self.device = device

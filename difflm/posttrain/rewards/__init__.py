@@ -76,10 +76,37 @@ class WeightedReward:
         return failures
 
 
+def check_reward_signature(fn, name: str, bound: list[str]) -> None:
+    """Refuse a reward callable ``fn`` (``name``: its ``reward.terms[i]._target_=...``) that cannot be called as
+    ``fn(prompt, completion, answer)`` with the keyword arguments its term binds (``bound``): every completion would
+    fail it and score 0. A callable without a readable signature (a builtin) is taken as it is.
+
+    Raises: DifflmError naming the term, the keys it binds and the fix."""
+    import functools
+    import inspect
+
+    keys = f" with the keys of its term bound ({', '.join(bound)})" if bound else ""
+    fix = "drop the keys it does not take" if bound else "give it the parameters (prompt, completion, answer)"
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # a partial whose bound keywords the function does not take, or a builtin
+        if isinstance(fn, functools.partial):
+            raise DifflmError(f"{name} does not take the keyword arguments its term binds ({', '.join(bound)}): "
+                              f"{fix}") from None
+        return
+    except TypeError:
+        return
+    try:
+        signature.bind("", "", None)
+    except TypeError as e:
+        raise DifflmError(f"{name} cannot be called as fn(prompt, completion, answer){keys} ({e}): {fix}") from None
+
+
 def build_reward(cfg) -> WeightedReward:
     """The :class:`WeightedReward` of a ``reward`` config (``terms``: a list of ``_target_`` nodes with ``weight``).
 
-    Raises: DifflmError naming ``reward.terms`` when it is empty, a target cannot be imported or is not callable.
+    Raises: DifflmError naming ``reward.terms`` when it is empty, a target cannot be imported, is not callable or
+    cannot be called as ``fn(prompt, completion, answer)`` (:func:`check_reward_signature`).
     """
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -97,11 +124,16 @@ def build_reward(cfg) -> WeightedReward:
         try:
             fn = instantiate(node)
         except Exception as e:  # noqa: BLE001 - Hydra wraps import errors in its own types
-            raise DifflmError(f"reward.terms[{i}]._target_={target} cannot be instantiated: {e}") from None
+            hint = "" if node.get("_partial_") else (" (a reward function of (prompt, completion, answer) is bound, "
+                                                     "not called, with _partial_: true on its term)")
+            raise DifflmError(f"reward.terms[{i}]._target_={target} cannot be instantiated: {' '.join(str(e).split())}"
+                              f"{hint}") from None
         if not callable(fn):
             raise DifflmError(f"reward.terms[{i}]._target_={target} is not callable")
+        check_reward_signature(fn, f"reward.terms[{i}]._target_={target}",
+                               sorted(k for k in node if not k.startswith("_")))
         terms.append((target.rsplit(".", 1)[-1], fn, weight))
     return WeightedReward(terms)
 
 
-__all__ = ["RewardFailure", "RewardFn", "WeightedReward", "build_reward"]
+__all__ = ["RewardFailure", "RewardFn", "WeightedReward", "build_reward", "check_reward_signature"]
