@@ -508,6 +508,14 @@ def test_conversation_with_chat_template_and_packing(tmp_path, capsys):
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
     with pytest.raises(DifflmError, match=r"is null in .*bad.jsonl:1 turn 0, not text"):
         load_sft_samples(conv_cfg(bad), tok)
+    # an empty assistant turn: its only loss token would end the turn at once (a user turn may be empty)
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": " "}]})
+                   + "\n")
+    with pytest.raises(DifflmError) as info:
+        load_sft_samples(conv_cfg(bad), tok)
+    assert str(info.value) == (f"data.messages_field='messages': the assistant turn in {bad}:1 turn 1 is empty (its "
+                               "only loss token would teach the model to end the turn at once): fill it in or remove "
+                               "that record")
 
 
 

@@ -37,7 +37,7 @@ def read_conversations(cfg) -> list[list[dict]]:
     """The conversations (lists of ``{"role", "content"}`` turns) of every ``.jsonl`` file of ``data.path``.
 
     Raises: DifflmError naming ``data.messages_field`` and the line for a missing field, a value that is not a list
-    of turns, or a turn whose role or content is not text."""
+    of turns, a turn whose role or content is not text, or an assistant turn without content."""
     key = "data.messages_field"
     field = cfg.messages_field
     out = []
@@ -59,6 +59,10 @@ def read_conversations(cfg) -> list[list[dict]]:
                 spot = f"{where} turn {n}"
                 role = text_value(turn.get("role"), f"{key}[].role", field, spot, null=None)
                 content = text_value(turn.get("content"), f"{key}[].content", field, spot, null=None)
+                if role == ASSISTANT and not content.strip():
+                    raise DifflmError(f"{key}={field!r}: the assistant turn in {spot} is empty (its only loss token "
+                                      "would teach the model to end the turn at once): fill it in or remove that "
+                                      "record")
                 conv.append({"role": role, "content": content})
             out.append(conv)
     return out
