@@ -128,6 +128,25 @@ def test_dpo_runs(init_run, tmp_path):
     assert abs(first["loss"] - 0.693147) < 1e-5 and abs(first["margin"]) < 1e-6
 
 
+def test_records_and_the_init_runs_objective_are_checked_before_its_model_loads(tmp_path, monkeypatch):
+    """An ar init run and an empty record file are refused before the init model is read (a large model takes
+    minutes to load), each in one line naming the key."""
+    import difflm.generate
+    from difflm.errors import DifflmError
+    from difflm.posttrain.runner import PostTrainer
+
+    (tmp_path / "ar").mkdir()
+    ar = make_init_run(tmp_path / "ar", "objective=ar")
+    monkeypatch.setattr(difflm.generate, "load_run", lambda *a, **k: pytest.fail("the init model was read"))
+    with pytest.raises(DifflmError) as info:
+        PostTrainer(rl_config(ar, tmp_path / "rl"), torch.device("cpu"))
+    assert str(info.value) == (f"init.run_dir={ar} is an objective=ar run: difflm-rl post-trains masked-diffusion "
+                               "models (mdlm, sft, bd3lm)")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DifflmError, match=r"^data.path='.*empty.jsonl' holds no records"):
+        PostTrainer(rl_config(ar, tmp_path / "rl", f"data.path={tmp_path / 'empty.jsonl'}"), torch.device("cpu"))
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cli_grpo_and_errors(init_run, tmp_path):
     out = run_cli("difflm.rl", f"init.run_dir={init_run}", f"run.dir={tmp_path / 'cli'}", "device=cpu",

@@ -184,6 +184,9 @@ class PostTrainer:
             reward = build_reward(cfg.reward) if cfg.algorithm.name == "grpo" else None
             records = read_records(cfg.data, fields)
             init_settings = with_rl_lora(cfg, trained_settings(cfg.init.run_dir, cfg.init.step, init_keys)[0])
+            if init_settings.objective.name == "ar":
+                raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
+                                  "masked-diffusion models (mdlm, sft, bd3lm)")
             check_rl_layout(cfg, init_settings, pdist.world_size_from_env())
         except DifflmError:
             if pdist.launch_env()["rank"] != 0:  # every rank failed the same check: rank 0 says it once
@@ -203,9 +206,6 @@ class PostTrainer:
         if lora_enabled(cfg.get("lora")):  # fresh adapters (B = 0: the init model's outputs) on a full run
             self.init_cfg = with_rl_lora(cfg, self.init_cfg)
             apply_lora(model, self.init_cfg.lora, seed=int(cfg.train.seed))
-        if self.init_cfg.objective.name == "ar":
-            raise DifflmError(f"init.run_dir={cfg.init.run_dir} is an objective=ar run: difflm-rl post-trains "
-                              "masked-diffusion models (mdlm, sft, bd3lm)")
         self._resolve_chat_template()
         self._check_gen(model)
         model.train()
