@@ -68,6 +68,7 @@ except ImportError as _err:
     raise DifflmError(LM_EVAL_MISSING) from _err
 from difflm.generate import (beyond_trained_length, decode_generated, encode_prompt, forbidden_ids, generate_ids,
                              load_run, run_chat_template)
+from difflm.objectives.keyed_rng import check_seed
 from difflm.sampling.options import (DEFAULT_BLOCK_LENGTH, GenerationConfigError, GenerationOptions,
                                      check_read_settings, resolve_block_length, run_block_size,
                                      unread_stored_settings)
@@ -222,6 +223,7 @@ class DifflmHarnessLM(LM):
                                 ("max_length", int(max_length) if max_length else None, 2)):
             if value is not None and value < low:  # before the run is read
                 raise DifflmError(f"{key}={value} must be >= {low}")
+        check_seed(int(seed) if str(seed).lstrip("-").isdigit() else seed, "seed")
         self.cfg, self.model, self.tok, self.step = load_run(str(run_dir), None if step in (None, "") else int(step),
                                                              self._device, keys=("run_dir", "step"))  # model_args
         self.run_dir = str(run_dir)

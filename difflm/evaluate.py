@@ -48,6 +48,7 @@ from difflm.data.windows import PackedStream, token_datasets
 from difflm.errors import DifflmError
 from difflm.objectives import build_objective
 from difflm.objectives.cross_entropy import token_cross_entropy
+from difflm.objectives.keyed_rng import check_seed
 from difflm.training.precision import autocast_context
 
 
@@ -260,7 +261,7 @@ def bound_kind(objective_cfg) -> str:
 def check_eval_settings(args) -> None:
     """The numeric ``eval.*`` keys of a ``difflm-eval`` command line ``args``, checked before the run is read:
     ``eval.mc_samples`` and ``eval.batch_size`` >= 1, ``eval.max_windows`` >= 0 (0 = every window; a negative count
-    is no count). (``data.seq_len`` needs the run's objective: checked once it is read.)
+    is no count), ``eval.seed`` in [0, 2**63). (``data.seq_len`` needs the run's objective: checked once it is read.)
 
     Raises: DifflmError naming the key, its meaning and the fix."""
     e = args.eval
@@ -271,6 +272,7 @@ def check_eval_settings(args) -> None:
     if e.max_windows < 0:
         raise DifflmError(f"eval.max_windows={e.max_windows} must be >= 0 (the first windows evaluated; 0 = every "
                           "window): set eval.max_windows=0 for all of them, or a positive count")
+    check_seed(e.seed, "eval.seed")
 
 
 def evaluate_file(args, device: torch.device) -> dict:

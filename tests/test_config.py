@@ -314,6 +314,66 @@ def test_optimizer_values_torch_would_refuse_mid_start_are_refused_first(overrid
     check_run(compose_run(["optim.beta1=0", "optim.eps=0", "optim.weight_decay=0"]))  # the edges are legal
 
 
+SEED_FIX = "must be an integer in [0, 2**63) (it keys every random draw)"
+
+
+@pytest.mark.parametrize("value", ["-1", "9223372036854775808", "99999999999999999999"])
+def test_a_seed_out_of_range_is_refused_naming_its_key_at_every_entry_point(value):
+    """train.seed, gen.seed and eval.seed outside [0, 2**63) had ended in a traceback from the keyed draws or torch's
+    generator (difflm-eval, difflm-generate), or in a line naming no key after the data was read (difflm-train)."""
+    from omegaconf import OmegaConf
+    from test_posttrain_config import compose_rl
+
+    from difflm.evaluate import check_eval_settings
+    from difflm.posttrain.runner import check_rl_config
+    from difflm.sampling.diffusion import check_generation_config
+
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run([f"train.seed={value}"]))
+    assert str(err.value) == f"train.seed={value} {SEED_FIX}: e.g. train.seed=0"
+    with pytest.raises(DifflmError, match=rf"^train.seed={value} must be an integer in"):
+        check_rl_config(compose_rl([f"train.seed={value}"]))
+    with pytest.raises(DifflmError, match=rf"^gen.seed={value} must be an integer in"):
+        check_rl_config(compose_rl([f"gen.seed={value}", "data.answer_field=answer"]))
+    with pytest.raises(DifflmError, match=rf"^gen.seed={value} must be an integer in"):
+        check_generation_config(OmegaConf.create({"length": 8, "seed": int(value)}), OmegaConf.create({"name": "mdlm"}))
+    args = OmegaConf.create({"eval": {"mc_samples": 8, "batch_size": 8, "max_windows": 0, "seed": int(value)}})
+    with pytest.raises(DifflmError, match=rf"^eval.seed={value} must be an integer in"):
+        check_eval_settings(args)
+
+
+def test_the_seeds_edges_are_accepted():
+    from omegaconf import OmegaConf
+
+    from difflm.evaluate import check_eval_settings
+    from difflm.objectives.keyed_rng import check_seed
+
+    assert check_seed(0, "train.seed") == 0 and check_seed(2**63 - 1, "train.seed") == 2**63 - 1
+    check_run(compose_run([f"train.seed={2**63 - 1}"]))
+    check_eval_settings(OmegaConf.create({"eval": {"mc_samples": 1, "batch_size": 1, "max_windows": 0, "seed": 0}}))
+
+
+@pytest.mark.parametrize("project, shown", [("team/proj", "/"), ("a?b%c", "% ?")])
+def test_a_wandb_project_name_wandb_refuses_is_refused_before_the_run_is_built(project, shown):
+    """wandb.init refused such a name with a traceback after the data and the model were built."""
+    from test_posttrain_config import compose_rl
+
+    from difflm.posttrain.runner import check_rl_config
+
+    message = (f"logger.project={project!r} holds {shown}, which W&B refuses in a project name (any of / \\ # ? % :): "
+               "name the team with logger.entity and the project alone")
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={project}"]))
+    assert str(err.value).startswith(message)
+    with pytest.raises(DifflmError) as err:
+        check_rl_config(compose_rl(["logger=wandb", "logger.mode=offline", f"logger.project={project}"]))
+    assert str(err.value).startswith(message)
+    with pytest.raises(DifflmError, match="more than the 128 W&B takes"):
+        check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={'p' * 129}"]))
+    check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={'p' * 128}"]))
+    check_run(compose_run(["logger.mode=offline", f"logger.project={project}"]))  # logger=console: never sent
+
+
 def test_two_corpora_for_one_run_are_refused():
     """data.path given beside data.blend or data.hf_dataset was dropped without a word (the run reads one source);
     each alone, with data.path left at its default (the embedded corpus), is a run."""

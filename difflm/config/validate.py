@@ -525,11 +525,15 @@ def check_settings(cfg, dims) -> None:
     _require(sft_data or len(sources) <= 1,
              f"{' and '.join(sources)} both name the training corpus, and a run reads only one: keep one "
              "(data.path=null, data.hf_dataset=null or data.blend=[] drops the others)")
+    from difflm.objectives.keyed_rng import check_seed
+
+    check_seed(t.seed, "train.seed")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
     _require(0.0 <= d.valid_fraction < 1.0, f"data.valid_fraction={d.valid_fraction} must be in [0, 1)")
     for key in ("eval_every", "save_every"):
         _require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0 (0 = never)")
     check_operations(cfg)
+    check_logger_keys(cfg.logger)
     check_validation_split(d, t)
     _require(0.0 < o.eps < 1.0, f"objective.eps={o.eps} must be in (0, 1)")
     _require(0.0 <= o.random_length_prob <= 1.0, f"objective.random_length_prob={o.random_length_prob} must be in [0, 1]")
@@ -569,6 +573,24 @@ def check_settings(cfg, dims) -> None:
              f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
     check_objective_data(cfg)
     check_adaptation(cfg)
+
+
+WANDB_PROJECT_CHARS = "/\\#?%:"  # what W&B refuses in a project name (wandb.sdk.wandb_settings), besides > 128
+
+
+def check_logger_keys(lg) -> None:
+    """``logger.project`` under ``logger=wandb``: a name W&B takes (at most 128 characters, none of ``/ \\ # ? % :``),
+    checked before the model is built rather than by ``wandb.init`` after it.
+
+    Raises: DifflmError naming the key, what W&B refuses and the fix."""
+    if lg.name != "wandb" or lg.mode == "disabled" or lg.project is None:
+        return
+    bad = "".join(sorted(set(str(lg.project)) & set(WANDB_PROJECT_CHARS)))
+    _require(not bad, f"logger.project={lg.project!r} holds {' '.join(bad)}, which W&B refuses in a project name "
+             f"(any of {' '.join(WANDB_PROJECT_CHARS)}): name the team with logger.entity and the project alone, e.g. "
+             f"logger.project={str(lg.project).replace('/', '-').replace(':', '-')}")
+    _require(len(str(lg.project)) <= 128, f"logger.project has {len(str(lg.project))} characters, more than the 128 "
+             "W&B takes in a project name: give a shorter one")
 
 
 def check_logger(lg) -> None:

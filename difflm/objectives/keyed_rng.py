@@ -21,6 +21,8 @@ from typing import Union
 
 import numpy as np
 
+from difflm.errors import DifflmError
+
 # Streams: the fixed first word of every key. The fields each stream takes are listed beside it.
 STREAM_T = 0          # diffusion time of one sample (or one BD3-LM block): (*noise key, unit)
 STREAM_BATCH_T = 1    # the shared u of antithetic t over a global batch: (*noise key)
@@ -38,6 +40,21 @@ MAX_FIELDS = 6
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: SplitMix64's increment
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 Field = Union[int, np.ndarray]
+
+
+SEED_LIMIT = 2**63  # seeds are keys of every draw and seed torch's and NumPy's generators: int64-sized
+
+
+def check_seed(value, key: str) -> int:
+    """``value`` of the seed setting ``key`` (``train.seed``, ``gen.seed``, ``eval.seed``) as an int in
+    [0, 2**63), checked before any work: every random draw is keyed by it (:func:`key_hash` takes no negative field)
+    and torch's generators take at most 64 bits.
+
+    Raises: DifflmError naming the key and the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < SEED_LIMIT:
+        raise DifflmError(f"{key}={value} must be an integer in [0, 2**63) (it keys every random draw): e.g. "
+                          f"{key}=0")
+    return int(value)
 
 
 def _finalise(z: np.ndarray) -> np.ndarray:

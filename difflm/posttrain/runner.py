@@ -28,9 +28,10 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
-from difflm.config.validate import check_optim, check_schedule
+from difflm.config.validate import check_logger_keys, check_optim, check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
+from difflm.objectives.keyed_rng import check_seed
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, cut_notice, full_preference_ids, full_prompt_ids, prompt_text, \
     read_records, tokenize_preference, tokenize_prompt
@@ -96,10 +97,13 @@ def check_rl_config(cfg) -> None:
         raise DifflmError(f"data.eval_records={cfg.data.eval_records} must be >= 0 (0 = no held-out evaluation)")
     check_optim(cfg.optim)
     check_schedule(cfg.schedule)
+    check_logger_keys(cfg.logger)
+    check_seed(cfg.train.seed, "train.seed")
     if a.name == "grpo":  # a rollout setting the others leave unread (greedy top_k, ReMDM without remdm)
         from difflm.sampling.options import check_read_settings
 
         check_read_settings(cfg.gen, cfg.gen.keys())
+        check_seed(cfg.gen.seed, "gen.seed")
     if a.name == "dpo" and cfg.data.chosen_field == cfg.data.rejected_field:
         raise DifflmError(f"data.chosen_field and data.rejected_field are both {cfg.data.chosen_field!r}: every pair "
                           "would hold one response twice (loss log 2, no gradient); point data.rejected_field at the "

@@ -203,9 +203,18 @@ def check_generation_config(gen, objective, typed: Iterable[str] = ()) -> Genera
     (anything with ``name``, and ``block_size`` for ``bd3lm``): the keys the caller typed (``typed``) that the other
     settings leave unread (:func:`difflm.sampling.options.check_read_settings`), the value ranges
     (:class:`GenerationOptions`) and the block and step counts of the run's sampler
-    (:func:`check_sampler_settings`). Returns the options (mask id 0: not a model's).
+    (:func:`check_sampler_settings`) and ``gen.seed`` (:func:`difflm.objectives.keyed_rng.check_seed`). Returns
+    the options (mask id 0: not a model's).
 
     Raises: GenerationConfigError naming the key and the fix."""
+    from difflm.errors import DifflmError
+    from difflm.objectives.keyed_rng import check_seed
+
+    if gen.get("seed") is not None:
+        try:
+            check_seed(gen.get("seed"), "gen.seed")
+        except DifflmError as err:
+            raise GenerationConfigError(str(err)) from None
     name = getattr(objective, "name", None)
     check_read_settings(gen, typed, causal=name == "ar")
     opts = GenerationOptions.from_config(gen, mask_id=0, block_size=run_block_size(objective))
