@@ -107,6 +107,40 @@ def test_blend_state_and_config_errors(corpora, tok, tmp_path):
         build_datasets(DataConfig(blend=[{"path": str(a)}], prompt_field="question"), tok, str(tmp_path))
 
 
+def test_a_later_missing_source_is_refused_before_the_first_is_tokenized(corpora, tok, tmp_path, monkeypatch):
+    """A mistyped second path ended the run only after the first source was tokenized (hours on a large corpus)."""
+    import difflm.data.blend as blend
+
+    a, _ = corpora
+    monkeypatch.setattr(blend, "token_datasets", lambda *args: pytest.fail("a source was tokenized"))
+    with pytest.raises(DifflmError) as err:
+        build_datasets(DataConfig(blend=[{"path": str(a)}, {"path": str(tmp_path / "nope")}]), tok, str(tmp_path))
+    assert str(err.value) == (f"data.blend source 'nope' ({tmp_path / 'nope'}): data.blend[1].path="
+                              f"'{tmp_path / 'nope'}' does not exist: point data.blend[1].path at a .txt/.jsonl/.parquet "
+                              "file, a directory or a glob")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DifflmError, match=r"^data.blend source 'empty' .*data.blend\[1\].path=.* is a directory with "
+                                          r"no .txt, .jsonl or .parquet files"):
+        build_datasets(DataConfig(blend=[{"path": str(a)}, {"path": str(tmp_path / "empty")}]), tok, str(tmp_path))
+
+
+def test_a_bad_blend_entry_is_refused_naming_its_index_before_the_run_starts():
+    """A weight of the wrong type was named ``weight=`` alone and a misspelt entry key gave Hydra's multi-line
+    error; a weight <= 0 was refused only after the device and the kernels were chosen."""
+    from test_command_line_errors import refusal
+
+    from difflm.config.validate import check_config
+    from conftest import compose_run
+
+    assert refusal(["data.blend=[{path:a,weight:1},{path:b,weight:abc}]"]) == (
+        "data.blend[1].weight=abc: Value 'abc' of type 'str' could not be converted to Float; give a value of the "
+        "key's type")
+    assert refusal(["data.blend=[{path:a,wieght:1}]"]) == (
+        "data.blend[0].wieght is not a key of this entry; did you mean weight? (an entry takes path, weight, name)")
+    with pytest.raises(DifflmError, match=r"^data.blend\[1\].weight=-2.0 must be a number > 0"):
+        check_config(compose_run(["data.blend=[{path:a,weight:1},{path:b,weight:-2}]"]))
+
+
 def val_rows(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows}

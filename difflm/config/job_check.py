@@ -391,6 +391,50 @@ def _check_objective(cfg) -> None:
 PRESET_CHECKS = {("train", "objective"): _check_objective}
 
 
+def _entry_field(overrides: list[str], field: str, value) -> tuple[str, str | None]:
+    """(``data.blend[1].weight``, ``abc``): where ``field`` holds ``value`` in a list-of-mappings override
+    (``data.blend=[{path:a,weight:1},{path:b,weight:abc}]``), whose entries OmegaConf validates as nodes of their own
+    and names by the field alone; (``field``, None) when no override holds it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parsed = parser.parse_override(override)
+            entries = parsed.value()
+        except HydraException:
+            continue
+        if not isinstance(entries, list):
+            continue
+        for i, entry in enumerate(entries):
+            if isinstance(entry, dict) and field in entry and (value is None or str(entry[field]) == str(value)):
+                return f"{parsed.key_or_group}[{i}].{field}", str(entry[field])
+    return field, None
+
+
+def _unknown_entry_field(overrides: list[str], err: Exception) -> str | None:
+    """The one-line error for a field that the entries of a list override do not have
+    (``data.blend=[{path:a,wieght:1}]``): OmegaConf refuses it naming the field alone; None for any other error."""
+    import dataclasses
+
+    from omegaconf.errors import ConfigKeyError
+
+    from difflm.errors import exception_chain
+
+    cause = next((e for e in exception_chain(err) if isinstance(e, ConfigKeyError)), None)
+    entry_type = getattr(cause, "object_type", None)
+    if cause is None or not dataclasses.is_dataclass(entry_type) or not isinstance(getattr(cause, "key", None), str):
+        return None
+    key, given = _entry_field(overrides, cause.key, None)
+    if given is None:
+        return None
+    fields = [f.name for f in dataclasses.fields(entry_type)]
+    close = difflib.get_close_matches(cause.key, fields, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{key} is not a key of this entry; {hint}(an entry takes {', '.join(fields)})"
+
+
 def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str | None:
     """The one-line error for an override whose value the schema's type refuses (``train.max_steps=abc``): ``err`` is
     what composing ``overrides`` raised; None when it is no such refusal (Hydra reports those)."""
@@ -402,9 +446,12 @@ def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str |
 
     cause = next((e for e in exception_chain(err) if isinstance(e, ValidationError)), None)
     if cause is None:
-        return None
+        return _unknown_entry_field(overrides, err)
     key = getattr(cause, "full_key", None) or "a key"
-    given = next((o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == key), "")
+    given = next((o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == key), None)
+    if given is None:  # a field of a list entry (data.blend=[{path:a,weight:abc}]) is validated without its parents
+        key, given = _entry_field(overrides, key, getattr(cause, "value", None))
+    given = given or ""
     default = None
     if key != "a key":  # the key's default, from the config without overrides
         default = OmegaConf.select(compose(config_name), key, default=None, throw_on_missing=False)

@@ -210,6 +210,23 @@ def blend_entries(blend) -> list[tuple[str, str, float]]:
     return out
 
 
+def check_blend_sources(entries: Sequence[tuple[str, str, float]], tok: TokenizerInfo) -> None:
+    """Every source of :func:`blend_entries` names shards of ``tok`` or corpus files, checked before the first
+    source is tokenized, so a mistyped later path ends the run at once rather than after the earlier sources.
+
+    Raises: DifflmError naming the source and ``data.blend[i].path``."""
+    from difflm.data.documents import resolve_sources
+    from difflm.data.shards import find_shards
+
+    for i, (name, path, _) in enumerate(entries):
+        key = f"data.blend[{i}].path"
+        try:
+            if find_shards(path, tok, key=key) is None:
+                resolve_sources(path, key=key)
+        except DifflmError as err:
+            raise DifflmError(f"data.blend source {name!r} ({path}): {err}") from None
+
+
 def build_blend(cfg, tok: TokenizerInfo, cache_dir: str) -> tuple[BlendedWindows, BlendedWindows]:
     """(train, valid) :class:`BlendedWindows` of ``cfg.blend``: each source read like ``data.path`` (shards or
     text, with the other ``data.*`` keys) and split into its own train/valid windows. Prints the sources (rank 0)."""
@@ -217,8 +234,10 @@ def build_blend(cfg, tok: TokenizerInfo, cache_dir: str) -> tuple[BlendedWindows
 
     if getattr(cfg, "max_train_tokens", None) is not None:
         raise DifflmError("data.max_train_tokens is not supported with data.blend: set data.max_train_tokens=null")
+    entries = blend_entries(cfg.blend)
+    check_blend_sources(entries, tok)
     names, weights, trains, valids = [], [], [], []
-    for i, (name, path, weight) in enumerate(blend_entries(cfg.blend)):
+    for i, (name, path, weight) in enumerate(entries):
         try:
             parts = token_datasets(_with(cfg, path=path, hf_dataset=None, blend=[]), tok, cache_dir)
             train, valid = build_windows(parts, tok.eos_id, cfg.seq_len, cfg.valid_fraction,
