@@ -219,6 +219,7 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
 
         @functools.wraps(task)
         def entry() -> None:
+            sys.argv[1:] = hydra_flags_first(sys.argv[1:])
             try:
                 if not sweeps:
                     refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
@@ -236,6 +237,40 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
         return entry
 
     return decorate
+
+
+def hydra_flags_first(argv: list[str]) -> list[str]:
+    """``argv`` with Hydra's own flags (``-m``, ``--cfg job``, ``-cd DIR``, ...) moved before the overrides, when a flag
+    typed after an override (``difflm-train model=tiny -m optim.lr=1e-4,3e-4``) would make Hydra's parser stop with
+    its usage text and ``unrecognized arguments``; the flags keep their order, and so do the overrides. Returned as
+    given when Hydra reads it already, and when it holds ``--`` or a dash word that is not one of Hydra's flags."""
+    from hydra._internal.utils import get_args_parser
+
+    if _hydra_args(argv) is not None or "--" in argv:
+        return list(argv)
+    actions = get_args_parser()._option_string_actions
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            overrides.append(arg)
+            i += 1
+            continue
+        action = actions.get(arg.partition("=")[0] if arg.startswith("--") else arg)
+        if action is None:
+            return list(argv)
+        flags.append(arg)
+        i += 1
+        if "=" in arg or action.nargs == 0:
+            continue
+        value = argv[i] if i < len(argv) else None
+        takes = value is not None and not value.startswith("-") and (action.choices is None or value in action.choices)
+        if action.nargs is None or (action.nargs == "?" and takes):
+            if value is not None:
+                flags.append(value)
+                i += 1
+    moved = flags + overrides
+    return moved if _hydra_args(moved) is not None else list(argv)
 
 
 def _hydra_args(argv: list[str]):

@@ -39,6 +39,34 @@ def test_an_unquoted_prompt_split_by_the_shell_says_quote_the_prompt():
                                                   """data.path='"a: (b)"'""")
 
 
+@pytest.mark.parametrize("argv,moved", [
+    (["model=tiny", "-m", "optim.lr=1e-4,3e-4"], ["-m", "model=tiny", "optim.lr=1e-4,3e-4"]),
+    (["run.dir=r", "--cfg", "job", "data.path=x"], ["--cfg", "job", "run.dir=r", "data.path=x"]),
+    (["a=1", "--info", "config", "b=2"], ["--info", "config", "a=1", "b=2"]),  # an optional word of its choices
+    (["a=1", "-cd", "my_conf", "--multirun", "b=2"], ["-cd", "my_conf", "--multirun", "a=1", "b=2"]),
+    (["a=1", "--config-dir=my_conf", "b=2"], ["--config-dir=my_conf", "a=1", "b=2"]),
+])
+def test_hydras_flags_after_an_override_are_read_as_if_typed_first(argv, moved):
+    """Hydra's parser takes its flags only before the overrides: ``difflm-train model=tiny -m optim.lr=...`` ended in
+    its usage text and ``train.py: error: unrecognized arguments``."""
+    from difflm.cli import hydra_flags_first
+
+    assert hydra_flags_first(argv) == moved
+    for kept in (["-m", "a=1"], ["a=1", "b=2"], ["a=1", "--bogus", "b=2"], ["a=1", "--", "-m", "b=2"]):
+        assert hydra_flags_first(kept) == kept  # read already, or not Hydra's to read
+
+
+@pytest.mark.slow  # starts a process: make test-fast leaves it out
+def test_a_flag_after_an_override_reaches_the_command(tmp_path):
+    evaluate, cfg = run_cli_batch([("difflm.evaluate", ["run.dir=r", "-m", "data.path=x"], tmp_path),
+                                   ("difflm.train", ["model=tiny", "--cfg", "job", "train.max_steps=7"], tmp_path)])
+    assert evaluate.returncode == 2 and evaluate.stderr.strip() == (
+        "difflm: error: difflm-eval takes no -m: it runs one job (only difflm-train and difflm-rl sweep); drop -m "
+        "and run difflm-eval once per setting")
+    assert cfg.returncode == 0, cfg.stderr[-2000:]
+    assert "max_steps: 7" in cfg.stdout and "num_layers: 4" in cfg.stdout
+
+
 HELP = [("difflm.generate", "gen:"), ("difflm.evaluate", "eval:")]
 
 
