@@ -266,6 +266,31 @@ def test_unreadable_trainer_state_is_one_line(fast_cfg):
         Trainer(cfg, cfg.run.dir, CPU)
 
 
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
+def test_a_checkpoint_whose_tensor_files_cannot_be_decoded_is_called_damaged_not_another_model(fast_cfg, name):
+    """Bytes overwritten in place (same size: the manifest without checksums cannot tell) were reported as a
+    checkpoint of another model, with model settings to pass: the resumed run and the weights' readers
+    (difflm-eval, -generate, -export) say it is damaged."""
+    from difflm.checkpoint.store import load_trained_weights
+    from difflm.model import build_model
+
+    cfg = fast_cfg("train.max_steps=2", "train.save_every=2", "train.eval_every=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    step = Path(cfg.run.dir) / "checkpoints" / "step_2"
+    with open(step / name, "r+b") as f:
+        f.write(b"x" * 64)
+    message = (rf"^checkpoint .*checkpoints/step_2 is damaged: its files cannot be read \(UnpicklingError: invalid "
+               r"load key, 'x'.\); restore it from a copy, or move step_2 away to use an earlier checkpoint "
+               r"\(train.checkpoint_checksums=true finds such damage at resume and moves the checkpoint aside by "
+               r"itself\)$")
+    with pytest.raises(DifflmError, match=message):
+        Trainer(fast_cfg("train.max_steps=3", "train.save_every=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    if name == ".metadata":  # every reader needs it (the distcp bytes overwritten here are the optimizer's)
+        with pytest.raises(DifflmError, match=message):
+            load_trained_weights(Path(cfg.run.dir), step, build_model(cfg.model, causal=False, device=CPU, seed=0),
+                                 cfg)
+
+
 def _started_run(run_dir: Path, cache: Path) -> subprocess.Popen:
     """A long difflm-train process, returned once it has logged two steps."""
     proc = subprocess.Popen(train_cmd(run_dir, cache, "train.max_steps=100000", "train.save_every=0"),

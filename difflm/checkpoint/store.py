@@ -331,6 +331,41 @@ def _first_cause(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
+def _unreadable(exc: BaseException) -> Optional[BaseException]:
+    """The error of a checkpoint file whose bytes cannot be decoded (a pickle, a zip archive or a storage cut short
+    or overwritten), from a DCP load's exception (each rank's failure and its chain); None when the files were read
+    and the load failed on their content (another model's shapes or names)."""
+    import pickle
+    import zipfile
+
+    pending, seen = [exc], set()
+    while pending:
+        for err in exception_chain(pending.pop()):
+            if id(err) in seen:
+                continue
+            seen.add(id(err))
+            pending += [failure[0] for failure in getattr(err, "failures", {}).values()
+                        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
+            if isinstance(err, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, UnicodeDecodeError)) or (
+                    isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)):
+                return err
+    return None
+
+
+def damaged_checkpoint(path: Path, exc: BaseException) -> Optional[DifflmError]:
+    """The one-line error for a checkpoint at ``path`` whose files cannot be read (:func:`_unreadable`), or None.
+    Its files have the sizes its manifest records, so only their bytes changed (a disk or copy fault):
+    ``train.checkpoint_checksums=true`` records each file's SHA-256, and a resume then moves such a checkpoint aside
+    by itself."""
+    err = _unreadable(exc)
+    if err is None:
+        return None
+    why = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+    return DifflmError(f"checkpoint {path} is damaged: its files cannot be read ({why}); restore it from a copy, or "
+                       f"move {Path(path).name} away to use an earlier checkpoint (train.checkpoint_checksums=true "
+                       "finds such damage at resume and moves the checkpoint aside by itself)")
+
+
 def checkpoint_keys(path: Path) -> Optional[set[str]]:
     """The flattened keys of the DCP checkpoint at ``path`` (``model.<name>``, ``optim.<...>``), or None when its
     metadata cannot be read (``dcp.load`` then reports the problem)."""
@@ -340,6 +375,19 @@ def checkpoint_keys(path: Path) -> Optional[set[str]]:
         return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception:  # noqa: BLE001 - a missing/corrupt checkpoint fails with a clear message in dcp.load
         return None
+
+
+def _refuse_unreadable_metadata(path: Path) -> None:
+    """Raise :func:`damaged_checkpoint`'s error when the DCP metadata of ``path`` cannot be decoded; other failures
+    to read it are left to ``dcp.load`` to report."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - only undecodable bytes are reported here
+        damaged = damaged_checkpoint(path, exc)
+        if damaged is not None:
+            raise damaged from exc
 
 
 def has_optimizer_state(path: Path) -> bool:
@@ -443,6 +491,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
         model_sd, optim_sd = get_state_dict(target, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
     keys = checkpoint_keys(path)
+    if keys is None:
+        _refuse_unreadable_metadata(path)
     _refuse_unplaced_tensors(path, model_sd, keys)
     fresh = _absent_extra_state(model_sd, keys)
     pending = prepare_canonical_load(model_sd, optim_sd, canonical_layouts(_parts(model)))
@@ -451,6 +501,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Optional[torc
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        damaged = damaged_checkpoint(path, exc)
+        if damaged is not None:
+            raise damaged from exc
         raise CheckpointMismatch(f"checkpoint {path} does not match this model ({_first_cause(exc)}): "
                                  "resume with the model config it was saved with, or use a new run.dir") from exc
     finish_canonical_load(pending)
@@ -482,6 +535,8 @@ def load_base_weights(path: Path, model) -> None:
     full = get_state_dict(target, [], options=StateDictOptions())[0]
     model_sd = {k: v for k, v in full.items() if ".lora." not in f".{k}"}  # not the adapters (difflm.model.lora)
     keys = checkpoint_keys(path)
+    if keys is None:
+        _refuse_unreadable_metadata(path)
     _absent_extra_state(model_sd, keys)
     pending = prepare_canonical_load(model_sd, None, canonical_layouts(_parts(model)))
     try:
@@ -489,6 +544,9 @@ def load_base_weights(path: Path, model) -> None:
             warnings.simplefilter("ignore")
             dcp.load({"model": model_sd}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
+        damaged = damaged_checkpoint(path, exc)
+        if damaged is not None:
+            raise damaged from exc
         raise CheckpointMismatch(f"checkpoint {path} does not match this model's base ({_first_cause(exc)}): "
                                  "train the LoRA run with the model config of its base") from exc
     finish_canonical_load(pending)
