@@ -71,7 +71,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def expand_run_dirs(patterns: list[str]) -> list[Path]:
     """Run directories from ``run.dir`` values: globs are expanded, and a directory without ``metrics.jsonl``
-    stands for the runs directly below it (a Hydra multirun: ``<run.dir>/<job>/``)."""
+    stands for the runs directly below it (a Hydra multirun: ``<run.dir>/<job>/``); a job folder below it without
+    ``metrics.jsonl`` (a job that failed before logging) is named in a note on stderr."""
     dirs: list[Path] = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -82,6 +83,11 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
             jobs = sorted((p for p in match.iterdir() if (p / "metrics.jsonl").is_file()),
                           key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)) \
                 if match.is_dir() and not (match / "metrics.jsonl").is_file() else []
+            if jobs:  # a job that failed before its first logged step has no metrics.jsonl: say why it is absent
+                for job in sorted(p for p in match.iterdir() if p.is_dir() and p not in jobs
+                                  and (p.name.isdigit() or (p / ".hydra").is_dir())):
+                    print(f"difflm-plot: note: {job} has no metrics.jsonl (the job logged no step): not drawn",
+                          file=sys.stderr)
             dirs += jobs or [match]
     return dirs
 
@@ -203,7 +209,8 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
     resumed with another objective gets one line per objective, labelled ``run (objective)``).
 
     Raises:
-        DifflmError: matplotlib is missing, or no run logged any of ``keys``.
+        DifflmError: matplotlib is missing, no run logged a step yet, or none logged any of ``keys`` (the message
+        lists the keys they logged).
     """
     try:
         import matplotlib
@@ -225,8 +232,15 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         if not rows and len(runs) > 1:  # its lines are simply absent from every panel: say why
             print(f"difflm-plot: note: {Path(d) / 'metrics.jsonl'} is empty (the run logged no step): {label} is not "
                   "drawn", file=sys.stderr)
+    if not any(rows for _, rows in runs):
+        who = "no run has logged a step" if len(runs) > 1 else f"run.dir={str(run_dirs[0])!r} has logged no step"
+        raise DifflmError(f"{who} yet (metrics.jsonl is empty): plot again once a run has logged its first step "
+                          "(logger.log_every)")
     if not any(row.get(k) is not None for _, rows in runs for row in rows for k in keys):
-        raise DifflmError(f"no run logged any of keys={','.join(keys)}: check the key names in metrics.jsonl")
+        logged = sorted({k for _, rows in runs for row in rows for k, v in row.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+        raise DifflmError(f"no run logged any of keys={','.join(keys)}: give keys= from those the runs logged "
+                          f"({', '.join(logged)})")
     cols = min(2, len(keys))
     rows_n = -(-len(keys) // cols)
     names = list(dict.fromkeys(name for label, rows in runs for k in keys for name, _ in _stretches(rows, k, label)))

@@ -153,6 +153,30 @@ def test_multirun_legend_names_the_swept_values_and_an_empty_run_is_noted(tmp_pa
                                        "logged no step): empty is not drawn\n")
 
 
+def test_a_run_without_steps_and_unknown_keys_say_what_to_do(tmp_path, capsys):
+    """An empty metrics.jsonl (a run that has not logged yet) was told to check its key names, and keys= that no run
+    logged did not say which keys there are."""
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "metrics.jsonl").write_text("")
+    with pytest.raises(DifflmError) as err:
+        plot_runs([tmp_path / "new"], tmp_path / "n.png")
+    assert str(err.value) == (f"run.dir={str(tmp_path / 'new')!r} has logged no step yet (metrics.jsonl is empty): "
+                              "plot again once a run has logged its first step (logger.log_every)")
+    _write_run(tmp_path / "run", 0.1)
+    with pytest.raises(DifflmError) as err:
+        plot_runs([tmp_path / "run"], tmp_path / "r.png", keys=("los",))
+    assert str(err.value) == ("no run logged any of keys=los: give keys= from those the runs logged (loss, lr, "
+                              "tokens_per_s, val_nelbo)")
+    for job in ("0", "1"):
+        _write_run(tmp_path / "sweep" / job, 0.1)
+    (tmp_path / "sweep" / "2" / ".hydra").mkdir(parents=True)  # a job that failed before its first step
+    (tmp_path / "sweep" / ".submitit").mkdir()
+    capsys.readouterr()
+    assert [p.name for p in expand_run_dirs([str(tmp_path / "sweep")])] == ["0", "1"]
+    assert capsys.readouterr().err == (f"difflm-plot: note: {tmp_path / 'sweep' / '2'} has no metrics.jsonl (the job "
+                                       "logged no step): not drawn\n")
+
+
 def _write_overrides(run, *overrides):
     (run / ".hydra").mkdir()
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
