@@ -32,6 +32,7 @@ across two windows' tokens counts once.
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 
 import numpy as np
@@ -236,6 +237,15 @@ def shard_tokenizer_error(err: OtherTokenizerShards, cfg) -> DifflmError:
                        "that folder as data.path (or pass the text itself)")
 
 
+def longer_than_trained(seq_len: int, trained: int) -> str:
+    """The warning for a ``data.seq_len`` above the run's: windows hold positions the model never saw (RoPE beyond
+    the trained length), so the figures are worse than at the trained length and not comparable with its
+    ``val_nelbo``."""
+    return (f"difflm: warning: data.seq_len={seq_len} is longer than the run's data.seq_len={trained} it was trained "
+            f"on: positions beyond {trained} were never seen in training, so expect worse figures than at {trained}, "
+            "not comparable with the run's val_nelbo; drop data.seq_len to evaluate at the trained length")
+
+
 def min_seq_len(name: str) -> int:
     """The shortest window with a loss token: ``ar`` predicts each token from the previous ones (L - 1 of them)."""
     return 2 if name == "ar" else 1
@@ -293,6 +303,8 @@ def evaluate_file(args, device: torch.device) -> dict:
                           f"{min_seq_len(name)}" + (" (ar predicts each token from the ones before it)"
                                                     if name == "ar" else "")
                           + f", or drop it for the run's {cfg.data.seq_len}")
+    if name != "sft" and seq_len > cfg.data.seq_len:  # as difflm-generate warns of positions beyond the training
+        print(longer_than_trained(seq_len, cfg.data.seq_len), file=sys.stderr, flush=True)
     if name == "bd3lm" and seq_len % cfg.objective.block_size:
         raise DifflmError(f"data.seq_len={seq_len} must be a multiple of the run's block size, "
                           f"{cfg.objective.block_size} (its objective.block_size)")

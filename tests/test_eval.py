@@ -323,6 +323,25 @@ def test_eval_data_seq_len_must_leave_a_loss_token(fast_cfg, tmp_path):
     assert _evaluate(f"run.dir={mdlm.run_dir}", f"data.path={data}", "eval.max_windows=1")["seq_len"] == 32
 
 
+def test_eval_windows_longer_than_the_run_trained_on_are_warned_of(fast_cfg, tmp_path, capsys):
+    """difflm-generate warns of positions beyond the trained data.seq_len; difflm-eval at a longer data.seq_len gave
+    a worse figure than at the trained length without a word."""
+    data = tmp_path / "to_be.jsonl"
+    data.write_text('{"text": "To be or not to be, that is the question"}\n' * 20)
+    run = _train(fast_cfg, f"run.dir={tmp_path / 'mdlm'}")
+    capsys.readouterr()
+    got = _evaluate(f"run.dir={run.run_dir}", f"data.path={data}", "data.seq_len=64", "eval.max_windows=1",
+                    "eval.mc_samples=1")
+    assert got["seq_len"] == 64
+    assert capsys.readouterr().err == (
+        "difflm: warning: data.seq_len=64 is longer than the run's data.seq_len=32 it was trained on: positions "
+        "beyond 32 were never seen in training, so expect worse figures than at 32, not comparable with the run's "
+        "val_nelbo; drop data.seq_len to evaluate at the trained length\n")
+    _evaluate(f"run.dir={run.run_dir}", f"data.path={data}", "data.seq_len=32", "eval.max_windows=1",
+              "eval.mc_samples=1")
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_eval_of_shards_made_with_another_tokenizer_names_the_runs_tokenizer(fast_cfg, tmp_path):
     """difflm-eval has no data.tokenizer key, so the shared shard check's "set data.tokenizer to that tokenizer" led
     to Hydra's "Key 'tokenizer' not in 'EvalDataConfig'". difflm-eval names the run's tokenizer and the
