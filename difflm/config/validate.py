@@ -560,7 +560,7 @@ def check_settings(cfg, dims) -> None:
              "data.max_train_tokens is not supported with objective=sft (data.prompt_field): every pair is a window "
              "of its own, so cut the pairs file instead and set data.max_train_tokens=null")
     if d.get("blend"):  # each entry's path, weight and name, before the device and the data
-        from difflm.data.blend import blend_entries
+        from difflm.config.schema import blend_entries
 
         blend_entries(d.blend)
     _require(not (d.get("blend") and sft_data),

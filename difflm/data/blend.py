@@ -19,13 +19,12 @@ Validation: each source keeps its own validation windows; the trainer reports ``
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from difflm.config.schema import blend_entries
 from difflm.data.tokenizer import TokenizerInfo
 from difflm.data.windows import EpochOrder, build_windows, check_sampler_args, check_state_keys, token_datasets
 from difflm.errors import DifflmError
@@ -165,48 +164,6 @@ def _with(cfg, **kw):
     out = cfg.copy()
     for k, v in kw.items():
         out[k] = v
-    return out
-
-
-def _default_name(path: str) -> str:
-    """The last path component before any glob, without its extension: ``/d/web/*.jsonl`` -> ``web``."""
-    kept = []
-    for part in os.path.normpath(path).split(os.sep):
-        if glob.has_magic(part):
-            break
-        kept.append(part)
-    return os.path.splitext(kept[-1])[0] if kept else ""
-
-
-def blend_entries(blend) -> list[tuple[str, str, float]]:
-    """(name, path, weight) of every ``data.blend`` entry; names default to the path's base name (made unique).
-
-    Raises: DifflmError for an entry without a path, a weight that is not > 0, or a repeated name.
-    """
-    out, seen = [], set()
-    for i, entry in enumerate(blend):
-        entry = dataclasses.asdict(entry) if dataclasses.is_dataclass(entry) else dict(entry)
-        path, weight, name = entry.get("path"), entry.get("weight", 1.0), entry.get("name")
-        if not path or path == "???":
-            raise DifflmError(f"data.blend[{i}] has no path: give each entry {{path: ..., weight: ...}}")
-        try:
-            weight = float(weight)
-        except (TypeError, ValueError):
-            weight = float("nan")
-        if not weight > 0 or weight == float("inf"):
-            raise DifflmError(f"data.blend[{i}].weight={entry.get('weight')!r} must be a number > 0 (weights are "
-                              "normalised to sum to 1)")
-        if name is None:
-            name = _default_name(str(path)) or f"source{i}"
-            candidate, n = name, 1
-            while candidate in seen:
-                n += 1
-                candidate = f"{name}_{n}"
-            name = candidate
-        elif name in seen:
-            raise DifflmError(f"data.blend[{i}].name={name!r} is used twice: give every source its own name")
-        seen.add(name)
-        out.append((str(name), str(path), weight))
     return out
 
 
