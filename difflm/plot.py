@@ -45,8 +45,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     steps go backwards, the earlier records of those steps and every later one (the abandoned branch's) are
     dropped, so no row mixes values of two branches.
 
+    A line that is not a JSON record with a ``step`` (cut short when the run stopped mid-write) is skipped with a
+    note on stderr.
+
     Raises:
-        DifflmError: the file is missing or a line is not JSON.
+        DifflmError: the file is missing.
     """
     path = Path(run_dir) / "metrics.jsonl"
     _require_run_dir(run_dir)
@@ -59,9 +62,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DifflmError(f"{path}:{number} is not JSON ({err})") from err
-        step = int(row["step"])
+            step = int(row["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            # a line cut short (disk full, a kill mid-write) costs that line, not the run's plot
+            print(f"difflm-plot: note: {path}:{number} is not a metrics record ({type(err).__name__}: {err}): "
+                  "skipped", file=sys.stderr)
+            continue
         if last is not None and step < last:  # a resume from an earlier checkpoint: its later steps are superseded
             rows = {s: r for s, r in rows.items() if s < step}
         rows[step] = {**rows.get(step, {}), **row}  # a step's training and evaluation records are separate lines

@@ -282,6 +282,25 @@ def test_metrics_jsonl_stays_json_when_a_step_is_not_finite(tmp_path):
     assert [r.get("grad_norm") for r in read_metrics(tmp_path)] == [1.25, None]
 
 
+def test_a_resumed_run_logs_after_a_line_cut_short_on_a_line_of_its_own(tmp_path, capsys):
+    """A process stopped mid-write (disk full, kill) left a line without its newline; the resumed run's first record
+    was appended to it, and difflm-plot refused the whole run over the joined line."""
+    from difflm.plot import read_metrics
+    from difflm.training.sinks import JsonlSink
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo')
+    sink = JsonlSink(tmp_path, objective="mdlm")
+    sink.log({"step": 2, "loss": 2.5})
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [
+        '{"step": 1, "loss": 3.0}', '{"step": 2, "lo', '{"step": 2, "loss": 2.5, "objective": "mdlm"}']
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.5)]
+    assert capsys.readouterr().err.startswith(f"difflm-plot: note: {tmp_path / 'metrics.jsonl'}:2 is not a metrics "
+                                              "record (JSONDecodeError: ")
+    JsonlSink(tmp_path).close()  # a file that ends in its newline gets no empty line
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('"objective": "mdlm"}\n')
+
+
 def test_every_json_difflm_writes_is_strict(tmp_path):
     """The writers of checkpoint manifests, shard manifests, exports and difflm-eval results go through
     :func:`difflm.strict_json.dumps`: nested NaN and inf become null, numpy floats too."""

@@ -16,13 +16,22 @@ WANDB_MISSING = ("logger=wandb needs the wandb package, which is not installed: 
 
 
 class JsonlSink:
-    """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line), with the run's
+    """Appends one JSON object per logged step to ``<run.dir>/metrics.jsonl`` (flushed each line; after a last line
+    that an earlier process left without its newline, on a line of its own), with the run's
     ``objective`` name in each record: a run resumed with another objective (AR-to-diffusion adaptation) changes
     what ``val_nelbo`` measures (the NELBO bound, or AR's exact NLL), and difflm-plot draws each objective's stretch
     as its own line."""
 
     def __init__(self, run_dir: Path, objective: Optional[str] = None):
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        path = Path(run_dir) / "metrics.jsonl"
+        torn = False
+        if path.is_file() and path.stat().st_size:  # a line cut short (disk full, a kill mid-write) stays alone
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+        self.file = open(path, "a", encoding="utf-8")
+        if torn:
+            self.file.write("\n")
         self.objective = objective
 
     def log(self, metrics: dict[str, Any]) -> None:
