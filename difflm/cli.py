@@ -17,17 +17,22 @@ from difflm.errors import DifflmError
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's status for Ctrl-C
 
 
-def writable_output(key: str, path, directory: bool = False) -> Path:
+def writable_output(key: str, path, directory: bool = False, replaceable=None) -> Path:
     """``path`` (a file, or with ``directory`` a directory to be written) checked before any work: its parent
     folders are created, and a probe file is written and removed there, so a mistake ends the command at once.
+    ``replaceable(path) -> str | None``: for an existing file, None when the command may write over it (an earlier
+    output of its own), else what the file is (``not a difflm-eval result``), and the command refuses it.
 
     Returns ``path`` as a Path (``~`` expanded). Raises: DifflmError naming ``key`` when ``path`` is a directory
-    where a file is expected (or a file where a directory is), or its folder cannot be created or written
-    (a file on the way, a read-only or pseudo filesystem such as /proc).
+    where a file is expected (or a file where a directory is), an existing file ``replaceable`` refuses, or its
+    folder cannot be created or written (a file on the way, a read-only or pseudo filesystem such as /proc).
     """
     path = Path(path).expanduser()
     if not directory and path.is_dir():
         raise DifflmError(f"{key}={str(path)!r} is a directory: give a file path")
+    if not directory and replaceable is not None and path.is_file() and (what := replaceable(path)) is not None:
+        raise DifflmError(f"{key}={str(path)!r} exists and is {what}: the output would replace it; give a new file "
+                          "path")
     if directory and path.exists() and not path.is_dir():
         raise DifflmError(f"{key}={str(path)!r} is a file: give a directory path")
     parent = path.parent

@@ -359,11 +359,31 @@ def evaluate_file(args, device: torch.device) -> dict:
     }
 
 
+RESULT_KEYS = ("run_dir", "step", "data_path", "objective", "nelbo")  # what every difflm-eval result holds
+
+
+def other_than_a_result(path) -> str | None:
+    """None when the file at ``path`` is an earlier ``difflm-eval`` result (a JSON object with :data:`RESULT_KEYS`),
+    which ``eval.output`` may replace; else what it is (the evaluated text, a run's config.yaml, any other file)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        record = json.loads(head)
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict) and all(k in record for k in RESULT_KEYS):
+        return None
+    return "not a difflm-eval result (an earlier result is replaced)"
+
+
 @hydra_app("eval")
 def main(args) -> None:
     check_eval_settings(args)  # before the device and the output file
     device = resolve_device(args.device)
-    output = writable_output("eval.output", args.eval.output) if args.eval.output else None  # before the work
+    output = writable_output("eval.output", args.eval.output, replaceable=other_than_a_result) \
+        if args.eval.output else None  # before the work
     result = evaluate_file(args, device)
     text = strict_json.dumps(result, flag=True, indent=2)  # one window: nelbo_stderr null (and flagged), not NaN
     print(text)

@@ -116,8 +116,8 @@ def test_a_later_missing_source_is_refused_before_the_first_is_tokenized(corpora
     with pytest.raises(DifflmError) as err:
         build_datasets(DataConfig(blend=[{"path": str(a)}, {"path": str(tmp_path / "nope")}]), tok, str(tmp_path))
     assert str(err.value) == (f"data.blend source 'nope' ({tmp_path / 'nope'}): data.blend[1].path="
-                              f"'{tmp_path / 'nope'}' does not exist: point data.blend[1].path at a .txt/.jsonl/.parquet "
-                              "file, a directory or a glob")
+                              f"'{tmp_path / 'nope'}' does not exist: point data.blend[1].path at a "
+                              ".txt/.jsonl/.parquet file, a directory or a glob")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DifflmError, match=r"^data.blend source 'empty' .*data.blend\[1\].path=.* is a directory with "
                                           r"no .txt, .jsonl or .parquet files"):

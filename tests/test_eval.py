@@ -407,6 +407,30 @@ def test_negative_eval_counts_are_refused_before_the_run_is_read(tmp_path, monke
     assert err.strip().splitlines()[-1] == f"difflm: error: {message}"
 
 
+def test_eval_output_never_replaces_a_file_that_is_not_an_earlier_result(fast_cfg, tmp_path, monkeypatch, capsys):
+    """eval.output naming the evaluated text or the run's config.yaml wrote the JSON over it: the corpus, or the run
+    (difflm-eval / -generate could no longer read it), was lost. Such files are refused before any work; an earlier
+    result is replaced."""
+    trainer = _train(fast_cfg)
+    data = tmp_path / "to_be.txt"
+    data.write_text("To be or not to be\n" * 20)
+    config = trainer.run_dir / "config.yaml"
+    kept = {path: path.read_bytes() for path in (data, config)}
+    for path in kept:
+        status, out, err = eval_cli(monkeypatch, capsys, f"run.dir={trainer.run_dir}", f"data.path={data}",
+                                    f"eval.output={path}", "device=cpu", "eval.max_windows=1")
+        assert (status, out) == (2, "")
+        assert err.strip().splitlines()[-1] == (
+            f"difflm: error: eval.output={str(path)!r} exists and is not a difflm-eval result (an earlier result is "
+            "replaced): the output would replace it; give a new file path")
+    assert {path: path.read_bytes() for path in kept} == kept
+    result = tmp_path / "result.json"
+    for _ in range(2):  # written, then replaced
+        status, out, _ = eval_cli(monkeypatch, capsys, f"run.dir={trainer.run_dir}", f"data.path={data}",
+                                  f"eval.output={result}", "device=cpu", "eval.max_windows=1")
+        assert status == 0 and json.loads(result.read_text()) == json.loads(out)
+
+
 def test_eval_max_windows_counts_the_windows(fast_cfg, tmp_path):
     """eval.max_windows=0 evaluates every window, a positive count that many."""
     trainer = _train(fast_cfg)
