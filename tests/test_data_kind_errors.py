@@ -75,3 +75,28 @@ def test_train_mdlm_on_jsonl_without_the_text_field_names_the_key(tmp_path):
     assert refusal(lambda: list(iter_documents(piece, fmt))) == (
         f"data.text_field='text' not found in {path}:1 (keys: ['answer', 'question']): set data.text_field to one "
         "of them")
+
+
+@pytest.mark.parametrize("sep", [" ###", "### ", "\t<|endoftext|>"])
+def test_a_separator_no_stripped_line_can_equal_is_refused_by_every_reader(tmp_path, sep):
+    """Lines are compared with their whitespace stripped: data.doc_separator=' ###' matched no line, and each .txt
+    file was read as one document, "###" lines included, by difflm-train, -preprocess and -eval alike."""
+    from difflm.config.validate import check_run
+    from difflm.data.documents import DocFormat, Piece, iter_documents
+
+    fix = f"has whitespace at its ends, but lines are compared with theirs stripped, so no line would match and each " \
+          f".txt file would be one document: give "
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run([f"data.doc_separator='{sep}'"]))
+    assert str(err.value) == f"data.doc_separator={sep!r} {fix}data.doc_separator={sep.strip()!r}"
+    with pytest.raises(DifflmError) as err:
+        DocFormat.of(OmegaConf.create({"doc_separator": sep}), key="input")  # difflm-preprocess's spelling
+    assert str(err.value) == f"doc_separator={sep!r} {fix}doc_separator={sep.strip()!r}"
+    with pytest.raises(DifflmError, match="holds a line break, but a separator is one line of its own"):
+        DocFormat.of(OmegaConf.create({"doc_separator": "###\n"}))
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("one\n  ###  \ntwo\n\nthree\n")
+    for given, docs in (("###", ["one", "two\n\nthree"]), ("", ["one\n  ###  \ntwo", "three"]),
+                        (None, ["one\n  ###  \ntwo\n\nthree"])):
+        fmt = DocFormat.of(OmegaConf.create({"doc_separator": given}))
+        assert list(iter_documents(Piece(str(corpus)), fmt)) == docs

@@ -565,10 +565,11 @@ def check_settings(cfg, dims) -> None:
         blend_entries(d.blend)
     _require(not (d.get("blend") and sft_data),
              "data.blend is not supported with objective=sft (data.prompt_field): give the pairs in data.path")
-    if d.get("encoding"):
-        from difflm.data.documents import check_encoding
+    from difflm.data.documents import check_doc_separator, check_encoding
 
+    if d.get("encoding"):
         check_encoding(d.encoding)
+    check_doc_separator(d.get("doc_separator"))
     check_optim(cfg.optim)
     check_schedule(cfg.schedule)
     if cfg.profile.enabled:

@@ -60,8 +60,9 @@ class DocFormat:
         """The format of a DataConfig-like node (keys it lacks take the defaults; checks the encoding)."""
         enc = getattr(cfg, "encoding", None) or "utf-8"
         check_encoding(enc, cls(key=key).name("encoding"))
-        return cls(getattr(cfg, "text_field", cls.text_field), getattr(cfg, "doc_separator", cls.doc_separator),
-                   enc, key)
+        sep = getattr(cfg, "doc_separator", cls.doc_separator)
+        check_doc_separator(sep, cls(key=key).name("doc_separator"))
+        return cls(getattr(cfg, "text_field", cls.text_field), sep, enc, key)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,19 @@ class Piece:
     start: int = 0
     end: Optional[int] = None
     kind: str = "txt"  # txt | jsonl | parquet | hf
+
+
+def check_doc_separator(sep: Optional[str], key: str = "data.doc_separator") -> None:
+    """Raise DifflmError for a separator no line can equal: lines are compared with their surrounding whitespace
+    stripped, so one with spaces at its ends (``' ###'``) or a line break would match none, and every .txt file would
+    be read as one document without a word. None (whole files) and ``''`` (blank lines) are separators."""
+    if sep is None or sep == sep.strip():
+        return
+    if "\n" in sep or "\r" in sep:
+        raise DifflmError(f"{key}={sep!r} holds a line break, but a separator is one line of its own: give that "
+                          "line's text alone")
+    raise DifflmError(f"{key}={sep!r} has whitespace at its ends, but lines are compared with theirs stripped, so no "
+                      f"line would match and each .txt file would be one document: give {key}={sep.strip()!r}")
 
 
 def check_encoding(encoding: str, key: str = "data.encoding") -> None:
@@ -373,4 +387,4 @@ def hf_pieces(ds, name: str, target_bytes: int) -> list[Piece]:
 
 
 __all__ = ["EXTS", "DocFormat", "Piece", "kind_of", "resolve_sources", "read_jsonl", "iter_documents", "file_pieces",
-           "hf_pieces", "load_hf", "check_encoding", "not_text_error", "empty_text_error"]
+           "hf_pieces", "load_hf", "check_doc_separator", "check_encoding", "not_text_error", "empty_text_error"]
