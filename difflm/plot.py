@@ -30,13 +30,22 @@ LABELS = {"loss": "training loss (nats/token)", "val_nelbo": "validation NELBO (
           "grad_norm": "gradient norm", "mem_gib": "memory (GiB)"}
 
 
+USAGE = "run.dir=DIR [run.dir=DIR ...] [out=PNG] [keys=loss,val_nelbo,lr,tokens_per_s]"
 POINT_AT_A_RUN = "point run.dir at a difflm-train output directory (or a multirun directory holding several)"
 
 
 def _require_run_dir(run_dir) -> None:
-    """DifflmError naming ``run.dir`` when it does not exist."""
-    if not Path(run_dir).exists():
+    """DifflmError naming ``run.dir`` when it does not exist or is a file (the folder holding a ``metrics.jsonl``
+    given as ``run.dir`` is named as the fix)."""
+    path = Path(run_dir)
+    if not path.exists():
         raise DifflmError(f"run.dir={str(run_dir)!r} does not exist: {POINT_AT_A_RUN}")
+    if path.is_dir():
+        return
+    if path.name == "metrics.jsonl":
+        raise DifflmError(f"run.dir={str(run_dir)!r} is a file, not a folder: give the run's folder "
+                          f"(run.dir={str(path.parent)!r})")
+    raise DifflmError(f"run.dir={str(run_dir)!r} is a file: {POINT_AT_A_RUN}")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -285,14 +294,15 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, tuple[str, ...]
     """(``run.dir`` values, ``out``, ``keys``) from ``key=value`` words.
 
     Raises:
-        DifflmError: an unknown key, a word without ``=``, or no ``run.dir``.
+        DifflmError: an unknown key, a word without ``=``, an empty value, or no ``run.dir``.
     """
     dirs, out, keys = [], None, DEFAULT_KEYS
     for arg in argv:
         key, sep, value = arg.partition("=")
+        if sep and key in ("run.dir", "out", "keys") and not value.strip():
+            raise DifflmError(f"{key}= is empty: give a value ({USAGE})")
         if not sep:
-            raise DifflmError(f"{arg!r}: arguments are key=value (run.dir=DIR [run.dir=DIR ...] [out=PNG] "
-                              "[keys=loss,val_nelbo,lr,tokens_per_s])")
+            raise DifflmError(f"{arg!r}: arguments are key=value ({USAGE})")
         if key == "run.dir":
             dirs.append(value)
         elif key == "out":

@@ -153,6 +153,26 @@ def test_multirun_legend_names_the_swept_values_and_an_empty_run_is_noted(tmp_pa
                                        "logged no step): empty is not drawn\n")
 
 
+def test_an_empty_value_or_a_file_as_run_dir_is_named(tmp_path):
+    """run.dir= (empty) plotted every run below the current folder; a file as run.dir was reported as an out= that
+    cannot be written."""
+    for arg in ("run.dir=", "keys=", "out="):
+        with pytest.raises(DifflmError) as err:
+            parse_args(["run.dir=r", arg])
+        assert str(err.value) == (f"{arg} is empty: give a value (run.dir=DIR [run.dir=DIR ...] [out=PNG] "
+                                  "[keys=loss,val_nelbo,lr,tokens_per_s])")
+    _write_run(tmp_path / "run", 0.1)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DifflmError) as err:
+        expand_run_dirs([str(tmp_path / "notes.txt")])
+    assert str(err.value) == (f"run.dir={str(tmp_path / 'notes.txt')!r} is a file: point run.dir at a difflm-train "
+                              "output directory (or a multirun directory holding several)")
+    with pytest.raises(DifflmError) as err:
+        expand_run_dirs([str(tmp_path / "run" / "metrics.jsonl")])
+    assert str(err.value) == (f"run.dir={str(tmp_path / 'run' / 'metrics.jsonl')!r} is a file, not a folder: give "
+                              f"the run's folder (run.dir={str(tmp_path / 'run')!r})")
+
+
 def test_a_run_without_steps_and_unknown_keys_say_what_to_do(tmp_path, capsys):
     """An empty metrics.jsonl (a run that has not logged yet) was told to check its key names, and keys= that no run
     logged did not say which keys there are."""
