@@ -23,10 +23,12 @@ def writable_output(key: str, path, directory: bool = False, replaceable=None) -
     ``replaceable(path) -> str | None``: for an existing file, None when the command may write over it (an earlier
     output of its own), else what the file is (``not a difflm-eval result``), and the command refuses it.
 
-    Returns ``path`` as a Path (``~`` expanded). Raises: DifflmError naming ``key`` when ``path`` is a directory
+    Returns ``path`` as a Path (``~`` expanded). Raises: DifflmError naming ``key`` when ``path`` is empty, a directory
     where a file is expected (or a file where a directory is), an existing file ``replaceable`` refuses, or its
     folder cannot be created or written (a file on the way, a read-only or pseudo filesystem such as /proc).
     """
+    if not str(path).strip():  # Path("") is the current folder
+        raise DifflmError(f"{key}= is empty: give a {'directory' if directory else 'file'} path")
     path = Path(path).expanduser()
     if not directory and path.is_dir():
         raise DifflmError(f"{key}={str(path)!r} is a directory: give a file path")

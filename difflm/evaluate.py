@@ -383,7 +383,7 @@ def main(args) -> None:
     check_eval_settings(args)  # before the device and the output file
     device = resolve_device(args.device)
     output = writable_output("eval.output", args.eval.output, replaceable=other_than_a_result) \
-        if args.eval.output else None  # before the work
+        if args.eval.output is not None else None  # before the work
     result = evaluate_file(args, device)
     text = strict_json.dumps(result, flag=True, indent=2)  # one window: nelbo_stderr null (and flagged), not NaN
     print(text)

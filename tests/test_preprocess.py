@@ -250,6 +250,19 @@ def test_unwritable_output_is_one_line_naming_output(tmp_path):
     assert str(err.value) == f"output={str(tmp_path / 'afile')!r} is a file: give a directory path"
 
 
+def test_an_empty_output_is_refused_not_taken_for_the_current_folder(tmp_path):
+    """output= (empty) is the current folder to pathlib: difflm-preprocess said it "is not empty and holds no
+    difflm-preprocess manifest", and difflm-eval's eval.output= wrote no file without a word."""
+    from difflm.cli import writable_output
+
+    with pytest.raises(DifflmError) as err:
+        run_preprocess(preprocess_cfg(f"input={tmp_path}", "output=", "workers=1"))
+    assert str(err.value) == "output= is empty: give a directory path"
+    with pytest.raises(DifflmError) as err:
+        writable_output("eval.output", "")
+    assert str(err.value) == "eval.output= is empty: give a file path"
+
+
 def test_unwritable_existing_output_directory_is_one_line(tmp_path, monkeypatch):
     """An existing output directory that refuses the manifest (no write permission; root ignores modes, hence the
     patched write) ends in the same line, not an OSError traceback."""
