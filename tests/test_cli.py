@@ -249,7 +249,7 @@ PASSING = [("train", ["model=125m", "model.hidden_size=64", "experiment=mdlm_owt
                       "model={hidden_size:64}", "experiment=null"]),
            ("train", ["+model.zz=1", "++model.yy=1", "~model.qk_norm", "hydra.job.chdir=true", "hydra/launcher=basic",
                       "logger.sample_prompt=a=b"]),  # left to Hydra and check_known_keys
-           ("train", ["--config-name", "eval", "model.hiden_size=1"]),
+           ("train", ["--config-name", "train", "model.hiden_size=1"]),  # another primary config: left to Hydra
            ("import", ["objective=mdlm", "objective.eps=0.1", "hf=x", "run.dir=y"]),
            ("eval", ["data.path=x", "eval.mc_samples=2", "kernels.backend=torch", "step=3"])]
 

@@ -207,7 +207,7 @@ def loss_bytes_per_row(vocab: int, act_bytes: int, fused: bool) -> float:
 
 TORCH_KERNELS = {"attention": 21, "mlp": 23}  # a dense block of the torch kernel set (kernels_per_block)
 TE_KERNELS = {"attention": 16, "mlp": 14}  # ... of the TE kernel set
-MOE_KERNELS = {True: 101, False: 89}  # the MoE slot, with main_grad experts (True) or autograd's (False)
+MOE_KERNELS = {True: 100, False: 88}  # the MoE slot, with main_grad experts (True) or autograd's (False)
 
 
 def kernels_per_block(kernels: KernelSet, moe_layer: bool = False, main_grad: bool = False) -> int:
@@ -227,8 +227,8 @@ def kernels_per_block(kernels: KernelSet, moe_layer: bool = False, main_grad: bo
       backward: four GEMMs, SwiGLU's and the norm's: 12) and its residual (2): 14. FP8 adds a cast-transpose per
       GEMM input and output gradient (8).
     * A mixture-of-experts slot in the MLP's place (the same torch module under both sets), counted from a traced
-      step: 101 with the experts' gradients into ``main_grad`` (:class:`difflm.model.grouped_experts.
-      GroupedSwiGLUMainGrad`: the SwiGLU recomputed, its FP32 backward, two ``main_grad`` adds), 89 under autograd:
+      step: 100 with the experts' gradients into ``main_grad`` (:class:`difflm.model.grouped_experts.
+      GroupedSwiGLUMainGrad`: the SwiGLU recomputed, its FP32 backward, two ``main_grad`` adds), 88 under autograd:
       the norm, the router (FP32 cast, GEMM, softmax, top-k, gather), the expert counts, sort and permutation, the
       auxiliary losses, the grouped GEMMs, SwiGLU, the gate-weighted sum and the residual, forward and backward.
     """
