@@ -125,6 +125,9 @@ CASES = [  # script, argv, its stderr (exact)
     ("mlp_speed", ["--shape", "x"], "mlp_speed.py: error: argument --shape: 'x': expected NAME=TOKENS,HIDDEN,FFN with "
                                     "a name and three positive integers, e.g. 1.7b-mb8=32768,2048,6144\n"),
     ("mlp_speed", ["--shape", "a=8,16,32"], needs_cuda("mlp_speed.py")),
+    ("moe_permutation_speed", ["--shape", "a=8,16,4,8,32"],
+     "moe_permutation_speed.py: error: argument --shape: 'a=8,16,4,8,32': TOP_K=8 is more than EXPERTS=4\n"),
+    ("moe_permutation_speed", ["--shape", "a=8,16,4,2,32"], needs_cuda("moe_permutation_speed.py")),
     ("optimizer_speed", [], needs_cuda("optimizer_speed.py")),
     ("optimizer_speed", ["--steps", "0"], "optimizer_speed.py: error: argument --steps: 0 is below 1: give an "
                                           "integer >= 1\n"),
