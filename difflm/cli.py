@@ -228,6 +228,7 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
         def entry() -> None:
             sys.argv[1:] = hydra_flags_first(sys.argv[1:])
             try:
+                check_flags(sys.argv[1:], f"difflm-{config_name}")
                 if not sweeps:
                     refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
                 check_overrides(sys.argv[1:], config_name)
@@ -244,6 +245,26 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
         return entry
 
     return decorate
+
+
+def check_flags(argv: list[str], prog: str) -> None:
+    """Refuse a dash word that is none of Hydra's flags (``difflm-train --bogus``, ``--cfgg job``), which Hydra's
+    parser answers with its whole usage text and ``unrecognized arguments``. A command line Hydra reads, or one with
+    ``--``, passes. Raises: DifflmError naming the word, the closest flag, and that settings are ``key=value``."""
+    from hydra._internal.utils import get_args_parser
+
+    if "--" in argv or _hydra_args(argv) is not None:
+        return
+    options = get_args_parser()._option_string_actions
+    for arg in argv:
+        name = arg.partition("=")[0] if arg.startswith("--") else arg
+        if not arg.startswith("-") or name in options or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg):
+            continue
+        close = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else "."
+        raise DifflmError(f"{arg} is not a flag of {prog}{hint} Settings are key=value words (model=tiny "
+                          f"optim.lr=1e-4); {prog} --help lists its flags (--cfg job, -m, --config-dir DIR, "
+                          f"--config-name NAME, ...)")
 
 
 def hydra_flags_first(argv: list[str]) -> list[str]:

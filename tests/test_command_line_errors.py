@@ -350,6 +350,28 @@ def test_presets_on_hydras_search_path_are_checked_as_difflms(my_conf):
         "conf/ (model/mine.yaml, experiment/mine.yaml, ...)")
 
 
+def test_a_dash_word_that_is_no_flag_is_refused_naming_the_closest_flag():
+    """A mistyped flag ends in one line with the closest of Hydra's flags, instead of Hydra's usage text; flags and
+    negative numbers Hydra reads pass."""
+    from difflm.cli import check_flags
+
+    def said(argv, prog="difflm-train"):
+        with pytest.raises(DifflmError) as info:
+            check_flags(argv, prog)
+        return str(info.value)
+
+    tail = "Settings are key=value words (model=tiny optim.lr=1e-4); {p} --help lists its flags (--cfg job, -m, " \
+           "--config-dir DIR, --config-name NAME, ...)"
+    assert said(["--cfgg", "job"], "difflm-eval") == ("--cfgg is not a flag of difflm-eval; did you mean --cfg? "
+                                                      + tail.format(p="difflm-eval"))
+    assert said(["model=tiny", "--multirn"]).startswith("--multirn is not a flag of difflm-train; did you mean "
+                                                        "--multirun? ")
+    assert said(["--bogus"]) == "--bogus is not a flag of difflm-train. " + tail.format(p="difflm-train")
+    for argv in (["--cfg", "job", "model=tiny"], ["-m", "optim.lr=1e-4,2e-4"], ["--config-dir=x", "-cn", "train"],
+                 ["model=tiny"], []):
+        check_flags(argv, "difflm-train")
+
+
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
     config in difflm's conf/ is refused too); ``--config-path``, which hides difflm's groups, is refused in one line
