@@ -256,14 +256,23 @@ def check_flags(argv: list[str], prog: str) -> None:
     if "--" in argv or _hydra_args(argv) is not None:
         return
     options = get_args_parser()._option_string_actions
-    for arg in argv:
-        name = arg.partition("=")[0] if arg.startswith("--") else arg
+    for i, arg in enumerate(argv):
+        name = arg.partition("=")[0]  # --cfg=job and -cd=DIR alike
         if not arg.startswith("-") or name in options or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg):
             continue
+        split = [w for w in argv[:i] if not w.startswith("-")]
+        if split and "=" not in split[-1]:  # a key's value the shell split at spaces, this word part of it
+            key_at = max((j for j, w in enumerate(split) if "=" in w), default=None)
+            if key_at is not None:
+                key, _, value = split[key_at].partition("=")
+                rest = [w for w in argv[argv.index(split[key_at]) + 1:] if "=" not in w]
+                whole = " ".join([value, *rest])
+                raise DifflmError(f"{arg} is not a flag of {prog}: the shell split {key}= at a space; quote the "
+                                  f"value: {key}='{whole}'")
         close = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "."
-        raise DifflmError(f"{arg} is not a flag of {prog}{hint} Settings are key=value words (model=tiny "
-                          f"optim.lr=1e-4); {prog} --help lists its flags (--cfg job, -m, --config-dir DIR, "
+        raise DifflmError(f"{arg} is not a flag of {prog}{hint} Settings are key=value words ({prog} --cfg job "
+                          f"prints every key); {prog} --help lists its flags (--cfg job, -m, --config-dir DIR, "
                           f"--config-name NAME, ...)")
 
 
@@ -284,7 +293,7 @@ def hydra_flags_first(argv: list[str]) -> list[str]:
             overrides.append(arg)
             i += 1
             continue
-        action = actions.get(arg.partition("=")[0] if arg.startswith("--") else arg)
+        action = actions.get(arg.partition("=")[0])  # --cfg=job and -cd=DIR alike
         if action is None:
             return list(argv)
         flags.append(arg)
@@ -343,6 +352,7 @@ def rank_argv(argv: list[str]) -> list[str]:
     sweep per process whose jobs wait on each other's collectives forever, ends in one line (exit status 2)."""
     from difflm.parallel.distributed import launch_env
 
+    argv = hydra_flags_first(argv)  # a -m typed after an override counts (entry() reads it so)
     multirun = multirun_flag(argv) is not None  # -m, --multirun or hydra.mode=MULTIRUN
     env = launch_env()
     if multirun and env["world_size"] > 1:
@@ -490,8 +500,9 @@ def check_primary_config(config_path: str | None, name: str | None, config_name:
     """Refuse a ``--config-path`` and a ``--config-name`` that names no config, before Hydra's multi-line errors.
 
     ``--config-path`` replaces the folder of the primary config, so the groups every difflm config composes
-    (``model/``, ``objective/``, ...) are no longer found; a relative one is read as a Python package. Your own configs
-    go in a folder passed as ``--config-dir``, which Hydra searches after difflm's own ``conf/``. ``--config-name NAME``
+    (``model/``, ``objective/``, ...) are no longer found unless it holds a whole copy of ``conf/`` (an absolute
+    folder with ``model/`` and ``objective/``: passed to Hydra); a relative one is read as a Python package. Your own
+    configs go in a folder passed as ``--config-dir``, which Hydra searches after difflm's own ``conf/``. ``--config-name NAME``
     must then be the command's own config or a ``NAME.yaml`` in one of the folders of ``search``
     (:func:`difflm.config.job_check.search_path_of`; an entry other than a ``file://`` folder leaves it to Hydra):
     another command's config in difflm's ``conf/`` (``difflm-train --config-name rl``) is refused too.
@@ -502,10 +513,14 @@ def check_primary_config(config_path: str | None, name: str | None, config_name:
     from difflm.config import CONF_DIR
 
     prog = f"difflm-{config_name}"
+    if config_path and os.path.isabs(config_path) and all(
+            os.path.isdir(os.path.join(config_path, group)) for group in ("model", "objective")):
+        return  # a whole config tree of your own (a copy of conf/): Hydra composes from it
     if config_path:
-        raise DifflmError(f"{prog} takes no --config-path ({config_path}): it replaces difflm's config folder, whose "
-                          f"groups (model/, objective/, ...) every config composes; put your configs in a folder and "
-                          f"pass --config-dir FOLDER (and --config-name NAME for a NAME.yaml of your own there)")
+        raise DifflmError(f"--config-path {config_path} is not an absolute folder holding difflm's config groups "
+                          f"(model/, objective/, ...), which every config composes: put your configs in a folder and "
+                          f"pass --config-dir FOLDER (and --config-name NAME for a NAME.yaml of your own there), or "
+                          f"give the absolute path of a whole copy of difflm's conf/")
     if not name or search is None or any(not str(entry).startswith("file://") for entry in search):
         return
     stem = name[:-len(".yaml")] if name.endswith(".yaml") else name

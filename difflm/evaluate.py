@@ -363,13 +363,16 @@ RESULT_KEYS = ("run_dir", "step", "data_path", "objective", "nelbo")  # what eve
 
 
 def other_than_a_result(path) -> str | None:
-    """None when the file at ``path`` is an earlier ``difflm-eval`` result (a JSON object with :data:`RESULT_KEYS`),
-    which ``eval.output`` may replace; else what it is (the evaluated text, a run's config.yaml, any other file)."""
+    """None when the file at ``path`` is an earlier ``difflm-eval`` result (a JSON object with :data:`RESULT_KEYS`)
+    or empty (``mktemp``'s), which ``eval.output`` may replace; else what it is (the evaluated text, a run's
+    config.yaml, any other file)."""
     import json
 
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 20)
+        if not head:
+            return None
         record = json.loads(head)
     except (OSError, ValueError):
         record = None

@@ -106,6 +106,7 @@ def median_ms(fn, steps: int, warmup: int = 3) -> float:
 
 
 def rel(u: torch.Tensor, v: torch.Tensor) -> float:
+    """max |u - v| / max |v| (float32)."""
     return float((u.float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-30))
 
 

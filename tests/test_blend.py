@@ -108,7 +108,7 @@ def test_blend_state_and_config_errors(corpora, tok, tmp_path):
 
 
 def test_a_later_missing_source_is_refused_before_the_first_is_tokenized(corpora, tok, tmp_path, monkeypatch):
-    """A mistyped second path ended the run only after the first source was tokenized (hours on a large corpus)."""
+    """A mistyped second path is refused before the first source is tokenized (hours on a large corpus)."""
     import difflm.data.blend as blend
 
     a, _ = corpora
@@ -125,8 +125,8 @@ def test_a_later_missing_source_is_refused_before_the_first_is_tokenized(corpora
 
 
 def test_a_bad_blend_entry_is_refused_naming_its_index_before_the_run_starts():
-    """A weight of the wrong type was named ``weight=`` alone and a misspelt entry key gave Hydra's multi-line
-    error; a weight <= 0 was refused only after the device and the kernels were chosen."""
+    """A weight of the wrong type and a misspelt entry key are named as ``data.blend[i].<key>`` in one line, and a
+    weight <= 0 is refused before the device and the kernels are chosen."""
     from test_command_line_errors import refusal
 
     from difflm.config.validate import check_config

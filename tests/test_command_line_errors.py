@@ -360,21 +360,24 @@ def test_a_dash_word_that_is_no_flag_is_refused_naming_the_closest_flag():
             check_flags(argv, prog)
         return str(info.value)
 
-    tail = "Settings are key=value words (model=tiny optim.lr=1e-4); {p} --help lists its flags (--cfg job, -m, " \
-           "--config-dir DIR, --config-name NAME, ...)"
+    tail = "Settings are key=value words ({p} --cfg job prints every key); {p} --help lists its flags (--cfg job, " \
+           "-m, --config-dir DIR, --config-name NAME, ...)"
     assert said(["--cfgg", "job"], "difflm-eval") == ("--cfgg is not a flag of difflm-eval; did you mean --cfg? "
                                                       + tail.format(p="difflm-eval"))
     assert said(["model=tiny", "--multirn"]).startswith("--multirn is not a flag of difflm-train; did you mean "
                                                         "--multirun? ")
     assert said(["--bogus"]) == "--bogus is not a flag of difflm-train. " + tail.format(p="difflm-train")
+    assert said(["run.dir=r", "prompt=Explain", "the", "-v", "flag"], "difflm-generate") == (
+        "-v is not a flag of difflm-generate: the shell split prompt= at a space; quote the value: "
+        "prompt='Explain the -v flag'")
     for argv in (["--cfg", "job", "model=tiny"], ["-m", "optim.lr=1e-4,2e-4"], ["--config-dir=x", "-cn", "train"],
-                 ["model=tiny"], []):
+                 ["model=tiny", "-cd=x", "-cn=mine"], ["optim.lr=-1e-4"], ["model=tiny"], []):
         check_flags(argv, "difflm-train")
 
 
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
-    config in difflm's conf/ is refused too); ``--config-path``, which hides difflm's groups, is refused in one line
+    config in difflm's conf/ is refused too); a ``--config-path`` without difflm's groups is refused in one line
     naming ``--config-dir``."""
     from difflm.config import CONF_DIR
 
@@ -386,11 +389,14 @@ def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(m
     assert refusal(["--config-dir", str(my_conf), "--config-name", "mine2"]) == (
         "--config-name mine2: no mine2.yaml in --config-dir (the configs there: mine). " + fix.format(n="mine2"))
     assert refusal(["-cn", "rl", "model=tiny"]) == "--config-name rl: no rl.yaml in --config-dir. " + fix.format(n="rl")
-    for path in ("myconf", str(my_conf)):
+    for path in ("conf", str(my_conf / "experiment")):  # relative (read as a package by Hydra), or without groups
         assert refusal(["--config-path", path, "--config-name", "mine"]) == (
-            f"difflm-train takes no --config-path ({path}): it replaces difflm's config folder, whose groups (model/, "
-            "objective/, ...) every config composes; put your configs in a folder and pass --config-dir FOLDER (and "
-            "--config-name NAME for a NAME.yaml of your own there)")
+            f"--config-path {path} is not an absolute folder holding difflm's config groups (model/, objective/, ...), "
+            "which every config composes: put your configs in a folder and pass --config-dir FOLDER (and "
+            "--config-name NAME for a NAME.yaml of your own there), or give the absolute path of a whole copy of "
+            "difflm's conf/")
+    (my_conf / "objective").mkdir(exist_ok=True)  # a tree of its own with the groups: Hydra's to compose
+    assert check_overrides(["--config-path", str(my_conf), "--config-name", "mine"], "train") is None
 
 
 def test_compose_and_the_planner_name_a_broken_preset_of_your_own(my_conf, capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException as HydraCompositionError
 
 import difflm.config
@@ -319,8 +320,8 @@ SEED_FIX = "must be an integer in [0, 2**63) (it keys every random draw)"
 
 @pytest.mark.parametrize("value", ["-1", "9223372036854775808", "99999999999999999999"])
 def test_a_seed_out_of_range_is_refused_naming_its_key_at_every_entry_point(value):
-    """train.seed, gen.seed and eval.seed outside [0, 2**63) had ended in a traceback from the keyed draws or torch's
-    generator (difflm-eval, difflm-generate), or in a line naming no key after the data was read (difflm-train)."""
+    """train.seed and eval.seed key every random draw: outside [0, 2**63) they are refused before any work, naming the
+    key; gen.seed only seeds torch's generator and is refused outside its range [-2**63, 2**64)."""
     from omegaconf import OmegaConf
     from test_posttrain_config import compose_rl
 
@@ -333,13 +334,20 @@ def test_a_seed_out_of_range_is_refused_naming_its_key_at_every_entry_point(valu
     assert str(err.value) == f"train.seed={value} {SEED_FIX}: e.g. train.seed=0"
     with pytest.raises(DifflmError, match=rf"^train.seed={value} must be an integer in"):
         check_rl_config(compose_rl([f"train.seed={value}"]))
-    with pytest.raises(DifflmError, match=rf"^gen.seed={value} must be an integer in"):
-        check_rl_config(compose_rl([f"gen.seed={value}", "data.answer_field=answer"]))
-    with pytest.raises(DifflmError, match=rf"^gen.seed={value} must be an integer in"):
-        check_generation_config(OmegaConf.create({"length": 8, "seed": int(value)}), OmegaConf.create({"name": "mdlm"}))
     args = OmegaConf.create({"eval": {"mc_samples": 8, "batch_size": 8, "max_windows": 0, "seed": int(value)}})
     with pytest.raises(DifflmError, match=rf"^eval.seed={value} must be an integer in"):
         check_eval_settings(args)
+    objective = OmegaConf.create({"name": "mdlm"})
+    if int(value) >= 2**64:
+        with pytest.raises(DifflmError) as err:
+            check_rl_config(compose_rl([f"gen.seed={value}", "data.answer_field=answer"]))
+        assert str(err.value) == (f"gen.seed={value} must be an integer in [-2**63, 2**64) (it seeds torch's "
+                                  "generator): e.g. gen.seed=0")
+        with pytest.raises(DifflmError, match=rf"^gen.seed={value} must be an integer in"):
+            check_generation_config(OmegaConf.create({"length": 8, "seed": int(value)}), objective)
+    else:  # torch.Generator.manual_seed takes it
+        check_generation_config(OmegaConf.create({"length": 8, "seed": int(value)}), objective)
+        torch.Generator().manual_seed(int(value))
 
 
 def test_the_seeds_edges_are_accepted():
@@ -355,7 +363,7 @@ def test_the_seeds_edges_are_accepted():
 
 @pytest.mark.parametrize("project, shown", [("team/proj", "/"), ("a?b%c", "% ?")])
 def test_a_wandb_project_name_wandb_refuses_is_refused_before_the_run_is_built(project, shown):
-    """wandb.init refused such a name with a traceback after the data and the model were built."""
+    """wandb.init refuses such a name (a traceback after the data and the model are built): refused first."""
     from test_posttrain_config import compose_rl
 
     from difflm.posttrain.runner import check_rl_config

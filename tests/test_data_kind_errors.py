@@ -79,8 +79,8 @@ def test_train_mdlm_on_jsonl_without_the_text_field_names_the_key(tmp_path):
 
 @pytest.mark.parametrize("sep", [" ###", "### ", "\t<|endoftext|>"])
 def test_a_separator_no_stripped_line_can_equal_is_refused_by_every_reader(tmp_path, sep):
-    """Lines are compared with their whitespace stripped: data.doc_separator=' ###' matched no line, and each .txt
-    file was read as one document, "###" lines included, by difflm-train, -preprocess and -eval alike."""
+    """Lines are compared with their whitespace stripped, so data.doc_separator=' ###' could match no line (each
+    .txt file one document, "###" lines included): refused by difflm-train, -preprocess and -eval alike."""
     from difflm.config.validate import check_run
     from difflm.data.documents import DocFormat, Piece, iter_documents
 

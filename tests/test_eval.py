@@ -408,9 +408,9 @@ def test_negative_eval_counts_are_refused_before_the_run_is_read(tmp_path, monke
 
 
 def test_eval_output_never_replaces_a_file_that_is_not_an_earlier_result(fast_cfg, tmp_path, monkeypatch, capsys):
-    """eval.output naming the evaluated text or the run's config.yaml wrote the JSON over it: the corpus, or the run
-    (difflm-eval / -generate could no longer read it), was lost. Such files are refused before any work; an earlier
-    result is replaced."""
+    """eval.output naming the evaluated text or the run's config.yaml is refused before any work (the JSON would
+    replace the corpus, or the run's config that difflm-eval / -generate read); an earlier result and an empty file
+    (``mktemp``'s) are replaced."""
     trainer = _train(fast_cfg)
     data = tmp_path / "to_be.txt"
     data.write_text("To be or not to be\n" * 20)
@@ -425,7 +425,8 @@ def test_eval_output_never_replaces_a_file_that_is_not_an_earlier_result(fast_cf
             "replaced): the output would replace it; give a new file path")
     assert {path: path.read_bytes() for path in kept} == kept
     result = tmp_path / "result.json"
-    for _ in range(2):  # written, then replaced
+    result.touch()
+    for _ in range(2):  # an empty file written, then the result replaced
         status, out, _ = eval_cli(monkeypatch, capsys, f"run.dir={trainer.run_dir}", f"data.path={data}",
                                   f"eval.output={result}", "device=cpu", "eval.max_windows=1")
         assert status == 0 and json.loads(result.read_text()) == json.loads(out)

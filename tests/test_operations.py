@@ -268,9 +268,9 @@ def test_unreadable_trainer_state_is_one_line(fast_cfg):
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
 def test_a_checkpoint_whose_tensor_files_cannot_be_decoded_is_called_damaged_not_another_model(fast_cfg, name):
-    """Bytes overwritten in place (same size: the manifest without checksums cannot tell) were reported as a
-    checkpoint of another model, with model settings to pass: the resumed run and the weights' readers
-    (difflm-eval, -generate, -export) say it is damaged."""
+    """Bytes overwritten in place (same size: the manifest without checksums cannot tell) are not a checkpoint of
+    another model, with model settings to pass: the resumed run and the weights' readers (difflm-eval, -generate,
+    -export) say it is damaged."""
     from difflm.checkpoint.store import load_trained_weights
     from difflm.model import build_model
 

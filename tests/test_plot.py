@@ -154,8 +154,8 @@ def test_multirun_legend_names_the_swept_values_and_an_empty_run_is_noted(tmp_pa
 
 
 def test_an_empty_value_or_a_file_as_run_dir_is_named(tmp_path):
-    """run.dir= (empty) plotted every run below the current folder; a file as run.dir was reported as an out= that
-    cannot be written."""
+    """run.dir= (empty) would plot every run below the current folder: refused; a file as run.dir is named as a
+    file (its folder is the fix), not as an out= that cannot be written."""
     for arg in ("run.dir=", "keys=", "out="):
         with pytest.raises(DifflmError) as err:
             parse_args(["run.dir=r", arg])
@@ -174,8 +174,8 @@ def test_an_empty_value_or_a_file_as_run_dir_is_named(tmp_path):
 
 
 def test_a_run_without_steps_and_unknown_keys_say_what_to_do(tmp_path, capsys):
-    """An empty metrics.jsonl (a run that has not logged yet) was told to check its key names, and keys= that no run
-    logged did not say which keys there are."""
+    """An empty metrics.jsonl (a run that has not logged yet) says so, and keys= that no run logged lists the keys
+    the runs did log."""
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "metrics.jsonl").write_text("")
     with pytest.raises(DifflmError) as err:

@@ -251,8 +251,8 @@ def test_unwritable_output_is_one_line_naming_output(tmp_path):
 
 
 def test_an_empty_output_is_refused_not_taken_for_the_current_folder(tmp_path):
-    """output= (empty) is the current folder to pathlib: difflm-preprocess said it "is not empty and holds no
-    difflm-preprocess manifest", and difflm-eval's eval.output= wrote no file without a word."""
+    """output= (empty) is the current folder to pathlib, and an empty eval.output= names no file: both are refused
+    in one line naming the key."""
     from difflm.cli import writable_output
 
     with pytest.raises(DifflmError) as err:

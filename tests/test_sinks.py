@@ -283,8 +283,8 @@ def test_metrics_jsonl_stays_json_when_a_step_is_not_finite(tmp_path):
 
 
 def test_a_resumed_run_logs_after_a_line_cut_short_on_a_line_of_its_own(tmp_path, capsys):
-    """A process stopped mid-write (disk full, kill) left a line without its newline; the resumed run's first record
-    was appended to it, and difflm-plot refused the whole run over the joined line."""
+    """A process stopped mid-write (disk full, kill) leaves a line without its newline: the resumed run's first
+    record starts a line of its own, and difflm-plot skips the cut line with a note."""
     from difflm.plot import read_metrics
     from difflm.training.sinks import JsonlSink
 

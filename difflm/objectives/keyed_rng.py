@@ -45,15 +45,17 @@ Field = Union[int, np.ndarray]
 SEED_LIMIT = 2**63  # seeds are keys of every draw and seed torch's and NumPy's generators: int64-sized
 
 
-def check_seed(value, key: str) -> int:
-    """``value`` of the seed setting ``key`` (``train.seed``, ``gen.seed``, ``eval.seed``) as an int in
-    [0, 2**63), checked before any work: every random draw is keyed by it (:func:`key_hash` takes no negative field)
-    and torch's generators take at most 64 bits.
+def check_seed(value, key: str, generator_only: bool = False) -> int:
+    """``value`` of the seed setting ``key`` as an int, checked before any work: in [0, 2**63) for a seed that keys
+    random draws (``train.seed``, ``eval.seed``, the harness's ``seed``: :func:`key_hash` takes no negative field and
+    torch's generators take at most 64 bits); with ``generator_only`` (``gen.seed``, which only seeds a
+    ``torch.Generator``) in ``torch.Generator.manual_seed``'s range [-2**63, 2**64).
 
     Raises: DifflmError naming the key and the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < SEED_LIMIT:
-        raise DifflmError(f"{key}={value} must be an integer in [0, 2**63) (it keys every random draw): e.g. "
-                          f"{key}=0")
+    low, high, span, why = ((-2**63, 2**64, "[-2**63, 2**64)", "it seeds torch's generator") if generator_only
+                            else (0, SEED_LIMIT, "[0, 2**63)", "it keys every random draw"))
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= int(value) < high:
+        raise DifflmError(f"{key}={value} must be an integer in {span} ({why}): e.g. {key}=0")
     return int(value)
 
 

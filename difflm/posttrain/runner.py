@@ -103,7 +103,7 @@ def check_rl_config(cfg) -> None:
         from difflm.sampling.options import check_read_settings
 
         check_read_settings(cfg.gen, cfg.gen.keys())
-        check_seed(cfg.gen.seed, "gen.seed")
+        check_seed(cfg.gen.seed, "gen.seed", generator_only=True)
     if a.name == "dpo" and cfg.data.chosen_field == cfg.data.rejected_field:
         raise DifflmError(f"data.chosen_field and data.rejected_field are both {cfg.data.chosen_field!r}: every pair "
                           "would hold one response twice (loss log 2, no gradient); point data.rejected_field at the "

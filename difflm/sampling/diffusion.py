@@ -212,7 +212,7 @@ def check_generation_config(gen, objective, typed: Iterable[str] = ()) -> Genera
 
     if gen.get("seed") is not None:
         try:
-            check_seed(gen.get("seed"), "gen.seed")
+            check_seed(gen.get("seed"), "gen.seed", generator_only=True)
         except DifflmError as err:
             raise GenerationConfigError(str(err)) from None
     name = getattr(objective, "name", None)
