@@ -192,6 +192,21 @@ def test_a_multirun_under_a_multi_process_launch_is_refused(env, module, extra, 
     assert "hydra/launcher=slurm" in out.stderr and not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("argv", [["-m", "optim.lr=1e-4,3e-4"], ["model=tiny", "-m", "optim.lr=1e-4,3e-4"]])
+def test_rank_argv_refuses_a_multirun_wherever_its_flag_stands(argv, monkeypatch, capsys):
+    """A ``-m`` after an override is one the entry point moves first: refused under two ranks as one typed first; a
+    single run of rank 1 gets the overrides that keep Hydra's files to rank 0."""
+    from difflm.cli import NON_ZERO_RANK_OVERRIDES, rank_argv
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as info:
+        rank_argv(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.startswith("difflm: error: a multirun (-m) under torchrun/srun (2 processes)")
+    assert rank_argv(["model=tiny"]) == ["model=tiny", *NON_ZERO_RANK_OVERRIDES]
+
+
 # A mistyped key or preset, refused before Hydra composes (difflm.cli.check_overrides), run through each entry point.
 TYPOS = [("difflm.train", ["model.hiden_size=64"], "model.hiden_size is not a config key; did you mean "
                                                    "model.hidden_size? (difflm-train --cfg job prints every key)"),
