@@ -256,19 +256,27 @@ def check_flags(argv: list[str], prog: str) -> None:
     if "--" in argv or _hydra_args(argv) is not None:
         return
     options = get_args_parser()._option_string_actions
+    key_at, strays, value_next = None, 0, False  # the last key=value word, plain words after it, a flag's value due
     for i, arg in enumerate(argv):
         name = arg.partition("=")[0]  # --cfg=job and -cd=DIR alike
-        if not arg.startswith("-") or name in options or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg):
+        if value_next:
+            value_next = False
+            if not arg.startswith("-"):
+                continue  # the value of the flag before it (--cfg job, -cd DIR)
+        if not arg.startswith("-") or re.fullmatch(r"-[\d.]+(e-?\d+)?", arg):
+            key_at, strays = (i, 0) if "=" in arg else (key_at, strays + 1)
             continue
-        split = [w for w in argv[:i] if not w.startswith("-")]
-        if split and "=" not in split[-1]:  # a key's value the shell split at spaces, this word part of it
-            key_at = max((j for j, w in enumerate(split) if "=" in w), default=None)
-            if key_at is not None:
-                key, _, value = split[key_at].partition("=")
-                rest = [w for w in argv[argv.index(split[key_at]) + 1:] if "=" not in w]
-                whole = " ".join([value, *rest])
-                raise DifflmError(f"{arg} is not a flag of {prog}: the shell split {key}= at a space; quote the "
-                                  f"value: {key}='{whole}'")
+        action = options.get(name)
+        if action is not None:
+            takes = action.nargs is None or (action.nargs == "?" and i + 1 < len(argv)
+                                              and (action.choices is None or argv[i + 1] in action.choices))
+            value_next = "=" not in arg and takes
+            continue
+        if key_at is not None and strays:  # a key's value the shell split at spaces, this word part of it
+            key, _, value = argv[key_at].partition("=")
+            whole = " ".join([value, *(w for w in argv[key_at + 1:] if "=" not in w)])
+            raise DifflmError(f"{arg} is not a flag of {prog}: the shell split {key}= at a space; quote the "
+                              f"value: {key}='{whole}'")
         close = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "."
         raise DifflmError(f"{arg} is not a flag of {prog}{hint} Settings are key=value words ({prog} --cfg job "

@@ -367,6 +367,7 @@ def test_a_dash_word_that_is_no_flag_is_refused_naming_the_closest_flag():
     assert said(["model=tiny", "--multirn"]).startswith("--multirn is not a flag of difflm-train; did you mean "
                                                         "--multirun? ")
     assert said(["--bogus"]) == "--bogus is not a flag of difflm-train. " + tail.format(p="difflm-train")
+    assert said(["model=tiny", "--cfg", "job", "--bogus"]) == said(["--bogus"])  # a flag's value is no split value
     assert said(["run.dir=r", "prompt=Explain", "the", "-v", "flag"], "difflm-generate") == (
         "-v is not a flag of difflm-generate: the shell split prompt= at a space; quote the value: "
         "prompt='Explain the -v flag'")
