@@ -132,6 +132,7 @@ def test_wrong_type_fails_at_compose_time():
     (["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp*cp=2"),
     (["objective.length_multiple=5"], "objective.length_multiple=5"),
     (["logger.sample_temperature=-1"], "logger.sample_temperature=-1"),
+    (["logger.sample_temperature=inf"], "logger.sample_temperature=inf must be >= 0 and finite"),
     (["objective=ar", "model.shift_logits=true"], "model.shift_logits=true is for masked diffusion"),
     (["objective=bd3lm", "model.shift_logits=true"], "model.shift_logits=true with objective=bd3lm"),
     (["objective=bd3lm", "gen.cfg_scale=1.5", "logger.num_samples=2"],

@@ -175,6 +175,8 @@ def test_forbid_ids_never_emitted(temperature, remasking):
         (dict(length=0, block_length=4, steps=4), "gen.length"),
         (dict(length=8, block_length=8, steps=4, remasking="top_k"), "gen.remasking"),
         (dict(length=8, block_length=8, steps=4, temperature=-1.0), "gen.temperature"),
+        (dict(length=8, block_length=8, steps=4, temperature=float("inf")), "gen.temperature=inf must be >= 0 and "),
+        (dict(length=8, block_length=8, steps=4, cfg_scale=float("inf")), r"gen.cfg_scale=inf must be >= 0 and finite"),
     ],
 )
 def test_validation_names_key(kwargs, key):
@@ -252,6 +254,17 @@ def test_autoregressive_forbid_and_seed():
     a, b, c = run(0), run(0), run(1)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert not (a == MASK).any()
+
+
+def test_autoregressive_huge_temperature_samples_near_uniformly():
+    """A finite temperature above float32's largest number scales the logits in float64: a near-uniform draw over the
+    allowed ids, never a forbidden one (in float32 every scaled logit was nan and torch.multinomial raised)."""
+    prompt = torch.tensor([[3]])
+    out = autoregressive_generate(next_token_model, prompt, opts(length=200, temperature=1e39, forbid_ids=[4, MASK]),
+                                  generator=torch.Generator().manual_seed(0))
+    drawn = out[0, 1:]
+    assert not ((drawn == 4) | (drawn == MASK)).any()
+    assert len(set(drawn.tolist())) >= 7  # near-uniform over the 9 allowed ids of 11, not the argmax chain
 
 
 def test_autoregressive_validation():

@@ -574,8 +574,8 @@ def check_settings(cfg, dims) -> None:
     check_schedule(cfg.schedule)
     if cfg.profile.enabled:
         check_profile(cfg.profile, t)
-    _require(cfg.logger.sample_temperature >= 0,
-             f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 (0 = greedy)")
+    _require(0 <= cfg.logger.sample_temperature < float("inf"),
+             f"logger.sample_temperature={cfg.logger.sample_temperature} must be >= 0 and finite (0 = greedy)")
     check_objective_data(cfg)
     check_adaptation(cfg)
 

@@ -29,7 +29,8 @@ def autoregressive_generate(
 
     Each step calls ``logits_fn`` on the whole prefix ``[B, P + t]`` and reads the last
     position's logits (``forbid_ids`` set to ``-inf``): the argmax at temperature 0, else a
-    sample from ``softmax(logits / temperature)`` drawn with ``generator``.
+    sample from ``softmax(logits / temperature)`` (float64, as the diffusion samplers' Gumbel noise) drawn with
+    ``generator``.
 
     Args:
         logits_fn: ``x [B, S] int64 -> logits [B, S, V] float`` (causal model).
@@ -76,7 +77,7 @@ def autoregressive_generate(
         if temperature == 0:
             nxt = last.argmax(dim=-1)
         else:
-            probs = torch.softmax(last / temperature, dim=-1)
+            probs = torch.softmax(last.double() / temperature, dim=-1)  # float64: a float32 T above 3.4e38 is inf
             if generator is None or isinstance(generator, torch.Generator):
                 nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             else:

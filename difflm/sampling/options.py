@@ -7,6 +7,7 @@ config and the model's facts by :meth:`GenerationOptions.from_config`; each samp
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -162,9 +163,9 @@ class GenerationOptions:
         remdm_sigma: ReMDM's eta: the cap of sigma_t (``cap``, >= 0) or its share of sigma_t^max (``rescale``, in
             [0, 1]); 0 = no remasking [``gen.remdm_sigma``] (with ``remasking=remdm``).
         remdm_schedule: ``cap`` or ``rescale``, ReMDM's sigma_t schedules [``gen.remdm_schedule``].
-        temperature: >= 0, 0 = greedy [``gen.temperature``] (all).
+        temperature: >= 0 and finite, 0 = greedy [``gen.temperature``] (all).
         top_k, top_p: nucleus / top-k filters, 0 / 1 = off [``gen.top_k``, ``gen.top_p``] (all).
-        cfg_scale: classifier-free guidance, 0 = off [``gen.cfg_scale``] (LLaDA sampler).
+        cfg_scale: classifier-free guidance, >= 0 and finite, 0 = off [``gen.cfg_scale``] (LLaDA sampler).
         threshold: Fast-dLLM confidence threshold in (0, 1], None = fixed schedule [``gen.threshold``]
             (diffusion samplers).
         cache: ``none``, ``prefix`` or ``dual`` [``gen.cache``]: Fast-dLLM's block cache for the LLaDA sampler;
@@ -237,14 +238,14 @@ class GenerationOptions:
         if self.remasking == REMDM and self.threshold is not None:
             raise GenerationConfigError("gen.remasking=remdm remasks against the fixed unmasking schedule: set "
                                         "gen.threshold=null")
-        if not self.temperature >= 0:
-            raise GenerationConfigError(f"gen.temperature={self.temperature} must be >= 0")
+        if not 0 <= self.temperature < math.inf:  # an infinite one scales every logit to nan (forbidden ids too)
+            raise GenerationConfigError(f"gen.temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
         if self.top_k < 0:
             raise GenerationConfigError(f"gen.top_k={self.top_k} must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise GenerationConfigError(f"gen.top_p={self.top_p} must be in (0, 1] (1 = off)")
-        if not self.cfg_scale >= 0:
-            raise GenerationConfigError(f"gen.cfg_scale={self.cfg_scale} must be >= 0 (0 = off)")
+        if not 0 <= self.cfg_scale < math.inf:
+            raise GenerationConfigError(f"gen.cfg_scale={self.cfg_scale} must be >= 0 and finite (0 = off)")
         if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
             raise GenerationConfigError(f"gen.threshold={self.threshold} must be in (0, 1] or null")
         if self.cache not in CACHES:

@@ -36,6 +36,7 @@ semi-autoregressive blocks, and classifier-free guidance as in ML-GSAI/LLaDA ``g
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -528,7 +529,8 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
             if temperature == 0:
                 nxt = last.argmax(dim=-1)
             else:
-                nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator).squeeze(-1)
+                probs = torch.softmax(last.double() / temperature, dim=-1)  # float64, as difflm's sampler
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             x = torch.cat([x, nxt.unsqueeze(1)], dim=1)
             if valid is not None:
                 valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
@@ -642,8 +644,8 @@ def _check_sampling(length, temperature, top_k, top_p) -> None:
     argument."""
     if not _is_int(length) or length < 1:
         raise ValueError(f"gen_length (max_new_tokens)={length!r} must be an integer >= 1")
-    if not _is_real(temperature) or not temperature >= 0:
-        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy)")
+    if not _is_real(temperature) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be >= 0 and finite (0 = greedy)")
     if not _is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
     if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
@@ -668,8 +670,8 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
         raise ValueError(f"block_length={block_length!r} must be an integer >= 1")
     if remasking not in REMASKING + ("remdm",):
         raise ValueError(f"remasking={remasking!r} must be one of {REMASKING + ('remdm',)}")
-    if not _is_real(cfg_scale) or not cfg_scale >= 0:
-        raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 (0 = off)")
+    if not _is_real(cfg_scale) or not 0 <= cfg_scale < math.inf:
+        raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 and finite (0 = off)")
     if threshold is not None and (not _is_real(threshold) or not 0.0 < threshold <= 1.0):
         raise ValueError(f"threshold={threshold!r} must be in (0, 1] or None (None = fixed schedule)")
     fix = f"; e.g. {_consistent_setting(length, steps, block_length)}"
