@@ -256,10 +256,18 @@ def encode_prompt(tok: TokenizerInfo, text: str, chat_template: bool, placeholde
 
 def infilled_text(tok: TokenizerInfo, text: str, placeholders: Sequence[str], fills) -> str:
     """``text`` with its placeholders (:func:`split_at_placeholders`) replaced, in order, by the decoded ``fills``
-    (the sampled ids of the prompt's mask positions, 1-D)."""
+    (the sampled ids of the prompt's mask positions, 1-D). The fills of adjacent placeholders are decoded together,
+    as the generated ids are: a character whose UTF-8 bytes span several tokens (an emoji of byte-level BPE) prints
+    as itself, not as one replacement character per token."""
     pieces = split_at_placeholders(text, placeholders)
     fills = fills.tolist() if hasattr(fills, "tolist") else list(fills)
-    return pieces[0] + "".join(tok.decode([f]) + p for f, p in zip(fills, pieces[1:]))
+    out, adjacent = pieces[0], []
+    for fill, piece in zip(fills, pieces[1:]):
+        adjacent.append(fill)
+        if piece:  # text follows: the run of adjacent placeholders ends here
+            out += tok.decode(adjacent) + piece
+            adjacent = []
+    return out + (tok.decode(adjacent) if adjacent else "")
 
 
 def load_run(run_dir: str, step: int | None, device: torch.device, kernels=None,

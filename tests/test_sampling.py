@@ -518,6 +518,10 @@ def test_infill_prompt_placeholders_become_mask_ids():
     assert encode_prompt(tok, text, False, []) == tok.encode(text)  # null placeholder: plain text
     cat, mat = tok.encode(" cat")[0], tok.encode(" mat")[0]
     assert infilled_text(tok, text, places, [cat, mat, mat]) == "The  cat sat on the mat mat."
+    emoji = tok.encode("\U0001F600")  # one character, three byte-level tokens
+    assert len(emoji) == 3
+    assert infilled_text(tok, "a" + "<|mask|>" * 3 + "b<|mask|>", places, emoji + [cat]) == "a\U0001F600b cat"
+    assert infilled_text(tok, "<|mask|>" * 3, places, emoji) == "\U0001F600"
     tok.tokenizer.add_special_tokens({"mask_token": "<|mdm_mask|>"})
     assert mask_placeholders(tok, "<|mask|>") == ["<|mask|>", "<|mdm_mask|>"]
     assert encode_prompt(tok, "a<|mdm_mask|>b", False, mask_placeholders(tok, "<|mask|>")) == \
