@@ -62,6 +62,18 @@ def test_threshold_decodes_a_confident_block_in_one_step():
     assert stats["nfe"] == 2 and out[0, 2:].tolist() == [3] * 8
 
 
+def test_threshold_with_entropy_remasking_is_refused():
+    """gen.remasking=entropy ranks by minus an entropy (<= 0), which no threshold in (0, 1] is reached by: the
+    threshold would decode one token a step however confident the model is (here 8 steps where margin takes 2)."""
+    stats = {}
+    diffusion_generate(peaked, torch.tensor([[1, 2]]), opts(length=8, steps=8, block_length=4, threshold=0.9,
+                                                              remasking="margin"), stats=stats)
+    assert stats["nfe"] == 2
+    with pytest.raises(GenerationConfigError, match=r"^gen.threshold=0.9 is compared with a confidence in \(0, 1\], "
+                                                    r"and gen.remasking=entropy gives minus an entropy"):
+        opts(length=8, steps=8, block_length=4, threshold=0.9, remasking="entropy")
+
+
 def test_classifier_free_guidance_masks_prompt_for_unconditional():
     seen = []
 

@@ -553,6 +553,7 @@ def test_export_generate_validates_like_difflm():
     for bad, match in [(dict(temperature=-1.0), "temperature=-1.0 must be >= 0"), (dict(top_k=-1), "top_k=-1"),
                        (dict(temperature=float("inf")), "temperature=inf must be >= 0 and finite"),
                        (dict(cfg_scale=float("inf")), "cfg_scale=inf must be >= 0 and finite"),
+                       (dict(threshold=0.9, remasking="entropy"), "threshold=0.9 is compared with a confidence"),
                        (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"),
                        (dict(cfg_scale=-0.5), "cfg_scale=-0.5"), (dict(threshold=0.0), "threshold=0.0"),
                        (dict(threshold=1.5), "threshold=1.5"), (dict(remasking="best"), "remasking='best'"),

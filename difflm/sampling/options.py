@@ -167,7 +167,7 @@ class GenerationOptions:
         top_k, top_p: nucleus / top-k filters, 0 / 1 = off [``gen.top_k``, ``gen.top_p``] (all).
         cfg_scale: classifier-free guidance, >= 0 and finite, 0 = off [``gen.cfg_scale``] (LLaDA sampler).
         threshold: Fast-dLLM confidence threshold in (0, 1], None = fixed schedule [``gen.threshold``]
-            (diffusion samplers).
+            (diffusion samplers; not with ``remasking=entropy``, whose confidence is minus an entropy).
         cache: ``none``, ``prefix`` or ``dual`` [``gen.cache``]: Fast-dLLM's block cache for the LLaDA sampler;
             for bd3lm any value but ``none`` turns on its exact cache of finished blocks.
         forbid_ids: token ids never emitted (the mask id, the embedding's padding rows) (all).
@@ -238,6 +238,11 @@ class GenerationOptions:
         if self.remasking == REMDM and self.threshold is not None:
             raise GenerationConfigError("gen.remasking=remdm remasks against the fixed unmasking schedule: set "
                                         "gen.threshold=null")
+        if self.remasking == "entropy" and self.threshold is not None:  # -entropy <= 0 never reaches it
+            raise GenerationConfigError(f"gen.threshold={self.threshold} is compared with a confidence in (0, 1], and "
+                                        "gen.remasking=entropy gives minus an entropy (<= 0), which never reaches it: "
+                                        "every step would unmask one token whatever gen.steps; set "
+                                        "gen.remasking=low_confidence or margin, or gen.threshold=null")
         if not 0 <= self.temperature < math.inf:  # an infinite one scales every logit to nan (forbidden ids too)
             raise GenerationConfigError(f"gen.temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
         if self.top_k < 0:

@@ -674,6 +674,10 @@ def _check_diffusion(length, steps, block_length, remasking, cfg_scale, threshol
         raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 and finite (0 = off)")
     if threshold is not None and (not _is_real(threshold) or not 0.0 < threshold <= 1.0):
         raise ValueError(f"threshold={threshold!r} must be in (0, 1] or None (None = fixed schedule)")
+    if threshold is not None and remasking == "entropy":
+        raise ValueError(f"threshold={threshold!r} is compared with a confidence in (0, 1], and remasking='entropy' "
+                         "gives minus an entropy (<= 0), which never reaches it: every step would unmask one token "
+                         "whatever steps; pass remasking='low_confidence' or 'margin', or threshold=None")
     fix = f"; e.g. {_consistent_setting(length, steps, block_length)}"
     if length % block_length:
         raise ValueError(f"gen_length={length} must be a multiple of block_length={block_length}{fix}")
