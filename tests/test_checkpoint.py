@@ -318,3 +318,24 @@ def test_a_rank_of_several_pipeline_stages_saves_and_loads_them_under_full_model
     for k in held:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)
     assert not torch.equal(got["layers.1.attention.qkv.weight"], ref["layers.1.attention.qkv.weight"])
+
+
+def test_a_chosen_step_whose_save_has_not_finished_is_named_as_such(tmp_path):
+    """difflm-generate / -eval / -export step=N where checkpoints/step_N is still being written (no manifest.json
+    yet): the step is named as incomplete, with the problem and the complete steps, not as a step without a
+    checkpoint; without step= the newest complete one is read."""
+    from difflm.checkpoint.manifest import write_manifest
+    from difflm.checkpoint.store import find_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (3, 5):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "trainer_state.pt").write_bytes(b"x")
+    write_manifest(root / "step_3")
+    assert find_checkpoint(tmp_path) == (3, root / "step_3")
+    with pytest.raises(DifflmError, match=rf"^step=5: checkpoint {root / 'step_5'} is not complete \(no "
+                                          r"manifest.json \(the save did not finish\)\): choose one of \[3\], or let "
+                                          "its save finish$"):
+        find_checkpoint(tmp_path, 5)
+    with pytest.raises(DifflmError, match=rf"^step=7 has no checkpoint in {tmp_path}: choose one of \[3\]$"):
+        find_checkpoint(tmp_path, 7)

@@ -52,7 +52,8 @@ def checkpoints_root(run_dir: Path) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, sorted by step: [(step, path)]."""
+    """The checkpoint folders of a run (complete or not: :func:`manifest_problem` tells), sorted by step:
+    [(step, path)]."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
@@ -133,6 +134,10 @@ def find_checkpoint(run_dir: Path, step: Optional[int] = None,
                           f"train first, or point {dir_key} at a run that saved one (train.save_every=0 saves none)")
     if step is None:
         step = max(ckpts)
+    if step not in ckpts and step in dict(found):  # mid-write, or damaged since
+        raise DifflmError(f"{step_key}={step}: checkpoint {dict(found)[step]} is not complete "
+                          f"({manifest_problem(dict(found)[step])}): choose one of {sorted(ckpts)}, or let its save "
+                          "finish")
     if step not in ckpts:
         raise DifflmError(f"{step_key}={step} has no checkpoint in {run_dir}: choose one of {sorted(ckpts)}")
     return step, ckpts[step]
