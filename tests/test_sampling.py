@@ -762,3 +762,18 @@ def test_difflm_generate_with_a_short_length_and_refusals(tiny_runs, monkeypatch
         generate_text(*_generate_args(tiny_runs["ar"], remdm_sigma=0.5))
     monkeypatch.setattr(difflm.generate, "load_run", load_run)
     assert generate_text(*_generate_args(tiny_runs["ar"], length=4, top_k=5, temperature=0.5)).startswith("ROMEO:")
+
+
+@pytest.mark.parametrize("objective", ["mdlm", "ar", "bd3lm"])
+def test_end_of_training_sample_0_is_drawn_alone_at_any_temperature(fast_cfg, objective):
+    """samples.txt's sample 0 is what difflm-generate prints with the run's gen.*, at gen.temperature > 0 too: it is
+    drawn alone (a row's noise depends on the rows drawn with it), the others after it from the same generator,
+    each with noise of its own."""
+    from difflm.training.trainer import Trainer
+
+    extra = ["objective.block_size=8"] if objective == "bd3lm" else []
+    cfg = fast_cfg(f"objective={objective}", *extra, "gen.length=8", "gen.temperature=1.0")
+    trainer = Trainer(cfg, cfg.run.dir, torch.device("cpu"))
+    samples = trainer.generate_samples("ROMEO:", 3)
+    assert trainer.generate_samples("ROMEO:", 1) == samples[:1]
+    assert len(set(samples)) == 3, samples

@@ -592,9 +592,10 @@ class Trainer:
     def generate_samples(self, prompt: str, num: int) -> list[str]:
         """``num`` continuations of ``prompt`` with the run's sampler settings (``gen.*``), decoded to text.
 
-        Sample 0 is what ``difflm-generate`` prints with the same ``gen.*``. At ``gen.temperature=0`` (greedy,
-        deterministic) the others would be copies of it, so they sample at ``logger.sample_temperature``
-        instead, each row with its own Gumbel noise from the one generator seeded by ``gen.seed``.
+        Sample 0 is what ``difflm-generate`` prints with the same ``gen.*``: it is drawn alone, from a generator
+        seeded by ``gen.seed``. The others are drawn together after it, from the same generator (noise of their
+        own); at ``gen.temperature=0`` (greedy, deterministic) they would be copies of it, so they sample at
+        ``logger.sample_temperature`` instead.
         """
         from difflm.generate import generate_ids
         from difflm.parallel.parallelize import layout_length_multiple
@@ -611,17 +612,20 @@ class Trainer:
         if warning is not None and self.is_rank0 and not self._told_beyond_window:
             self._report(warning)
             self._told_beyond_window = True
-        batches = [(num, gen)]
-        if gen.temperature == 0 and num > 1:
-            warm = OmegaConf.merge(gen, {"temperature": self.cfg.logger.sample_temperature})
-            batches = [(1, gen), (num - 1, warm)]
+        batches = [(1, gen)]
+        if num > 1:  # a row's noise depends on the rows drawn with it: sample 0 alone, as difflm-generate draws it
+            rest = gen if gen.temperature > 0 else OmegaConf.merge(
+                gen, {"temperature": self.cfg.logger.sample_temperature})
+            batches.append((num - 1, rest))
+        generator = torch.Generator(device=self.device).manual_seed(gen.seed)
         rows = []
         with gather_logits(self.model_parts):  # the sampler reads full-vocabulary logits
             for count, settings in batches:
                 prompt_ids = torch.tensor([ids] * count, device=self.device)
                 rows += generate_ids(self.model, self.tok, prompt_ids, settings, self.objective.causal,
                                      precision=self.cfg.precision, objective=self.cfg.objective,
-                                     seq_multiple=layout_length_multiple(self.cfg.parallel, self.dims))
+                                     seq_multiple=layout_length_multiple(self.cfg.parallel, self.dims),
+                                     generator=generator)
         self.model.train()
         return [prompt + decode_generated(self.tok, row) for row in rows]  # each cut at the end of text
 
