@@ -912,3 +912,35 @@ def test_qwen3_moe_without_num_experts_is_one_line(tmp_path):
                                   "layout: add it to config.json (the model's own value) or save the model again "
                                   "with save_pretrained")
         assert not (tmp_path / "run").exists()
+
+
+def test_config_fields_that_change_the_math_are_refused():
+    """Qwen3 / Qwen3-MoE attention_bias puts a bias on o_proj as well as q/k/v, Qwen3's use_sliding_window limits
+    attention, Mistral slides at 4096 when config.json has no sliding_window, and transformers reads rope_scaling
+    before rope_parameters: each is refused in one line naming the key (difflm's model would compute other logits),
+    the plain configs still map."""
+    from transformers import MistralConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from difflm.interop.hf_import import model_dims
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64)
+    biased = Qwen3ForCausalLM(Qwen3Config(**small, head_dim=16, attention_bias=True))
+    assert biased.model.layers[0].self_attn.o_proj.bias is not None  # what the import cannot map
+    configs = _config_dicts()
+    for kind in ("qwen3", "qwen3_moe"):
+        assert model_dims(configs[kind], "src")["qkv_bias"] is False
+        with pytest.raises(DifflmError, match=r"^hf='src' has attention_bias=true \(bias on o_proj too\)"):
+            model_dims({**configs[kind], "attention_bias": True}, "src")
+        with pytest.raises(DifflmError, match=r"^hf='src' has use_sliding_window=true: difflm attends to the full"):
+            model_dims({**configs[kind], "use_sliding_window": True, "sliding_window": 4}, "src")
+    mistral = MistralConfig(**small, sliding_window=None).to_dict()
+    assert model_dims(mistral, "src")["num_layers"] == 2
+    with pytest.raises(DifflmError, match=r"^hf='src' uses sliding_window=4096: difflm attends to the full window"):
+        model_dims({k: v for k, v in mistral.items() if k != "sliding_window"}, "src")
+    llama = configs["llama"]
+    assert model_dims({**llama, "rope_scaling": {"rope_type": "default"}}, "src")["rope_base"] == 10000.0
+    scaled = {**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='linear' \(rope_scaling\): difflm implements"):
+        model_dims(scaled, "src")

@@ -138,10 +138,17 @@ def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
 
 
 def _rope_base(hf_cfg: dict, hf: str) -> float:
-    params = hf_cfg.get("rope_parameters") or hf_cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r}: difflm implements plain RoPE only (rope_type default)")
+    """RoPE base of ``rope_parameters`` (transformers 5) or ``rope_theta``. Both ``rope_parameters`` and
+    ``rope_scaling`` are checked (transformers reads ``rope_scaling`` first when a config.json has both).
+
+    Raises: DifflmError for a RoPE type other than ``default`` (scaled RoPE) in either."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf_cfg.get(key)
+        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+        if rope_type not in (None, "default"):
+            raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r} ({key}): difflm implements plain RoPE only "
+                              "(rope_type default)")
+    params = hf_cfg.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         return opt_float(params, "rope_theta", hf, 10000.0)
     return opt_float(hf_cfg, "rope_theta", hf, 10000.0)
@@ -162,11 +169,13 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
         raise DifflmError(f"hf={hf!r} has hidden_act={act!r}: difflm's MLP is SwiGLU (silu)")
     if hf_cfg.get("mlp_bias"):
         raise DifflmError(f"hf={hf!r} has mlp_bias=true: difflm's MLP has no biases")
-    if kind in ("llama", "mistral") and hf_cfg.get("attention_bias"):
+    # Qwen2's q/k/v biases are fixed (qkv_bias); the others' attention_bias puts a bias on o_proj too
+    if kind != "qwen2" and hf_cfg.get("attention_bias"):
         raise DifflmError(f"hf={hf!r} has attention_bias=true (bias on o_proj too): difflm supports a QKV bias only")
-    if kind == "mistral" and hf_cfg.get("sliding_window"):
-        raise DifflmError(f"hf={hf!r} uses sliding_window={hf_cfg['sliding_window']}: difflm attends to the full window")
-    if kind in ("qwen2", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
+    # Mistral slides unless sliding_window is null (transformers' default, when the key is absent, is 4096)
+    if kind == "mistral" and (window := hf_cfg.get("sliding_window", 4096)):
+        raise DifflmError(f"hf={hf!r} uses sliding_window={window}: difflm attends to the full window")
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and hf_cfg.get("use_sliding_window"):
         raise DifflmError(f"hf={hf!r} has use_sliding_window=true: difflm attends to the full window")
     heads = need_int(hf_cfg, "num_attention_heads", hf, kind)
     layers, hidden = need_int(hf_cfg, "num_hidden_layers", hf, kind), need_int(hf_cfg, "hidden_size", hf, kind)
@@ -176,7 +185,7 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
             "num_kv_heads": opt_int(hf_cfg, "num_key_value_heads", hf, heads, low=1), "ffn_hidden_size": ffn,
             "head_dim": opt_int(hf_cfg, "head_dim", hf, hidden // heads, low=1), "rope_base": _rope_base(hf_cfg, hf),
             "norm_eps": opt_float(hf_cfg, "rms_norm_eps", hf, 1e-6), "qk_norm": kind in ("qwen3", "qwen3_moe"),
-            "qkv_bias": kind == "qwen2" or (kind in ("qwen3", "qwen3_moe") and bool(hf_cfg.get("attention_bias"))),
+            "qkv_bias": kind == "qwen2",
             "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)), "shift_logits": False,
             "init_std": opt_float(hf_cfg, "initializer_range", hf, 0.02)}
 
