@@ -944,3 +944,38 @@ def test_config_fields_that_change_the_math_are_refused():
               "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
     with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='linear' \(rope_scaling\): difflm implements"):
         model_dims(scaled, "src")
+
+
+def test_damaged_source_files_are_one_line(tmp_path):
+    """A config.json that is not a JSON object, an index without weight_map, a truncated safetensors or .bin file: one
+    line naming hf and the file (no JSONDecodeError / KeyError / SafetensorError traceback), run.dir not created."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32)).save_pretrained(src)
+    for f in NEOX.glob("tokenizer*"):
+        shutil.copy(f, src / f.name)
+    run = tmp_path / "run"
+    good = (src / "config.json").read_text()
+    for text, said in (("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object")):
+        (src / "config.json").write_text(text)
+        with pytest.raises(DifflmError, match=rf"^hf='{src}': {src / 'config.json'} {re.escape(said)}"):
+            import_hf(str(src), run)
+    (src / "config.json").write_text(good)
+    weights = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(weights[:1000])
+    with pytest.raises(DifflmError, match=rf"^hf='{src}': {src / 'model.safetensors'} cannot be read \(.*\): the file "
+                                          "is damaged or incomplete"):
+        import_hf(str(src), run)
+    (src / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(DifflmError, match=r"model.safetensors.index.json has no weight_map"):
+        import_hf(str(src), run)
+    (src / "model.safetensors.index.json").unlink()
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(DifflmError, match=r"pytorch_model.bin cannot be read \(.*\): the file is damaged"):
+        import_hf(str(src), run)
+    assert not run.exists()
+    (src / "model.safetensors").write_bytes(weights)  # the intact file imports
+    assert import_hf(str(src), run).model.num_layers == 1

@@ -106,7 +106,19 @@ def read_hf_config(src: Path, hf: str) -> dict:
     path = src / "config.json"
     if not path.is_file():
         raise DifflmError(f"hf={hf!r}: {path} is missing: a Hugging Face model directory needs config.json")
-    return json.loads(path.read_text())
+    return _read_json_object(path, hf, "save the model again with save_pretrained")
+
+
+def _read_json_object(path: Path, hf: str, fix: str) -> dict:
+    """``path`` read as a JSON object. Raises: DifflmError naming ``hf`` and the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise DifflmError(f"hf={hf!r}: {path} is not valid JSON ({reason}): {fix}") from None
+    if not isinstance(value, dict):
+        raise DifflmError(f"hf={hf!r}: {path} holds a JSON {type(value).__name__}, not an object: {fix}")
+    return value
 
 
 def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
@@ -114,9 +126,14 @@ def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
     ``pytorch_model.bin[.index.json]`` loaded with ``torch.load(weights_only=True)``."""
     from safetensors.torch import load_file
 
+    fix = "save the model again with save_pretrained"
+
     def files(index_name: str, single: str) -> Optional[list[Path]]:
         if (src / index_name).is_file():
-            weight_map = json.loads((src / index_name).read_text())["weight_map"]
+            weight_map = _read_json_object(src / index_name, hf, fix).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise DifflmError(f"hf={hf!r}: {src / index_name} has no weight_map of tensor names to shard files: "
+                                  f"{fix}")
             shards = [src / f for f in sorted(set(weight_map.values()))]
             missing = [s.name for s in shards if not s.is_file()]
             if missing:
@@ -124,14 +141,25 @@ def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
             return shards
         return [src / single] if (src / single).is_file() else None
 
+    def load(shard: Path, read) -> dict[str, torch.Tensor]:
+        try:
+            tensors = read(shard)
+        except Exception as e:  # noqa: BLE001 - a truncated or overwritten file, whatever the reader raises
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise DifflmError(f"hf={hf!r}: {shard} cannot be read ({reason}): the file is damaged or incomplete; "
+                              "download or save the model again") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise DifflmError(f"hf={hf!r}: {shard} does not hold a state dict of tensors: {fix}")
+        return tensors
+
     state: dict[str, torch.Tensor] = {}
     if (shards := files("model.safetensors.index.json", "model.safetensors")) is not None:
         for shard in shards:
-            state.update(load_file(str(shard)))
+            state.update(load(shard, lambda f: load_file(str(f))))
         return state
     if (shards := files("pytorch_model.bin.index.json", "pytorch_model.bin")) is not None:
         for shard in shards:
-            state.update(torch.load(shard, map_location="cpu", weights_only=True))
+            state.update(load(shard, lambda f: torch.load(f, map_location="cpu", weights_only=True)))
         return state
     raise DifflmError(f"hf={hf!r}: {src} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin: "
                       "save the model with save_pretrained(dir)")
