@@ -20,7 +20,7 @@ from difflm.data.documents import resolve_sources
 from difflm.data import build_tokenizer
 from difflm.errors import DifflmError
 from difflm.generate import generate_ids
-from difflm.interop.export import export_run, load_run_for_export, parse_size
+from difflm.interop.export import export_checkpoint, export_run, load_run_for_export, parse_size
 from difflm.interop.hf_import import continue_command, fuse_qkv, import_hf, train_overrides
 
 CPU = torch.device("cpu")
@@ -330,6 +330,30 @@ def test_export_never_replaces_the_run_or_a_folder_that_is_not_an_export(trained
     assert stat.S_IMODE((hf / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # readable like the rest
     with pytest.raises(DifflmError, match=r"^out=.* is a file: give a directory path"):
         export_run(run, notes / "todo.txt")
+
+
+def test_export_overwrite_replaces_only_its_own_output_and_never_a_tmp_folder(trained_run, tmp_path):
+    """overwrite=true deleted any folder with a config.json (a downloaded Llama as out= was replaced), and every
+    export deleted a folder named <out>.tmp beside out without a word. A Hugging Face model that difflm-export did
+    not write is refused and kept, <out>.tmp is left alone, and a failed export leaves no folder of its own."""
+    root, _, _ = trained_run
+    llama = make_hf(tmp_path, "llama", 50280, False)
+    before = {p.name: p.read_bytes() for p in llama.iterdir()}
+    with pytest.raises(DifflmError, match=r"^out=.* is not an earlier export \(its config.json is a "
+                                          r"model_type='llama' model that difflm-export did not write\), and "
+                                          r"overwrite=true would delete everything in it: choose a new directory$"):
+        export_run(root / "run", llama, overwrite=True)
+    assert {p.name: p.read_bytes() for p in llama.iterdir()} == before
+    out = tmp_path / "hf"
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "notes.txt").write_text("keep me")
+    export_run(root / "run", out)
+    export_run(root / "run", out, overwrite=True)  # difflm-export's own output is replaced on request
+    assert json.loads((out / "config.json").read_text())["model_type"] == "difflm"
+    assert (tmp_path / "hf.tmp" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(DifflmError, match="lora_format=peft: run.dir=.* trained no LoRA adapters"):
+        export_checkpoint(root / "run", tmp_path / "hf2", lora_format="peft")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp", "hf_llama"]
 
 
 def _old_run_records(run: Path) -> None:

@@ -26,9 +26,11 @@ pure-PyTorch model: TE-backend runs share its parameter names; their ``_extra_st
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -40,7 +42,7 @@ from difflm.data import TokenizerInfo, build_tokenizer
 from difflm import strict_json
 from difflm.errors import DifflmError
 from difflm.interop.difflm_format import moe_fields
-from difflm.interop.llada_layouts import LAYOUTS, export_config, from_difflm
+from difflm.interop.llada_layouts import LAYOUTS, export_config, from_difflm, layout_of
 from difflm.model import build_model
 from difflm.sampling.options import unread_stored_settings
 
@@ -168,6 +170,12 @@ def export_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.float32
     return out
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
     """Write ``state`` as ``model.safetensors``, or as shards + ``model.safetensors.index.json`` (the layout
     ``transformers`` reads) when the total exceeds ``max_shard_bytes``. A tensor larger than the limit gets a
@@ -184,8 +192,7 @@ def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int
         shards[-1][name] = t
         size += nbytes
     metadata = {"format": "pt"}
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
 
     def save(shard: dict, fname: str) -> None:
         save_file(shard, str(out / fname), metadata=metadata)
@@ -281,9 +288,27 @@ def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise DifflmError(f"out={str(out)!r} exists and is not empty: choose a new directory or pass overwrite=true")
-    if not (out / "config.json").is_file():
-        raise DifflmError(f"out={str(out)!r} is not an earlier export (it has no config.json), and overwrite=true "
-                          "would delete everything in it: choose a new directory")
+    if (what := _not_an_export(out)) is not None:
+        raise DifflmError(f"out={str(out)!r} is not an earlier export ({what}), and overwrite=true would delete "
+                          "everything in it: choose a new directory")
+
+
+def _not_an_export(out: Path) -> Optional[str]:
+    """None when ``out`` holds a difflm-export output (its ``config.json`` says ``model_type: difflm``, or is a
+    LLaDA layout that difflm-export wrote: with ``train_seq_len``), else why not: a Hugging Face model downloaded or
+    saved there (a Llama, a LLaDA release) has a config.json too."""
+    path = out / "config.json"
+    if not path.is_file():
+        return "it has no config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError):
+        return "its config.json is not JSON"
+    if not isinstance(config, dict):
+        return "its config.json is not a JSON object"
+    if config.get("model_type") == "difflm" or (layout_of(config) is not None and "train_seq_len" in config):
+        return None
+    return f"its config.json is a model_type={config.get('model_type')!r} model that difflm-export did not write"
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
@@ -298,7 +323,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
                       lora_format: str = "merge", format: str = "difflm") -> tuple[Path, int]:
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
 
-    The directory is written under ``<out>.tmp`` and renamed at the end, so ``out`` is complete or absent.
+    The directory is written into a new hidden folder beside it (``.<out name>.XXXX.tmp``, never an existing one) and
+    renamed at the end, so ``out`` is complete or absent; a failed export removes that folder.
     ``config.json`` records the checkpoint's step as ``train_step``. A LoRA run's adapters are merged into the
     weights (``lora_format=merge``), or (``peft``) ``out`` holds the base weights and ``out/adapter`` the PEFT adapter
     (:func:`save_peft_adapter`).
@@ -324,9 +350,19 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
         raise DifflmError(f"run.dir={str(run_dir)!r} is an objective=bd3lm run: the exported modeling file samples "
                           "masked diffusion with bidirectional attention, not BD3-LM's block-causal blocks, so its "
                           "generate would not be the model's sampler; sample with difflm-generate instead")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # a new folder beside out (mkdtemp never picks an existing one), removed when the export fails
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        _write_export(run_dir, out, tmp, cfg, model, tok, step, dtype, max_bytes, lora_format, format)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, step
+
+
+def _write_export(run_dir, out: Path, tmp: Path, cfg, model, tok, step, dtype: str, max_bytes: int,
+                  lora_format: str, format: str) -> None:
+    """Write the export into the empty folder ``tmp``, then put it in place of ``out`` (:func:`export_checkpoint`)."""
     from difflm.model.lora import lora_enabled
 
     lora = lora_enabled(cfg.get("lora"))
@@ -360,10 +396,10 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     (tmp / "generation_config.json").write_text(strict_json.dumps(gen, indent=2) + "\n")
     if lora_format == "peft":
         save_peft_adapter(model, cfg, tmp, tmp / "adapter", base_name=str(out))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export folder follows the umask
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return out, step
 
 
 @hydra_app("export")
