@@ -488,3 +488,21 @@ def test_layout_export_keeps_the_training_window(tmp_path, layout, preset):
     (out / "config.json").write_text(json.dumps({**written, "train_seq_len": 0}))
     with pytest.raises(DifflmError, match=r"config.json has train_seq_len=0, not a positive integer"):
         import_hf(str(out), tmp_path / "bad")
+
+
+def test_llada_rope_settings_in_transformers_5_keys():
+    """A LLaDA config.json saved by transformers 5 keeps the RoPE base and partial_rotary_factor in rope_parameters:
+    they are read from there (the base was taken as 10000 and the factor as 1.0), and a scaled rope_type there is
+    refused in one line as rope_scaling's is."""
+    from difflm.interop.llada_layouts import llada_dims
+
+    for layout, make in (("llada2", llada2_config), ("llada_moe", llada_moe_config)):
+        c = {k: v for k, v in make().items() if k not in ("rope_theta", "partial_rotary_factor", "rope_scaling")}
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0, "partial_rotary_factor": 0.5}
+        c.pop("rotary_dim", None)
+        dims = llada_dims(c, "src", layout)
+        assert (dims["rope_base"], dims["partial_rotary_factor"]) == (123456.0, 0.5), layout
+        c["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 123456.0}
+        with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='yarn' \(rope_parameters\): difflm "
+                                              r"implements plain RoPE only"):
+            llada_dims(c, "src", layout)

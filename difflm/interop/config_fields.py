@@ -70,4 +70,22 @@ def opt_float(c: dict, key: str, hf: str, default: float) -> float:
     return float(value)
 
 
-__all__ = ["need_float", "need_int", "opt_float", "opt_int"]
+def rope_theta(c: dict, hf: str, default: float = 10000.0) -> float:
+    """The RoPE base of ``config.json`` ``c``: ``rope_parameters.rope_theta`` (transformers 5 keeps it there), else
+    ``rope_theta``, else ``default``. Both ``rope_parameters`` and ``rope_scaling`` are checked (transformers reads
+    ``rope_scaling`` first when a config.json has both).
+
+    Raises: DifflmError naming the key for a RoPE type other than ``default`` (scaled RoPE) in either."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = c.get(key)
+        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+        if rope_type not in (None, "default"):
+            raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r} ({key}): difflm implements plain RoPE only "
+                              "(rope_type default)")
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return opt_float(params, "rope_theta", hf, default)
+    return opt_float(c, "rope_theta", hf, default)
+
+
+__all__ = ["need_float", "need_int", "opt_float", "opt_int", "rope_theta"]

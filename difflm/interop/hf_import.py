@@ -63,7 +63,7 @@ from difflm.config.validate import check_model
 from difflm.data import build_tokenizer
 from difflm.data.tokenizer import missing_tokenizer_files
 from difflm.errors import DifflmError
-from difflm.interop.config_fields import need_int, opt_float, opt_int
+from difflm.interop.config_fields import need_int, opt_float, opt_int, rope_theta
 from difflm.interop.difflm_format import difflm_dims
 from difflm.interop.llada_layouts import layout_of, llada_dims, to_difflm
 from difflm.model import build_model
@@ -165,23 +165,6 @@ def read_hf_weights(src: Path, hf: str) -> dict[str, torch.Tensor]:
                       "save the model with save_pretrained(dir)")
 
 
-def _rope_base(hf_cfg: dict, hf: str) -> float:
-    """RoPE base of ``rope_parameters`` (transformers 5) or ``rope_theta``. Both ``rope_parameters`` and
-    ``rope_scaling`` are checked (transformers reads ``rope_scaling`` first when a config.json has both).
-
-    Raises: DifflmError for a RoPE type other than ``default`` (scaled RoPE) in either."""
-    for key in ("rope_scaling", "rope_parameters"):
-        params = hf_cfg.get(key)
-        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-        if rope_type not in (None, "default"):
-            raise DifflmError(f"hf={hf!r} uses rope_type={rope_type!r} ({key}): difflm implements plain RoPE only "
-                              "(rope_type default)")
-    params = hf_cfg.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return opt_float(params, "rope_theta", hf, 10000.0)
-    return opt_float(hf_cfg, "rope_theta", hf, 10000.0)
-
-
 def model_dims(hf_cfg: dict, hf: str) -> dict:
     """difflm ``model.*`` values of an HF config (vocab set later). Raises DifflmError for unsupported features."""
     kind = hf_cfg.get("model_type")
@@ -211,7 +194,7 @@ def model_dims(hf_cfg: dict, hf: str) -> dict:
     moe = _qwen3_moe_dims(hf_cfg, hf) if kind == "qwen3_moe" else {}
     return moe | {"num_layers": layers, "hidden_size": hidden, "num_heads": heads,
             "num_kv_heads": opt_int(hf_cfg, "num_key_value_heads", hf, heads, low=1), "ffn_hidden_size": ffn,
-            "head_dim": opt_int(hf_cfg, "head_dim", hf, hidden // heads, low=1), "rope_base": _rope_base(hf_cfg, hf),
+            "head_dim": opt_int(hf_cfg, "head_dim", hf, hidden // heads, low=1), "rope_base": rope_theta(hf_cfg, hf),
             "norm_eps": opt_float(hf_cfg, "rms_norm_eps", hf, 1e-6), "qk_norm": kind in ("qwen3", "qwen3_moe"),
             "qkv_bias": kind == "qwen2",
             "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)), "shift_logits": False,

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from difflm.errors import DifflmError
-from difflm.interop.config_fields import need_int, opt_float, opt_int
+from difflm.interop.config_fields import need_int, opt_float, opt_int, rope_theta
 
 LAYOUTS = ("llada_moe", "llada2")
 AUTO_MAPS = {
@@ -80,8 +80,10 @@ def _refuse(hf: str, key: str, value, why: str) -> None:
 
 
 def _rotary_factor(c: dict, head_dim: int, hf: str) -> float:
-    """``partial_rotary_factor`` (1.0 when absent); a ``rotary_dim`` key must agree with it."""
-    f = float(c.get("partial_rotary_factor", 1.0) or 1.0)
+    """``partial_rotary_factor`` (1.0 when absent; transformers 5 may keep it in ``rope_parameters``); a
+    ``rotary_dim`` key must agree with it."""
+    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    f = float(c.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
     if c.get("rotary_dim") not in (None, int(head_dim * f)):
         _refuse(hf, "rotary_dim", c["rotary_dim"], f"partial_rotary_factor={f} of head_dim {head_dim} rotates "
                 f"{int(head_dim * f)} dims; make the two agree")
@@ -148,7 +150,7 @@ def llada_dims(c: dict, hf: str, layout: str) -> dict:
         dense_ffn = opt_int(c, "dense_intermediate_size", hf, moe["ffn_hidden_size"], low=1)
         qk_norm, qkv_bias = c.get("qk_layernorm", True), False
     return {"moe": moe, "num_layers": layers, "hidden_size": d, "num_heads": heads, "num_kv_heads": kv,
-            "ffn_hidden_size": dense_ffn, "head_dim": hd, "rope_base": opt_float(c, "rope_theta", hf, 10000.0),
+            "ffn_hidden_size": dense_ffn, "head_dim": hd, "rope_base": rope_theta(c, hf),
             "partial_rotary_factor": _rotary_factor(c, hd, hf), "norm_eps": opt_float(c, "rms_norm_eps", hf, 1e-6),
             "qk_norm": bool(qk_norm), "qkv_bias": bool(qkv_bias),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)), "shift_logits": False,
