@@ -1003,3 +1003,16 @@ def test_damaged_source_files_are_one_line(tmp_path):
     assert not run.exists()
     (src / "model.safetensors").write_bytes(weights)  # the intact file imports
     assert import_hf(str(src), run).model.num_layers == 1
+
+
+def test_import_refuses_empty_or_bad_settings_before_writing(tmp_path):
+    """hf= empty read the current folder; mask_token= empty ended in 'is already token None' and vocab_multiple=0 in
+    the tokenizer's check after run.dir had been claimed and the tokenizer written there. Each is one line naming
+    the key, and run.dir is not created."""
+    run = tmp_path / "run"
+    for kwargs, said in (({"hf": ""}, "hf= is empty: give a local Hugging Face model directory or a hub name"),
+                         ({"mask_token": " "}, "mask_token=' ' is empty: give the text of the token to add"),
+                         ({"vocab_multiple": 0}, "vocab_multiple=0 must be an integer >= 1")):
+        with pytest.raises(DifflmError, match="^" + re.escape(said)):
+            import_hf(**{"hf": str(tmp_path), "run_dir": run, **kwargs})
+        assert not run.exists()

@@ -372,6 +372,14 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     """
     if objective is not None and (refused := import_objective_error(objective)) is not None:
         raise DifflmError(refused)
+    if not str(hf).strip():  # Path("") is the current folder
+        raise DifflmError("hf= is empty: give a local Hugging Face model directory or a hub name")
+    if not mask_token.strip():
+        raise DifflmError(f"mask_token={mask_token!r} is empty: give the text of the token to add, e.g. "
+                          f"mask_token='{DEFAULT_MASK_TOKEN}' (the default)")
+    if isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int) or vocab_multiple < 1:
+        raise DifflmError(f"vocab_multiple={vocab_multiple} must be an integer >= 1 (the embedding is padded to a "
+                          "multiple of it): e.g. vocab_multiple=128 (the default)")
     run_dir = Path(run_dir).expanduser().resolve()
     if list_checkpoints(run_dir) and not overwrite:
         raise DifflmError(f"run.dir={str(run_dir)!r} already holds checkpoints: choose a new run.dir or pass "
