@@ -1016,3 +1016,39 @@ def test_import_refuses_empty_or_bad_settings_before_writing(tmp_path):
         with pytest.raises(DifflmError, match="^" + re.escape(said)):
             import_hf(**{"hf": str(tmp_path), "run_dir": run, **kwargs})
         assert not run.exists()
+
+
+def test_hub_repository_with_bin_weights_only_is_fetched(tmp_path, monkeypatch):
+    """A hub name is fetched without .bin files (so a repository holding both downloads the safetensors alone); a
+    repository whose weights are pytorch_model*.bin only then has its .bin files fetched too, and imports, instead of
+    being refused as having no weights."""
+    import huggingface_hub
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    repo = tmp_path / "repo"
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32))
+    repo.mkdir()
+    model.config.save_pretrained(repo)
+    torch.save(model.state_dict(), repo / "pytorch_model.bin")
+    for f in NEOX.glob("tokenizer*"):
+        shutil.copy(f, repo / f.name)
+    calls = []
+
+    def fake_download(name, revision=None, local_files_only=False, allow_patterns=()):
+        """The files of ``repo`` that match ``allow_patterns``, added to one snapshot folder, as the hub's cache."""
+        import fnmatch
+
+        calls.append(list(allow_patterns))
+        snap = tmp_path / "snapshot"
+        snap.mkdir(exist_ok=True)
+        for f in repo.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, snap / f.name)
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    cfg = import_hf("someone/llama-bin", tmp_path / "run", objective="ar")
+    assert cfg.model.num_layers == 1 and len(calls) == 2 and calls[1] == ["pytorch_model*.bin"]
+    assert not any("bin" in p for p in calls[0])

@@ -93,6 +93,9 @@ def resolve_source(hf: str, revision: Optional[str] = None) -> Path:
 
         local = snapshot_download(hf, revision=revision, local_files_only=_offline(),
                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+        if not any(Path(local).glob("*.safetensors")):  # a repository with PyTorch .bin weights only
+            local = snapshot_download(hf, revision=revision, local_files_only=_offline(),
+                                      allow_patterns=["pytorch_model*.bin"])
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one line
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         hint = ("HF_HUB_OFFLINE=1 and it is not in the cache: download it first or unset HF_HUB_OFFLINE"
