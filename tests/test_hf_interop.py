@@ -1052,3 +1052,16 @@ def test_hub_repository_with_bin_weights_only_is_fetched(tmp_path, monkeypatch):
     cfg = import_hf("someone/llama-bin", tmp_path / "run", objective="ar")
     assert cfg.model.num_layers == 1 and len(calls) == 2 and calls[1] == ["pytorch_model*.bin"]
     assert not any("bin" in p for p in calls[0])
+
+
+def test_export_to_a_symlinked_folder_writes_the_folder_it_names(trained_run, tmp_path):
+    """out= a symbolic link to a folder (empty, or an earlier export with overwrite=true) ended, after the whole
+    export, in 'OSError: Cannot call rmtree on a symbolic link'. The folder the link names is written; the link
+    stays."""
+    root, _, _ = trained_run
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert export_run(root / "run", tmp_path / "link") == tmp_path / "real"
+    assert export_run(root / "run", tmp_path / "link", overwrite=True) == tmp_path / "real"
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]

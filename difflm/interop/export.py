@@ -344,6 +344,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     if lora_format not in ("merge", "peft"):
         raise DifflmError(f"lora_format={lora_format!r} is not one of: merge, peft")
     out = writable_output("out", out, directory=True)
+    if out.is_symlink():  # the folder the link names is written (replaced in place); the link stays
+        out = writable_output("out", out.resolve(), directory=True)
     _refuse_unsafe_out(out, Path(run_dir).expanduser(), overwrite)
     cfg, model, tok, step = load_run_for_export(run_dir, step)
     if cfg.objective.name == "bd3lm":  # the exported generate is LLaDA's sampler over bidirectional attention
