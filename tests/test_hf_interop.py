@@ -1065,3 +1065,17 @@ def test_export_to_a_symlinked_folder_writes_the_folder_it_names(trained_run, tm
     assert export_run(root / "run", tmp_path / "link", overwrite=True) == tmp_path / "real"
     assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_import_of_a_peft_export_says_the_adapter_is_not_read(tmp_path, capsys):
+    """difflm-export lora_format=peft writes the base weights and adapter/; difflm-import of that folder imported the
+    base alone without a word. It still does (the base is a model of its own) and says so in one line."""
+    src = make_hf(tmp_path, "llama", 50280, False)
+    import_hf(str(src), tmp_path / "run", objective="ar")
+    assert "PEFT adapter" not in capsys.readouterr().out
+    (src / "adapter").mkdir()
+    (src / "adapter" / "adapter_config.json").write_text("{}")
+    import_hf(str(src), tmp_path / "run2", objective="ar")
+    assert (f"difflm: hf={src} holds a PEFT adapter in {src / 'adapter'}, which difflm-import does not read: the run "
+            "gets the base weights without it; to import the adapted model, export the LoRA run with "
+            "lora_format=merge") in capsys.readouterr().out

@@ -400,6 +400,10 @@ def import_hf(hf: str, run_dir: str | Path, objective: Optional[str] = None, shi
     if (missing := missing_tokenizer_files(str(src))) is not None:
         raise DifflmError(f"hf={hf!r} has no tokenizer: {missing}; save it there with tokenizer.save_pretrained")
     weights = read_hf_weights(src, hf)
+    if (src / "adapter" / "adapter_config.json").is_file():  # difflm-export lora_format=peft: base + adapter/
+        print(f"difflm: hf={hf} holds a PEFT adapter in {src / 'adapter'}, which difflm-import does not read: the run "
+              "gets the base weights without it; to import the adapted model, export the LoRA run with "
+              "lora_format=merge", flush=True)
 
     # Hold run.dir as difflm-train does (one run per run.dir): a training run still writing there is never
     # deleted from under it, and no trainer starts on a half-written import. The kernel drops the lock if we die.
