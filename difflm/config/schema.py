@@ -468,7 +468,7 @@ class ExportRunConfig:
     step: Optional[int] = None  # checkpoint step; default the latest
     dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype of the saved weights
     max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json
-    overwrite: bool = False  # replace a non-empty out directory
+    overwrite: bool = False  # replace an earlier difflm-export output in out (never another folder)
     lora_format: str = "merge"  # LoRA runs: merge (adapters into the weights) | peft (base + out/adapter, docs/lora.md)
     format: str = "difflm"  # difflm (own names + modeling file) | llada_moe | llada2 (the releases' layouts, MoE runs)
 
