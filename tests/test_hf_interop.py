@@ -333,9 +333,9 @@ def test_export_never_replaces_the_run_or_a_folder_that_is_not_an_export(trained
 
 
 def test_export_overwrite_replaces_only_its_own_output_and_never_a_tmp_folder(trained_run, tmp_path):
-    """overwrite=true deleted any folder with a config.json (a downloaded Llama as out= was replaced), and every
-    export deleted a folder named <out>.tmp beside out without a word. A Hugging Face model that difflm-export did
-    not write is refused and kept, <out>.tmp is left alone, and a failed export leaves no folder of its own."""
+    """overwrite=true replaces only difflm-export's own output: a Hugging Face model it did not write (a Llama with
+    its config.json) is refused and kept. A folder named <out>.tmp beside out is left alone (the export writes into a
+    new hidden folder), and a failed export leaves no folder of its own."""
     root, _, _ = trained_run
     llama = make_hf(tmp_path, "llama", 50280, False)
     before = {p.name: p.read_bytes() for p in llama.iterdir()}
@@ -1006,9 +1006,8 @@ def test_damaged_source_files_are_one_line(tmp_path):
 
 
 def test_import_refuses_empty_or_bad_settings_before_writing(tmp_path):
-    """hf= empty read the current folder; mask_token= empty ended in 'is already token None' and vocab_multiple=0 in
-    the tokenizer's check after run.dir had been claimed and the tokenizer written there. Each is one line naming
-    the key, and run.dir is not created."""
+    """hf= empty (not the current folder), an empty mask_token and vocab_multiple=0 are each refused in one line
+    naming the key, before run.dir is claimed or written: run.dir is not created."""
     run = tmp_path / "run"
     for kwargs, said in (({"hf": ""}, "hf= is empty: give a local Hugging Face model directory or a hub name"),
                          ({"mask_token": " "}, "mask_token=' ' is empty: give the text of the token to add"),
@@ -1020,8 +1019,7 @@ def test_import_refuses_empty_or_bad_settings_before_writing(tmp_path):
 
 def test_hub_repository_with_bin_weights_only_is_fetched(tmp_path, monkeypatch):
     """A hub name is fetched without .bin files (so a repository holding both downloads the safetensors alone); a
-    repository whose weights are pytorch_model*.bin only then has its .bin files fetched too, and imports, instead of
-    being refused as having no weights."""
+    repository whose weights are pytorch_model*.bin only then has its .bin files fetched too, and imports."""
     import huggingface_hub
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -1055,9 +1053,8 @@ def test_hub_repository_with_bin_weights_only_is_fetched(tmp_path, monkeypatch):
 
 
 def test_export_to_a_symlinked_folder_writes_the_folder_it_names(trained_run, tmp_path):
-    """out= a symbolic link to a folder (empty, or an earlier export with overwrite=true) ended, after the whole
-    export, in 'OSError: Cannot call rmtree on a symbolic link'. The folder the link names is written; the link
-    stays."""
+    """out= a symbolic link to a folder (empty, or an earlier export with overwrite=true): the folder the link names
+    is written, the link stays, and no other folder is left beside them."""
     root, _, _ = trained_run
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
@@ -1068,8 +1065,8 @@ def test_export_to_a_symlinked_folder_writes_the_folder_it_names(trained_run, tm
 
 
 def test_import_of_a_peft_export_says_the_adapter_is_not_read(tmp_path, capsys):
-    """difflm-export lora_format=peft writes the base weights and adapter/; difflm-import of that folder imported the
-    base alone without a word. It still does (the base is a model of its own) and says so in one line."""
+    """difflm-export lora_format=peft writes the base weights and adapter/; difflm-import of that folder imports the
+    base (a model of its own) and says in one line that the adapter is not read."""
     src = make_hf(tmp_path, "llama", 50280, False)
     import_hf(str(src), tmp_path / "run", objective="ar")
     assert "PEFT adapter" not in capsys.readouterr().out

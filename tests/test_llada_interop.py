@@ -492,8 +492,7 @@ def test_layout_export_keeps_the_training_window(tmp_path, layout, preset):
 
 def test_llada_rope_settings_in_transformers_5_keys():
     """A LLaDA config.json saved by transformers 5 keeps the RoPE base and partial_rotary_factor in rope_parameters:
-    they are read from there (the base was taken as 10000 and the factor as 1.0), and a scaled rope_type there is
-    refused in one line as rope_scaling's is."""
+    they are read from there, and a scaled rope_type there is refused in one line as rope_scaling's is."""
     from difflm.interop.llada_layouts import llada_dims
 
     for layout, make in (("llada2", llada2_config), ("llada_moe", llada_moe_config)):
