@@ -85,6 +85,37 @@ def test_persistent_bytes_equal_the_built_model(measured, name):
             assert planned[stage][part] == real, (name, part, stage)
 
 
+@pytest.mark.parametrize("schedule, virtual, layers", [("1F1B", 1, 5), ("Interleaved1F1B", 2, 5),
+                                                       ("ZBVZeroBubble", 1, 4), ("LoopedBFS", 3, 7)])
+def test_pipeline_ranks_hold_the_stages_the_trainer_cuts(schedule, virtual, layers):
+    """Each pipeline rank is planned with the parameters of the stages the trainer gives it
+    (difflm.parallel.pipeline.build_stage_models): several stages per rank under interleaved schedules, the first and
+    the last (embedding and head) on rank 0 under ZBVZeroBubble; its loss rows are planned on that rank."""
+    from difflm.model import build_model
+    from difflm.parallel.pipeline import build_stage_models
+    from difflm.plan.cli import layout_of
+    from difflm.plan.memory import plan_memory, stage_params
+    from difflm.plan.shapes import model_params
+
+    cfg = compose_run([*TINY, "parallel=pp2", f"parallel.pp_schedule={schedule}",
+                       f"parallel.pp_virtual_stages={virtual}", f"model.num_layers={layers}",
+                       "train.global_batch_size=8"])
+    cfg.model.head_dim = cfg.model.hidden_size // cfg.model.num_heads
+    layout = layout_of(cfg, 2)
+    planned = stage_params(model_params(cfg.model, 1000), layout, layers)
+    real, head_rank = [], None
+    for rank in range(2):
+        model = build_model(cfg.model, causal=False, device=torch.device("cpu"), seed=None, meta=True)
+        parts, _, _ = build_stage_models(model, rank, 2, virtual, schedule)
+        real.append(sum(p.numel() for part in parts for p in part.parameters()))
+        if any(part.output is not None for part in parts):
+            head_rank = rank
+    assert planned == real
+    assert head_rank == (0 if schedule == "ZBVZeroBubble" else 1)
+    if schedule == "ZBVZeroBubble":  # rank 0, the most loaded, holds the loss rows' logits too
+        assert plan_memory(cfg, model_params(cfg.model, 1000), layout, 4).parts["logits"] > 0
+
+
 def test_parameter_count_of_the_plan_is_the_model_count():
     from difflm.plan.cli import active_params
     from difflm.plan.shapes import model_params

@@ -28,4 +28,5 @@ def layout_of(cfg, gpus: int) -> Layout:
     return Layout(tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_replicate=dims.dp_replicate,
                   dp_shard=dims.dp_shard, micro_batch=int(cfg.train.micro_batch_size),
                   activation_checkpointing=str(p.activation_checkpointing),
-                  sequence_parallel=bool(p.sequence_parallel), pp_schedule=str(p.pp_schedule))
+                  sequence_parallel=bool(p.sequence_parallel), pp_schedule=str(p.pp_schedule),
+                  pp_virtual_stages=int(p.pp_virtual_stages))

@@ -46,7 +46,7 @@ from typing import Optional
 from difflm.plan.activations import KernelSet, block_bytes_per_token, kernel_set, residual_bytes, step_state_bytes
 from difflm.plan.activations import torch_bytes_per_token
 from difflm.plan.activations import mlp_width  # noqa: F401  (also read from here: difflm.plan.step_time)
-from difflm.plan.shapes import Param, local_numel, stage_of
+from difflm.plan.shapes import Param, last_stage_rank, local_numel, rank_layers, stage_of
 
 GIB = 1024 ** 3
 
@@ -65,6 +65,13 @@ class Layout:
     activation_checkpointing: str = "none"  # none | selective | full
     sequence_parallel: bool = True
     pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1  # parallel.pp_virtual_stages (interleaved schedules; ZBVZeroBubble always 2)
+
+    @property
+    def stages(self) -> tuple[int, int, str]:
+        """(pp, virtual stages, schedule): how the pipeline ranks hold the stages
+        (:func:`difflm.plan.shapes.stage_of`)."""
+        return self.pp, self.pp_virtual_stages, self.pp_schedule
 
     @property
     def world(self) -> int:
@@ -104,19 +111,19 @@ class MemoryPlan:
 
 
 def stage_params(params: list[Param], layout: Layout, num_layers: int) -> list[int]:
-    """Elements held by one rank of each pipeline stage (a list of ``pp`` counts)."""
+    """Elements held by one rank of each pipeline rank's stages (a list of ``pp`` counts)."""
     efsdp = max(layout.fsdp // layout.ep, 1)
     out = [0] * layout.pp
     for p in params:
-        out[stage_of(p, num_layers, layout.pp)] += local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
+        out[stage_of(p, num_layers, *layout.stages)] += local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
     return out
 
 
 def stage_tensors(params: list[Param], layout: Layout, num_layers: int) -> list[int]:
-    """Parameter tensors per pipeline stage (AdamW keeps one ``step`` scalar for each)."""
+    """Parameter tensors per pipeline rank (AdamW keeps one ``step`` scalar for each)."""
     out = [0] * layout.pp
     for p in params:
-        out[stage_of(p, num_layers, layout.pp)] += 1
+        out[stage_of(p, num_layers, *layout.stages)] += 1
     return out
 
 
@@ -142,7 +149,7 @@ def step_state(cfg, params: list[Param], layout: Layout, num_layers: int, kernel
     for p in params:
         grad, copy = step_state_bytes(cfg, kernels, layout, p.name)
         n = local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
-        stage = out[stage_of(p, num_layers, layout.pp)]
+        stage = out[stage_of(p, num_layers, *layout.stages)]
         stage["main_grad"] += float(grad * n)
         stage["copies"] += float(copy * n)
         if p.layer is None and not copy:
@@ -230,7 +237,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
     num_layers = int(m.num_layers)
     vocab = int(m.vocab_size)
     persistent = persistent_bytes(params, layout, num_layers)
-    layers_per_stage = [len(x) for x in _split(num_layers, layout.pp)]
+    layers_per_stage = rank_layers(num_layers, *layout.stages)
     tokens = layout.micro_batch * seq
     kernels = kernels or kernel_set(cfg, layout)
     per_token = block_bytes_per_token(m, kernels, layout, act_bytes) * activation_scale
@@ -248,7 +255,7 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
         saved = tokens * (whole * per_token + (n - whole) * block_input) * flights
         one_block = tokens * per_token
         logits = 0.0
-        if s == layout.pp - 1:
+        if s == last_stage_rank(*layout.stages):
             rows = layout.micro_batch * data_seq / layout.cp * fraction
             fused = kernels.fused_cross_entropy
             # fused: the gradient overwrites the logits; unfused: the logits, the FP32 log-probabilities, their
@@ -288,9 +295,3 @@ def plan_memory(cfg, params: list[Param], layout: Layout, n_micro: int, activati
             if best is None or plan.total > best.total:
                 best = plan
     return best
-
-
-def _split(num_layers: int, pp: int) -> list[list[int]]:
-    from difflm.parallel.pipeline import split_layers
-
-    return split_layers(num_layers, pp)

@@ -107,7 +107,8 @@ def candidates(cfg, gpus: int, rates: Rates, refused: Optional[list] = None) -> 
                             for ac in ("none", "selective", "full"):
                                 out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=rep, dp_shard=shard,
                                                   micro_batch=mb, activation_checkpointing=ac,
-                                                  pp_schedule=str(cfg.parallel.pp_schedule)))
+                                                  pp_schedule=str(cfg.parallel.pp_schedule),
+                                                  pp_virtual_stages=int(cfg.parallel.pp_virtual_stages)))
     runs: dict = {}
     kept = []
     for lay in out:

@@ -8,7 +8,9 @@ what ``difflm-train`` builds. The placement rules mirror the layout code:
   projection and ``fc2`` along dim 1; norms and the MoE slot (router, experts, shared experts) are replicated;
 * expert parallelism (:mod:`difflm.parallel.expert_parallel`): routed experts split along dim 0 over ``ep``;
 * pipeline parallelism (:func:`difflm.parallel.pipeline.split_layers`): consecutive blocks per stage, the embedding on
-  the first stage and the final norm + head on the last;
+  the first stage and the final norm + head on the last; a pipeline rank holds the stages
+  :func:`difflm.parallel.pipeline.stage_ids` gives it (interleaved schedules ``parallel.pp_virtual_stages`` of them,
+  ``ZBVZeroBubble`` the first and the last of the V: the embedding and the head on rank 0);
 * FSDP2 (``fully_shard``): every tensor's dim 0 split over ``dp_shard x cp`` (routed experts over ``dp_shard x cp /
   ep``), padded to equal shards (torch docs, "torch.distributed.fsdp.fully_shard": ``torch.chunk`` on dim 0, the
   last shards padded).
@@ -71,18 +73,55 @@ def model_params(model_cfg, vocab_size: int) -> list[Param]:
     return out
 
 
-def stage_of(param: Param, num_layers: int, pp: int) -> int:
-    """The pipeline stage holding ``param`` (one stage per pipeline rank)."""
+def stages_per_rank(pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
+    """Pipeline stages one of the ``pp`` ranks holds, as the trainer cuts them
+    (:func:`difflm.parallel.pipeline.build_stage_models`): 2 under a V schedule (``ZBVZeroBubble``), else
+    ``virtual`` (``parallel.pp_virtual_stages``)."""
+    from difflm.parallel.pipeline import V_STYLE_SCHEDULES
+
+    return 1 if pp == 1 else (2 if schedule in V_STYLE_SCHEDULES else max(int(virtual), 1))
+
+
+def stage_of(param: Param, num_layers: int, pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
+    """The pipeline rank holding ``param``: its stage among ``pp x`` :func:`stages_per_rank` consecutive cuts
+    (:func:`difflm.parallel.pipeline.split_layers`), and the rank :func:`difflm.parallel.pipeline.stage_ids` gives
+    that stage."""
     if pp == 1:
         return 0
-    from difflm.parallel.pipeline import split_layers
+    from difflm.parallel.pipeline import split_layers, stage_ids
 
+    per_rank = stages_per_rank(pp, virtual, schedule)
+    num_stages = pp * per_rank
     if param.layer is None:
-        return 0 if param.name.startswith("embedding") else pp - 1
-    for s, layers in enumerate(split_layers(num_layers, pp)):
-        if param.layer in layers:
-            return s
-    raise ValueError(f"{param.name}: layer {param.layer} is in no stage of {pp}")
+        stage = 0 if param.name.startswith("embedding") else num_stages - 1
+    else:
+        stage = next((s for s, layers in enumerate(split_layers(num_layers, num_stages)) if param.layer in layers),
+                     None)
+        if stage is None:
+            raise ValueError(f"{param.name}: layer {param.layer} is in no stage of {num_stages}")
+    return next(r for r in range(pp) if stage in stage_ids(r, pp, per_rank, schedule))
+
+
+def rank_layers(num_layers: int, pp: int, virtual: int = 1, schedule: str = "1F1B") -> list[int]:
+    """Blocks each of the ``pp`` pipeline ranks holds (over all its stages, :func:`stage_of`'s cut)."""
+    if pp == 1:
+        return [num_layers]
+    from difflm.parallel.pipeline import split_layers, stage_ids
+
+    per_rank = stages_per_rank(pp, virtual, schedule)
+    cut = split_layers(num_layers, pp * per_rank)
+    return [sum(len(cut[s]) for s in stage_ids(r, pp, per_rank, schedule)) for r in range(pp)]
+
+
+def last_stage_rank(pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
+    """The pipeline rank holding the last stage (the final norm, the LM head and the loss): ``pp - 1``, or rank 0
+    under a V schedule."""
+    if pp == 1:
+        return 0
+    from difflm.parallel.pipeline import stage_ids
+
+    per_rank = stages_per_rank(pp, virtual, schedule)
+    return next(r for r in range(pp) if pp * per_rank - 1 in stage_ids(r, pp, per_rank, schedule))
 
 
 def local_numel(param: Param, tp: int, ep: int, fsdp: int, efsdp: int) -> int:

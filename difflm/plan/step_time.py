@@ -41,6 +41,7 @@ from difflm.model.moe import first_k_dense
 from difflm.plan.activations import KernelSet, _flag, accumulates_in_main_grad, kernel_set
 from difflm.plan.memory import Layout, activation_bytes_per_token, loss_row_fraction, mlp_width
 from difflm.plan.rates import Rates
+from difflm.plan.shapes import last_stage_rank, stages_per_rank
 from difflm.plan.traffic import (OPTIMIZER_BYTES, expert_rows, fp8_cast_bytes_per_token, kernels_per_block,
                                  loss_bytes_per_row, moe_bytes_per_token, moe_widths, step_weight_bytes, weight_bytes)
 
@@ -198,7 +199,7 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
                weight_bytes(cfg, kernels, layout, "layers.0.attention.proj.weight", stage_elems[stage], n_micro))
     plan.compute["weights"] = weights / hbm
     plan.compute["optimizer"] = OPTIMIZER_BYTES * stage_elems[stage] / hbm
-    if stage == layout.pp - 1 or params is None:
+    if stage == last_stage_rank(*layout.stages) or params is None:
         fused = kernels.fused_cross_entropy
         loss_rows = tokens_rank * rows / layout.cp  # the head's rows on this rank, every micro-batch
         plan.compute["loss"] = loss_rows * loss_bytes_per_row(vocab, act_bytes, fused) / layout.tp / hbm
@@ -241,7 +242,7 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
         a2a = 4 * n_micro * layout.micro_batch * seq / layout.cp * int(m.moe.top_k) * h * act_bytes * (n - 1) / n
         plan.comm["ep all-to-all"] = a2a * (L / layout.pp) / _bw(rates, n, span_shard)
     if layout.pp > 1:
-        virtual = int(cfg.parallel.get("pp_virtual_stages", 1) or 1)
+        virtual = stages_per_rank(*layout.stages)
         step_body = compute + sum(plan.comm.values())
         frac = (layout.pp - 1) / virtual / (n_micro + (layout.pp - 1) / virtual)
         plan.bubble = step_body * frac / (1 - frac)

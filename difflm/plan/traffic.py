@@ -175,7 +175,7 @@ def weight_bytes(cfg, kernels: KernelSet, layout, name: str, numel: int, n_micro
 
 
 def step_weight_bytes(cfg, params, kernels: KernelSet, layout, n_micro: int, stage: int = 0) -> float:
-    """:func:`weight_bytes` summed over the local parameters of pipeline ``stage`` (``params``:
+    """:func:`weight_bytes` summed over the local parameters of pipeline rank ``stage`` (``params``:
     :func:`difflm.plan.shapes.model_params`)."""
     from difflm.plan.shapes import local_numel, stage_of
 
@@ -183,7 +183,7 @@ def step_weight_bytes(cfg, params, kernels: KernelSet, layout, n_micro: int, sta
     num_layers = int(cfg.model.num_layers)  # read once: an OmegaConf lookup per weight adds up over a layout search
     total = 0.0
     for p in params:
-        if stage_of(p, num_layers, layout.pp) != stage:
+        if stage_of(p, num_layers, *layout.stages) != stage:
             continue
         n = local_numel(p, layout.tp, layout.ep, layout.fsdp, efsdp)
         total += weight_bytes(cfg, kernels, layout, p.name, n, n_micro)
