@@ -287,6 +287,22 @@ def test_search_offers_only_layouts_difflm_train_runs():
         check_layout(run, 8)
 
 
+def test_search_ranks_sharded_layouts_of_a_bf16_moe_model():
+    """``model.moe.fused_experts=auto`` is chosen per candidate as difflm-train chooses it under that layout: off
+    where FSDP2 shards the gradients, so the data- and expert-parallel layouts of a BF16 MoE model are ranked, not
+    refused for the fused experts that one GPU would take."""
+    from difflm.plan.rates import default_rates
+    from difflm.plan.search import candidates
+
+    cfg = compose_run(["model=moe-tiny", "model.vocab_size=1000", "precision=bf16", "data.seq_len=64",
+                       "train.global_batch_size=16"], auto=True)
+    refused: list = []
+    found = candidates(cfg, 4, default_rates("H200"), refused)
+    layouts = {(lay.tp, lay.ep, lay.dp_shard, lay.dp_replicate) for lay in found}
+    assert {(1, 1, 4, 1), (1, 2, 4, 1), (1, 4, 4, 1), (1, 1, 1, 4)} <= layouts
+    assert not any("fused_experts" in why for _, why in refused)
+
+
 @pytest.mark.parametrize("mode, wrapped", [("full", [0, 1])])
 def test_activation_checkpointing_applies_on_one_process(fast_cfg, mode, wrapped):
     """``parallel.activation_checkpointing`` on one process wraps the blocks as under a layout (the planner's

@@ -44,6 +44,13 @@ def data_layouts(dp: int, per_node: int) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+def kernel_key(layout: Layout) -> tuple:
+    """What ``model.*=auto``'s choice (:func:`difflm.model.auto_kernels.choose_kernels`) reads of a layout: the TP and
+    CP degrees, sequence parallelism, and whether gradients are sharded over data-parallel ranks or cut into pipeline
+    stages (the MoE experts' fused kernels need neither)."""
+    return layout.tp, layout.cp, layout.sequence_parallel, layout.dp > 1, layout.pp > 1
+
+
 def runnable(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> bool:
     """Whether ``difflm-train`` takes the run ``cfg`` under ``layout`` on ``gpus`` ranks (:func:`refusal` is None)."""
     return refusal(cfg, gpus, layout, _runs) is None
@@ -52,8 +59,8 @@ def runnable(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> bo
 def refusal(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> Optional[str]:
     """``difflm-train``'s one-line refusal of the run ``cfg`` under ``layout`` on ``gpus`` ranks, or None when it
     takes it (:func:`difflm.config.validate.check_layout` and the MoE expert kernels' needs, with ``model.*=auto``
-    chosen as on the GPU planned for). ``_runs``: a cache of the config copies by (tp, cp), the keys the kernel
-    choice reads."""
+    chosen as on the GPU planned for). ``_runs``: a cache of the config copies by :func:`kernel_key`, what the kernel
+    choice reads of the layout."""
     import torch
 
     from difflm.config.validate import check_layout, check_moe_kernels
@@ -61,10 +68,12 @@ def refusal(cfg, gpus: int, layout: Layout, _runs: Optional[dict] = None) -> Opt
     from difflm.model.auto_kernels import FULL_INSTALL, choose_kernels
 
     runs = {} if _runs is None else _runs
-    key = (layout.tp, layout.cp)
+    key = kernel_key(layout)
     if key not in runs:
         run = cfg.copy()
-        run.parallel.tp, run.parallel.cp = layout.tp, layout.cp
+        p = run.parallel
+        p.tp, p.pp, p.cp = layout.tp, layout.pp, layout.cp
+        p.dp_replicate, p.dp_shard = layout.dp_replicate, layout.dp_shard
         choose_kernels(run, torch.device("cuda"), gpus, installed=FULL_INSTALL)
         runs[key] = run
     run = runs[key]
@@ -137,10 +146,10 @@ def search(cfg, params, num_params: int, gpus: int, rates: Rates,
     """(the candidates that fit, ranked fastest first; all candidates, smallest peak first). ``refused``: as
     :func:`candidates`'."""
     budget = (rates.memory_gib - rates.reserve_gib) * 1024 ** 3
-    sets: dict[tuple, KernelSet] = {}  # the kernel set depends on the layout through tp, cp and SP only
+    sets: dict[tuple, KernelSet] = {}  # the kernel set depends on the layout through kernel_key only
     every = []
     for lay in candidates(cfg, gpus, rates, refused):
-        key = (lay.tp, lay.cp, lay.sequence_parallel)
+        key = kernel_key(lay)
         if key not in sets:
             sets[key] = kernel_set(cfg, lay)
         every.append(evaluate(cfg, params, num_params, lay, rates, sets[key]))
@@ -148,4 +157,5 @@ def search(cfg, params, num_params: int, gpus: int, rates: Rates,
     return fits, sorted(every, key=lambda c: c.memory.total)
 
 
-__all__ = ["Candidate", "candidates", "data_layouts", "evaluate", "refusal", "runnable", "search", "replace"]
+__all__ = ["Candidate", "candidates", "data_layouts", "evaluate", "kernel_key", "refusal", "runnable", "search",
+           "replace"]
