@@ -287,6 +287,37 @@ def test_search_offers_only_layouts_difflm_train_runs():
         check_layout(run, 8)
 
 
+def test_moe_slot_is_planned_replicated_over_tp():
+    """Under tensor parallelism the MoE slot runs replicated on the whole sequence (ReplicatedMoE, docs/moe.md): each
+    TP rank computes every routed and shared expert GEMM of its data-parallel rank's tokens and saves the slot's
+    activations whole; only the attention and the dense parts are split by tp."""
+    from difflm.model.moe import shared_ffn_size
+    from difflm.plan.activations import torch_bytes_per_token
+    from difflm.plan.cli import active_params
+    from difflm.plan.memory import Layout, mlp_width, stage_params
+    from difflm.plan.rates import default_rates
+    from difflm.plan.shapes import model_params
+    from difflm.plan.step_time import plan_step
+
+    cfg = compose_run(["model=moe-tiny", "model.vocab_size=1000", "precision=bf16", "data.seq_len=64",
+                       "train.global_batch_size=4", "train.micro_batch_size=4"])
+    m = cfg.model
+    m.head_dim = m.hidden_size // m.num_heads
+    params, n, rates = model_params(m, 1000), active_params(cfg), default_rates("H200")
+    one, two = Layout(micro_batch=4), Layout(tp=2, micro_batch=4, sequence_parallel=True)
+    s1, s2 = (plan_step(cfg, n, lay, 1, rates, stage_params(params, lay, int(m.num_layers)), params=params)
+              for lay in (one, two))
+    assert s2.compute["grouped gemm"] == pytest.approx(s1.compute["grouped gemm"], rel=1e-12)
+    moe_blocks = int(m.num_layers) - int(m.moe.first_k_dense)
+    shared = 4 * 64 * 6 * moe_blocks * 3 * m.hidden_size * shared_ffn_size(m) / (rates.gemm_tflops * 1e12)
+    assert shared > 0
+    assert s2.compute["gemm"] == pytest.approx((s1.compute["gemm"] - shared) / 2 + shared, rel=1e-9)
+    h, a, r = m.hidden_size, 2, 4
+    q, kv, f = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, mlp_width(m)
+    assert torch_bytes_per_token(m, two, a) == pytest.approx(a * (2 * (q + 2 * kv) + q) / 2 + (r * h + a * h) / 2
+                                                             + r * h + a * h + 4 * a * f)
+
+
 def test_search_ranks_sharded_layouts_of_a_bf16_moe_model():
     """``model.moe.fused_experts=auto`` is chosen per candidate as difflm-train chooses it under that layout: off
     where FSDP2 shards the gradients, so the data- and expert-parallel layouts of a BF16 MoE model are ranked, not

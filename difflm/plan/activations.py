@@ -142,20 +142,26 @@ def _widths(model_cfg) -> tuple[int, int, int, int, int]:
         int(model_cfg.num_heads)
 
 
-def _split(attention: float, rest: float, layout) -> float:
+def _split(attention: float, rest: float, layout, replicated: float = 0.0) -> float:
     """Bytes per token on one rank: the attention's terms over ``tp`` (heads), the others over ``tp`` under
-    sequence parallelism only, everything over ``cp``."""
+    sequence parallelism only, those of a slot that runs replicated over TP on the whole sequence (``replicated``:
+    the MoE slot) over none, everything over ``cp``."""
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    return (attention / layout.tp + rest / sp) / layout.cp
+    return (attention / layout.tp + rest / sp + replicated) / layout.cp
 
 
 def torch_bytes_per_token(model_cfg, layout, act_bytes: int) -> float:
     """Bytes one block of the torch kernel set saves for its backward per token of the full sequence, on one rank of
     ``layout`` (:mod:`difflm.plan.memory`'s formula ``2 r h + 2 a h + a (2 (q + 2 kv) + q) + 4 a f``, ``r`` = 4 the
-    FP32 residual, ``a`` = ``act_bytes`` the compute dtype's)."""
+    FP32 residual, ``a`` = ``act_bytes`` the compute dtype's). A mixture-of-experts slot runs replicated over TP
+    (:class:`difflm.parallel.expert_parallel.ReplicatedMoE`: under sequence parallelism its input is gathered to
+    the whole sequence), so its norm's input and output and its ``4 a f`` are not divided by ``tp``."""
     h, q, kv, f, _ = _widths(model_cfg)
     r, a = 4, act_bytes
-    return _split(a * (2 * (q + 2 * kv) + q), 2 * r * h + 2 * a * h + 4 * a * f, layout)
+    attention = a * (2 * (q + 2 * kv) + q)
+    if int(model_cfg.moe.num_experts) > 0:
+        return _split(attention, r * h + a * h, layout, replicated=r * h + a * h + 4 * a * f)
+    return _split(attention, 2 * r * h + 2 * a * h + 4 * a * f, layout)
 
 
 def te_saved_bytes(model_cfg, kernels: KernelSet, act_bytes: int) -> dict[str, tuple[str, float]]:

@@ -15,7 +15,8 @@ scaled by the calibration's ``activation_scale``):
   inputs, the GEMMs' inputs in the compute dtype, the QKV output and its dense heads, the attention output, and
   the MLP's ``2 f`` wide first GEMM output with its SiLU and product (checked against the traced step,
   :mod:`difflm.plan.trace`). Under sequence parallelism every term but the attention's is divided by ``tp``; the
-  attention's is divided by ``tp`` always (heads), and everything by ``cp``. That is the torch kernel set's count;
+  attention's is divided by ``tp`` always (heads), and everything by ``cp``. A MoE slot runs replicated over TP on
+  the whole sequence (its norm and ``4 a f``: not divided by ``tp``). That is the torch kernel set's count;
   Transformer Engine's (``model.backend=te``: a residual stream in the compute dtype, fewer saved tensors, FP8
   copies under ``precision=fp8``) is written from its modules in :mod:`difflm.plan.activations`, which also says
   how ``model.*=auto`` is planned. ``activation_checkpointing=full`` keeps the block input (``r h``; ``a h`` under

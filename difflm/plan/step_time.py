@@ -106,7 +106,9 @@ def _moe_parts(cfg, kernels: KernelSet, layout: Layout, micro_tokens: float, blo
     d, e, k, f, _ = moe_widths(m)
     hbm = rates.hbm_gbps * 1e9
     rows = expert_rows(m, micro_tokens) * layout.ep
-    experts = block_tokens * 2 * expert_params_per_token(m) * (3 + ac) / layout.tp
+    # the MoE slot runs replicated over TP (difflm.parallel.expert_parallel.ReplicatedMoE): every TP rank computes
+    # the experts of the whole sequence
+    experts = block_tokens * 2 * expert_params_per_token(m) * (3 + ac)
     main_grad = accumulates_in_main_grad(cfg, kernels, layout)
     moved = moe_bytes_per_token(m, kernels, act_bytes, main_grad)
     again = 1 + ac / 3  # a checkpointed block's forward (about a third of its bytes) runs again
@@ -151,8 +153,11 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     moe_blocks = L - first_k_dense(m) if int(m.moe.num_experts) > 0 else 0
     # the routed experts' weights a token multiplies and the router's (FP32): their own parts (_moe_parts)
     experts = moe_blocks * (expert_params_per_token(m) + h * int(m.moe.num_experts))
-    body = num_params - head - experts
-    gemm_flops = per_gpu_tokens * (copies * body * (6 + 2 * ac) + 6 * head * rows) / layout.tp / layout.pp
+    # the shared experts run replicated over TP with the rest of the MoE slot: their GEMMs are not split by tp
+    shared = moe_blocks * 3 * h * moe_widths(m)[4] if moe_blocks else 0
+    body = num_params - head - experts - shared
+    gemm_flops = per_gpu_tokens * ((copies * body * (6 + 2 * ac) + 6 * head * rows) / layout.tp
+                                   + copies * shared * (6 + 2 * ac)) / layout.pp
     fp8 = cfg.precision.name == "fp8"
     gemm_rate = (rates.fp8_gemm_tflops if fp8 else rates.gemm_tflops) * 1e12
     if cfg.precision.name == "fp32":
@@ -175,7 +180,8 @@ def plan_step(cfg, num_params: int, layout: Layout, n_micro: int, rates: Rates, 
     # MLP tensors are the MoE slot's, counted from its code below
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     per_token = activation_bytes_per_token(m, layout, act_bytes) * layout.cp  # per token of the full sequence
-    mlp_bytes = 4 * act_bytes * mlp_width(m) / sp
+    # the MLP bytes in per_token: a MoE slot's over the whole sequence on every TP rank (torch_bytes_per_token)
+    mlp_bytes = 4 * act_bytes * mlp_width(m) / (1 if moe_blocks else sp)
     dense_mlp = 4 * act_bytes * int(m.ffn_hidden_size) / sp
     block_bytes = (L - moe_blocks) * (per_token - mlp_bytes + dense_mlp) + moe_blocks * (per_token - mlp_bytes)
     passes = rates.membound_passes_te if kernels.backend == "te" else rates.membound_passes_torch
