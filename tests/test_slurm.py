@@ -101,6 +101,25 @@ def test_slurm_env_maps_to_torchrun_variables(monkeypatch, tmp_path):
     assert _slurm_env()["MASTER_ADDR"] == "login-gpu07"  # scontrol show hostnames, when there is one
 
 
+def test_world_size_without_a_rendezvous_address_is_one_line(monkeypatch):
+    """WORLD_SIZE set by hand without MASTER_ADDR / MASTER_PORT (no torchrun, no SLURM task) is refused before any
+    process group is made, naming the missing variables and torchrun, instead of torch's env:// traceback."""
+    import torch
+
+    from difflm.errors import DifflmError
+    from difflm.parallel.distributed import init_distributed
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(DifflmError, match="WORLD_SIZE=2 is set but MASTER_ADDR and MASTER_PORT are not: .*torchrun"):
+        init_distributed(torch.device("cpu"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(DifflmError, match="WORLD_SIZE=2 is set but MASTER_PORT is not"):
+        init_distributed(torch.device("cpu"))
+
+
 WORKER = """
 import json, os, sys, torch
 from difflm.parallel.distributed import init_distributed, launch_env, destroy_distributed

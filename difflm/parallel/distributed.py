@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from difflm.errors import DifflmError
+
 DEFAULT_PORT = 29500
 
 
@@ -79,6 +81,13 @@ def init_distributed(device: torch.device, timeout_s: int = 1800) -> torch.devic
     its device back unchanged, so single-process runs never touch ``torch.distributed``.
     """
     env = launch_env()
+    if env["world_size"] > 1 and not dist.is_initialized():
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise DifflmError(f"WORLD_SIZE={env['world_size']} is set but {' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not: launch the ranks with torchrun "
+                              "(torchrun --standalone --nproc-per-node N -m difflm.train ...), which sets them, or "
+                              "unset WORLD_SIZE for one process")
     if device.type == "cuda":
         device = torch.device("cuda", env["local_rank"])
         torch.cuda.set_device(device)
