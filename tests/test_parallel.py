@@ -331,7 +331,11 @@ def test_parallel_dims_fill_and_mesh_order():
     (["parallel=tp2", "model.ffn_hidden_size=129"], 2, "model.ffn_hidden_size=129"),
     (["parallel=tp2", "model.vocab_multiple=1"], 2, "model.vocab_multiple=1"),
     (["parallel=pp4", "model.num_layers=2"], 4, "model.num_layers=2"),
-    (["parallel=tp2", "data.seq_len=33"], 2, "data.seq_len=33 is not a multiple of 2"),
+    (["parallel=tp2", "data.seq_len=33"], 2, "data.seq_len=33 is not a multiple of 2 (parallel.tp=2 with "
+     "parallel.sequence_parallel=true): change data.seq_len or set parallel.sequence_parallel=false"),
+    (["parallel=pp2", "parallel.pp_schedule=ZBVZeroBubble", "model.num_layers=3"], 2,
+     "parallel.pp=2 x parallel.pp_schedule=ZBVZeroBubble's 2 stages per rank = 4 stages > model.num_layers=3: every "
+     "pipeline stage needs at least one block; lower parallel.pp or the schedule"),
     (["parallel=fsdp", "train.global_batch_size=6", "train.micro_batch_size=2"], 2, "train.global_batch_size=6"),
     (["parallel=pp2", "train.global_batch_size=4", "train.micro_batch_size=4"], 2, "parallel.pp=2 needs"),
     (["parallel=pp2", "parallel.pp_schedule=1F1B", "parallel.pp_virtual_stages=2"], 2, "parallel.pp_virtual_stages=1"),

@@ -373,9 +373,13 @@ def check_layout(cfg, world_size: int):
     if dims.pp_enabled:
         virtual = 2 if p.pp_schedule == "ZBVZeroBubble" else int(p.pp_virtual_stages)
         _require(virtual >= 1, f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
+        per_rank = ("parallel.pp_schedule=ZBVZeroBubble's 2 stages per rank" if p.pp_schedule == "ZBVZeroBubble"
+                    else f"parallel.pp_virtual_stages={virtual}")
+        lower = "parallel.pp or the schedule" if p.pp_schedule == "ZBVZeroBubble" else \
+            "parallel.pp or parallel.pp_virtual_stages"
         _require(dims.pp * virtual <= m.num_layers,
-                 f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={virtual} stages > model.num_layers={m.num_layers}: "
-                 "every pipeline stage needs at least one block; lower parallel.pp or parallel.pp_virtual_stages")
+                 f"parallel.pp={dims.pp} x {per_rank} = {dims.pp * virtual} stages > model.num_layers={m.num_layers}: "
+                 f"every pipeline stage needs at least one block; lower {lower}")
         single = p.pp_schedule in ("GPipe", "1F1B")
         _require(not single or virtual == 1, f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank and "
                  f"parallel.pp_virtual_stages={virtual}: set parallel.pp_virtual_stages=1, or an interleaved schedule "
@@ -391,9 +395,12 @@ def check_layout(cfg, world_size: int):
     _require(int(p.get("fsdp_prefetch", 0)) >= 0,
              f"parallel.fsdp_prefetch={p.get('fsdp_prefetch')} must be >= 0 (0: FSDP2's own prefetching)")
     multiple = layout_length_multiple(p, dims)
+    why = [f"2 x parallel.cp={dims.cp} for load-balanced context parallelism"] if dims.cp_enabled else []
+    if multiple // (2 * dims.cp if dims.cp_enabled else 1) > 1:
+        why.append(f"parallel.tp={tp} with parallel.sequence_parallel=true")
     _require(d.seq_len % multiple == 0,
-             f"data.seq_len={d.seq_len} is not a multiple of {multiple} (2 x parallel.cp={dims.cp} for load-balanced "
-             f"context parallelism, x parallel.tp={tp} with parallel.sequence_parallel): change data.seq_len")
+             f"data.seq_len={d.seq_len} is not a multiple of {multiple} ({' x '.join(why)}): change data.seq_len"
+             + (" or set parallel.sequence_parallel=false" if not dims.cp_enabled else ""))
     moe = m.get("moe")
     num_experts = moe.num_experts if moe is not None else 0
     if dims.ep_enabled:
