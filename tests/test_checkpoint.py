@@ -222,6 +222,26 @@ def test_resume_that_would_train_nothing_is_refused(fast_cfg):
         ["step_1", "step_2"]
 
 
+def test_a_finished_run_launched_again_draws_no_samples(fast_cfg, monkeypatch):
+    """A finished run launched again trains no step and draws no end-of-training samples: its samples.txt keeps
+    those of its last step, even when the new command asks for other sampling settings."""
+    common = ("train.max_steps=1", "train.save_every=1", "train.eval_every=0", "logger.num_samples=1",
+              "gen.length=8")
+    cfg = fast_cfg(*common)
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    samples = Path(cfg.run.dir) / "samples.txt"
+    first = samples.read_text()
+    assert first.startswith("--- step 1 sample 0 ---")
+
+    def no_sampling(self, prompt, num):
+        raise AssertionError("a run that trained no step drew samples")
+
+    monkeypatch.setattr(Trainer, "generate_samples", no_sampling)
+    again = Trainer(fast_cfg(*common, "gen.temperature=1.0", "logger.sample_prompt=JULIET:"), cfg.run.dir, CPU)
+    again.fit()
+    assert again.step == 1 and samples.read_text() == first
+
+
 def test_only_what_a_step_trains_makes_a_finished_run_launched_again_a_refusal(tmp_path):
     """At the checkpoint's step, a finished run launched again from a copied folder, with auto-chosen kernels and
     micro-batch written by another machine, other logging and another cache passes (nothing to train); another

@@ -635,7 +635,8 @@ class Trainer:
 
         Stops early, after saving a checkpoint, on SIGTERM/SIGUSR1 or ``train.time_limit``
         (``self.stop_reason`` says why; ``difflm-train`` then exits with status 75), and with a DifflmError
-        after ``train.max_skipped_steps`` non-finite steps in a row.
+        after ``train.max_skipped_steps`` non-finite steps in a row. A run that trains no step (a finished run
+        launched again) draws no end-of-training samples: ``samples.txt`` keeps the ones of its last step.
 
         On a GPU the host reads a step's outcome (loss, gradient norm, finite check) only after it has launched the
         next step (``self.settle_lag`` = 1), so that read never leaves the device idle; a step whose outcome the
@@ -658,6 +659,7 @@ class Trainer:
         pending: list[_StepRecord] = []
         metrics: dict = {}
         slowest_step = 0.0
+        start_step = self.step  # a finished run launched again trains no step: it draws no samples either
         try:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
@@ -711,7 +713,7 @@ class Trainer:
                         self.save()
                     break
             self.finish_saves()
-            if self.stop_reason is None and t.sample_at_end and lg.num_samples > 0:
+            if self.stop_reason is None and t.sample_at_end and lg.num_samples > 0 and self.step > start_step:
                 self._emit_samples(sinks, lg.num_samples)
         finally:
             watchdog.close()
