@@ -25,5 +25,8 @@ def test_a_warmup_longer_than_the_run_is_reported():
     line = short_run_warning(cfg, 20, 3e-4)
     assert line == ("difflm: warning: schedule.warmup_steps=100 >= train.max_steps=20: the learning rate climbs only "
                     "to 6.00e-05 (optim.lr=0.0003) and never decays; lower schedule.warmup_steps for a short run")
+    assert short_run_warning(cfg, 100, 3e-4) == (
+        "difflm: warning: schedule.warmup_steps=100 >= train.max_steps=100: the learning rate reaches optim.lr=0.0003 "
+        "only at the last step and never decays; lower schedule.warmup_steps for a short run")
     assert short_run_warning(cfg, 101, 3e-4) is None
     assert short_run_warning(OmegaConf.merge(cfg, {"warmup_steps": 0}), 5, 3e-4) is None

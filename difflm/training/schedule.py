@@ -37,13 +37,16 @@ def lr_multiplier(step: int, cfg, max_steps: int) -> float:
 
 def short_run_warning(cfg, max_steps: int, lr: float) -> str | None:
     """A line for the start of a run whose warmup does not end within ``max_steps``: the learning rate would
-    climb only to ``max_steps / warmup_steps`` of ``optim.lr`` and never decay, which looks like a model that does
-    not learn. None otherwise. (Not an error: a short run that is resumed with a larger max_steps is fine.)"""
+    climb only to ``max_steps / warmup_steps`` of ``optim.lr`` (reach it only at the last step when the two are equal)
+    and never decay, which looks like a model that does not learn. None otherwise. (Not an error: a short run that
+    is resumed with a larger max_steps is fine.)"""
     if cfg.warmup_steps <= 0 or cfg.warmup_steps < max_steps:
         return None
+    peak = lr_multiplier(max_steps - 1, cfg, max_steps) * lr
+    climb = (f"reaches optim.lr={lr:g} only at the last step" if cfg.warmup_steps == max_steps else
+             f"climbs only to {peak:.2e} (optim.lr={lr:g})")
     return (f"difflm: warning: schedule.warmup_steps={cfg.warmup_steps} >= train.max_steps={max_steps}: the learning "
-            f"rate climbs only to {lr_multiplier(max_steps - 1, cfg, max_steps) * lr:.2e} (optim.lr={lr:g}) and "
-            "never decays; lower schedule.warmup_steps for a short run")
+            f"rate {climb} and never decays; lower schedule.warmup_steps for a short run")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
