@@ -196,7 +196,8 @@ class DifflmHarnessLM(LM):
         run_dir: a ``difflm-train`` output directory (``config.yaml`` + ``checkpoints/``).
         step: checkpoint step (default: the latest).
         device: ``cpu``, ``cuda``, ``cuda:1``... (default: cuda when available; ``cuda`` without CUDA falls back to
-            the CPU with a warning). On lm-eval's command line give it as ``--device``, not in ``--model_args``.
+            the CPU with a warning). On lm-eval's command line ``--device`` or ``device=`` in ``--model_args``,
+            which wins (as ``batch_size=`` there wins over ``--batch_size``).
         mc_samples: Monte-Carlo draws per request for diffusion runs (LLaDA uses 128).
         batch_size: rows per forward pass (draws of one request; prompts in ``generate_until``).
         seed: keys the estimator's draws.
@@ -208,6 +209,23 @@ class DifflmHarnessLM(LM):
             (``--apply_chat_template``, through :meth:`apply_chat_template`) are not wrapped again.
         **gen_kwargs: ``gen.*`` overrides for ``generate_until`` (``steps``, ``block_length``, ``remasking``...).
     """
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "DifflmHarnessLM":
+        """The model of lm-eval's ``--model_args`` (``key=value,...``), with its own flags: see
+        :meth:`create_from_arg_obj`."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "DifflmHarnessLM":
+        """The model of ``arg_dict`` (the ``model_args``) and lm-eval's own ``--batch_size`` / ``--device``
+        (``additional_config``). lm-eval's command line passes those always (1 and ``cuda:0`` when not typed), so a
+        ``batch_size`` or ``device`` given in ``model_args`` wins over them instead of reaching the constructor
+        twice."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     def __init__(self, run_dir: str, step: int | None = None, device: str | None = None, mc_samples: int = 128,
                  batch_size: int | str = 16, seed: int = 0, max_length: int | None = None,

@@ -267,6 +267,17 @@ def test_count_model_args_are_refused_before_the_run_is_read(tmp_path):
         assert str(err.value) == message
 
 
+def test_model_args_batch_size_and_device_win_over_lm_evals_flags(runs):
+    """lm-eval's command line passes its --batch_size and --device always (1 and cuda:0 when not typed): the
+    documented model_args batch_size= and device= win over them instead of reaching the constructor twice, and the
+    flags apply where model_args leave the key out."""
+    flags = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    lm = DifflmHarnessLM.create_from_arg_string(f"run_dir={runs['mdlm']},batch_size=4,device=cpu", flags)
+    assert (lm.batch_size, lm._device) == (4, CPU)
+    lm = DifflmHarnessLM.create_from_arg_obj({"run_dir": runs["mdlm"], "device": "cpu"}, {**flags, "batch_size": 3})
+    assert (lm.batch_size, lm._device) == (3, CPU)
+
+
 def test_simple_evaluate_local_multiple_choice(runs, tmp_path, monkeypatch):
     import lm_eval
 
