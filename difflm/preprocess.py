@@ -18,7 +18,8 @@ from difflm.data.shards import run_preprocess
 @hydra_app("preprocess")
 def main(cfg) -> None:
     s = run_preprocess(cfg)
-    print(f"difflm-preprocess: {s['shards']} shard(s) ({s['skipped']} already done), {s['documents']:,} documents, "
+    docs = f"{s['documents']:,} document{'s' if s['documents'] != 1 else ''}"
+    print(f"difflm-preprocess: {s['shards']} shard(s) ({s['skipped']} already done), {docs}, "
           f"{s['tokens']:,} tokens; tokenized {s['new_tokens']:,} tokens in {s['tokenize_seconds']:.1f} s "
           f"({s['tokens_per_s']:,.0f} tokens/s, {s['workers']} worker(s)) -> {s['output']}\n"
           f"train on it with: difflm-train {shlex.quote('data.path=' + s['output'])} "

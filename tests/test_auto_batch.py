@@ -20,7 +20,8 @@ def test_the_largest_dividing_size_under_the_budget_is_chosen(gbs, budget_gib, c
     cfg = compose_run([*TINY, f"train.global_batch_size={gbs}", f"train.auto_batch_budget_gib={budget_gib}"])
     line = choose_micro_batch(cfg, torch.device("cpu"), planner=lambda mb: mb * GIB)  # 1 GiB a sample
     assert cfg.train.micro_batch_size == chosen
-    assert f"chose {chosen} on cpu" in line and f"{gbs // chosen} accumulation steps" in line
+    steps = gbs // chosen
+    assert f"chose {chosen} on cpu" in line and f"; {steps} accumulation step{'s' if steps != 1 else ''})" in line
     assert cfg.train.auto_batch_reason == line and "\n" not in line
 
 

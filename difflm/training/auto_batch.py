@@ -98,7 +98,8 @@ def choose_micro_batch(cfg, device: torch.device, world_size: int = 1,
         peak = plan(size)
         if peak <= budget:
             line = (f"train.micro_batch_size=auto chose {size} on {device.type} (planned peak {peak / GIB:.1f} GiB of a "
-                    f"{budget / GIB:.1f} GiB budget: {source}; {per_rank // size} accumulation steps)")
+                    f"{budget / GIB:.1f} GiB budget: {source}; {per_rank // size} accumulation "
+                    f"step{'s' if per_rank // size != 1 else ''})")
             t.micro_batch_size = size
             if "auto_batch_reason" in t:
                 t.auto_batch_reason = line

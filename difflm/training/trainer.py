@@ -227,7 +227,7 @@ class Trainer:
             set_moe_loss_scale(self.model_parts, size / t.global_batch_size)
             t.auto_batch_reason = f"{t.auto_batch_reason}; the probe ran out of memory at {failed}: {size}"
             self._report(f"difflm: train.micro_batch_size=auto: out of memory at {failed}, the run takes {size} "
-                         f"({self.accum_steps} accumulation steps)")
+                         f"({self.accum_steps} accumulation step{'s' if self.accum_steps != 1 else ''})")
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
