@@ -210,6 +210,24 @@ def test_a_relation_of_two_keys_traces_the_one_a_preset_set():
                          "command line to change it)")
 
 
+def test_a_key_a_recipe_leaves_unset_gets_no_note():
+    """experiment=llada_8b leaves data.path null for the user's corpus: the refusal says so, and no note adds that the
+    recipe 'sets' data.path (the key is in the recipe's file, with nothing in it to change)."""
+    from hydra import initialize_config_dir
+
+    from difflm.config.provenance import key_sources, name_sources
+
+    overrides = ["experiment=llada_8b"]
+    with pytest.raises(DifflmError) as err:
+        check_run(compose_run(overrides))
+    message = str(err.value)
+    assert message.startswith("data.path is not set (this experiment leaves the corpus to you)"), message
+    with initialize_config_dir(str(difflm.config.CONF_DIR), version_base="1.3"):
+        sources = key_sources("train", overrides)
+    assert "data.path" in sources  # the recipe's file names the key
+    assert name_sources(message, sources) == message
+
+
 @pytest.fixture(scope="module")
 def train_lines(tmp_path_factory):
     """The difflm-train command lines of this module's process tests, in one process (``run_cli_batch``), each with

@@ -80,10 +80,11 @@ def describe(config_path: str) -> str:
 
 def name_sources(message: str, sources: dict[str, str]) -> str:
     """``message`` with, for each ``key=`` it names that a preset or recipe set (``sources``, :func:`key_sources`),
-    where that value came from and how to change it, in the same line."""
+    where that value came from and how to change it, in the same line. A key the message says ``is not set`` gets
+    no note: a recipe that leaves it null set nothing to change."""
     notes, seen = [], set()
     for key in _KEY_RE.findall(message):
-        if key in seen or key not in sources:
+        if key in seen or key not in sources or f"{key} is not set" in message:
             continue
         seen.add(key)
         notes.append(f"{key} is set by {describe(sources[key])}")
