@@ -505,3 +505,24 @@ def test_llada_rope_settings_in_transformers_5_keys():
         with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='yarn' \(rope_parameters\): difflm "
                                               r"implements plain RoPE only"):
             llada_dims(c, "src", layout)
+
+
+def test_overwrite_replaces_a_layout_export_without_train_seq_len(tmp_path):
+    """A LLaDA-layout export whose config.json has no train_seq_len (difflm-export wrote it without one before it
+    recorded the training window) is replaced by overwrite=true, as its generation_config.json holds difflm's sampler
+    settings; the same config.json beside a release's generation_config.json is refused and kept."""
+    from tests.test_moe_import import make_moe_run
+
+    run = make_moe_run(tmp_path, ["model=llada2-tiny", "data.seq_len=64"])
+    out = export_checkpoint(run, tmp_path / "out", format="llada2")[0]
+    written = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in written.items() if k != "train_seq_len"}))
+    (out / "notes.txt").write_text("an earlier export's folder")
+    assert export_checkpoint(run, out, format="llada2", overwrite=True)[0] == out
+    assert json.loads((out / "config.json").read_text()) == written and not (out / "notes.txt").exists()
+    (out / "config.json").write_text(json.dumps({k: v for k, v in written.items() if k != "train_seq_len"}))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    with pytest.raises(DifflmError, match=r"is not an earlier export \(its config.json is a model_type='llada2_moe' "
+                                          r"model that difflm-export did not write\)"):
+        export_checkpoint(run, out, format="llada2", overwrite=True)
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}

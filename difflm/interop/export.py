@@ -275,7 +275,7 @@ def hf_config(cfg, tok: TokenizerInfo, dtype: str, step: Optional[int] = None):
 
 def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:
     """Refuse an ``out`` whose replacement would lose data: the run directory itself or a folder holding it, and,
-    with ``overwrite=true``, any non-empty folder that is not an earlier export (it has no ``config.json``).
+    with ``overwrite=true``, any non-empty folder that is not an earlier difflm-export output (:func:`_not_an_export`).
 
     Raises: DifflmError naming ``out`` and the fix.
     """
@@ -293,10 +293,15 @@ def _refuse_unsafe_out(out: Path, run_dir: Path, overwrite: bool) -> None:
                           "everything in it: choose a new directory")
 
 
+# the keys of difflm's sampler that every difflm-export output's generation_config.json records
+_EXPORT_GEN_KEYS = ("gen_length", "steps", "block_length", "remasking", "cfg_scale", "threshold")
+
+
 def _not_an_export(out: Path) -> Optional[str]:
     """None when ``out`` holds a difflm-export output (its ``config.json`` says ``model_type: difflm``, or is a
-    LLaDA layout that difflm-export wrote: with ``train_seq_len``), else why not: a Hugging Face model downloaded or
-    saved there (a Llama, a LLaDA release) has a config.json too."""
+    LLaDA layout that difflm-export wrote: with ``train_seq_len``, or with a ``generation_config.json`` holding
+    difflm's sampler settings, :data:`_EXPORT_GEN_KEYS`), else why not: a Hugging Face model downloaded or saved
+    there (a Llama, a LLaDA release) has a config.json too."""
     path = out / "config.json"
     if not path.is_file():
         return "it has no config.json"
@@ -306,9 +311,20 @@ def _not_an_export(out: Path) -> Optional[str]:
         return "its config.json is not JSON"
     if not isinstance(config, dict):
         return "its config.json is not a JSON object"
-    if config.get("model_type") == "difflm" or (layout_of(config) is not None and "train_seq_len" in config):
+    if config.get("model_type") == "difflm" or (layout_of(config) is not None and
+                                                 ("train_seq_len" in config or _records_difflm_sampler(out))):
         return None
     return f"its config.json is a model_type={config.get('model_type')!r} model that difflm-export did not write"
+
+
+def _records_difflm_sampler(out: Path) -> bool:
+    """Whether ``out/generation_config.json`` is a JSON object with every key of :data:`_EXPORT_GEN_KEYS`, as
+    difflm-export writes it (LLaDA-layout exports without ``train_seq_len`` in config.json have it too)."""
+    try:
+        gen = json.loads((out / "generation_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(gen, dict) and all(k in gen for k in _EXPORT_GEN_KEYS)
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: Optional[int] = None, dtype: str = "fp32",
