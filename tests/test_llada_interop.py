@@ -492,7 +492,8 @@ def test_layout_export_keeps_the_training_window(tmp_path, layout, preset):
 
 def test_llada_rope_settings_in_transformers_5_keys():
     """A LLaDA config.json saved by transformers 5 keeps the RoPE base and partial_rotary_factor in rope_parameters:
-    they are read from there, and a scaled rope_type there is refused in one line as rope_scaling's is."""
+    they are read from there, and a scaled rope_type there is refused in one line as rope_scaling's is. A rope_scaling
+    of rope_type default (plain RoPE) maps, as the Llama/Qwen readers take it."""
     from difflm.interop.llada_layouts import llada_dims
 
     for layout, make in (("llada2", llada2_config), ("llada_moe", llada_moe_config)):
@@ -505,6 +506,11 @@ def test_llada_rope_settings_in_transformers_5_keys():
         with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='yarn' \(rope_parameters\): difflm "
                                               r"implements plain RoPE only"):
             llada_dims(c, "src", layout)
+        plain = make(rope_scaling={"rope_type": "default"})  # the Llama/Qwen readers take it too
+        assert llada_dims(plain, "src", layout)["rope_base"] == make()["rope_theta"], layout
+        with pytest.raises(DifflmError, match=r"^hf='src' uses rope_type='linear' \(rope_scaling\): difflm "
+                                              r"implements plain RoPE only"):
+            llada_dims(make(rope_scaling={"type": "linear", "factor": 2.0}), "src", layout)
 
 
 def test_overwrite_replaces_a_layout_export_without_train_seq_len(tmp_path):

@@ -81,15 +81,13 @@ def _refuse(hf: str, key: str, value, why: str) -> None:
 
 def _rotary_factor(c: dict, head_dim: int, hf: str) -> float:
     """``partial_rotary_factor`` (1.0 when absent; transformers 5 may keep it in ``rope_parameters``); a
-    ``rotary_dim`` key must agree with it."""
+    ``rotary_dim`` key must agree with it. (A scaled RoPE in ``rope_scaling`` or ``rope_parameters`` is refused by
+    :func:`difflm.interop.config_fields.rope_theta`, which lets ``rope_type`` ``default`` pass.)"""
     params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     f = float(c.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
     if c.get("rotary_dim") not in (None, int(head_dim * f)):
         _refuse(hf, "rotary_dim", c["rotary_dim"], f"partial_rotary_factor={f} of head_dim {head_dim} rotates "
                 f"{int(head_dim * f)} dims; make the two agree")
-    scaling = c.get("rope_scaling")
-    if scaling:
-        _refuse(hf, "rope_scaling", scaling, "difflm implements plain RoPE only (rope_scaling null)")
     return f
 
 
