@@ -1076,3 +1076,27 @@ def test_import_of_a_peft_export_says_the_adapter_is_not_read(tmp_path, capsys):
     assert (f"difflm: hf={src} holds a PEFT adapter in {src / 'adapter'}, which difflm-import does not read: the run "
             "gets the base weights without it; to import the adapted model, export the LoRA run with "
             "lora_format=merge") in capsys.readouterr().out
+
+
+def test_overwrite_keeps_the_earlier_export_when_the_new_one_cannot_be_put_in_place(trained_run, tmp_path,
+                                                                                   monkeypatch):
+    """overwrite=true: when the finished export cannot be renamed to out, the earlier export stays there whole and
+    no folder of the export is left beside it."""
+    import difflm.interop.export as export_mod
+
+    root, _, _ = trained_run
+    out = tmp_path / "hf"
+    export_run(root / "run", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst) == out and Path(src).name.endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(export_mod.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space left"):
+        export_run(root / "run", out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -340,7 +340,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: Optional[int] 
     """Export ``run_dir``'s checkpoint (latest, or ``step``) to the Hugging Face directory ``out``.
 
     The directory is written into a new hidden folder beside it (``.<out name>.XXXX.tmp``, never an existing one) and
-    renamed at the end, so ``out`` is complete or absent; a failed export removes that folder.
+    renamed at the end, so ``out`` is complete or absent; a failed export removes that folder. An earlier export in
+    ``out`` (``overwrite=true``) is moved aside until the new one is in place, and is back in ``out`` when that
+    rename fails.
     ``config.json`` records the checkpoint's step as ``train_step``. A LoRA run's adapters are merged into the
     weights (``lora_format=merge``), or (``peft``) ``out`` holds the base weights and ``out/adapter`` the PEFT adapter
     (:func:`save_peft_adapter`).
@@ -415,9 +417,19 @@ def _write_export(run_dir, out: Path, tmp: Path, cfg, model, tok, step, dtype: s
     if lora_format == "peft":
         save_peft_adapter(model, cfg, tmp, tmp / "adapter", base_name=str(out))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export folder follows the umask
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    # the earlier export is moved aside, not deleted, until the new one is in place: a failed move puts it back
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+    os.replace(out, aside / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(aside / out.name, out)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)
 
 
 @hydra_app("export")
