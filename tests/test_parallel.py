@@ -333,6 +333,12 @@ def test_parallel_dims_fill_and_mesh_order():
     (["parallel=pp4", "model.num_layers=2"], 4, "model.num_layers=2"),
     (["parallel=tp2", "data.seq_len=33"], 2, "data.seq_len=33 is not a multiple of 2 (parallel.tp=2 with "
      "parallel.sequence_parallel=true): change data.seq_len or set parallel.sequence_parallel=false"),
+    (["parallel=tp2", "parallel.cp=2", "data.seq_len=36"], 4, "data.seq_len=36 is not a multiple of 8 (2 x "
+     "parallel.cp=2 for load-balanced context parallelism x parallel.tp=2 with parallel.sequence_parallel=true): change "
+     "data.seq_len or set parallel.sequence_parallel=false"),
+    (["parallel=tp2", "parallel.cp=2", "data.seq_len=34"], 4, "data.seq_len=34 is not a multiple of 8 (2 x "
+     "parallel.cp=2 for load-balanced context parallelism x parallel.tp=2 with parallel.sequence_parallel=true): change "
+     "data.seq_len"),
     (["parallel=pp2", "parallel.pp_schedule=ZBVZeroBubble", "model.num_layers=3"], 2,
      "parallel.pp=2 x parallel.pp_schedule=ZBVZeroBubble's 2 stages per rank = 4 stages > model.num_layers=3: every "
      "pipeline stage needs at least one block; lower parallel.pp or the schedule"),

@@ -395,12 +395,15 @@ def check_layout(cfg, world_size: int):
     _require(int(p.get("fsdp_prefetch", 0)) >= 0,
              f"parallel.fsdp_prefetch={p.get('fsdp_prefetch')} must be >= 0 (0: FSDP2's own prefetching)")
     multiple = layout_length_multiple(p, dims)
+    cp_multiple = 2 * dims.cp if dims.cp_enabled else 1
     why = [f"2 x parallel.cp={dims.cp} for load-balanced context parallelism"] if dims.cp_enabled else []
-    if multiple // (2 * dims.cp if dims.cp_enabled else 1) > 1:
+    if multiple // cp_multiple > 1:
         why.append(f"parallel.tp={tp} with parallel.sequence_parallel=true")
+    # without sequence parallelism only the CP factor is left: name that way out where it is enough
+    sp_off = multiple // cp_multiple > 1 and d.seq_len % cp_multiple == 0
     _require(d.seq_len % multiple == 0,
              f"data.seq_len={d.seq_len} is not a multiple of {multiple} ({' x '.join(why)}): change data.seq_len"
-             + (" or set parallel.sequence_parallel=false" if not dims.cp_enabled else ""))
+             + (" or set parallel.sequence_parallel=false" if sp_off else ""))
     moe = m.get("moe")
     num_experts = moe.num_experts if moe is not None else 0
     if dims.ep_enabled:
