@@ -441,8 +441,9 @@ class DiffLMForMaskedLM(DiffLMPreTrainedModel):
         kept (difflm's ``GenerationOptions.infill``; masked-diffusion exports only).
         Unknown keyword arguments raise TypeError.
         Raises ValueError, as difflm's sampler refuses them: ``max_new_tokens`` != ``gen_length``; a length, step or
-        block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0;
-        ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; for a causal export, a diffusion-only argument
+        block count < 1; inconsistent lengths/steps; an unknown ``remasking``; ``temperature`` or ``cfg_scale`` < 0
+        or infinite; ``top_k`` < 0; ``top_p`` or ``threshold`` outside (0, 1]; a ``threshold`` with
+        ``remasking="entropy"``; for a causal export, a diffusion-only argument
         (``steps``, ``block_length``, ``remasking``, ``cfg_scale``, ``threshold``) away from difflm's default, or an
         empty prompt; a bad ``attention_mask``; an argument the others leave unread: ``top_k`` / ``top_p`` at
         temperature 0 (greedy), ``remdm_sigma`` / ``remdm_schedule`` without ``remasking="remdm"``.
