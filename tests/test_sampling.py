@@ -258,7 +258,7 @@ def test_autoregressive_forbid_and_seed():
 
 def test_autoregressive_huge_temperature_samples_near_uniformly():
     """A finite temperature above float32's largest number scales the logits in float64: a near-uniform draw over the
-    allowed ids, never a forbidden one (in float32 every scaled logit was nan and torch.multinomial raised)."""
+    allowed ids, never a forbidden one (in float32 such a temperature is inf, which scales every logit to nan)."""
     prompt = torch.tensor([[3]])
     out = autoregressive_generate(next_token_model, prompt, opts(length=200, temperature=1e39, forbid_ids=[4, MASK]),
                                   generator=torch.Generator().manual_seed(0))

@@ -103,7 +103,7 @@ def test_slurm_env_maps_to_torchrun_variables(monkeypatch, tmp_path):
 
 def test_world_size_without_a_rendezvous_address_is_one_line(monkeypatch):
     """WORLD_SIZE set by hand without MASTER_ADDR / MASTER_PORT (no torchrun, no SLURM task) is refused before any
-    process group is made, naming the missing variables and torchrun, instead of torch's env:// traceback."""
+    process group is made, in one line naming the missing variables and torchrun."""
     import torch
 
     from difflm.errors import DifflmError
