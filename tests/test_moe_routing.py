@@ -175,6 +175,8 @@ def test_te_module_names_keep_the_dense_blocks_mlp():
     (["model.moe.n_group=3"], "model.moe.n_group=3 does not divide model.moe.num_experts=8"),
     (["model.moe.n_group=4", "model.moe.topk_group=5"], "model.moe.topk_group=5 must be <= model.moe.n_group=4"),
     (["model.moe.n_group=4", "model.moe.topk_group=1", "model.moe.top_k=3"], "raise model.moe.topk_group"),
+    (["model.moe.topk_group=5"], "model.moe.topk_group=5 must be <= model.moe.n_group=1"),
+    (["model.moe.topk_group=0"], "model.moe.topk_group=0 must be >= 1"),
     (["model.moe.routed_scaling_factor=0"], "model.moe.routed_scaling_factor=0"),
     (["model.moe.first_k_dense=2"], "model.moe.first_k_dense=2 must be < model.num_layers=2"),
     (["model.moe.shared_ffn_hidden_size=-1"], "model.moe.shared_ffn_hidden_size=-1"),

@@ -117,9 +117,10 @@ def check_moe(m) -> None:
     g, kg = moe.get("n_group", 1), moe.get("topk_group", 1)
     _require(g >= 1, f"model.moe.n_group={g} must be >= 1 (1 = no group-limited routing)")
     _require(e % g == 0, f"model.moe.n_group={g} does not divide model.moe.num_experts={e}")
+    _require(kg >= 1, f"model.moe.topk_group={kg} must be >= 1")
+    _require(kg <= g, f"model.moe.topk_group={kg} must be <= model.moe.n_group={g}"
+             + (" (1 = no group-limited routing: leave model.moe.topk_group at 1)" if g == 1 else ""))
     if g > 1:
-        _require(kg >= 1, f"model.moe.topk_group={kg} must be >= 1")
-        _require(kg <= g, f"model.moe.topk_group={kg} must be <= model.moe.n_group={g}")
         _require(moe.top_k <= kg * (e // g), f"model.moe.top_k={moe.top_k} exceeds the experts of the kept groups "
                  f"(topk_group * num_experts / n_group = {kg * (e // g)}): raise model.moe.topk_group")
     _require(moe.get("routed_scaling_factor", 1.0) > 0,
