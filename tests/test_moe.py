@@ -407,6 +407,22 @@ def test_load_balancing_loss_is_one_when_balanced_and_z_loss_value():
     assert router_z_loss(logits).item() == pytest.approx(math.log(4) ** 2)
 
 
+def test_capacity_keeps_chosen_slots_whose_gating_weights_are_negative():
+    """With ``bias_in_weights`` the gating weights are ``s + b``: a bias below -1 makes them lower than any fill
+    value a drop rule might give the tokens an expert was not chosen by. The same bias on every expert changes
+    neither the choice nor the order inside an expert, so it must drop exactly the slots a zero bias drops."""
+    layer = make_layer(capacity_factor=1.0, num_shared_experts=0, bias_in_weights=True).train()
+    h = torch.randn(64, 16)
+    dropped = {}
+    for bias in (0.0, -2.0):
+        layer.router.bias.fill_(bias)
+        routing = layer.router(h)
+        assert bool((routing.weights < -1).all()) == (bias < -1)
+        dropped[bias] = layer._drop_over_capacity(routing) == 8
+    assert 0 < int(dropped[0.0].sum()) < dropped[0.0].numel()  # capacity ceil(1.0 * 64 * 2 / 8) = 16 drops some
+    assert torch.equal(dropped[-2.0], dropped[0.0])
+
+
 def test_capacity_drops_lowest_scores_in_training_only():
     layer = make_layer(capacity_factor=0.5, num_shared_experts=0).train()
     x = torch.randn(4, 8, 16)

@@ -475,12 +475,13 @@ class MoEMLP(nn.Module):
     def _drop_over_capacity(self, routing: Routing) -> torch.Tensor:
         """Expert ids [T, k] with the slots beyond each expert's capacity ``ceil(cf * T * k / E)`` set to E (dropped):
         each expert keeps its highest-scoring tokens (GShard, Lepikhin et al. 2020, sec. 2.2; Megatron-LM's
-        ``moe_token_drop_policy=probs``)."""
+        ``moe_token_drop_policy=probs``). The gating weights may be negative (``bias_in_weights`` with a negative
+        bias), so the tokens an expert was not chosen by rank below every chosen one (-inf)."""
         t, k = routing.expert_ids.shape
         capacity = int(-(-float(self.capacity_factor) * t * k // self.num_experts))
         gates = torch.zeros_like(routing.probs).scatter(-1, routing.expert_ids, routing.weights.detach())  # [T, E]
         chosen = torch.zeros_like(gates, dtype=torch.bool).scatter(-1, routing.expert_ids, True)
-        gates = gates.masked_fill(~chosen, -1.0)
+        gates = gates.masked_fill(~chosen, float("-inf"))
         top = torch.topk(gates, min(capacity, t), dim=0).indices  # [C, E] best tokens of each expert
         keep = torch.zeros_like(chosen).scatter(0, top, True) & chosen  # [T, E]
         kept = keep.gather(-1, routing.expert_ids)  # [T, k]
