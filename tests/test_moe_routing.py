@@ -180,6 +180,8 @@ def test_te_module_names_keep_the_dense_blocks_mlp():
     (["model.moe.routed_scaling_factor=0"], "model.moe.routed_scaling_factor=0"),
     (["model.moe.first_k_dense=2"], "model.moe.first_k_dense=2 must be < model.num_layers=2"),
     (["model.moe.shared_ffn_hidden_size=-1"], "model.moe.shared_ffn_hidden_size=-1"),
+    (["model.moe.num_shared_experts=0", "model.moe.shared_ffn_hidden_size=40"],
+     "model.moe.shared_ffn_hidden_size=40 is the width of the shared experts and model.moe.num_shared_experts=0"),
 ])
 def test_bad_routing_settings_are_one_line_errors(overrides, needle):
     from difflm.config.validate import check_moe

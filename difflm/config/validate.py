@@ -132,6 +132,10 @@ def check_moe(m) -> None:
              "(the dense blocks before the first MoE block; at least one MoE block)")
     _require(moe.get("shared_ffn_hidden_size", 0) >= 0, f"model.moe.shared_ffn_hidden_size="
              f"{moe.get('shared_ffn_hidden_size')} must be >= 0 (0 = num_shared_experts * expert width)")
+    _require(not moe.get("shared_ffn_hidden_size", 0) or moe.num_shared_experts > 0,
+             f"model.moe.shared_ffn_hidden_size={moe.get('shared_ffn_hidden_size')} is the width of the shared experts "
+             "and model.moe.num_shared_experts=0 builds none: set model.moe.num_shared_experts=1 (or more) for a "
+             "shared expert of that width, or model.moe.shared_ffn_hidden_size=0")
 
 
 def check_precision_keys(cfg) -> None:
