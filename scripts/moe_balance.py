@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from difflm import script_cli, strict_json  # noqa: E402
 from difflm.cli import writable_output  # noqa: E402
+from difflm.errors import DifflmError  # noqa: E402
 
 SETTINGS = {
     "none": ["model.moe.aux_loss_coeff=0", "model.moe.bias_update_rate=0"],
@@ -38,14 +39,28 @@ BASE = ["model=moe-tiny", "data.seq_len=64", "train.global_batch_size=8", "train
 
 
 def run(name: str, steps: int, root: Path, extra: list[str]) -> list[dict]:
+    """Train the run of balancing setting ``name`` under ``root`` with the ``extra`` overrides; its metrics rows.
+
+    Raises: DifflmError for an extra override of a key the settings vary (every run would take its value) or for a
+    dense model (no expert load to compare), before anything runs."""
     from difflm.config.compose import compose_train_config
     from difflm.config.validate import check_run
+    from difflm.model.moe import moe_config
     from difflm.training.trainer import Trainer
 
+    varied = sorted({o.split("=", 1)[0] for o in SETTINGS[name]})
+    clash = [o for o in extra if o.split("=", 1)[0].lstrip("+~") in varied]
+    if clash:
+        raise DifflmError(f"{clash[0]}: the runs differ by {' and '.join(varied)} (--runs picks the settings), so an "
+                          "override of it would give every run the same value: drop it")
     run_dir = root / name
     overrides = [*BASE, *SETTINGS[name], f"train.max_steps={steps}", f"run.dir={run_dir}",
                  f"data.cache_dir={root / 'cache'}", *extra]
     cfg = compose_train_config(overrides)  # a mistyped extra override is refused by name, not run unread
+    if moe_config(cfg.model) is None:
+        raise DifflmError(f"model={cfg.model.name} with model.moe.num_experts={cfg.model.moe.num_experts} is a dense "
+                          "model: the runs compare expert loads; give a mixture-of-experts model (the default "
+                          "model=moe-tiny, llada-moe-tiny, llada2-tiny)")
     Trainer(cfg, run_dir, check_run(cfg)).fit()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

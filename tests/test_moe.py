@@ -772,3 +772,23 @@ def test_moe_statistics_settled_a_step_late_are_their_own_steps(fast_cfg, tmp_pa
     # the statistics change every step, so a row holding the next step's would differ from reading it at once
     norms = [r["moe/bias_norm"] for r in rows[1]]
     assert len(set(norms)) == len(norms) and norms[0] > 0, norms
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["model.moe.aux_loss_coeff=0.05"], "model.moe.aux_loss_coeff=0.05: the runs differ by model.moe.aux_loss_coeff "
+                                        "and model.moe.bias_update_rate"),
+    (["+model.moe.bias_update_rate=0.01"], "+model.moe.bias_update_rate=0.01: the runs differ by"),
+    (["model=tiny"], "model=tiny with model.moe.num_experts=0 is a dense model"),
+    (["model.moe.num_experts=0"], "model=moe-tiny with model.moe.num_experts=0 is a dense model"),
+])
+def test_balance_sweep_refuses_overrides_that_leave_nothing_to_compare(extra, needle, tmp_path):
+    """scripts/moe_balance.py compares the expert load of its settings: an extra override of the keys they vary would
+    make every run the same, and a dense model has no expert load; both are refused before a run directory is made."""
+    from conftest import load_script
+
+    balance = load_script("moe_balance")
+    for name in balance.SETTINGS:
+        with pytest.raises(DifflmError) as err:
+            balance.run(name, 1, tmp_path, extra)
+        assert str(err.value).startswith(needle) and "\n" not in str(err.value), str(err.value)
+    assert not list(tmp_path.iterdir())
