@@ -250,10 +250,18 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
 def check_flags(argv: list[str], prog: str) -> None:
     """Refuse a dash word that is none of Hydra's flags (``difflm-train --bogus``, ``--cfgg job``), which Hydra's
     parser answers with its whole usage text and ``unrecognized arguments``. A command line Hydra reads, or one with
-    ``--``, passes. Raises: DifflmError naming the word, the closest flag, and that settings are ``key=value``."""
+    ``--``, passes. Two of the flags that each say what Hydra does (``-m`` and ``--cfg job``, ``--cfg`` and
+    ``--info``), which Hydra refuses with a traceback, are refused too (:func:`_one_mode`).
+
+    Raises: DifflmError naming the word, the closest flag, and that settings are ``key=value``; or the two flags
+    given together and which to drop."""
     from hydra._internal.utils import get_args_parser
 
-    if "--" in argv or _hydra_args(argv) is not None:
+    if "--" in argv:
+        return
+    args = _hydra_args(argv)
+    if args is not None:
+        _one_mode(argv, args, prog)
         return
     options = get_args_parser()._option_string_actions
     key_at, strays, value_next = None, 0, False  # the last key=value word, plain words after it, a flag's value due
@@ -282,6 +290,32 @@ def check_flags(argv: list[str], prog: str) -> None:
         raise DifflmError(f"{arg} is not a flag of {prog}{hint} Settings are key=value words ({prog} --cfg job "
                           f"prints every key); {prog} --help lists its flags (--cfg job, -m, --config-dir DIR, "
                           f"--config-name NAME, ...)")
+
+
+def _one_mode(argv: list[str], args, prog: str) -> None:
+    """Refuse a command line holding two of Hydra's mode flags (``--run``, ``-m``, ``--cfg``, ``--info``,
+    ``-sc``): Hydra runs one of them and ends any other combination with ``ValueError: Only one of --run,
+    --multirun, --cfg, --info and --shell_completion can be specified`` and its traceback. ``--help`` and
+    ``--hydra-help`` print before Hydra looks, so they pass. Raises: DifflmError naming the two flags as typed."""
+    if args.help or args.hydra_help:
+        return
+    modes = {"run": args.run, "multirun": args.multirun, "cfg": args.cfg is not None, "info": args.info is not None,
+             "shell_completion": args.shell_completion}
+    if sum(modes.values()) < 2:
+        return
+    names = {"run": ("--run", "-r"), "multirun": ("--multirun", "-m"), "cfg": ("--cfg", "-c"),
+             "info": ("--info", "-i"), "shell_completion": ("--shell-completion", "-sc")}
+    given = [mode for mode, on in modes.items() if on]
+    typed = {}
+    for mode in given:
+        spelled = [a.partition("=")[0] for a in argv if a.partition("=")[0] in names[mode]]
+        typed[mode] = spelled[0] if spelled else names[mode][0]
+    first, second = (typed[mode] for mode in given[:2])
+    hint = ""
+    if modes["multirun"] and modes["cfg"]:
+        hint = f"; to print one job's config drop {typed['multirun']} and give that job's values (one per swept key)"
+    raise DifflmError(f"{first} and {second} cannot be given together: {prog} takes one of --run, "
+                      f"--multirun (-m), --cfg, --info and --shell-completion at a time{hint}")
 
 
 def hydra_flags_first(argv: list[str]) -> list[str]:

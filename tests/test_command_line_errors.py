@@ -376,6 +376,28 @@ def test_a_dash_word_that_is_no_flag_is_refused_naming_the_closest_flag():
         check_flags(argv, "difflm-train")
 
 
+def test_two_of_hydras_mode_flags_end_in_one_line_naming_both():
+    """``-m`` with ``--cfg``, ``--cfg`` with ``--info``, ...: Hydra runs one of them and ends any pair with a
+    ValueError traceback; the command line is refused naming the two flags as typed, and ``--help`` still prints."""
+    from difflm.cli import check_flags
+
+    def said(argv, prog="difflm-train"):
+        with pytest.raises(DifflmError) as info:
+            check_flags(argv, prog)
+        return str(info.value)
+
+    modes = "takes one of --run, --multirun (-m), --cfg, --info and --shell-completion at a time"
+    assert said(["--cfg", "hydra", "-m", "optim.lr=1e-4,3e-4"]) == (
+        f"-m and --cfg cannot be given together: difflm-train {modes}; to print one job's config drop -m and give "
+        "that job's values (one per swept key)")
+    assert said(["--multirun", "-c", "job"]).startswith("--multirun and -c cannot be given together")
+    assert said(["--cfg", "job", "--info"], "difflm-eval") == f"--cfg and --info cannot be given together: " \
+                                                              f"difflm-eval {modes}"
+    assert said(["-m", "--info", "searchpath"]).startswith("-m and --info cannot be given together")
+    for argv in (["--help", "-m", "--cfg", "job"], ["-m", "optim.lr=1e-4,3e-4"], ["--cfg", "hydra"], ["--info"]):
+        check_flags(argv, "difflm-train")
+
+
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
     config in difflm's conf/ is refused too); a ``--config-path`` without difflm's groups is refused in one line
