@@ -232,6 +232,7 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
                 if not sweeps:
                     refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
                 check_overrides(sys.argv[1:], config_name)
+                check_edits(sys.argv[1:], config_name)
                 if sweeps and job_check is not None:
                     check_sweep(sys.argv[1:], config_name, job_check)
             except DifflmError as err:
@@ -423,7 +424,8 @@ def check_overrides(argv: list[str], config_name: str):
     Checked: ``a.b=value`` (the key must exist, unless a node on its way is an open dict, a list or a value) and
     ``group=option`` (the option must be a preset of the group; under ``-m`` every option of a sweep), then each run
     the command line makes, one or every job of a ``-m`` sweep (expanded as Hydra's basic sweeper does), by
-    :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra:
+    :func:`difflm.config.job_check.check_job`: values of the wrong type and keys the run never reads. Left to Hydra
+    (``+key=``, ``++key=``, ``~key`` and ``group@package=`` then to :func:`check_edits`):
     ``+key=``, ``++key=``, ``~key``, ``hydra.*`` and ``hydra/...``, ``group@package=``, overrides Hydra cannot parse,
     sweeps its basic sweeper cannot expand (intervals), command lines naming another primary config (``--config-name``:
     only its existence is checked, :func:`check_primary_config`, which also refuses ``--config-path``), rerunning a
@@ -536,6 +538,77 @@ def check_overrides(argv: list[str], config_name: str):
             which = " ".join(line for line in job if line.partition("=")[0] in swept)
             raise DifflmError(f"{message} (in the sweep's job {which})" if sweep else message)
     return None
+
+
+def check_edits(argv: list[str], config_name: str) -> None:
+    """Check the overrides of a command line that add, remove or move keys and presets (``+key=``, ``++key=``,
+    ``~key``, ``group@package=``), which :func:`check_overrides` leaves to Hydra, by composing the line with them
+    (for a ``-m`` sweep, its first job) after composing it without them. Hydra would end a mistake among them in its
+    multi-line message and exit status 1 (``+optim.lr=`` of a key that exists, ``~run.dir`` of a key the schema
+    always has), and ``--cfg job`` would print a ``+`` key the schema lacks that the run then refuses.
+
+    A line that does not compose without them, or whose sweep Hydra cannot expand here, is left to Hydra and the
+    other checks. Costs two composes (~0.3 s each), only for a line holding such an override.
+
+    Raises: DifflmError naming the first override that does not compose, with Hydra's reason on one line (a key the
+    schema always has: that it cannot be removed and to give it a value instead), or a ``+`` key the schema lacks
+    (:func:`difflm.config.schema.check_known_keys`)."""
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from difflm.config.job_check import hydra_message, initialize_conf, search_path_of, sweep_jobs
+    from difflm.config.schema import check_known_keys
+
+    args = _hydra_args(argv)
+    if args is None or args.experimental_rerun or args.shell_completion or args.config_path or args.config_name:
+        return
+    search = search_path_of(args.config_dir, args.overrides)
+    if search is None:
+        return
+    parser = OverridesParser.create()
+    try:
+        parsed = [parser.parse_override(arg) for arg in args.overrides]
+    except Exception:  # noqa: BLE001 - a free-text value the entry point quoted: check_overrides judged the line
+        return
+    lines = [o.input_line for o in parsed]
+    if multirun_flag(argv) is not None and any(o.is_sweep_override() for o in parsed):
+        jobs = sweep_jobs(lines)
+        if not jobs:
+            return
+        lines = jobs[0]
+        parsed = [parser.parse_override(line) for line in lines]
+    edits = [o.input_line for o in parsed if not o.is_hydra_override() and (
+        o.is_add() or o.is_force_add() or o.is_delete() or o.package is not None)]
+    if not edits:
+        return
+    rest = [line for line in lines if line not in edits]
+
+    def composes(overrides: list[str]):
+        try:
+            return compose(config_name, overrides), None
+        except Exception as err:  # noqa: BLE001 - Hydra's reason, said on one line below
+            return None, err
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            initialize_conf(search):
+        if composes(rest)[1] is not None:  # not the edits' doing: Hydra or the other checks say why
+            return
+        cfg, err = composes(lines)
+        if err is not None:
+            culprit = next((e for e in edits if composes(rest + [e])[1] is not None), edits[0])
+            reason = hydra_message(composes(rest + [culprit])[1] or err)
+            if "does not support deletion" in reason:
+                key = parser.parse_override(culprit).key_or_group
+                raise DifflmError(f"{culprit}: {key} cannot be removed: it is a key of the schema every "
+                                  f"difflm-{config_name} config holds (difflm/config/schema.py); give it a value "
+                                  f"instead ({key}=...)")
+            edit = parser.parse_override(culprit)
+            if edit.is_add() and ("Multiple values for" in reason or "appears more than once" in reason):
+                group = edit.key_or_group
+                raise DifflmError(f"{culprit}: {group} is a group of difflm-{config_name}'s config already (one "
+                                  f"preset each): select it without +: {group}={culprit.partition('=')[2]}")
+            raise DifflmError(f"{culprit}: {reason.replace(':.', ':')}")
+    check_known_keys(cfg)
 
 
 def check_primary_config(config_path: str | None, name: str | None, config_name: str, search) -> None:

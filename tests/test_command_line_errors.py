@@ -398,6 +398,35 @@ def test_two_of_hydras_mode_flags_end_in_one_line_naming_both():
         check_flags(argv, "difflm-train")
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["model=tiny", "+optim.lr=1e-3"], "+optim.lr=1e-3: Could not append to config. An item is already at "
+     "'optim.lr'. Either remove + prefix: 'optim.lr=1e-3'. Or add a second + to add or override 'optim.lr': "
+     "'++optim.lr=1e-3'"),
+    (["~run.dir", "--cfg", "job"], "~run.dir: run.dir cannot be removed: it is a key of the schema every "
+     "difflm-train config holds (difflm/config/schema.py); give it a value instead (run.dir=...)"),
+    (["optim.lr=1e-3", "~data.path"], "~data.path: data.path cannot be removed: it is a key of the schema every "
+     "difflm-train config holds (difflm/config/schema.py); give it a value instead (data.path=...)"),
+    (["+experiment=mdlm_owt"], "+experiment=mdlm_owt: experiment is a group of difflm-train's config already (one "
+     "preset each): select it without +: experiment=mdlm_owt"),
+    (["--cfg", "job", "+train.max_stepz=5"], "+train.max_stepz: train has no key max_stepz (did you mean "
+     "max_steps?); the keys of train are listed in difflm/config/schema.py (TrainConfig)"),
+    (["-m", "+optim.lr=1e-3,3e-4"], "+optim.lr=0.001: Could not append to config. An item is already at "
+     "'optim.lr'. Either remove + prefix: 'optim.lr=0.001'. Or add a second + to add or override 'optim.lr': "
+     "'++optim.lr=0.001'"),
+])
+def test_a_key_added_or_removed_against_the_schema_ends_in_one_line(argv, message):
+    """``+key`` of a key that exists, ``~key`` of a key the schema always has, ``+group=`` of a group the config
+    selects already: Hydra's multi-line message and exit status 1 before; one line naming the override now. A ``+``
+    key the schema lacks is refused before ``--cfg job`` would print it."""
+    from difflm.cli import check_edits
+
+    with pytest.raises(DifflmError) as info:
+        check_edits(argv, "train")
+    assert str(info.value) == message
+    for fine in (["++train.max_steps=5"], ["~model", "--cfg", "job"], ["model=tiny"]):
+        check_edits(fine, "train")
+
+
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
     config in difflm's conf/ is refused too); a ``--config-path`` without difflm's groups is refused in one line
