@@ -233,6 +233,7 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
                     refuse_multirun(sys.argv[1:], f"difflm-{config_name}")
                 check_overrides(sys.argv[1:], config_name)
                 check_edits(sys.argv[1:], config_name)
+                check_launcher(sys.argv[1:], config_name)
                 if sweeps and job_check is not None:
                     check_sweep(sys.argv[1:], config_name, job_check)
             except DifflmError as err:
@@ -609,6 +610,82 @@ def check_edits(argv: list[str], config_name: str) -> None:
                                   f"preset each): select it without +: {group}={culprit.partition('=')[2]}")
             raise DifflmError(f"{culprit}: {reason.replace(':.', ':')}")
     check_known_keys(cfg)
+
+
+SUBMITIT_LAUNCHERS = ("slurm", "submitit_slurm", "submitit_local")  # hydra/launcher= options of the plugin
+SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+
+
+def submitit_installed() -> bool:
+    """Whether Hydra's submitit launcher plugin (``pip install '.[slurm]'``) can be imported."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ImportError:
+        return False
+
+
+def check_launcher(argv: list[str], config_name: str) -> None:
+    """Check a ``hydra/launcher=NAME`` of the command line before Hydra composes or launches anything: a name that is
+    no launcher (Hydra's multi-line "Could not find" with its options), one of the submitit launcher plugin's
+    (``slurm``, ``submitit_slurm``, ``submitit_local``) where the plugin is not installed (Hydra's "Could not load
+    'hydra/launcher/submitit_slurm'"), and, for a ``-m`` sweep, SLURM's launcher on a machine without SLURM's ``srun``
+    (submitit's ``RuntimeError: Could not detect "srun"`` traceback after Hydra made the sweep folder).
+
+    Raises: DifflmError naming the launcher and the fix."""
+    import shutil
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from difflm.config.job_check import initialize_conf, search_path_of
+
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help or args.shell_completion or args.config_path:
+        return
+    chosen, hydra_lines = None, []
+    for arg in args.overrides:
+        try:
+            override = OverridesParser.create().parse_override(arg)
+        except Exception:  # noqa: BLE001 - check_overrides judged the line
+            continue
+        if override.is_hydra_override() and not override.is_sweep_override():
+            hydra_lines.append(arg)  # hydra.launcher._target_=... may name another launcher class
+        if override.key_or_group == "hydra/launcher" and not override.is_delete() and not override.is_sweep_override():
+            chosen = str(override.value())
+    if chosen is None:
+        return
+    if chosen in SUBMITIT_LAUNCHERS and not submitit_installed():
+        raise DifflmError(f"hydra/launcher={chosen} needs Hydra's submitit launcher plugin, which is not installed: "
+                          "pip install hydra-submitit-launcher (from a clone: pip install '.[slurm]'), or drop "
+                          "hydra/launcher= to run the jobs one after the other in this process")
+    search = search_path_of(args.config_dir, args.overrides)
+    if search is None:
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            initialize_conf(search):
+        launchers = GlobalHydra.instance().config_loader().get_group_options("hydra/launcher")
+    if launchers and chosen not in launchers:
+        close = difflib.get_close_matches(chosen, launchers, n=1)
+        hint = f"; did you mean hydra/launcher={close[0]}?" if close else ""
+        raise DifflmError(f"hydra/launcher={chosen} is not a launcher{hint} (launchers: {', '.join(launchers)})")
+    if multirun_flag(argv) is None or args.cfg or args.info:
+        return
+    from hydra import compose
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            initialize_conf(search):
+        try:
+            target = compose(config_name=config_name, overrides=hydra_lines,
+                             return_hydra_config=True).hydra.launcher.get("_target_")
+        except Exception:  # noqa: BLE001 - Hydra says why when it composes the line
+            return
+    if target == SLURM_LAUNCHER and shutil.which("srun") is None:
+        raise DifflmError(f"hydra/launcher={chosen} submits each job to SLURM, and this machine has no srun (SLURM's "
+                          "commands are not on PATH): start the sweep on a SLURM login node, or run its jobs here "
+                          "with hydra/launcher=submitit_local (each its own process) or without hydra/launcher= (one "
+                          "after the other)")
 
 
 def check_primary_config(config_path: str | None, name: str | None, config_name: str, search) -> None:

@@ -427,6 +427,42 @@ def test_a_key_added_or_removed_against_the_schema_ends_in_one_line(argv, messag
         check_edits(fine, "train")
 
 
+def test_a_launcher_that_cannot_launch_here_ends_in_one_line(monkeypatch, tmp_path):
+    """``hydra/launcher=`` mistyped, one of the submitit plugin's without the plugin, and SLURM's launcher on a
+    machine without ``srun``: Hydra's multi-line errors, or submitit's traceback after the sweep folder was made,
+    before; one line before Hydra starts now."""
+    import difflm.cli
+    from difflm.cli import check_launcher
+
+    def said(argv):
+        with pytest.raises(DifflmError) as info:
+            check_launcher(argv, "train")
+        return str(info.value)
+
+    assert said(["-m", "hydra/launcher=slurmm", "optim.lr=1e-4,3e-4"]).startswith(
+        "hydra/launcher=slurmm is not a launcher; did you mean hydra/launcher=slurm? (launchers: basic, slurm")
+    monkeypatch.setattr(difflm.cli, "submitit_installed", lambda: False)
+    plugin = ("needs Hydra's submitit launcher plugin, which is not installed: pip install hydra-submitit-launcher "
+              "(from a clone: pip install '.[slurm]'), or drop hydra/launcher= to run the jobs one after the other in "
+              "this process")
+    assert said(["-m", "hydra/launcher=slurm", "optim.lr=1e-4,3e-4"]) == f"hydra/launcher=slurm {plugin}"
+    assert said(["--cfg", "hydra", "hydra/launcher=submitit_local"]) == f"hydra/launcher=submitit_local {plugin}"
+    check_launcher(["-m", "hydra/launcher=basic", "optim.lr=1e-4,3e-4"], "train")
+    monkeypatch.undo()
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[slurm]'")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    assert said(["-m", "hydra/launcher=slurm", "optim.lr=1e-4,3e-4"]) == (
+        "hydra/launcher=slurm submits each job to SLURM, and this machine has no srun (SLURM's commands are not on "
+        "PATH): start the sweep on a SLURM login node, or run its jobs here with hydra/launcher=submitit_local (each "
+        "its own process) or without hydra/launcher= (one after the other)")
+    for fine in (["--cfg", "hydra", "hydra/launcher=slurm"], ["-m", "hydra/launcher=submitit_local", "optim.lr=1,2"]):
+        check_launcher(fine, "train")  # nothing is submitted
+    (tmp_path / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "srun").chmod(0o755)
+    check_launcher(["-m", "hydra/launcher=slurm", "optim.lr=1e-4,3e-4"], "train")
+
+
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
     config in difflm's conf/ is refused too); a ``--config-path`` without difflm's groups is refused in one line
