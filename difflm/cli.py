@@ -756,6 +756,7 @@ def check_sweep(argv: list[str], config_name: str, job_check) -> None:
     sweep = sweep_job_configs(config_name, args.overrides, search) if search is not None else None
     if sweep is None:
         return
+    check_sweep_folders(sweep)
     world_size = launch_env()["world_size"] if sweep.here else sweep.world_size
     for job, swept, cfg in sweep.jobs:
         try:
@@ -772,6 +773,39 @@ def check_sweep(argv: list[str], config_name: str, job_check) -> None:
             continue
         launch = f", launched as {sweep.launch}" if sweep.launch else ""
         raise DifflmError(f"{message} (in the sweep's job {' '.join(swept or job)}{launch})")
+
+
+def check_sweep_folders(sweep) -> None:
+    """Refuse a ``-m`` sweep (:class:`difflm.config.job_check.SweepJobs`) whose jobs would not each run in a folder of
+    their own inside the sweep's folder: Hydra resolves the sweep's folder (``hydra.sweep.dir``: ``run.dir``) once,
+    with no job's values, but each job's folder with its own, so a ``run.dir`` naming a swept key
+    (``run.dir=sweeps/lr_${optim.lr}``) scatters the jobs over several folders (``sweeps/lr_0.001/0``,
+    ``sweeps/lr_0.0003/1``) while ``multirun.yaml`` goes in a third, and a ``hydra.sweep.subdir`` that does not tell
+    the jobs apart puts several in one folder, where each later job resumes or refuses the earlier one's checkpoint.
+
+    Raises: DifflmError naming the first job at fault, its folder and the fix."""
+    def named(job, swept):
+        return " ".join(swept or job)
+
+    seen = {}
+    for (job, swept, _), folder in zip(sweep.jobs, sweep.folders):
+        if folder is None:
+            continue
+        top, sub = folder
+        if sweep.sweep_dir is not None and top != sweep.sweep_dir:
+            raise DifflmError(
+                f"the sweep's folder changes with its values: run.dir (hydra.sweep.dir) is {sweep.sweep_dir!r} for "
+                f"the sweep, but {top!r} for its job {named(job, swept)}, so its jobs would be scattered over "
+                "several folders: give run.dir without the swept keys (every job runs in <run.dir>/<job number>), "
+                "and name the jobs' folders by their values with hydra.sweep.subdir if you like (e.g. "
+                "hydra.sweep.subdir='lr_${optim.lr}')")
+        path = os.path.normpath(os.path.join(top, sub))
+        if path in seen:
+            raise DifflmError(
+                f"the sweep's jobs {seen[path]} and {named(job, swept)} would both run in {path} "
+                f"(hydra.sweep.subdir gives {sub!r} for both): each job needs a folder of its own; let "
+                "hydra.sweep.subdir tell every job apart (the default ${hydra.job.num}, the job's number, does)")
+        seen[path] = named(job, swept)
 
 
 def _unparsable(args: list[str], index: int, err: Exception, parser) -> str:

@@ -569,6 +569,29 @@ def test_a_sweep_whose_jobs_all_pass_is_left_to_run():
     assert all("hydra" not in cfg for _, _, cfg in sweep.jobs)  # as the task function receives it
 
 
+def test_a_sweep_whose_jobs_would_not_each_get_a_folder_in_the_sweeps_is_refused():
+    """Hydra resolves the sweep's folder once with no job's values but each job's folder with its own: a run.dir
+    naming a swept key scattered the jobs (sweeps/lr_0.001/0, sweeps/lr_0.0003/1, multirun.yaml in a third), and a
+    hydra.sweep.subdir that does not tell the jobs apart put two in one folder. Both end before the first job."""
+    scattered = sweep_refusal(["-m", "optim.lr=1e-3,3e-4", "run.dir=sweeps/lr_${optim.lr}"])
+    assert scattered.startswith("the sweep's folder changes with its values: run.dir (hydra.sweep.dir) is "
+                                "'sweeps/lr_0.0003' for the sweep, but 'sweeps/lr_0.001' for its job optim.lr=0.001, "
+                                "so its jobs would be scattered over several folders: give run.dir without the swept "
+                                "keys (every job runs in <run.dir>/<job number>)")
+    assert "for its job objective=ar," in sweep_refusal(["-m", "objective=mdlm,ar", "run.dir=r_${objective.name}"])
+    assert sweep_refusal(["-m", "optim.lr=1e-3,3e-4", "train.seed=1,2", "run.dir=sw",
+                          "hydra.sweep.subdir=lr_${optim.lr}"]) == (
+        "the sweep's jobs optim.lr=0.001 train.seed=1 and optim.lr=0.001 train.seed=2 would both run in sw/lr_0.001 "
+        "(hydra.sweep.subdir gives 'lr_0.001' for both): each job needs a folder of its own; let hydra.sweep.subdir "
+        "tell every job apart (the default ${hydra.job.num}, the job's number, does)")
+    from difflm.cli import check_sweep
+    from difflm.train import check_job_config
+
+    for fine in (["run.dir=sw_${now:%H-%M-%S}"], ["run.dir=sw", "hydra.sweep.subdir=lr_${optim.lr}"],
+                 ["run.dir=sw_${model.name}"]):  # the same for every job, or a folder per job
+        check_sweep(["-m", "optim.lr=1e-3,3e-4", *fine], "train", check_job_config)
+
+
 def test_jobs_that_run_elsewhere_are_checked_for_the_launchers_world_size():
     """Under the SLURM launcher each job is nodes x tasks_per_node processes on other machines: the checks the
     config alone decides run for that world size (not this machine's devices)."""

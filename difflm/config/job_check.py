@@ -43,12 +43,17 @@ class SweepJobs:
     receives it: without the ``hydra`` node). ``here``: the jobs run one after the other in this process (Hydra's
     basic launcher), else each in a process of its own elsewhere (``hydra/launcher=slurm``, ``submitit_local``, ...).
     ``world_size``: the processes of each job where they run elsewhere (``hydra.launcher.nodes`` x
-    ``tasks_per_node``, as ``launch`` says; 1 for a launcher without them, ``launch`` then empty)."""
+    ``tasks_per_node``, as ``launch`` says; 1 for a launcher without them, ``launch`` then empty). ``sweep_dir``: the
+    sweep's folder as Hydra resolves it before the first job (``hydra.sweep.dir``, ``run.dir`` by default; None
+    where it does not resolve here); ``folders``: per job, ``(hydra.sweep.dir, hydra.sweep.subdir)`` resolved with
+    that job's values and number, as the launcher resolves them for the job's folder (None where they do not)."""
 
     jobs: list
     here: bool
     world_size: int
     launch: str = ""
+    sweep_dir: Optional[str] = None
+    folders: list = dataclasses.field(default_factory=list)
 
 
 def sweep_job_configs(config_name: str, overrides: list[str], search: Sequence[str] = ()) -> Optional[SweepJobs]:
@@ -78,10 +83,15 @@ def sweep_job_configs(config_name: str, overrides: list[str], search: Sequence[s
                 lines += OmegaConf.to_container(master.hydra.overrides.task, resolve=False)
                 parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
                 swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-                jobs = []
-                for job in sweep_jobs(lines, loader) or ():
+                sweep_dir = _resolved(master, "hydra.sweep.dir")  # before the jobs: they copy its ${now:} cache
+                jobs, folders = [], []
+                for num, job in enumerate(sweep_jobs(lines, loader) or ()):
                     cfg = loader.load_sweep_config(master, list(job))
                     with read_write(cfg), open_dict(cfg):
+                        cfg.hydra.job.num = num  # as Hydra's launchers set them before the job's folder is made
+                        cfg.hydra.job.id = str(num)
+                        parts = (_resolved(cfg, "hydra.sweep.dir"), _resolved(cfg, "hydra.sweep.subdir"))
+                        folders.append(None if None in parts else parts)
                         del cfg["hydra"]
                     jobs.append((list(job), [line for line in job if line.partition("=")[0] in swept], cfg))
                 launcher = master.hydra.launcher
@@ -93,7 +103,18 @@ def sweep_job_configs(config_name: str, overrides: list[str], search: Sequence[s
                     else ""
     except Exception:  # noqa: BLE001 - a sweep Hydra refuses: Hydra says why when it composes it
         return None
-    return SweepJobs(jobs=jobs, here=here, world_size=world, launch=launch)
+    return SweepJobs(jobs=jobs, here=here, world_size=world, launch=launch, sweep_dir=sweep_dir, folders=folders)
+
+
+def _resolved(cfg, key: str) -> Optional[str]:
+    """``cfg``'s value of ``key`` resolved, as text; None where it does not resolve here."""
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except Exception:  # noqa: BLE001 - an interpolation of state only the launch has: the launch resolves it
+        return None
+    return None if value is None else str(value)
 
 
 def jobs_to_check(jobs: list[list[str]], groups) -> list[list[str]]:
