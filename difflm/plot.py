@@ -110,10 +110,10 @@ def expand_run_dirs(patterns: list[str]) -> list[Path]:
 def default_out(patterns: list[str], dirs: list[Path]) -> Path:
     """Where the figure goes without ``out=``: ``curves.png`` in the one run, or in the one folder named (a
     multirun's sweep directory), else in the current folder (several run.dir= or a glob)."""
+    if len(patterns) == 1 and not glob.has_magic(patterns[0]):  # the run, or the sweep even with one job drawn
+        return Path(patterns[0]) / "curves.png"
     if len(dirs) == 1:
         return dirs[0] / "curves.png"
-    if len(patterns) == 1 and not glob.has_magic(patterns[0]):
-        return Path(patterns[0]) / "curves.png"
     return Path("curves.png")
 
 

@@ -80,6 +80,9 @@ def test_default_out_and_refused_outs(tmp_path):
     one = str(tmp_path / "sweep" / "0")
     assert default_out([one], expand_run_dirs([one])) == tmp_path / "sweep" / "0" / "curves.png"
     assert default_out([sweep + "/*"], expand_run_dirs([sweep + "/*"])) == Path("curves.png")
+    _write_run(tmp_path / "single" / "0", 0.1)  # a sweep of one job (or one job drawn): the sweep's folder still
+    single = str(tmp_path / "single")
+    assert default_out([single], expand_run_dirs([single])) == tmp_path / "single" / "curves.png"
     dirs = expand_run_dirs([sweep])
     with pytest.raises(DifflmError, match=r"^out='.*x.foo': matplotlib writes .*\.png.*end out with one of them"):
         plot_runs(dirs, tmp_path / "x.foo")
