@@ -234,6 +234,7 @@ def hydra_app(config_name: str, sweeps: bool = False, job_check=None):
                 check_overrides(sys.argv[1:], config_name)
                 check_edits(sys.argv[1:], config_name)
                 check_launcher(sys.argv[1:], config_name)
+                check_shadowed_presets(sys.argv[1:], config_name)
                 if sweeps and job_check is not None:
                     check_sweep(sys.argv[1:], config_name, job_check)
             except DifflmError as err:
@@ -686,6 +687,55 @@ def check_launcher(argv: list[str], config_name: str) -> None:
                           "commands are not on PATH): start the sweep on a SLURM login node, or run its jobs here "
                           "with hydra/launcher=submitit_local (each its own process) or without hydra/launcher= (one "
                           "after the other)")
+
+
+def check_shadowed_presets(argv: list[str], config_name: str) -> None:
+    """Refuse a run that selects a preset of which your own folder (``--config-dir``, ``hydra.searchpath``) holds a
+    file under the name of one of difflm's own (``my_conf/model/tiny.yaml`` with ``model=tiny``, the default or typed)
+    with other contents: Hydra finds difflm's ``conf/`` first, so your file would be left unread without a word. A
+    copy with the same contents (a whole ``conf/`` copied as a start) passes. Costs one compose, only for a command
+    line that adds a folder; for a ``-m`` sweep its first job's selections and every option a group is swept over.
+
+    Raises: DifflmError naming your file, difflm's, and the fix (a new name)."""
+    from hydra import compose
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from difflm.config import CONF_DIR
+    from difflm.config.job_check import initialize_conf, search_path_of, sweep_jobs
+
+    args = _hydra_args(argv)
+    if args is None or args.help or args.hydra_help or args.shell_completion or args.config_path:
+        return
+    search = search_path_of(args.config_dir, args.overrides)
+    folders = [entry[len("file://"):] for entry in search or () if entry.startswith("file://")]
+    if not folders:
+        return
+    parser = OverridesParser.create()
+    try:
+        parsed = [parser.parse_override(arg) for arg in args.overrides]
+    except Exception:  # noqa: BLE001 - check_overrides judged the line
+        return
+    lines = [o.input_line for o in parsed]
+    if any(o.is_sweep_override() for o in parsed):
+        lines = (sweep_jobs(lines) or [[]])[0]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            initialize_conf(search):
+        try:
+            choices = dict(compose(config_name, lines, return_hydra_config=True).hydra.runtime.choices)
+        except Exception:  # noqa: BLE001 - Hydra or the other checks say why
+            return
+    selected = [(group, str(option)) for group, option in choices.items() if option is not None]
+    for o in parsed:
+        if o.is_sweep_override() and o.key_or_group in choices:
+            selected += [(o.key_or_group, str(v)) for v in (_selected_options(o) or ())]
+    for group, option in selected:
+        shipped = Path(CONF_DIR) / group / f"{option}.yaml"
+        for folder in folders:
+            mine = Path(folder) / group / f"{option}.yaml"
+            if shipped.is_file() and mine.is_file() and mine.read_bytes() != shipped.read_bytes():
+                raise DifflmError(f"{group}={option}: your {mine} is not read: difflm's own {shipped} has that name "
+                                  f"and is found first; give your file a new name ({group}/{option}_mine.yaml) and "
+                                  f"select it ({group}={option}_mine)")
 
 
 def check_primary_config(config_path: str | None, name: str | None, config_name: str, search) -> None:

@@ -463,6 +463,29 @@ def test_a_launcher_that_cannot_launch_here_ends_in_one_line(monkeypatch, tmp_pa
     check_launcher(["-m", "hydra/launcher=slurm", "optim.lr=1e-4,3e-4"], "train")
 
 
+def test_your_preset_under_the_name_of_a_shipped_one_is_refused_not_left_unread(my_conf):
+    """Hydra finds difflm's conf/ before your folder: a my_conf/model/tiny.yaml of your own was never read, and the
+    run took difflm's model=tiny without a word. Selected by default, typed, or swept, it is refused naming both
+    files; a copy with the same contents passes."""
+    import shutil
+
+    from difflm.cli import check_shadowed_presets
+    from difflm.config import CONF_DIR
+
+    (my_conf / "model" / "tiny.yaml").write_text("name: tiny\nnum_layers: 7\n")
+    message = (f"model=tiny: your {my_conf}/model/tiny.yaml is not read: difflm's own {CONF_DIR}/model/tiny.yaml has "
+               "that name and is found first; give your file a new name (model/tiny_mine.yaml) and select it "
+               "(model=tiny_mine)")
+    for argv in (["--config-dir", str(my_conf), "--cfg", "job"], [f"hydra.searchpath=[file://{my_conf}]", "model=tiny"],
+                 ["-m", "--config-dir", str(my_conf), "model=good,tiny"]):
+        with pytest.raises(DifflmError) as info:
+            check_shadowed_presets(argv, "train")
+        assert str(info.value) == message
+    check_shadowed_presets(["--config-dir", str(my_conf), "model=good"], "train")
+    shutil.copy(f"{CONF_DIR}/model/tiny.yaml", my_conf / "model" / "tiny.yaml")  # a copy as it is: read the same
+    check_shadowed_presets(["--config-dir", str(my_conf)], "train")
+
+
 def test_a_primary_config_of_your_own_is_named_by_config_name_under_config_dir(my_conf):
     """``--config-name NAME`` must be the command's own config or a NAME.yaml of ``--config-dir`` (another command's
     config in difflm's conf/ is refused too); a ``--config-path`` without difflm's groups is refused in one line
