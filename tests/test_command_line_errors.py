@@ -416,8 +416,8 @@ def test_two_of_hydras_mode_flags_end_in_one_line_naming_both():
 ])
 def test_a_key_added_or_removed_against_the_schema_ends_in_one_line(argv, message):
     """``+key`` of a key that exists, ``~key`` of a key the schema always has, ``+group=`` of a group the config
-    selects already: Hydra's multi-line message and exit status 1 before; one line naming the override now. A ``+``
-    key the schema lacks is refused before ``--cfg job`` would print it."""
+    selects already, which Hydra ends in its multi-line message with exit status 1, end in one line naming the
+    override. A ``+`` key the schema lacks is refused rather than printed by ``--cfg job``."""
     from difflm.cli import check_edits
 
     with pytest.raises(DifflmError) as info:
@@ -429,8 +429,8 @@ def test_a_key_added_or_removed_against_the_schema_ends_in_one_line(argv, messag
 
 def test_a_launcher_that_cannot_launch_here_ends_in_one_line(monkeypatch, tmp_path):
     """``hydra/launcher=`` mistyped, one of the submitit plugin's without the plugin, and SLURM's launcher on a
-    machine without ``srun``: Hydra's multi-line errors, or submitit's traceback after the sweep folder was made,
-    before; one line before Hydra starts now."""
+    machine without ``srun`` (Hydra's multi-line errors, or submitit's traceback once the sweep folder is made)
+    end in one line before Hydra starts."""
     import difflm.cli
     from difflm.cli import check_launcher
 
@@ -464,9 +464,9 @@ def test_a_launcher_that_cannot_launch_here_ends_in_one_line(monkeypatch, tmp_pa
 
 
 def test_your_preset_under_the_name_of_a_shipped_one_is_refused_not_left_unread(my_conf):
-    """Hydra finds difflm's conf/ before your folder: a my_conf/model/tiny.yaml of your own was never read, and the
-    run took difflm's model=tiny without a word. Selected by default, typed, or swept, it is refused naming both
-    files; a copy with the same contents passes."""
+    """Hydra finds difflm's conf/ before your folder, so a my_conf/model/tiny.yaml of your own would go unread and
+    the run take difflm's model=tiny. Selected by default, typed, or swept, it is refused naming both files; a copy
+    with the same contents passes."""
     import shutil
 
     from difflm.cli import check_shadowed_presets
@@ -594,8 +594,9 @@ def test_a_sweep_whose_jobs_all_pass_is_left_to_run():
 
 def test_a_sweep_whose_jobs_would_not_each_get_a_folder_in_the_sweeps_is_refused():
     """Hydra resolves the sweep's folder once with no job's values but each job's folder with its own: a run.dir
-    naming a swept key scattered the jobs (sweeps/lr_0.001/0, sweeps/lr_0.0003/1, multirun.yaml in a third), and a
-    hydra.sweep.subdir that does not tell the jobs apart put two in one folder. Both end before the first job."""
+    naming a swept key would scatter the jobs (sweeps/lr_0.001/0, sweeps/lr_0.0003/1, multirun.yaml in a third), and
+    a hydra.sweep.subdir that does not tell the jobs apart would put two in one folder. Both end before the first
+    job."""
     scattered = sweep_refusal(["-m", "optim.lr=1e-3,3e-4", "run.dir=sweeps/lr_${optim.lr}"])
     assert scattered.startswith("the sweep's folder changes with its values: run.dir (hydra.sweep.dir) is "
                                 "'sweeps/lr_0.0003' for the sweep, but 'sweeps/lr_0.001' for its job optim.lr=0.001, "
