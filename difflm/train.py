@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 
@@ -45,6 +46,9 @@ def _main(cfg) -> None:
     world_size = world_size_from_env()
     try:
         device = check_run(cfg, world_size)  # every check before any process group exists
+        from difflm.training.run_config import check_start_checkpoint
+
+        check_start_checkpoint(cfg, Path(run_dir_of_job(cfg)))  # an adaptation recipe without its imported model
     except DifflmError:
         if launch_env()["rank"] != 0:  # every rank failed the same check on the same config: rank 0 says it once
             sys.exit(2)

@@ -358,3 +358,34 @@ def test_adaptation_table_reuses_its_ar_checkpoint(tmp_path, capsys):
     args[1] = "3"
     assert table.main([*args, "--json", str(tmp_path / "c.json")]) == 0
     assert "reused" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_needs_the_imported_checkpoint(fast_cfg, tmp_path, recipe):
+    """Each adaptation recipe sets train.require_checkpoint: its run.dir must hold a complete checkpoint to continue
+    (difflm-import's step_0). An empty run.dir and a checkpoint folder without its manifest (a save that never
+    finished) are refused in one line naming difflm-import and the key; a model-only step_0 as difflm-import writes
+    it passes; without a recipe a run.dir without checkpoints trains from random weights as before."""
+    from difflm.checkpoint.store import save_checkpoint
+    from difflm.model import Transformer, resolve_model_config
+    from difflm.training.run_config import check_start_checkpoint
+
+    cfg = fast_cfg(f"experiment={recipe}", "model=tiny")
+    assert cfg.train.require_checkpoint is True
+    run_dir = tmp_path / "run"
+    with pytest.raises(DifflmError, match=r"^train.require_checkpoint=true and run.dir=.* holds no complete "
+                                          r"checkpoint to start from: import the AR model into it first "
+                                          r"\(difflm-import hf=") as err:
+        check_start_checkpoint(cfg, run_dir)
+    assert "\n" not in str(err.value) and str(err.value).endswith("set train.require_checkpoint=false to train from "
+                                                                  "random weights")
+    (run_dir / "checkpoints" / "step_0").mkdir(parents=True)  # no manifest: not a checkpoint
+    with pytest.raises(DifflmError, match="holds no complete checkpoint"):
+        check_start_checkpoint(cfg, run_dir)
+    (run_dir / "checkpoints" / "step_0").rmdir()
+    resolve_model_config(cfg.model, 512)
+    save_checkpoint(run_dir, 0, Transformer(cfg.model), None, {"step": 0}, config="{}")
+    check_start_checkpoint(cfg, run_dir)  # difflm-import's model-only step_0
+    plain = fast_cfg("model=tiny")
+    assert plain.train.require_checkpoint is False
+    check_start_checkpoint(plain, tmp_path / "elsewhere")

@@ -337,6 +337,9 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 1234
     sample_at_end: bool = True
+    # the run must continue a checkpoint in run.dir (difflm-import's step_0, an earlier run's): the adaptation recipes
+    # set it, so that a run.dir without the imported AR model is refused instead of training from random weights
+    require_checkpoint: bool = False
     async_save: bool = False  # checkpoints with torch.distributed.checkpoint.async_save (staged, written in background)
     expandable_segments: bool = True  # CUDA allocator: expandable segments (difflm.training.allocator)
     cuda_graphs: bool = False  # TE blocks replayed from CUDA graphs (difflm.training.cuda_graphs); one process

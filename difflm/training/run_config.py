@@ -99,6 +99,24 @@ def check_steps_to_train(step: int, cfg: DictConfig, checkpoint: Path, earlier_p
                           f"would train with the changed settings ({_listed(changed)}): {fix}")
 
 
+def check_start_checkpoint(cfg: DictConfig, run_dir: Path) -> None:
+    """``train.require_checkpoint=true``: ``run_dir`` must hold a complete checkpoint to continue (an adaptation
+    recipe starts from ``difflm-import``'s ``step_0``). Read from the files alone, before anything is built.
+
+    Raises: DifflmError (one line) naming ``run.dir``, ``difflm-import`` and ``train.require_checkpoint=false``."""
+    from difflm.checkpoint.manifest import manifest_problem
+    from difflm.checkpoint.store import list_checkpoints
+
+    if not cfg.train.get("require_checkpoint", False):
+        return
+    if any(manifest_problem(path) is None for _, path in list_checkpoints(run_dir)):
+        return
+    raise DifflmError(f"train.require_checkpoint=true and run.dir={run_dir} holds no complete checkpoint to start "
+                      f"from: import the AR model into it first (difflm-import hf=<model folder or hub id> "
+                      f"run.dir={run_dir}, docs/adaptation.md), or set train.require_checkpoint=false to train "
+                      f"from random weights")
+
+
 def model_settings_hint(earlier_path: Optional[Path], cfg: DictConfig) -> Optional[str]:
     """For a checkpoint that does not load into this run's model: the keys of
     :data:`difflm.config.schema.MODEL_KEYS` (and ``MOE_KEYS`` for a mixture of experts) whose value in
