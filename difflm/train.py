@@ -48,11 +48,14 @@ def _main(cfg) -> None:
         device = check_run(cfg, world_size)  # every check before any process group exists
         from difflm.training.run_config import check_start_checkpoint
 
-        check_start_checkpoint(cfg, Path(run_dir_of_job(cfg)))  # an adaptation recipe without its imported model
+        # an adaptation recipe without its imported model is refused; LoRA on random base weights is said
+        start_warning = check_start_checkpoint(cfg, Path(run_dir_of_job(cfg)))
     except DifflmError:
         if launch_env()["rank"] != 0:  # every rank failed the same check on the same config: rank 0 says it once
             sys.exit(2)
         raise
+    if start_warning is not None and launch_env()["rank"] == 0:
+        print(start_warning, file=sys.stderr, flush=True)
     if cfg.model.get("auto_reason") and launch_env()["rank"] == 0:
         print(f"difflm: {cfg.model.auto_reason}", flush=True)  # what model.*=auto chose, before anything is built
     if cfg.train.get("auto_batch_reason") and launch_env()["rank"] == 0:

@@ -385,7 +385,28 @@ def test_recipe_needs_the_imported_checkpoint(fast_cfg, tmp_path, recipe):
     (run_dir / "checkpoints" / "step_0").rmdir()
     resolve_model_config(cfg.model, 512)
     save_checkpoint(run_dir, 0, Transformer(cfg.model), None, {"step": 0}, config="{}")
-    check_start_checkpoint(cfg, run_dir)  # difflm-import's model-only step_0
+    assert check_start_checkpoint(cfg, run_dir) is None  # difflm-import's model-only step_0
     plain = fast_cfg("model=tiny")
     assert plain.train.require_checkpoint is False
-    check_start_checkpoint(plain, tmp_path / "elsewhere")
+    assert check_start_checkpoint(plain, tmp_path / "elsewhere") is None
+
+
+def test_lora_without_a_checkpoint_to_continue_is_said(fast_cfg, tmp_path):
+    """A LoRA run's base weights come from a checkpoint in run.dir: without one its adapters would train on random
+    weights, which the run says in one warning line (and train.require_checkpoint=true refuses); with one, nothing."""
+    from difflm.checkpoint.store import save_checkpoint
+    from difflm.model import Transformer, resolve_model_config
+    from difflm.training.run_config import check_start_checkpoint
+
+    cfg = fast_cfg("model=tiny", "lora=attn")
+    run_dir = tmp_path / "run"
+    warning = check_start_checkpoint(cfg, run_dir)
+    assert warning == (f"difflm: warning: lora.rank={cfg.lora.rank} trains adapters on random base weights: "
+                       f"run.dir={run_dir} holds no checkpoint to continue (difflm-import hf=<model> run.dir={run_dir} "
+                       f"writes one; set train.require_checkpoint=true to refuse such a run)")
+    cfg.train.require_checkpoint = True
+    with pytest.raises(DifflmError, match="holds no complete checkpoint to start from"):
+        check_start_checkpoint(cfg, run_dir)
+    resolve_model_config(cfg.model, 512)
+    save_checkpoint(run_dir, 0, Transformer(cfg.model), None, {"step": 0}, config="{}")
+    assert check_start_checkpoint(cfg, run_dir) is None

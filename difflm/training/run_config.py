@@ -99,18 +99,25 @@ def check_steps_to_train(step: int, cfg: DictConfig, checkpoint: Path, earlier_p
                           f"would train with the changed settings ({_listed(changed)}): {fix}")
 
 
-def check_start_checkpoint(cfg: DictConfig, run_dir: Path) -> None:
+def check_start_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """``train.require_checkpoint=true``: ``run_dir`` must hold a complete checkpoint to continue (an adaptation
     recipe starts from ``difflm-import``'s ``step_0``). Read from the files alone, before anything is built.
 
+    Returns a warning for a LoRA run (``lora.rank > 0``) without a checkpoint to continue: its adapters would train
+    on random base weights (the base comes from a checkpoint in ``run.dir``); None otherwise.
     Raises: DifflmError (one line) naming ``run.dir``, ``difflm-import`` and ``train.require_checkpoint=false``."""
     from difflm.checkpoint.manifest import manifest_problem
     from difflm.checkpoint.store import list_checkpoints
 
-    if not cfg.train.get("require_checkpoint", False):
-        return
     if any(manifest_problem(path) is None for _, path in list_checkpoints(run_dir)):
-        return
+        return None
+    if not cfg.train.get("require_checkpoint", False):
+        rank = int(cfg.get("lora", {}).get("rank", 0) or 0)
+        if rank > 0:
+            return (f"difflm: warning: lora.rank={rank} trains adapters on random base weights: run.dir={run_dir} "
+                    f"holds no checkpoint to continue (difflm-import hf=<model> run.dir={run_dir} writes one; "
+                    f"set train.require_checkpoint=true to refuse such a run)")
+        return None
     raise DifflmError(f"train.require_checkpoint=true and run.dir={run_dir} holds no complete checkpoint to start "
                       f"from: import the AR model into it first (difflm-import hf=<model folder or hub id> "
                       f"run.dir={run_dir}, docs/adaptation.md), or set train.require_checkpoint=false to train "
