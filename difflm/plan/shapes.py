@@ -17,6 +17,7 @@ what ``difflm-train`` builds. The placement rules mirror the layout code:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,46 +83,60 @@ def stages_per_rank(pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
     return 1 if pp == 1 else (2 if schedule in V_STYLE_SCHEDULES else max(int(virtual), 1))
 
 
-def stage_of(param: Param, num_layers: int, pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
-    """The pipeline rank holding ``param``: its stage among ``pp x`` :func:`stages_per_rank` consecutive cuts
-    (:func:`difflm.parallel.pipeline.split_layers`), and the rank :func:`difflm.parallel.pipeline.stage_ids` gives
-    that stage."""
-    if pp == 1:
-        return 0
-    from difflm.parallel.pipeline import split_layers, stage_ids
+@functools.lru_cache(maxsize=None)
+def _stage_ranks(pp: int, virtual: int, schedule: str) -> tuple[int, ...]:
+    """The pipeline rank holding each of the ``pp x`` :func:`stages_per_rank` stages
+    (:func:`difflm.parallel.pipeline.stage_ids`). Cached: a layout search asks once per parameter."""
+    from difflm.parallel.pipeline import stage_ids
 
     per_rank = stages_per_rank(pp, virtual, schedule)
-    num_stages = pp * per_rank
+    ranks = [0] * (pp * per_rank)
+    for r in range(pp):
+        for stage in stage_ids(r, pp, per_rank, schedule):
+            ranks[stage] = r
+    return tuple(ranks)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_ranks(num_layers: int, pp: int, virtual: int, schedule: str) -> tuple[int, ...]:
+    """The pipeline rank holding each block: its stage among the consecutive cuts of
+    :func:`difflm.parallel.pipeline.split_layers`, and that stage's rank (:func:`_stage_ranks`)."""
+    from difflm.parallel.pipeline import split_layers
+
+    ranks = _stage_ranks(pp, virtual, schedule)
+    return tuple(ranks[s] for s, layers in enumerate(split_layers(num_layers, len(ranks))) for _ in layers)
+
+
+def stage_of(param: Param, num_layers: int, pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
+    """The pipeline rank holding ``param``: its stage among ``pp x`` :func:`stages_per_rank` consecutive cuts
+    (:func:`difflm.parallel.pipeline.split_layers`; the embedding in the first stage, the final norm and the head in
+    the last), and the rank :func:`difflm.parallel.pipeline.stage_ids` gives that stage.
+
+    Raises: ValueError for a block index outside ``num_layers``."""
+    if pp == 1:
+        return 0
     if param.layer is None:
-        stage = 0 if param.name.startswith("embedding") else num_stages - 1
-    else:
-        stage = next((s for s, layers in enumerate(split_layers(num_layers, num_stages)) if param.layer in layers),
-                     None)
-        if stage is None:
-            raise ValueError(f"{param.name}: layer {param.layer} is in no stage of {num_stages}")
-    return next(r for r in range(pp) if stage in stage_ids(r, pp, per_rank, schedule))
+        ranks = _stage_ranks(pp, int(virtual), schedule)
+        return ranks[0] if param.name.startswith("embedding") else ranks[-1]
+    layers = _layer_ranks(num_layers, pp, int(virtual), schedule)
+    if not 0 <= param.layer < len(layers):
+        stages = len(_stage_ranks(pp, int(virtual), schedule))
+        raise ValueError(f"{param.name}: layer {param.layer} is in no stage of {stages}")
+    return layers[param.layer]
 
 
 def rank_layers(num_layers: int, pp: int, virtual: int = 1, schedule: str = "1F1B") -> list[int]:
     """Blocks each of the ``pp`` pipeline ranks holds (over all its stages, :func:`stage_of`'s cut)."""
     if pp == 1:
         return [num_layers]
-    from difflm.parallel.pipeline import split_layers, stage_ids
-
-    per_rank = stages_per_rank(pp, virtual, schedule)
-    cut = split_layers(num_layers, pp * per_rank)
-    return [sum(len(cut[s]) for s in stage_ids(r, pp, per_rank, schedule)) for r in range(pp)]
+    layers = _layer_ranks(num_layers, pp, int(virtual), schedule)
+    return [layers.count(r) for r in range(pp)]
 
 
 def last_stage_rank(pp: int, virtual: int = 1, schedule: str = "1F1B") -> int:
     """The pipeline rank holding the last stage (the final norm, the LM head and the loss): ``pp - 1``, or rank 0
     under a V schedule."""
-    if pp == 1:
-        return 0
-    from difflm.parallel.pipeline import stage_ids
-
-    per_rank = stages_per_rank(pp, virtual, schedule)
-    return next(r for r in range(pp) if pp * per_rank - 1 in stage_ids(r, pp, per_rank, schedule))
+    return 0 if pp == 1 else _stage_ranks(pp, int(virtual), schedule)[-1]
 
 
 def local_numel(param: Param, tp: int, ep: int, fsdp: int, efsdp: int) -> int:
