@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from difflm import script_cli, strict_json  # noqa: E402
 
 DEFAULT_SHAPES = ("moe-1b-7b-mb1=4096,2048,64,8,1024", "moe-1b-7b-mb2=8192,2048,64,8,1024")
@@ -89,22 +90,6 @@ def moe_layer(d: int, e: int, k: int, f: int):
     return layer
 
 
-def median_ms(fn, steps: int, warmup: int = 3) -> float:
-    """Median ms of ``steps`` calls of ``fn`` after ``warmup``, each between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def rel(u: torch.Tensor, v: torch.Tensor) -> float:
     """max |u - v| / max |v| (float32)."""
     return float((u.float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-30))
@@ -112,6 +97,7 @@ def rel(u: torch.Tensor, v: torch.Tensor) -> float:
 
 def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
     """One row: ms per forward + backward of both ways, for the permutation alone and the whole layer."""
+    from benchmark import median_cuda_ms
     from difflm.model.moe import MoEMLP
 
     torch.manual_seed(0)
@@ -131,7 +117,7 @@ def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
 
         perm()
         results[("perm", way)] = (permutation_only(gathers, h, ids, w, scale).detach(), h.grad.clone())
-        row[f"perm_{way}_ms"] = round(median_ms(perm, steps), 3)
+        row[f"perm_{way}_ms"] = round(median_cuda_ms(perm, steps, warmup=3), 3)
 
     layer, routed = moe_layer(d, e, k, f), MoEMLP._routed
     x = torch.randn(t, d, device="cuda", requires_grad=True)
@@ -151,7 +137,7 @@ def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
         try:
             out = step()
             results[("layer", way)] = (out.detach(), x.grad.clone())
-            row[f"layer_{way}_ms"] = round(median_ms(step, steps), 3)
+            row[f"layer_{way}_ms"] = round(median_cuda_ms(step, steps, warmup=3), 3)
         finally:
             MoEMLP._routed = routed
     for part in ("perm", "layer"):
