@@ -596,9 +596,9 @@ def check_edits(argv: list[str], config_name: str) -> None:
         if composes(rest)[1] is not None:  # not the edits' doing: Hydra or the other checks say why
             return
         cfg, err = composes(lines)
-        if err is not None:
-            culprit = next((e for e in edits if composes(rest + [e])[1] is not None), edits[0])
-            reason = hydra_message(composes(rest + [culprit])[1] or err)
+        if err is not None:  # the first edit that fails alone with the rest, with its own reason; else all together
+            culprit, reason = next(((e, hydra_message(own)) for e in edits if (own := composes(rest + [e])[1])),
+                                   (edits[0], hydra_message(err)))
             if "does not support deletion" in reason:
                 key = parser.parse_override(culprit).key_or_group
                 raise DifflmError(f"{culprit}: {key} cannot be removed: it is a key of the schema every "
