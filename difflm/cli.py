@@ -453,7 +453,7 @@ def check_overrides(argv: list[str], config_name: str):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from difflm.config.job_check import check_job, compose_and_check, initialize_conf, jobs_to_check, preset_error, \
+    from difflm.config.job_check import check_job, compose_and_check, jobs_to_check, preset_error, quiet_conf, \
         search_path_of, sweep_jobs
 
     args = _hydra_args(argv)  # Hydra's own argument parser: the overrides are its positional arguments
@@ -501,8 +501,7 @@ def check_overrides(argv: list[str], config_name: str):
             raise
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                initialize_conf(search):
+        with quiet_conf(search):
             base = compose_checked([])
             groups = [g for g in base.hydra.runtime.choices if "/" not in g]
             loader = GlobalHydra.instance().config_loader()
@@ -558,7 +557,7 @@ def check_edits(argv: list[str], config_name: str) -> None:
     from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from difflm.config.job_check import hydra_message, initialize_conf, search_path_of, sweep_jobs
+    from difflm.config.job_check import hydra_message, quiet_conf, search_path_of, sweep_jobs
     from difflm.config.schema import check_known_keys
 
     args = _hydra_args(argv)
@@ -591,8 +590,7 @@ def check_edits(argv: list[str], config_name: str) -> None:
         except Exception as err:  # noqa: BLE001 - Hydra's reason, said on one line below
             return None, err
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            initialize_conf(search):
+    with quiet_conf(search):
         if composes(rest)[1] is not None:  # not the edits' doing: Hydra or the other checks say why
             return
         cfg, err = composes(lines)
@@ -640,7 +638,7 @@ def check_launcher(argv: list[str], config_name: str) -> None:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from difflm.config.job_check import initialize_conf, search_path_of
+    from difflm.config.job_check import quiet_conf, search_path_of
 
     args = _hydra_args(argv)
     if args is None or args.help or args.hydra_help or args.shell_completion or args.config_path:
@@ -664,8 +662,7 @@ def check_launcher(argv: list[str], config_name: str) -> None:
     search = search_path_of(args.config_dir, args.overrides)
     if search is None:
         return
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            initialize_conf(search):
+    with quiet_conf(search):
         launchers = GlobalHydra.instance().config_loader().get_group_options("hydra/launcher")
     if launchers and chosen not in launchers:
         close = difflib.get_close_matches(chosen, launchers, n=1)
@@ -675,8 +672,7 @@ def check_launcher(argv: list[str], config_name: str) -> None:
         return
     from hydra import compose
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            initialize_conf(search):
+    with quiet_conf(search):
         try:
             target = compose(config_name=config_name, overrides=hydra_lines,
                              return_hydra_config=True).hydra.launcher.get("_target_")
@@ -701,7 +697,7 @@ def check_shadowed_presets(argv: list[str], config_name: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from difflm.config import CONF_DIR
-    from difflm.config.job_check import initialize_conf, search_path_of, sweep_jobs
+    from difflm.config.job_check import quiet_conf, search_path_of, sweep_jobs
 
     args = _hydra_args(argv)
     if args is None or args.help or args.hydra_help or args.shell_completion or args.config_path:
@@ -718,8 +714,7 @@ def check_shadowed_presets(argv: list[str], config_name: str) -> None:
     lines = [o.input_line for o in parsed]
     if any(o.is_sweep_override() for o in parsed):
         lines = (sweep_jobs(lines) or [[]])[0]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            initialize_conf(search):
+    with quiet_conf(search):
         try:
             choices = dict(compose(config_name, lines, return_hydra_config=True).hydra.runtime.choices)
         except Exception:  # noqa: BLE001 - Hydra or the other checks say why

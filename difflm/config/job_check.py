@@ -72,35 +72,34 @@ def sweep_job_configs(config_name: str, overrides: list[str], search: Sequence[s
     from omegaconf import OmegaConf, open_dict, read_write
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            with initialize_conf(search):
-                loader = GlobalHydra.instance().config_loader()
-                master = loader.load_configuration(config_name, list(overrides), run_mode=RunMode.MULTIRUN)
-                if master.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
-                    return None
-                params = master.hydra.sweeper.get("params") or {}
-                lines = [f"{key}={value}" for key, value in params.items()]
-                lines += OmegaConf.to_container(master.hydra.overrides.task, resolve=False)
-                parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
-                swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-                sweep_dir = _resolved(master, "hydra.sweep.dir")  # before the jobs: they copy its ${now:} cache
-                jobs, folders = [], []
-                for num, job in enumerate(sweep_jobs(lines, loader) or ()):
-                    cfg = loader.load_sweep_config(master, list(job))
-                    with read_write(cfg), open_dict(cfg):
-                        cfg.hydra.job.num = num  # as Hydra's launchers set them before the job's folder is made
-                        cfg.hydra.job.id = str(num)
-                        parts = (_resolved(cfg, "hydra.sweep.dir"), _resolved(cfg, "hydra.sweep.subdir"))
-                        folders.append(None if None in parts else parts)
-                        del cfg["hydra"]
-                    jobs.append((list(job), [line for line in job if line.partition("=")[0] in swept], cfg))
-                launcher = master.hydra.launcher
-                nodes, tasks = launcher.get("nodes"), launcher.get("tasks_per_node")
-                here = launcher.get("_target_") == BASIC_LAUNCHER
-                sized = not here and isinstance(nodes, int) and isinstance(tasks, int)
-                world = nodes * tasks if sized else 1
-                launch = f"hydra.launcher.nodes={nodes} x hydra.launcher.tasks_per_node={tasks} processes" if sized \
-                    else ""
+        with quiet_conf(search):
+            loader = GlobalHydra.instance().config_loader()
+            master = loader.load_configuration(config_name, list(overrides), run_mode=RunMode.MULTIRUN)
+            if master.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+                return None
+            params = master.hydra.sweeper.get("params") or {}
+            lines = [f"{key}={value}" for key, value in params.items()]
+            lines += OmegaConf.to_container(master.hydra.overrides.task, resolve=False)
+            parsed = OverridesParser.create(config_loader=loader).parse_overrides(lines)
+            swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+            sweep_dir = _resolved(master, "hydra.sweep.dir")  # before the jobs: they copy its ${now:} cache
+            jobs, folders = [], []
+            for num, job in enumerate(sweep_jobs(lines, loader) or ()):
+                cfg = loader.load_sweep_config(master, list(job))
+                with read_write(cfg), open_dict(cfg):
+                    cfg.hydra.job.num = num  # as Hydra's launchers set them before the job's folder is made
+                    cfg.hydra.job.id = str(num)
+                    parts = (_resolved(cfg, "hydra.sweep.dir"), _resolved(cfg, "hydra.sweep.subdir"))
+                    folders.append(None if None in parts else parts)
+                    del cfg["hydra"]
+                jobs.append((list(job), [line for line in job if line.partition("=")[0] in swept], cfg))
+            launcher = master.hydra.launcher
+            nodes, tasks = launcher.get("nodes"), launcher.get("tasks_per_node")
+            here = launcher.get("_target_") == BASIC_LAUNCHER
+            sized = not here and isinstance(nodes, int) and isinstance(tasks, int)
+            world = nodes * tasks if sized else 1
+            launch = f"hydra.launcher.nodes={nodes} x hydra.launcher.tasks_per_node={tasks} processes" if sized \
+                else ""
     except Exception:  # noqa: BLE001 - a sweep Hydra refuses: Hydra says why when it composes it
         return None
     return SweepJobs(jobs=jobs, here=here, world_size=world, launch=launch, sweep_dir=sweep_dir, folders=folders)
@@ -162,6 +161,14 @@ def initialize_conf(search: Sequence[str] = ()) -> Iterator[None]:
         yield
     finally:
         restore_gh_from_backup(backup)
+
+
+@contextlib.contextmanager
+def quiet_conf(search: Sequence[str] = ()) -> Iterator[None]:
+    """:func:`initialize_conf` with Hydra's prints to stdout and stderr swallowed: the checks that compose a command
+    line before the run say what is wrong in their own one line."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), initialize_conf(search):
+        yield
 
 
 def search_path_of(config_dir: Optional[str], overrides: Sequence[str]) -> tuple[str, ...] | None:
@@ -358,23 +365,22 @@ def compose_and_check(overrides: list[str], config_name: str, search: Sequence[s
     from difflm.config.preset_keys import foreign_key, unread_key
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            with initialize_conf(search):
-                try:
-                    cfg = compose(config_name, overrides, return_hydra_config=True)
-                except Exception as err:  # noqa: BLE001 - only a wrong type or a broken preset file is ours to say
-                    return None, (preset_error(err, config_name, f"difflm-{config_name}")
-                                  or _wrong_type(config_name, overrides, err))
-                loader, parser = GlobalHydra.instance().config_loader(), OverridesParser.create()
-                choices = cfg.hydra.runtime.choices
-                for line in overrides:
-                    key = parser.parse_override(line).key_or_group
-                    group = key.partition(".")[0]
-                    suggest = functools.partial(_presets_that_accept, config_name, overrides, group, parser)
-                    message = unread_key(cfg, config_name, line) or (
-                        foreign_key(loader, group, choices[group], key, suggest) if choices.get(group) else None)
-                    if message:
-                        return cfg, message
+        with quiet_conf(search):
+            try:
+                cfg = compose(config_name, overrides, return_hydra_config=True)
+            except Exception as err:  # noqa: BLE001 - only a wrong type or a broken preset file is ours to say
+                return None, (preset_error(err, config_name, f"difflm-{config_name}")
+                              or _wrong_type(config_name, overrides, err))
+            loader, parser = GlobalHydra.instance().config_loader(), OverridesParser.create()
+            choices = cfg.hydra.runtime.choices
+            for line in overrides:
+                key = parser.parse_override(line).key_or_group
+                group = key.partition(".")[0]
+                suggest = functools.partial(_presets_that_accept, config_name, overrides, group, parser)
+                message = unread_key(cfg, config_name, line) or (
+                    foreign_key(loader, group, choices[group], key, suggest) if choices.get(group) else None)
+                if message:
+                    return cfg, message
     except Exception:  # noqa: BLE001 - a config this check cannot compose: Hydra composes it and reports why
         return None, None
     return cfg, None
@@ -482,4 +488,4 @@ def _wrong_type(config_name: str, overrides: list[str], err: Exception) -> str |
 
 
 __all__ = ["check_job", "closest_key", "compose_and_check", "hydra_message", "initialize_conf", "jobs_to_check",
-           "keys_of", "preset_error", "search_path_of", "SweepJobs", "sweep_job_configs", "sweep_jobs"]
+           "keys_of", "preset_error", "quiet_conf", "search_path_of", "SweepJobs", "sweep_job_configs", "sweep_jobs"]
