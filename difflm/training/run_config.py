@@ -106,10 +106,9 @@ def check_start_checkpoint(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     Returns a warning for a LoRA run (``lora.rank > 0``) without a checkpoint to continue: its adapters would train
     on random base weights (the base comes from a checkpoint in ``run.dir``); None otherwise.
     Raises: DifflmError (one line) naming ``run.dir``, ``difflm-import`` and ``train.require_checkpoint=false``."""
-    from difflm.checkpoint.manifest import manifest_problem
-    from difflm.checkpoint.store import list_checkpoints
+    from difflm.checkpoint.store import latest_checkpoint
 
-    if any(manifest_problem(path) is None for _, path in list_checkpoints(run_dir)):
+    if latest_checkpoint(run_dir, report=lambda _: None) is not None:  # the trainer reports damaged ones itself
         return None
     if not cfg.train.get("require_checkpoint", False):
         rank = int(cfg.get("lora", {}).get("rank", 0) or 0)
