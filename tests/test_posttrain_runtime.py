@@ -99,6 +99,33 @@ def test_grpo_runs_logs_and_resumes_exactly(init_run, tmp_path):
     assert all(torch.equal(ref[k], init[k]) for k in init)  # the reference stays the initial policy
 
 
+def test_logged_lr_is_the_steps_and_a_resume_takes_the_new_optim_lr(init_run, tmp_path):
+    """``lr`` in the metrics is the learning rate the step's updates ran with (the warmup's first step: half of
+    optim.lr at schedule.warmup_steps=2), and a resume with another ``optim.lr`` trains with it: the schedule's
+    position comes from the checkpoint, its base from the run's optim.lr."""
+    from difflm.posttrain.runner import PostTrainer
+
+    used = []
+
+    def record(run):
+        update = run.update
+
+        def wrapped(loss):
+            used.append(run.optimizer.param_groups[0]["lr"])
+            return update(loss)
+        run.update = wrapped
+        return run
+
+    warm = ("schedule.warmup_steps=2", "algorithm.num_inner=1", "algorithm.beta=0")
+    first = record(PostTrainer(rl_config(init_run, tmp_path / "run", "train.max_steps=1", "optim.lr=1e-2", *warm),
+                               torch.device("cpu")))
+    assert first.fit()["lr"] == pytest.approx(5e-3) and used == [pytest.approx(5e-3)]
+    resumed = record(PostTrainer(rl_config(init_run, tmp_path / "run", "train.max_steps=2", "optim.lr=1e-4", *warm),
+                                 torch.device("cpu")))
+    assert resumed.step == 1
+    assert resumed.fit()["lr"] == pytest.approx(1e-4) and used[1:] == [pytest.approx(1e-4)]
+
+
 def test_grpo_without_kl_holds_no_reference(init_run, tmp_path):
     """``algorithm.beta=0``: no KL term, so the default ``frozen_copy`` is neither built, saved nor laid out."""
     from difflm.posttrain.runner import PostTrainer

@@ -43,7 +43,7 @@ from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.run_config import check_steps_to_train, record_rl_config
-from difflm.training.schedule import build_scheduler
+from difflm.training.schedule import build_scheduler, restore_scheduler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
 
 ALGORITHMS = ("grpo", "dpo")
@@ -244,7 +244,7 @@ class PostTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.max_steps)
         if found is not None:
             state = load_checkpoint(found[1], self.model, self.optimizer)
-            self.scheduler.load_state_dict(state["scheduler"])
+            restore_scheduler(self.scheduler, state["scheduler"])  # its position; optim.lr and schedule.* are the run's
             self.step = int(state["step"])
             if state.get("seed") != cfg.train.seed:
                 raise DifflmError(f"train.seed={cfg.train.seed} differs from the resumed run's {state.get('seed')}: "
@@ -444,13 +444,14 @@ class PostTrainer:
         try:
             while self.step < t.max_steps:
                 records, ids = self.records_of_step(self.step)
+                lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step's updates
                 if self.cfg.algorithm.name == "grpo":
                     metrics = grpo_step(self, self.step, records)
                 else:
                     metrics = dpo_step(self, self.step, records, ids)
                 self.scheduler.step()
                 self.step += 1
-                metrics = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **metrics}
+                metrics = {"step": self.step, "lr": lr, **metrics}
                 if not math.isfinite(metrics["loss"]):
                     self.report(f"difflm: step {self.step}: non-finite loss {metrics['loss']}")
                 if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
