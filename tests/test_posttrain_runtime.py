@@ -155,6 +155,34 @@ def test_dpo_runs(init_run, tmp_path):
     assert abs(first["loss"] - 0.693147) < 1e-5 and abs(first["margin"]) < 1e-6
 
 
+def test_dpo_one_step_masks_only_prompt_tokens(init_run, tmp_path, monkeypatch):
+    """DPO with ``estimator=one_step``: its random mask reaches the real prompt tokens (and the whole completion),
+    never the EOS padding after the shorter responses of a batch nor the prompts' left padding."""
+    from difflm.model.transformer import Transformer
+    from difflm.posttrain.dpo_step import preference_batch
+    from difflm.posttrain.runner import PostTrainer
+
+    prefs = tmp_path / "prefs.jsonl"
+    with open(prefs, "w") as f:
+        for i in range(4):
+            prompt = "one two three four five six" if i % 2 else "hi"
+            f.write(json.dumps({"prompt": prompt, "chosen": " yes" * (4 * i + 1), "rejected": " no"}) + "\n")
+    cfg = rl_config(init_run, tmp_path / "dpo", "algorithm=dpo", "estimator.prompt_mask_prob=0.9",
+                    f"data.path={prefs}", "data.prompt_field=prompt", "data.answer_field=null",
+                    "algorithm.prompts_per_step=4", "data.eval_records=0", "train.max_steps=1")
+    run = PostTrainer(cfg, torch.device("cpu"))
+    seen, forward = [], Transformer.forward
+    monkeypatch.setattr(Transformer, "forward", lambda self, x, **kw: seen.append(x.clone()) or forward(self, x, **kw))
+    run.fit()
+    _, _, cc, rc, _, prompt = preference_batch(run, run.records_of_step(0)[0])
+    masked = torch.cat([prompt, prompt]) | torch.cat([cc, rc])
+    assert len(seen) == 2 and all(x.shape == masked.shape for x in seen)  # the policy's estimate, the reference's
+    for x in seen:
+        hit = x == run.tok.mask_id
+        assert hit[torch.cat([cc, rc])].all() and hit[torch.cat([prompt, prompt])].any()
+        assert not hit[~masked].any()
+
+
 def test_records_and_the_init_runs_objective_are_checked_before_its_model_loads(tmp_path, monkeypatch):
     """An ar init run and an empty record file are refused before the init model is read (a large model takes
     minutes to load), each in one line naming the key."""

@@ -36,13 +36,13 @@ def preference_batch(run, records: list[dict]):
 def _scores(run, records, key, pair_ids, share: slice):
     """VRPO scores of this rank's ``share`` of the pairs, padded to the widths of all of ``records`` (every rank's rows
     are the one-process batch's rows), and the share's completion tokens."""
-    chosen, rejected, cc, rc, valid, _ = preference_batch(run, records)
-    chosen, rejected, cc, rc, valid = (t[share] for t in (chosen, rejected, cc, rc, valid))
+    chosen, rejected, cc, rc, valid, prompt = preference_batch(run, records)
+    chosen, rejected, cc, rc, valid, prompt = (t[share] for t in (chosen, rejected, cc, rc, valid, prompt))
     policy_fn = run.logits_fn(run.model, valid)  # the init run's layout (bd3lm: [x_t ; x_0])
     ref_fn = run.logits_fn(run.reference, valid)
     with run.full_logits():
         scores = preference_scores(run.estimator, policy_fn, ref_fn, chosen, rejected, cc, rc, mask_id=run.tok.mask_id,
-                                   key=key, pair_ids=list(pair_ids)[share])
+                                   key=key, pair_ids=list(pair_ids)[share], prompt=prompt)
     return scores, cc.sum() + rc.sum()
 
 

@@ -7,7 +7,7 @@ one estimate of each model covers both; the policy and the reference take the sa
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -16,17 +16,20 @@ from difflm.posttrain.loglik.base import EstimateKey, LogitsFn
 
 def preference_scores(estimator, policy_fn: LogitsFn, reference_fn: LogitsFn, chosen: torch.Tensor,
                       rejected: torch.Tensor, chosen_completion: torch.Tensor, rejected_completion: torch.Tensor, *,
-                      mask_id: int, key: EstimateKey, pair_ids: Sequence[int]) -> dict:
+                      mask_id: int, key: EstimateKey, pair_ids: Sequence[int],
+                      prompt: Optional[torch.Tensor] = None) -> dict:
     """ELBO estimates [B] float32 of both completions under both models.
 
     Args: ``chosen`` / ``rejected`` [B, S] int64 (prompt then completion), their completion masks [B, S] bool,
-    ``pair_ids`` the B pairs' ids (keys of their noise), ``key`` the step's estimate key.
+    ``pair_ids`` the B pairs' ids (keys of their noise), ``key`` the step's estimate key, ``prompt`` [B, S] bool the
+    real prompt tokens of a pair's rows (the ones ``estimator=one_step`` masks at random; None: every position off the
+    completion, the EOS padding after a response included).
     Returns: dict with ``policy_chosen``, ``policy_rejected`` (differentiable), ``ref_chosen``, ``ref_rejected``.
     """
     x = torch.cat([chosen, rejected])
     completion = torch.cat([chosen_completion, rejected_completion])
     ids = [2 * int(i) for i in pair_ids] + [2 * int(i) + 1 for i in pair_ids]
-    kw = dict(mask_id=mask_id, key=key, sample_ids=ids)
+    kw = dict(mask_id=mask_id, key=key, sample_ids=ids, prompt=None if prompt is None else torch.cat([prompt, prompt]))
     b = chosen.shape[0]
     policy = estimator(policy_fn, x, completion, **kw).sum(dim=1)
     with torch.no_grad():
