@@ -71,6 +71,10 @@ def test_rl_presets_compose_and_build():
     (["gen.remdm_sigma=0.5"], r"^gen.remdm_sigma=0.5 has no effect without gen.remasking=remdm: set "
                               r"gen.remasking=remdm or drop it$"),
     (["gen.remdm_schedule=rescale"], r"^gen.remdm_schedule=rescale has no effect without gen.remasking=remdm"),
+    # greedy rollouts without random remasking: a group's completions are one decode, so no advantage
+    (["gen.temperature=0"], r"^gen.temperature=0 with algorithm=grpo: the 4 completions of a prompt are one greedy "
+                            r"decode \(gen.remasking=low_confidence draws no noise\), so every advantage is 0"),
+    (["gen.temperature=0", "gen.remasking=remdm"], r"^gen.temperature=0 with algorithm=grpo: .*gen.remasking=remdm"),
 ])
 def test_rl_config_errors_name_the_key(overrides, message):
     with pytest.raises(DifflmError, match=message):
@@ -78,10 +82,11 @@ def test_rl_config_errors_name_the_key(overrides, message):
 
 
 def test_rl_rollout_settings_that_are_read_pass():
-    """The defaults (gen.temperature=1.0), the filters at a temperature, ReMDM with remasking=remdm, and (dpo) no
-    rollouts at all pass the check of settings left unread."""
+    """The defaults (gen.temperature=1.0), the filters at a temperature, ReMDM with remasking=remdm, greedy rollouts
+    with random remasking (their completions differ), and (dpo) no rollouts at all pass the check of settings left
+    unread."""
     for overrides in ([], ["gen.top_k=5", "gen.top_p=0.9"], ["gen.remasking=remdm", "gen.remdm_sigma=0.5"],
-                      ["gen.temperature=0"], ["algorithm=dpo"]):
+                      ["gen.temperature=0", "gen.remasking=random"], ["algorithm=dpo"]):
         check_rl_config(compose_rl(overrides + (["data.answer_field=answer"] if "algorithm=dpo" not in overrides
                                                  else [])))
 
