@@ -86,6 +86,10 @@ def check_rl_config(cfg) -> None:
         if cfg.train[key] < 0:
             raise DifflmError(f"train.{key}={cfg.train[key]} must be >= 0 (0 = never)" if key != "keep_last" else
                               f"train.keep_last={cfg.train.keep_last} must be >= 0 (0 = keep every checkpoint)")
+    if cfg.data.path and cfg.data.hf_dataset:
+        raise DifflmError(f"data.path={cfg.data.path!r} and data.hf_dataset={cfg.data.hf_dataset!r} both name the "
+                          "records, and a run reads only one: keep one (data.path=null or data.hf_dataset=null drops "
+                          "the other)")
     if "{prompt}" not in cfg.data.prompt_template:
         raise DifflmError(f"data.prompt_template={cfg.data.prompt_template!r} holds no {{prompt}}: every record's "
                           "prompt would be replaced by that text; put {prompt} where the record's prompt goes, e.g. "
