@@ -75,6 +75,7 @@ def test_rl_presets_compose_and_build():
     (["gen.temperature=0"], r"^gen.temperature=0 with algorithm=grpo: the 4 completions of a prompt are one greedy "
                             r"decode \(gen.remasking=low_confidence draws no noise\), so every advantage is 0"),
     (["gen.temperature=0", "gen.remasking=remdm"], r"^gen.temperature=0 with algorithm=grpo: .*gen.remasking=remdm"),
+    (["algorithm.reference=base"], r"^algorithm.reference='base' is not one of frozen_copy, adapters_off, none$"),
     # two sources of records: a run would read one and drop the other without a word
     (["data.path=a.jsonl", "data.hf_dataset=gsm8k"], r"^data.path='a.jsonl' and data.hf_dataset='gsm8k' both name "
                                                      r"the records, and a run reads only one: keep one"),

@@ -38,7 +38,7 @@ from difflm.posttrain.data import answer_of, cut_notice, full_preference_ids, fu
 from difflm.posttrain.forward import block_objective, estimator_logits_fn
 from difflm.posttrain.layout import build_layout, check_rl_layout, full_logits, lay_out, sampling_view
 from difflm.posttrain.loglik import build_estimator
-from difflm.posttrain.reference import build_reference
+from difflm.posttrain.reference import REFERENCES, build_reference
 from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
@@ -80,6 +80,8 @@ def check_rl_config(cfg) -> None:
                           "weight, 0 = none; dpo: the DPO temperature, whose 0 leaves the loss at log 2: e.g. 0.1)")
     if a.name == "dpo" and a.reference == "none":
         raise DifflmError("algorithm=dpo needs a reference: set algorithm.reference=frozen_copy")
+    if a.reference not in REFERENCES:
+        raise DifflmError(f"algorithm.reference={a.reference!r} is not one of {', '.join(REFERENCES)}")
     if cfg.train.max_steps < 1:
         raise DifflmError(f"train.max_steps={cfg.train.max_steps} must be >= 1")
     for key in ("save_every", "eval_every", "keep_last"):
