@@ -20,15 +20,15 @@ def init_run(tmp_path_factory):
     return make_init_run(tmp_path_factory.mktemp("init"))
 
 
-def make_init_run(path, *overrides):
+def make_init_run(path, *overrides, model="tiny"):
     """:func:`init_run` in ``path``, with extra training ``overrides`` (also the start of
-    tests/test_posttrain_layouts.py's runs)."""
+    tests/test_posttrain_layouts.py's runs); ``model`` the model preset it shrinks."""
     from difflm.checkpoint.store import save_checkpoint
     from difflm.config.compose import compose_train_config
     from difflm.data import build_tokenizer
     from difflm.model import build_model, resolve_model_config
 
-    cfg = compose_train_config(["model=tiny", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+    cfg = compose_train_config([f"model={model}", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
                                 "model.num_kv_heads=2", "model.ffn_hidden_size=64", f"run.dir={path}", *overrides],
                                device=torch.device("cpu"))  # the kernels difflm-train would choose here
     tok = build_tokenizer(cfg.data.tokenizer, cfg.model.vocab_multiple)
@@ -124,6 +124,30 @@ def test_logged_lr_is_the_steps_and_a_resume_takes_the_new_optim_lr(init_run, tm
                                  torch.device("cpu")))
     assert resumed.step == 1
     assert resumed.fit()["lr"] == pytest.approx(1e-4) and used[1:] == [pytest.approx(1e-4)]
+
+
+def test_grpo_on_a_moe_run_ends_each_update_as_training_does_and_resumes_exactly(tmp_path):
+    """A MoE init run (model.moe.balance_over=global_batch, the aux-loss-free bias on): each update ends as a
+    difflm-train step does (:func:`difflm.model.moe.moe_step`: the bias moves, the expert counts restart), so a run
+    stopped and resumed ends with the uninterrupted run's weights."""
+    from difflm.model.moe import moe_layers
+    from difflm.posttrain.runner import PostTrainer
+
+    (tmp_path / "init").mkdir()
+    init = make_init_run(tmp_path / "init", "model.moe.balance_over=global_batch", "model.moe.bias_update_rate=0.01",
+                         "model.moe.num_shared_experts=0", model="moe-tiny")
+    length = "reward.terms=[{_target_: test_posttrain_runtime.completion_length_reward, _partial_: true, weight: 1}]"
+    settings = (length, "algorithm.beta=0", "data.eval_records=0")
+    full = PostTrainer(rl_config(init, tmp_path / "full", *settings), torch.device("cpu"))
+    full.fit()
+    layers = [m for _, m in moe_layers([full.model])]
+    assert layers and all(bool(m.router.bias.abs().sum() > 0) for m in layers)
+    assert all(not m.balance_tokens.any() and not m.step_tokens.any() for m in layers)
+    PostTrainer(rl_config(init, tmp_path / "cut", *settings, "train.max_steps=1"), torch.device("cpu")).fit()
+    resumed = PostTrainer(rl_config(init, tmp_path / "cut", *settings), torch.device("cpu"))
+    resumed.fit()
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_grpo_without_kl_holds_no_reference(init_run, tmp_path):

@@ -31,6 +31,7 @@ from difflm.config.schema import PosttrainDataConfig
 from difflm.config.validate import check_logger_keys, check_optim, check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
+from difflm.model.moe import moe_step, set_moe_balance_group, set_moe_loss_scale
 from difflm.objectives.keyed_rng import check_seed
 from difflm.parallel import distributed as pdist
 from difflm.posttrain.data import answer_of, cut_notice, full_preference_ids, full_prompt_ids, prompt_text, \
@@ -249,6 +250,10 @@ class PostTrainer:
                 torch.save(self.reference.state_dict(), ref_path)
             self.reference.model = lay_out(self.reference.model, self.layout, cfg, self.init_cfg, device)
         self.model = lay_out(model, self.layout, cfg, self.init_cfg, device)
+        # MoE layers (none: no-ops): each data-parallel rank's auxiliary losses weigh 1 / dp, so the summed gradients
+        # hold their mean, and model.moe.balance_over=global_batch counts the experts' tokens over those ranks
+        set_moe_loss_scale([self.model], 1.0 / self.layout.dp)
+        set_moe_balance_group([self.model], self.layout.dp_group)
         if not frozen:
             self.reference = build_reference(reference, self.model, adapters_disabled)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
@@ -388,12 +393,15 @@ class PostTrainer:
 
     # ------------------------------------------------------------------ updates
     def update(self, loss: torch.Tensor) -> float:
-        """One optimizer update from ``loss``: backward, gradient clipping (``optim.grad_clip``), step. Returns the
-        gradient norm before clipping (a non-finite norm skips the update)."""
+        """One optimizer update from ``loss``: backward, the MoE layers' end of step (:func:`difflm.model.moe.moe_step`,
+        as difflm-train's: the update's expert counts summed over the data-parallel ranks, the aux-loss-free bias
+        moved, the counters zeroed), gradient clipping (``optim.grad_clip``), step. Returns the gradient norm before
+        clipping (a non-finite norm skips the update)."""
         from difflm.parallel.parallelize import grad_norm_and_clip
 
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        moe_step([self.model], self.layout.dp_group)
         clip = self.cfg.optim.grad_clip
         # the global norm of sharded (DTensor) and plain gradients alike, clipped as torch's clip_grad_norm_
         norm = grad_norm_and_clip(self.model.parameters(), clip if clip > 0 else float("inf"))
