@@ -227,7 +227,8 @@ def test_rl_records_with_an_empty_answer_or_response_are_refused(tmp_path, algor
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
 def test_rl_records_that_are_not_text_or_absent_name_the_fix(tmp_path, algorithm):
-    """An empty file names data.path (not data.eval_records); a null field names the field and the fix."""
+    """An empty file names data.path (not data.eval_records); a null field names the field and the fix; a line that
+    holds no JSON object names the line."""
     import json
 
     from difflm.posttrain.data import read_records
@@ -251,3 +252,10 @@ def test_rl_records_that_are_not_text_or_absent_name_the_fix(tmp_path, algorithm
         read_records(compose_rl([*over, f"data.path={path}", "data.eval_records=1"]).data, fields)
     assert str(info.value) == (f"data.prompt_field='{prompt}' is null in {path}:2, not text: point data.prompt_field "
                                "at a text field or fix that record")
+    # a line that is JSON but no object: the line named, not a field to set
+    rows[1] = ["a list", 1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DifflmError) as info:
+        read_records(compose_rl([*over, f"data.path={path}", "data.eval_records=1"]).data, fields)
+    assert str(info.value) == (f"{path}:2 is an array, not a record: difflm-rl reads one JSON object a line with the "
+                               f"fields {named}: fix or remove that line")

@@ -57,14 +57,18 @@ def read_records(cfg, fields: tuple[str, ...]) -> list[dict]:
         raise DifflmError("set data.path (JSONL records) or data.hf_dataset")
     out = []
     for where, rec in rows:
+        if not isinstance(rec, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(rec), "a number")
+            raise DifflmError(f"{where} is {kind}, not a record: difflm-rl reads one JSON object a line with the "
+                              f"fields {', '.join(f'data.{k}={cfg[k]!r}' for k in fields if cfg[k] is not None)}: "
+                              "fix or remove that line")
         item = {}
         for key in fields:
             name = cfg[key]
             if name is None:
                 continue
-            if not isinstance(rec, dict) or name not in rec:
-                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise DifflmError(f"data.{key}={name!r} not found in {where} (keys: {keys}): set data.{key}")
+            if name not in rec:
+                raise DifflmError(f"data.{key}={name!r} not found in {where} (keys: {sorted(rec)}): set data.{key}")
             item[key] = text_value(rec[name], f"data.{key}", name, where, null=None)
             if key in RESPONSE_FIELDS and not item[key].strip():
                 raise DifflmError(empty_text_error(f"data.{key}", name, where, RESPONSE_FIELDS[key]))
