@@ -406,9 +406,10 @@ def test_non_finite_step_is_skipped(fast_cfg, fused, lag):
 @pytest.mark.parametrize("lag", [0, 1])
 def test_too_many_non_finite_steps_stop_the_run(fast_cfg, lag):
     """Steps 3-5 train on poisoned data; settled a step late (the GPU's way), the run has launched step 6 (also
-    poisoned) when it sees the third, and counts it before saving."""
+    poisoned) when it sees the third, and counts it before saving. metrics.jsonl (and W&B) end with the row of the
+    step the run stopped at, with its skipped steps, whatever logger.log_every: the record of why the run ended."""
     cfg = fast_cfg("train.max_steps=10", "train.save_every=0", "train.eval_every=0", "train.max_skipped_steps=3",
-                   "optim.fused=true")
+                   "optim.fused=true", "logger.log_every=4")
     trainer = Trainer(cfg, cfg.run.dir, CPU)
     trainer.settle_lag = lag
     poison(trainer, set(range(2, 10)), float("inf"))
@@ -416,6 +417,9 @@ def test_too_many_non_finite_steps_stop_the_run(fast_cfg, lag):
         trainer.fit()
     assert trainer.step == 5 + lag and latest_checkpoint(cfg.run.dir)[0] == 5 + lag
     assert trainer.skipped_steps == 3 + lag
+    rows = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(4, 2), (5 + lag, 3 + lag)]
+    assert rows[-1]["loss"] is None and "loss" in rows[-1]["nonfinite"]
 
 
 @pytest.mark.slow  # starts processes: make test-fast leaves it out

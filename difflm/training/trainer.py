@@ -683,7 +683,7 @@ class Trainer:
                     self._settle(record)
                     if self._progress.skipped_in_a_row >= t.max_skipped_steps:
                         watchdog.disarm_step()
-                        self._stop_after_skips(pending)
+                        self._stop_after_skips(record, pending, sinks, has_moe)
                     if t.spike_threshold > 0 and not self._progress.skipped_in_a_row:
                         watchdog.disarm_step()  # a roll-back loads a checkpoint
                         if self._spiked(record):  # only the newest record is settled with a spike threshold
@@ -760,12 +760,19 @@ class Trainer:
         self._report(f"step {record.step}: non-finite loss or gradient norm, update skipped "
                      f"({progress.skipped_in_a_row} in a row, {self.skipped_steps} in all)")
 
-    def _stop_after_skips(self, pending: list) -> None:
-        """``train.max_skipped_steps`` non-finite steps in a row: count the steps launched since (``pending``), save
-        the last weights and raise DifflmError."""
+    def _stop_after_skips(self, record: "_StepRecord", pending: list, sinks, has_moe: bool) -> None:
+        """``train.max_skipped_steps`` non-finite steps in a row, the last of them ``record`` (settled): count the
+        steps launched since (``pending``), write the rows of those that log and, in any case, of the run's last step
+        (its ``skipped_steps`` and null loss are the record of why it stopped, as the last step of a finished run is
+        always logged), save the last weights and raise DifflmError."""
         t = self.cfg.train
-        while pending:
-            self._settle(pending.pop(0))
+        while True:
+            if record.log or not pending:
+                self._log_row(record, sinks, has_moe, evaluate=False)
+            if not pending:
+                break
+            record = pending.pop(0)
+            self._settle(record)
         self.save()
         self.finish_saves()
         raise DifflmError(f"{self._progress.skipped_in_a_row} non-finite steps in a row (train.max_skipped_steps="
