@@ -318,3 +318,48 @@ def test_every_json_difflm_writes_is_strict(tmp_path):
     (tmp_path / "ckpt" / "w.bin").write_bytes(b"1234")
     write_manifest(tmp_path / "ckpt")
     _strict_loads((tmp_path / "ckpt" / "manifest.json").read_text())
+
+
+class _RecordingWandbSink:
+    """Stands in for :class:`difflm.training.sinks.WandbSink` in a run: records how the trainer closes it."""
+
+    closed: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def log(self, metrics):
+        pass
+
+    def log_samples(self, step, samples):
+        pass
+
+    def close(self, failed=False):
+        self.closed.append(failed)
+
+
+def test_a_run_that_ends_in_an_error_finishes_its_wandb_run_as_failed(fast_cfg, monkeypatch, tmp_path):
+    """wandb.finish() records exit code 0 (finished) unless told otherwise: a run stopped by non-finite steps (or
+    any error) closes its W&B run as failed (exit code 1), a run that trains to the end as finished."""
+    import difflm.training.trainer as trainer_module
+    from difflm.errors import DifflmError
+    from difflm.training.sinks import WandbSink
+
+    monkeypatch.setattr(trainer_module, "WandbSink", _RecordingWandbSink)
+    monkeypatch.setattr(_RecordingWandbSink, "closed", [])
+    overrides = ("logger=wandb", "logger.mode=offline", "train.max_steps=3", "train.save_every=0",
+                 "train.eval_every=0", "train.max_skipped_steps=1")
+    Trainer(fast_cfg(*overrides), tmp_path / "ok", torch.device("cpu")).fit()
+    trainer = Trainer(fast_cfg(*overrides), tmp_path / "nan", torch.device("cpu"))
+    forward = trainer.model.forward
+    trainer.model.forward = lambda *a, **k: forward(*a, **k) * float("nan")
+    with pytest.raises(DifflmError, match="non-finite"):
+        trainer.fit()
+    assert _RecordingWandbSink.closed == [False, True]
+
+    finished = []
+    sink = WandbSink.__new__(WandbSink)  # the sink's close on a stand-in run
+    sink.run = type("Run", (), {"finish": lambda self, exit_code=None: finished.append(exit_code)})()
+    sink.close()
+    sink.close(failed=True)
+    assert finished == [None, 1]

@@ -456,11 +456,12 @@ class PostTrainer:
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
                                    wid.read_text().strip() if wid.exists() and self.step > 0 else None))
         last: dict = {}
-        if self.step == 0:
-            last = {"step": 0, **self.evaluate()}
-            for s in sinks:
-                s.log(last)
+        failed = True  # until the last step is through (W&B records the outcome)
         try:
+            if self.step == 0:
+                last = {"step": 0, **self.evaluate()}
+                for s in sinks:
+                    s.log(last)
             while self.step < t.max_steps:
                 records, ids = self.records_of_step(self.step)
                 lr = self.scheduler.get_last_lr()[0]  # the learning rate of this step's updates
@@ -482,9 +483,10 @@ class PostTrainer:
                 if (t.save_every > 0 and self.step % t.save_every == 0) or self.step == t.max_steps:
                     self.save()
                 last = metrics
+            failed = False
         finally:
             for s in sinks:
-                s.close()
+                s.close(failed=failed)
         return last
 
 

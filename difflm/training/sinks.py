@@ -42,7 +42,7 @@ class JsonlSink:
     def log_samples(self, step: int, samples: list[str]) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.file.close()
 
 
@@ -101,7 +101,7 @@ class ConsoleSink:
         for i, text in enumerate(samples):
             self.bar.write(f"--- sample {i} at step {step} ---\n{text}")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.bar.close()
 
 
@@ -164,8 +164,10 @@ class WandbSink:
         table = self.wandb.Table(columns=["step", "sample"], data=[[step, s] for s in samples])
         self.run.log({"step": step, "samples": table})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        """Finish the W&B run; ``failed`` (the run ended with an error: non-finite steps, a crash, a second Ctrl-C)
+        records exit code 1, so the dashboard shows it failed rather than finished."""
+        self.run.finish(exit_code=1 if failed else None)
 
 
 def _netrc_has_wandb() -> bool:

@@ -660,6 +660,7 @@ class Trainer:
         metrics: dict = {}
         slowest_step = 0.0
         start_step = self.step  # a finished run launched again trains no step: it draws no samples either
+        failed = True  # until the loop and the end-of-training samples are through (W&B records the outcome)
         try:
             if self.step == 0 and t.eval_every > 0:
                 metrics = self._eval_metrics({"step": 0, "loss": None, "lr": None, "tokens_per_s": None, "mfu": None})
@@ -715,12 +716,13 @@ class Trainer:
             self.finish_saves()
             if self.stop_reason is None and t.sample_at_end and lg.num_samples > 0 and self.step > start_step:
                 self._emit_samples(sinks, lg.num_samples)
+            failed = False
         finally:
             watchdog.close()
             profiler.close()
             stop.restore()
             for sink in sinks:
-                sink.close()
+                sink.close(failed=failed)
         return metrics
 
     settle_lag = 1  # steps launched before the host reads a step's outcome; 0 on the CPU (__init__), where it is free
