@@ -226,6 +226,28 @@ def test_records_and_the_init_runs_objective_are_checked_before_its_model_loads(
         PostTrainer(rl_config(ar, tmp_path / "rl", f"data.path={tmp_path / 'empty.jsonl'}"), torch.device("cpu"))
 
 
+def test_wandb_logger_keys_are_read_as_difflm_train_reads_them(init_run, tmp_path, monkeypatch):
+    """logger=wandb without wandb importable is refused before the init model is read; logger.mode=disabled
+    needs no wandb and starts no W&B run (no wandb_id.txt for a later run to resume), as in difflm-train."""
+    import sys
+
+    import difflm.generate
+    from difflm.errors import DifflmError
+    from difflm.posttrain.runner import PostTrainer
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    load_run = difflm.generate.load_run
+    monkeypatch.setattr(difflm.generate, "load_run", lambda *a, **k: pytest.fail("the init model was read"))
+    with pytest.raises(DifflmError, match=r"^logger=wandb needs the wandb package.*pip install wandb"):
+        PostTrainer(rl_config(init_run, tmp_path / "offline", "logger=wandb", "logger.mode=offline"),
+                    torch.device("cpu"))
+    monkeypatch.setattr(difflm.generate, "load_run", load_run)
+    run = PostTrainer(rl_config(init_run, tmp_path / "disabled", "logger=wandb", "logger.mode=disabled",
+                                "train.max_steps=1"), torch.device("cpu"))
+    assert run.fit()["step"] == 1
+    assert not (tmp_path / "disabled" / "wandb_id.txt").exists() and not (tmp_path / "disabled" / "wandb").exists()
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 def test_cli_grpo_and_errors(init_run, tmp_path):
     out = run_cli("difflm.rl", f"init.run_dir={init_run}", f"run.dir={tmp_path / 'cli'}", "device=cpu",

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
     save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
-from difflm.config.validate import check_logger_keys, check_optim, check_schedule
+from difflm.config.validate import check_logger, check_logger_keys, check_optim, check_schedule
 from difflm.errors import DifflmError
 from difflm.model.lora import apply_lora, check_lora, check_resume_lora, lora_enabled
 from difflm.model.moe import moe_step, set_moe_balance_group, set_moe_loss_scale
@@ -105,6 +105,7 @@ def check_rl_config(cfg) -> None:
     check_optim(cfg.optim)
     check_schedule(cfg.schedule)
     check_logger_keys(cfg.logger)
+    check_logger(cfg.logger)  # wandb importable, its server reachable: before the trained run is read
     check_seed(cfg.train.seed, "train.seed")
     if a.name == "grpo":  # a rollout setting the others leave unread (greedy top_k, ReMDM without remdm)
         from difflm.sampling.options import check_read_settings
@@ -451,7 +452,7 @@ class PostTrainer:
         t, lg = self.cfg.train, self.cfg.logger
         sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar),
                  JsonlSink(self.run_dir, self.cfg.algorithm.name)] if self.is_rank0 else []
-        if lg.name == "wandb" and self.is_rank0:
+        if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
             wid = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
                                    wid.read_text().strip() if wid.exists() and self.step > 0 else None))
