@@ -233,6 +233,7 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.backend_bases import FigureCanvasBase
+        from matplotlib.ticker import MaxNLocator
     except ImportError as err:
         raise DifflmError("difflm-plot needs matplotlib: pip install matplotlib") \
             from err
@@ -251,9 +252,9 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
         who = "no run has logged a step" if len(runs) > 1 else f"run.dir={str(run_dirs[0])!r} has logged no step"
         raise DifflmError(f"{who} yet (metrics.jsonl is empty): plot again once a run has logged its first step "
                           "(logger.log_every)")
+    logged = sorted({k for _, rows in runs for row in rows for k, v in row.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
     if not any(row.get(k) is not None for _, rows in runs for row in rows for k in keys):
-        logged = sorted({k for _, rows in runs for row in rows for k, v in row.items()
-                         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
         raise DifflmError(f"no run logged any of keys={','.join(keys)}: give keys= from those the runs logged "
                           f"({', '.join(logged)})")
     cols = min(2, len(keys))
@@ -274,7 +275,14 @@ def plot_runs(run_dirs: list[Path], out: Path, keys=DEFAULT_KEYS):
                                          label=name, color=colors[name])
         ax.set_title(LABELS.get(key, key))
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
+        if not ax.get_lines():  # a key no run logged (val_nelbo with train.eval_every=0, mfu on CPUs, a typo)
+            ax.text(0.5, 0.5, f"no run logged {key}", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            print(f"difflm-plot: note: no run logged {key}: its panel is empty (the runs logged "
+                  f"{', '.join(logged)})", file=sys.stderr)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     for ax in list(axes.flat)[len(keys):]:

@@ -200,6 +200,24 @@ def test_a_run_without_steps_and_unknown_keys_say_what_to_do(tmp_path, capsys):
                                        "logged no step): not drawn\n")
 
 
+def test_a_panel_no_run_logged_says_so_and_steps_are_whole(tmp_path, capsys):
+    """A key no run logged beside ones they did (val_nelbo with train.eval_every=0, mfu on CPUs, a mistyped key)
+    gets a panel that says so, with a note listing the logged keys, instead of an empty 0-1 frame; step ticks are
+    whole numbers on a short run."""
+    (tmp_path / "run").mkdir()
+    rows = [{"step": s, "loss": 10.0 - s, "mfu": None, "lr": 1e-3} for s in (1, 2, 3)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plot_runs([tmp_path / "run"], tmp_path / "c.png", keys=("loss", "mfu", "los"))
+    loss, mfu, typo = fig.axes
+    assert len(loss.get_lines()) == 1 and not mfu.get_lines() and not typo.get_lines()
+    assert [t.get_text() for t in mfu.texts] == ["no run logged mfu"] and list(mfu.get_xticks()) == []
+    assert [t.get_text() for t in typo.texts] == ["no run logged los"]
+    assert not loss.texts and all(float(x).is_integer() for x in loss.get_xticks())
+    assert capsys.readouterr().err.splitlines() == [
+        "difflm-plot: note: no run logged mfu: its panel is empty (the runs logged loss, lr)",
+        "difflm-plot: note: no run logged los: its panel is empty (the runs logged loss, lr)"]
+
+
 def _write_overrides(run, *overrides):
     (run / ".hydra").mkdir()
     (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
