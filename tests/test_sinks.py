@@ -363,3 +363,25 @@ def test_a_run_that_ends_in_an_error_finishes_its_wandb_run_as_failed(fast_cfg, 
     sink.close()
     sink.close(failed=True)
     assert finished == [None, 1]
+
+
+def test_a_damaged_wandb_id_file_is_a_new_wandb_run_or_one_line(tmp_path):
+    """wandb_id.txt names the W&B run a resumed run logs into. Empty (the process stopped while writing it), wandb.init
+    refused the id with a traceback; now the run starts a new W&B run and says so. An id W&B refuses is one line
+    naming the file and the two ways out."""
+    from difflm.errors import DifflmError
+    from difflm.training.sinks import saved_wandb_id
+
+    notes = []
+    assert saved_wandb_id(tmp_path, notes.append) is None and notes == []  # no file: a new W&B run
+    (tmp_path / "wandb_id.txt").write_text("zsz50erg\n")
+    assert saved_wandb_id(tmp_path, notes.append) == "zsz50erg"
+    (tmp_path / "wandb_id.txt").write_text(" \n")
+    assert saved_wandb_id(tmp_path, notes.append) is None
+    assert notes == [f"difflm: {tmp_path / 'wandb_id.txt'} is empty: this run starts a new W&B run"]
+    (tmp_path / "wandb_id.txt").write_text("team/project/zsz50erg")
+    with pytest.raises(DifflmError) as err:
+        saved_wandb_id(tmp_path, notes.append)
+    assert str(err.value) == (f"{tmp_path / 'wandb_id.txt'} holds 'team/project/zsz50erg', not a W&B run id (W&B "
+                              "refuses /): put back the id of the run's W&B run (the last part of its offline-run-* "
+                              "folder or its URL), or delete the file to log into a new W&B run")

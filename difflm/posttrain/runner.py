@@ -45,7 +45,7 @@ from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.run_config import check_steps_to_train, record_rl_config
 from difflm.training.schedule import build_scheduler, restore_scheduler
-from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink
+from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink, saved_wandb_id
 
 ALGORITHMS = ("grpo", "dpo")
 GRPO_FIELDS = ("prompt_field", "answer_field")
@@ -453,9 +453,8 @@ class PostTrainer:
         sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar),
                  JsonlSink(self.run_dir, self.cfg.algorithm.name)] if self.is_rank0 else []
         if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
-            wid = self.run_dir / "wandb_id.txt"
             sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
-                                   wid.read_text().strip() if wid.exists() and self.step > 0 else None))
+                                   saved_wandb_id(self.run_dir, report=self.report) if self.step > 0 else None))
         last: dict = {}
         failed = True  # until the last step is through (W&B records the outcome)
         try:

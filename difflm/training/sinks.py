@@ -170,6 +170,31 @@ class WandbSink:
         self.run.finish(exit_code=1 if failed else None)
 
 
+WANDB_ID_REFUSED = ":;,#?/'"  # what W&B refuses in a run id (wandb.sdk.wandb_settings)
+
+
+def saved_wandb_id(run_dir: Path, report=print) -> Optional[str]:
+    """The id of the W&B run that a resumed run in ``run_dir`` logs into (``wandb_id.txt``, written by
+    :class:`WandbSink`), None when there is none. An empty file (the process stopped while writing it) starts a new
+    W&B run, said in one line through ``report``.
+
+    Raises:
+        DifflmError: the file holds an id W&B refuses (damaged or edited), naming the file and the fix."""
+    path = Path(run_dir) / "wandb_id.txt"
+    if not path.is_file():
+        return None
+    run_id = path.read_text(encoding="utf-8", errors="replace").strip()
+    if not run_id:
+        report(f"difflm: {path} is empty: this run starts a new W&B run")
+        return None
+    bad = "".join(sorted(set(run_id) & set(WANDB_ID_REFUSED)))
+    if bad:
+        raise DifflmError(f"{path} holds {run_id[:80]!r}, not a W&B run id (W&B refuses {bad}): put back the id "
+                          "of the run's W&B run (the last part of its offline-run-* folder or its URL), or delete "
+                          "the file to log into a new W&B run")
+    return run_id
+
+
 def _netrc_has_wandb() -> bool:
     path = Path.home() / ".netrc"
     return path.exists() and "api.wandb.ai" in path.read_text(errors="ignore")
