@@ -385,3 +385,25 @@ def test_a_damaged_wandb_id_file_is_a_new_wandb_run_or_one_line(tmp_path):
     assert str(err.value) == (f"{tmp_path / 'wandb_id.txt'} holds 'team/project/zsz50erg', not a W&B run id (W&B "
                               "refuses /): put back the id of the run's W&B run (the last part of its offline-run-* "
                               "folder or its URL), or delete the file to log into a new W&B run")
+
+
+def test_mem_gib_is_the_runs_own_peak_not_an_earlier_sweep_jobs(fast_cfg, monkeypatch):
+    """The jobs of a -m sweep run one after another in one process: each run's mem_gib starts from its own start,
+    not from the process's peak (a larger job before it). On CUDA the allocator's peak is reset the same way."""
+    import json as _json
+
+    from difflm.training.trainer import memory_gib, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    big = torch.ones(2**28)  # 1 GiB, touched: an earlier, larger job
+    del big
+    before = memory_gib(cpu)
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=0", "train.eval_every=0")
+    Trainer(cfg, Path(cfg.run.dir), cpu).fit()
+    (row,) = [_json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < row["mem_gib"] < before - 0.5, (row["mem_gib"], before)
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", calls.append)
+    reset_peak_memory(torch.device("cuda"))
+    assert calls == [torch.device("cuda")]

@@ -41,10 +41,33 @@ from difflm.training.watchdog import StepWatchdog
 from difflm.errors import DifflmError
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start :func:`memory_gib`'s peak here, so that a run reports its own: the jobs of a ``-m`` sweep run one after
+    another in one process, whose peak would otherwise carry the earlier jobs' (a sweep of micro-batch sizes
+    showed the largest one's memory for every later job). CUDA: the allocator's peak; CPU: the peak resident set
+    (Linux's ``/proc/self/clear_refs``; elsewhere the process's peak since its start)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set
+    except OSError:
+        pass
+
+
 def memory_gib(device: torch.device) -> float:
-    """Peak memory: CUDA allocator peak on GPUs, the process's max resident set on CPU (GiB)."""
+    """Peak memory since :func:`reset_peak_memory` (GiB): the CUDA allocator's peak on GPUs, the peak resident set on
+    CPU (``VmHWM``; the process's ``ru_maxrss`` where /proc is not there)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -65,6 +88,7 @@ class Trainer:
         check_length(t)  # train.max_steps / train.epochs (also checked by check_run, which tests may skip)
         check_validation_split(cfg.data, t)  # before a possibly long tokenization
         use_expandable_segments(t.expandable_segments, device)  # before the model's allocations
+        reset_peak_memory(device)  # mem_gib: this run's peak, not an earlier sweep job's in this process
         # layout: several processes (torchrun) get a mesh (difflm.parallel); one process is the layout of degree 1
         from difflm.training.auto_batch import choose_micro_batch, is_auto
 
