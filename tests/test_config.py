@@ -398,6 +398,12 @@ def test_a_wandb_project_name_wandb_refuses_is_refused_before_the_run_is_built(p
     with pytest.raises(DifflmError, match="more than the 128 W&B takes"):
         check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={'p' * 129}"]))
     check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={'p' * 128}"]))
+    for empty in ("", "' '"):  # logger.project=$PROJECT with the variable unset
+        with pytest.raises(DifflmError, match=r"^logger.project='\s*' is empty: W&B would file the run under "
+                                              r'"Uncategorized"; name the project \(default logger.project=difflm\)$'):
+            check_run(compose_run(["logger=wandb", "logger.mode=offline", f"logger.project={empty}"]))
+        with pytest.raises(DifflmError, match="is empty"):
+            check_rl_config(compose_rl(["logger=wandb", "logger.mode=offline", f"logger.project={empty}"]))
     check_run(compose_run(["logger.mode=offline", f"logger.project={project}"]))  # logger=console: never sent
 
 

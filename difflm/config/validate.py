@@ -600,11 +600,14 @@ WANDB_PROJECT_CHARS = "/\\#?%:"  # what W&B refuses in a project name (wandb.sdk
 
 def check_logger_keys(lg) -> None:
     """``logger.project`` under ``logger=wandb``: a name W&B takes (at most 128 characters, none of ``/ \\ # ? % :``),
-    checked before the model is built rather than by ``wandb.init`` after it.
+    checked before the model is built rather than by ``wandb.init`` after it; not empty (``logger.project=$PROJECT``
+    with the variable unset), which W&B files under its "Uncategorized" project instead of the one meant.
 
     Raises: DifflmError naming the key, what W&B refuses and the fix."""
     if lg.name != "wandb" or lg.mode == "disabled" or lg.project is None:
         return
+    _require(str(lg.project).strip() != "", f"logger.project={lg.project!r} is empty: W&B would file the run under "
+             "\"Uncategorized\"; name the project (default logger.project=difflm)")
     bad = "".join(sorted(set(str(lg.project)) & set(WANDB_PROJECT_CHARS)))
     _require(not bad, f"logger.project={lg.project!r} holds {' '.join(bad)}, which W&B refuses in a project name "
              f"(any of {' '.join(WANDB_PROJECT_CHARS)}): name the team with logger.entity and the project alone, e.g. "
