@@ -302,7 +302,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, tuple[str, ...]
     """(``run.dir`` values, ``out``, ``keys``) from ``key=value`` words.
 
     Raises:
-        DifflmError: an unknown key, a word without ``=``, an empty value, or no ``run.dir``.
+        DifflmError: an unknown key, a word without ``=``, an empty value, ``keys=`` without a key, or no
+        ``run.dir``.
     """
     dirs, out, keys = [], None, DEFAULT_KEYS
     for arg in argv:
@@ -315,8 +316,11 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, tuple[str, ...]
             dirs.append(value)
         elif key == "out":
             out = Path(value)
-        elif key == "keys":
-            keys = tuple(k for k in value.split(",") if k)
+        elif key == "keys":  # 'keys=loss, lr' (a space after the comma) names lr; a key named twice is one panel
+            keys = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
+            if not keys:
+                raise DifflmError(f"keys={value} names no metric: give keys of metrics.jsonl, e.g. "
+                                  f"keys={','.join(DEFAULT_KEYS)}")
         else:
             raise DifflmError(f"unknown key {key!r}: difflm-plot takes run.dir= (repeatable), out= and keys=")
     if not dirs:

@@ -56,6 +56,10 @@ def test_multirun_dir_globs_and_keys(tmp_path):
         (["a", "b"], Path("x.png"), ("loss", "lr"))
     with pytest.raises(DifflmError, match="unknown key"):
         parse_args(["run.dir=a", "dir=b"])
+    assert parse_args(["run.dir=a", "keys=loss, lr,loss,"])[2] == ("loss", "lr")  # spaces, repeats, a last comma
+    with pytest.raises(DifflmError, match=r"^keys=, names no metric: give keys of metrics.jsonl, e.g. "
+                                          r"keys=loss,val_nelbo,lr,tokens_per_s$"):
+        parse_args(["run.dir=a", "keys=,"])
     with pytest.raises(DifflmError, match="no metrics.jsonl"):
         plot_runs([tmp_path], tmp_path / "t.png")
 
