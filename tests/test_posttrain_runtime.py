@@ -226,6 +226,24 @@ def test_records_and_the_init_runs_objective_are_checked_before_its_model_loads(
         PostTrainer(rl_config(ar, tmp_path / "rl", f"data.path={tmp_path / 'empty.jsonl'}"), torch.device("cpu"))
 
 
+def test_a_fresh_start_sets_an_earlier_runs_records_aside(init_run, tmp_path, capsys):
+    """A run.dir without a checkpoint but with an earlier run's records (it stopped before its first save): the new
+    run moves them into previous/<time>/, as difflm-train does, instead of appending its rows to their metrics.jsonl
+    (and resuming their W&B run)."""
+    from difflm.posttrain.runner import PostTrainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    old = json.dumps({"step": 1, "loss": 5.0, "objective": "grpo"}) + "\n"
+    (run / "metrics.jsonl").write_text(old)
+    (run / "wandb_id.txt").write_text("oldrun01")
+    PostTrainer(rl_config(init_run, run, "train.max_steps=1"), torch.device("cpu")).fit()
+    (kept,) = (run / "previous").iterdir()
+    assert (kept / "metrics.jsonl").read_text() == old and (kept / "wandb_id.txt").read_text() == "oldrun01"
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert f"holds an earlier run's records: moved them to {kept}; this run starts afresh" in capsys.readouterr().out
+
+
 def test_wandb_logger_keys_are_read_as_difflm_train_reads_them(init_run, tmp_path, monkeypatch):
     """logger=wandb without wandb importable is refused before the init model is read; logger.mode=disabled
     needs no wandb and starts no W&B run (no wandb_id.txt for a later run to resume), as in difflm-train."""

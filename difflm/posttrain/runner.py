@@ -44,6 +44,7 @@ from difflm.posttrain.rewards import build_reward
 from difflm.training.optimizer import build_optimizer
 from difflm.training.precision import autocast_context
 from difflm.training.run_config import check_steps_to_train, record_rl_config
+from difflm.training.run_dir import set_aside_run_records
 from difflm.training.schedule import build_scheduler, restore_scheduler
 from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink, saved_wandb_id
 
@@ -240,6 +241,11 @@ class PostTrainer:
         frozen = reference == "frozen_copy"
         self.reference = build_reference("frozen_copy", model) if frozen else None
         found = resume_checkpoint(self.run_dir, report=print if self.is_rank0 else (lambda _: None))
+        # a run that saved no checkpoint may have left its records: this run starts afresh, so it must not append to
+        # that run's metrics.jsonl; rank 0 moves them (as difflm-train does), before anything is written here
+        if found is None and self.is_rank0 and (kept := set_aside_run_records(self.run_dir)) is not None:
+            self.report(f"difflm: run.dir={self.run_dir} has no checkpoint to resume from but holds an earlier run's "
+                        f"records: moved them to {kept}; this run starts afresh")
         if found is not None:
             check_resume_init(self.run_dir, cfg)
             check_steps_to_train(found[0], cfg, found[1], self.run_dir / "rl_config.yaml")
