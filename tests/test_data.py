@@ -175,6 +175,28 @@ def test_roundtrip_txt_jsonl_dir(tmp_path, tok):
     assert len(set(os.listdir(tmp_path / "c")) - cached) == 2
 
 
+def test_a_directory_follows_links_to_folders_as_a_glob_does(tmp_path):
+    """A corpus folder whose parts are symbolic links to folders elsewhere reads them (as ``**`` does), a folder
+    reached twice once, and a link to nothing is one line naming it."""
+    from difflm.data.documents import resolve_sources
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere" / "web"
+    corpus.mkdir()
+    elsewhere.mkdir(parents=True)
+    (corpus / "a.txt").write_text("a")
+    (elsewhere / "b.jsonl").write_text('{"text": "b"}\n')
+    (corpus / "web").symlink_to(elsewhere)
+    (corpus / "web_again").symlink_to(elsewhere)
+    (corpus / "loop").symlink_to(corpus)
+    want = [str(corpus / "a.txt"), str(corpus / "web" / "b.jsonl")]
+    assert resolve_sources(str(corpus)) == want
+    assert want[1] in resolve_sources(str(corpus / "**" / "b.jsonl"))
+    (corpus / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    for path in (str(corpus), str(corpus / "*.txt")):
+        with pytest.raises(DifflmError, match=r"gone\.txt is a symbolic link to .*missing\.txt, which does not exist"):
+            resolve_sources(path)
+
+
 def test_roundtrip_hf_saved_dataset(tmp_path, tok):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"body": DOCS_B + [""]}).save_to_disk(str(tmp_path / "hf"))

@@ -111,10 +111,12 @@ def kind_of(path: str) -> str:
 
 
 def resolve_sources(path: str, key: str = "data.path") -> list[str]:
-    """A file, directory or glob -> sorted absolute .txt/.jsonl/.parquet files (a directory: recursively).
+    """A file, directory or glob -> sorted absolute .txt/.jsonl/.parquet files (a directory: recursively, links to
+    folders followed, :func:`_corpus_files`).
 
     Raises:
-        DifflmError: the path does not exist, the glob matches nothing, or there are no corpus files.
+        DifflmError: the path does not exist, the glob matches nothing, there are no corpus files, or one of them is a
+            symbolic link to nothing.
     """
     fix = f"point {key} at a .txt/.jsonl/.parquet file, a directory or a glob"
     what = "no .txt, .jsonl or .parquet"
@@ -124,17 +126,42 @@ def resolve_sources(path: str, key: str = "data.path") -> list[str]:
             raise DifflmError(f"{key}={path!r} is not a .txt, .jsonl or .parquet file: {fix}")
         return [os.path.abspath(p)]
     if os.path.isdir(p):
-        files = sorted(os.path.join(root, f) for root, _, names in os.walk(p) for f in names if f.endswith(EXTS))
+        files = sorted(_corpus_files(p))
         if not files:
             raise DifflmError(f"{key}={path!r} is a directory with {what} files under it: {fix}")
-        return [os.path.abspath(f) for f in files]
+        return [_readable(os.path.abspath(f), path, key) for f in files]
     if glob.has_magic(p):
         matched = sorted(glob.glob(p, recursive=True))
-        files = [os.path.abspath(f) for f in matched if os.path.isfile(f) and f.endswith(EXTS)]
+        files = [_readable(os.path.abspath(f), path, key) for f in matched
+                 if f.endswith(EXTS) and (os.path.isfile(f) or os.path.islink(f))]
         if not files:
             raise DifflmError(f"{key}={path!r} {'matches nothing' if not matched else f'matches {what} files'}: {fix}")
         return files
     raise DifflmError(f"{key}={path!r} does not exist: {fix}")
+
+
+def _corpus_files(root: str) -> Iterator[str]:
+    """The .txt/.jsonl/.parquet files under directory ``root``, symbolic links to folders followed (as a ``**`` glob
+    follows them); a folder reached twice (two links to it, or a link to a folder above it) is read once, under the
+    first of its paths in sorted order."""
+    seen = set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders.sort()
+        yield from (os.path.join(folder, f) for f in names if f.endswith(EXTS))
+
+
+def _readable(file: str, path: str, key: str) -> str:
+    """``file`` (a corpus file that ``path`` names) when it is a readable file; a symbolic link to nothing is one
+    error line naming it."""
+    if not os.path.isfile(file):
+        raise DifflmError(f"{key}={path!r}: {file} is a symbolic link to {os.path.realpath(file)}, which does not "
+                          "exist: fix or remove the link")
+    return file
 
 
 # ---------------------------------------------------------------- decoding
