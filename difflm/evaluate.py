@@ -192,7 +192,7 @@ def eval_dataset(args, cfg, tok, seq_len: int, tmp: str):
         ds = token_datasets(data_cfg, tok, args.data.cache_dir or tmp)
     except OtherTokenizerShards as err:
         raise shard_tokenizer_error(err, cfg) from None
-    return PackedStream(ds, tok.eos_id)
+    return PackedStream(ds, tok.eos_id, tok.padded_vocab_size, tok.mask_id)
 
 
 def window_spans(num_tokens: int, seq_len: int, multiple: int = 1, min_len: int = 1) -> list[tuple[int, int]]:

@@ -351,6 +351,35 @@ def test_windows_stream_and_split(tmp_path, tok):
     assert len(pw) == 3 and pw.get([2]).tolist() == [[6, 7, 8]]
 
 
+def test_shards_with_ids_of_another_tokenizer_are_refused_naming_the_shard(tmp_path, tok, monkeypatch):
+    """Megatron shards made with another tokenizer (they carry no record of it): an id past the model's embedding rows
+    or equal to the mask id is one DifflmError naming the shard, before the run when it is among the first tokens,
+    and when its window is read otherwise (not an embedding IndexError or a device-side assert)."""
+    from difflm.data import windows
+    from difflm.data.datasets import build_datasets
+
+    def shard(name, docs):
+        b = IndexedDatasetBuilder(str(tmp_path / name / "s"), np.uint16)
+        for d in docs:
+            b.add_document(np.asarray(d, np.uint16))
+        b.finalize()
+        return tmp_path / name
+
+    good = [list(range(2, 40))] * 8
+    for name, bad_id in (("wide", tok.padded_vocab_size + 9), ("mask", tok.mask_id)):
+        path = shard(name, good + [[5, bad_id, 6]] + good)
+        with pytest.raises(DifflmError, match=rf"{name}/s\.bin holds token id {bad_id}, .*set data.tokenizer"):
+            build_datasets(cfg_for(path, seq_len=8), tok, str(tmp_path / "c"))
+        monkeypatch.setattr(windows, "CHECK_AT_START", 8)  # past the first window: found when its window is read
+        train, valid = build_datasets(cfg_for(path, seq_len=8), tok, str(tmp_path / "c"))
+        assert train.get([0]).max() < 40
+        with pytest.raises(DifflmError, match=rf"holds token id {bad_id}"):
+            train.get(range(len(train)))
+        monkeypatch.undo()
+    train, _ = build_datasets(cfg_for(shard("fine", good), seq_len=8), tok, str(tmp_path / "c"))
+    assert len(train) > 0 and int(train.get(range(len(train))).max()) == max(39, tok.eos_id)
+
+
 def test_window_errors(tmp_path, tok):
     src = tmp_path / "a.txt"
     write_sep_txt(src, DOCS_A)

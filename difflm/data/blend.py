@@ -199,7 +199,8 @@ def build_blend(cfg, tok: TokenizerInfo, cache_dir: str) -> tuple[BlendedWindows
             parts = token_datasets(_with(cfg, path=path, hf_dataset=None, blend=[]), tok, cache_dir)
             train, valid = build_windows(parts, tok.eos_id, cfg.seq_len, cfg.valid_fraction,
                                          getattr(cfg, "intra_document_attention", False),
-                                         corpus=f"data.blend source {name!r}")
+                                         corpus=f"data.blend source {name!r}", vocab_size=tok.padded_vocab_size,
+                                         mask_id=tok.mask_id)
         except DifflmError as err:  # the source is read as data.path would be: name the key the user set
             raise DifflmError(f"data.blend source {name!r} ({path}): "
                               f"{str(err).replace('data.path', f'data.blend[{i}].path')}") from None

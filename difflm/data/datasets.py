@@ -61,7 +61,8 @@ def build_datasets(cfg, tok: TokenizerInfo, cache_dir: str):
     if blend:
         return build_blend(cfg, tok, cache_dir)
     return build_windows(token_datasets(cfg, tok, cache_dir), tok.eos_id, cfg.seq_len, cfg.valid_fraction,
-                         getattr(cfg, "intra_document_attention", False), getattr(cfg, "max_train_tokens", None))
+                         getattr(cfg, "intra_document_attention", False), getattr(cfg, "max_train_tokens", None),
+                         vocab_size=tok.padded_vocab_size, mask_id=tok.mask_id)
 
 
 __all__ = ["build_datasets", "build_sampler", "build_sft_datasets", "load_sft_samples"]

@@ -18,11 +18,18 @@ class PackedStream:
     memory-mapped .bin files, so a corpus of any size costs only its document-length arrays in memory.
 
     ``stream[a:b]`` -> 1-D np.ndarray of ``self.dtype`` (the shards' dtype widened to hold ``eos_id``).
+
+    With ``vocab_size`` (the model's embedding rows) every read is checked: a token id outside ``[0, vocab_size)``
+    or equal to ``mask_id`` (which no text tokenizes to) raises DifflmError naming the shard and the id. Shards made
+    by other tools carry no record of their tokenizer; this is what stops ids of another tokenizer from indexing
+    past the embedding (an IndexError on CPU, a device-side assert on a GPU) or reading as masks.
     """
 
-    def __init__(self, datasets: IndexedDataset | Sequence[IndexedDataset], eos_id: int):
+    def __init__(self, datasets: IndexedDataset | Sequence[IndexedDataset], eos_id: int,
+                 vocab_size: int | None = None, mask_id: int | None = None):
         self.parts = [datasets] if isinstance(datasets, IndexedDataset) else list(datasets)
         self.eos_id = int(eos_id)
+        self.vocab_size, self.mask_id = vocab_size, mask_id
         # packed end (exclusive) of every document within its part: its tokens, then one EOS
         self._ends = [np.cumsum(ds.document_lengths.astype(np.int64) + 1) for ds in self.parts]
         sizes = [int(e[-1]) if len(e) else 0 for e in self._ends]
@@ -63,8 +70,25 @@ class PackedStream:
         keep = ~is_eos
         if keep.any():
             first = int((pos - doc)[keep][0])  # documents are contiguous in .bin: raw index = position - EOS before
-            out[keep] = tokens[first:first + int(keep.sum())]
+            raw = tokens[first:first + int(keep.sum())]
+            if self.vocab_size is not None:
+                self._check_ids(k, raw)
+            out[keep] = raw
         return out
+
+    def _check_ids(self, k: int, raw: np.ndarray) -> None:
+        """Raise DifflmError when ``raw`` (tokens of part ``k``) holds an id the model cannot or must not read."""
+        low, high = int(raw.min()), int(raw.max())
+        bad, why = None, ""
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            why = f"outside the {self.vocab_size:,} ids of data.tokenizer's vocabulary (the model's embedding rows)"
+        elif self.mask_id is not None and high >= self.mask_id and bool((raw == self.mask_id).any()):
+            bad, why = self.mask_id, "data.tokenizer's mask id, which no text tokenizes to"
+        if bad is not None:
+            raise DifflmError(f"{self.parts[k].prefix}.bin holds token id {bad}, {why}: it was tokenized with another "
+                              "tokenizer; set data.tokenizer to the one that made it, or tokenize the text again "
+                              "with data.tokenizer (difflm-preprocess tokenizer=...)")
 
 
 def packed_stream(ds: IndexedDataset, eos_id: int) -> np.ndarray:
@@ -108,26 +132,30 @@ class PackedWindows:
 
 
 def build_windows(ds: IndexedDataset | Sequence[IndexedDataset], eos_id: int, seq_len: int, valid_fraction: float,
-                  intra_document: bool = False, max_train_tokens: int | None = None, corpus: str = "the corpus"
-                  ) -> tuple[PackedWindows, PackedWindows]:
+                  intra_document: bool = False, max_train_tokens: int | None = None, corpus: str = "the corpus",
+                  vocab_size: int | None = None, mask_id: int | None = None) -> tuple[PackedWindows, PackedWindows]:
     """Split the packed stream of ``ds`` (one dataset or shards in order) into (train, valid) windows.
 
     Valid = the last ``round(valid_fraction * n)`` windows (at least 1 when valid_fraction > 0),
     train = the windows before them (the first ``max_train_tokens // seq_len`` of them when set: a budget of
     unique training tokens); they are disjoint. Documents longer than a window continue in the next one (nothing is
     cut); the last partial window (under ``seq_len`` tokens) is dropped, with a notice when that is at least
-    :data:`TAIL_NOTICE_FRACTION` of the corpus (:func:`tail_notice`; ``corpus`` names it there).
+    :data:`TAIL_NOTICE_FRACTION` of the corpus (:func:`tail_notice`; ``corpus`` names it there). With
+    ``vocab_size``, every window read is checked for ids of another tokenizer (:class:`PackedStream`), the first
+    :data:`CHECK_AT_START` tokens here, before the run starts.
 
     Raises:
         DifflmError: valid_fraction outside [0, 1) (names data.valid_fraction); seq_len < 1, fewer
             than 2 windows, or no train window left (names data.seq_len and the corpus size);
-            ``max_train_tokens`` below one window or above the training windows (names data.max_train_tokens).
+            ``max_train_tokens`` below one window or above the training windows (names data.max_train_tokens);
+            a token id of another tokenizer in the first :data:`CHECK_AT_START` tokens.
     """
     if not 0.0 <= valid_fraction < 1.0:
         raise DifflmError(f"data.valid_fraction={valid_fraction} must be in [0, 1): e.g. 0.05")
     if seq_len < 1:
         raise DifflmError(f"data.seq_len={seq_len} must be >= 1")
-    stream = PackedStream(ds, eos_id)
+    stream = PackedStream(ds, eos_id, vocab_size, mask_id)
+    stream[:CHECK_AT_START]  # ids of another tokenizer show at once: say so before the run, not at its first step
     n = len(stream) // seq_len
     n_valid = max(1, round(valid_fraction * n)) if valid_fraction > 0 else 0
     if n < 2 or n - n_valid < 1:
@@ -148,6 +176,8 @@ def build_windows(ds: IndexedDataset | Sequence[IndexedDataset], eos_id: int, se
     doc = eos_id if intra_document else None
     return PackedWindows(stream, seq_len, doc, 0, n_train), PackedWindows(stream, seq_len, doc, n - n_valid, n_valid)
 
+
+CHECK_AT_START = 1 << 20  # tokens read (and checked for the tokenizer's ids) when the windows are built
 
 # the dropped tail is under one window: worth a word only when it is a visible share of a small corpus
 TAIL_NOTICE_FRACTION = 0.01
