@@ -376,3 +376,33 @@ def test_final_hint_names_the_real_tokenizer(tmp_path):
         os.chdir(here)
     assert summary["tokenizer"] == str(NEOX)
     assert json.loads((tmp_path / "three" / "manifest.json").read_text())["tokenizer"]["name"] == str(NEOX)
+
+
+def test_long_documents_are_tokenized_in_pieces_to_the_same_ids(tok, monkeypatch):
+    """A document longer than BATCH_CHARS (a .txt without separator lines is one) is tokenized in pieces, cut only
+    where the tokens do not change: the ids equal one call on the whole document, and no tokenizer call gets much more
+    than BATCH_CHARS characters (a call holds ~700 bytes per token: one call on a 200 MB file needed ~33 GB)."""
+    from difflm.data import preprocess
+    from difflm.data.tokenizer import TokenizerInfo
+
+    text = (REPO / "difflm/assets/corpora/tinyshakespeare/input.txt").read_text(encoding="utf-8")
+    doc = text[:150_000].strip()
+    whole = np.asarray(tok.encode([doc])[0])
+    sizes, encode = [], TokenizerInfo.encode
+
+    def recorded(self, texts):
+        sizes.append(sum(map(len, texts)))
+        return encode(self, texts)
+
+    monkeypatch.setattr(TokenizerInfo, "encode", recorded)
+    monkeypatch.setattr(preprocess, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(preprocess, "PIECE_CHARS", 5_000)
+    short, one_line = ["A short one.", "", "Another short one."], " ".join(doc.split())
+    batches = list(preprocess.tokenized_batches(tok, short[:2] + [doc, one_line] + short[2:]))
+    arrays = [a for arrays, _, _ in batches for a in arrays]
+    assert [a.tolist() for a in arrays[:1] + arrays[-1:]] == encode(tok, short[::2])
+    assert np.array_equal(arrays[1], whole)  # cut at line starts
+    assert np.array_equal(arrays[2], np.asarray(encode(tok, [one_line])[0]))  # no line breaks: cut at spaces
+    assert sum(r for _, r, _ in batches) == 5
+    assert sum(c for _, _, c in batches) == sum(map(len, short + [doc, one_line]))
+    assert len(sizes) > 20 and max(sizes) <= 2 * preprocess.BATCH_CHARS

@@ -24,6 +24,11 @@ from difflm.errors import DifflmError
 # 3: a UTF-8 byte-order mark at the start of a .txt/.jsonl file is not text
 FORMAT_VERSION = 3
 BATCH_DOCS = 1000
+# characters per tokenizer call: a transformers tokenizer holds about 700 bytes per token of its output at once
+# (ids, offsets, token strings), so a call is kept near 2^20 characters (~0.2 GB), however long a document is
+BATCH_CHARS = 1 << 20
+PIECE_CHARS = 1 << 18  # a document longer than BATCH_CHARS is tokenized in pieces of about this many characters
+CUT_CONTEXT = 1000  # characters each side of a cut whose tokens are compared with and without the cut
 
 __all__ = ["tokenize_corpus", "tokenized_batches", "resolve_sources", "read_jsonl", "FORMAT_VERSION"]
 
@@ -31,7 +36,9 @@ __all__ = ["tokenize_corpus", "tokenized_batches", "resolve_sources", "read_json
 def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int = BATCH_DOCS
                       ) -> Iterator[tuple[list[np.ndarray], int, int]]:
     """Tokenize documents in batches: per batch (token arrays of its non-empty documents, documents read, characters
-    read). Empty documents (and documents that tokenize to nothing) are dropped; no EOS is added.
+    read). Empty documents (and documents that tokenize to nothing) are dropped; no EOS is added. A batch is at most
+    ``batch_docs`` documents and about :data:`BATCH_CHARS` characters; a longer document is a batch of its own,
+    tokenized in pieces (:func:`encode_long`), so memory stays bounded on any corpus.
 
     The one tokenization of corpus text: the in-trainer cache and every ``difflm-preprocess`` worker call it, so
     both write the same tokens (:meth:`TokenizerInfo.encode`: special-token text is plain text).
@@ -44,15 +51,66 @@ def tokenized_batches(tok: TokenizerInfo, docs: Iterable[str], batch_docs: int =
         return [np.asarray(x) for x in ids if x], read, chars
 
     for d in docs:
+        if len(d) > BATCH_CHARS:
+            if buf:
+                yield flush()
+                buf, read, chars = [], 0, 0
+            ids = encode_long(tok, d)
+            yield ([ids] if len(ids) else []), read + 1, chars + len(d)
+            buf, read, chars = [], 0, 0
+            continue
         read += 1
         chars += len(d)
         if d:
             buf.append(d)
-            if len(buf) == batch_docs:
+            if len(buf) == batch_docs or chars >= BATCH_CHARS:
                 yield flush()
                 buf, read, chars = [], 0, 0
     if buf or read:
         yield flush()
+
+
+def encode_long(tok: TokenizerInfo, doc: str) -> np.ndarray:
+    """The token ids of one long document (int64), tokenized in pieces of about :data:`PIECE_CHARS` characters, at
+    most :data:`BATCH_CHARS` per tokenizer call, so memory does not grow with the document.
+
+    The ids are those of the whole document: a piece ends only where the tokens of the :data:`CUT_CONTEXT`
+    characters each side, tokenized apart, equal their tokens tokenized together (a pre-tokenizer boundary, such as
+    a line start or a space before a word with GPT-2's and GPT-NeoX's byte-level BPE). Where no such place is found
+    (a tokenizer that adds a prefix to every text, e.g. SentencePiece's), the rest is tokenized in one call.
+    """
+    cuts, pos = [0], 0
+    while len(doc) - pos > BATCH_CHARS:
+        cut = _safe_cut(tok, doc, pos + PIECE_CHARS // 2, pos + PIECE_CHARS)
+        if cut is None:
+            break
+        cuts.append(pos := cut)
+    cuts.append(len(doc))
+    out, group, size = [], [], 0
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        group.append(doc[a:b])
+        size += b - a
+        if size >= BATCH_CHARS - PIECE_CHARS or b == len(doc):
+            out.extend(np.asarray(x, dtype=np.int64) for x in tok.encode(group))
+            group, size = [], 0
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _safe_cut(tok: TokenizerInfo, doc: str, lo: int, hi: int, tries: int = 4) -> int | None:
+    """A position in ``(lo, hi]`` of ``doc`` where cutting leaves its tokens unchanged (see :func:`encode_long`):
+    the start of a line, else a space, checked from ``hi`` back, ``tries`` of each; None when none passes."""
+    for find in (lambda end: doc.rfind("\n", lo, end - 1) + 1, lambda end: doc.rfind(" ", lo + 1, end)):
+        end = hi + 1
+        for _ in range(tries):
+            cut = find(end)
+            if cut <= lo:
+                break
+            left, right = doc[max(0, cut - CUT_CONTEXT):cut], doc[cut:cut + CUT_CONTEXT]
+            a, b, both = tok.encode([left, right, left + right])
+            if a + b == both:
+                return cut
+            end = cut
+    return None
 
 
 def tokenize_corpus(cfg, tok: TokenizerInfo, cache_dir: str) -> IndexedDataset:
