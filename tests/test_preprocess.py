@@ -406,3 +406,38 @@ def test_long_documents_are_tokenized_in_pieces_to_the_same_ids(tok, monkeypatch
     assert sum(r for _, r, _ in batches) == 5
     assert sum(c for _, _, c in batches) == sum(map(len, short + [doc, one_line]))
     assert len(sizes) > 20 and max(sizes) <= 2 * preprocess.BATCH_CHARS
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_shards_beyond_the_soft_open_file_limit_open(tmp_path, monkeypatch):
+    """Each open shard holds one file (its memory map, not its index): a directory of more shards than the soft limit
+    of open files (ulimit -n, often 1024) raises that limit towards the hard one and opens, and where the hard limit
+    is too low too, the error is one line with the limit to set."""
+    import resource
+
+    from difflm.data import shards
+    from difflm.data.indexed_dataset import IndexedDatasetBuilder
+
+    root = tmp_path / "many"
+    for i in range(60):
+        b = IndexedDatasetBuilder(str(root / f"s{i:03d}"), np.uint16)
+        b.add_document(np.arange(5, dtype=np.uint16) + i)
+        b.finalize()
+    prefixes = find_shards(str(root))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 30
+    if hard != resource.RLIM_INFINITY and hard < low + 60 + shards.OPEN_FILE_HEADROOM:
+        pytest.skip("the hard limit of open files is too low to raise the soft one")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        opened = shards.open_shards(prefixes, str(root))
+        assert [int(ds[0][0]) for ds in opened] == list(range(60))
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > low
+        del opened
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        monkeypatch.setattr(shards, "make_room_for_open_files", lambda count: None)
+        with pytest.raises(DifflmError, match=r"has 60 shards, one open file each, .* after \d+ of them: raise the "
+                                              r"limit \(ulimit -n \d+\) or merge them"):
+            shards.open_shards(prefixes, str(root))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -189,21 +189,19 @@ class IndexedDataset:
         if os.path.getsize(idx_path) != expected:
             raise DifflmError(f"indexed dataset {idx_path!r} is truncated or corrupt ({os.path.getsize(idx_path)} bytes, "
                               f"its header says {expected}): {REBUILD}")
-        # one memory map of the whole index (one file descriptor per file, also with thousands of shards)
-        idx = np.memmap(idx_path, np.uint8, "r") if n_seq else np.zeros(expected, np.uint8)
-        self.sizes = np.frombuffer(idx, np.int32, n_seq, off)
-        off += 4 * n_seq
-        self.pointers = np.frombuffer(idx, np.int64, n_seq, off)
-        off += 8 * n_seq
-        self.document_indices = np.frombuffer(idx, np.int64, n_doc_idx, off).copy()
+        # the index is read, not mapped: a memory map holds a file descriptor for its lifetime, and a corpus of
+        # thousands of shards would then hold two per shard (the pointers are not needed: documents are contiguous)
+        sizes = np.fromfile(idx_path, np.int32, n_seq, offset=off)
+        self.document_indices = np.fromfile(idx_path, np.int64, n_doc_idx, offset=off + 12 * n_seq)
         nbytes = os.path.getsize(bin_path)
-        if nbytes != int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize:
+        if nbytes != int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize:
             raise DifflmError(f"indexed dataset {bin_path!r} has {nbytes} bytes, its index says "
-                              f"{int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize}: it is truncated or "
+                              f"{int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize}: it is truncated or "
                               f"corrupt: {REBUILD}")
-        # np.memmap refuses empty files; an empty corpus is reported by the caller
+        # np.memmap refuses empty files; an empty corpus is reported by the caller. The one file descriptor a
+        # dataset holds: :func:`difflm.data.shards.open_shards` makes room for one per shard.
         self.tokens = (np.memmap(bin_path, self.dtype, "r") if nbytes else np.zeros(0, self.dtype))
-        seq_ends = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
+        seq_ends = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.document_lengths = seq_ends[self.document_indices[1:]] - seq_ends[self.document_indices[:-1]]
         self._doc_start = seq_ends[self.document_indices[:-1]]
 

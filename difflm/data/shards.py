@@ -112,15 +112,50 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
     return None
 
 
+OPEN_FILE_HEADROOM = 1024  # file descriptors left for the rest of a run (checkpoints, sockets, NCCL) beside shards
+
+
+def make_room_for_open_files(count: int) -> None:
+    """Raise this process's soft limit of open files (``ulimit -n``, often 1024) towards its hard limit when
+    ``count`` more files, plus :data:`OPEN_FILE_HEADROOM`, would not fit: each open shard holds one (its memory map),
+    as Megatron-LM's and PyTorch's loaders hold theirs. No-op where the limit cannot be read."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    want = in_use + count + OPEN_FILE_HEADROOM
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    except (ValueError, OSError):
+        pass  # opening says what to do if it runs out
+
+
 def open_shards(prefixes: list[str], path: str, key: str = "data.path") -> list[IndexedDataset]:
-    """Open shards (memory-mapped). Raises DifflmError naming ``key`` for a missing or corrupt shard or when they
-    hold no tokens."""
+    """Open shards (memory-mapped, one open file each: :func:`make_room_for_open_files`). Raises DifflmError naming
+    ``key`` for a missing or corrupt shard, when they hold no tokens, or when the open-file limit cannot hold them."""
+    import errno
+
+    make_room_for_open_files(len(prefixes))
     out = []
     for prefix in prefixes:
         try:
             out.append(IndexedDataset(prefix))
         except DifflmError as err:
             raise DifflmError(f"{key}={path!r}: {err}") from None
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise DifflmError(f"{key}={path!r} has {len(prefixes):,} shards, one open file each, and this process may "
+                              f"not open more files after {len(out):,} of them: raise the limit (ulimit -n "
+                              f"{len(prefixes) + OPEN_FILE_HEADROOM + 64}) or merge them into fewer, larger shards "
+                              "(difflm-preprocess shard_mb=)") from None
     if not out or sum(ds.num_tokens for ds in out) == 0:
         raise DifflmError(f"{key}={path!r} holds no tokens: point it at non-empty shards")
     return out
