@@ -97,7 +97,7 @@ def test_gutenberg_shards_train(tmp_path, tok, fast_cfg):
     out = tmp_path / "shards"
     res = run_cli("difflm.preprocess", f"input={books}", f"output={out}", "workers=1", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "2 shard(s) (0 already done), 2 documents" in res.stdout and "tokens/s" in res.stdout
+    assert "1 shard(s) (0 already done), 2 documents" in res.stdout and "tokens/s" in res.stdout  # two small files
     cache = tokenize_corpus(DataConfig(path=str(books)), tok, str(tmp_path / "text_cache"))
     assert all_tokens(open_all(out)) == all_tokens([cache])
     # each book is one document (no separator lines): its text (universal newlines, stripped), tokenized directly
@@ -441,3 +441,31 @@ def test_shards_beyond_the_soft_open_file_limit_open(tmp_path, monkeypatch):
             shards.open_shards(prefixes, str(root))
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_small_input_files_share_shards(tmp_path, tok):
+    """Files smaller than shard_mb are joined into shards of about shard_mb (not a shard per file: a folder of 2,000
+    small files made 2,000 shards, 4,000 open files for a run), with the in-trainer path's tokens; an output written
+    with a shard per file is recognised as this input's tokens."""
+    from difflm.data.shards import open_shards
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        write = DOCS[i % len(DOCS)] + f" (file {i})"
+        (corpus / f"f{i:02d}.jsonl").write_text(json.dumps({"text": write}) + "\n" + json.dumps({"text": "x y"}) + "\n")
+    cache = tokenize_corpus(DataConfig(path=str(corpus)), tok, str(tmp_path / "cache"))
+    size = sum(f.stat().st_size for f in corpus.iterdir()) / 1e6
+    for shard_mb, count in ((1.0, 1), (size / 3.5, 4)):
+        out = tmp_path / f"out{count}"
+        summary = run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", f"shard_mb={shard_mb}"))
+        assert summary["shards"] == count and summary["documents"] == 60
+        assert all_tokens(open_shards(find_shards(str(out), tok), str(out))) == all_tokens([cache])
+    m = json.loads((tmp_path / "out1" / "manifest.json").read_text())
+    assert [p["source"] for p in m["shards"][0]["pieces"]] == [str(p) for p in sorted(corpus.iterdir())]
+    per_file = [{"name": f"shard_{i:05d}", **p} for i, p in enumerate(m["shards"][0]["pieces"])]
+    (tmp_path / "out1" / "manifest.json").write_text(json.dumps({**m, "version": 1, "shards": per_file}))
+    with pytest.raises(DifflmError, match=r"holds this input's tokens, written by an earlier difflm-preprocess with "
+                                          r"another shard layout \(manifest version 1\): train on it as it is, or set "
+                                          r"overwrite=true"):
+        run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'out1'}", "shard_mb=1.0"))

@@ -564,7 +564,7 @@ class PreprocessConfig:
     doc_separator: Optional[str] = "<|endoftext|>"  # splits .txt files into documents; null: one per file
     encoding: str = "utf-8"
     workers: int = 0  # tokenizer processes; 0 = one per CPU core
-    shard_mb: float = 256.0  # input megabytes per shard (whole documents; a .txt without separators is one shard)
+    shard_mb: float = 256.0  # input megabytes per shard (whole documents; small files share one)
     overwrite: bool = False  # replace the shards of other inputs/settings in output (only difflm-preprocess files)
     progress_bar: bool = True
 

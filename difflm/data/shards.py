@@ -2,14 +2,16 @@
 
 The counterpart of Megatron-LM's ``tools/preprocess_data.py``. Layout of an output directory::
 
-    shard_00000.bin / .idx   documents of one piece of the input (whole documents, no EOS stored:
+    shard_00000.bin / .idx   documents of consecutive pieces of the input (whole documents, no EOS stored:
     shard_00001.bin / .idx   the loader inserts one after every document, as for the in-trainer cache)
     manifest.json            format, tokenizer (name, sha256 of its definition), settings, every source
-                             (path, size, sha256; or the datasets fingerprint) and every shard (its piece,
+                             (path, size, sha256; or the datasets fingerprint) and every shard (its pieces,
                              documents, tokens); ``complete`` is true once every shard is written
 
 * The input is cut into pieces of about ``shard_mb`` MB of whole documents (:func:`difflm.data.documents.file_pieces`),
-  one shard per piece, tokenized by ``workers`` processes with :func:`difflm.data.preprocess.tokenized_batches`
+  and consecutive pieces smaller than that (small files, the ends of files) are joined into shards of about
+  ``shard_mb`` (:func:`group_pieces`), so a corpus of many small files makes few shards; they are tokenized by
+  ``workers`` processes with :func:`difflm.data.preprocess.tokenized_batches`
   (the in-trainer path's function, so the tokens are the same).
 * A shard is written under a temporary name, fsynced and renamed (.bin, then .idx): a crash never leaves a shard
   that looks complete. A rerun with the same inputs and settings skips the finished shards and writes the rest;
@@ -40,7 +42,7 @@ from difflm import strict_json
 from difflm.errors import DifflmError
 
 MANIFEST = "manifest.json"
-FORMAT, VERSION = "difflm-preprocess", 1
+FORMAT, VERSION = "difflm-preprocess", 2  # 2: a shard holds a list of pieces
 KILL_ENV = "DIFFLM_PREPROCESS_KILL_AT_SHARD"  # test hook: SIGKILL the process writing this shard, mid-write
 
 
@@ -204,22 +206,47 @@ def piece_bytes(piece: Piece, hf=None) -> int:
     return int((piece.end - piece.start) * per_row)
 
 
-def write_shard(index: int, piece: Piece, prefix: str, fmt: DocFormat, hf_split: str, dtype: str, size: int) -> dict:
-    """Tokenize one piece into ``prefix``.bin/.idx (atomic); reports (documents, tokens, bytes) as it goes.
-    Returns {"documents", "tokens", "check"} (the piece's :class:`~difflm.data.corpus_check.CorpusCheck` counts)."""
+def group_pieces(pieces: list[Piece], sizes: list[int], target: int) -> list[list[Piece]]:
+    """Consecutive ``pieces`` (of ``sizes`` bytes) joined into groups of at least ``target`` bytes (the last one may
+    be smaller), one shard each: a piece as large as ``target`` (:func:`difflm.data.documents.file_pieces` cuts
+    large files so) is a shard of its own, small files share one."""
+    groups, size = [], 0
+    for piece, n in zip(pieces, sizes):
+        if not groups or size >= target:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += n
+    return groups
+
+
+def _piece_entry(p: Piece) -> dict:
+    return {"source": p.source, "kind": p.kind, "start": p.start, "end": p.end}
+
+
+def _pieces_texts(pieces: list[Piece], fmt: DocFormat, hf_split: str, check: CorpusCheck):
+    """The documents of ``pieces`` in order, counted by ``check`` piece by piece."""
+    for piece in pieces:
+        hf = None
+        if piece.kind == "hf":
+            if (piece.source, hf_split) not in _HF:
+                _HF[(piece.source, hf_split)] = load_hf(piece.source, hf_split, fmt)
+            hf = _HF[(piece.source, hf_split)]
+        yield from check.scan(iter_documents(piece, fmt, hf), fmt.doc_separator if piece.kind == "txt" else None)
+
+
+def write_shard(index: int, pieces: list[Piece], prefix: str, fmt: DocFormat, hf_split: str, dtype: str,
+                size: int) -> dict:
+    """Tokenize consecutive pieces into ``prefix``.bin/.idx (atomic); reports (documents, tokens, bytes) as it goes.
+    Returns {"documents", "tokens", "check"} (the pieces' :class:`~difflm.data.corpus_check.CorpusCheck` counts)."""
     from difflm.data.preprocess import tokenized_batches
 
-    hf = None
-    if piece.kind == "hf":
-        if (piece.source, hf_split) not in _HF:
-            _HF[(piece.source, hf_split)] = load_hf(piece.source, hf_split, fmt)
-        hf = _HF[(piece.source, hf_split)]
     kill = os.environ.get(KILL_ENV)
     builder = IndexedDatasetBuilder(prefix, dtype)
     docs = tokens = reported = 0
     check = CorpusCheck()
     try:
-        texts = check.scan(iter_documents(piece, fmt, hf), fmt.doc_separator if piece.kind == "txt" else None)
+        texts = _pieces_texts(pieces, fmt, hf_split, check)
         for arrays, read, chars in tokenized_batches(_TOK, texts):
             n_tok = 0
             for ids in arrays:
@@ -347,6 +374,9 @@ def run_preprocess(cfg) -> dict:
             pieces = [p for f in files for p in file_pieces(f, fmt, target)]
         if not holds_text(pieces, fmt, hf):  # before a manifest: data.path would refuse it only at training
             raise empty_input_error(cfg)
+        # hf_pieces are cut to shard_mb already; file pieces of small files (and the ends of files) are joined
+        groups = [[p] for p in pieces] if hf is not None else group_pieces(pieces, [piece_bytes(p) for p in pieces],
+                                                                            target)
         dtype = token_dtype(tok.padded_vocab_size)
         plan = {
             "format": FORMAT, "version": VERSION, "tokenization_version": FORMAT_VERSION,
@@ -356,8 +386,8 @@ def run_preprocess(cfg) -> dict:
                          "split_special_tokens": True, "eos": "inserted after every document when read",
                          "shard_mb": cfg.shard_mb},
             "sources": sources,
-            "shards": [{"name": f"shard_{i:05d}", "source": p.source, "kind": p.kind, "start": p.start, "end": p.end}
-                       for i, p in enumerate(pieces)],
+            "shards": [{"name": f"shard_{i:05d}", "pieces": [_piece_entry(p) for p in group]}
+                       for i, group in enumerate(groups)],
         }
         plan_key = content_key(plan)
         try:
@@ -371,7 +401,7 @@ def run_preprocess(cfg) -> dict:
                 f.unlink()
         prefixes = [str(out / s["name"]) for s in plan["shards"]]
         todo = [i for i, prefix in enumerate(prefixes) if not shard_complete(prefix)]
-        sizes = {i: piece_bytes(pieces[i], hf) for i in todo}
+        sizes = {i: sum(piece_bytes(p, hf) for p in groups[i]) for i in todo}
         progress = _Progress(sum(sizes.values()), cfg.progress_bar)
         tokenize_start = time.perf_counter()
         check = CorpusCheck()
@@ -379,9 +409,10 @@ def run_preprocess(cfg) -> dict:
             if pool is None:
                 _REPORT = lambda report: progress.update(*report)  # noqa: E731
                 for i in todo:
-                    check.merge(write_shard(i, pieces[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])["check"])
+                    result = write_shard(i, groups[i], prefixes[i], fmt, cfg.hf_split, dtype.name, sizes[i])
+                    check.merge(result["check"])
             else:
-                for result in _run_pool(pool, queue, progress, [(i, pieces[i], prefixes[i], fmt, cfg.hf_split,
+                for result in _run_pool(pool, queue, progress, [(i, groups[i], prefixes[i], fmt, cfg.hf_split,
                                                                  dtype.name, sizes[i]) for i in todo]):
                     check.merge(result["check"])
         finally:
@@ -422,13 +453,18 @@ def content_view(plan: dict) -> dict:
     names = {}
     for s in sources:
         names.setdefault(s.get("path", s.get("hf_dataset")), len(names))
-    view = {k: v for k, v in plan.items() if k not in ("tokenizer", "sources", "shards", "plan_key", "complete",
-                                                       "documents", "tokens")}
+    view = {k: v for k, v in plan.items() if k not in ("version", "tokenizer", "sources", "shards", "plan_key",
+                                                       "complete", "documents", "tokens")}
     view["tokenizer"] = {k: v for k, v in plan.get("tokenizer", {}).items() if k != "name"}
     view["sources"] = [{k: v for k, v in s.items() if k != "path" and not (k == "hf_dataset" and s.get("fingerprint"))}
                        for s in sources]
-    view["shards"] = [{**{k: v for k, v in s.items() if k not in ("source", "documents", "tokens")},
-                       "source": names.get(s.get("source"), s.get("source"))} for s in plan.get("shards", [])]
+    # version 1 wrote one piece per shard as the shard's own keys: the same shards as a list of that one piece
+    view["shards"] = []
+    for s in plan.get("shards", []):
+        pieces = s.get("pieces", [{k: s.get(k) for k in ("source", "kind", "start", "end")}])
+        view["shards"].append({"name": s.get("name"), "pieces": [
+            {**{k: v for k, v in p.items() if k != "source"}, "source": names.get(p.get("source"), p.get("source"))}
+            for p in pieces]})
     return view
 
 
@@ -454,7 +490,12 @@ def _prepare_output(out: Path, plan: dict, plan_key: str, cfg) -> None:
     failed_start = not old.get("complete") and not any(shard_complete(str(out / s["name"])) for s in old["shards"])
     if not (cfg.overwrite or failed_start):  # a start that failed before its first shard holds nothing to keep
         before, now = content_view(old), content_view(plan)
-        changed = [k for k in ("tokenizer", "settings", "sources") if before.get(k) != now[k]] or ["shards"]
+        changed = [k for k in ("tokenizer", "settings", "sources") if before.get(k) != now[k]]
+        if not changed and old.get("complete") and old.get("version") != VERSION:
+            raise DifflmError(f"output={cfg.output!r} holds this input's tokens, written by an earlier "
+                              f"difflm-preprocess with another shard layout (manifest version {old.get('version')}): "
+                              "train on it as it is, or set overwrite=true to write it again")
+        changed = changed or ["shards"]
         raise DifflmError(f"output={cfg.output!r} holds shards of other {'/'.join(changed)} (see its manifest.json): "
                           "choose a new output directory, or set overwrite=true to replace them")
     others = [f.name for f in out.iterdir() if f.name != MANIFEST and not f.name.startswith("shard_")]
