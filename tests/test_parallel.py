@@ -447,3 +447,20 @@ def test_the_docs_launch_commands_are_found():
     assert any(n == 4 and "parallel=fsdp" in o for n, o in found)
     assert any(n == 8 and "parallel=ep2" in o for n, o in found)
     assert len(found) >= 4
+
+
+@pytest.mark.slow  # starts torchrun
+def test_a_data_refusal_on_rank_0_ends_every_rank_in_one_line(tmp_path):
+    """Rank 0 builds the data first: its refusal (here a corpus too small for one window) reaches every rank, which
+    each end with that one line and status 2, instead of the others' barrier failing with a gloo traceback."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("a corpus of a few tokens\n")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "difflm.train",
+           *COMMON, "parallel=ddp", "model=tiny", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+           f"run.dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("difflm: error:")]
+    assert len(lines) == 2 and all("data.seq_len=32 leaves 0 window(s)" in line for line in lines), out.stderr[-3000:]
+    assert "Connection closed" not in out.stderr and "exitcode  : 2" in out.stderr, out.stderr[-3000:]

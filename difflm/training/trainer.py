@@ -122,10 +122,7 @@ class Trainer:
         check_resume_tokenizer(self.run_dir, cfg.data.tokenizer, self.tok, cfg.model.vocab_multiple)
         resolve_model_config(cfg.model, self.tok.padded_vocab_size)
         cache_dir = cfg.data.cache_dir or str(self.run_dir / "data_cache")
-        for turn in ((True, False) if self.dims.distributed else (True,)):  # rank 0 tokenizes and caches first
-            if turn == self.is_rank0:
-                self.train_set, self.valid_set = build_datasets(cfg.data, self.tok, cache_dir)
-            pdist.barrier()
+        self._build_datasets(cache_dir)
         if t.epochs is not None:  # train.epochs: passes over the training windows set the length
             steps = max(1, math.ceil(t.epochs * len(self.train_set) / t.global_batch_size))
             replaced = "" if t.max_steps is None else f", in place of the default train.max_steps={t.max_steps}"
@@ -501,6 +498,28 @@ class Trainer:
                                                  self.cfg.data.seq_len)
         self._report(f"CUDA graphs: {len(self.block_graphs.blocks)} blocks captured for micro-batches of "
                      f"{t.micro_batch_size} x {self.cfg.data.seq_len} tokens in {self.block_graphs.seconds:.1f} s")
+
+    def _build_datasets(self, cache_dir: str) -> None:
+        """``self.train_set`` / ``self.valid_set``: rank 0 tokenizes and caches first, then the other ranks read its
+        cache. A refusal on rank 0 (a data path, tokenizer or window count the run cannot use) is sent to every rank
+        and ends each with the same one line, not with the others' collective failing under them."""
+        if not self.dims.distributed:
+            self.train_set, self.valid_set = build_datasets(self.cfg.data, self.tok, cache_dir)
+            return
+        refused = None
+        if self.is_rank0:
+            try:
+                self.train_set, self.valid_set = build_datasets(self.cfg.data, self.tok, cache_dir)
+            except DifflmError as err:
+                refused = err
+        message = pdist.broadcast_object(None if refused is None else str(refused))
+        if refused is not None:
+            raise refused
+        if message is not None:
+            raise DifflmError(message)
+        if not self.is_rank0:
+            self.train_set, self.valid_set = build_datasets(self.cfg.data, self.tok, cache_dir)
+        pdist.barrier()
 
     def _host_batches(self, data_step: int) -> tuple[list, list, int]:
         """The token windows and noised micro-batches of ``data_step`` on the host, pinned (one local batch for a
