@@ -469,3 +469,25 @@ def test_small_input_files_share_shards(tmp_path, tok):
                                           r"another shard layout \(manifest version 1\): train on it as it is, or set "
                                           r"overwrite=true"):
         run_preprocess(preprocess_cfg(f"input={corpus}", f"output={tmp_path / 'out1'}", "shard_mb=1.0"))
+
+
+def test_shards_picked_out_of_an_output_are_checked_as_the_output_is(tmp_path, tok):
+    """A glob, a .bin/.idx file or a prefix inside a difflm-preprocess output is refused as the output itself is:
+    while its manifest says incomplete, and when it was made with another tokenizer than data.tokenizer."""
+    from difflm.data.shards import OtherTokenizerShards
+
+    corpus = make_corpus(tmp_path / "corpus", copies=2)
+    out = tmp_path / "shards"
+    run_preprocess(preprocess_cfg(f"input={corpus}", f"output={out}", "workers=1", "shard_mb=0.0005"))
+    picks = [str(out / "shard_*.idx"), str(out / "shard_00000.bin"), str(out / "shard_00000")]
+    assert all(find_shards(p, tok) for p in picks)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": {**manifest["tokenizer"],
+                                                                             "fingerprint": "another"}}))
+    for p in picks:
+        with pytest.raises(OtherTokenizerShards, match="was tokenized with another tokenizer"):
+            find_shards(p, tok)
+    (out / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    for p in picks:
+        with pytest.raises(DifflmError, match="difflm-preprocess has not finished writing it"):
+            find_shards(p, tok)

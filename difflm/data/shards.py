@@ -74,7 +74,8 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
 
     ``path`` may be a ``difflm-preprocess`` output directory (its manifest's shards; refused while incomplete or
     when made with another tokenizer than ``tok``), a directory of Megatron ``*.idx``/``*.bin`` pairs (sorted), a
-    glob of them, one ``.idx``/``.bin`` file, or a prefix with both files.
+    glob of them, one ``.idx``/``.bin`` file, or a prefix with both files (shards picked out of a ``difflm-preprocess``
+    output are refused as the output is).
 
     Raises: DifflmError for an incomplete output or a path that mixes shards and text files;
         :class:`OtherTokenizerShards` (a DifflmError) for output made with another tokenizer than ``tok``.
@@ -84,14 +85,7 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
     if os.path.isdir(p):
         m = read_manifest(p)
         if m is not None:
-            if not m.get("complete"):
-                raise DifflmError(f"{key}={path!r}: difflm-preprocess has not finished writing it (manifest.json says "
-                                  "incomplete): rerun the same difflm-preprocess command to resume")
-            if tok is not None and m["tokenizer"]["fingerprint"] != tok.fingerprint:
-                raise OtherTokenizerShards(f"{key}={path!r} was tokenized with another tokenizer "
-                                           f"({m['tokenizer']['name']}) than data.tokenizer: set data.tokenizer to "
-                                           "that tokenizer, or rerun difflm-preprocess with tokenizer=<data.tokenizer>",
-                                           path, m)
+            _check_manifest(m, path, tok, key)
             return [os.path.join(p, s["name"]) for s in m["shards"]]
         found = sorted(glob.glob(os.path.join(glob.escape(p), "*.idx")))
         if found:
@@ -101,17 +95,33 @@ def find_shards(path: str, tok: Optional[TokenizerInfo] = None, key: str = "data
                                   "point it at a directory of one kind, or at a glob")
             return [f[:-4] for f in found]
         return None
+    shards = None
     if os.path.isfile(p) and p.endswith((".idx", ".bin")):
-        return [p[:-4]]
-    if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin"):
-        return [p]
-    if glob.has_magic(p):
+        shards = [p[:-4]]
+    elif os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin"):
+        shards = [p]
+    elif glob.has_magic(p):
         matched = sorted(glob.glob(p, recursive=True))
         shards = sorted({f[:-4] for f in matched if f.endswith((".idx", ".bin"))})
         if shards and len(shards) * 2 < len([f for f in matched if os.path.isfile(f)]):
             raise DifflmError(f"{key}={path!r} matches both .bin/.idx shards and other files: narrow the glob")
-        return shards or None
-    return None
+    for folder in sorted({os.path.dirname(s) for s in shards or []}):  # shards picked out of difflm-preprocess output
+        if (m := read_manifest(folder)) is not None:
+            _check_manifest(m, path, tok, key)
+    return shards or None
+
+
+def _check_manifest(m: dict, path: str, tok: Optional[TokenizerInfo], key: str) -> None:
+    """Refuse the shards of a ``difflm-preprocess`` manifest ``m`` (named by ``path``, or picked out of its folder)
+    while it is incomplete or when they were made with another tokenizer than ``tok``."""
+    if not m.get("complete"):
+        raise DifflmError(f"{key}={path!r}: difflm-preprocess has not finished writing it (manifest.json says "
+                          "incomplete): rerun the same difflm-preprocess command to resume")
+    if tok is not None and m["tokenizer"]["fingerprint"] != tok.fingerprint:
+        raise OtherTokenizerShards(f"{key}={path!r} was tokenized with another tokenizer "
+                                   f"({m['tokenizer']['name']}) than data.tokenizer: set data.tokenizer to "
+                                   "that tokenizer, or rerun difflm-preprocess with tokenizer=<data.tokenizer>",
+                                   path, m)
 
 
 OPEN_FILE_HEADROOM = 1024  # file descriptors left for the rest of a run (checkpoints, sockets, NCCL) beside shards
