@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from difflm.objectives import ARObjective, MDLMObjective, step_length, weighted_ce_sum
+from difflm.objectives import ARObjective, MDLMObjective, loss_normaliser, shortest_step_length, step_length, \
+    weighted_ce_sum
 from difflm.objectives.mdlm import draw_mask, mask_prob, noise_batch, sample_t
 
 MASK = 99
@@ -117,6 +118,25 @@ def test_random_length_truncation():
     assert all(n % 8 == 0 and 8 <= n <= 128 for n in lengths)
     assert lengths == [step_length(128, s, seed=0, prob=0.2, multiple=8) for s in range(2000)]
     assert all(step_length(128, s, 0, 0.0, 1) == 128 for s in range(100))
+
+
+@pytest.mark.parametrize("overrides, shortest", [(dict(name="ar"), 2), (dict(name="mdlm", ar_loss_weight=1.0), 2),
+                                                  (dict(name="bd3lm", ar_loss_weight=0.3), 2), (dict(name="mdlm"), 1),
+                                                  (dict(name="sft"), 1), (dict(name="bd3lm"), 1)])
+def test_random_lengths_leave_next_token_losses_a_prediction(overrides, shortest):
+    # a one-token window has no next token: an ar step (or the hybrid AR term) would divide 0 by 0
+    assert shortest_step_length(OmegaConf.create(overrides)) == shortest
+    lengths = {step_length(2, s, seed=0, prob=1.0, multiple=1, shortest=shortest) for s in range(400)}
+    assert lengths == ({2} if shortest == 2 else {1, 2})
+    lengths = [step_length(8, s, seed=1, prob=1.0, multiple=1, shortest=2) for s in range(4000)]
+    assert set(lengths) == set(range(2, 9))  # U{2, ..., 8}, each about 1/7 of the draws
+    assert all(abs(lengths.count(n) / 4000 - 1 / 7) < 0.03 for n in range(2, 9))
+    # the shortest ar window still gives a finite loss: its one prediction over its one loss token
+    tokens = torch.tensor([[3, 4]])
+    batch = ARObjective(None, MASK).noise(tokens, [0], (0,), 1)
+    logits = torch.randn(1, 2, 10)
+    got = weighted_ce_sum(logits[batch.loss_mask], batch, "token", loss_normaliser("token", batch.num_tokens))
+    assert got.item() == pytest.approx(F.cross_entropy(logits[0, :1], tokens[0, 1:]).item(), rel=1e-6)
 
 
 def test_expected_loss_of_uniform_model_is_log_vocab():

@@ -3,7 +3,8 @@
 from difflm.errors import DifflmError
 from difflm.objectives.ar import ARObjective
 from difflm.objectives.bd3lm import BD3LMObjective
-from difflm.objectives.base import NoisedBatch, loss_normaliser, step_length, weighted_ce_sum
+from difflm.objectives.base import NoisedBatch, loss_normaliser, shortest_step_length, step_length, \
+    weighted_ce_sum
 from difflm.objectives.mdlm import MDLMObjective
 from difflm.objectives.sft import SFTObjective
 
@@ -21,4 +22,4 @@ def build_objective(cfg, mask_id: int):
     return AdaptedObjective(objective) if adapts(cfg) else objective
 
 
-__all__ = ["ARObjective", "BD3LMObjective", "SFTObjective", "MDLMObjective", "NoisedBatch", "build_objective", "loss_normaliser", "step_length", "weighted_ce_sum"]
+__all__ = ["ARObjective", "BD3LMObjective", "SFTObjective", "MDLMObjective", "NoisedBatch", "build_objective", "loss_normaliser", "shortest_step_length", "step_length", "weighted_ce_sum"]

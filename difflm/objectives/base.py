@@ -154,16 +154,23 @@ def weighted_ce_sum(logits: torch.Tensor, batch: NoisedBatch, norm: str, normali
     return (terms.sum() / normaliser).float()
 
 
-def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int) -> int:
+def shortest_step_length(cfg) -> int:
+    """The shortest window a random-length step may draw under the ``objective`` config ``cfg``: 2 when the loss has
+    next-token terms (``objective=ar``, or ``objective.ar_loss_weight > 0``), whose one-token window would predict
+    nothing (a normaliser of 0 and a NaN loss), else 1."""
+    return 2 if cfg.name == "ar" or float(cfg.get("ar_loss_weight", 0.0) or 0.0) > 0 else 1
+
+
+def step_length(seq_len: int, step: int, seed: int, prob: float, multiple: int, shortest: int = 1) -> int:
     """Sequence length used at ``step``: ``seq_len``, or with probability ``prob`` a random length.
 
     LLaDA (Nie et al. 2025, sec. 2.2) trains 1% of batches on a length drawn from U[1, 4096] so the model
-    also sees short inputs. The draw is keyed by (seed, step), so every rank and every resume agrees;
-    the length is rounded down to a multiple of ``multiple`` (at least ``multiple``) so that
-    sequence/context parallel ranks can split it.
+    also sees short inputs; here U{``shortest``, ..., ``seq_len``} (:func:`shortest_step_length`). The draw is keyed
+    by (seed, step), so every rank and every resume agrees; the length is rounded down to a multiple of ``multiple``
+    (at least ``multiple``) so that sequence/context parallel ranks can split it.
     """
     coin, draw = keyed_uniforms(STREAM_LENGTH, seed, step, n=2)
     if prob <= 0 or coin >= prob:
         return seq_len
-    length = 1 + int(draw * seq_len)  # U{1, ..., seq_len}
+    length = shortest + int(draw * (seq_len - shortest + 1))  # U{shortest, ..., seq_len}
     return max(multiple, length // multiple * multiple)

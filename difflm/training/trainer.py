@@ -24,7 +24,7 @@ from difflm.model.lora import apply_lora, check_lora, check_lora_layout, init_ad
 from difflm.model.masks import to_device
 from difflm.model.moe import (moe_config, moe_inactive_params, moe_metrics_of, moe_step, moe_step_stats,
                               set_moe_balance_group, set_moe_loss_scale)
-from difflm.objectives import build_objective, loss_normaliser, step_length, weighted_ce_sum
+from difflm.objectives import build_objective, loss_normaliser, shortest_step_length, step_length, weighted_ce_sum
 from difflm.training.allocator import use_expandable_segments
 from difflm.training.flops import mfu, objective_flops_per_token, peak_flops
 from difflm.training.optimizer import build_optimizer, skips_on_device, step_unless_nonfinite
@@ -529,7 +529,7 @@ class Trainer:
 
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
         seq_len = step_length(cfg.data.seq_len, data_step, t.seed, cfg.objective.random_length_prob,
-                              effective_length_multiple(cfg, dims))
+                              effective_length_multiple(cfg, dims), shortest_step_length(cfg.objective))
         local = t.global_batch_size // dims.dp
         start = self.coords["dp"] * local
         key = (t.seed, data_step)  # the step's noise key (difflm.objectives.keyed_rng)
