@@ -321,6 +321,40 @@ def test_packed_sft_loss_is_the_per_pair_loss(intra_document_attention):
             assert got.item() == pytest.approx(want / 4, rel=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(t_lo=0.2, t_hi=0.9), dict(complementary_masks=True),
+                                     dict(weighting="cart", cart_p=0.1), dict(diffusion_loss_weight=0.5)])
+def test_adapted_packed_sft_loss_is_the_per_pair_loss(options):
+    """The adaptation options (docs/adaptation.md) keep packed pairs' eq. 5: each pair's sum over its own response
+    length, averaged over the pairs; the row's response length divided the 4 pairs of 2 rows by their row instead."""
+    from difflm.data.sft import pack_pairs
+    from difflm.objectives import build_objective
+
+    eos, vocab = 0, 50
+    pairs = [([1, 2, 3], [4, 5, 6, 7, 8, 9, eos]), ([11, 12], [13, eos]),
+             ([21], [22, 23, eos]), ([31, 32, 33, 34], [35, 36, 37, 38, eos])]
+    tb = pack_pairs(pairs, seq_len=16, eos_id=eos).get([0, 1])
+    obj = build_objective(objective_cfg(name="sft", loss_norm="sequence", **options), 47)
+    summed = build_objective(objective_cfg(name="sft", loss_norm="token", **options), 47)  # same noise, no 1/N
+    assert float(loss_normaliser("sequence", obj.num_tokens(tb))) == 4.0
+    torch.manual_seed(0)
+    logits_all = torch.randn(2, 16, vocab)
+    for step in range(3):
+        batch = obj.noise(tb, [0, 1], (7, step), 2)
+        rows = batch.input_ids.shape[0]  # 4 with complementary masks: both halves of every pair
+        logits = logits_all.repeat(rows // 2, 1, 1)
+        got = weighted_ce_sum(logits[batch.loss_mask], batch, "sequence", 4.0, fused=False)
+        plain = summed.noise(tb, [0, 1], (7, step), 2)
+        assert torch.equal(plain.loss_mask, batch.loss_mask)
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tb.tokens.repeat(rows // 2, 1), reduction="none")
+        pair_ids, response = tb.pair_ids.repeat(rows // 2, 1), tb.response_mask().repeat(rows // 2, 1)
+        want = 0.0
+        for k in range(4):
+            n = float(((tb.pair_ids == k) & tb.response_mask()).sum())
+            m = (pair_ids == k) & response & plain.loss_mask
+            want += float((ce[m] * plain.weights[m]).sum()) / n
+        assert got.item() == pytest.approx(want / 4, rel=1e-5)
+
+
 @needs_gsm8k
 def test_packed_pairs_see_only_themselves(pairs_file):
     """With intra-document attention a packed pair's logits equal those of the pair alone (RoPE is relative: the

@@ -133,6 +133,8 @@ class AdaptedObjective:
             w = cart_weights(batch.input_ids == self.mask_id, float(self.cfg.cart_p))
             batch.weights = torch.where(batch.loss_mask, w, torch.zeros(()))
         batch.weights = batch.weights * float(self.cfg.get("diffusion_loss_weight", 1.0))
+        if hasattr(base, "per_pair") and self.cfg.get("loss_norm", "token") == "sequence":
+            batch = base.per_pair(batch, tokens)  # packed sft pairs: 1 / N_pair, as the base objective trains
         n_anneal = int(self.cfg.get("attention_anneal_steps", 0))
         if n_anneal > 0:
             batch.attn_mask = anneal_mask(batch.input_ids.shape[1], step, n_anneal, int(key[0]))

@@ -78,10 +78,19 @@ class SFTObjective(MDLMObjective):
         batch.weights = torch.where(batch.loss_mask, batch.weights, torch.zeros(()))
         batch.input_ids = torch.where(is_response, batch.input_ids, tokens.tokens)  # prompt stays clean
         batch.num_tokens = is_response.sum(dim=1).clamp(min=1).float()
-        packed = self.pair_lengths(tokens) if per_pair else None
-        if packed is not None:
-            batch.weights = batch.weights / packed[1]
-            batch.num_tokens = torch.ones_like(batch.num_tokens)  # each pair's 1 / N_pair is in its weights
+        return self.per_pair(batch, tokens) if per_pair else batch
+
+    def per_pair(self, batch: NoisedBatch, tokens) -> NoisedBatch:
+        """``batch`` with each weight of a packed row (``data.sft_packing``) divided by the response length of its
+        pair and ``num_tokens`` 1 (each pair's 1 / N_pair is in its weights): the training batch under
+        ``objective.loss_norm=sequence`` (module docstring). ``batch``'s rows are those of ``tokens``, or several
+        copies of them stacked (complementary masks). Rows of one pair each: ``batch`` as it is."""
+        packed = self.pair_lengths(tokens)
+        if packed is None:
+            return batch
+        lengths = packed[1].repeat(batch.weights.shape[0] // packed[1].shape[0], 1)
+        batch.weights = batch.weights / lengths
+        batch.num_tokens = torch.ones_like(batch.num_tokens)
         return batch
 
     def noise(self, tokens, sample_ids: Sequence[int], key: tuple[int, ...], global_batch_size: int,
