@@ -203,6 +203,33 @@ def test_cart_matches_dream_eq3(shift):
     assert difflm_loss(shifted, obj, batch, x0) == pytest.approx(total / (B * L), abs=1e-6)
 
 
+@pytest.mark.parametrize("pair", [False])
+def test_cart_counts_only_the_context_a_packed_document_sees(pair):
+    """Under intra-document attention a packed window's documents do not see each other, so Dream's eq. 3 sums over
+    the clean tokens of the token's own document only (complementary rows too); the row's sum counted the clean
+    tokens of its neighbours as context."""
+    from difflm.data.batch import TokenBatch
+    from difflm.model.masks import document_ids
+
+    q = 0.3
+    obj = build_objective(adapted_cfg(weighting="cart", cart_p=q, complementary_masks=pair), MASK)
+    x0 = tokens()
+    x0[0, 2], x0[0, 5], x0[1, 3] = 0, 0, 0  # EOS (id 0) closes a document: row 0 packs 3, row 1 packs 2
+    docs = document_ids(x0, 0)
+    batch = obj.noise(TokenBatch(x0, doc_ids=docs), range(B), (SEED, STEP), B)
+    rows = batch.input_ids.shape[0]
+    assert rows == (2 if pair else 1) * B
+    xt, docs = batch.input_ids, docs.repeat(rows // B, 1)
+    for b in range(rows):
+        for n in range(L):
+            want = 0.5 * sum((1 - q) ** (abs(n - i) - 1) * q for i in range(L)
+                             if i != n and xt[b, i] != MASK and docs[b, i] == docs[b, n])
+            if xt[b, n] == MASK:
+                assert float(batch.weights[b, n]) == pytest.approx(want * (0.5 if pair else 1.0), abs=1e-6)
+            else:
+                assert float(batch.weights[b, n]) == 0.0
+
+
 @pytest.mark.parametrize("name,norm", [("bd3lm", "token"), ("mdlm", "sequence")])
 def test_hybrid_matches_megatron_bridge(model, name, norm):
     """0.3 x diffusion CE on x_t + 1.0 x mean next-token CE on the clean copy under causal attention."""

@@ -130,7 +130,9 @@ class AdaptedObjective:
             batch = cat_batches(batch, self._complement(base, tokens, t, p, mask))
             batch.weights = batch.weights * 0.5
         if self.cfg.get("weighting", "nelbo") == "cart":
-            w = cart_weights(batch.input_ids == self.mask_id, float(self.cfg.cart_p))
+            docs = None if extras is None or extras.doc_ids is None else \
+                extras.doc_ids.repeat(batch.input_ids.shape[0] // raw.shape[0], 1)  # the context attention allows
+            w = cart_weights(batch.input_ids == self.mask_id, float(self.cfg.cart_p), docs)
             batch.weights = torch.where(batch.loss_mask, w, torch.zeros(()))
         batch.weights = batch.weights * float(self.cfg.get("diffusion_loss_weight", 1.0))
         if hasattr(base, "per_pair") and self.cfg.get("loss_norm", "token") == "sequence":
