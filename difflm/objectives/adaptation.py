@@ -126,15 +126,15 @@ class AdaptedObjective:
         batch = self._assemble(base, tokens, t, mask)
         if eval_draw is not None:
             return batch
-        if self.pair:  # the mean of the two NELBO estimates: each row weighs 1/2
+        if self.pair:
             batch = cat_batches(batch, self._complement(base, tokens, t, p, mask))
-            batch.weights = batch.weights * 0.5
         if self.cfg.get("weighting", "nelbo") == "cart":
             docs = None if extras is None or extras.doc_ids is None else \
                 extras.doc_ids.repeat(batch.input_ids.shape[0] // raw.shape[0], 1)  # the context attention allows
             w = cart_weights(batch.input_ids == self.mask_id, float(self.cfg.cart_p), docs)
             batch.weights = torch.where(batch.loss_mask, w, torch.zeros(()))
-        batch.weights = batch.weights * float(self.cfg.get("diffusion_loss_weight", 1.0))
+        share = 0.5 if self.pair else 1.0  # complementary rows: the mean of the two estimates, each row weighs 1/2
+        batch.weights = batch.weights * (share * float(self.cfg.get("diffusion_loss_weight", 1.0)))
         if hasattr(base, "per_pair") and self.cfg.get("loss_norm", "token") == "sequence":
             batch = base.per_pair(batch, tokens)  # packed sft pairs: 1 / N_pair, as the base objective trains
         n_anneal = int(self.cfg.get("attention_anneal_steps", 0))
