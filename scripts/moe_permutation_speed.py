@@ -1,6 +1,7 @@
-"""Time the MoE layer's token permutation on a GPU: difflm's gathers both ways
-(:class:`difflm.model.token_permutation.SlotOrder`) against autograd through plain indexing (``h[order // k]``,
-``y[inverse]``, whose backwards run ``index_put_`` with accumulation), forward and backward, in BF16.
+"""Time the MoE layer's token permutation on a GPU, forward and backward in BF16: difflm's
+(:class:`difflm.model.token_permutation.SlotOrder`: gathers both ways, the gate-weighted combine as one Triton kernel
+each way reading the sorted rows) against autograd through plain indexing and a batched GEMM (``h[order // k]``,
+``y[inverse]``, whose backwards run ``index_put_`` with accumulation, then ``bmm`` over the k slots).
 
 Two timings per shape, each from the same inputs for both ways:
 
@@ -9,9 +10,9 @@ Two timings per shape, each from the same inputs for both ways:
 * ``layer``: the whole :class:`difflm.model.moe.MoEMLP` (RMSNorm, FP32 router, auxiliary losses, ``torch._grouped_mm``
   experts under BF16 autocast), its ``_routed`` running either way.
 
-Prints one JSON line per shape: ms per forward + backward of each, the speed-up, and how far the gathers' output and
-input gradient are from the indexing's (max |diff| / max |ref|; the k slot gradients of a token are summed in FP32
-by the gathers, one BF16 add at a time by ``index_put_``).
+Prints one JSON line per shape: ms per forward + backward of each, the speed-up, and how far difflm's output and
+input gradient are from autograd's (max |diff| / max |ref|; difflm sums a token's k slot gradients and the combine in
+FP32 with FP32 gating weights, autograd adds one BF16 slot gradient at a time and rounds the weights to BF16).
 
     python scripts/moe_permutation_speed.py --shape moe-1b-7b-mb2=8192,2048,64,8,1024
 
@@ -49,7 +50,7 @@ def parse_shape(spec: str) -> tuple[str, tuple[int, ...]]:
 
 
 def indexing_routed(self, h, expert_ids, weights):
-    """``MoEMLP._routed`` through autograd's indexing (the baseline): the same values as difflm's gathers."""
+    """``MoEMLP._routed`` through autograd's indexing and ``bmm`` (the baseline): the same sums as difflm's."""
     t, k = expert_ids.shape
     order = torch.argsort(expert_ids.flatten(), stable=True)
     counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
@@ -61,19 +62,18 @@ def indexing_routed(self, h, expert_ids, weights):
 
 
 def permutation_only(gathers: bool, h, ids, w, scale):
-    """Sort, gather, ``x * scale`` for the experts, unsort, gate-weighted sum: [T, d]."""
+    """Sort, gather, ``x * scale`` for the experts, unsort and gate-weighted sum: [T, d]."""
     from difflm.model.token_permutation import SlotOrder
 
     t, k = ids.shape
     if gathers:
         slots = SlotOrder(ids)
-        y = slots.unpermute(slots.permute(h, t * k) * scale)
-    else:
-        order = torch.argsort(ids.flatten(), stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(t * k, device=order.device)
-        y = (h[order // k] * scale)[inverse].view(t, k, -1)
-    return torch.bmm(w.unsqueeze(1), y).squeeze(1)
+        return slots.combine(slots.permute(h, t * k) * scale, w)
+    order = torch.argsort(ids.flatten(), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(t * k, device=order.device)
+    y = (h[order // k] * scale)[inverse].view(t, k, -1)
+    return torch.bmm(w.unsqueeze(1).to(y.dtype), y).squeeze(1)
 
 
 def moe_layer(d: int, e: int, k: int, f: int):
@@ -104,12 +104,12 @@ def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
     h = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(t, e, device="cuda").topk(k, dim=-1).indices  # k distinct experts per token, near uniform
-    w = torch.rand(t, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(t, k, device="cuda")  # FP32, as the router's
     scale = torch.full((1, d), 1.5, device="cuda", dtype=torch.bfloat16)
     row = {"tokens": t, "hidden": d, "experts": e, "top_k": k, "expert_ffn": f}
     results = {}
     for gathers in (False, True):
-        way = "gathers" if gathers else "indexing"
+        way = "difflm" if gathers else "autograd"
 
         def perm(gathers=gathers):
             h.grad = None
@@ -122,7 +122,7 @@ def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
     layer, routed = moe_layer(d, e, k, f), MoEMLP._routed
     x = torch.randn(t, d, device="cuda", requires_grad=True)
     for gathers in (False, True):
-        way = "gathers" if gathers else "indexing"
+        way = "difflm" if gathers else "autograd"
         MoEMLP._routed = routed if gathers else indexing_routed
 
         def step():
@@ -141,8 +141,8 @@ def time_shape(t: int, d: int, e: int, k: int, f: int, steps: int) -> dict:
         finally:
             MoEMLP._routed = routed
     for part in ("perm", "layer"):
-        row[f"{part}_speedup"] = round(row[f"{part}_indexing_ms"] / row[f"{part}_gathers_ms"], 3)
-        (o_ref, g_ref), (o, g) = results[(part, "indexing")], results[(part, "gathers")]
+        row[f"{part}_speedup"] = round(row[f"{part}_autograd_ms"] / row[f"{part}_difflm_ms"], 3)
+        (o_ref, g_ref), (o, g) = results[(part, "autograd")], results[(part, "difflm")]
         row[f"{part}_rel_err_out"], row[f"{part}_rel_err_grad"] = rel(o, o_ref), rel(g, g_ref)
     return row
 

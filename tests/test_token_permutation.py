@@ -1,4 +1,5 @@
-"""The MoE token permutation's gathers against autograd through plain indexing."""
+"""The MoE token permutation (gathers both ways, the gate-weighted combine) against autograd through plain indexing,
+and the combine's Triton kernels against a float64 reference."""
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ def _reference(h, expert_ids, weights, kept, expert):
 
 def _permuted(h, expert_ids, weights, kept, expert):
     slots = SlotOrder(expert_ids)
-    return torch.bmm(weights.unsqueeze(1), slots.unpermute(expert(slots.permute(h, kept)))).squeeze(1)
+    return slots.combine(expert(slots.permute(h, kept)), weights)
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -59,3 +60,75 @@ def test_slot_order_sorts_by_expert_keeping_token_order():
     assert slots.permute(h, 6).flatten().tolist() == [0.0, 1.0, 1.0, 2.0, 0.0, 2.0]
     back = slots.unpermute(torch.arange(5.0).view(5, 1))  # the last sorted slot dropped: a zero row
     assert back.view(3, 2).tolist() == [[4.0, 0.0], [1.0, 2.0], [0.0, 3.0]]
+
+
+_COMBINE_CASES = [(7, 3, 40, 0), (9, 6, 1100, 5), (5, 8, 16, 40), (0, 2, 8, 0)]  # T, k, d, dropped slots
+
+
+def _combine_errors(device, dtype, cases):
+    """Max |error| of :func:`difflm.kernels.moe_combine.forward` / ``backward`` against float64 autograd: [T, k, d,
+    dropped, out, dy, dw] per case (dropped slots carry id E, so they sort last and add nothing)."""
+    from difflm.kernels import moe_combine
+
+    torch.manual_seed(0)
+    rows = []
+    for t, k, d, dropped in cases:
+        ids = torch.randint(0, 4, (t, k))
+        if dropped:
+            ids.view(-1)[torch.randperm(t * k)[:dropped]] = 4
+        inverse = SlotOrder(ids).inverse.to(device)
+        kept = t * k - dropped
+        # inputs representable in ``dtype`` and the weights in FP32: the reference sees what the kernels read
+        y, g = (torch.randn(n, d).to(dtype).double() for n in (kept, t))
+        w = torch.rand(t, k).double()
+        out = moe_combine.forward(y.to(device, dtype), inverse, w.float().to(device))
+        dy, dw = moe_combine.backward(g.to(device, dtype), y.to(device, dtype), inverse, w.float().to(device))
+        yy, ww = y.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = (ww.unsqueeze(-1) * torch.cat([yy, yy.new_zeros(t * k - kept, d)])[inverse.cpu()].view(t, k, d)).sum(1)
+        ref.backward(g)
+
+        def err(a, b):
+            return (a.cpu().double() - b).abs().max().item() if b.numel() else 0.0
+
+        rows.append([t, k, d, dropped, err(out, ref.detach()), err(dy, yy.grad), err(dw, ww.grad)])
+    return rows
+
+
+_INTERPRETED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_token_permutation import _COMBINE_CASES, _combine_errors
+import torch
+print(json.dumps(_combine_errors("cpu", torch.float32, _COMBINE_CASES)))
+"""
+
+
+@pytest.mark.slow  # starts a process: make test-fast leaves it out
+def test_combine_kernels_match_float64_in_the_interpreter():
+    """The Triton combine on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported,
+    so in a process of its own), in float32: k = 3, 6 (not a power of two), 8; d below, above and across the tiles (a
+    backward loop of three steps); dropped slots; every slot dropped; no tokens."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED.format(tests=str(Path(__file__).parent))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r[:4] for r in rows] == [list(c) for c in _COMBINE_CASES]
+    for t, k, d, dropped, out, dy, dw in rows:  # FP32 sums of up to d products of unit-size values
+        assert out < 2e-6 and dy < 2e-6 and dw < 2e-5 * max(d, 1) ** 0.5, (t, k, d, dropped, out, dy, dw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton combine runs on CUDA here")
+def test_combine_kernels_match_float64_on_cuda():
+    """BF16 activations at the MoE presets' hidden size 2048, FP32 weights and sums: the output and dy within one BF16
+    rounding (2^-9 relative, values below 8), dw (FP32 out) within FP32's sum of 2048 products."""
+    rows = _combine_errors("cuda", torch.bfloat16, [(1000, 8, 2048, 0), (333, 6, 2048, 100)])
+    for t, k, d, dropped, out, dy, dw in rows:
+        assert out < 8 * 2**-9 and dy < 8 * 2**-9 and dw < 1e-3, (t, k, d, dropped, out, dy, dw)

@@ -496,8 +496,8 @@ class MoEMLP(nn.Module):
         dropped = self.capacity_factor is not None and self.training
         kept = int(counts.sum()) if dropped else t * k
         x_local, local_counts, ctx = self.dispatcher.dispatch(slots.permute(h, kept), counts)  # [N, d] sorted
-        y = slots.unpermute(self.dispatcher.combine(self.experts(x_local, local_counts), ctx))  # [T, k, d]
-        return torch.bmm(weights.unsqueeze(1).to(y.dtype), y).squeeze(1).to(h.dtype)
+        y_sorted = self.dispatcher.combine(self.experts(x_local, local_counts), ctx)  # [N, d]
+        return slots.combine(y_sorted, weights).to(h.dtype)
 
 
 # ------------------------------------------------------------------ what the trainer calls

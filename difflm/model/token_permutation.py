@@ -11,6 +11,8 @@ split; these stay in PyTorch (no fused kernel) and run on every device.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -34,6 +36,15 @@ class SlotOrder:
         """h [T, d] -> [kept, d]: the token of each of the first ``kept`` sorted slots (``h[order[:kept] // k]``).
         The gradient of the dropped slots (``order[kept:]``) is zero."""
         return _Permute.apply(h, self, kept)
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [kept, d] expert outputs in sorted-slot order, ``weights`` [T, k] gating weights -> [T, d] in y's dtype:
+        ``sum_j weights[t, j] y[inverse[t k + j]]``, the dropped slots adding nothing. On CUDA one Triton kernel each
+        way (:mod:`difflm.kernels.moe_combine`: FP32 weights and sums, no [T, k, d] copy); elsewhere, and inside
+        ``torch.compile``, :meth:`unpermute` and a batched GEMM with the weights in y's dtype."""
+        if y.is_cuda and not torch.compiler.is_compiling() and _triton_imports():
+            return _Combine.apply(y.contiguous(), weights.contiguous(), self)
+        return torch.bmm(weights.unsqueeze(1).to(y.dtype), self.unpermute(y)).squeeze(1)
 
     def unpermute(self, y: torch.Tensor) -> torch.Tensor:
         """y [kept, d] expert outputs in sorted-slot order -> [T, k, d] in token order, zero rows for the dropped
@@ -70,6 +81,34 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         slots = ctx.slots
         return grad.reshape(-1, grad.shape[-1])[slots.order[:ctx.kept]], None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
+        from difflm.kernels import moe_combine
+
+        ctx.save_for_backward(y, weights)
+        ctx.slots = slots
+        return moe_combine.forward(y, slots.inverse, weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from difflm.kernels import moe_combine
+
+        y, weights = ctx.saved_tensors
+        dy, dw = moe_combine.backward(grad.contiguous(), y, ctx.slots.inverse, weights)
+        return dy, dw, None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_imports() -> bool:
+    """Whether Triton (shipped with PyTorch's CUDA builds) imports here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 __all__ = ["SlotOrder"]
