@@ -10,6 +10,8 @@
 #   bash scripts/bench_suites.sh moe                      # moe-1b-7b against dense-1b (its active size), BF16 / FP8
 #   bash scripts/bench_suites.sh moe megadlms             # moe-1b-7b TE BF16 against MegaDLMs' Megatron-Core MoE, same
 #                                                          # job and shape (needs .megadlms; both need an H200)
+#   bash scripts/bench_suites.sh moe kernels              # the MoE kernel switches at micro-batch 2: the Triton combine
+#                                                          # against the batched GEMM, quack's tuned expert tiles
 #   bash scripts/bench_suites.sh layouts                  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU
 #   bash scripts/bench_suites.sh scaling                  # 2 GPUs: weak scaling, DP levers, tp2, 8b under fsdp
 #   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES]  # AR-to-diffusion recipes at model=125m: adapted vs scratch
@@ -41,7 +43,7 @@ shift
 case "|$SUITES|" in *"|$suite|"*) ;; *) usage "unknown suite '$suite'" ;; esac
 case "$suite" in
   megadlms) case "${1:-bf16}" in bf16|fp8|s2048) ;; *) usage "megadlms takes bf16, fp8 or s2048, not '$1'" ;; esac ;;
-  moe) case "${1:-}" in ""|megadlms) ;; *) usage "moe takes nothing or megadlms, not '$1'" ;; esac ;;
+  moe) case "${1:-}" in ""|megadlms|kernels) ;; *) usage "moe takes nothing, megadlms or kernels, not '$1'" ;; esac ;;
   adaptation) [ $# -ge 1 ] || usage "adaptation needs CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]" ;;
   sampling) [ $# -ge 1 ] || usage "sampling needs RUN_DIR (a trained run, e.g. from make train)" ;;
 esac
@@ -121,6 +123,17 @@ moe)
       --variant "moe-1b-7b-te-bf16: $T" --variant "moe-1b-7b-te-bf16-grouped: $T model.moe.fused_experts=false" \
       > "$OUT/bench_moe_megadlms.log" 2>&1
     tail -20 "$OUT/bench_moe_megadlms.log"
+  elif [ "${1:-}" = kernels ]; then
+    timeout 150 python3 -m pytest tests/test_token_permutation.py tests/test_moe.py -q -p no:cacheprovider -rs \
+      -k "cuda or interpreter" 2>&1 | tail -6
+    timeout 60 python3 scripts/moe_permutation_speed.py --json "$OUT/moe_permutation.json" 2>&1 | tail -8
+    # the tuned row first: quack tunes each expert GEMM shape once (its disk cache keeps the tiles for the machine)
+    timeout 400 python3 scripts/benchmark.py model=moe-1b-7b data.seq_len=4096 train.micro_batch_size=2 \
+      train.global_batch_size=8 precision=bf16 device=cuda --no-reference --isolate --steps 5 --warmup 2 --batches 2 \
+      --row-timeout 300 --time-budget 390 --json "$OUT/bench_moe_kernels.json" \
+      --variant "moe-1b-7b-te-bf16-mb2-tuned: $T model.fused_mlp_autotune=true" \
+      --variant "moe-1b-7b-te-bf16-mb2: $T" \
+      --variant "moe-1b-7b-te-bf16-mb2-bmm-combine: $T model.moe.fused_combine=false" 2>&1 | tail -12
   else
     timeout 60 python3 -m pytest tests/test_moe.py -q -p no:cacheprovider -rs -k cuda 2>&1 | tail -6
     # 8 micro-batches per optimizer step, as a training run accumulates: the AdamW update of moe-1b-7b's 6.9B FP32

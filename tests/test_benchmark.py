@@ -407,7 +407,7 @@ def test_kernel_classes_of_a_real_profile():
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("args, says", [([], "name a suite"), (["nosuch"], "unknown suite 'nosuch'"),
                                         (["megadlms", "bf61"], "megadlms takes bf16, fp8 or s2048, not 'bf61'"),
-                                        (["moe", "megadlm"], "moe takes nothing or megadlms, not 'megadlm'"),
+                                        (["moe", "megadlm"], "moe takes nothing, megadlms or kernels, not 'megadlm'"),
                                         (["sampling"], "sampling needs RUN_DIR")])
 def test_bench_suites_refuses_a_bad_suite_before_setting_up(tmp_path, args, says):
     """bash scripts/bench_suites.sh without a suite, with an unknown one or a bad suite argument: one line on stderr

@@ -266,10 +266,12 @@ def test_compiled_fp8_regions_equal_their_eager_ops_on_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="quack's CUDA kernels")
-def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda():
+@pytest.mark.parametrize("tuned", [False, True], ids=["default_tiles", "autotuned"])
+def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda(tuned):
     """model.moe.fused_experts: quack's variable-length grouped GEMMs (SwiGLU and its derivative in the epilogues,
     weight gradients accumulated into main_grad by the GEMM) against GroupedSwiGLUMainGrad over two micro-batches with
-    an empty expert: outputs, input gradients and the accumulated FP32 weight gradients."""
+    an empty expert: outputs, input gradients and the accumulated FP32 weight gradients; with quack's default tiles
+    and with its autotuned ones (``model.fused_mlp_autotune``)."""
     from difflm.kernels.quack_mlp import quack_unavailable_reason
     from difflm.model.grouped_experts import GroupedSwiGLUMainGrad
 
@@ -300,7 +302,7 @@ def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda():
             xi = x.clone().requires_grad_()
             w1b, w2b = (p.detach().bfloat16() for p in masters)
             if fused:
-                y = QuackGroupedSwiGLU.apply(xi, row_groups(counts), *masters, w1b, w2b)
+                y = QuackGroupedSwiGLU.apply(xi, row_groups(counts), *masters, w1b, w2b, tuned)
             else:
                 y = GroupedSwiGLUMainGrad.apply(xi, torch.cumsum(counts, 0, dtype=torch.int32), *masters, w1b, w2b)
             y.backward(dy)
@@ -308,7 +310,7 @@ def test_quack_fused_experts_equal_the_grouped_mm_path_on_cuda():
         errors[f"y{micro}"], errors[f"dx{micro}"] = rel(outs[0][0], outs[1][0]), rel(outs[0][1], outs[1][1])
     errors["dW1"] = rel(sides[0][0].main_grad, sides[1][0].main_grad)
     errors["dW2"] = rel(sides[0][1].main_grad, sides[1][1].main_grad)
-    report("moe_quack_experts_vs_grouped_mm", **errors)
+    report(f"moe_quack_experts_vs_grouped_mm_{'tuned' if tuned else 'default'}", **errors)
     assert all(v < 2e-2 for v in errors.values()), errors
 
 

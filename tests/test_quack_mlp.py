@@ -273,10 +273,16 @@ def test_fused_mlp_autotune_tunes_the_largest_shape_only(fake_te, monkeypatch):
     assert [qm.most_rows_so_far(module, rows) for rows in (1024, 4096, 2048, 4096, 4095)] == [
         True, True, False, True, False]
     check_precision(run_cfg(*base), torch.device("cuda"), training=False)  # scripts/benchmark.py: one length
-    with pytest.raises(DifflmError, match="set model.fused_mlp=true too"):
+    with pytest.raises(DifflmError, match=r"set model.fused_mlp=true \(or model.moe.fused_experts=true"):
         check_precision(run_cfg("model.backend=te", "precision=bf16", "model.fused_mlp=false",
                                 "model.fused_mlp_autotune=true"),
                         torch.device("cuda"))
+    # the fused MoE experts are quack's GEMMs too: the key tunes them without a fused dense MLP
+    check_precision(run_cfg("model=moe-tiny", "model.backend=te", "precision=bf16", "model.fused_mlp=false",
+                            "model.moe.fused_experts=true", "model.fused_mlp_autotune=true"), torch.device("cuda"))
+    with pytest.raises(DifflmError, match="model.fused_mlp_autotune=true tunes quack's GEMMs"):
+        check_precision(run_cfg("model=moe-tiny", "model.backend=te", "precision=bf16", "model.fused_mlp=false",
+                                "model.moe.fused_experts=false", "model.fused_mlp_autotune=true"), torch.device("cuda"))
 
 
 def test_quack_refused_outside_site_packages():

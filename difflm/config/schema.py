@@ -63,6 +63,9 @@ class MoEConfig:
     # the routed experts on quack's variable-length grouped GEMMs: SwiGLU and its derivative in the GEMM epilogues,
     # the weight gradients accumulated into FP32 main_grad by the GEMMs (Hopper/Blackwell, quack, the TE kernel set)
     fused_experts: Any = False  # auto | true | false (difflm.model.auto_kernels; conf/train.yaml sets auto)
+    # on CUDA, the gate-weighted sum of each token's k expert outputs as one Triton kernel each way, reading the
+    # expert-sorted rows (difflm.kernels.moe_combine); false: a gather to [T, k, d] and a batched GEMM
+    fused_combine: bool = True
 
 
 EMBEDDED_CORPUS = "corpora/tinyshakespeare/input.txt"  # data.path's default, shipped in difflm/assets

@@ -176,8 +176,10 @@ def check_precision(cfg, device: torch.device, training: bool = True) -> None:
                  "precision.fp8_weights=true keeps TE weights only in FP8 and needs an optimizer with FP32 master "
                  "weights, which the trainer does not build yet: set precision.fp8_weights=false "
                  "(scripts/benchmark.py measures it)")
-    _require(m.get("fused_mlp", False) or not m.get("fused_mlp_autotune", False),
-             "model.fused_mlp_autotune=true tunes the fused MLP's GEMMs: set model.fused_mlp=true too")
+    fused_experts = m.get("moe") is not None and m.moe.get("fused_experts", False) is True
+    _require(m.get("fused_mlp", False) or fused_experts or not m.get("fused_mlp_autotune", False),
+             "model.fused_mlp_autotune=true tunes quack's GEMMs of the fused MLP and the fused MoE experts: set "
+             "model.fused_mlp=true (or model.moe.fused_experts=true for an MoE model) too")
     if m.get("fused_mlp", False):
         check_fused_mlp(cfg, device, training)
     if name == "fp16":

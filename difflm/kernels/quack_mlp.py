@@ -90,7 +90,8 @@ def outside_site_packages_reason(cutlass_file: str, key: str = "model.fused_mlp"
 @functools.lru_cache(maxsize=None)
 def _notice_tuning() -> None:
     """Say once per process (the cache) that the first training step waits for quack's autotuning."""
-    print("difflm: model.fused_mlp_autotune=true: quack tunes the MLP GEMMs at the first training step of each "
+    print("difflm: model.fused_mlp_autotune=true: quack tunes the MLP (and MoE expert) GEMMs at the first training "
+          "step of each "
           "shape (about 2.5 min at model=1.7b, micro-batch 8 x 4096 on an H200; kept in quack's disk cache, "
           "QUACK_CACHE_DIR, so once per machine)", file=sys.stderr, flush=True)
 
@@ -103,7 +104,7 @@ def most_rows_so_far(module: torch.nn.Module, rows: int) -> bool:
     return True
 
 
-def _tuned_call(x: torch.Tensor, autotune: bool, module: Optional[torch.nn.Module] = None) -> bool:
+def tuned_call(x: torch.Tensor, autotune: bool, module: Optional[torch.nn.Module] = None) -> bool:
     """Whether quack autotunes this call: ``autotune``, a forward that records gradients, and (with ``module``) a row
     count ``x.numel() / x.shape[-1]`` at least the largest that ``module`` has seen in such a call. Steps shortened
     at random (``objective.random_length_prob``) then run quack's default tiles instead of tuning every new length;
@@ -222,7 +223,7 @@ class ResidualNormMLP(TEStateLayout, nn.Module):
     def forward(self, branch: torch.Tensor, residual: torch.Tensor, varying_rows: bool = False) -> torch.Tensor:
         """``varying_rows``: the row count changes from call to call (the last block at the loss rows,
         :mod:`difflm.model.loss_rows`), so quack's default tiles, never autotuning (it would tune every count)."""
-        tuned = _tuned_call(branch, self.autotune and not varying_rows, self)
+        tuned = tuned_call(branch, self.autotune and not varying_rows, self)
         w1, w2 = weights_cast_once_per_step(self, (self.fc1_weight, self.fc2_weight), branch.dtype)
         return _ResidualNormMLPFunction.apply(branch, residual, self.layer_norm_weight, self.fc1_weight,
                                               self.fc2_weight, w1, w2, self.eps, tuned)

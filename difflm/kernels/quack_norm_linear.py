@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from difflm.kernels.main_grad import weights_cast_once_per_step
-from difflm.kernels.quack_mlp import TEStateLayout, _flat, _tuned_call, _weight_grad
+from difflm.kernels.quack_mlp import TEStateLayout, _flat, tuned_call, _weight_grad
 
 
 class _NormLinearFunction(torch.autograd.Function):
@@ -85,7 +85,7 @@ class ResidualNormLinear(TEStateLayout, nn.Module):
     def forward(self, x: torch.Tensor, pass_residual: bool = False):
         if x.is_cuda and torch.is_autocast_enabled("cuda"):  # the first block's input (the embedding's) is FP32
             x = x.to(torch.get_autocast_dtype("cuda"))
-        tuned = _tuned_call(x, self.autotune, self)
+        tuned = tuned_call(x, self.autotune, self)
         (w,) = weights_cast_once_per_step(self, (self.weight,), x.dtype)
         y, residual = _NormLinearFunction.apply(x, self.layer_norm_weight, self.weight, w, self.eps, tuned)
         return (y, residual) if pass_residual else y

@@ -257,6 +257,8 @@ class GroupedExperts(nn.Module):
         fp8: ``model.moe.fp8_experts``: inside an FP8 region, the FP8 grouped GEMMs below.
         fused: ``model.moe.fused_experts``: quack's grouped GEMMs with fused epilogues
             (:mod:`difflm.kernels.quack_experts`) on the ``main_grad`` path.
+        autotune: ``model.fused_mlp_autotune``: with ``fused``, quack tunes the grouped GEMMs' tiles for the largest
+            row count seen (:func:`difflm.kernels.quack_mlp.tuned_call`); else its default tiles.
     Parameters: ``fc1_weight`` [E, 2f, d] (rows [:f] gate, [f:] up), ``fc2_weight`` [E, d, f].
     Forward: x [R, d] with the rows of expert 0 first, then expert 1, ...; ``counts`` [E_local] int64 rows per
         (local) expert -> [R, d].
@@ -267,11 +269,12 @@ class GroupedExperts(nn.Module):
     ``torch._grouped_mm``. Elsewhere a loop over experts (the CPU reference).
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, fp8: bool = False, fused: bool = False):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, fp8: bool = False, fused: bool = False,
+                 autotune: bool = False):
         super().__init__()
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden, ffn))
-        self.fp8, self.fused = fp8, fused
+        self.fp8, self.fused, self.autotune = fp8, fused, autotune
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, is_first_microbatch=None) -> torch.Tensor:
         """``is_first_microbatch``: passed in FP8 regions by the ``main_grad`` hook (TE's contract); unused, the
@@ -295,7 +298,11 @@ class GroupedExperts(nn.Module):
         if self.fused:  # checked by difflm.config.validate.check_moe_kernels
             from difflm.kernels.quack_experts import QuackGroupedSwiGLU, row_groups
 
-            return QuackGroupedSwiGLU.apply(x.bfloat16(), row_groups(counts), *masters, w1b, w2b)
+            from difflm.kernels.quack_mlp import tuned_call
+
+            xb = x.bfloat16()
+            return QuackGroupedSwiGLU.apply(xb, row_groups(counts), *masters, w1b, w2b,
+                                            tuned_call(xb, self.autotune, self))
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         return GroupedSwiGLUMainGrad.apply(x.bfloat16(), offs, *masters, w1b, w2b)
 
@@ -426,7 +433,9 @@ class MoEMLP(nn.Module):
                                  routed_scaling_factor=float(_key(moe, "routed_scaling_factor", 1.0)),
                                  bias_in_weights=bool(_key(moe, "bias_in_weights", False)))
         self.experts = GroupedExperts(self.num_experts, d, f, fp8=bool(_key(moe, "fp8_experts", False)),
-                                      fused=bool(_key(moe, "fused_experts", False)))
+                                      fused=bool(_key(moe, "fused_experts", False)),
+                                      autotune=_key(cfg, "fused_mlp_autotune", False) is True)
+        self.fused_combine = bool(_key(moe, "fused_combine", True))
         f_s = shared_ffn_size(cfg)
         self.shared = SharedExperts(d, f_s) if f_s > 0 else None
         self.dispatcher = LocalDispatcher()
@@ -497,7 +506,7 @@ class MoEMLP(nn.Module):
         kept = int(counts.sum()) if dropped else t * k
         x_local, local_counts, ctx = self.dispatcher.dispatch(slots.permute(h, kept), counts)  # [N, d] sorted
         y_sorted = self.dispatcher.combine(self.experts(x_local, local_counts), ctx)  # [N, d]
-        return slots.combine(y_sorted, weights).to(h.dtype)
+        return slots.combine(y_sorted, weights, fused=self.fused_combine).to(h.dtype)
 
 
 # ------------------------------------------------------------------ what the trainer calls

@@ -37,12 +37,13 @@ class SlotOrder:
         The gradient of the dropped slots (``order[kept:]``) is zero."""
         return _Permute.apply(h, self, kept)
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """y [kept, d] expert outputs in sorted-slot order, ``weights`` [T, k] gating weights -> [T, d] in y's dtype:
         ``sum_j weights[t, j] y[inverse[t k + j]]``, the dropped slots adding nothing. On CUDA one Triton kernel each
         way (:mod:`difflm.kernels.moe_combine`: FP32 weights and sums, no [T, k, d] copy); elsewhere, and inside
-        ``torch.compile``, :meth:`unpermute` and a batched GEMM with the weights in y's dtype."""
-        if y.is_cuda and not torch.compiler.is_compiling() and _triton_imports():
+        ``torch.compile``, or with ``fused=False`` (``model.moe.fused_combine``), :meth:`unpermute` and a batched
+        GEMM with the weights in y's dtype."""
+        if fused and y.is_cuda and not torch.compiler.is_compiling() and _triton_imports():
             return _Combine.apply(y.contiguous(), weights.contiguous(), self)
         return torch.bmm(weights.unsqueeze(1).to(y.dtype), self.unpermute(y)).squeeze(1)
 
