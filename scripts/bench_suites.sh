@@ -24,15 +24,19 @@
 # scripts/gpu_env.sh. The fastest rows use model.backend=te model.attention_backend=flash model.fused_mlp=true
 # model.fused_mlp_autotune=true at micro-batch 8 (BF16) and TE FP8 with FP8 attention at micro-batch 8 (FP8).
 #
-# Usage errors (no suite, an unknown one, a bad suite argument) are one line on stderr, exit status 2, before anything
-# is set up; -h / --help prints this text.
+# Usage errors (no suite, an unknown one, a bad or extra suite argument, not started from the checkout's root) and a
+# machine that cannot run the suite (python3 or timeout not on PATH, no CUDA GPU, no .megadlms export for the MegaDLMs
+# suites) are one line on stderr, exit status 2, before anything is set up. Every command of the suite runs even when
+# an earlier one fails; the exit status is then 1, after one line naming the suite and $OUT. -h / --help prints this
+# text.
 set -u
 SUITES="megadlms|trainer|small|moe|layouts|scaling|adaptation|sampling|kernels|profile|gputests"
 usage() {
-  echo "bench_suites.sh: error: $1 (usage: bash scripts/bench_suites.sh $SUITES [ARGS];" \
+  echo "bench_suites.sh: error: $* (usage: bash scripts/bench_suites.sh $SUITES [ARGS];" \
     "--help lists each suite's ARGS)" >&2
   exit 2
 }
+refuse() { echo "bench_suites.sh: error: $*" >&2; exit 2; }  # a machine or folder that cannot run the suite
 help() { sed -n '2,/^set -u$/p' "$0" | sed -e '/^set -u$/d' -e 's/^# \{0,1\}//' -e 's/^#$//'; }
 for arg in "$@"; do
   case "$arg" in -h|--help) help; exit 0 ;; esac
@@ -47,10 +51,36 @@ case "$suite" in
   adaptation) [ $# -ge 1 ] || usage "adaptation needs CORPUS (a text folder, e.g. the Gutenberg novels) [RECIPES]" ;;
   sampling) [ $# -ge 1 ] || usage "sampling needs RUN_DIR (a trained run, e.g. from make train)" ;;
 esac
+case "$suite" in
+  megadlms|moe) most=1 what="at most one argument" ;; sampling) most=1 what="one argument" ;;
+  adaptation) most=2 what="at most two arguments" ;; *) most=0 what="no arguments" ;;
+esac
+[ $# -le $most ] || usage "$suite takes $what, not $# ($*)"
+case "$0" in */*) here=${0%/*} ;; *) here=. ;; esac
+[ -f scripts/bench_suites.sh ] && [ -d difflm ] || refuse "run it from the root of the difflm checkout" \
+  "(cd $here/..), not from $PWD"
+for tool in python3 timeout; do
+  command -v $tool > /dev/null || refuse "$tool is not on PATH; the suites need it"
+done
+cuda=$(python3 -c "import torch; print(torch.cuda.is_available())" 2>&1 | tail -1)
+case "$cuda" in
+  True) ;;
+  False) refuse "$suite needs a CUDA GPU (torch.cuda.is_available() is False)" ;;
+  *) refuse "python3 cannot import torch ($cuda): put the Python that difflm is installed in first on PATH" ;;
+esac
+if [ "$suite" = megadlms ] || [ "${1:-}" = megadlms ]; then
+  [ -f .megadlms/pretrain_difflm.py ] && [ -d .megadlms/megatron ] || refuse "no MegaDLMs export in .megadlms" \
+    "(pretrain_difflm.py, megatron/): make one with python scripts/megadlms_baseline.py export --git-dir <mirror>" \
+    "--out .megadlms"
+fi
 args=("$@")
 set --  # gpu_env.sh reads its own arguments: give it none
-. "$(dirname "$0")/gpu_env.sh"
+. scripts/gpu_env.sh
 set -- ${args[@]+"${args[@]}"}
+# from here on a failing command (a pipeline too: its first failing part) makes the exit status 1; the suite goes on
+status=0
+trap 'status=1' ERR
+set -E -o pipefail
 
 T="model.backend=te model.attention_backend=te"       # Transformer Engine, cuDNN attention
 F="model.backend=te model.attention_backend=flash"    # Transformer Engine, FlashAttention 4
@@ -94,7 +124,8 @@ megadlms)
     s2048) bench_vs_megadlms 2048x32 bf16,fp8 "$S2_BF16_ROW" "$S2_FP8_ROW" ;;
     *) usage "megadlms takes bf16, fp8 or s2048, not '$1'" ;;
   esac
-  tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . 2>/dev/null  # QUACK_CACHE_ARCHIVE of scripts/gpu_env.sh
+  # QUACK_CACHE_ARCHIVE of scripts/gpu_env.sh (none without quack's cache)
+  [ ! -d "$QUACK_CACHE_DIR" ] || tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
   ;;
 trainer)
   rm -rf /tmp/trainer && CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m difflm.train model=1.7b $F $FM precision=bf16 \
@@ -202,7 +233,7 @@ profile)
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/benchmark.py $ROW_1P7B $MB8 --row-timeout 290 \
     --json "$OUT/bench_profile.json" --profile prof --profile-rows 30 --variant "prof: $F $FM" \
     > "$OUT/bench_profile.log" 2>&1
-  grep -A3 "^row " "$OUT/bench_profile.log" | tail -1; grep -A40 "Class " "$OUT/bench_profile.log" | head -40
+  grep -A3 "^row " "$OUT/bench_profile.log" | tail -1; grep -m1 -A39 "Class " "$OUT/bench_profile.log"
   # the trainer's own steps traced (profile.*), and the GPU's idle gaps in that trace with the host work during them
   rm -rf /tmp/trainer_prof && CUDA_VISIBLE_DEVICES=0 timeout 250 python3 -m difflm.train model=1.7b $F $FM \
     precision=bf16 data.seq_len=4096 $MB8 train.global_batch_size=16 device=cuda train.max_steps=12 \
@@ -220,3 +251,5 @@ gputests)
   ;;
 *) usage "unknown suite '$suite'" ;;
 esac
+[ $status -eq 0 ] || echo "bench_suites.sh: $suite: a command failed (its output is above; logs in $OUT)" >&2
+exit $status

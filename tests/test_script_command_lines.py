@@ -96,6 +96,62 @@ def test_shell_scripts_refuse_what_they_do_not_take(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def stub_python(tmp_path, cuda: bool = True) -> dict:
+    """An environment whose ``python3`` is a stub: it answers bench_suites.sh's CUDA probe with ``cuda`` and fails
+    every other call (exit 3), so a suite's commands run and fail in milliseconds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python3"
+    stub.write_text("#!/bin/bash\ncase \"$*\" in *cuda.is_available*) echo %s ;; *) echo \"stub $1\" >&2; exit 3 ;; "
+                    "esac\n" % cuda)
+    stub.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("args, says", [
+    (["trainer", "x"], "trainer takes no arguments, not 1 (x) (usage: "),
+    (["megadlms", "bf16", "fp8"], "megadlms takes at most one argument, not 2 (bf16 fp8) (usage: "),
+    (["kernels"], "kernels needs a CUDA GPU (torch.cuda.is_available() is False)\n"),
+])
+def test_bench_suites_refuses_what_cannot_run_before_setting_up(tmp_path, args, says):
+    """An extra suite argument, or a machine without a CUDA GPU: one line, exit status 2, nothing set up ($OUT)."""
+    env = stub_python(tmp_path, cuda=False)
+    proc = subprocess.run(["bash", "scripts/bench_suites.sh", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"bench_suites.sh: error: {says}") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_bench_suites_refuses_another_folder_and_a_missing_export(tmp_path):
+    env = stub_python(tmp_path)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "bench_suites.sh"), "kernels"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr == (f"bench_suites.sh: error: run it from the root of the difflm "
+                                                    f"checkout (cd {REPO / 'scripts'}/..), not from {tmp_path}\n")
+    if (REPO / ".megadlms").exists():
+        pytest.skip("this checkout has a .megadlms export")
+    proc = subprocess.run(["bash", "scripts/bench_suites.sh", "moe", "megadlms"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("bench_suites.sh: error: no MegaDLMs export in .megadlms")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_bench_suites_exit_status_says_a_command_failed(tmp_path):
+    """Each command of the suite runs although the one before failed (behind a ``| tail``, whose status bash would
+    report), and the suite exits 1 with one line saying so."""
+    proc = subprocess.run(["bash", "scripts/bench_suites.sh", "kernels"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=stub_python(tmp_path))
+    assert proc.returncode == 1
+    started = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("stub ")]
+    assert started == [f"scripts/{name}.py" for name in ("attention_speed", "qkv_speed", "mlp_speed", "flash_tiles",
+                                                         "optimizer_speed")]
+    assert proc.stderr.splitlines()[-1] == f"bench_suites.sh: kernels: a command failed (its output is above; logs " \
+                                           f"in {tmp_path / 'out'})"
+
+
 # ------------------------------------------------------------------ one-line refusals, script by script
 @pytest.fixture
 def no_cuda(monkeypatch):
