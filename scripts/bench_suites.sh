@@ -244,7 +244,8 @@ profile)
   ;;
 gputests)
   export CUDA_VISIBLE_DEVICES=0 DIFFLM_TEST_REPORT=$OUT/report.jsonl
-  files=$(ls tests/test_{allocator,cross_entropy,cuda_graphs,embedding,loss_rows,moe,qkv,quack_mlp,sdpa_priority,step_syncs,te_backend}.py 2>/dev/null)
+  files=$(ls tests/test_{allocator,cross_entropy,cuda_graphs,embedding,lora_te_cuda,loss_rows,moe,qkv,quack_mlp,\
+sdpa_priority,step_syncs,te_backend,token_permutation}.py)
   timeout "${TESTS_BUDGET:-560}" python3 -m pytest ${FILES:-$files} -q -p no:cacheprovider -rfs \
     -k "${ONLY:-not interpreter}" --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -25

@@ -152,6 +152,20 @@ def test_bench_suites_exit_status_says_a_command_failed(tmp_path):
                                            f"in {tmp_path / 'out'})"
 
 
+def test_bench_suites_gputests_runs_every_test_file_with_cuda_tests():
+    """``bench_suites.sh gputests`` (one GPU) lists every test file with tests that run only on a CUDA GPU (skipped
+    or left out elsewhere); test_parallel.py's need two GPUs (the layouts suite runs the multi-GPU launches)."""
+    import re
+
+    text = (REPO / "scripts" / "bench_suites.sh").read_text().replace("\\\n", "")  # continuation lines joined
+    listed = {f"test_{name}.py" for name in re.search(r"ls tests/test_\{([\w,]+)\}\.py", text).group(1).split(",")}
+    cuda_only = re.compile(r"skipif\(\s*not (torch\.cuda\.is_available\(\)|GPU\b|HOPPER\b)|skipif\(_gpu_reason\(\)"
+                           r"|\[\"cuda\"\] if torch\.cuda\.is_available\(\)")
+    with_cuda = {p.name for p in (REPO / "tests").glob("test_*.py") if cuda_only.search(p.read_text())}
+    assert listed == with_cuda - {"test_parallel.py"}
+    assert all((REPO / "tests" / name).is_file() for name in listed)
+
+
 # ------------------------------------------------------------------ one-line refusals, script by script
 @pytest.fixture
 def no_cuda(monkeypatch):
