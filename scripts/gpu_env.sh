@@ -16,11 +16,24 @@
 #   /root/quack_cache), so the GEMM shapes are not tuned again.
 #
 # -h / --help prints this text; run (not sourced) with another argument than install, it says so in one line, exit 2.
+# install without a folder of .whl files says so in one line, exit 2, before anything is set up; a pip install that
+# fails ends with one line, exit 1.
 case "${1:-}" in
   -h|--help)
     sed -n '2,/^case /p' "${BASH_SOURCE[0]}" | sed -e '/^case /d' -e 's/^# \{0,1\}//' -e 's/^#$//'
     return 0 2>/dev/null || exit 0 ;;
-  ""|install) ;;
+  "") ;;
+  install)
+    why=
+    if [ -z "${2:-}" ]; then why="install needs WHEEL_DIR"
+    elif [ ! -d "$2" ]; then why="WHEEL_DIR '$2' is not a folder"
+    elif ! compgen -G "$2/*.whl" > /dev/null; then why="WHEEL_DIR '$2' holds no .whl files"
+    fi
+    if [ -n "$why" ]; then
+      echo "gpu_env.sh: error: $why (usage: bash scripts/gpu_env.sh install WHEEL_DIR, a folder of the staged" \
+        "wheels)" >&2
+      return 2 2>/dev/null || exit 2
+    fi ;;
   *)
     if [ "${BASH_SOURCE[0]}" = "$0" ]; then
       echo "gpu_env.sh: error: unknown argument '$1' (usage: . scripts/gpu_env.sh to set up this shell, or bash" \
@@ -44,9 +57,11 @@ if [ -f "$QUACK_CACHE_ARCHIVE" ] && [ ! -d "$QUACK_CACHE_DIR" ]; then
 fi
 
 if [ "${1:-}" = install ]; then
-  wheels=${2:?usage: bash scripts/gpu_env.sh install WHEEL_DIR}
   mkdir -p "$SITE"
-  python3 -m pip install -q --no-deps --target "$SITE" "$wheels"/*.whl
+  if ! python3 -m pip install -q --no-deps --target "$SITE" "$2"/*.whl; then
+    echo "gpu_env.sh: error: pip could not install the wheels of $2 into $SITE (its output is above)" >&2
+    return 1 2>/dev/null || exit 1
+  fi
   python3 -c "import transformer_engine.pytorch, torch; print('te', transformer_engine.__version__, 'torch', torch.__version__)"
   python3 -c "import flash_attn.cute" 2>/dev/null && echo "flash-attn 4: ok" || echo "flash-attn 4: not installed"
   python3 -c "import quack" 2>/dev/null && echo "quack: ok" || echo "quack: not installed"

@@ -152,6 +152,31 @@ def test_bench_suites_exit_status_says_a_command_failed(tmp_path):
                                            f"in {tmp_path / 'out'})"
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+def test_gpu_env_install_refuses_a_missing_wheel_folder_and_reports_pip(tmp_path):
+    """``gpu_env.sh install`` without a folder of .whl files: one line, exit 2, nothing set up; a pip that fails:
+    one line after its output, exit 1 (not the status of the import checks after it)."""
+    env = {**stub_python(tmp_path), "SITE": str(tmp_path / "site-packages")}
+    (tmp_path / "empty").mkdir()
+    for args, why in (([], "install needs WHEEL_DIR"), ([str(tmp_path / "none")], f"WHEEL_DIR '{tmp_path}/none' is not "
+                                                                                    "a folder"),
+                      ([str(tmp_path / "empty")], f"WHEEL_DIR '{tmp_path}/empty' holds no .whl files")):
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_env.sh"), "install", *args], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr == (f"gpu_env.sh: error: {why} (usage: bash scripts/gpu_env.sh install WHEEL_DIR, a "
+                               "folder of the staged wheels)\n")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "site-packages").exists()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "x-1.0-py3-none-any.whl").write_bytes(b"")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_env.sh"), "install", str(wheels)], capture_output=True,
+                          text=True, timeout=60, env=env)  # the stub python3 fails as pip
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == (
+        f"gpu_env.sh: error: pip could not install the wheels of {wheels} into {tmp_path / 'site-packages'} (its "
+        "output is above)")
+
+
 def test_bench_suites_gputests_runs_every_test_file_with_cuda_tests():
     """``bench_suites.sh gputests`` (one GPU) lists every test file with tests that run only on a CUDA GPU (skipped
     or left out elsewhere); test_parallel.py's need two GPUs (the layouts suite runs the multi-GPU launches)."""
