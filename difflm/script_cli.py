@@ -7,7 +7,7 @@ line; and the processes a script starts end with it.
   raised anywhere in it (a refused override, a file that is not what it should be) ends the same way, and Ctrl-C as
   ``<script>: interrupted`` with status 130.
 * argument types that name the fix in their refusal: :func:`int_at_least`, :func:`positive_number`,
-  :func:`comma_list`, :func:`caller_path`, :func:`existing_path`; :func:`require_cuda`.
+  :func:`comma_list`, :func:`shell_words`, :func:`caller_path`, :func:`existing_path`; :func:`require_cuda`.
 * child processes (:func:`start`, :func:`run`): each in a session of its own, stopped as a whole tree
   (:func:`stop_tree`) on a timeout, when the script gets SIGTERM, SIGINT or SIGHUP, and on Linux also when the script
   dies without a chance to stop them (SIGKILL): the kernel sends the child SIGTERM then (``PR_SET_PDEATHSIG``), so a
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +133,19 @@ def comma_list(choices: Optional[Iterable[str]] = None, what: str = "name") -> C
 
     parse.__name__ = f"comma-separated {what}s"
     return parse
+
+
+def shell_words(text: str) -> list[str]:
+    """An argparse ``type``: one string of words split as a shell splits them (:func:`shlex.split`: quotes group,
+    ``'key=a b'`` is one word); a quote left open is refused."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(err).lower()}: close each quote (the words are split as a "
+                                         "shell splits them)") from None
+
+
+shell_words.__name__ = "shell-quoted words"
 
 
 def caller_path(text: str) -> Path:

@@ -684,7 +684,7 @@ class LayoutCheck:
         """1-GPU baselines (side by side on the machine's GPUs), then per backend and precision: data-parallel
         scaling (``--dp-layout`` on 2, 4, 8 GPUs up to ``--gpus``), the TP layouts and the variants on all GPUs."""
         a = self.args
-        extra = shlex.split(a.tput_overrides)
+        extra = list(a.tput_overrides)
         combos = []
         for backend in a.tput_backends:
             for precision in a.precisions:
@@ -713,7 +713,7 @@ class LayoutCheck:
 
     def check_big_model(self) -> None:
         a = self.args
-        extra = [*shlex.split(a.tput_overrides), *shlex.split(a.big_overrides)]
+        extra = [*a.tput_overrides, *a.big_overrides]
         for backend in a.big_backends:
             for precision in a.big_precisions or a.precisions:
                 if precision == "fp8" and backend != "te":
@@ -819,7 +819,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tput-variants", type=csv(what="variant"), default=[],
                    help="more rows on all GPUs, [prec@]preset[:key=value...] each, e.g. "
                         "ddp:parallel.reduce_dtype=bf16 or bf16@tp2:parallel.tp_comm_overlap=true")
-    g.add_argument("--tput-overrides", default="", help="extra overrides of every throughput run (one string)")
+    g.add_argument("--tput-overrides", type=script_cli.shell_words, default="",
+                   help="extra overrides of every throughput run (one string)")
     g = ap.add_argument_group("big (one large model under one layout)")
     g.add_argument("--big-model", default=None, choices=models, metavar="PRESET",
                    help="model preset (default 8b; --device cpu: tiny)")
@@ -831,7 +832,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: the first of --tput-backends")
     g.add_argument("--big-precisions", type=csv(precisions, "precision preset"), default=None,
                    help="default: --precisions")
-    g.add_argument("--big-overrides", default="", help='e.g. "parallel.activation_checkpointing=full"')
+    g.add_argument("--big-overrides", type=script_cli.shell_words, default="",
+                   help='e.g. "parallel.activation_checkpointing=full"')
     ap.add_argument("overrides", nargs="*", help="difflm-train overrides of the correctness and reshard runs (after "
                     "--; relative paths are relative to the current folder)")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags

@@ -658,7 +658,8 @@ def main(argv=None) -> int:
                    help="seconds before the run is stopped (default 300)")
     r.add_argument("--log-dir", type=script_cli.caller_path, default=None,
                    help="where the run's log goes (default: a temp dir)")
-    r.add_argument("--extra", default="", help="more Megatron flags, one shell-quoted string")
+    r.add_argument("--extra", type=script_cli.shell_words, default="",
+                   help="more Megatron flags, one shell-quoted string")
     r.add_argument("--dry-run", action="store_true", help="print the command only")
     p.add_argument("log", type=script_cli.existing_path("file", "a Megatron log saved by 'run' (--log-dir)"),
                    help="the saved log")
@@ -691,7 +692,7 @@ def main(argv=None) -> int:
                      f"{args.window[1]} or an earlier window")
         row = run_row(args.megadlms, shape, preset=args.model, vocab_size=args.vocab_size, iters=args.iters,
                       window=args.window, timeout=args.timeout, log_dir=args.log_dir, peak_tflops=args.peak_tflops,
-                      extra=shlex.split(args.extra), dry_run=args.dry_run)
+                      extra=args.extra, dry_run=args.dry_run)
         if "log_tail" in row:
             print(row["log_tail"])
     print(format_row(row))

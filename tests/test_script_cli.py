@@ -61,6 +61,9 @@ def test_argument_types_name_the_fix(tmp_path, monkeypatch):
         parts("a,c")
     with pytest.raises(argparse.ArgumentTypeError, match="names no part"):
         parts(",")
+    assert script_cli.shell_words("a=1 'b=x y' \"c\"") == ["a=1", "b=x y", "c"] and script_cli.shell_words("") == []
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'a=\"b': no closing quotation: close each quote"):
+        script_cli.shell_words('a="b')
     monkeypatch.chdir(tmp_path)
     assert script_cli.caller_path("out/x") == tmp_path / "out" / "x"
     assert script_cli.caller_path("~/x") == Path.home() / "x"

@@ -278,6 +278,12 @@ CASES = [  # script, argv, its stderr (exact)
     ("megadlms_baseline", ["run", "--seq-len", "64", "--global-batch", "6", "--dry-run"],
      "megadlms_baseline.py: error: --global-batch 6 must be a multiple of --micro-batch x --gpus = 4 (Megatron "
      "accumulates whole micro-batches)\n"),
+    ("megadlms_baseline", ["run", "--seq-len", "64", "--global-batch", "8", "--extra", '--foo "a b', "--dry-run"],
+     "megadlms_baseline.py run: error: argument --extra: '--foo \"a b': no closing quotation: close each quote (the "
+     "words are split as a shell splits them)\n"),
+    ("layout_check", ["--plan", "--big-overrides", "x=1 'y=2"], "layout_check.py: error: argument --big-overrides: "
+                                                                 "\"x=1 'y=2\": no closing quotation: close each quote "
+                                                                 "(the words are split as a shell splits them)\n"),
     ("attention_speed", ["--shape", "a=1,16,2,8", "--backend", "sdpa"], needs_cuda("attention_speed.py")),
     ("flash_tiles", [], needs_cuda("flash_tiles.py")),
 ]
