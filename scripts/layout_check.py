@@ -57,10 +57,10 @@ saved to ``<out>/<run>/stderr.txt`` (the whole of it: ``stderr.log``) and kept i
 runs that would start after S seconds are skipped ("skipped: time budget") and no launch runs past S (a
 throughput launch stopped there still reports the steps it logged). Each row is printed as it completes and
 ``<out>/layout_check.json`` is rewritten after every run, so a killed script leaves its results; the whole
-table is printed at the end. ``--plan`` prints the launches without running them. Exit status: 0, or 1 when a row
-failed, timed out or exceeded the tolerance; a usage error (a count, preset, backend or precision that does not
-exist, ``--device cuda`` without ``--gpus`` CUDA GPUs) is one line ``layout_check.py: error: ...``, exit 2, before
-anything runs.
+table is printed at the end. ``--plan`` prints the launches without running them and writes nothing. Exit status: 0,
+or 1 when a row failed, timed out or exceeded the tolerance; a usage error (a count, preset, backend or precision
+that does not exist, ``--device cuda`` without ``--gpus`` CUDA GPUs) is one line ``layout_check.py: error: ...``,
+exit 2, before anything runs.
 
 The launches run in the current folder (``--out`` and every relative path of the overrides are relative to it) with
 this checkout's difflm first on ``PYTHONPATH``. They end with the script: SIGTERM, SIGINT or SIGHUP to it stops each
@@ -510,6 +510,10 @@ class LayoutCheck:
         return row
 
     def write_json(self) -> None:
+        """Rewrite ``<out>/layout_check.json`` with the rows so far; with ``--plan`` nothing is written (an earlier
+        run's results there stay)."""
+        if self.args.plan:
+            return
         payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()},
                    "tolerance": self.tol, "elapsed_s": time.monotonic() - self.runner.start,
                    "rows": [asdict(r) for r in self.rows]}
@@ -747,8 +751,9 @@ class LayoutCheck:
                 self.check_big_model()
         self.rows.sort(key=lambda r: PARTS.index(r.part))  # stable: run order within a part
         self.write_json()
+        written = "--plan: nothing written" if self.args.plan else self.args.out / "layout_check.json"
         print(f"\n# layout_check: {len(self.rows)} rows in {time.monotonic() - self.runner.start:.0f} s, "
-              f"loss tolerance {self.tol:g}; {self.args.out / 'layout_check.json'}")
+              f"loss tolerance {self.tol:g}; {written}")
         print(format_header())
         for row in self.rows:
             print(format_row(row))

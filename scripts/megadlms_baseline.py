@@ -660,7 +660,7 @@ def main(argv=None) -> int:
                    help="where the run's log goes (default: a temp dir)")
     r.add_argument("--extra", type=script_cli.shell_words, default="",
                    help="more Megatron flags, one shell-quoted string")
-    r.add_argument("--dry-run", action="store_true", help="print the command only")
+    r.add_argument("--dry-run", action="store_true", help="print the command only (--json is not written)")
     p.add_argument("log", type=script_cli.existing_path("file", "a Megatron log saved by 'run' (--log-dir)"),
                    help="the saved log")
     e = sub.add_parser("export", help="export the pretraining path of a MegaDLMs mirror",
@@ -696,7 +696,7 @@ def main(argv=None) -> int:
         if "log_tail" in row:
             print(row["log_tail"])
     print(format_row(row))
-    if args.json:
+    if args.json and not (args.cmd == "run" and args.dry_run):  # a dry run prints its command only
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(strict_json.dumps(row, indent=2))
     return 1 if "error" in row else 0

@@ -125,6 +125,8 @@ def test_error_excerpt_finds_the_root_cause():
 
 
 def test_plan_lists_every_launch_of_a_gpu_run(tmp_path, capsys):
+    earlier = '{"rows": [{"status": "ok"}]}'  # an earlier run's results in --out: --plan writes nothing over them
+    (tmp_path / "layout_check.json").write_text(earlier)
     rows = lc.main(["--plan", "--gpus", "8", "--out", str(tmp_path), "--parts", "correctness,reshard,throughput,big",
                     "--", "model=125m", "precision=bf16", "train.micro_batch_size=4", "train.global_batch_size=16"])
     by = {(r.part, r.backend, r.precision, r.layout, r.gpus): r for r in rows}
@@ -139,7 +141,9 @@ def test_plan_lists_every_launch_of_a_gpu_run(tmp_path, capsys):
                                                                                    ("te", "fp8", "fsdp")}
     printed = capsys.readouterr().out
     assert "--nproc-per-node=8" in printed and "train.global_batch_size=128" in printed  # 4 x 4 x 8 weak scaling
-    assert json.loads((tmp_path / "layout_check.json").read_text())["rows"][0]["status"] == "planned"
+    assert (tmp_path / "layout_check.json").read_text() == earlier and sorted(tmp_path.iterdir()) == [
+        tmp_path / "layout_check.json"]
+    assert printed.splitlines()[-len(rows) - 2].endswith("; --plan: nothing written")
 
 
 def test_variants_precisions_and_launch_environment():

@@ -199,6 +199,17 @@ def test_missing_export_is_one_line(tmp_path):
     assert "no MegaDLMs export there" in row["error"] and "export --git-dir" in row["error"]
 
 
+def test_dry_run_writes_no_json(tmp_path, capsys):
+    """``run --dry-run`` prints the command only: an earlier row in ``--json`` stays as it was."""
+    mb = load_script("megadlms_baseline")
+    out = tmp_path / "row.json"
+    out.write_text('{"tokens_per_s": 1234.5}')
+    assert mb.main(["run", "--seq-len", "64", "--global-batch", "8", "--model", "tiny", "--megadlms",
+                    str(tmp_path / "none"), "--dry-run", "--json", str(out)]) == 0
+    assert out.read_text() == '{"tokens_per_s": 1234.5}'
+    assert "pretrain_difflm.py --num-layers 4 " in capsys.readouterr().out
+
+
 def write_stub_te(root: Path) -> None:
     """A stub Transformer Engine 2.x package under ``root`` for importing Megatron on a CPU: the TE 2.20 layout of
     SplitAlongDim and FusedRoPEFunc (which records its calls), every other TE name a placeholder class."""
