@@ -13,7 +13,8 @@ without it the embedded tinyshakespeare (340k tokens) is used, with a budget of 
 
 Writes ``<out>/<job>/`` (one run dir per job), ``<out>/results.json`` (objective, budget, epochs, best loss and
 its step per job), ``<out>/data_constrained.png`` and prints the table and each budget's crossover: the number of
-epochs (interpolated in log2 epochs between the grid points) from which MDLM's best loss is below AR's.
+epochs (interpolated in log2 epochs between the grid points) from which MDLM's best loss is below AR's. A sweep into
+an ``--out`` that holds an earlier one first moves the earlier jobs and results into ``<out>/previous/<time>/``.
 Needs matplotlib (``pip install '.[plot]'``).
 """
 from __future__ import annotations
@@ -48,6 +49,32 @@ def run_sweep(data: str, out: Path, budgets: list[int], epochs: list[float], ove
            "train.epochs=" + ",".join(str(e) for e in epochs), *overrides]
     print("+ " + " ".join(cmd), flush=True)
     return script_cli.run(cmd, env=script_cli.difflm_env()).returncode
+
+
+def set_aside_earlier_sweep(out: Path) -> Optional[Path]:
+    """Move what an earlier sweep left in ``out`` (its job dirs ``0``, ``1``, ..., ``results.json``, the plot,
+    ``multirun.yaml``) into ``out/previous/<YYYYmmdd-HHMMSS>/``, so that the table and the plot of a new sweep hold
+    its own jobs only (a new grid of fewer jobs leaves the earlier higher-numbered jobs behind otherwise). The token
+    cache stays. Returns the folder, or None when there was nothing to move."""
+    import os
+    import time
+
+    earlier = sorted(p for p in out.glob("*") if (p.is_dir() and p.name.isdigit())
+                     or p.name in ("results.json", "data_constrained.png", "multirun.yaml"))
+    if not earlier:
+        return None
+    base = out / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    dest, k = base, 1
+    while dest.exists():
+        dest, k = base.with_name(f"{base.name}-{k}"), k + 1
+    try:
+        dest.mkdir(parents=True)
+        for path in earlier:
+            os.replace(path, dest / path.name)
+    except OSError as exc:
+        raise DifflmError(f"--out {out}: cannot move the earlier sweep's jobs into {dest} ({exc.strerror or exc}): "
+                          "move them away yourself or give another --out") from None
+    return dest
 
 
 def collect(out: Path) -> list[dict]:
@@ -198,6 +225,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     epochs = args.epochs or epochs
     if not args.plot_only:
         data, budgets = corpus_and_budgets(args.data, budgets, given=bool(args.budgets))
+        moved = set_aside_earlier_sweep(out)
+        if moved is not None:
+            print(f"--out {out} held an earlier sweep: moved its jobs and results to {moved}; this sweep starts "
+                  "afresh", file=sys.stderr)
         code = run_sweep(data, out, budgets, epochs, overrides)
         if code != 0:
             print(f"the sweep exited with status {code}; plotting the jobs that finished", file=sys.stderr)

@@ -47,6 +47,29 @@ def test_collect_and_plot_from_job_dirs(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_a_new_sweep_sets_the_earlier_one_aside(tmp_path, monkeypatch):
+    """A sweep into an --out holding an earlier sweep of more jobs: the table and plot hold the new jobs only, the
+    earlier jobs and results are moved into previous/<time>/ (not deleted, not mixed in), the token cache stays."""
+    for job, (objective, epochs) in enumerate((("ar", 1), ("ar", 2), ("mdlm", 1), ("mdlm", 2))):
+        write_job(tmp_path, job, objective, 1000, epochs, [6, 5.0 + job])
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "data_cache").mkdir()
+
+    def sweep(data, out, budgets, epochs, overrides):  # the new grid: 2 jobs, epochs 3
+        assert not (out / "2").exists() and not (out / "results.json").exists()
+        for job, objective in enumerate(("ar", "mdlm")):
+            write_job(out, job, objective, 1000, 3, [6, 4.0 + job])
+        return 0
+
+    monkeypatch.setattr(dc, "run_sweep", sweep)
+    assert dc.main(["--data", "books/", "--out", str(tmp_path), "--budgets", "1000", "--epochs", "3"]) == 0
+    jobs = json.loads((tmp_path / "results.json").read_text())["jobs"]
+    assert sorted((r["objective"], r["epochs"], r["best"]) for r in jobs) == [("ar", 3.0, 4.0), ("mdlm", 3.0, 5.0)]
+    earlier, = (tmp_path / "previous").iterdir()
+    assert sorted(p.name for p in earlier.iterdir()) == ["0", "1", "2", "3", "results.json"]
+    assert (tmp_path / "data_cache").is_dir()
+
+
 def test_experiment_config_is_the_papers_setup():
     cfg = compose_run(["experiment=data_constrained", "data.path=/books"])
     assert (cfg.model.name, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.name) == ("125m", 1024, 64, "bf16")
