@@ -16,7 +16,8 @@ One call, one device, one process at a time:
    ``PYTHONPATH`` is ``--dllm-site`` (TRL 0.19.1, transformers 4.57, ... : docs/post_training.md) then
    ``--dllm-path`` (a dllm checkout), loading the export through its own modeling file (``trust_remote_code``);
 4. prints steps/hour, rollout tokens/s and the ratio, and writes ``--json`` (default
-   ``benchmarks/results/rl_vs_dllm_<model>_<device>.json``).
+   ``benchmarks/results/rl_vs_dllm_<model>_<device>.json``; with ``--skip-dllm``, which has no ratio,
+   ``<work>/rl_vs_dllm.json``, so the stored comparison stays).
 
 Matched (:class:`Matched`, one value handed to both): the prompts (GSM8K questions of exactly ``--prompt-tokens``
 tokens, so neither side pads), prompts per step, group size, completion length, total sampler steps (LLaDA
@@ -343,6 +344,17 @@ MATCHED_HELP = {  # the --help of each Matched field's flag
 }
 
 
+def result_path(args, device_type: str, work: Path) -> Path:
+    """Where the result is written: ``--json``; else benchmarks/results/rl_vs_dllm_<model>_<device>.json for a
+    comparison, and ``<work>/rl_vs_dllm.json`` for ``--skip-dllm`` (difflm's side alone must not replace a stored
+    comparison)."""
+    if args.json:
+        return Path(args.json)
+    if args.skip_dllm:
+        return work / "rl_vs_dllm.json"
+    return ROOT / "benchmarks" / "results" / f"rl_vs_dllm_{args.model}_{device_type}.json"
+
+
 @script_cli.script_main
 def main(argv=None) -> None:
     """Build and export the model, run both trainers, print steps/hour and their ratio, write ``--json``."""
@@ -370,7 +382,8 @@ def main(argv=None) -> None:
                    help="an extra difflm-rl row with these space-separated keys on top of the matched ones, e.g. "
                         "'gen.cache=dual' or 'gen.threshold=0.9': printed and saved, never in the headline ratio")
     p.add_argument("--json", type=script_cli.caller_path, default=None,
-                   help="write the result here (default benchmarks/results/rl_vs_dllm_<model>_<device>.json)")
+                   help="write the result here (default benchmarks/results/rl_vs_dllm_<model>_<device>.json; "
+                        "with --skip-dllm <work>/rl_vs_dllm.json)")
     args = p.parse_args(argv)
     if args.dllm_worker:
         return dllm_worker(args.dllm_worker)
@@ -431,7 +444,7 @@ def main(argv=None) -> None:
         for r in rows[2:]:
             print(f"  ({r['name']} / dllm, settings not matched: {r['steps_per_h'] / rows[1]['steps_per_h']:.2f}x "
                   "steps/h)")
-    out = Path(args.json or ROOT / "benchmarks" / "results" / f"rl_vs_dllm_{args.model}_{device.type}.json")
+    out = result_path(args, device.type, work)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -80,3 +80,16 @@ def test_summary_leaves_the_warmup_step_out():
     row = script.summarize("x", [10.0, 2.0, 4.0], [5.0, 1.0, 1.0], tokens_per_rollout=64)
     assert row["median_step_s"] == 3.0 and row["steps_per_h"] == 1200.0
     assert row["median_rollout_s"] == 1.0 and row["rollout_tokens_per_s"] == 64.0 and row["update_s"] == 2.0
+
+
+def test_difflm_side_alone_keeps_the_stored_comparison(tmp_path):
+    """Without --json a comparison goes to benchmarks/results/; --skip-dllm (no dllm row, no ratio) goes to the work
+    folder, so it never replaces the stored comparison of the same model and device."""
+    from argparse import Namespace
+
+    args = Namespace(json=None, skip_dllm=False, model="tiny")
+    assert script.result_path(args, "cpu", tmp_path) == script.ROOT / "benchmarks/results/rl_vs_dllm_tiny_cpu.json"
+    args.skip_dllm = True
+    assert script.result_path(args, "cpu", tmp_path) == tmp_path / "rl_vs_dllm.json"
+    args.json = tmp_path / "mine.json"
+    assert script.result_path(args, "cpu", tmp_path) == tmp_path / "mine.json"
