@@ -70,6 +70,8 @@ def main(argv=None) -> int:
                     help="H100 rates measured by difflm-plan --calibrate (default: the shipped H100 rates)")
     args = ap.parse_args(argv)
     rates = Rates.from_json(args.calibration) if args.calibration else default_rates("H100")
+    print("tokens/s per GPU as published and as planned; ratio = planned / published; GiB/GPU: the planned peak "
+          "memory per GPU")
     print(f"{'row':<32} {'GPUs':>5} {'published':>10} {'planned':>9} {'ratio':>6}  {'GiB/GPU':>8}  source")
     for name, model, precision, gpus, layout, published, source in ROWS:
         cfg = compose_train_config([*COMMON, *model, f"precision={precision}", *layout])

@@ -328,3 +328,10 @@ def test_plan_check_exits_1_when_a_row_fails(capsys, monkeypatch):
     assert last.startswith("x ") and last.endswith("failed: torch.OutOfMemoryError: CUDA out of memory.")
     (cmd, kwargs), = ran
     assert "--one" in cmd and kwargs["timeout"] == 240 and kwargs["env"]["PYTHONPATH"].startswith(str(REPO))
+
+
+def test_plan_published_names_the_units_of_its_table(capsys):
+    assert load_script("plan_published").main([]) == 0
+    title, head, *rows = capsys.readouterr().out.splitlines()
+    assert title.startswith("tokens/s per GPU as published and as planned; ratio = planned / published; GiB/GPU")
+    assert head.split()[:6] == ["row", "GPUs", "published", "planned", "ratio", "GiB/GPU"] and len(rows) == 6
