@@ -67,14 +67,23 @@ def script_main(fn: Callable) -> Callable:
     """Decorator of a script's ``main(argv=None)``: a :class:`DifflmError` raised in it prints
     ``<script>: error: <message>`` and exits 2; a child started with ``run(..., check=True)`` that fails prints
     ``<script>: error: <command> exited with status N`` (with the last line of its captured stderr) and exits 1; Ctrl-C prints ``<script>: interrupted`` and
-    exits 130. Everything else (a fault of the script) keeps its traceback."""
+    exits 130; a reader of the output that stops reading (``| head``) ends the script quietly, exit status 1.
+    Everything else (a fault of the script) keeps its traceback."""
     name = Path(fn.__globals__.get("__file__") or sys.argv[0]).name
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         _prog["name"] = name
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # a reader gone (| head) shows here, not in the interpreter's flush at exit
+            return result
+        except BrokenPipeError:
+            try:  # the interpreter's flush at exit then has nowhere to fail
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            sys.exit(1)
         except DifflmError as err:
             message, status = f"{name}: error: {err}", 2
         except subprocess.CalledProcessError as err:

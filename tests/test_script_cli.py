@@ -105,6 +105,31 @@ def test_script_main_ends_refusals_in_one_line(capsys, monkeypatch):
         script_cli.require_cuda("tool.py", instead="--plan runs without one")
 
 
+@pytest.mark.slow  # starts processes: make test-fast leaves it out
+@pytest.mark.parametrize("lines", [3, 100_000])  # held in the buffer until the end / written while the script runs
+def test_a_reader_that_stops_reading_ends_the_script_quietly(lines):
+    """``script.py | head``: the script's output pipe closes early; the script ends with status 1 and nothing on
+    stderr (no BrokenPipeError traceback, from its prints or from the interpreter's flush at exit)."""
+    code = textwrap.dedent(f"""
+        from difflm import script_cli
+
+        @script_cli.script_main
+        def main():
+            for i in range({lines}):
+                print("row", i)
+            return 0
+
+        raise SystemExit(main())
+        """)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, "")
+
+
 def test_children_run_this_difflm(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", str(REPO)]))
     assert script_cli.difflm_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/elsewhere"]
