@@ -7,7 +7,8 @@ line; and the processes a script starts end with it.
   raised anywhere in it (a refused override, a file that is not what it should be) ends the same way, and Ctrl-C as
   ``<script>: interrupted`` with status 130.
 * argument types that name the fix in their refusal: :func:`int_at_least`, :func:`positive_number`,
-  :func:`comma_list`, :func:`shell_words`, :func:`caller_path`, :func:`existing_path`; :func:`require_cuda`.
+  :func:`comma_list`, :func:`shell_words`, :func:`caller_path`, :func:`existing_path`, :func:`output_file`,
+  :func:`output_dir`; :func:`require_cuda`.
 * child processes (:func:`start`, :func:`run`): each in a session of its own, stopped as a whole tree
   (:func:`stop_tree`) on a timeout, when the script gets SIGTERM, SIGINT or SIGHUP, and on Linux also when the script
   dies without a chance to stop them (SIGKILL): the kernel sends the child SIGTERM then (``PR_SET_PDEATHSIG``), so a
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from difflm.cli import EXIT_INTERRUPTED, _say
+from difflm.cli import EXIT_INTERRUPTED, _say, writable_output
 from difflm.errors import DifflmError
 
 KILL_GRACE_S = 20.0  # seconds a stopped child has after SIGTERM (difflm-train saves a checkpoint) before SIGKILL
@@ -161,6 +162,32 @@ def caller_path(text: str) -> Path:
     """An argparse ``type``: a path as an absolute one, relative to the folder the script was started from (``~``
     expanded), so that it names the same file in a child started in another folder."""
     return Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def _writable(text: str, directory: bool) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give a {'folder' if directory else 'file'} path")
+    path = caller_path(text)
+    try:
+        return writable_output("", path, directory=directory)
+    except DifflmError as err:  # "=<path> ...": the argument's name comes from argparse
+        raise argparse.ArgumentTypeError(f"{text!r}{str(err).split(repr(str(path)), 1)[-1]}") from None
+
+
+def output_file(text: str) -> Path:
+    """An argparse ``type``: :func:`caller_path` of a file the script writes (``--json``), checked at once with
+    :func:`difflm.cli.writable_output` (its folder is made and written to), so a path that cannot be written is
+    refused before the work whose results it was to hold."""
+    return _writable(text, directory=False)
+
+
+def output_dir(text: str) -> Path:
+    """An argparse ``type``: :func:`caller_path` of a folder the script writes into (``--out``), checked at once as
+    :func:`output_file` checks a file (a file of that name is refused)."""
+    return _writable(text, directory=True)
+
+
+output_file.__name__, output_dir.__name__ = "writable file", "writable folder"
 
 
 def existing_path(kind: str = "file", hint: str = "") -> Callable[[str], Path]:

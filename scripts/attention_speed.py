@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
     parser.add_argument("--gemm-between", type=int, action="append", default=None,
                         help="GEMMs before each timed call (repeatable: one row per value; default 0)")
-    parser.add_argument("--json", type=script_cli.caller_path, help="write the rows to this JSON file, after each")
+    parser.add_argument("--json", type=script_cli.output_file, help="write the rows to this JSON file, after each")
     args = parser.parse_args(argv)
     # every argument is checked before the CUDA check and any timing, so no row is timed and then lost
     shapes = []

@@ -941,7 +941,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-reference", action="store_true",
                     help="leave out the plain eager PyTorch reference row")
     ap.add_argument("--reference-precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
-    ap.add_argument("--json", type=script_cli.caller_path, default=None, help="write the results here")
+    ap.add_argument("--json", type=script_cli.output_file, default=None, help="write the results here")
     ap.add_argument("--profile", default="", help="comma-separated row names to profile")
     ap.add_argument("--profile-rows", type=int, default=12, help="kernels printed per profile (files hold 30)")
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failing rows")

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                         help="MLP-sized GEMMs before each timed call (default 8)")
     parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS],
                         help="time only this configuration (repeatable; default: all)")
-    parser.add_argument("--json", type=script_cli.caller_path,
+    parser.add_argument("--json", type=script_cli.output_file,
                         help="write the rows to this JSON file, after each")
     args = parser.parse_args(argv)
     dims = args.shape.split(",")

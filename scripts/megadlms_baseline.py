@@ -650,7 +650,7 @@ def main(argv=None) -> int:
                        help="FIRST,LAST iteration of the median (default 6,16)")
         q.add_argument("--peak-tflops", type=script_cli.positive_number, default=PEAK_TFLOPS,
                        help=f"the MFU's peak TFLOP/s per GPU (default {PEAK_TFLOPS:g}, dense BF16 H100/H200)")
-        q.add_argument("--json", type=script_cli.caller_path, default=None, help="write the row here")
+        q.add_argument("--json", type=script_cli.output_file, default=None, help="write the row here")
     r.add_argument("--megadlms", type=script_cli.caller_path, default=script_cli.caller_path(".megadlms"),
                    help="the export (see 'export'; default ./.megadlms)")
     r.add_argument("--iters", type=at_least_1, default=16, help="iterations Megatron runs (default 16)")

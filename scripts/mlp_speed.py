@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                     help="timed calls per path (median; default 20)")
     ap.add_argument("--autotune", action="store_true", help="model.fused_mlp_autotune: quack tunes each GEMM shape "
                     "(minutes on the first call; then from quack's disk cache)")
-    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+    ap.add_argument("--json", type=script_cli.output_file, default=None,
                     help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     script_cli.require_cuda()

@@ -155,7 +155,7 @@ def main(argv=None) -> None:
                     help="a shape to time (repeatable; default: moe-1b-7b at micro-batch 1 and 2 of 4096 tokens)")
     ap.add_argument("--steps", type=script_cli.int_at_least(1), default=20,
                     help="timed calls per way (median; default 20)")
-    ap.add_argument("--json", type=script_cli.caller_path, default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--json", type=script_cli.output_file, default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     script_cli.require_cuda()
     results = []

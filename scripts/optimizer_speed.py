@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config (model=1.7b ...)")
     ap.add_argument("--steps", type=script_cli.int_at_least(1), default=10,
                     help="timed calls per part (median; default 10)")
-    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+    ap.add_argument("--json", type=script_cli.output_file, default=None,
                     help="also write ms and bytes per part to this JSON file")
     args = ap.parse_intermixed_args(argv)  # the overrides may come before, between or after the flags
     script_cli.require_cuda()

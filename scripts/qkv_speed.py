@@ -70,7 +70,7 @@ def main(argv=None) -> None:
                     "place under load (module docstring) instead of the rows above")
     ap.add_argument("--gemm-between", type=script_cli.int_at_least(0), default=8,
                     help="MLP-sized GEMMs before each --in-place call")
-    ap.add_argument("--json", type=script_cli.caller_path, default=None,
+    ap.add_argument("--json", type=script_cli.output_file, default=None,
                     help="also write the rows (ms per call) to this JSON file")
     args = ap.parse_args(argv)
     script_cli.require_cuda()

@@ -381,7 +381,7 @@ def main(argv=None) -> None:
     p.add_argument("--difflm-extra", action="append", default=[], metavar="KEYS",
                    help="an extra difflm-rl row with these space-separated keys on top of the matched ones, e.g. "
                         "'gen.cache=dual' or 'gen.threshold=0.9': printed and saved, never in the headline ratio")
-    p.add_argument("--json", type=script_cli.caller_path, default=None,
+    p.add_argument("--json", type=script_cli.output_file, default=None,
                    help="write the result here (default benchmarks/results/rl_vs_dllm_<model>_<device>.json; "
                         "with --skip-dllm <work>/rl_vs_dllm.json)")
     args = p.parse_args(argv)

@@ -74,6 +74,16 @@ def test_argument_types_name_the_fix(tmp_path, monkeypatch):
         calibration("no.json")
     with pytest.raises(argparse.ArgumentTypeError, match=r"^'\.' is not a file: give a calibration JSON$"):
         calibration(".")
+    assert script_cli.output_file("new/r.json") == tmp_path / "new" / "r.json" and (tmp_path / "new").is_dir()
+    assert script_cli.output_dir("runs") == tmp_path / "runs"
+    for kind, text, says in (("file", "f.json/r.json", r"'f.json/r.json' cannot be written \(.*\): choose a folder "
+                                                       "you can write in$"),
+                             ("file", "new", r"^'new' is a directory: give a file path$"),
+                             ("dir", "f.json", r"^'f.json' is a file: give a directory path$"),
+                             ("file", " ", r"^' ' is empty: give a file path$")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            (script_cli.output_file if kind == "file" else script_cli.output_dir)(text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "new"]  # no probe left behind
 
 
 def test_script_main_ends_refusals_in_one_line(capsys, monkeypatch):

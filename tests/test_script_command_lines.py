@@ -284,6 +284,10 @@ CASES = [  # script, argv, its stderr (exact)
     ("layout_check", ["--plan", "--big-overrides", "x=1 'y=2"], "layout_check.py: error: argument --big-overrides: "
                                                                  "\"x=1 'y=2\": no closing quotation: close each quote "
                                                                  "(the words are split as a shell splits them)\n"),
+    ("qkv_speed", ["--shape", "a=1,2,3,4,5", "--json", "."], "qkv_speed.py: error: argument --json: '.' is a "
+                                                               "directory: give a file path\n"),
+    ("layout_check", ["--plan", "--out", "/proc/version"], "layout_check.py: error: argument --out: '/proc/version' is "
+                                                           "a file: give a directory path\n"),
     ("attention_speed", ["--shape", "a=1,16,2,8", "--backend", "sdpa"], needs_cuda("attention_speed.py")),
     ("flash_tiles", [], needs_cuda("flash_tiles.py")),
 ]
@@ -296,9 +300,13 @@ def test_bad_input_is_one_line(script, argv, says, capsys, tmp_path, monkeypatch
     assert err == says.format(cwd=tmp_path)
 
 
-def test_benchmark_counts_are_checked_by_the_parser(capsys):
+def test_benchmark_counts_are_checked_by_the_parser(capsys, tmp_path):
     err = script_usage_error(load_script("benchmark"), capsys, "--steps", "0", entry="cli")
     assert err == "benchmark.py: error: argument --steps: 0 is below 1: give an integer >= 1\n"
+    (tmp_path / "f").write_text("")
+    err = script_usage_error(load_script("benchmark"), capsys, "model=tiny", "--json", str(tmp_path / "f" / "b.json"),
+                             entry="cli")  # a file where the folder goes: refused before any row runs
+    assert err.startswith(f"benchmark.py: error: argument --json: '{tmp_path}/f/b.json' cannot be written (")
     err = script_usage_error(load_script("benchmark"), capsys, "--megadlms-precisions", "bf16,fp4", entry="cli")
     assert err == ("benchmark.py: error: argument --megadlms-precisions: 'fp4': not a known MegaDLMs precision; "
                    "choose from bf16, fp8 (comma-separated)\n")
