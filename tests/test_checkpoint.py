@@ -359,3 +359,31 @@ def test_a_chosen_step_whose_save_has_not_finished_is_named_as_such(tmp_path):
         find_checkpoint(tmp_path, 5)
     with pytest.raises(DifflmError, match=rf"^step=7 has no checkpoint in {tmp_path}: choose one of \[3\]$"):
         find_checkpoint(tmp_path, 7)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_the_disk_refuses_is_one_line_and_leaves_the_last_checkpoint(tmp_path, async_save):
+    """A full disk (here a file-size limit, RLIMIT_FSIZE: the write fails with EFBIG as with ENOSPC) mid-save: one
+    DifflmError naming the folder, the OS's reason and the step a rerun resumes from; the temporary directory is
+    removed and the earlier checkpoint stays complete."""
+    import resource
+
+    from difflm.checkpoint.manifest import manifest_problem
+    from difflm.checkpoint.store import save_checkpoint
+
+    model = torch.nn.Linear(8, 8)
+    save_checkpoint(tmp_path, 1, model, None, {"step": 1})
+    big = torch.nn.Linear(512, 512)  # a 1 MiB shard
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, hard))
+    try:
+        with pytest.raises(DifflmError) as err:
+            out = save_checkpoint(tmp_path, 2, big, None, {"step": 2}, async_save=async_save)
+            out.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(err.value)
+    assert "\n" not in message and "checkpoint step_2 could not be written to" in message
+    assert "File too large" in message and "resume from step 1" in message
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"] and manifest_problem(root / "step_1") is None

@@ -191,16 +191,25 @@ def _async_group():
 
 class PendingCheckpoint:
     """An ``async_save`` in flight: :meth:`wait` blocks until every rank's files are written, then renames the
-    temporary directory (rank 0, after a barrier). Until then ``step_<N>/`` does not exist."""
+    temporary directory (rank 0, after a barrier). Until then ``step_<N>/`` does not exist. A save that fails is
+    handled as a synchronous one's (:func:`_save_failed`)."""
 
-    def __init__(self, path: Path, future, finish):
-        self.path, self._future, self._finish = path, future, finish
+    def __init__(self, path: Path, future, finish, failed):
+        self.path, self._future, self._finish, self._failed = path, future, finish, failed
 
     def wait(self) -> Path:
         if self._future is not None:
-            self._future.result()
-            self._future = None
-            self._finish()
+            future, self._future = self._future, None
+            try:
+                with warnings.catch_warnings():  # single-process DCP warns that no process group exists
+                    warnings.simplefilter("ignore")
+                    future.result()
+                self._finish()
+            except BaseException as exc:
+                error = self._failed(exc)
+                if error is exc:
+                    raise
+                raise error from exc
         return self.path
 
 
@@ -266,20 +275,58 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer: Optional[torch.o
         barrier()
         return final
 
+    def failed(exc: BaseException) -> BaseException:
+        return _save_failed(exc, run_dir, step, tmp)
+
     try:
         with warnings.catch_warnings():  # single-process DCP warns that no process group exists
             warnings.simplefilter("ignore")
             if async_save:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_async_group())
-                return PendingCheckpoint(final, future, finish)
+                return PendingCheckpoint(final, future, finish, failed)
             dcp.save(state, checkpoint_id=str(tmp))
         return finish()
     except BaseException as exc:
-        if is_rank0():  # never leave a half-written directory behind (only a complete one is ever renamed)
-            shutil.rmtree(tmp, ignore_errors=True)
-        if _interrupted(exc) and not isinstance(exc, KeyboardInterrupt):
-            raise KeyboardInterrupt from exc  # DCP wraps it in a CheckpointException
-        raise
+        error = failed(exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _save_failed(exc: BaseException, run_dir: Path, step: int, tmp: Path) -> BaseException:
+    """What a save of ``step`` that failed with ``exc`` raises, after rank 0 removed its temporary directory ``tmp``
+    (only a complete checkpoint is ever renamed, so none is left half-written): KeyboardInterrupt for a stopped save
+    (DCP wraps it in a CheckpointException); a DifflmError when the OS refused to write its files (a full disk, a
+    quota, a read-only file system), naming the folder, the reason and the checkpoint a rerun resumes from;
+    otherwise ``exc`` itself."""
+    if is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    if _interrupted(exc):
+        return exc if isinstance(exc, KeyboardInterrupt) else KeyboardInterrupt()
+    os_error = next((e for e in _failure_chain(exc) if isinstance(e, OSError)), None)
+    if os_error is None:
+        return exc
+    why = os_error.strerror or " ".join(str(os_error).split())[:200]
+    latest = latest_checkpoint(run_dir, report=lambda _: None)
+    then = (f"rerun the same command to resume from step {latest[0]}, the latest complete checkpoint" if latest else
+            "rerun the same command (no checkpoint of this run.dir is complete yet: it starts afresh)")
+    return DifflmError(f"checkpoint step_{step} could not be written to {checkpoints_root(run_dir)} ({why}); nothing "
+                       f"of it was kept: make room there (train.keep_last keeps fewer checkpoints) or choose another "
+                       f"run.dir, then {then}")
+
+
+def _failure_chain(exc: BaseException):
+    """``exc``, its chain (:func:`difflm.errors.exception_chain`) and, in a DCP CheckpointException, each rank's
+    failure and its chain, each once."""
+    pending, seen = [exc], set()
+    while pending:
+        for err in exception_chain(pending.pop()):
+            if id(err) in seen:
+                continue
+            seen.add(id(err))
+            pending += [failure[0] for failure in getattr(err, "failures", {}).values()
+                        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
+            yield err
 
 
 def _interrupted(exc: Optional[BaseException]) -> bool:
@@ -343,17 +390,10 @@ def _unreadable(exc: BaseException) -> Optional[BaseException]:
     import pickle
     import zipfile
 
-    pending, seen = [exc], set()
-    while pending:
-        for err in exception_chain(pending.pop()):
-            if id(err) in seen:
-                continue
-            seen.add(id(err))
-            pending += [failure[0] for failure in getattr(err, "failures", {}).values()
-                        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException)]
-            if isinstance(err, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, UnicodeDecodeError)) or (
-                    isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)):
-                return err
+    for err in _failure_chain(exc):
+        if isinstance(err, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, UnicodeDecodeError)) or (
+                isinstance(err, RuntimeError) and "PytorchStreamReader" in str(err)):
+            return err
     return None
 
 
