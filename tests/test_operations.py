@@ -166,6 +166,24 @@ def test_second_run_on_a_held_run_dir_is_refused_and_kill_9_leaves_no_stale_lock
     assert f"from step {step}" in resumed.stdout and (run_dir / ".difflm.lock").exists()
 
 
+def test_a_run_dir_on_a_full_disk_is_one_line(tmp_path):
+    """The lock file's holder line is the first thing a run writes: a disk with no room for it (here a file-size
+    limit, RLIMIT_FSIZE, which fails the write as a full disk does) is refused in one line naming run.dir."""
+    import resource
+
+    from difflm.training.run_dir import claim_run_dir
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        with pytest.raises(DifflmError) as err:
+            claim_run_dir(tmp_path / "run")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(err.value) == (f"run.dir='{tmp_path / 'run'}' cannot be written (File too large): make room there or "
+                              "choose another run.dir")
+
+
 @pytest.mark.slow  # starts processes: make test-fast leaves it out
 @pytest.mark.parametrize("kind", ["existing file", "file as parent", "checkpoints is a file", "read-only"])
 def test_run_dir_problems_are_one_line(tmp_path, kind):

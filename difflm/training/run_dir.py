@@ -100,10 +100,16 @@ def claim_run_dir(run_dir: str | Path) -> IO[str]:
                               "choose another run.dir") from None
         raise DifflmError(f"run.dir={str(run_dir)!r}: cannot lock {LOCK_FILE} ({exc.strerror or exc}): choose a "
                           "run.dir on a file system with flock support") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+    except OSError as exc:  # a full disk: nothing else the run writes would fit either
+        with contextlib.suppress(OSError):  # the close flushes the same bytes again
+            handle.close()
+        raise DifflmError(f"run.dir={str(run_dir)!r} cannot be written ({exc.strerror or exc}): make room there or "
+                          "choose another run.dir") from None
     return handle
 
 
