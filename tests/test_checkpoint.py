@@ -387,3 +387,17 @@ def test_a_save_the_disk_refuses_is_one_line_and_leaves_the_last_checkpoint(tmp_
     assert "File too large" in message and "resume from step 1" in message
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_1"] and manifest_problem(root / "step_1") is None
+
+
+@pytest.mark.parametrize("text", ["null", "[]", '{"files": []}', '{"files": {}}', '{"files": {"trainer_state.pt": 3}}',
+                                  '{"files": {"trainer_state.pt": {}}}', "{}", ""])
+def test_a_manifest_of_another_shape_is_a_problem_not_a_crash(tmp_path, text):
+    """A manifest.json that parses but does not list the files as {name: {size}} (overwritten, edited by hand) marks
+    the checkpoint incomplete, as an unparsable one does, instead of raising out of the resume or find_checkpoint."""
+    from difflm.checkpoint.manifest import MANIFEST, manifest_problem
+
+    (tmp_path / "trainer_state.pt").write_bytes(b"x")
+    (tmp_path / MANIFEST).write_text(text)
+    assert manifest_problem(tmp_path).startswith("unreadable manifest.json (")
+    (tmp_path / MANIFEST).write_text('{"files": {"trainer_state.pt": {"size": 1}}}')
+    assert manifest_problem(tmp_path) is None

@@ -42,8 +42,11 @@ def manifest_problem(ckpt_dir: Path) -> Optional[str]:
         return "no manifest.json (the save did not finish)"
     try:
         files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as exc:
-        return f"unreadable manifest.json ({exc})"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"unreadable manifest.json ({type(exc).__name__}: {exc})"
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) for e in files.values()):
+        return "unreadable manifest.json (its files are not listed as {name: {size, ...}})"
     for rel, entry in files.items():
         p = Path(ckpt_dir) / rel
         if not p.is_file():
