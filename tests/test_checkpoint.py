@@ -401,3 +401,24 @@ def test_a_manifest_of_another_shape_is_a_problem_not_a_crash(tmp_path, text):
     assert manifest_problem(tmp_path).startswith("unreadable manifest.json (")
     (tmp_path / MANIFEST).write_text('{"files": {"trainer_state.pt": {"size": 1}}}')
     assert manifest_problem(tmp_path) is None
+
+
+@pytest.mark.parametrize("damage", [b"\x00", b"a: [", b"- "])
+def test_a_checkpoint_config_with_overwritten_bytes_is_one_line(fast_cfg, damage):
+    """A checkpoint's config.yaml whose bytes were overwritten (same size, so its manifest still matches) is refused
+    in one line naming the file and the step to move away, by the resume and by what difflm-eval / -generate /
+    -export read, instead of a YAML parser's traceback (or a RecursionError)."""
+    from difflm.checkpoint.store import trained_settings
+
+    cfg = fast_cfg("train.max_steps=1", "train.save_every=1", "train.eval_every=0", "logger.num_samples=0")
+    Trainer(cfg, cfg.run.dir, CPU).fit()
+    config = Path(cfg.run.dir) / "checkpoints" / "step_1" / "config.yaml"
+    size = config.stat().st_size
+    config.write_bytes((damage * size)[:size])
+    wanted = f"{config} cannot be read ("
+    with pytest.raises(DifflmError, match="restore it from a copy, or move step_1 away") as err:
+        trained_settings(cfg.run.dir)
+    assert str(err.value).startswith(wanted) and "\n" not in str(err.value)
+    with pytest.raises(DifflmError) as err:
+        Trainer(fast_cfg("train.max_steps=2", "train.eval_every=0"), cfg.run.dir, CPU)
+    assert str(err.value).startswith(wanted)

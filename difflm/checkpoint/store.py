@@ -353,6 +353,28 @@ def checkpoint_config_path(run_dir: Path, checkpoint: Path) -> Path:
     return own if own.is_file() else Path(run_dir) / CONFIG
 
 
+def read_settings(path: Path):
+    """The settings file at ``path`` (a checkpoint's ``config.yaml``, a run's ``config.yaml`` or ``rl_config.yaml``)
+    as a DictConfig.
+
+    Raises: DifflmError naming the file when it cannot be read or parsed, or holds no mapping (bytes overwritten on
+        disk, which only ``train.checkpoint_checksums`` sees at resume): restore it, or, for a checkpoint's own file,
+        move that checkpoint away to use an earlier one."""
+    from omegaconf import DictConfig, OmegaConf
+
+    path = Path(path)
+    try:
+        settings = OmegaConf.create(path.read_text())
+        why = None if isinstance(settings, DictConfig) else f"a {type(settings).__name__}, not a mapping of settings"
+    except Exception as exc:  # noqa: BLE001 - yaml's, OmegaConf's, a decode or recursion error: one line
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+    if why is None:
+        return settings
+    aside = (f", or move {path.parent.name} away to use an earlier checkpoint" if STEP_DIR.match(path.parent.name)
+             else "")
+    raise DifflmError(f"{path} cannot be read ({why}): restore it from a copy{aside}")
+
+
 def trained_settings(run_dir, step: Optional[int] = None, keys: tuple[str, str] = ("run.dir", "step")):
     """(settings, checkpoint directory, step) of checkpoint ``step`` of a trained run (None: the newest): the run
     config that checkpoint was trained with (:func:`checkpoint_config_path`: a later resume may have changed the
@@ -371,7 +393,7 @@ def trained_settings(run_dir, step: Optional[int] = None, keys: tuple[str, str] 
         raise DifflmError(f"{keys[0]}={str(run_dir)!r} has no config.yaml: point {keys[0]} at a difflm-train output "
                           "directory (or a difflm-import one)")
     step, ckpt = find_checkpoint(path, step, keys)
-    return OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(checkpoint_config_path(path, ckpt))), ckpt, step
+    return OmegaConf.merge(OmegaConf.structured(RunConfig), read_settings(checkpoint_config_path(path, ckpt))), ckpt, step
 
 
 def _first_cause(exc: BaseException) -> str:

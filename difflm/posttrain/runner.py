@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_trainer_state, resume_checkpoint, \
-    save_checkpoint, trained_settings
+from difflm.checkpoint.store import load_checkpoint, prune_checkpoints, read_settings, read_trainer_state, \
+    resume_checkpoint, save_checkpoint, trained_settings
 from difflm.config.schema import PosttrainDataConfig
 from difflm.config.validate import check_logger, check_logger_keys, check_optim, check_schedule
 from difflm.errors import DifflmError
@@ -176,7 +176,7 @@ def check_resume_init(run_dir: Path, cfg) -> None:
     path = Path(run_dir) / "rl_config.yaml"
     if not path.is_file():
         return
-    recorded = OmegaConf.load(path)
+    recorded = read_settings(path)
     old = OmegaConf.select(recorded, "init.run_dir", default=None)
     new = str(cfg.init.run_dir)
     if old and old != new and Path(old).is_dir() and not os.path.samefile(old, new):

@@ -60,8 +60,11 @@ def _trains(key: str) -> bool:
 
 
 def _settings(path: Path) -> dict:
-    """A saved ``config.yaml`` / ``rl_config.yaml`` as a plain nested dict."""
-    return OmegaConf.to_container(OmegaConf.create(path.read_text())) or {}
+    """A saved ``config.yaml`` / ``rl_config.yaml`` as a plain nested dict (DifflmError naming a damaged one,
+    :func:`difflm.checkpoint.store.read_settings`)."""
+    from difflm.checkpoint.store import read_settings
+
+    return OmegaConf.to_container(read_settings(path)) or {}
 
 
 def _listed(items: list[str]) -> str:
@@ -213,14 +216,14 @@ def check_resume_tokenizer(run_dir: Path, name: str, tok, vocab_multiple: int) -
     A checkpoint whose tokenizer cannot be read any more is not judged.
 
     Raises: DifflmError naming both tokenizers and the override that restores the checkpoint's."""
-    from difflm.checkpoint.store import checkpoint_config_path, latest_checkpoint
+    from difflm.checkpoint.store import checkpoint_config_path, latest_checkpoint, read_settings
     from difflm.data.tokenizer import build_tokenizer
 
     found = latest_checkpoint(Path(run_dir), report=lambda _: None)
     source = None if found is None else checkpoint_config_path(Path(run_dir), found[1])
     if source is None or not source.is_file():
         return
-    old = OmegaConf.select(OmegaConf.load(source), "data.tokenizer", default=None)
+    old = OmegaConf.select(read_settings(source), "data.tokenizer", default=None)
     if not old or old == name:
         return
     try:

@@ -344,14 +344,14 @@ class Trainer:
         the model was built with); any other checkpoint (``difflm-import``'s step_0, a full run's) is the base
         itself, read model-only, and the adapters start fresh, or from the adapters it holds as well (a difflm-rl run
         of a LoRA run). Returns the trainer state."""
-        from difflm.checkpoint.store import checkpoint_keys, load_base_weights, read_trainer_state
+        from difflm.checkpoint.store import checkpoint_keys, load_base_weights, read_settings, read_trainer_state
         from difflm.model.lora import is_adapter
 
         state = read_trainer_state(path)
         if "lora_base" in state:
             from difflm.model.lora import check_resume_lora
 
-            saved = OmegaConf.load(checkpoint_config_path(self.run_dir, path))
+            saved = read_settings(checkpoint_config_path(self.run_dir, path))
             check_resume_lora(saved.get("lora"), self.cfg.lora, f"checkpoint {path}")
             base = int(state["lora_base"])
             if base >= 0:
