@@ -585,6 +585,27 @@ def test_a_spike_right_after_a_roll_back_is_caught_too(fast_cfg, capsys):
             check_run(fast_cfg(override, "device=cpu"))
 
 
+def test_a_loss_that_stays_above_the_spike_threshold_stops_the_run(fast_cfg, capsys):
+    """Each roll-back keeps the pre-spike mean, so a loss that stays above threshold x mean (a mean set by one lucky
+    step, a level that moved for good) rolled back to the same checkpoint without end, skipping data and training
+    nothing. After train.max_skipped_steps roll-backs in a row the next spike stops the run in one line."""
+    cfg = fast_cfg("train.max_steps=12", "train.save_every=2", "train.eval_every=0", "train.spike_threshold=3",
+                   "train.max_skipped_steps=2")
+    trainer = Trainer(cfg, cfg.run.dir, CPU)
+    poison(trainer, set(range(5, 30)), 1e4)
+    with pytest.raises(DifflmError) as err:
+        trainer.fit()
+    out = capsys.readouterr().out
+    assert "loss spike at data step 5: reloaded step 4, data continues at step 6" in out
+    assert "loss spike at data step 6: reloaded step 4, data continues at step 7" in out
+    assert "data step 7:" not in out
+    message = str(err.value)
+    assert message.startswith("the loss stayed above train.spike_threshold=3 x its running mean")
+    assert "after 2 roll-backs in a row to step 4 (train.max_skipped_steps=2)" in message
+    assert message.endswith("inspect the data from data step 5 on") and "\n" not in message
+    assert [s for s, _ in list_checkpoints(cfg.run.dir)] == [2, 4]
+
+
 def test_retention_keeps_last_and_every(fast_cfg):
     cfg = fast_cfg("train.max_steps=7", "train.save_every=1", "train.eval_every=0", "train.keep_last=2",
                    "train.keep_every=3")

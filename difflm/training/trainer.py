@@ -850,11 +850,23 @@ class Trainer:
 
     def _spiked(self, record: "_StepRecord") -> bool:
         """``train.spike_threshold``: the settled step's loss above threshold x its running mean rolls the run back
-        (:meth:`_roll_back`); True when it did."""
-        progress, loss = self._progress, record.loss
-        if progress.loss_mean is not None and loss > self.cfg.train.spike_threshold * progress.loss_mean \
-                and self._roll_back():
-            return True  # the mean stays the pre-spike one: the first step after the roll-back is checked too
+        (:meth:`_roll_back`); True when it did. The mean stays the pre-spike one, so a loss that stays above it (a
+        mean set by one lucky step after a start or resume, a threshold too close to 1) would roll back forever:
+        after ``train.max_skipped_steps`` roll-backs in a row the next spike stops the run with a DifflmError."""
+        progress, loss, t = self._progress, record.loss, self.cfg.train
+        if progress.loss_mean is not None and loss > t.spike_threshold * progress.loss_mean:
+            if progress.roll_backs_in_a_row >= t.max_skipped_steps:
+                first = record.data_step - 1 - progress.roll_backs_in_a_row  # the data step of the first spike
+                raise DifflmError(
+                    f"the loss stayed above train.spike_threshold={t.spike_threshold:g} x its running mean "
+                    f"{progress.loss_mean:.4g} ({loss:.4g} at step {record.step}) after {progress.roll_backs_in_a_row} "
+                    f"roll-backs in a row to step {record.step - 1} (train.max_skipped_steps={t.max_skipped_steps}), "
+                    "so the run would reload and skip data without end: raise train.spike_threshold (0 turns it off), "
+                    f"lower optim.lr, or inspect the data from data step {first} on")
+            if self._roll_back():
+                progress.roll_backs_in_a_row += 1
+                return True  # the mean stays the pre-spike one: the first step after the roll-back is checked too
+        progress.roll_backs_in_a_row = 0
         progress.loss_mean = loss if progress.loss_mean is None else 0.9 * progress.loss_mean + 0.1 * loss
         return False
 
@@ -985,3 +997,4 @@ class _Progress:
     window_tokens: int = 0
     skipped_in_a_row: int = 0
     loss_mean: Optional[float] = None
+    roll_backs_in_a_row: int = 0  # train.spike_threshold: roll-backs since the last step that passed the check
