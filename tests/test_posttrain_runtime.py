@@ -228,8 +228,8 @@ def test_records_and_the_init_runs_objective_are_checked_before_its_model_loads(
 
 def test_a_fresh_start_sets_an_earlier_runs_records_aside(init_run, tmp_path, capsys):
     """A run.dir without a checkpoint but with an earlier run's records (it stopped before its first save): the new
-    run moves them into previous/<time>/, as difflm-train does, instead of appending its rows to their metrics.jsonl
-    (and resuming their W&B run)."""
+    run moves them into previous/<time>/, as difflm-train does, instead of appending its rows to their metrics.jsonl,
+    resuming their W&B run or writing its rl_config.yaml over theirs."""
     from difflm.posttrain.runner import PostTrainer
 
     run = tmp_path / "run"
@@ -237,9 +237,14 @@ def test_a_fresh_start_sets_an_earlier_runs_records_aside(init_run, tmp_path, ca
     old = json.dumps({"step": 1, "loss": 5.0, "objective": "grpo"}) + "\n"
     (run / "metrics.jsonl").write_text(old)
     (run / "wandb_id.txt").write_text("oldrun01")
+    (run / "rl_config.yaml").write_text("optim:\n  lr: 0.5\n")  # the earlier run's settings stay with its records
+    (run / "rl_config.step_3.yaml").write_text("optim:\n  lr: 0.7\n")
     PostTrainer(rl_config(init_run, run, "train.max_steps=1"), torch.device("cpu")).fit()
     (kept,) = (run / "previous").iterdir()
     assert (kept / "metrics.jsonl").read_text() == old and (kept / "wandb_id.txt").read_text() == "oldrun01"
+    assert (kept / "rl_config.yaml").read_text() == "optim:\n  lr: 0.5\n"
+    assert (kept / "rl_config.step_3.yaml").read_text() == "optim:\n  lr: 0.7\n"
+    assert "lr: 0.5" not in (run / "rl_config.yaml").read_text() and not (run / "rl_config.step_3.yaml").exists()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     assert f"holds an earlier run's records: moved them to {kept}; this run starts afresh" in capsys.readouterr().out
 

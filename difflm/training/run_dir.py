@@ -35,11 +35,12 @@ from difflm.hydra_folders import accept_records, forget_created, keep_records, n
 LOCK_FILE = ".difflm.lock"
 
 # What a run leaves in run.dir that a later run there would pick up as its own: metrics.jsonl is appended to,
-# wandb_id.txt resumes that W&B run, config*.yaml describe settings the new run never had. Inputs and caches stay:
+# wandb_id.txt resumes that W&B run, config*.yaml and rl_config*.yaml (difflm-rl's command line) describe settings
+# the new run never had, and it would write over them. Inputs and caches stay:
 # tokenizer/ (difflm-import's), data_cache/ (keyed by source content and tokenizer), and this invocation's
 # .hydra/ and train.log (Hydra has written them before the trainer starts).
 RUN_RECORDS = ("metrics.jsonl", "samples.txt", "wandb_id.txt", "wandb", "config.yaml", "config.step_*.yaml",
-               "profile", "hang_rank*.txt")
+               "rl_config.yaml", "rl_config.step_*.yaml", "profile", "hang_rank*.txt")
 PREVIOUS_DIR = "previous"
 
 
