@@ -217,9 +217,10 @@ def piece_bytes(piece: Piece, hf=None) -> int:
 
 
 def group_pieces(pieces: list[Piece], sizes: list[int], target: int) -> list[list[Piece]]:
-    """Consecutive ``pieces`` (of ``sizes`` bytes) joined into groups of at least ``target`` bytes (the last one may
-    be smaller), one shard each: a piece as large as ``target`` (:func:`difflm.data.documents.file_pieces` cuts
-    large files so) is a shard of its own, small files share one."""
+    """Consecutive ``pieces`` (of ``sizes`` bytes) joined into groups, one shard each: a group takes pieces until it
+    holds at least ``target`` bytes (the last group may hold less), so small files share a shard, and a shard holds
+    less than ``target`` plus its last piece (:func:`difflm.data.documents.file_pieces` cuts large files into pieces
+    of about ``target``: a large file's first piece joins the small files before it)."""
     groups, size = [], 0
     for piece, n in zip(pieces, sizes):
         if not groups or size >= target:
