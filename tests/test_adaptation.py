@@ -206,9 +206,9 @@ def test_cart_matches_dream_eq3(shift):
 @pytest.mark.parametrize("pair", [False, True])
 def test_cart_counts_only_the_context_a_packed_document_sees(pair):
     """Under intra-document attention a packed window's documents do not see each other, so Dream's eq. 3 sums over
-    the clean tokens of the token's own document only (complementary rows too); the row's sum counted the clean
-    tokens of its neighbours as context. Complementary rows keep their 1/2 share of the pair's mean under CART's
-    weights (CART's weights replaced the halved 1/p, doubling the loss)."""
+    the clean tokens of the token's own document only (complementary rows too), not those of its neighbours, which
+    it cannot attend to. Complementary rows keep their 1/2 share of the pair's mean under CART's weights (two full
+    shares would double the loss)."""
     from difflm.data.batch import TokenBatch
     from difflm.model.masks import document_ids
 

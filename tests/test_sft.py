@@ -325,7 +325,8 @@ def test_packed_sft_loss_is_the_per_pair_loss(intra_document_attention):
                                      dict(weighting="cart", cart_p=0.1), dict(diffusion_loss_weight=0.5)])
 def test_adapted_packed_sft_loss_is_the_per_pair_loss(options):
     """The adaptation options (docs/adaptation.md) keep packed pairs' eq. 5: each pair's sum over its own response
-    length, averaged over the pairs; the row's response length divided the 4 pairs of 2 rows by their row instead."""
+    length, averaged over the pairs (not each row's sum over the row's response length, which would divide the 4
+    pairs of 2 rows by their row)."""
     from difflm.data.sft import pack_pairs
     from difflm.objectives import build_objective
 

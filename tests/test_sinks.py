@@ -366,8 +366,8 @@ def test_a_run_that_ends_in_an_error_finishes_its_wandb_run_as_failed(fast_cfg, 
 
 
 def test_a_damaged_wandb_id_file_is_a_new_wandb_run_or_one_line(tmp_path):
-    """wandb_id.txt names the W&B run a resumed run logs into. Empty (the process stopped while writing it), wandb.init
-    refused the id with a traceback; now the run starts a new W&B run and says so. An id W&B refuses is one line
+    """wandb_id.txt names the W&B run a resumed run logs into. Empty (the process stopped while writing it), which
+    wandb.init refuses with a traceback, the run starts a new W&B run and says so. An id W&B refuses is one line
     naming the file and the two ways out."""
     from difflm.errors import DifflmError
     from difflm.training.sinks import saved_wandb_id

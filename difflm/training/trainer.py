@@ -43,8 +43,8 @@ from difflm.errors import DifflmError
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start :func:`memory_gib`'s peak here, so that a run reports its own: the jobs of a ``-m`` sweep run one after
-    another in one process, whose peak would otherwise carry the earlier jobs' (a sweep of micro-batch sizes
-    showed the largest one's memory for every later job). CUDA: the allocator's peak; CPU: the peak resident set
+    another in one process, whose peak would otherwise carry the earlier jobs' (a sweep of micro-batch sizes would
+    show the largest one's memory for every later job). CUDA: the allocator's peak; CPU: the peak resident set
     (Linux's ``/proc/self/clear_refs``; elsewhere the process's peak since its start)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
