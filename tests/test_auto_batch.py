@@ -2,6 +2,8 @@
 the out-of-memory probe, the refusals, and the run's config.yaml recording the choice."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -101,6 +103,32 @@ def test_the_run_config_records_the_choice(fast_cfg):
     assert recorded.train.micro_batch_size == 4
     assert recorded.train.auto_batch_reason.startswith("train.micro_batch_size=auto chose 4 on cpu")
     assert "train.auto_batch_budget_gib" in recorded.train.auto_batch_reason
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets the CPU peak through /proc")
+def test_mem_gib_is_the_peak_of_the_runs_steps_not_of_the_probes_tries(fast_cfg, monkeypatch):
+    """The probe may run out of memory at the planned size (a try that fills the GPU) before it halves: the peak that
+    mem_gib reports starts after the probe, so it is the run's steps', not that try's. The probe runs on CUDA; here
+    it is called as the CUDA Trainer calls it, with a try that held 1 GiB of CPU memory."""
+    from difflm.training import auto_batch
+    from difflm.training.trainer import Trainer, memory_gib, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    cfg = fast_cfg("train.micro_batch_size=auto", "train.global_batch_size=4", "train.auto_batch_budget_gib=64",
+                   "train.max_steps=1")
+    trainer = Trainer(cfg, cfg.run.dir, cpu)
+
+    def probe(step, size, per_rank):  # a try at 4 that held 1 GiB and ran out of memory, then 2 fits
+        hog = torch.ones(2**28)
+        del hog
+        return 2, size
+
+    monkeypatch.setattr(auto_batch, "probe_micro_batch", probe)
+    reset_peak_memory(cpu)
+    before = memory_gib(cpu)
+    trainer._probe_micro_batch()
+    assert trainer.cfg.train.micro_batch_size == 2 and trainer.accum_steps == 2
+    assert memory_gib(cpu) < before + 0.5, (memory_gib(cpu), before)
 
 
 def test_difflm_plan_plans_auto_against_the_gpu(capsys):

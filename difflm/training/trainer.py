@@ -215,7 +215,9 @@ class Trainer:
         (twice under gradient accumulation: the second with the first's gradients held), with as many loss rows as
         the memory plan's heaviest micro-batch and AdamW's moments held, halving on out-of-memory
         (:func:`difflm.training.auto_batch.probe_micro_batch`); the ranks keep the smallest size any of them could
-        run, and the config (``config.yaml``) records it."""
+        run, and the config (``config.yaml``) records it. The memory peak restarts after it (:func:`reset_peak_memory`):
+        ``mem_gib`` is the peak of the run's steps, not of the probe's tries (one that ran out of memory filled the
+        GPU)."""
         from difflm.plan.memory import peak_loss_fraction
         from difflm.plan.trace import noised_batch
         from difflm.training.auto_batch import probe_micro_batch
@@ -249,6 +251,7 @@ class Trainer:
             t.auto_batch_reason = f"{t.auto_batch_reason}; the probe ran out of memory at {failed}: {size}"
             self._report(f"difflm: train.micro_batch_size=auto: out of memory at {failed}, the run takes {size} "
                          f"({self.accum_steps} accumulation step{'s' if self.accum_steps != 1 else ''})")
+        reset_peak_memory(self.device)
 
     def _build_parallel_model(self) -> int:
         """This rank's part of the model, built on the meta device, laid out over the mesh and materialised shard by
