@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                     help="training steps of difflm-train (more than --skip; default 24)")
     ap.add_argument("--skip", type=script_cli.int_at_least(0), default=6,
                     help="first logged steps left out of the median (autotuning; default 6)")
-    ap.add_argument("--out", type=script_cli.output_dir, default=script_cli.caller_path("auto_speed_check"),
+    ap.add_argument("--out", type=script_cli.output_dir, default="auto_speed_check",
                     help="folder for the benchmark JSON and the run (default ./auto_speed_check)")
     ap.add_argument("--micro-batch", type=script_cli.int_at_least(1), default=None,
                     help="micro-batch of both runs (default: the experiment's 8; 4 fits an 80 GB GPU)")

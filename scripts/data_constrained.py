@@ -207,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = script_cli.parser(__file__, __doc__)
     p.add_argument("--data", help="data.path of the corpus (default: the embedded tinyshakespeare, 250k-token budget)")
-    p.add_argument("--out", type=script_cli.output_dir, default=script_cli.caller_path("outputs/data_constrained"),
+    p.add_argument("--out", type=script_cli.output_dir, default="outputs/data_constrained",
                    help="sweep directory (run.dir; default ./outputs/data_constrained)")
     p.add_argument("--scale", choices=sorted(SCALES), default="small",
                    help="the grid: small = 1M tokens x 2, 8, 32 epochs; full = 3 budgets x 8 epochs (default small)")

@@ -777,7 +777,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parts", type=csv(PARTS, "part"), default=["correctness", "reshard", "throughput"],
                     help="comma-separated, run in this order: correctness, reshard (both backend by backend), "
                          "throughput, big (default: correctness,reshard,throughput)")
-    ap.add_argument("--out", type=script_cli.output_dir, default=script_cli.caller_path("layout_check"),
+    ap.add_argument("--out", type=script_cli.output_dir, default="layout_check",
                     help="folder of the run folders and layout_check.json, relative to the current folder "
                          "(default: ./layout_check)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -312,6 +312,19 @@ def test_benchmark_counts_are_checked_by_the_parser(capsys, tmp_path):
                    "choose from bf16, fp8 (comma-separated)\n")
 
 
+@pytest.mark.parametrize("script, default, argv", [("layout_check", "layout_check", ["--plan"]),
+                                                   ("auto_speed_check", "auto_speed_check", []),
+                                                   ("data_constrained", "outputs/data_constrained", ["--plot-only"])])
+def test_default_out_folders_are_checked_as_given_ones(script, default, argv, capsys, tmp_path, monkeypatch, no_cuda):
+    """``--out`` left at its default (a folder under the current one) is checked as a given one: a file of that name
+    is one usage line, before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / default).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / default).write_text("")
+    err = script_usage_error(load_script(script), capsys, *argv)
+    assert err == f"{script}.py: error: argument --out: '{default}' is a file: give a directory path\n"
+
+
 def test_data_constrained_plot_only_without_jobs(capsys, tmp_path):
     err = script_usage_error(load_script("data_constrained"), capsys, "--plot-only", "--out", str(tmp_path))
     assert err == (f"data_constrained.py: error: --out {tmp_path}: no finished jobs there: give the --out of an "
