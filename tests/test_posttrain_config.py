@@ -75,6 +75,9 @@ def test_rl_presets_compose_and_build():
     (["gen.temperature=0"], r"^gen.temperature=0 with algorithm=grpo: the 4 completions of a prompt are one greedy "
                             r"decode \(gen.remasking=low_confidence draws no noise\), so every advantage is 0"),
     (["gen.temperature=0", "gen.remasking=remdm"], r"^gen.temperature=0 with algorithm=grpo: .*gen.remasking=remdm"),
+    (["gen.top_k=1"], r"^gen.top_k=1 with algorithm=grpo: the 4 completions of a prompt are one greedy decode "
+                      r"\(gen.remasking=low_confidence draws no noise\), so every advantage is 0 and nothing trains: "
+                      r"set gen.top_k=0 \(off\) or above 1 or gen.remasking=random"),
     (["algorithm.reference=base"], r"^algorithm.reference='base' is not one of frozen_copy, adapters_off, none$"),
     # two sources of records: a run would read one and drop the other without a word
     (["data.path=a.jsonl", "data.hf_dataset=gsm8k"], r"^data.path='a.jsonl' and data.hf_dataset='gsm8k' both name "
@@ -90,7 +93,8 @@ def test_rl_rollout_settings_that_are_read_pass():
     with random remasking (their completions differ), and (dpo) no rollouts at all pass the check of settings left
     unread."""
     for overrides in ([], ["gen.top_k=5", "gen.top_p=0.9"], ["gen.remasking=remdm", "gen.remdm_sigma=0.5"],
-                      ["gen.temperature=0", "gen.remasking=random"], ["algorithm=dpo"]):
+                      ["gen.temperature=0", "gen.remasking=random"], ["gen.top_k=1", "gen.remasking=random"],
+                      ["gen.top_k=2"], ["algorithm=dpo"]):
         check_rl_config(compose_rl(overrides + (["data.answer_field=answer"] if "algorithm=dpo" not in overrides
                                                  else [])))
 

@@ -113,11 +113,16 @@ def check_rl_config(cfg) -> None:
 
         check_read_settings(cfg.gen, cfg.gen.keys())
         check_seed(cfg.gen.seed, "gen.seed", generator_only=True)
-        if float(cfg.gen.temperature) == 0 and cfg.gen.remasking != "random":
-            raise DifflmError(f"gen.temperature=0 with algorithm=grpo: the {a.group_size} completions of a prompt are "
+        # a greedy token choice (temperature 0, or top-k of 1) with a deterministic unmasking order
+        greedy = "gen.temperature=0" if float(cfg.gen.temperature) == 0 else \
+            "gen.top_k=1" if int(cfg.gen.get("top_k", 0) or 0) == 1 else None
+        if greedy is not None and cfg.gen.remasking != "random":
+            fix = "set gen.temperature>0 (d1, DiffuCoder: 1.0)" if greedy == "gen.temperature=0" else \
+                "set gen.top_k=0 (off) or above 1"
+            raise DifflmError(f"{greedy} with algorithm=grpo: the {a.group_size} completions of a prompt are "
                               f"one greedy decode (gen.remasking={cfg.gen.remasking} draws no noise), so every "
-                              "advantage is 0 and nothing trains: set gen.temperature>0 (d1, DiffuCoder: 1.0) or "
-                              "gen.remasking=random (the held-out eval_reward decodes greedily either way)")
+                              f"advantage is 0 and nothing trains: {fix} or gen.remasking=random (the held-out "
+                              "eval_reward decodes greedily either way)")
     if a.name == "dpo" and cfg.data.chosen_field == cfg.data.rejected_field:
         raise DifflmError(f"data.chosen_field and data.rejected_field are both {cfg.data.chosen_field!r}: every pair "
                           "would hold one response twice (loss log 2, no gradient); point data.rejected_field at the "
