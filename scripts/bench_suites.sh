@@ -14,7 +14,7 @@
 #                                                          # against the batched GEMM, quack's tuned expert tiles
 #   bash scripts/bench_suites.sh layouts                  # 2 GPUs: ddp fsdp tp2 pp2 cp2 x (te, torch) against one GPU
 #   bash scripts/bench_suites.sh scaling                  # 2 GPUs: weak scaling, DP levers, tp2, 8b under fsdp
-#   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES]  # AR-to-diffusion recipes at model=125m: adapted vs scratch
+#   bash scripts/bench_suites.sh adaptation CORPUS [RECIPES] # AR-to-diffusion recipes at model=125m: adapted vs scratch
 #   bash scripts/bench_suites.sh sampling RUN_DIR         # Fast-dLLM decoding (threshold, KV caches) against LLaDA's
 #   bash scripts/bench_suites.sh kernels                  # attention, QKV, MLP half block, FA4 tiles, optimizer alone
 #   bash scripts/bench_suites.sh profile                  # the 1.7B BF16 row profiled (kernel classes, busy share)
