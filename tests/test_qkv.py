@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import report
+from triton_interpreter import interpreted_json
 
 from difflm.model.layers import RMSNorm
 from difflm.model.qkv import qkv_heads, split_heads
@@ -124,8 +125,7 @@ def _in_place_against_copies(device, dtype, layout, heads, kv_heads, qk_norm, d,
 
 
 _INTERPRETED = """
-import json, sys, torch
-sys.path.insert(0, {tests!r})
+import json, torch
 from test_qkv import _in_place_against_copies, _triton_against_eager
 from difflm.kernels import qkv_triton
 # backward programs of two tiles: the interpreter runs every tile of a program, masked or not, so the committed
@@ -164,17 +164,7 @@ def test_triton_qkv_kernels_match_eager_in_the_interpreter():
     The path of :mod:`difflm.kernels.qkv_flash` (v a view, gradients transformed in their slots; batch-first, as it
     runs) is bitwise the dense one."""
     pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED.format(tests=str(Path(__file__).parent))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = interpreted_json(_INTERPRETED)
     assert rows.pop() == [[2, 0, 2, 16], [2, 0, 96], 0.0]  # no tokens: empty outputs, zero scale gradients
     span, values, grads, in_place, v_is_view = rows.pop()
     assert span >= 8 and values < 2e-6 and max(grads) < 1e-6 and len(grads) == 3, (span, values, grads)

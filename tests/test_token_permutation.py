@@ -2,6 +2,7 @@
 and the combine's Triton kernels against a float64 reference."""
 import pytest
 import torch
+from triton_interpreter import interpreted_json
 
 from difflm.model.token_permutation import SlotOrder
 
@@ -96,8 +97,7 @@ def _combine_errors(device, dtype, cases):
 
 
 _INTERPRETED = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_token_permutation import _COMBINE_CASES, _combine_errors
 import torch
 print(json.dumps(_combine_errors("cpu", torch.float32, _COMBINE_CASES)))
@@ -110,17 +110,7 @@ def test_combine_kernels_match_float64_in_the_interpreter():
     so in a process of its own), in float32: k = 3, 6 (not a power of two), 8; d below, above and across the tiles (a
     backward loop of three steps); dropped slots; every slot dropped; no tokens."""
     pytest.importorskip("triton")
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED.format(tests=str(Path(__file__).parent))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = interpreted_json(_INTERPRETED)
     assert [r[:4] for r in rows] == [list(c) for c in _COMBINE_CASES]
     for t, k, d, dropped, out, dy, dw in rows:  # FP32 sums of up to d products of unit-size values
         assert out < 2e-6 and dy < 2e-6 and dw < 2e-5 * max(d, 1) ** 0.5, (t, k, d, dropped, out, dy, dw)
