@@ -341,11 +341,11 @@ class _RecordingWandbSink:
 def test_a_run_that_ends_in_an_error_finishes_its_wandb_run_as_failed(fast_cfg, monkeypatch, tmp_path):
     """wandb.finish() records exit code 0 (finished) unless told otherwise: a run stopped by non-finite steps (or
     any error) closes its W&B run as failed (exit code 1), a run that trains to the end as finished."""
-    import difflm.training.trainer as trainer_module
+    import difflm.training.sinks as sinks_module
     from difflm.errors import DifflmError
     from difflm.training.sinks import WandbSink
 
-    monkeypatch.setattr(trainer_module, "WandbSink", _RecordingWandbSink)
+    monkeypatch.setattr(sinks_module, "WandbSink", _RecordingWandbSink)
     monkeypatch.setattr(_RecordingWandbSink, "closed", [])
     overrides = ("logger=wandb", "logger.mode=offline", "train.max_steps=3", "train.save_every=0",
                  "train.eval_every=0", "train.max_skipped_steps=1")

@@ -46,7 +46,7 @@ from difflm.training.precision import autocast_context
 from difflm.training.run_config import check_steps_to_train, record_rl_config
 from difflm.training.run_dir import set_aside_run_records
 from difflm.training.schedule import build_scheduler, restore_scheduler
-from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink, saved_wandb_id
+from difflm.training.sinks import ConsoleSink, JsonlSink, wandb_sinks
 
 ALGORITHMS = ("grpo", "dpo")
 GRPO_FIELDS = ("prompt_field", "answer_field")
@@ -463,9 +463,8 @@ class PostTrainer:
         t, lg = self.cfg.train, self.cfg.logger
         sinks = [ConsoleSink(t.max_steps, self.step, lg.progress_bar),
                  JsonlSink(self.run_dir, self.cfg.algorithm.name)] if self.is_rank0 else []
-        if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
-            sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(self.cfg, resolve=True),
-                                   saved_wandb_id(self.run_dir, report=self.report) if self.step > 0 else None))
+        if self.is_rank0:
+            sinks += wandb_sinks(lg, self.run_dir, self.cfg, resume=self.step > 0, report=self.report)
         last: dict = {}
         failed = True  # until the last step is through (W&B records the outcome)
         try:

@@ -195,6 +195,19 @@ def saved_wandb_id(run_dir: Path, report=print) -> Optional[str]:
     return run_id
 
 
+def wandb_sinks(lg, run_dir: Path, run_cfg, resume: bool = True, report=print) -> list:
+    """``[WandbSink]`` for ``logger=wandb``, ``[]`` for another logger or ``logger.mode=disabled`` (which starts no
+    W&B run and needs no wandb installed): what difflm-train and difflm-rl both log to W&B. ``run_cfg``: the run's
+    DictConfig, logged resolved; ``resume``: log into the W&B run ``wandb_id.txt`` names, when there is one
+    (:func:`saved_wandb_id`, which ``report`` tells of an empty file)."""
+    if lg.name != "wandb" or lg.mode == "disabled":
+        return []
+    from omegaconf import OmegaConf
+
+    resume_id = saved_wandb_id(run_dir, report=report) if resume else None
+    return [WandbSink(lg, run_dir, OmegaConf.to_container(run_cfg, resolve=True), resume_id)]
+
+
 def _netrc_has_wandb() -> bool:
     path = Path.home() / ".netrc"
     return path.exists() and "api.wandb.ai" in path.read_text(errors="ignore")

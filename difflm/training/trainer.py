@@ -36,7 +36,7 @@ from difflm.training.profiling import Profiler
 from difflm.training.run_config import check_resume_tokenizer, check_steps_to_train, model_settings_hint, \
     record_run_config
 from difflm.training.run_dir import set_aside_run_records
-from difflm.training.sinks import ConsoleSink, JsonlSink, WandbSink, saved_wandb_id
+from difflm.training.sinks import ConsoleSink, JsonlSink, wandb_sinks
 from difflm.training.watchdog import StepWatchdog
 from difflm.errors import DifflmError
 
@@ -694,9 +694,8 @@ class Trainer:
         cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logger
         sinks = [JsonlSink(self.run_dir, objective=cfg.objective.name),
                  ConsoleSink(t.max_steps, self.step, lg.progress_bar)] if self.is_rank0 else []
-        if lg.name == "wandb" and lg.mode != "disabled" and self.is_rank0:
-            sinks.append(WandbSink(lg, self.run_dir, OmegaConf.to_container(cfg, resolve=True),
-                                   saved_wandb_id(self.run_dir, report=self._report)))
+        if self.is_rank0:
+            sinks += wandb_sinks(lg, self.run_dir, cfg, report=self._report)
         stop = StopRequest(t.time_limit, elapsed_s=process_age_s())  # the limit counts from the process's start
         watchdog = StepWatchdog(self.run_dir, t.step_timeout, pdist.rank())
         profiler = Profiler(cfg.profile, self.run_dir, self.device, pdist.rank())
